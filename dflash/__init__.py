@@ -1,0 +1,1 @@
+"""Everything about the workload: data, generation, the DFlash drafter, training and evaluation."""

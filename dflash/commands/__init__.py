@@ -1,0 +1,1 @@
+"""Workload subcommands (see envcheck.commands for the module contract)."""

@@ -1,0 +1,57 @@
+"""The run directory's manifest: each stage's state and figures, updated atomically.
+
+`launcher.py status RUN_DIR` reads it; every stage calls `update_stage` as it goes, so nobody
+keeps a progress file by hand. Updates are read-modify-write under an exclusive lock and land
+with an atomic rename, so concurrent writers and crashes never corrupt it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from envcheck.fileio import write_json_atomic
+
+MANIFEST_NAME = "manifest.json"
+STAGES = ("audit", "generate", "tokenize", "train", "eval")
+StageState = Literal["pending", "running", "done", "failed", "skipped"]
+
+
+def manifest_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / MANIFEST_NAME
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """The manifest as a dict ({"stages": {...}}); empty stages when there is none yet."""
+    path = manifest_path(run_dir)
+    if not path.exists():
+        return {"stages": {}}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / f".{MANIFEST_NAME}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def update_stage(run_dir: str | Path, stage: str, state: StageState | None = None, **figures: Any) -> dict:
+    """Merge `figures` (JSON-serialisable) into the stage's entry and set its state."""
+    run_dir = Path(run_dir)
+    with _locked(run_dir):
+        document = read_manifest(run_dir)
+        entry = document["stages"].setdefault(stage, {"state": "pending"})
+        if state is not None:
+            entry["state"] = state
+        entry.update(figures)
+        entry["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        write_json_atomic(manifest_path(run_dir), document)
+    return entry

@@ -1,0 +1,66 @@
+"""The project's error types and the one table that maps them to exit codes.
+
+User errors raise one of these with a message that says what to do; `launcher.main`
+turns them into the exit code below. `assert` is only for internal invariants.
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAIL = 1            # audit found a FAIL; probe: memory regression ("bad" for git bisect run)
+EXIT_USAGE = 2           # bad command line, profile or input file
+EXIT_WARN_STRICT = 3     # audit --strict found a WARN (and no FAIL)
+EXIT_DATA = 4            # the data is unusable (e.g. too many degenerate samples)
+EXIT_RUN = 5             # a launched job (torchrun, server) failed
+EXIT_CANNOT_TEST = 125   # probe could not test this environment (git bisect run: skip)
+EXIT_INTERRUPTED = 130   # Ctrl-C
+
+
+class LauncherError(Exception):
+    """Base class: a failure the user can act on. `exit_code` is what the CLI returns."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(LauncherError):
+    """A profile, flag or config value is wrong. The message names the file/field and the valid choices."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(LauncherError):
+    """An input file is missing or malformed. The message names the file (and line)."""
+
+    exit_code = EXIT_USAGE
+
+
+class DataError(LauncherError):
+    """The data is readable but unusable (degenerate share too high, incompatible datasets...)."""
+
+    exit_code = EXIT_DATA
+
+
+class PreflightFailed(LauncherError):
+    """The preflight audit found a FAIL before a run (use --force to run anyway)."""
+
+    exit_code = EXIT_FAIL
+
+
+class RunFailed(LauncherError):
+    """A launched process (torchrun rank, server) failed."""
+
+    exit_code = EXIT_RUN
+
+
+class CannotTest(LauncherError):
+    """The probe cannot test this environment (git bisect run's 'skip')."""
+
+    exit_code = EXIT_CANNOT_TEST
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The single place that decides the exit code of an exception reaching the CLI."""
+    if isinstance(error, LauncherError):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    raise error

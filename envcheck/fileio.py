@@ -1,0 +1,81 @@
+"""Crash-safe file writing: write to a temporary path next to the target, then rename.
+
+A crash or kill at any moment leaves either the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically (temp file in the same directory, fsync, rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike, document: Any) -> Path:
+    return write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a missing or malformed file raises InputError naming it."""
+    from envcheck.errors import InputError
+
+    target = Path(path)
+    try:
+        return json.loads(target.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{target}: file not found") from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"{target}: line {error.lineno}: not valid JSON ({error.msg})") from None
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `path` in one rename.
+
+    If `path` already exists it is moved aside first and removed only after the new one is in
+    place. On error the temporary directory is removed and `path` is untouched.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_directory(staging, target)
+
+
+def replace_directory(source: Path, target: Path) -> None:
+    """Put directory `source` at `target`, replacing any existing one with at most one rename gap."""
+    if not target.exists():
+        os.replace(source, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+    os.replace(source, target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,195 @@
+"""Profiles: `profiles/*.toml`, loaded, merged along `extends` and validated strictly.
+
+A profile file holds sections whose fields are the dataclasses in `envcheck.schema`. A variant
+names its base with `extends = "NAME"` and states only what differs; tables merge key by key.
+An unknown key, a wrong type, a value outside its choices or a missing required value is a
+ConfigError naming the file, the key and what would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from envcheck.errors import ConfigError
+from envcheck.schema import Profile
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+REQUIRED = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSource:
+    """Where each resolved key came from, for error messages: dotted key -> file."""
+
+    name: str
+    files: tuple[Path, ...]
+    origin: dict[str, Path]
+
+
+def profile_dir() -> Path:
+    return Path(os.environ.get("DFLASH_PROFILES_DIR", PROFILES_DIR))
+
+
+def list_profiles(directory: Path | None = None) -> list[str]:
+    """Names of the profiles in the directory (file stems), sorted."""
+    return sorted(path.stem for path in (directory or profile_dir()).glob("*.toml"))
+
+
+def profile_path(name_or_path: str, directory: Path | None = None) -> Path:
+    """A profile name (`rtx6000-x8`) or a path to a TOML file -> the file's path."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" and candidate.exists():
+        return candidate
+    path = (directory or profile_dir()) / f"{name_or_path}.toml"
+    if not path.exists():
+        choices = ", ".join(list_profiles(directory)) or "(none)"
+        raise ConfigError(f"unknown profile {name_or_path!r}; valid choices: {choices}")
+    return path
+
+
+def load_profile(name_or_path: str, directory: Path | None = None) -> Profile:
+    """Load, merge along `extends`, and validate one profile."""
+    path = profile_path(name_or_path, directory)
+    merged, origin = _resolve_chain(path, directory or path.parent, seen=())
+    merged.pop("extends", None)
+    return _build(Profile, merged, origin, prefix="", name=path.stem)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+
+
+def _resolve_chain(path: Path, directory: Path, seen: tuple[Path, ...]) -> tuple[dict, dict]:
+    if path in seen:
+        chain = " -> ".join(p.stem for p in (*seen, path))
+        raise ConfigError(f"{path}: `extends` forms a cycle: {chain}")
+    document = _read_toml(path)
+    own_origin = {key: path for key in _dotted_keys(document)}
+    base_name = document.get("extends")
+    if base_name is None:
+        return document, own_origin
+    if not isinstance(base_name, str):
+        raise ConfigError(f"{path}: key 'extends' must be a profile name (a string), got {base_name!r}")
+    base_path = directory / f"{base_name}.toml"
+    if not base_path.exists():
+        choices = ", ".join(list_profiles(directory))
+        raise ConfigError(f"{path}: key 'extends' names unknown profile {base_name!r}; valid choices: {choices}")
+    base, base_origin = _resolve_chain(base_path, directory, (*seen, path))
+    return _deep_merge(base, document), {**base_origin, **own_origin}
+
+
+def _dotted_keys(table: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(value, dict):
+            keys.extend(_dotted_keys(value, f"{dotted}."))
+    return keys
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: str) -> Any:
+    """Construct dataclass `cls` from `table`, checking keys, types and choices."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            _fail(origin, dotted, name, f"unknown key; valid keys here: {', '.join(sorted(fields))}")
+        values[key] = _coerce(hints[key], value, origin, dotted, name)
+    for field in fields.values():
+        if field.name in values or field.name == "name":
+            continue
+        if field.default is REQUIRED and field.default_factory is REQUIRED:
+            _fail(origin, f"{prefix}{field.name}", name, "required value is missing")
+        if dataclasses.is_dataclass(hints[field.name]):
+            values[field.name] = _build(hints[field.name], {}, origin, f"{prefix}{field.name}.", name)
+    if "name" in fields:
+        values["name"] = name
+    try:
+        return cls(**values)
+    except ValueError as error:  # cross-field rules in __post_init__
+        _fail(origin, prefix.rstrip(".") or "(top level)", name, str(error))
+
+
+def _coerce(hint: Any, value: Any, origin: dict, dotted: str, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            _fail(origin, dotted, name, f"must be a table [{dotted}], got {value!r}")
+        return _build(hint, value, origin, f"{dotted}.", name)
+    if _matches(hint, value):
+        if isinstance(value, list):
+            return tuple(value)
+        return float(value) if hint is float and isinstance(value, int) else value
+    _fail(origin, dotted, name, f"got {value!r}; expected {_describe(hint)}")
+
+
+def _matches(hint: Any, value: Any) -> bool:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return value in get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_matches(arg, value) for arg in get_args(hint))
+    if origin in (tuple, list):
+        args = [a for a in get_args(hint) if a is not Ellipsis]
+        return isinstance(value, list) and all(_matches(args[0], item) for item in value) if args else isinstance(value, list)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return "one of: " + ", ".join(repr(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(hint) if a is not type(None))
+    if origin in (tuple, list):
+        args = [a for a in get_args(hint) if a is not Ellipsis]
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
+
+
+def _fail(origin: dict[str, Path], dotted: str, name: str, problem: str) -> typing.NoReturn:
+    where = origin.get(dotted) or origin.get(dotted.rsplit(".", 1)[0]) or f"profile {name}"
+    raise ConfigError(f"{where}: key '{dotted}': {problem}")
+
+
+def profile_as_dict(profile: Profile) -> dict[str, Any]:
+    """The resolved profile as plain data (for `plan` and JSON output)."""
+    return dataclasses.asdict(profile)
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def expand_path(profile: Profile, template: str) -> Path:
+    """Expand `{profile}` and `{run_dir}` in a profile path; relative paths are under the repo root."""
+    run_dir = profile.paths.run_dir.format(profile=profile.name)
+    text = template.format(profile=profile.name, run_dir=run_dir)
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path

@@ -1,0 +1,149 @@
+"""The profile schema: one frozen dataclass per TOML section.
+
+Every field has a type (checked strictly by `envcheck.profile`) and, unless it is required, a
+default. `Literal[...]` fields list their valid choices. Paths are strings, relative to the
+repository root unless absolute; `{run_dir}` in a path expands to the profile's run directory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+AttentionBackend = Literal["flashinfer", "fa3", "trtllm", "triton", "torch_sdpa"]
+
+
+@dataclass(frozen=True)
+class MachineSection:
+    """What the node is and how ranks are launched on it."""
+
+    device: Literal["cuda", "cpu"]
+    gpu_count: int = 0                       # GPUs the profile expects (0 on CPU)
+    gpu_name: str = ""                       # substring of the NVML name, e.g. "RTX PRO 6000"
+    gpu_memory_gib: float = 0.0              # total memory per GPU
+    compute_capability: str = ""             # "12.0" for SM120
+    cuda: str = ""                           # torch CUDA tag the pins use, "12.8" / "13.0"; "" on CPU
+    requirements: str = "requirements-cpu.txt"
+    backend: Literal["nccl", "gloo"] = "nccl"
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str = ""                  # host:port of the c10d rendezvous for nnodes > 1
+    bind_host: str = "127.0.0.1"             # where servers listen
+
+
+@dataclass(frozen=True)
+class AuditSection:
+    """Thresholds of the preflight audit."""
+
+    attention_backend: AttentionBackend = "flashinfer"
+    min_free_gib_per_gpu: float = 0.0
+    baseline_free_tolerance_mib: int = 128
+    baseline_context_tolerance_mib: int = 64
+    min_shm_gib: float = 1.0
+    min_disk_gib: float = 10.0
+    min_ram_gib: float = 4.0
+    gib_per_nvcc_job: float = 5.0
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The target model. `target` is a local directory, or `builtin:smollm2-135m-instruct`."""
+
+    target: str
+    tokenizer: str = ""                      # defaults to the target's directory
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+@dataclass(frozen=True)
+class PathsSection:
+    run_dir: str = "runs/{profile}"
+    prompts: str = "{run_dir}/prompts.jsonl"
+    completions: str = "{run_dir}/completions.jsonl"
+    dataset: str = "{run_dir}/dataset"
+    eval_prompts: str = ""
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Tokenization and data-quality gates."""
+
+    max_length: int = 8192
+    num_workers: int = 0                     # 0: one per core
+    shard_rows: int = 20000
+    min_loss_tokens: int = 16                # fewer is degenerate (the seeds' 6-token empties)
+    max_degenerate_share: float = 0.05
+    tool_call_repeat_limit: int = 8
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    backend: Literal["sglang", "transformers", "endpoint"] = "sglang"
+    port: int = 30000
+    concurrency: int = 256
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_tokens: int = 8192
+    thinking: bool = True
+    request_timeout_s: float = 600.0
+    retries: int = 3
+    max_server_restarts: int = 3
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float = 0.85
+    reasoning_parser: str = "qwen3"
+    flush_every: int = 32
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    num_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
+    mask_token_id: Optional[int] = None      # None: the tokenizer's mask token, else an error
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    epochs: int = 6
+    max_steps: int = 0                       # 0: run all epochs
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    global_batch: int = 64                   # sequences per optimizer step, across all ranks
+    max_micro_batch: int = 4                 # sequences per forward on one rank, at most
+    num_anchors: int = 512
+    seed: int = 0
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    save_every_steps: int = 500
+    log_every_steps: int = 10
+    max_restarts: int = 0                    # torchrun --max-restarts
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    margin: float = 0.10                     # fraction of free memory held back
+    overhead_mib: int = 0                    # non-torch overhead if not measured (0: from probe/baseline)
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    num_prompts: int = 32
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    machine: MachineSection
+    model: ModelSection
+    description: str = ""
+    audit: AuditSection = field(default_factory=AuditSection)
+    paths: PathsSection = field(default_factory=PathsSection)
+    data: DataSection = field(default_factory=DataSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    eval: EvalSection = field(default_factory=EvalSection)

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Single-node GPU launcher with environment guardrails for DFlash drafter training.
+
+A thin CLI: each subcommand lives in its own module (imported only when that subcommand runs,
+so `--help`, `profiles`, `plan` and `audit` never import torch), and exceptions map to exit
+codes in one place (`envcheck.errors.exit_code_for`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "profiles": ("envcheck.commands.profiles", "list the profiles in profiles/"),
+    "plan": ("dflash.commands.plan", "print the resolved profile and run plan; starts nothing"),
+    "audit": ("envcheck.commands.audit", "preflight audit of this machine (or of a saved snapshot)"),
+    "snapshot": ("envcheck.commands.snapshot", "save this machine's facts as a JSON snapshot"),
+    "baseline": ("envcheck.commands.baseline", "save a profile's baseline / diff two snapshots"),
+    "generate": ("dflash.commands.generate", "generate completions with SGLang or transformers serve"),
+    "tokenize": ("dflash.commands.tokenize", "completions JSONL -> Arrow training dataset"),
+    "inspect": ("dflash.commands.inspect", "statistics and degenerate samples of a dataset"),
+    "merge": ("dflash.commands.merge", "merge two datasets safely (backup, schema check, atomic)"),
+    "train": ("dflash.commands.train", "online DFlash drafter training with torchrun"),
+    "eval": ("dflash.commands.eval", "speculative-decoding evaluation: tau and speedup"),
+    "pipeline": ("dflash.commands.pipeline", "the whole workflow: audit, generate, tokenize, train, eval"),
+    "status": ("dflash.commands.status", "stage-by-stage state of a run directory"),
+    "probe": ("envcheck.commands.probe", "memory probe (git bisect run exit codes)"),
+    "bisect": ("envcheck.commands.bisect", "find the dependency change behind a memory regression"),
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The top-level parser; only the chosen subcommand's module is imported."""
+    parser = argparse.ArgumentParser(prog="launcher.py", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from envcheck.errors import LauncherError, exit_code_for
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except (LauncherError, KeyboardInterrupt) as error:
+        message = str(error) or type(error).__name__
+        print(f"error: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
+        return exit_code_for(error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything the embedded CPU default and the tests need.
+# Idempotent: reinstalls only when a requirements file changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python_bin="${PYTHON:-}"
+if [ -z "$python_bin" ]; then
+  if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$python_bin" -m venv .venv
+fi
+
+stamp=.venv/.requirements.sha256
+wanted=$(cat requirements-cpu.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+  exit 0
+fi
+echo "setup: installing requirements into .venv (first run takes a few minutes)" >&2
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-cpu.txt
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+echo "$wanted" > "$stamp"

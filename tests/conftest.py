@@ -1,0 +1,58 @@
+"""Shared fixtures: the real Qwen3 tokenizer, a tiny random Qwen3 target, the SmolLM2 target.
+
+Nothing is downloaded: HF_HUB_OFFLINE is set before transformers is imported anywhere.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    from dflash.models import qwen3_tokenizer_dir
+
+    return qwen3_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    """A random-weight Qwen3 (hidden 64, 4 layers) with the real Qwen3 tokenizer, on disk."""
+    from dflash.models import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3", qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as safetensors (converted once from the shipped GGUF)."""
+    from dflash.models import smollm2_dir
+
+    return smollm2_dir()

@@ -1,0 +1,37 @@
+"""The CLI surface: help is instant and light, errors map to exit codes in one place."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import launcher
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launcher.py", *args], capture_output=True, text=True,
+                          cwd=launcher.__file__.rsplit("/", 1)[0], timeout=120, **kwargs)
+
+
+def test_help_lists_every_command():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for name in launcher.COMMANDS:
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("command", ["--help", "profiles", "plan --profile cpu-demo"])
+def test_light_commands_do_not_import_torch(command):
+    code = ("import sys, launcher; rc = launcher.main(sys.argv[1:]);"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import';"
+            "sys.exit(rc)")
+    result = subprocess.run([sys.executable, "-c", code, *command.split()], capture_output=True, text=True,
+                            cwd=launcher.__file__.rsplit("/", 1)[0], timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_profile_is_a_usage_error_naming_the_choices():
+    result = run_cli("plan", "--profile", "nope")
+    assert result.returncode == 2
+    assert "unknown profile 'nope'" in result.stderr and "rtx6000-x8" in result.stderr
