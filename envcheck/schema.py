@@ -92,6 +92,8 @@ class GenerateSection:
     mem_fraction_static: float = 0.85
     reasoning_parser: str = "qwen3"
     flush_every: int = 32
+    tool_call_parser: str = ""               # SGLang --tool-call-parser (e.g. "qwen25"); "" leaves tool calls in content
+    server_startup_timeout_s: float = 900.0  # how long a started server may take to answer /health
 
 
 @dataclass(frozen=True)
