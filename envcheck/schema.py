@@ -120,6 +120,8 @@ class TrainSection:
     save_every_steps: int = 500
     log_every_steps: int = 10
     max_restarts: int = 0                    # torchrun --max-restarts
+    decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
+    loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
 
 
 @dataclass(frozen=True)
