@@ -1,0 +1,21 @@
+"""Generation: prompts JSONL -> completions JSONL through SGLang, `transformers serve` or endpoints.
+
+`generate_from_profile(profile, ...) -> GenerateSummary` is the entry point the CLI and the
+pipeline call. Importing this package imports nothing heavy (aiohttp/tqdm load when a run starts).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash.generate.run import GenerateSummary, generate_from_profile
+
+__all__ = ["GenerateSummary", "generate_from_profile"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from dflash.generate import run
+
+        return getattr(run, name)
+    raise AttributeError(name)

@@ -1,0 +1,47 @@
+"""What `generate --dry-run` prints: paths, the server command (secrets redacted), one request body."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from envcheck.schema import Profile
+
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    """Environment variables with secret-looking names replaced by '<redacted>'."""
+    return {name: "<redacted>" if any(m in name.upper() for m in SECRET_MARKERS) else value
+            for name, value in env.items()}
+
+
+def generation_plan(profile: Profile, input_path: str | None, output_path: str | None,
+                    endpoints: Sequence[str], run_dir: str | None) -> dict[str, Any]:
+    """The resolved plan of a generate run; starts nothing and loads no model."""
+    from dflash.generate.prompts import load_prompts
+    from dflash.generate.records import SamplingParams, build_request_body
+    from dflash.generate.run import resolve_paths
+
+    paths = resolve_paths(profile, input_path, output_path, run_dir)
+    backend = "endpoint" if endpoints else profile.generate.backend
+    plan: dict[str, Any] = {"backend": backend, "prompts": str(paths.prompts), "output": str(paths.output),
+                            "state_dir": str(paths.state_dir), "concurrency": profile.generate.concurrency}
+    if endpoints:
+        plan["endpoints"] = list(endpoints)
+    elif backend != "endpoint":
+        plan["server"] = _server_plan(profile, paths.state_dir / "server.log")
+    first = load_prompts(paths.prompts)[0]
+    sampling = SamplingParams.from_section(profile.generate)
+    plan["first_request"] = json.loads(build_request_body(first, sampling, backend, None))
+    return plan
+
+
+def _server_plan(profile: Profile, log_path: Path) -> dict[str, Any]:
+    from dflash.generate.servers import server_command_for
+
+    target = profile.model.target
+    model_path = Path(target) if not target.startswith("builtin:") else Path(f"<{target}>")
+    command = server_command_for(profile, model_path)
+    return {"argv": command.argv, "env": redact_env(command.env), "base_url": command.base_url,
+            "log": str(log_path)}

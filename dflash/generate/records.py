@@ -1,0 +1,119 @@
+"""Request bodies and output records: pure functions between prompts, the server and the JSONL.
+
+Output record (one line per prompt id; `tokenize` reads exactly this):
+`id`, `messages` (the prompt messages + the assistant message with `content`, and
+`reasoning_content` / `tool_calls` when there are any), `tools` (when given), `finish_reason`,
+`prompt_tokens`, `completion_tokens`, `model`, `sampling`, `started_at`, `finished_at`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dflash.generate.prompts import PromptRecord
+from envcheck.schema import GenerateSection
+
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What every request asks for. `top_k` is not sent to `transformers serve` (it rejects it)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    thinking: bool
+
+    @classmethod
+    def from_section(cls, section: GenerateSection) -> "SamplingParams":
+        return cls(section.temperature, section.top_p, section.top_k, section.max_tokens, section.thinking)
+
+    def request_fields(self, backend: str) -> dict[str, Any]:
+        fields: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                                  "max_tokens": self.max_tokens,
+                                  "chat_template_kwargs": {"enable_thinking": self.thinking}}
+        if backend != "transformers" and self.top_k > 0:
+            fields["top_k"] = self.top_k
+        return fields
+
+    def recorded(self, backend: str) -> dict[str, Any]:
+        """The sampling parameters as recorded in each output line (what was actually sent)."""
+        sent = asdict(self)
+        if backend == "transformers":
+            sent.pop("top_k")
+        return sent
+
+
+def build_request_body(prompt: PromptRecord, sampling: SamplingParams, backend: str,
+                       model: str | None) -> bytes:
+    """The /v1/chat/completions JSON body for one prompt (non-streaming)."""
+    body: dict[str, Any] = {"messages": list(prompt.messages), **sampling.request_fields(backend)}
+    if model:
+        body["model"] = model
+    if prompt.tools:
+        body["tools"] = list(prompt.tools)
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def utc_timestamp(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_s)) + f".{int(epoch_s % 1 * 1000):03d}Z"
+
+
+def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The server's message in our format; reasoning left inline (`<think>...</think>`) is split out."""
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    if not reasoning and THINK_END in content:
+        reasoning, content = split_reasoning(content)
+    assistant: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        assistant["reasoning_content"] = reasoning
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        assistant["tool_calls"] = [normalize_tool_call(call) for call in tool_calls]
+    return assistant
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """`<think>R</think>C` (the opening tag optional) -> (R, C), both stripped."""
+    reasoning, _, answer = content.partition(THINK_END)
+    return reasoning.replace("<think>", "", 1).strip(), answer.strip()
+
+
+def normalize_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI shape with `arguments` as a JSON string, whatever the server sent."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    normalized = {"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}}
+    if call.get("id"):
+        normalized["id"] = call["id"]
+    return normalized
+
+
+def completion_record(prompt: PromptRecord, response: dict[str, Any], sampling: dict[str, Any],
+                      started_s: float, finished_s: float, fallback_model: str) -> dict[str, Any]:
+    """One output line from a prompt and the server's parsed response."""
+    choice = response["choices"][0]
+    usage = response.get("usage") or {}
+    record: dict[str, Any] = {
+        "id": prompt.id,
+        "messages": [*prompt.messages, assistant_message(choice["message"])],
+    }
+    if prompt.tools:
+        record["tools"] = list(prompt.tools)
+    record.update({
+        "finish_reason": choice.get("finish_reason") or "unknown",
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "model": response.get("model") or fallback_model,
+        "sampling": sampling,
+        "started_at": utc_timestamp(started_s),
+        "finished_at": utc_timestamp(finished_s),
+    })
+    return record

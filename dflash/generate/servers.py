@@ -1,0 +1,193 @@
+"""Generation servers: pure (argv, env) builders and a supervisor that runs one.
+
+`sglang_server_command` and `transformers_server_command` only build the command line, so they
+are tested without starting anything. `ServerSupervisor` starts the command in its own process
+group with output appended to `{run_dir}/generate/server.log`, waits for `/health`, restarts it
+(a bounded number of times) when it dies, and stops the whole group on exit or Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Mapping
+
+from envcheck.errors import ConfigError, RunFailed
+from envcheck.schema import Profile
+
+# our profile's audit.attention_backend -> SGLang's --attention-backend
+SGLANG_ATTENTION_BACKENDS = {
+    "flashinfer": "flashinfer",
+    "fa3": "fa3",
+    "trtllm": "trtllm_mha",
+    "triton": "triton",
+    "torch_sdpa": "torch_native",
+}
+STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """A server to start: argv, the environment variables added to the parent's, and where it answers."""
+
+    argv: list[str]
+    env: dict[str, str]
+    base_url: str
+    name: str
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.base_url}/health"
+
+
+def client_host(bind_host: str) -> str:
+    """Where the launcher connects to a server bound on `bind_host`."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
+
+
+def sglang_server_command(profile: Profile, model_path: Path, port: int | None = None,
+                          python: str = sys.executable) -> ServerCommand:
+    """`python -m sglang.launch_server` with the profile's model, parallelism, memory and parsers."""
+    settings, host = profile.generate, profile.machine.bind_host
+    port = settings.port if port is None else port
+    argv = [python, "-m", "sglang.launch_server",
+            "--model-path", str(model_path),
+            "--host", host, "--port", str(port),
+            "--tp-size", str(settings.tp_size), "--dp-size", str(settings.dp_size),
+            "--mem-fraction-static", str(settings.mem_fraction_static),
+            "--attention-backend", sglang_attention_backend(profile.audit.attention_backend),
+            "--dtype", profile.model.dtype]
+    if profile.model.tokenizer:
+        argv += ["--tokenizer-path", profile.model.tokenizer]
+    if settings.reasoning_parser:
+        argv += ["--reasoning-parser", settings.reasoning_parser]
+    if settings.tool_call_parser:
+        argv += ["--tool-call-parser", settings.tool_call_parser]
+    return ServerCommand(argv, {}, f"http://{client_host(host)}:{port}", "sglang")
+
+
+def sglang_attention_backend(ours: str) -> str:
+    if ours not in SGLANG_ATTENTION_BACKENDS:
+        raise ConfigError(f"audit.attention_backend {ours!r} has no SGLang equivalent; "
+                          f"valid: {', '.join(SGLANG_ATTENTION_BACKENDS)}")
+    return SGLANG_ATTENTION_BACKENDS[ours]
+
+
+def transformers_server_command(profile: Profile, model_path: Path, port: int | None = None,
+                                python: str = sys.executable) -> ServerCommand:
+    """`transformers serve MODEL` on the profile's device, preloaded, bound to the profile's host."""
+    settings, host = profile.generate, profile.machine.bind_host
+    port = settings.port if port is None else port
+    device = "cpu" if profile.machine.device == "cpu" else "auto"
+    argv = [python, "-m", "transformers.cli.transformers", "serve", str(model_path),
+            "--device", device, "--dtype", profile.model.dtype,
+            "--host", host, "--port", str(port), "--log-level", "info"]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return ServerCommand(argv, env, f"http://{client_host(host)}:{port}", "transformers serve")
+
+
+def server_command_for(profile: Profile, model_path: Path, port: int | None = None) -> ServerCommand:
+    """The command for the profile's `generate.backend` (sglang or transformers)."""
+    builders = {"sglang": sglang_server_command, "transformers": transformers_server_command}
+    if profile.generate.backend not in builders:
+        raise ConfigError(f"generate.backend {profile.generate.backend!r} starts no server; "
+                          "pass --endpoint URL for an already-running one")
+    return builders[profile.generate.backend](profile, model_path, port)
+
+
+def health_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (loopback URL we built)
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class ServerSupervisor:
+    """Runs one ServerCommand: start, wait for health, restart when it dies, stop its process group."""
+
+    command: ServerCommand
+    log_path: Path
+    startup_timeout_s: float = 900.0
+    max_restarts: int = 3
+    restarts: int = 0
+    process: subprocess.Popen | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        """Start the server and block until /health answers (RunFailed if it exits or times out)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self._log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(self.command.argv)}\n".encode())
+        self._log.flush()
+        env = {**os.environ, **self.command.env}
+        self.process = subprocess.Popen(self.command.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RunFailed(f"{self.command.name} exited with code {self.process.returncode} while starting; "
+                                f"see {self.log_path}")
+            if health_ok(self.command.health_url):
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise RunFailed(f"{self.command.name} did not answer {self.command.health_url} within "
+                        f"{self.startup_timeout_s:.0f} s (generate.server_startup_timeout_s); see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def restart(self) -> None:
+        """Restart after the server died; RunFailed once generate.max_server_restarts is used up."""
+        code = self.process.returncode if self.process else None
+        if self.restarts >= self.max_restarts:
+            raise RunFailed(f"{self.command.name} died (exit code {code}) and was already restarted "
+                            f"{self.restarts} time(s) (generate.max_server_restarts); see {self.log_path}")
+        self.restarts += 1
+        print(f"warning: {self.command.name} died (exit code {code}); restart {self.restarts}/{self.max_restarts}",
+              file=sys.stderr)
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it after a grace period; idempotent."""
+        if self.process is not None:
+            _terminate_group(self.process, STOP_GRACE_S)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+        try:
+            process.wait(timeout=wait_s)
+            if sig == signal.SIGTERM:
+                _kill_leftovers(process.pid)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _kill_leftovers(pgid: int) -> None:
+    """Children of a server that outlived its leader (SGLang's schedulers) go too."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
