@@ -1,0 +1,321 @@
+"""Runtime side of the memory budgets: agreement, OOM recovery, the persisted micro-batch, and the
+fault-injection switch. Used inside torchrun workers.
+
+The collective sequence of one optimizer step is the same on every rank whatever happens:
+
+    all_reduce(SUM) of the step's loss weight      (global_weight: data only, cannot OOM)
+    forward/backward of each micro-batch           (no collectives: do not let DDP sync here)
+    all_reduce(MIN) of an ok flag                  (did every rank get through?)
+    either  all_reduce(SUM) of the gradients + optimizer.step
+    or      every rank drops its gradients, halves the micro-batch and redoes the step
+
+so a rank that runs out of memory can never leave the others waiting in a different collective.
+Gradients are synchronised by `sync_gradients` (not by DDP hooks, which would fire inside the
+backward of whichever rank got furthest). Because the loss of each micro-batch is divided by the
+GLOBAL weight of the step, the summed gradient does not depend on how the batch was split.
+
+Fault injection (off by default), for CPU tests and drills on real nodes:
+
+    DFLASH_INJECT_OOM="rank=1,step=3"      rank 1 raises torch.OutOfMemoryError in its first forward
+                                           of step 3 (once per process)
+    DFLASH_INJECT_OOM="rank=1,above=2"     rank 1 raises it in every forward with micro-batch > 2
+    DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside optimizer.step (fatal by design)
+
+`rank` may be omitted (every rank); the trainer calls `injector.check(step, micro_batch, phase)`.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from envcheck.errors import ConfigError, RunFailed
+
+INJECT_ENV = "DFLASH_INJECT_OOM"
+RUN_STATE_NAME = "autobatch.json"
+
+
+# --- fault injection ----------------------------------------------------------------------
+
+@dataclass
+class OomInjector:
+    """Raises torch.OutOfMemoryError on a chosen rank, at a step or above a micro-batch size."""
+
+    rank: int | None = None
+    step: int | None = None
+    above: int | None = None
+    phase: str = "forward"
+    fired: bool = False
+
+    def check(self, rank: int, step: int, micro_batch: int, phase: str = "forward") -> None:
+        if not self._due(rank, step, micro_batch, phase):
+            return
+        import torch
+
+        self.fired = True
+        raise torch.OutOfMemoryError(f"injected by {INJECT_ENV} (rank {rank}, step {step}, "
+                                     f"micro-batch {micro_batch}, {phase})")
+
+    def _due(self, rank: int, step: int, micro_batch: int, phase: str) -> bool:
+        if phase != self.phase or (self.rank is not None and rank != self.rank):
+            return False
+        if self.above is not None and micro_batch > self.above:
+            return True
+        return self.step is not None and step == self.step and not self.fired
+
+
+def parse_injection(text: str) -> OomInjector | None:
+    """`rank=1,step=3` / `rank=1,above=2` / `...,phase=optimizer` -> OomInjector ("" -> None)."""
+    if not text.strip():
+        return None
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("rank", "step", "above", "phase"):
+            raise ConfigError(f"{INJECT_ENV}={text!r}: {item!r} is not one of rank=N, step=N, above=N, "
+                              f"phase=forward|backward|optimizer")
+        fields[key.strip()] = value.strip()
+    return _injector_from_fields(fields, text)
+
+
+def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
+    try:
+        injector = OomInjector(**{k: int(v) for k, v in fields.items() if k != "phase"},
+                               phase=fields.get("phase", "forward"))
+    except ValueError:
+        raise ConfigError(f"{INJECT_ENV}={text!r}: rank, step and above take integers") from None
+    if injector.phase not in ("forward", "backward", "optimizer"):
+        raise ConfigError(f"{INJECT_ENV}={text!r}: phase must be forward, backward or optimizer")
+    if injector.step is None and injector.above is None:
+        raise ConfigError(f"{INJECT_ENV}={text!r}: say when: step=N or above=N")
+    return injector
+
+
+def injector_from_env(environ: dict[str, str] | None = None) -> OomInjector | None:
+    return parse_injection((environ if environ is not None else os.environ).get(INJECT_ENV, ""))
+
+
+# --- run state (the agreed micro-batch, persisted) ----------------------------------------
+
+@dataclass
+class RunState:
+    micro_batch: int
+    reductions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_state_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "train" / RUN_STATE_NAME
+
+
+def load_run_state(path: str | Path) -> RunState | None:
+    from envcheck.fileio import read_json
+
+    if not Path(path).exists():
+        return None
+    document = read_json(path)
+    return RunState(micro_batch=int(document["micro_batch"]), reductions=list(document.get("reductions", [])))
+
+
+def save_run_state(path: str | Path, state: RunState) -> None:
+    from envcheck.fileio import write_json_atomic
+
+    write_json_atomic(path, {"micro_batch": state.micro_batch, "reductions": state.reductions})
+
+
+def resume_micro_batch(planned: int, path: str | Path) -> int:
+    """A restart never goes back above the micro-batch the ranks last agreed on."""
+    state = load_run_state(path)
+    return planned if state is None else min(planned, state.micro_batch)
+
+
+# --- collectives --------------------------------------------------------------------------
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group: Any = None):
+    """Where a collective's tensor must live: the current CUDA device for NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(value: float, op_name: str, group: Any = None, dtype: str = "float64") -> float:
+    if not _distributed():
+        return value
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=getattr(torch, dtype), device=_collective_device(group))
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op_name), group=group)
+    return tensor.item()
+
+
+def agree_micro_batch(local: int, group: Any = None) -> int:
+    """Every rank's feasible micro-batch -> the smallest (all_reduce MIN), the same on all ranks."""
+    return int(_all_reduce(local, "MIN", group, dtype="int64"))
+
+
+def global_weight(local_weight: float, group: Any = None) -> float:
+    """The step's total loss weight over all ranks (all_reduce SUM): the loss normaliser."""
+    return _all_reduce(float(local_weight), "SUM", group)
+
+
+def all_ranks_ok(ok: bool, group: Any = None) -> bool:
+    return _all_reduce(1 if ok else 0, "MIN", group, dtype="int64") == 1
+
+
+def sync_gradients(parameters, group: Any = None) -> None:
+    """Sum every trainable parameter's gradient over the ranks (one flattened all_reduce)."""
+    if not _distributed():
+        return
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.requires_grad and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+# --- OOM recovery -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepOutcome:
+    micro_batch: int                    # the micro-batch the step finally ran at
+    attempts: int                       # 1 when nothing ran out of memory
+
+
+def _attempt(work: Callable[[], None]) -> bool:
+    """Run `work`; False if it ran out of memory. Nothing is cleaned up inside the except block:
+    the exception's traceback pins the failed step's tensors until the block is left."""
+    import torch
+
+    try:
+        work()
+        return True
+    except torch.OutOfMemoryError:
+        pass
+    return False
+
+
+def release_memory(optimizer) -> None:
+    """Drop every gradient and hand cached blocks back (after leaving the except block)."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _count_failed(ok: bool, group: Any = None) -> int:
+    return int(_all_reduce(0 if ok else 1, "SUM", group, dtype="int64"))
+
+
+class AutoBatch:
+    """One agreed micro-batch for all ranks, halved together when any rank runs out of memory.
+
+    Usage in a worker (after init_process_group):
+
+        auto = AutoBatch.start(plan.micro_batch, state_path, rank)   # agree + resume + persist
+        for step in ...:
+            outcome = auto.run_step(step, accumulate, optimizer, update)
+        # accumulate(micro_batch): all forward/backward calls of the step (share split into
+        # micro-batches), each loss divided by global_weight(...); calls auto.inject("forward")
+        # update(): clip + optimizer.step + scheduler.step (default optimizer.step)
+    """
+
+    def __init__(self, micro_batch: int, rank: int, state_path: str | Path | None = None, group: Any = None,
+                 injector: OomInjector | None = None, log: Callable[[str], None] | None = None):
+        self.micro_batch = micro_batch
+        self.rank = rank
+        self.state_path = Path(state_path) if state_path else None
+        self.group = group
+        self.injector = injector
+        self.log = log or (lambda line: print(line, flush=True))
+        self.reductions: list[dict[str, Any]] = []
+        self.step = 0
+
+    @classmethod
+    def start(cls, planned_micro_batch: int, state_path: str | Path | None, rank: int, group: Any = None,
+              injector: OomInjector | None = None, log: Callable[[str], None] | None = None) -> "AutoBatch":
+        """Resume from the persisted micro-batch (never above it), agree on the minimum, persist."""
+        local = resume_micro_batch(planned_micro_batch, state_path) if state_path else planned_micro_batch
+        previous = load_run_state(state_path) if state_path else None
+        auto = cls(agree_micro_batch(local, group), rank, state_path, group,
+                   injector if injector is not None else injector_from_env(), log)
+        auto.reductions = previous.reductions if previous else []
+        auto.persist()
+        auto.log(f"[autobatch] rank {rank}: planned micro-batch {planned_micro_batch}, "
+                 f"resumed/local {local}, agreed {auto.micro_batch}")
+        return auto
+
+    def inject(self, phase: str = "forward") -> None:
+        """The fault-injection point (no-op unless DFLASH_INJECT_OOM is set)."""
+        if self.injector is not None:
+            self.injector.check(self.rank, self.step, self.micro_batch, phase)
+
+    def persist(self) -> None:
+        if self.state_path is not None and self.rank == 0:
+            save_run_state(self.state_path, RunState(self.micro_batch, self.reductions))
+
+    def run_step(self, step: int, accumulate: Callable[[int], None], optimizer,
+                 update: Callable[[], None] | None = None) -> StepOutcome:
+        """Forward/backward at the agreed micro-batch, halving on all ranks until every rank gets
+        through; then sum the gradients and update once."""
+        self.step = step
+        attempts = 1
+        while not self._all_got_through(accumulate, optimizer):
+            self._halve(step)
+            attempts += 1
+        sync_gradients([p for g in optimizer.param_groups for p in g["params"]], self.group)
+        self._update(step, optimizer, update or optimizer.step)
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(self.micro_batch, attempts)
+
+    def _all_got_through(self, accumulate: Callable[[int], None], optimizer) -> bool:
+        ok = _attempt(lambda: accumulate(self.micro_batch))
+        if not ok:
+            self.log(f"[autobatch] rank {self.rank}: out of memory at step {self.step}, micro-batch {self.micro_batch}")
+        failed = _count_failed(ok, self.group)
+        if failed:
+            release_memory(optimizer)
+        self._last_failed = failed
+        return failed == 0
+
+    def _halve(self, step: int) -> None:
+        if self.micro_batch <= 1:
+            raise RunFailed(f"step {step}: out of memory at micro-batch 1 on {self._last_failed} rank(s); one "
+                            f"sequence does not fit: lower data.max_length or train.num_anchors, or free GPU memory")
+        before, self.micro_batch = self.micro_batch, self.micro_batch // 2
+        self.reductions.append({"step": step, "from": before, "to": self.micro_batch,
+                                "failed_ranks": self._last_failed, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.persist()
+        self.log(f"[autobatch] rank {self.rank}: step {step}: {self._last_failed} rank(s) out of memory -> "
+                 f"micro-batch {before} -> {self.micro_batch} on every rank; gradients dropped, step redone")
+
+    def _update(self, step: int, optimizer, update: Callable[[], None]) -> None:
+        def guarded() -> None:
+            self.inject("optimizer")
+            update()
+
+        if not _attempt(guarded):
+            raise RunFailed(f"rank {self.rank}, step {step}: out of memory inside optimizer.step; optimizer "
+                            f"states are allocated lazily at the first update, so shrinking the micro-batch "
+                            f"cannot help: raise memory.margin (or memory.overhead_mib) so the plan leaves "
+                            f"room for them, free the GPU, or train fewer drafter layers")

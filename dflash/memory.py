@@ -1,0 +1,398 @@
+"""Memory model of online DFlash training on one rank, and its calibration.
+
+Every rank holds a full frozen target and a replica of the drafter (data parallel). What one rank
+allocates through torch is modelled as
+
+    peak(m) = intercept + slope * m            (m = micro-batch, sequences per forward)
+
+* intercept = static memory (target weights, drafter weights, drafter gradients, AdamW states,
+  with their dtypes) + one logits chunk (logits are computed in chunks of
+  LOGITS_CHUNK_TOKENS block tokens: bf16 logits, their fp32 upcast and fp32 gradient);
+* slope = memory per sequence of the WORST micro-batch the data allows: every sequence at
+  `data.max_length` with the full anchor count (`train.num_anchors` x `drafter.block_size` block
+  tokens). Per sequence: the tap features kept from the target, plus the larger of the target's
+  transient no-grad activations (one layer's working set; the forward stops after the deepest
+  tap) and the drafter's saved activations (the concatenated taps kept for the fc backward, the
+  context keys/values of every draft layer, and each draft layer's saved activations over
+  anchors x block tokens).
+
+The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
+micro-batch sizes) replaces intercept and slope with measured ones (`Calibration`), which are
+stored with the baseline under the key `memory_calibration`. Non-torch memory (CUDA context, NCCL,
+cuBLAS workspace) is not part of this model: `dflash.budget` subtracts it from the free memory.
+
+Target shapes come from the target's `config.json` when the directory exists (a nested
+`text_config` is used for multimodal configs; the parameter count from the safetensors index when
+there is one), else from built-in shapes: SmolLM2-135M for the builtin target, and a
+Qwen3.6-27B-like shape (hidden 5120, 64 layers, 27B parameters) for anything else.
+No torch import here: `plan` runs in the launcher process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from envcheck.errors import InputError
+from envcheck.schema import Profile
+
+MIB = 1024 * 1024
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+LOGITS_CHUNK_TOKENS = 1024          # block tokens whose logits exist at once
+LOGITS_BYTES_PER_ELEMENT = 2 + 4 + 4  # bf16 logits, fp32 upcast, fp32 gradient
+ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
+CALIBRATION_KEY = "memory_calibration"
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The target's dimensions (those that decide memory)."""
+
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool = False
+    param_count: int = 0            # 0: computed from the dimensions
+    source: str = "defaults"
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim) + 2 * self.head_dim
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def total_params(self) -> int:
+        if self.param_count:
+            return self.param_count
+        embeddings = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        return embeddings + self.num_layers * self.layer_params() + self.hidden
+
+
+# Qwen3.6-27B-like: hidden 5120, 64 layers, GQA 24/4 heads of 256, 248K vocabulary, 27B parameters.
+QWEN36_27B_LIKE = TargetShape(hidden=5120, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
+                              intermediate=17408, vocab=248320, param_count=27_000_000_000,
+                              source="Qwen3.6-27B-like defaults")
+# SmolLM2-135M-Instruct (the builtin target) before its first conversion exists on disk.
+SMOLLM2_135M = TargetShape(hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           intermediate=1536, vocab=49152, tie_embeddings=True,
+                           source="SmolLM2-135M defaults")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step processes, in its worst case."""
+
+    target: TargetShape
+    dtype: str
+    drafter_layers: int
+    block_size: int
+    num_anchors: int
+    max_length: int
+    tap_layers: tuple[int, ...]
+    logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def anchors(self) -> int:
+        return max(1, min(self.num_anchors, self.max_length - 1))
+
+    @property
+    def block_tokens(self) -> int:
+        return self.anchors * self.block_size
+
+    def key(self) -> str:
+        """Identifies the workload a calibration was measured on."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The analytic model's figures, in MiB (per rank)."""
+
+    target_weights: float
+    drafter_weights: float
+    drafter_grads: float
+    optimizer_states: float
+    logits_chunk: float
+    tap_features: float
+    target_activations: float
+    drafter_activations: float
+
+    @property
+    def static(self) -> float:
+        return self.target_weights + self.drafter_weights + self.drafter_grads + self.optimizer_states
+
+    @property
+    def per_sequence(self) -> float:
+        return self.tap_features + max(self.target_activations, self.drafter_activations)
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    """peak(m) = intercept + slope * m, in MiB of torch-allocated memory."""
+
+    intercept_mib: float
+    slope_mib: float
+    static_mib: float
+    source: str                     # "estimate" or "calibration"
+
+    def peak_mib(self, micro_batch: int) -> float:
+        return self.intercept_mib + self.slope_mib * micro_batch
+
+    def largest_fitting(self, budget_mib: float, ceiling: int) -> int:
+        """The largest micro-batch in 0..ceiling whose peak fits the budget (0: not even one)."""
+        if self.slope_mib <= 0 or budget_mib == float("inf"):
+            return ceiling if self.intercept_mib <= budget_mib else 0
+        fitting = int((budget_mib - self.intercept_mib) // self.slope_mib)
+        return max(0, min(ceiling, fitting))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Peak allocated memory measured at two micro-batch sizes on one workload."""
+
+    micro_batches: tuple[int, int]
+    peaks_mib: tuple[float, float]
+    workload_key: str
+    device_name: str = ""
+    torch_version: str = ""
+    measured_at: str = ""
+
+    @property
+    def slope_mib(self) -> float:
+        (m1, m2), (p1, p2) = self.micro_batches, self.peaks_mib
+        return (p2 - p1) / (m2 - m1)
+
+    @property
+    def intercept_mib(self) -> float:
+        return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
+
+
+# --- target shape -------------------------------------------------------------------------
+
+def shape_from_config(config: Mapping[str, Any], source: str, param_count: int = 0) -> TargetShape:
+    """A HF config.json (dict) -> TargetShape; multimodal configs use their `text_config`."""
+    text = config.get("text_config") or config
+    try:
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        return TargetShape(
+            hidden=hidden, num_layers=int(text["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
+            tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            param_count=param_count, source=source)
+    except KeyError as error:
+        raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
+
+
+def shape_from_directory(directory: Path, dtype_bytes: int) -> TargetShape:
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    return shape_from_config(config, str(config_path), _param_count_on_disk(directory, dtype_bytes))
+
+
+def _param_count_on_disk(directory: Path, dtype_bytes: int) -> int:
+    """Parameters from the safetensors index's total_size (0 when unknown)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size", 0)
+        return int(total) // dtype_bytes
+    return 0
+
+
+def target_shape(profile: Profile) -> TargetShape:
+    """The profile's target shape, read from disk when possible (never converts or downloads)."""
+    from dflash.models import SMOLLM2, cache_dir
+
+    spec = profile.model.target
+    dtype_bytes = DTYPE_BYTES[profile.model.dtype]
+    if spec == SMOLLM2:
+        cached = cache_dir() / "smollm2-135m-instruct"
+        return shape_from_directory(cached, dtype_bytes) if (cached / "config.json").exists() else SMOLLM2_135M
+    directory = Path(spec).expanduser()
+    if (directory / "config.json").exists():
+        return shape_from_directory(directory, dtype_bytes)
+    return QWEN36_27B_LIKE
+
+
+def tap_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's spaced context layers: [N // 2] for one tap, else round(1 + i (N - 4) / (L - 1))."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps))
+
+
+def workload_from_profile(profile: Profile, shape: TargetShape | None = None) -> Workload:
+    shape = shape or target_shape(profile)
+    taps = profile.drafter.target_layer_ids or tap_layer_ids(shape.num_layers, profile.drafter.num_layers)
+    return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
+                    block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
+                    max_length=profile.data.max_length, tap_layers=tuple(taps))
+
+
+# --- the analytic estimate ----------------------------------------------------------------
+
+def drafter_params(workload: Workload) -> int:
+    """Draft layers shaped like the target's, the fc over the concatenated taps, two norms."""
+    shape = workload.target
+    fc = len(workload.tap_layers) * shape.hidden * shape.hidden
+    return workload.drafter_layers * shape.layer_params() + fc + 2 * shape.hidden
+
+
+def estimate(workload: Workload) -> MemoryEstimate:
+    b = workload.dtype_bytes
+    drafter = drafter_params(workload) * b / MIB
+    return MemoryEstimate(
+        target_weights=workload.target.total_params() * b / MIB,
+        drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * drafter,
+        logits_chunk=_logits_chunk_mib(workload), tap_features=_tap_features_mib(workload),
+        target_activations=_target_activations_mib(workload),
+        drafter_activations=_drafter_activations_mib(workload))
+
+
+def _logits_chunk_mib(workload: Workload) -> float:
+    tokens = min(workload.logits_chunk_tokens, workload.block_tokens)
+    return tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+
+
+def _tap_features_mib(workload: Workload) -> float:
+    """Hidden states of the tap layers kept from the target forward, one sequence."""
+    return len(workload.tap_layers) * workload.max_length * workload.target.hidden * workload.dtype_bytes / MIB
+
+
+def _target_activations_mib(workload: Workload) -> float:
+    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence."""
+    s = workload.target
+    elements = 2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
+    return workload.max_length * elements * workload.dtype_bytes / MIB
+
+
+def _drafter_activations_mib(workload: Workload) -> float:
+    """Saved for backward over one sequence: concatenated taps, fc/norm outputs, per-layer context
+    keys/values (projected and k-normed), per-layer activations of every block token."""
+    s, seq, b = workload.target, workload.max_length, workload.dtype_bytes
+    context = seq * (len(workload.tap_layers) * s.hidden + 2 * s.hidden)
+    context_kv = workload.drafter_layers * seq * 3 * s.kv_dim
+    per_block_token = 4 * s.hidden + 3 * s.q_dim + 3 * s.kv_dim + 3 * s.intermediate
+    block = workload.drafter_layers * workload.block_tokens * per_block_token
+    return (context + context_kv + block) * b / MIB
+
+
+# --- peak model and calibration -----------------------------------------------------------
+
+def estimated_peak_model(workload: Workload) -> PeakModel:
+    figures = estimate(workload)
+    return PeakModel(intercept_mib=figures.static + figures.logits_chunk, slope_mib=figures.per_sequence,
+                     static_mib=figures.static, source="estimate")
+
+
+def peak_model(workload: Workload, calibration: Calibration | None = None) -> PeakModel:
+    """The calibrated model when a calibration of this very workload exists, else the estimate."""
+    estimated = estimated_peak_model(workload)
+    if calibration is None or calibration.workload_key != workload.key():
+        return estimated
+    return PeakModel(intercept_mib=calibration.intercept_mib, slope_mib=calibration.slope_mib,
+                     static_mib=estimated.static_mib, source="calibration")
+
+
+def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:
+    """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them)."""
+    if len(peaks_by_micro_batch) != 2:
+        raise ValueError(f"calibration needs exactly two micro-batch sizes, got {sorted(peaks_by_micro_batch)}")
+    (m1, p1), (m2, p2) = sorted(peaks_by_micro_batch.items())
+    return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)),
+                       workload_key=workload.key(), **facts)
+
+
+def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, int] = (1, 2)) -> dict[int, float]:
+    """Run one worst-case training step per micro-batch size on the current CUDA device and
+    return torch's peak allocated memory (MiB) for each. GPU only."""
+    import torch
+
+    peaks = {}
+    for micro_batch in micro_batches:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        run_step(micro_batch)
+        torch.cuda.synchronize()
+        peaks[micro_batch] = torch.cuda.max_memory_allocated() / MIB
+    return peaks
+
+
+def calibration_as_dict(calibration: Calibration) -> dict[str, Any]:
+    return {**dataclasses.asdict(calibration), "slope_mib": calibration.slope_mib,
+            "intercept_mib": calibration.intercept_mib}
+
+
+def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibration:
+    try:
+        return Calibration(micro_batches=tuple(document["micro_batches"]), peaks_mib=tuple(document["peaks_mib"]),
+                           workload_key=str(document["workload_key"]),
+                           device_name=str(document.get("device_name", "")),
+                           torch_version=str(document.get("torch_version", "")),
+                           measured_at=str(document.get("measured_at", "")))
+    except (KeyError, TypeError) as error:
+        raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
+
+
+def save_calibration(baseline_path: str | Path, calibration: Calibration) -> Path:
+    """Store the calibration inside the baseline JSON (atomically), next to the facts it was measured on."""
+    from envcheck.fileio import read_json, write_json_atomic
+
+    path = Path(baseline_path)
+    document = read_json(path) if path.exists() else {}
+    document[CALIBRATION_KEY] = calibration_as_dict(calibration)
+    return write_json_atomic(path, document)
+
+
+def load_calibration(document: Mapping[str, Any] | None, where: str) -> Calibration | None:
+    """The calibration stored in a baseline (or snapshot) document, if any."""
+    if not document or CALIBRATION_KEY not in document:
+        return None
+    return calibration_from_dict(document[CALIBRATION_KEY], where)
+
+
+# --- offline storage, for comparison ------------------------------------------------------
+
+SEEDS_SAMPLES = 902_087             # the seeds' tokenized completions
+SEEDS_AVG_TOKENS = 2000             # their average length
+
+
+@dataclass(frozen=True)
+class OfflineStorage:
+    """What storing the tap hidden states on disk (the offline alternative) would take."""
+
+    samples: int
+    avg_tokens: int
+    layers: int
+    hidden: int
+    dtype_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.samples * self.avg_tokens * self.layers * self.hidden * self.dtype_bytes
+
+
+def offline_storage(workload: Workload, samples: int = SEEDS_SAMPLES, avg_tokens: int = SEEDS_AVG_TOKENS) -> OfflineStorage:
+    return OfflineStorage(samples=samples, avg_tokens=avg_tokens, layers=len(workload.tap_layers),
+                          hidden=workload.target.hidden, dtype_bytes=workload.dtype_bytes)

@@ -1,0 +1,144 @@
+"""A torchrun worker for the autobatch tests: a small self-contained training loop (plain torch)
+that uses dflash.autobatch exactly as a trainer would. Each rank writes what it did to --out.
+
+Data are a deterministic function of the global sample index; every step takes the next
+global_batch samples and rank r trains on its contiguous share, split into micro-batches. Each
+micro-batch's loss is divided by the GLOBAL weight of the step, so the parameters after a step do
+not depend on the micro-batch size or the rank count (`reference_run` computes them in one process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dflash import autobatch  # noqa: E402
+
+POSITIONS, FEATURES, CLASSES = 6, 8, 5
+
+
+def sample(index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features, labels and a loss weight per position (a varying number of positions count)."""
+    generator = torch.Generator().manual_seed(1000 + index)
+    features = torch.randn(POSITIONS, FEATURES, generator=generator)
+    labels = torch.randint(0, CLASSES, (POSITIONS,), generator=generator)
+    weights = (torch.arange(POSITIONS) < 2 + index % (POSITIONS - 1)).float()
+    return features, labels, weights
+
+
+def batch(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    parts = [sample(i) for i in indices]
+    return tuple(torch.stack([p[k] for p in parts]) for k in range(3))
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
+
+
+def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def weighted_loss_sum(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
+    features, labels, weights = batch(indices)
+    logits = model(features)
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, CLASSES), labels.reshape(-1), reduction="none")
+    return (losses * weights.reshape(-1)).sum()
+
+
+def step_indices(step: int, global_batch: int) -> list[int]:
+    return list(range(step * global_batch, (step + 1) * global_batch))
+
+
+def flat_params(model: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def reference_run(steps: int, global_batch: int, micro_batch: int) -> list[float]:
+    """One process, the whole global batch per step, split into micro-batches of `micro_batch`."""
+    model = build_model()
+    optimizer = build_optimizer(model)
+    for step in range(steps):
+        indices = step_indices(step, global_batch)
+        total = float(batch(indices)[2].sum())
+        for start in range(0, len(indices), micro_batch):
+            (weighted_loss_sum(model, indices[start:start + micro_batch]) / total).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return flat_params(model)
+
+
+def planned_micro_batch(args: argparse.Namespace, rank: int, world: int) -> int:
+    if not args.profile:
+        return args.micro_batch
+    from dflash.budget import plan_for_rank
+    from dflash.memory import load_calibration
+    from envcheck.fileio import read_json
+    from envcheck.profile import load_profile
+
+    baseline = read_json(args.baseline) if args.baseline else None
+    plan = plan_for_rank(load_profile(args.profile), read_json(args.snapshot), rank, world,
+                         baseline=baseline, calibration=load_calibration(baseline, args.baseline))
+    return plan.micro_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--profile", default="")
+    parser.add_argument("--snapshot", default="")
+    parser.add_argument("--baseline", default="")
+    parser.add_argument("--state", default="")
+    parser.add_argument("--crash-at-step", type=int, default=-1, help="first attempt only: exit(1) before this step")
+    args = parser.parse_args()
+
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    planned = planned_micro_batch(args, rank, world)
+    lines: list[str] = []
+    auto = autobatch.AutoBatch.start(planned, args.state or None, rank, log=lines.append)
+    record = {"rank": rank, "attempt": attempt, "planned": planned, "agreed": auto.micro_batch, "steps": []}
+    model = build_model()
+    optimizer = build_optimizer(model)
+    share = args.global_batch // world
+
+    for step in range(args.steps):
+        if attempt == 0 and step == args.crash_at_step:
+            write(args.out / f"rank{rank}-attempt{attempt}.json", record)
+            sys.exit(1)
+        mine = step_indices(step, args.global_batch)[rank * share:(rank + 1) * share]
+        total = autobatch.global_weight(float(batch(mine)[2].sum()))
+
+        def accumulate(micro_batch: int) -> None:
+            for start in range(0, share, micro_batch):
+                if start > 0:                       # OOM after some gradients have accumulated
+                    auto.inject("forward")
+                (weighted_loss_sum(model, mine[start:start + micro_batch]) / total).backward()
+
+        outcome = auto.run_step(step, accumulate, optimizer)
+        record["steps"].append({"step": step, "micro_batch": outcome.micro_batch, "attempts": outcome.attempts})
+    record.update(params=flat_params(model), log=lines, reductions=auto.reductions)
+    write(args.out / f"rank{rank}-attempt{attempt}.json", record)
+    torch.distributed.destroy_process_group()
+
+
+def write(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()
