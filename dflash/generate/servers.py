@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,9 +129,11 @@ class ServerSupervisor:
         self._log = self.log_path.open("ab")
         self._log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(self.command.argv)}\n".encode())
         self._log.flush()
+        ensure_port_free(self.command.base_url, self.command.name)
         env = {**os.environ, **self.command.env}
         self.process = subprocess.Popen(self.command.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -168,6 +171,27 @@ class ServerSupervisor:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def ensure_port_free(base_url: str, name: str) -> None:
+    """RunFailed naming the port when something already listens there (e.g. a server left running)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        if probe.connect_ex((parts.hostname, parts.port)) == 0:
+            raise RunFailed(f"cannot start {name}: something already listens on {parts.hostname}:{parts.port}; "
+                            "stop it, set generate.port to a free port, or use it with --endpoint "
+                            f"{base_url}")
+
+
+def _die_with_parent() -> None:
+    """In the server's process (Linux): SIGTERM it if the launcher dies, even by SIGKILL."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
