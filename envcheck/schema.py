@@ -72,6 +72,7 @@ class DataSection:
     min_loss_tokens: int = 16                # fewer is degenerate (the seeds' 6-token empties)
     max_degenerate_share: float = 0.05
     tool_call_repeat_limit: int = 8
+    rewritten_turns: Literal["split", "context"] = "split"  # turns the template rewrites later: own sample, or context only
 
 
 @dataclass(frozen=True)
