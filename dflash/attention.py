@@ -1,0 +1,129 @@
+"""Block attention for DFlash training: which keys each block token may see, and two backends.
+
+Layout of one sequence in a training forward: queries are the N blocks of B tokens
+(block-major, N*B rows); keys are the S context positions followed by the same N*B block tokens.
+Block b (anchor a_b) sees context positions strictly before its anchor (`kv < a_b`) and all B
+tokens of its own block (bidirectional), nothing of any other block.
+
+`flex`: torch flex_attention with a BlockMask (compiled on GPU; on CPU it runs forward only).
+`sdpa`: scaled_dot_product_attention with the same visibility as a dense boolean mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+Backend = Literal["flex", "sdpa"]
+Attend = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+_COMPILED_FLEX: dict[str, Callable] = {}
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Anchors [b, N] (padded anchors are 0 and see no context), S context rows, block size B."""
+
+    anchors: "torch.Tensor"
+    context_len: int
+    block_size: int
+
+    @property
+    def num_queries(self) -> int:
+        return self.anchors.shape[1] * self.block_size
+
+    def query_positions(self) -> "torch.Tensor":
+        """Position ids of the block tokens: anchor + k, [b, N*B]."""
+        import torch
+
+        offsets = torch.arange(self.block_size, device=self.anchors.device)
+        return (self.anchors[:, :, None] + offsets).flatten(1)
+
+    def key_positions(self) -> "torch.Tensor":
+        """Position ids of the keys: context 0..S-1, then the block tokens, [b, S + N*B]."""
+        import torch
+
+        batch = self.anchors.shape[0]
+        context = torch.arange(self.context_len, device=self.anchors.device).expand(batch, -1)
+        return torch.cat([context, self.query_positions()], dim=1)
+
+    def dense_mask(self) -> "torch.Tensor":
+        """Boolean visibility [b, 1, N*B, S + N*B] (True = may attend)."""
+        import torch
+
+        device = self.anchors.device
+        query_block = torch.arange(self.num_queries, device=device) // self.block_size
+        query_anchor = self.anchors[:, query_block]                                   # [b, NB]
+        context_visible = torch.arange(self.context_len, device=device) < query_anchor[:, :, None]
+        own_block = query_block[:, None] == query_block[None, :]                      # [NB, NB]
+        own_block = own_block.expand(self.anchors.shape[0], -1, -1)
+        return torch.cat([context_visible, own_block], dim=2)[:, None]
+
+    def mask_mod(self) -> Callable:
+        """The same visibility as a flex_attention mask_mod."""
+        import torch
+
+        anchors, context_len, block_size = self.anchors, self.context_len, self.block_size
+
+        def visible(b, _h, q_idx, kv_idx):
+            query_block = q_idx // block_size
+            in_context = kv_idx < context_len
+            sees_context = kv_idx < anchors[b, query_block]
+            same_block = (kv_idx - context_len) // block_size == query_block
+            return torch.where(in_context, sees_context, same_block)
+
+        return visible
+
+
+def resolve_backend(choice: str, device_type: str) -> Backend:
+    """`auto` -> flex on CUDA (compiled, trains), sdpa elsewhere (flex has no CPU backward)."""
+    if choice in ("flex", "sdpa"):
+        return choice  # type: ignore[return-value]
+    if choice != "auto":
+        raise ValueError(f"train.attention must be auto, flex or sdpa, got {choice!r}")
+    return "flex" if device_type == "cuda" else "sdpa"
+
+
+def make_attend(layout: BlockLayout, backend: Backend) -> Attend:
+    """A function (q [b,hq,Q,d], k, v [b,hkv,K,d]) -> [b,hq,Q,d] with the layout's visibility."""
+    return _flex_attend(layout) if backend == "flex" else _sdpa_attend(layout.dense_mask())
+
+
+def _sdpa_attend(mask: "torch.Tensor") -> Attend:
+    import torch.nn.functional as F
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+def _flex_attend(layout: BlockLayout) -> Attend:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = layout.anchors.device
+    keys = layout.context_len + layout.num_queries
+    block_mask = create_block_mask(layout.mask_mod(), layout.anchors.shape[0], None,
+                                   layout.num_queries, keys, device=str(device))
+    flex = _flex_function(device.type)
+
+    def attend(q, k, v):
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+def _flex_function(device_type: str) -> Callable:
+    """flex_attention, compiled once per process on CUDA (eager materialises all scores)."""
+    import warnings
+
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX["cuda"]

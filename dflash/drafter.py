@@ -1,0 +1,191 @@
+"""The DFlash drafter: L Qwen3-style decoder layers conditioned on the target's tap features.
+
+* Context: the target's hidden states at the tap layers, concatenated -> fc (L*H -> H, no bias)
+  -> RMSNorm (`hidden_norm`).
+* KV injection: in every layer the queries come from the block tokens only; keys and values are
+  projected (same k/v projections, k RMSNorm) from concat(context, block tokens).
+* The block `[anchor, MASK x (B-1)]` is embedded with the target's frozen embedding; the output
+  goes through the final `norm` and the target's frozen lm_head. Slot k predicts anchor + k.
+
+Parameter names follow the reference drafter (`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`,
+`norm`), so `model.safetensors` + `config.json` load where the reference format is expected.
+The target's embedding and lm_head are attached, not registered: they never train, never go to
+the optimizer or DDP, and never into the checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflash.attention import Attend, BlockLayout, make_attend
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
+                   target_layer_ids: Sequence[int], mask_token_id: int) -> Qwen3Config:
+    """The drafter's config (reference format): the target's shapes, L layers, DFlash keys."""
+    heads = target_config.num_attention_heads
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    return Qwen3Config(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=head_dim, hidden_act=getattr(target_config, "hidden_act", "silu"),
+        rms_norm_eps=target_config.rms_norm_eps, rope_parameters=dict(rope),
+        max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
+        architectures=[ARCHITECTURE], block_size=block_size,
+        num_target_layers=target_config.num_hidden_layers,
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, d]; cos/sin [b, T, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], count, self.head_dim)
+
+    def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attend: Attend) -> torch.Tensor:
+        """block [b, Q, H] (normed), context [b, C, H]; rope covers the C + Q key positions."""
+        cos, sin = rope
+        queries = block.shape[1]
+        keys_in = torch.cat([context, block], dim=1)
+        q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
+        k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
+        q = apply_rope(q, cos[:, -queries:], sin[:, -queries:])
+        k = apply_rope(k, cos, sin)
+        out = attend(q, k, v.to(q.dtype))
+        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attend: Attend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable: layers, fc, hidden_norm, norm. Attached (frozen): the target's embedding, lm_head."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self._frozen: tuple[nn.Module, nn.Module] | None = None
+
+    def attach_target(self, target: nn.Module) -> "DFlashDrafter":
+        """Use the target's embedding and lm_head (frozen, not registered here)."""
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if self.mask_token_id >= embed.num_embeddings or self.mask_token_id < 0:
+            raise ValueError(f"mask token id {self.mask_token_id} is not a row of the target's embedding "
+                             f"(0..{embed.num_embeddings - 1}); set drafter.mask_token_id in the profile")
+        for parameter in (*embed.parameters(), *lm_head.parameters()):
+            parameter.requires_grad_(False)
+        self._frozen = (embed, lm_head)
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        assert self._frozen is not None, "call attach_target(target) first"
+        return self._frozen[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        assert self._frozen is not None, "call attach_target(target) first"
+        return self._frozen[1]
+
+    def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[..., N] anchor tokens -> [..., N, B] blocks `[anchor, MASK x (B-1)]`."""
+        blocks = torch.full((*anchor_ids.shape, self.block_size), self.mask_token_id,
+                            dtype=anchor_ids.dtype, device=anchor_ids.device)
+        blocks[..., 0] = anchor_ids
+        return blocks
+
+    def forward(self, block_ids: torch.Tensor, context_features: torch.Tensor,
+                key_positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """block_ids [b, Q], context_features [b, C, L*H], key positions [b, C+Q] -> normed hidden [b, Q, H]."""
+        dtype = self.fc.weight.dtype
+        hidden = self.embed_tokens(block_ids).to(dtype)
+        context = self.hidden_norm(self.fc(context_features.to(dtype)))
+        rope = self.rotary_emb(hidden, key_positions)
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope, attend)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        return self.lm_head(hidden.to(weight.dtype))
+
+    def forward_layout(self, block_ids: torch.Tensor, context_features: torch.Tensor,
+                       layout: BlockLayout, backend: str) -> torch.Tensor:
+        """Training forward: all blocks of each sequence at once under the block mask."""
+        return self(block_ids, context_features, layout.key_positions(), make_attend(layout, backend))
+
+    @torch.no_grad()
+    def draft_logits(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
+        """One block at positions anchor_pos..anchor_pos+B-1 after C committed positions -> logits [B, V].
+
+        context_features [1, C, L*H] are the target's tap features of positions 0..C-1 (all
+        visible). Row k predicts the token at anchor_pos + k; row 0 is the anchor's own slot.
+        """
+        device = context_features.device
+        block = self.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]      # [1, B]
+        context_positions = torch.arange(context_features.shape[1], device=device)
+        block_positions = anchor_pos + torch.arange(self.block_size, device=device)
+        key_positions = torch.cat([context_positions, block_positions])[None]
+        hidden = self(block, context_features, key_positions, _attend_all)
+        return self.logits(hidden)[0]
+
+
+def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def trainable_parameter_names(drafter: DFlashDrafter) -> list[str]:
+    return [name for name, parameter in drafter.named_parameters() if parameter.requires_grad]

@@ -1,0 +1,94 @@
+"""Online extraction of the target's tap features: forward hooks, stop after the deepest tap.
+
+Layer id k means the OUTPUT of decoder layer k (HF `hidden_states[k + 1]`). For training only
+the taps are needed, so the hook on the deepest tap layer stops the forward: the remaining
+layers and the lm_head (seq x vocab logits) never run. Evaluation needs logits and taps of the
+same verify forward: it uses `TapCapture(model, ids, stop_after_deepest=False)` around a full
+forward.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Tap layer ids spaced from layer 1 to N-3: `[N // 2]` for one draft layer."""
+    n, count = num_target_layers, num_draft_layers
+    if count < 1:
+        raise ValueError(f"the drafter needs at least one layer, got {count}")
+    if count == 1:
+        return [n // 2]
+    if n < 5:
+        raise ValueError(f"a target with {n} layers is too shallow for {count} tap layers")
+    return [round(1 + i * (n - 4) / (count - 1)) for i in range(count)]
+
+
+def decoder_layers(model: Any) -> Sequence[Any]:
+    """The decoder layer list of a transformers causal LM (`model.model.layers`)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `model.layers`; not a supported decoder-only target")
+    return layers
+
+
+class StopForward(Exception):
+    """Raised by the deepest tap's hook to end the target forward early."""
+
+
+class TapCapture:
+    """Context manager: forward hooks on the tap layers collect their outputs.
+
+    `features()` concatenates the captured outputs in `layer_ids` order -> [B, S, L*H].
+    With `stop_after_deepest`, the deepest tap's hook raises `StopForward`.
+    """
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], stop_after_deepest: bool = False):
+        layers = decoder_layers(model)
+        bad = [k for k in layer_ids if not 0 <= k < len(layers)]
+        if bad or not layer_ids:
+            raise ValueError(f"tap layer ids {list(layer_ids)} must be in 0..{len(layers) - 1}")
+        self.layer_ids = list(layer_ids)
+        self.stop_after_deepest = stop_after_deepest
+        self._layers = layers
+        self._captured: dict[int, "torch.Tensor"] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "TapCapture":
+        deepest = max(self.layer_ids)
+        for k in sorted(set(self.layer_ids)):
+            self._handles.append(self._layers[k].register_forward_hook(self._hook(k, k == deepest)))
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return exc[0] is StopForward
+
+    def _hook(self, layer_id: int, is_deepest: bool):
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if is_deepest and self.stop_after_deepest:
+                raise StopForward()
+        return hook
+
+    def features(self) -> "torch.Tensor":
+        import torch
+
+        missing = [k for k in self.layer_ids if k not in self._captured]
+        assert not missing, f"tap layers {missing} did not run"
+        return torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
+
+
+def extract_taps(model: Any, input_ids: "torch.Tensor", layer_ids: Sequence[int]) -> "torch.Tensor":
+    """Tap features [B, S, L*H] of a frozen target; layers past the deepest tap never run."""
+    import torch
+
+    with torch.no_grad():
+        with TapCapture(model, layer_ids, stop_after_deepest=True) as capture:
+            model.model(input_ids=input_ids, use_cache=False)
+    return capture.features()

@@ -1,0 +1,207 @@
+"""Launching training: a pure builder of the torchrun (argv, env), and `run_training`.
+
+`build_torchrun_command` starts nothing: one node -> `torchrun --standalone --nproc-per-node P`;
+several nodes (machine.nnodes > 1) -> a c10d rendezvous at machine.rdzv_endpoint, the same
+command on every node. Workers get the resolved profile as JSON in the run directory, so every
+rank and node trains exactly the same configuration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from envcheck.errors import ConfigError, RunFailed
+from envcheck.schema import Profile
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    run_dir: Path
+
+    @property
+    def train_dir(self) -> Path:
+        return self.run_dir / "train"
+
+    @property
+    def profile_json(self) -> Path:
+        return self.train_dir / "profile.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.train_dir / "logs"
+
+    @property
+    def failures(self) -> Path:
+        return self.train_dir / "failures"
+
+
+def profile_to_json(profile: Profile) -> str:
+    return json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True) + "\n"
+
+
+def profile_from_json(path: str | Path) -> Profile:
+    """The resolved profile written by `profile_to_json` (sections rebuilt, lists back to tuples)."""
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(Profile):
+        value = document[item.name]
+        section = _section_type(item.name)
+        values[item.name] = section(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}) if section else value
+    return Profile(**values)
+
+
+def _section_type(name: str) -> type | None:
+    import typing
+
+    hint = typing.get_type_hints(Profile)[name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def worker_threads(profile: Profile) -> int:
+    """OMP threads per rank: the node's cores shared by its ranks (GPU ranks: 1 is plenty... at least 1)."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // max(1, profile.machine.nproc_per_node))
+
+
+def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = False, python: str | None = None,
+                           base_env: Mapping[str, str] | None = None,
+                           extra_env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of the torchrun that trains `profile` into `run_dir`; starts nothing."""
+    machine, paths = profile.machine, TrainPaths(Path(run_dir))
+    argv = [python or sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(profile),
+            "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
+            "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
+            "-m", "dflash.train_worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
+    if resume:
+        argv.append("--resume")
+    return argv, _worker_env(profile, base_env, extra_env)
+
+
+def _rendezvous_args(profile: Profile) -> list[str]:
+    machine = profile.machine
+    if machine.nnodes <= 1:
+        return ["--standalone", "--nnodes", "1"]
+    if not machine.rdzv_endpoint:
+        raise ConfigError(f"profile {profile.name}: machine.nnodes = {machine.nnodes} needs machine.rdzv_endpoint "
+                          f"(host:port of the c10d rendezvous, reachable from every node)")
+    return ["--nnodes", str(machine.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", machine.rdzv_endpoint,
+            "--rdzv-id", f"dflash-{profile.name}"]
+
+
+def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
+                extra_env: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if base_env is None else base_env)
+    python_path = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update({"PYTHONPATH": os.pathsep.join(dict.fromkeys(python_path)), "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env.setdefault("OMP_NUM_THREADS", str(worker_threads(profile)))
+    env.update(extra_env or {})
+    return env
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else v) for k, v in env.items()}
+
+
+def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, ...] = ("PYTHONPATH", "OMP_NUM_THREADS")) -> str:
+    """A paste-ready line for the per-node command (only the env we set; secrets never printed)."""
+    import shlex
+
+    shown = redact_env({k: env[k] for k in keys if k in env})
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), *map(shlex.quote, argv)])
+
+
+def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
+    """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside."""
+    from dflash.checkpoint import checkpoints_dir
+    from envcheck.fileio import write_text_atomic
+
+    has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
+    if has_checkpoints and not resume:
+        if not force:
+            raise ConfigError(f"{paths.train_dir} already holds checkpoints; pass --resume to continue, "
+                              f"or --force to start over (the old train/ is kept as train.prev-*)")
+        os.replace(paths.train_dir, paths.run_dir / f"train.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    if paths.failures.exists():
+        shutil.rmtree(paths.failures)
+    (paths.train_dir / "stopped.json").unlink(missing_ok=True)
+    write_text_atomic(paths.profile_json, profile_to_json(profile))
+
+
+def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
+                 extra_env: Mapping[str, str] | None = None) -> int:
+    """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank."""
+    from dflash.manifest import update_stage
+
+    paths = TrainPaths(Path(run_dir).resolve())
+    prepare_run_dir(profile, paths, resume=resume, force=force)
+    argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env)
+    if profile.machine.nnodes > 1:
+        print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
+    update_stage(paths.run_dir, "train", "running", resumed=resume)
+    code, signalled = _run_forwarding_sigterm(argv, env)
+    return _conclude(paths, code, signalled)
+
+
+def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run torchrun; a SIGTERM to us goes to torchrun (which passes it to the ranks)."""
+    process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT))
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        process.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        code = process.wait()
+        received.append(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return code, bool(received)
+
+
+def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
+    from dflash.manifest import update_stage
+    from envcheck.fileio import read_json
+
+    stopped = paths.train_dir / "stopped.json"
+    if stopped.exists():
+        info = read_json(stopped)
+        update_stage(paths.run_dir, "train", "pending", stopped_at_step=info["step"])
+        print(f"training stopped after step {info['step']}; checkpoint saved. Continue with --resume.", flush=True)
+        return 0
+    if code == 0 and not signalled:
+        return 0
+    failure = first_failure(paths.failures)
+    update_stage(paths.run_dir, "train", "failed", exit_code=code, failed_rank=failure and failure["rank"])
+    raise RunFailed(failure_message(failure, code, paths))
+
+
+def first_failure(failures_dir: Path) -> dict[str, Any] | None:
+    """The earliest failure a rank recorded (the root cause; later ones are its echoes)."""
+    records = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(failures_dir.glob("rank-*.json"))]
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def failure_message(failure: dict[str, Any] | None, code: int, paths: TrainPaths) -> str:
+    if failure is None:
+        return f"torchrun exited with code {code} and no rank recorded an error; see the logs in {paths.logs}"
+    tail = "\n".join(failure["traceback"].rstrip().splitlines()[-15:])
+    return (f"rank {failure['rank']} failed first: {failure['error']}\n{tail}\n"
+            f"(all rank logs: {paths.logs}; continue from the last checkpoint with --resume)")

@@ -1,0 +1,204 @@
+"""Entry point of each torchrun rank: `python -m dflash.train_worker --profile-json F --run-dir D`.
+
+Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
+writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM sets a flag that all
+ranks agree on after the current step: a checkpoint is saved and the ranks exit cleanly. An
+exception is written to `train/failures/rank-R.json` (rank + traceback) before the rank exits,
+so the launcher can name the rank that failed first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+STOPPED_FILE = "stopped.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="one DFlash training rank (started by torchrun)")
+    parser.add_argument("--profile-json", required=True, type=Path, help="the resolved profile (JSON)")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--resume", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dflash.trainer import WorkerEnv
+
+    env = WorkerEnv.from_env()
+    try:
+        return _train(args, env)
+    except BaseException as error:
+        if not isinstance(error, SystemExit):
+            write_failure(args.run_dir, env.rank, error)
+        raise
+
+
+def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
+    from envcheck.fileio import write_json_atomic
+
+    text = "".join(traceback.format_exception(error))
+    write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json",
+                      {"rank": rank, "time": time.time(), "error": repr(error), "traceback": text})
+
+
+def _train(args: argparse.Namespace, env: Any) -> int:
+    from dflash.launch import profile_from_json
+    from dflash.trainer import build_state, close_process_group, init_process_group
+
+    profile = profile_from_json(args.profile_json)
+    init_process_group(profile, env)
+    stop = StopFlag.install()
+    try:
+        state = build_state(profile, args.run_dir, env, resume=args.resume)
+        train_loop(state, profile, args.run_dir, stop)
+    finally:
+        close_process_group()
+    return 0
+
+
+class StopFlag:
+    """Set by SIGTERM; ranks agree on it (all_reduce MAX) between steps."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @classmethod
+    def install(cls) -> "StopFlag":
+        flag = cls()
+        signal.signal(signal.SIGTERM, lambda *_: setattr(flag, "requested", True))
+        return flag
+
+    def agreed(self, device: Any) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+
+def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
+    from dflash.trainer import gather_memory_mib, maybe_inject_failure, plan_batches
+
+    total = state.extras["total_steps"]
+    log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
+    try:
+        while state.step < total:
+            maybe_inject_failure(state.env, state.step + 1)
+            epoch, rows = state.data.step_rows(state.step)
+            stats = run_planned_step(state, rows, epoch, plan_batches(len(rows), state.micro_batch))
+            state.step += 1
+            if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
+                state.extras["mem_mib"] = gather_memory_mib(state.device)
+            if log:
+                log.record(state, stats, epoch)
+            if stop.agreed(state.device):
+                _save(state, run_dir, final=False, stopped=True)
+                return
+            if state.step % profile.train.save_every_steps == 0 and state.step < total:
+                _save(state, run_dir, final=False)
+        _save(state, run_dir, final=True)
+    finally:
+        if log:
+            log.close()
+
+
+def run_planned_step(state: Any, rows: list[int], epoch: int, plan: Any) -> Any:
+    """The step; the memory-budget layer (dflash.autobatch) may wrap this to adapt the plan."""
+    from dflash.trainer import run_step
+
+    wrapper = state.extras.get("step_wrapper")
+    return wrapper(state, rows, epoch, plan) if wrapper else run_step(state, rows, epoch, plan)
+
+
+def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
+    from dflash.checkpoint import save_checkpoint
+    from dflash.manifest import update_stage
+    from envcheck.fileio import write_json_atomic
+
+    if not state.env.is_main:
+        return
+    where = save_checkpoint(run_dir, state.drafter, state.step, {
+        "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
+        "micro_batch": state.micro_batch, "total_steps": state.extras["total_steps"]})
+    last_loss = state.extras.get("last_loss")
+    update_stage(run_dir, "train", "done" if final else "running", steps=state.step,
+                 last_loss=last_loss, checkpoint=str(where))
+    if stopped:
+        write_json_atomic(run_dir / "train" / STOPPED_FILE, {"step": state.step, "checkpoint": str(where)})
+        print(f"stopped by SIGTERM after step {state.step}; checkpoint {where}", flush=True)
+
+
+class MetricsLog:
+    """Rank 0: metrics.jsonl (one line per logged step), TensorBoard events, a progress bar."""
+
+    def __init__(self, run_dir: Path, state: Any, profile: Any):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        self.path = run_dir / "train" / "metrics.jsonl"
+        self.every = max(1, profile.train.log_every_steps)
+        truncate_metrics(self.path, state.step)
+        self.writer = SummaryWriter(str(run_dir / "train" / "tb"), purge_step=state.step + 1)
+        self.bar = tqdm(total=state.extras["total_steps"], initial=state.step, desc="train", unit="step",
+                        dynamic_ncols=True, mininterval=1.0)
+
+    def record(self, state: Any, stats: Any, epoch: int) -> None:
+        state.extras["last_loss"] = stats.loss
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats.loss:.3f}", tau=f"{stats.sim_tau:.2f}", refresh=False)
+        if state.step % self.every and state.step != state.extras["total_steps"]:
+            return
+        line = metrics_line(state, stats)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line) + "\n")
+        for key in ("loss", "sim_tau", "tokens_per_s", "lr"):
+            self.writer.add_scalar(f"train/{key}", line[key], state.step)
+        for k, value in enumerate(stats.acc, start=1):
+            self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+
+
+def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
+    return {
+        "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
+        "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
+        "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
+        "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.extras.get("mem_mib", []),
+        "micro_batch": state.micro_batch, "time": time.time(),
+    }
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep only lines up to `step` (a resumed run rewrites what came after its checkpoint)."""
+    from envcheck.fileio import write_text_atomic
+
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and _line_step(line) is not None and _line_step(line) <= step]
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def _line_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""Online DFlash training, run inside each torchrun rank (see `dflash.train_worker`).
+
+One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on every rank (a
+`BatchPlan`; the same number of forward/backward calls everywhere). The loss of the step is the
+weighted cross entropy summed over all ranks' micro-batches divided by the GLOBAL weight sum
+(all_reduce SUM before any backward), so gradients do not depend on how the batch is split, and
+the micro-batch may change between steps (`run_step` re-runs from the same rows and anchors).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash.anchors import sample_anchors
+from dflash.attention import BlockLayout
+from dflash.drafter import DFlashDrafter
+from dflash.loss import LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from envcheck.errors import DataError
+from envcheck.schema import Profile
+
+FAIL_RANK_ENV = "DFLASH_FAIL_RANK"       # fault injection for tests: "RANK:STEP" raises on that rank
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> "WorkerEnv":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """`accum_steps` micro-batches of at most `micro_batch` sequences on one rank."""
+
+    micro_batch: int
+    accum_steps: int
+
+
+def plan_batches(rows_per_rank: int, micro_batch: int) -> BatchPlan:
+    micro_batch = max(1, min(micro_batch, rows_per_rank))
+    return BatchPlan(micro_batch=micro_batch, accum_steps=math.ceil(rows_per_rank / micro_batch))
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences and their anchors (padded anchors: 0, anchor_valid False)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    tokens: int
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
+                          self.anchor_valid.to(device), self.tokens)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    acc: list[float]
+    sim_tau: float
+    tokens: int
+    weight_sum: float
+    seconds: float
+
+
+class TrainData:
+    """The Arrow dataset, the per-epoch order, each rank's rows of a step, and collation."""
+
+    def __init__(self, path: Path, profile: Profile, env: WorkerEnv):
+        import datasets
+
+        if not Path(path).exists():
+            raise DataError(f"{path}: no dataset; run `launcher.py tokenize --profile {profile.name}` first")
+        self.dataset = datasets.load_from_disk(str(path)).with_format(None)
+        missing = {"input_ids", "loss_mask"} - set(self.dataset.column_names)
+        if missing:
+            raise DataError(f"{path}: dataset lacks columns {sorted(missing)}; re-run tokenize")
+        self.global_batch, self.env, self.train = profile.train.global_batch, env, profile.train
+        self.max_length = profile.data.max_length
+        self._check_sizes(path)
+
+    def _check_sizes(self, path: Path) -> None:
+        if self.global_batch % self.env.world_size:
+            raise DataError(f"train.global_batch {self.global_batch} is not divisible by {self.env.world_size} ranks")
+        if len(self.dataset) < self.global_batch:
+            raise DataError(f"{path}: {len(self.dataset)} rows, fewer than train.global_batch {self.global_batch}")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.dataset) // self.global_batch
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.global_batch // self.env.world_size
+
+    def step_rows(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, this rank's row indices) of global step `step` (0-based); drop-last per epoch."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.train.seed, epoch]).permutation(len(self.dataset))
+        chosen = order[index * self.global_batch:(index + 1) * self.global_batch]
+        return epoch, [int(row) for row in chosen[self.env.rank::self.env.world_size]]
+
+    def collate(self, rows: list[int], epoch: int) -> MicroBatch:
+        records = [self.dataset[row] for row in rows]
+        ids = [list(r["input_ids"])[: self.max_length] for r in records]
+        masks = [list(r["loss_mask"])[: self.max_length] for r in records]
+        anchors = [sample_anchors(m, self.train.num_anchors, seed=self.train.seed, epoch=epoch, row=row)
+                   for m, row in zip(masks, rows)]
+        width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
+        batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
+                           torch.zeros(len(rows), count, dtype=torch.long), torch.zeros(len(rows), count, dtype=torch.bool),
+                           tokens=sum(map(len, ids)))
+        for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
+            batch.input_ids[i, : len(seq)] = torch.tensor(seq)
+            batch.loss_mask[i, : len(mask)] = torch.tensor(mask)
+            batch.anchors[i, : len(anchor)] = torch.from_numpy(anchor)
+            batch.anchor_valid[i, : len(anchor)] = True
+        return batch
+
+
+@dataclass
+class TrainState:
+    """Everything a step needs. `model` is the DDP wrapper (or the drafter on one rank)."""
+
+    env: WorkerEnv
+    device: torch.device
+    target: Any
+    drafter: DFlashDrafter
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: TrainData
+    layer_ids: list[int]
+    decay: torch.Tensor
+    backend: str
+    grad_clip: float
+    chunk_rows: int
+    step: int = 0
+    micro_batch: int = 1
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def micro_weight_sum(state: TrainState, batch: MicroBatch) -> float:
+    targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
+                            state.drafter.block_size)
+    return float((targets.label_mask * state.decay.cpu()).sum())
+
+
+def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
+    """Target taps (no grad, truncated forward) -> drafter over all blocks -> loss parts."""
+    from dflash.extract import extract_taps
+
+    batch = batch.to(state.device)
+    features = extract_taps(state.target, batch.input_ids, state.layer_ids)
+    drafter, block = state.drafter, state.drafter.block_size
+    layout = BlockLayout(batch.anchors, batch.input_ids.shape[1], block)
+    anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+    block_ids = drafter.block_input_ids(anchor_ids).flatten(1)
+    with _autocast(state.device):
+        hidden = state.model(block_ids, features, layout.key_positions(), _attend_for(layout, state.backend))
+        hidden = hidden.view(*batch.anchors.shape, block, -1)
+        targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block)
+        parts = block_loss(hidden, drafter.logits, targets, state.decay, state.chunk_rows)
+    parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
+    return parts
+
+
+def _attend_for(layout: BlockLayout, backend: str):
+    from dflash.attention import make_attend
+
+    return make_attend(layout, backend)
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
+    """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable."""
+    started = time.perf_counter()
+    batches = [state.data.collate(rows[i:i + plan.micro_batch], epoch) for i in range(0, len(rows), plan.micro_batch)]
+    assert len(batches) == plan.accum_steps, "every rank must run the same number of micro-batches"
+    local_weight = sum(micro_weight_sum(state, batch) for batch in batches)
+    global_weight = float(all_reduce_sum(torch.tensor([local_weight], dtype=torch.float64, device=state.device)))
+    state.optimizer.zero_grad(set_to_none=True)
+    totals = _accumulate(state, batches, max(global_weight, 1e-12))
+    torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
+    state.optimizer.step()
+    state.scheduler.step()
+    return _step_stats(state, totals, batches, time.perf_counter() - started)
+
+
+def _accumulate(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
+    """Forward/backward each micro-batch (DDP syncs on the last). Returns summed stats."""
+    slots = state.drafter.block_size - 1
+    totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(state.model, "no_sync") else state.model.no_sync()
+        with sync:
+            parts = forward_micro(state, batch)
+            (parts.weighted_ce * (state.env.world_size / global_weight)).backward()
+        totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
+                             parts.weight_sum.detach().double().cpu().view(1),
+                             parts.correct.double().cpu(), parts.counted.double().cpu()])
+    return totals
+
+
+def _step_stats(state: TrainState, totals: torch.Tensor, batches: list[MicroBatch], local_seconds: float) -> StepStats:
+    slots = state.drafter.block_size - 1
+    tokens = sum(batch.tokens for batch in batches)
+    reduced = all_reduce_sum(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]).to(state.device)).cpu()
+    acc = per_slot_accuracy(reduced[2:2 + slots], reduced[2 + slots:2 + 2 * slots])
+    weight = float(reduced[1])
+    return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
+                     sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
+                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds)
+
+
+def maybe_inject_failure(env: WorkerEnv, step: int) -> None:
+    """Fault injection (tests, docs/train.md): DFLASH_FAIL_RANK=RANK:STEP raises on that rank."""
+    spec = os.environ.get(FAIL_RANK_ENV, "")
+    if spec and spec.split(":") == [str(env.rank), str(step)]:
+        raise RuntimeError(f"injected failure on rank {env.rank} at step {step} ({FAIL_RANK_ENV}={spec})")
+
+
+# ---- setup: process group, target, drafter, optimizer, schedule, resume -----------------------
+
+def init_process_group(profile: Profile, env: WorkerEnv) -> torch.device:
+    if profile.machine.device == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if env.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=profile.machine.backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def close_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def gather_memory_mib(device: torch.device) -> list[float]:
+    """Peak memory of every rank in MiB (device memory on GPU, max RSS on CPU)."""
+    if device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        import resource
+
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if not (dist.is_available() and dist.is_initialized()):
+        return [round(mine, 1)]
+    gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([mine], device=device, dtype=torch.float32))
+    return [round(float(t.item()), 1) for t in gathered]
+
+
+def load_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> Any:
+    """The frozen target (eval mode, no grads); layers past `keep_layers` are dropped (never run)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models import resolve_model_path
+
+    path = resolve_model_path(profile.model.target)
+    dtype = getattr(torch, profile.model.dtype)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    target.requires_grad_(False)
+    if keep_layers is not None:
+        target.model.layers = target.model.layers[:keep_layers]
+    return target
+
+
+def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
+    """drafter.mask_token_id, else the tokenizer's mask token; it must be a row of the embedding."""
+    mask_id = profile.drafter.mask_token_id
+    if mask_id is None:
+        mask_id = _tokenizer_mask_id(profile)
+    if mask_id is None:
+        raise ValueError(f"profile {profile.name}: the tokenizer has no mask token; set [drafter] mask_token_id "
+                         f"to an embedding row the data never uses (Qwen3: 151669, a padding row)")
+    if not 0 <= mask_id < vocab_rows:
+        raise ValueError(f"profile {profile.name}: drafter.mask_token_id {mask_id} is not a row of the "
+                         f"target's embedding (0..{vocab_rows - 1})")
+    return int(mask_id)
+
+
+def _tokenizer_mask_id(profile: Profile) -> int | None:
+    from transformers import AutoTokenizer
+
+    from dflash.models import resolve_model_path
+
+    path = resolve_model_path(profile.model.tokenizer or profile.model.target)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True).mask_token_id
+
+
+def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
+    from dflash.extract import default_target_layer_ids
+
+    ids = list(profile.drafter.target_layer_ids) or default_target_layer_ids(num_target_layers, profile.drafter.num_layers)
+    bad = [k for k in ids if not 0 <= k < num_target_layers]
+    if bad:
+        raise ValueError(f"profile {profile.name}: drafter.target_layer_ids {bad} outside 0..{num_target_layers - 1}")
+    return ids
+
+
+def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int) -> DFlashDrafter:
+    from dflash.drafter import drafter_config
+
+    config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
+                            target_layer_ids=layer_ids, mask_token_id=resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings))
+    config.num_target_layers = num_target_layers
+    torch.manual_seed(profile.train.seed)
+    return DFlashDrafter(config).attach_target(target)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> Any:
+    """Linear warmup over ceil(ratio * total) steps, then cosine to 0."""
+    warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def total_steps(profile: Profile, steps_per_epoch: int) -> int:
+    return profile.train.max_steps or profile.train.epochs * steps_per_epoch
+
+
+def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool) -> TrainState:
+    from dflash.loss import decay_weights, default_gamma
+
+    device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
+    data = TrainData(_dataset_path(profile), profile, env)
+    target = load_target(profile, device)
+    num_target_layers = target.config.num_hidden_layers
+    layer_ids = resolve_layer_ids(profile, num_target_layers)
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]
+    drafter = build_drafter(profile, target, layer_ids, num_target_layers).to(device)
+    gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
+    state = _assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
+    if resume:
+        restore_checkpoint(state, run_dir)
+    state.model = _wrap_ddp(drafter, device)
+    return state
+
+
+def _dataset_path(profile: Profile) -> Path:
+    from envcheck.profile import expand_path
+
+    return expand_path(profile, profile.paths.dataset)
+
+
+def _assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
+                    data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
+    from dflash.attention import resolve_backend
+
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=profile.train.lr,
+                                  weight_decay=profile.train.weight_decay)
+    steps = total_steps(profile, data.steps_per_epoch)
+    return TrainState(env=env, device=device, target=target, drafter=drafter, model=drafter, optimizer=optimizer,
+                      scheduler=cosine_schedule(optimizer, steps, profile.train.warmup_ratio), data=data,
+                      layer_ids=layer_ids, decay=decay.to(device),
+                      backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
+                      chunk_rows=profile.train.loss_chunk_rows, micro_batch=profile.train.max_micro_batch,
+                      extras={"total_steps": steps})
+
+
+def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
+    """Weights, optimizer, schedule, step and micro-batch from the latest checkpoint (if any)."""
+    from safetensors.torch import load_file
+
+    from dflash.checkpoint import WEIGHTS, latest_checkpoint, load_training_state
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        if state.env.is_main:
+            print(f"no checkpoint under {run_dir}/train/checkpoints; starting from step 0", flush=True)
+        return
+    state.drafter.load_state_dict(load_file(str(checkpoint / WEIGHTS), device=str(state.device)))
+    saved = load_training_state(checkpoint)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
+    if state.env.is_main:
+        print(f"resumed from {checkpoint} (step {state.step})", flush=True)
+
+
+def _wrap_ddp(drafter: DFlashDrafter, device: torch.device) -> torch.nn.Module:
+    if not (dist.is_available() and dist.is_initialized()):
+        return drafter
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
