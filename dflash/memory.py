@@ -5,9 +5,12 @@ allocates through torch is modelled as
 
     peak(m) = intercept + slope * m            (m = micro-batch, sequences per forward)
 
-* intercept = static memory (target weights, drafter weights, drafter gradients, AdamW states,
-  with their dtypes) + one logits chunk (logits are computed in chunks of
-  LOGITS_CHUNK_TOKENS block tokens: bf16 logits, their fp32 upcast and fp32 gradient);
+* intercept = static memory + one logits chunk. Static: the target's weights in model.dtype
+  (embedding, lm_head and the layers up to the deepest tap: the trainer drops the rest), and
+  the drafter's trainable parameters in float32 (mixed precision: master weights, gradients and
+  two AdamW states, 16 bytes per parameter, plus autocast's bf16 weight copies). Logits are
+  computed `train.loss_chunk_rows` block tokens at a time under checkpointing: bf16 logits,
+  their fp32 upcast and fp32 gradient;
 * slope = memory per sequence of the WORST micro-batch the data allows: every sequence at
   `data.max_length` with the full anchor count (`train.num_anchors` x `drafter.block_size` block
   tokens). Per sequence: the tap features kept from the target, plus the larger of the target's
@@ -41,7 +44,8 @@ from envcheck.schema import Profile
 
 MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-LOGITS_CHUNK_TOKENS = 1024          # block tokens whose logits exist at once
+LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)
+DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
 LOGITS_BYTES_PER_ELEMENT = 2 + 4 + 4  # bf16 logits, fp32 upcast, fp32 gradient
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
 CALIBRATION_KEY = "memory_calibration"
@@ -109,6 +113,15 @@ class Workload:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def autocast(self) -> bool:
+        """Mixed precision: fp32 drafter weights, activations in model.dtype."""
+        return self.dtype != "float32"
+
+    @property
+    def loaded_target_layers(self) -> int:
+        return max(self.tap_layers) + 1
+
+    @property
     def anchors(self) -> int:
         return max(1, min(self.num_anchors, self.max_length - 1))
 
@@ -130,6 +143,7 @@ class MemoryEstimate:
     drafter_weights: float
     drafter_grads: float
     optimizer_states: float
+    autocast_weights: float
     logits_chunk: float
     tap_features: float
     target_activations: float
@@ -137,7 +151,8 @@ class MemoryEstimate:
 
     @property
     def static(self) -> float:
-        return self.target_weights + self.drafter_weights + self.drafter_grads + self.optimizer_states
+        return (self.target_weights + self.drafter_weights + self.drafter_grads + self.optimizer_states
+                + self.autocast_weights)
 
     @property
     def per_sequence(self) -> float:
@@ -244,9 +259,10 @@ def tap_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
 def workload_from_profile(profile: Profile, shape: TargetShape | None = None) -> Workload:
     shape = shape or target_shape(profile)
     taps = profile.drafter.target_layer_ids or tap_layer_ids(shape.num_layers, profile.drafter.num_layers)
+    chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
-                    max_length=profile.data.max_length, tap_layers=tuple(taps))
+                    max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk)
 
 
 # --- the analytic estimate ----------------------------------------------------------------
@@ -258,12 +274,20 @@ def drafter_params(workload: Workload) -> int:
     return workload.drafter_layers * shape.layer_params() + fc + 2 * shape.hidden
 
 
+def target_params_loaded(workload: Workload) -> int:
+    """The target's parameters kept on the GPU: all but the layers after the deepest tap."""
+    shape = workload.target
+    dropped = max(0, shape.num_layers - workload.loaded_target_layers)
+    return shape.total_params() - dropped * shape.layer_params()
+
+
 def estimate(workload: Workload) -> MemoryEstimate:
-    b = workload.dtype_bytes
-    drafter = drafter_params(workload) * b / MIB
+    params = drafter_params(workload)
+    drafter = params * DRAFTER_MASTER_BYTES / MIB
     return MemoryEstimate(
-        target_weights=workload.target.total_params() * b / MIB,
+        target_weights=target_params_loaded(workload) * workload.dtype_bytes / MIB,
         drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * drafter,
+        autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
         logits_chunk=_logits_chunk_mib(workload), tap_features=_tap_features_mib(workload),
         target_activations=_target_activations_mib(workload),
         drafter_activations=_drafter_activations_mib(workload))
