@@ -107,7 +107,8 @@ def run_step(config: BisectConfig, plan: BisectPlan, k: int, step: int, baseline
     record = StepRecord(step=step, k=k, groups=[group.name for group in applied], result="skip")
     venv_dir = config.work_dir / "venvs" / f"k{k:03d}"
     started = time.monotonic()
-    built = build_candidate(config.installer, venv_dir, apply_groups(plan.good, applied))
+    requirements = config.work_dir / "steps" / f"k{k:03d}.requirements.txt"
+    built = build_candidate(config.installer, venv_dir, apply_groups(plan.good, applied), requirements)
     record.seconds.update(built.seconds)
     if not built.ok:
         record.reason = "inconsistent" if built.inconsistent else f"{built.stage} failed"

@@ -91,11 +91,11 @@ def check_command(options: InstallerOptions, venv_dir: Path) -> Command:
     return [options.tool_python, "-m", "pip", "--python", target, "check", "--disable-pip-version-check"], _env()
 
 
-def build_candidate(options: InstallerOptions, venv_dir: Path, pins: RequirementSet) -> BuildResult:
-    """A fresh venv at `venv_dir` holding exactly `pins`, checked for consistency."""
+def build_candidate(options: InstallerOptions, venv_dir: Path, pins: RequirementSet,
+                    requirements: Path) -> BuildResult:
+    """A fresh venv at `venv_dir` holding exactly `pins` (written to `requirements`), checked."""
     shutil.rmtree(venv_dir, ignore_errors=True)
-    requirements = write_text_atomic(venv_dir.parent / f"{venv_dir.name}.requirements.txt",
-                                     requirements_text(pins))
+    write_text_atomic(requirements, requirements_text(pins))
     result = BuildResult(ok=True)
     steps = (("venv", venv_command(options, venv_dir)),
              ("install", install_command(options, venv_dir, requirements)),
