@@ -1,0 +1,123 @@
+"""Per-rank budgets: GPU mapping, overhead sources, margin, agreement on the minimum, exact global batch."""
+from __future__ import annotations
+
+import pytest
+
+from dflash import budget, memory
+from envcheck.errors import ConfigError, InputError, RunFailed
+from envcheck.profile import load_profile
+
+UUIDS = ["GPU-aaaa0000-1111", "GPU-bbbb0000-2222", "GPU-cccc0000-3333", "GPU-aaaa9999-4444"]
+
+
+def snapshot(free: list[float], context: list[float | None] | None = None) -> dict:
+    context = context or [None] * len(free)
+    return {"gpus": [{"index": i, "uuid": UUIDS[i], "name": "NVIDIA RTX PRO 6000", "memory_total_mib": 97_887,
+                      "memory_free_mib": f, "context_mib": c} for i, (f, c) in enumerate(zip(free, context))]}
+
+
+def write_profile(tmp_path, body: str):
+    path = tmp_path / "node.toml"
+    path.write_text('[machine]\ndevice = "cuda"\nnproc_per_node = 2\nbackend = "gloo"\n'
+                    '[model]\ntarget = "no-such-dir"\n' + body)
+    return load_profile(str(path))
+
+
+def test_cuda_visible_devices_maps_ordinals_to_nvml_indices_and_uuid_prefixes():
+    gpus = budget.gpus_from_snapshot(snapshot([1, 2, 3, 4]))
+    assert [g.index for g in budget.visible_gpus(gpus, None)] == [0, 1, 2, 3]
+    assert [g.index for g in budget.visible_gpus(gpus, "2,0")] == [2, 0]
+    assert [g.index for g in budget.visible_gpus(gpus, "GPU-bbbb,GPU-aaaa9")] == [1, 3]
+    with pytest.raises(ConfigError, match="'GPU-aaaa' is ambiguous"):
+        budget.visible_gpus(gpus, "GPU-aaaa")
+    with pytest.raises(ConfigError, match="'7' matches no GPU"):
+        budget.visible_gpus(gpus, "0,7")
+
+
+def test_snapshot_without_gpus_or_fields_is_an_input_error():
+    with pytest.raises(InputError, match="no 'gpus' list"):
+        budget.gpus_from_snapshot({"hostname": "x"})
+    with pytest.raises(InputError, match=r"gpus\[0\].*memory_free_mib"):
+        budget.gpus_from_snapshot({"gpus": [{"index": 0, "memory_total_mib": 1}]})
+
+
+def test_overhead_prefers_probe_then_baseline_then_profile_then_default(tmp_path):
+    profile = write_profile(tmp_path, "[memory]\noverhead_mib = 700\n")
+    probed, unprobed = budget.gpus_from_snapshot(snapshot([50_000, 50_000], [610, None]))
+    known = budget.baseline_index(snapshot([60_000, 60_000], [None, 555]))
+    assert budget.overhead_for(probed, profile, known) == (610, "probe")
+    assert budget.overhead_for(unprobed, profile, known) == (555, "baseline")
+    assert budget.overhead_for(unprobed, profile, {}) == (700, "profile")
+    default_profile = write_profile(tmp_path, "")
+    assert budget.overhead_for(unprobed, default_profile, {}) == (budget.DEFAULT_OVERHEAD_MIB, "default")
+
+
+def test_budget_is_free_minus_overhead_minus_margin_of_free(tmp_path):
+    profile = write_profile(tmp_path, "[memory]\nmargin = 0.2\n")
+    gpu = budget.gpus_from_snapshot(snapshot([10_000], [500]))[0]
+    result = budget.rank_budget(3, gpu, profile, {})
+    assert (result.free_mib, result.overhead_mib, result.margin_mib, result.budget_mib) == (10_000, 500, 2_000, 7_500)
+
+
+def test_batch_plan_keeps_the_global_batch_exact():
+    for world, micro in [(8, 4), (8, 3), (2, 1), (4, 5)]:
+        plan = budget.batch_plan(64, world, micro)
+        assert sum(plan.micro_batch_sizes) * world == 64
+        assert len(plan.micro_batch_sizes) == plan.accum_steps
+        assert max(plan.micro_batch_sizes) == plan.micro_batch
+    assert budget.batch_plan(64, 8, 3).micro_batch_sizes == (3, 3, 2)
+    with pytest.raises(ConfigError, match="global_batch = 10 must be a positive multiple of the world size 4"):
+        budget.batch_plan(10, 4, 1)
+
+
+CALIBRATION_POINTS = {1: 3_500.0, 2: 5_000.0}              # peak = 2000 + 1500 m
+
+
+def calibrated_plan(profile, free: list[float], **kwargs) -> budget.Plan:
+    workload = memory.workload_from_profile(profile)
+    calibration = memory.fit_calibration(CALIBRATION_POINTS, workload)
+    return budget.make_plan(profile, snapshot(free, [500] * len(free)), calibration=calibration, **kwargs)
+
+
+def test_the_rank_with_least_headroom_sets_everyones_micro_batch(tmp_path):
+    profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\nmax_micro_batch = 4\n")
+    plan = calibrated_plan(profile, [10_000, 6_500])        # budgets 8500 and 5350
+    assert [r.feasible_micro_batch for r in plan.ranks] == [4, 2]
+    assert plan.bottleneck_ranks == (1,)
+    assert (plan.batch.micro_batch, plan.batch.accum_steps) == (2, 4)
+    assert all(r.peak_at_agreed_mib == 5_000.0 for r in plan.ranks)
+    assert plan.peak_model.source == "calibration"
+
+
+def test_ranks_follow_cuda_visible_devices(tmp_path):
+    profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")
+    plan = calibrated_plan(profile, [10_000, 6_500, 10_000], cuda_visible_devices="2,0")
+    assert [r.budget.gpu.index for r in plan.ranks] == [2, 0]
+    assert plan.bottleneck_ranks == () and plan.batch.micro_batch == 4
+    with pytest.raises(ConfigError, match="only 1 GPUs are visible"):
+        calibrated_plan(profile, [10_000, 6_500], cuda_visible_devices="1")
+
+
+def test_plan_for_rank_gives_the_local_plan_and_refuses_when_one_sequence_cannot_fit(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")
+    calibration = memory.fit_calibration(CALIBRATION_POINTS, memory.workload_from_profile(profile))
+    snap = snapshot([10_000, 6_500], [500, 500])
+    local = budget.plan_for_rank(profile, snap, 1, 2, calibration=calibration)
+    assert (local.micro_batch, local.accum_steps) == (2, 4)
+    with pytest.raises(RunFailed, match=r"rank 1: one sequence needs 3500 MiB but GPU 1's budget is 2650 MiB"):
+        budget.plan_for_rank(profile, snapshot([10_000, 3_500], [500, 500]), 1, 2, calibration=calibration)
+
+
+def test_cuda_profile_without_snapshot_asks_for_one(tmp_path):
+    with pytest.raises(ConfigError, match="--snapshot"):
+        budget.make_plan(write_profile(tmp_path, ""), None)
+    recorded = snapshot([10_000, 10_000])
+    with pytest.raises(ConfigError, match="only 0 GPUs are visible"):     # CUDA's meaning of ""
+        budget.make_plan(write_profile(tmp_path, ""), recorded, cuda_visible_devices="")
+
+
+def test_cpu_profile_plans_without_gpu_budgets():
+    plan = budget.make_plan(load_profile("cpu-demo"))
+    assert [r.budget.gpu for r in plan.ranks] == [None, None]
+    assert plan.batch.micro_batch == 4 and plan.batch.accum_steps == 1

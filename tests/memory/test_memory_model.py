@@ -1,0 +1,119 @@
+"""The memory model: target shapes from disk, the worst-case estimate, calibration, storage."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dflash import memory
+from envcheck.errors import InputError
+from envcheck.profile import load_profile
+
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
+}
+
+
+def rtx_workload(**changes) -> memory.Workload:
+    return dataclasses.replace(memory.workload_from_profile(load_profile("rtx6000-x8")), **changes)
+
+
+def test_tap_layers_follow_the_dflash_spacing():
+    assert memory.tap_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert memory.tap_layer_ids(36, 1) == (18,)
+
+
+def test_shape_is_read_from_config_json_with_nested_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": QWEN3_8B_CONFIG}))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_381_470_720}}))
+    shape = memory.shape_from_directory(tmp_path, dtype_bytes=2)
+    assert (shape.hidden, shape.num_layers, shape.q_dim, shape.kv_dim) == (4096, 36, 4096, 1024)
+    assert shape.total_params() == 8_190_735_360           # from the index, not the formula
+    assert str(tmp_path) in shape.source
+
+
+def test_config_without_required_key_names_the_file_and_key(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(InputError, match=r"config\.json.*num_attention_heads"):
+        memory.shape_from_directory(tmp_path, dtype_bytes=2)
+
+
+def test_parameter_formula_matches_a_real_qwen3_model(tiny_qwen3_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True)
+    shape = memory.shape_from_directory(tiny_qwen3_target, dtype_bytes=4)
+    assert shape.param_count == 0                           # single file: computed from the dimensions
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params() == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_profile_without_local_target_uses_the_27b_like_shape():
+    shape = memory.target_shape(load_profile("rtx6000-x8"))
+    assert shape == memory.QWEN36_27B_LIKE and shape.hidden == 5120 and shape.num_layers == 64
+
+
+def test_static_memory_counts_target_to_deepest_tap_and_fp32_drafter_with_adamw():
+    workload = rtx_workload()
+    figures = memory.estimate(workload)
+    params = memory.drafter_params(workload)
+    assert figures.drafter_weights == pytest.approx(params * 4 / memory.MIB)
+    assert figures.optimizer_states == pytest.approx(2 * figures.drafter_weights)
+    assert figures.drafter_grads == figures.drafter_weights
+    dropped = 64 - (max(workload.tap_layers) + 1)
+    assert figures.target_weights == pytest.approx(
+        (27_000_000_000 - dropped * memory.QWEN36_27B_LIKE.layer_params()) * 2 / memory.MIB)
+
+
+def test_worst_case_grows_with_length_and_anchors_but_static_does_not():
+    base = memory.estimate(rtx_workload())
+    longer = memory.estimate(rtx_workload(max_length=16384))
+    fewer_anchors = memory.estimate(rtx_workload(num_anchors=128))
+    assert longer.per_sequence > base.per_sequence and longer.static == base.static
+    assert fewer_anchors.drafter_activations < base.drafter_activations / 2
+    short = rtx_workload(max_length=64)                     # anchors are capped by the length
+    assert short.anchors == 63 and short.block_tokens == 63 * 16
+
+
+def test_peak_is_linear_in_the_micro_batch_and_largest_fitting_respects_the_budget():
+    model = memory.estimated_peak_model(rtx_workload())
+    assert model.peak_mib(3) - model.peak_mib(2) == pytest.approx(model.slope_mib)
+    budget = model.peak_mib(2) + 1
+    assert model.largest_fitting(budget, ceiling=8) == 2
+    assert model.largest_fitting(budget, ceiling=1) == 1
+    assert model.largest_fitting(model.peak_mib(1) - 1, ceiling=8) == 0
+
+
+def test_calibration_fits_the_line_through_two_measured_peaks_and_only_applies_to_its_workload():
+    workload = rtx_workload()
+    calibration = memory.fit_calibration({2: 70_000.0, 1: 60_000.0}, workload, device_name="H200")
+    assert (calibration.slope_mib, calibration.intercept_mib) == (10_000.0, 50_000.0)
+    calibrated = memory.peak_model(workload, calibration)
+    assert calibrated.source == "calibration" and calibrated.peak_mib(4) == 90_000.0
+    other = rtx_workload(max_length=4096)
+    assert memory.peak_model(other, calibration).source == "estimate"
+    with pytest.raises(ValueError, match="exactly two"):
+        memory.fit_calibration({1: 1.0}, workload)
+
+
+def test_calibration_is_stored_inside_the_baseline_and_read_back(tmp_path):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"gpus": [{"index": 0}], "hostname": "node"}))
+    calibration = memory.fit_calibration({1: 100.0, 3: 160.0}, rtx_workload())
+    memory.save_calibration(baseline, calibration)
+    document = json.loads(baseline.read_text())
+    assert document["hostname"] == "node" and document["memory_calibration"]["slope_mib"] == 30.0
+    assert memory.load_calibration(document, str(baseline)) == calibration
+    assert memory.load_calibration({"gpus": []}, "x") is None
+    with pytest.raises(InputError, match="memory_calibration"):
+        memory.load_calibration({"memory_calibration": {"peaks_mib": [1]}}, str(baseline))
+
+
+def test_offline_storage_reproduces_the_seeds_90_terabytes():
+    storage = memory.offline_storage(rtx_workload())
+    assert storage.layers == 5 and storage.hidden == 5120 and storage.dtype_bytes == 2
+    assert storage.bytes == 902_087 * 2000 * 5 * 5120 * 2
+    assert 85e12 < storage.bytes < 95e12
