@@ -205,40 +205,76 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
-    """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable."""
+    """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable from the same rows.
+
+    Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; the
+    micro-batches' forward/backward (no collective: DDP's hooks are off); one all_reduce(SUM) of
+    the gradients; the update. With `extras["autobatch"]` (dflash.autobatch.AutoBatch) the
+    micro-batch is agreed across ranks and halved on all of them after an out-of-memory error.
+    """
     started = time.perf_counter()
-    batches = [state.data.collate(rows[i:i + plan.micro_batch], epoch) for i in range(0, len(rows), plan.micro_batch)]
-    assert len(batches) == plan.accum_steps, "every rank must run the same number of micro-batches"
-    local_weight = sum(micro_weight_sum(state, batch) for batch in batches)
-    global_weight = float(all_reduce_sum(torch.tensor([local_weight], dtype=torch.float64, device=state.device)))
-    state.optimizer.zero_grad(set_to_none=True)
-    totals = _accumulate(state, batches, max(global_weight, 1e-12))
+    local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
+    global_weight = max(all_reduce_sum_float(local_weight, collective_device(state)), 1e-12)
+    totals: dict[str, torch.Tensor] = {}
+
+    def accumulate(micro_batch: int) -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+        batches = [state.data.collate(rows[i:i + micro_batch], epoch) for i in range(0, len(rows), micro_batch)]
+        totals["sums"], totals["tokens"] = _accumulate(state, batches, global_weight), sum(b.tokens for b in batches)
+
+    auto = state.extras.get("autobatch")
+    if auto is not None:
+        state.micro_batch = auto.run_step(state.step + 1, accumulate, state.optimizer, lambda: _update(state)).micro_batch
+    else:
+        accumulate(plan.micro_batch)
+        sync_gradients(state)
+        _update(state)
+    return _step_stats(state, totals["sums"], totals["tokens"], time.perf_counter() - started)
+
+
+def _update(state: TrainState) -> None:
     torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
     state.optimizer.step()
     state.scheduler.step()
-    return _step_stats(state, totals, batches, time.perf_counter() - started)
+
+
+def sync_gradients(state: TrainState) -> None:
+    from dflash.autobatch import sync_gradients as sum_gradients
+
+    sum_gradients([p for p in state.drafter.parameters() if p.requires_grad])
+
+
+def all_reduce_sum_float(value: float, device: torch.device) -> float:
+    return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=device)).item())
+
+
+def collective_device(state: TrainState) -> torch.device:
+    """Where collective tensors live: the GPU for nccl, the CPU for gloo (or no process group)."""
+    return state.device if state.device.type == "cuda" else torch.device("cpu")
 
 
 def _accumulate(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
-    """Forward/backward each micro-batch (DDP syncs on the last). Returns summed stats."""
+    """Forward/backward of each micro-batch, loss / GLOBAL weight; gradients stay local (summed later)."""
     slots = state.drafter.block_size - 1
     totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
-    for index, batch in enumerate(batches):
-        last = index == len(batches) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(state.model, "no_sync") else state.model.no_sync()
-        with sync:
+    no_sync = state.model.no_sync if hasattr(state.model, "no_sync") else contextlib.nullcontext
+    for batch in batches:
+        auto = state.extras.get("autobatch")
+        if auto is not None:
+            auto.inject("forward")
+        with no_sync():
             parts = forward_micro(state, batch)
-            (parts.weighted_ce * (state.env.world_size / global_weight)).backward()
+            (parts.weighted_ce / global_weight).backward()
         totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
                              parts.weight_sum.detach().double().cpu().view(1),
                              parts.correct.double().cpu(), parts.counted.double().cpu()])
     return totals
 
 
-def _step_stats(state: TrainState, totals: torch.Tensor, batches: list[MicroBatch], local_seconds: float) -> StepStats:
+def _step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_seconds: float) -> StepStats:
     slots = state.drafter.block_size - 1
-    tokens = sum(batch.tokens for batch in batches)
-    reduced = all_reduce_sum(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]).to(state.device)).cpu()
+    summed = torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)])
+    reduced = all_reduce_sum(summed.to(collective_device(state))).cpu()
     acc = per_slot_accuracy(reduced[2:2 + slots], reduced[2 + slots:2 + 2 * slots])
     weight = float(reduced[1])
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
@@ -376,7 +412,17 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if resume:
         restore_checkpoint(state, run_dir)
     state.model = _wrap_ddp(drafter, device)
+    state.extras["autobatch"] = _start_autobatch(state, run_dir)
+    state.micro_batch = state.extras["autobatch"].micro_batch
     return state
+
+
+def _start_autobatch(state: TrainState, run_dir: Path) -> Any:
+    """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
+    from dflash.autobatch import AutoBatch, run_state_path
+
+    log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
+    return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log)
 
 
 def _dataset_path(profile: Profile) -> Path:
@@ -423,6 +469,12 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
 def _wrap_ddp(drafter: DFlashDrafter, device: torch.device) -> torch.nn.Module:
     if not (dist.is_available() and dist.is_initialized()):
         return drafter
+    import warnings
+
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
+    # DDP broadcasts the initial weights; gradients are summed explicitly after the micro-batches
+    # (run_step), so no collective ever runs inside a forward or backward.
+    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)

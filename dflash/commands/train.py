@@ -1,0 +1,40 @@
+"""`launcher.py train --profile P`: preflight audit, then torchrun training of the DFlash drafter."""
+from __future__ import annotations
+
+import argparse
+
+from envcheck.commands import add_profile_option, load_profile_arg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_option(parser)
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: the profile's paths.run_dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--force", action="store_true",
+                        help="train even if the preflight audit FAILs; start over when checkpoints exist")
+    parser.add_argument("--skip-preflight", action="store_true", help="do not run the preflight audit at all")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the torchrun command (per node) and exit; starts nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dflash.launch import build_torchrun_command, describe_command, run_training
+    from envcheck.profile import expand_path
+
+    profile = load_profile_arg(args)
+    run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)
+    if args.print_command:
+        print(describe_command(*build_torchrun_command(profile, run_dir, resume=args.resume)))
+        return 0
+    if not args.skip_preflight:
+        _preflight(profile, run_dir, force=args.force)
+    return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume)
+
+
+def _preflight(profile, run_dir, *, force: bool) -> None:
+    """The audit stops the run on any FAIL (its findings printed), unless --force."""
+    from envcheck.preflight import run_preflight
+
+    run_preflight(profile, force=force, run_dir=run_dir)
