@@ -1,0 +1,195 @@
+"""The machine's facts as one versioned JSON document, and how they are collected.
+
+A snapshot is what `audit` checks, what a baseline stores and what `baseline diff` compares.
+Collection never creates a CUDA context in this process: GPU facts come from NVML, torch facts
+from a child process (cached, keyed by the installed torch), and the optional CUDA probe runs
+in child processes too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class GpuProcess:
+    """A process holding memory on a GPU."""
+
+    pid: int
+    name: str
+    used_mib: Optional[int] = None           # None where NVML does not report it
+
+
+@dataclass
+class GpuFacts:
+    """One GPU as NVML sees it, plus the CUDA probe's results when it ran (matched by UUID)."""
+
+    index: int
+    uuid: str
+    name: str
+    compute_capability: str                  # "12.0"
+    memory_total_mib: int
+    memory_free_mib: int
+    memory_used_mib: int
+    memory_reserved_mib: Optional[int] = None   # memory v2 (driver-reserved), where supported
+    processes: list[GpuProcess] = field(default_factory=list)
+    ecc_enabled: Optional[bool] = None
+    ecc_uncorrected_volatile: Optional[int] = None
+    retired_pages_pending: Optional[bool] = None
+    retired_pages_count: Optional[int] = None
+    remapped_rows_pending: Optional[bool] = None
+    remapped_rows_failed: Optional[bool] = None
+    remapped_rows_uncorrectable: Optional[int] = None
+    pcie_gen: Optional[int] = None
+    pcie_width: Optional[int] = None
+    pcie_gen_max: Optional[int] = None
+    pcie_width_max: Optional[int] = None
+    context_mib: Optional[int] = None        # probe: context + cuBLAS + first collective (non-torch overhead)
+    kernel_ok: Optional[bool] = None         # probe: a real kernel ran and gave the right answer
+    probe_error: str = ""
+
+
+@dataclass
+class NvmlFacts:
+    available: bool = False
+    error: str = ""                          # why NVML is unavailable (the GPU checks' SKIP reason)
+    driver_version: str = ""
+    cuda_driver_version: str = ""            # "13.0": the newest CUDA the driver supports
+
+
+@dataclass
+class TorchFacts:
+    installed: bool = False
+    version: str = ""
+    cuda: str = ""                           # torch.version.cuda, "" for a CPU build
+    arch_list: list[str] = field(default_factory=list)   # ["sm_90", "sm_100", "sm_120", ...]
+    error: str = ""
+    cached: bool = False
+
+
+@dataclass
+class ToolkitFacts:
+    """The CUDA toolkit found the way FlashInfer's JIT finds it."""
+
+    cuda_home: str = ""
+    source: str = ""                         # CUDA_HOME, CUDA_PATH, "nvcc on PATH", "/usr/local/cuda"
+    nvcc_path: str = ""
+    nvcc_version: str = ""                   # "12.8"
+    cudart_version: str = ""                 # CUDART_VERSION of include/cuda_runtime_api.h, "12.8"
+    headers_missing: list[str] = field(default_factory=list)
+    libraries_missing: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DiskFacts:
+    path: str
+    free_mib: int
+    total_mib: int
+
+
+@dataclass
+class HostFacts:
+    cpu_count: int = 0                       # honours the cgroup CPU quota and affinity
+    ram_total_mib: int = 0                   # honours the cgroup memory limit
+    ram_available_mib: int = 0
+    shm_total_mib: int = 0
+    shm_free_mib: int = 0
+    open_files_soft: int = 0
+    open_files_hard: int = 0
+    disks: list[DiskFacts] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    schema_version: int = SCHEMA_VERSION
+    created_at: str = ""
+    hostname: str = ""
+    python: str = ""
+    nvml: NvmlFacts = field(default_factory=NvmlFacts)
+    gpus: list[GpuFacts] = field(default_factory=list)
+    torch: TorchFacts = field(default_factory=TorchFacts)
+    toolkit: ToolkitFacts = field(default_factory=ToolkitFacts)
+    packages: dict[str, str] = field(default_factory=dict)     # normalised name -> version
+    host: HostFacts = field(default_factory=HostFacts)
+    env: dict[str, str] = field(default_factory=dict)          # GPU-relevant variables, redacted
+    cuda_probe_ran: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> "Snapshot":
+        version = document.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {version!r} is not supported (this launcher reads {SCHEMA_VERSION})")
+        return _from_data(cls, document, "snapshot")
+
+    def gpu_by_uuid(self, uuid: str) -> Optional[GpuFacts]:
+        return next((gpu for gpu in self.gpus if gpu.uuid == uuid), None)
+
+
+def _from_data(hint: Any, value: Any, where: str) -> Any:
+    """Rebuild dataclasses from JSON data, rejecting unknown keys (the error names the key)."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {value!r}")
+        hints = typing.get_type_hints(hint)
+        unknown = sorted(set(value) - set(hints))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(hints)}")
+        return hint(**{key: _from_data(hints[key], item, f"{where}.{key}") for key, item in value.items()})
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            return None
+        return _from_data(next(a for a in get_args(hint) if a is not type(None)), value, where)
+    if origin is list:
+        return [_from_data(get_args(hint)[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def load_snapshot(path: str | os.PathLike) -> Snapshot:
+    """Read a snapshot file; a malformed one raises InputError naming the file and the key."""
+    from envcheck.errors import InputError
+    from envcheck.fileio import read_json
+
+    try:
+        return Snapshot.from_dict(read_json(path))
+    except (ValueError, TypeError) as error:
+        raise InputError(f"{path}: not a valid snapshot: {error}") from None
+
+
+def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
+    from envcheck.fileio import write_json_atomic
+
+    return write_json_atomic(path, snapshot.to_dict())
+
+
+def collect_snapshot(disk_paths: typing.Sequence[Path] = (), *, cuda_probe: bool = False,
+                     environ: typing.Mapping[str, str] | None = None) -> Snapshot:
+    """This machine's facts. No CUDA context is created in this process."""
+    from envcheck import host, nvml_facts, packages, redact, toolkit, torch_facts
+
+    environ = os.environ if environ is None else environ
+    nvml, gpus = nvml_facts.collect()
+    snapshot = Snapshot(
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(),
+        python=".".join(map(str, __import__("sys").version_info[:3])),
+        nvml=nvml, gpus=gpus, torch=torch_facts.collect(), toolkit=toolkit.collect(environ),
+        packages=packages.installed_versions(), host=host.collect(disk_paths),
+        env=redact.gpu_environment(environ),
+    )
+    if cuda_probe and gpus:
+        from envcheck import cuda_probe as probe
+
+        probe.apply(snapshot, probe.run_all(snapshot.gpus))
+    return snapshot
