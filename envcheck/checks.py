@@ -115,14 +115,29 @@ def check_torch_arch(ctx: CheckInput) -> list[Finding]:
     if skip:
         return [skip]
     torch, findings = ctx.snapshot.torch, []
-    for gpu in ctx.snapshot.gpus:
-        if not arch_covered(gpu.compute_capability, torch.arch_list):
-            sm = "sm_" + gpu.compute_capability.replace(".", "")
-            need = MIN_CUDA_FOR_MAJOR.get(int(version_tuple(gpu.compute_capability)[0]), "a newer")
-            findings.append(Finding("torch.arch", "FAIL",
-                f"{gpu_label(gpu)}: torch {torch.version} (CUDA {torch.cuda}) has no kernels for {sm}; its arch list is {' '.join(torch.arch_list) or '(empty)'}",
-                f"install a torch built with CUDA >= {need}, e.g. the profile's pins: pip install -r {ctx.profile.machine.requirements}"))
+    for capability in sorted({g.compute_capability for g in ctx.snapshot.gpus}):
+        if arch_covered(capability, torch.arch_list):
+            continue
+        gpus = ", ".join(str(g.index) for g in ctx.snapshot.gpus if g.compute_capability == capability)
+        sm = "sm_" + capability.replace(".", "")
+        need = MIN_CUDA_FOR_MAJOR.get(version_tuple(capability)[0], "a newer")
+        findings.append(Finding("torch.arch", "FAIL",
+            f"GPUs {gpus} (SM{capability}): torch {torch.version} (CUDA {torch.cuda}) has no kernels for {sm}; its arch list is {' '.join(torch.arch_list) or '(empty)'}",
+            f"install a torch built with CUDA >= {need}, e.g. the profile's pins: pip install -r {ctx.profile.machine.requirements}"))
     return findings or [Finding("torch.arch", "PASS", f"torch {torch.version} covers every GPU's arch ({' '.join(torch.arch_list)})")]
+
+
+def check_torch_cuda(ctx: CheckInput) -> list[Finding]:
+    """torch's CUDA build is the one the profile's pins name (a cu130 torch satisfies `torch==2.9.1` too)."""
+    wanted = ctx.profile.machine.cuda
+    skip = _cuda_torch_skip("torch.cuda", ctx)
+    if skip or not wanted:
+        return [skip or Finding("torch.cuda", "SKIP", f"profile {ctx.profile.name} names no CUDA version")]
+    torch = ctx.snapshot.torch
+    if version_tuple(torch.cuda) != version_tuple(wanted):
+        return [Finding("torch.cuda", "FAIL", f"torch {torch.version} is built for CUDA {torch.cuda}, profile {ctx.profile.name} pins CUDA {wanted}",
+                        f"pip install -r {ctx.profile.machine.requirements} (the CUDA {wanted} build), or use the profile for CUDA {torch.cuda}")]
+    return [Finding("torch.cuda", "PASS", f"torch {torch.version} built for CUDA {torch.cuda}, as the profile pins")]
 
 
 def check_driver_cuda(ctx: CheckInput) -> list[Finding]:
@@ -165,10 +180,10 @@ def _headers_vs_nvcc(kit) -> Optional[Finding]:
 def _nvcc_for_sm12x(ctx: CheckInput) -> Optional[Finding]:
     sm12x = [g for g in ctx.snapshot.gpus if version_tuple(g.compute_capability)[0] == 12]
     nvcc = ctx.snapshot.toolkit.nvcc_version
-    if not sm12x or version_tuple(nvcc) >= MIN_NVCC_FOR_SM12X:
-        return None
+    if not sm12x or version_tuple(nvcc) >= MIN_NVCC_FOR_SM12X or "flashinfer-jit-cache" in ctx.snapshot.packages:
+        return None   # with flashinfer-jit-cache the kernels come precompiled: no JIT, no nvcc
     return Finding("toolkit.sm12x", "FAIL", f"nvcc {nvcc} cannot JIT FlashInfer kernels for SM{sm12x[0].compute_capability} (GPUs {', '.join(str(g.index) for g in sm12x)}); it needs nvcc >= 12.9",
-                   "install CUDA toolkit >= 12.9 (with torch of the same CUDA) and set CUDA_HOME to it")
+                   "install flashinfer-jit-cache of the flashinfer version (precompiled kernels), or a CUDA toolkit >= 12.9 with torch of the same CUDA")
 
 
 def _jit_files(kit) -> Optional[Finding]:
@@ -297,12 +312,14 @@ def check_baseline_memory(ctx: CheckInput) -> list[Finding]:
     if skip:
         return [skip]
     audit, findings = ctx.profile.audit, []
+    unknown = [str(g.index) for g in ctx.snapshot.gpus if ctx.baseline.gpu_by_uuid(g.uuid) is None]
+    if unknown:
+        findings.append(Finding("baseline.memory", "WARN", f"GPUs {', '.join(unknown)} are not in the baseline (host {ctx.baseline.hostname}); their memory is not compared",
+                                f"save a baseline on this node: launcher.py baseline save --profile {ctx.profile.name}"))
     for gpu in ctx.snapshot.gpus:
         base = ctx.baseline.gpu_by_uuid(gpu.uuid)
-        if base is None:
-            findings.append(Finding("baseline.memory", "WARN", f"{gpu_label(gpu)} is not in the baseline", "save a new baseline if the GPU was replaced"))
-            continue
-        findings.extend(_memory_regressions(gpu, base, audit.baseline_free_tolerance_mib, audit.baseline_context_tolerance_mib))
+        if base is not None:
+            findings.extend(_memory_regressions(gpu, base, audit.baseline_free_tolerance_mib, audit.baseline_context_tolerance_mib))
     return findings or [Finding("baseline.memory", "PASS", f"free memory and context cost within tolerance of the baseline from {ctx.baseline.created_at}")]
 
 
@@ -382,7 +399,7 @@ def check_environment(ctx: CheckInput) -> list[Finding]:
 
 
 ALL_CHECKS: tuple[Callable[[CheckInput], list[Finding]], ...] = (
-    check_gpu_count_and_model, check_torch_arch, check_driver_cuda, check_toolkit, check_flashinfer_family,
+    check_gpu_count_and_model, check_torch_arch, check_torch_cuda, check_driver_cuda, check_toolkit, check_flashinfer_family,
     check_pins, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
     check_cuda_probe, check_baseline_memory, check_baseline_versions, check_host, check_build_jobs, check_environment,
 )

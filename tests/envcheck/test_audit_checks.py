@@ -1,0 +1,198 @@
+"""The checks on recorded snapshots of real machine kinds: each yields the right FAIL, naming
+the GPU or the package; healthy nodes pass."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from envcheck import checks, report
+from envcheck.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
+from envcheck.preflight import audit
+from envcheck.profile import load_profile
+from envcheck.snapshot import GpuProcess, Snapshot, load_snapshot
+
+
+@pytest.fixture(scope="module")
+def snapshots(fixtures_dir):
+    folder = fixtures_dir / "snapshots"
+    return {path.stem: load_snapshot(path) for path in folder.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    return load_profile("rtx6000-x8")
+
+
+def fails(findings, check_id=None):
+    return [f for f in findings if f.status == "FAIL" and (check_id is None or f.id == check_id)]
+
+
+def test_healthy_baseline_node_has_no_fail_or_warn(snapshots, rtx):
+    base = snapshots["rtx6000-x8-baseline"]
+    findings = audit(rtx, base, baseline=base)
+    assert [f for f in findings if f.status in ("FAIL", "WARN")] == []
+    assert {f.id for f in findings if f.status == "PASS"} >= {"gpu.count", "torch.arch", "toolkit.nvcc", "packages.pins", "baseline.memory"}
+
+
+def test_cu130_upgrade_fails_on_gpu6_free_memory_only(snapshots, rtx):
+    findings = audit(rtx, snapshots["rtx6000-x8-cu130-upgrade"], baseline=snapshots["rtx6000-x8-baseline"])
+    memory = fails(findings, "baseline.memory")
+    assert len(memory) == 1
+    assert "GPU 6 " in memory[0].message and "204 MiB less free" in memory[0].message
+    assert fails(findings, "torch.cuda")[0].message.endswith("pins CUDA 12.8")
+    changed = [f for f in findings if f.id == "baseline.versions"][0]
+    assert changed.status == "WARN" and "torch: 2.9.1 -> 2.9.1+cu130" in changed.message
+
+
+def test_stale_process_names_gpu_pid_and_memory(snapshots, rtx):
+    findings = audit(rtx, snapshots["rtx6000-x8-stale-process"], baseline=snapshots["rtx6000-x8-baseline"])
+    stale = fails(findings, "gpu.processes")
+    assert [f.message for f in stale] == ["GPU 3: process 48213 (python3) holds 71236 MiB"]
+    assert "kill 48213" in stale[0].hint
+    assert [f.message.split(" (")[0] for f in fails(findings, "gpu.free_memory")] == ["GPU 3"]
+
+
+def test_sm120_with_cu126_torch_fails_with_the_fix(snapshots, rtx):
+    arch = fails(audit(rtx, snapshots["rtx6000-x8-cu126-torch"]), "torch.arch")
+    assert len(arch) == 1
+    assert "sm_120" in arch[0].message and "GPUs 0, 1, 2, 3, 4, 5, 6, 7" in arch[0].message
+    assert "CUDA >= 12.8" in arch[0].hint and "requirements-cu128.txt" in arch[0].hint
+
+
+def test_nvcc_128_with_cu130_torch_fails_naming_both(snapshots):
+    findings = audit(load_profile("b200-x8"), snapshots["b200-x8-nvcc128-cu130"], use_saved_baseline=False)
+    assert [f.id for f in fails(findings)] == ["toolkit.nvcc"]
+    message = fails(findings)[0].message
+    assert "nvcc 12.8" in message and "CUDA 13.0" in message and "/usr/local/cuda" in message
+
+
+def test_mismatched_flashinfer_companions_named(snapshots, rtx):
+    family = fails(audit(rtx, snapshots["rtx6000-x8-flashinfer-mismatch"]), "packages.flashinfer")
+    assert len(family) == 1
+    assert "flashinfer-python==0.6.8.post1" in family[0].message
+    assert "flashinfer-cubin==0.6.7.post3" in family[0].message
+
+
+def test_pins_list_each_difference(snapshots, rtx):
+    pins = fails(audit(rtx, snapshots["rtx6000-x8-flashinfer-mismatch"]), "packages.pins")
+    assert "flashinfer-python: installed 0.6.8.post1, pinned 0.6.7.post3" in pins[0].message
+
+
+def _with(snapshot: Snapshot, **changes) -> Snapshot:
+    copy_ = copy.deepcopy(snapshot)
+    for dotted, value in changes.items():
+        target = copy_
+        *path, last = dotted.split("__")
+        for part in path:
+            target = target[int(part)] if isinstance(target, list) else getattr(target, part)
+        setattr(target, last, value)
+    return copy_
+
+
+def test_headers_from_another_toolkit_fail(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], toolkit__cudart_version="12.6")
+    headers = fails(audit(rtx, snap), "toolkit.headers")
+    assert "CUDART_VERSION 12.6" in headers[0].message and "nvcc is 12.8" in headers[0].message
+
+
+def test_sm12x_jit_needs_nvcc_129_unless_jit_cache_installed(snapshots, rtx):
+    snap = copy.deepcopy(snapshots["rtx6000-x8-baseline"])
+    assert fails(audit(rtx, snap), "toolkit.sm12x") == []
+    del snap.packages["flashinfer-jit-cache"]
+    sm12x = fails(audit(rtx, snap), "toolkit.sm12x")
+    assert "nvcc 12.8" in sm12x[0].message and ">= 12.9" in sm12x[0].message
+
+
+def test_driver_older_than_torch_cuda_fails(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], nvml__cuda_driver_version="12.4", nvml__driver_version="550.54.15")
+    driver = fails(audit(rtx, snap), "driver.cuda")
+    assert "driver 550.54.15 supports CUDA 12.4, torch needs CUDA 12.8" == driver[0].message
+
+
+@pytest.mark.parametrize("profile_name, backend, ok", [
+    ("rtx6000-x8", "fa3", False), ("rtx6000-x8", "trtllm", False), ("rtx6000-x8", "triton", True),
+    ("h200-x1", "fa3", True), ("b200-x8", "trtllm", True), ("b200-x8", "fa3", False)])
+def test_attention_backend_per_arch(profile_name, backend, ok):
+    profile = load_profile(profile_name)
+    profile = dataclasses.replace(profile, audit=dataclasses.replace(profile.audit, attention_backend=backend))
+    findings = checks.check_attention_backend(checks.CheckInput(snapshot=Snapshot(), profile=profile))
+    assert (findings[0].status == "PASS") is ok
+    if not ok:
+        assert "attention_backend" in findings[0].hint
+
+
+def test_health_problems_name_the_gpu(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], gpus__5__remapped_rows_pending=True, gpus__2__ecc_uncorrected_volatile=3)
+    health = fails(audit(rtx, snap), "gpu.health")
+    assert [f.message.split(" (")[0] for f in health] == ["GPU 2", "GPU 5"]
+    assert "3 uncorrected ECC" in health[0].message and "row remapping pending" in health[1].message
+
+
+def test_context_cost_regression_names_the_gpu(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], gpus__2__context_mib=598 + 100)
+    context = fails(audit(rtx, snap, baseline=snapshots["rtx6000-x8-baseline"]), "baseline.context")
+    assert len(context) == 1 and context[0].message.startswith("GPU 2 ") and "100 MiB more" in context[0].message
+
+
+def test_failed_kernel_probe_fails(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], gpus__4__kernel_ok=False,
+                 gpus__4__probe_error="CUDA error: no kernel image is available for execution on the device")
+    kernel = fails(audit(rtx, snap), "gpu.kernel")
+    assert len(kernel) == 1 and "GPU 4" in kernel[0].message and "no kernel image" in kernel[0].message
+
+
+def test_gpu_count_and_model(snapshots):
+    h200 = load_profile("h200-x1")
+    findings = fails(audit(h200, snapshots["rtx6000-x8-baseline"], use_saved_baseline=False))
+    assert "8 GPU(s) visible, profile h200-x1 expects 1" in [f.message for f in findings if f.id == "gpu.count"]
+    assert len([f for f in findings if f.id == "gpu.model"]) == 8
+
+
+def test_host_minimums_and_build_jobs(snapshots, rtx):
+    snap = _with(snapshots["rtx6000-x8-baseline"], host__shm_total_mib=64, host__ram_available_mib=40 * 1024)
+    snap.env["MAX_JOBS"] = "64"
+    findings = audit(rtx, snap)
+    assert fails(findings, "host.shm")[0].message == "/dev/shm: 64 MiB, profile needs 16384 MiB"
+    jobs = [f for f in findings if f.id == "host.max_jobs"][0]
+    assert jobs.status == "WARN" and jobs.hint == "export MAX_JOBS=8"
+
+
+def test_eager_module_loading_warns_and_strict_exit_code(snapshots, rtx):
+    snap = copy.deepcopy(snapshots["rtx6000-x8-baseline"])
+    snap.env["CUDA_MODULE_LOADING"] = "EAGER"
+    findings = audit(rtx, snap, baseline=snapshots["rtx6000-x8-baseline"])
+    assert [f.id for f in findings if f.status == "WARN"] == ["env.module_loading"]
+    assert report.exit_code(findings) == EXIT_OK
+    assert report.exit_code(findings, strict=True) == EXIT_WARN_STRICT
+    assert report.exit_code(audit(rtx, snapshots["rtx6000-x8-stale-process"]), strict=True) == EXIT_FAIL
+
+
+@pytest.mark.parametrize("capability, arch_list, covered", [
+    ("12.0", ["sm_90", "sm_100", "sm_120"], True), ("12.0", ["sm_80", "sm_90"], False),
+    ("12.0", ["sm_100"], False), ("8.9", ["sm_80", "sm_86"], True), ("9.0", ["sm_90a"], True),
+    ("10.3", ["sm_100a"], False), ("12.0", ["sm_80", "compute_90"], True), ("8.0", ["compute_90"], False)])
+def test_arch_coverage(capability, arch_list, covered):
+    assert checks.arch_covered(capability, arch_list) is covered
+
+
+def test_snapshot_round_trip_and_strict_loading(snapshots, tmp_path):
+    base = snapshots["rtx6000-x8-baseline"]
+    assert Snapshot.from_dict(base.to_dict()) == base
+    assert base.gpus[6].memory_total_mib == 97887 and base.gpu_by_uuid(base.gpus[6].uuid).index == 6
+    document = base.to_dict()
+    document["gpus"][1]["memory_fre_mib"] = 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(__import__("json").dumps(document))
+    with pytest.raises(InputError, match=r"bad.json.*gpus\[1\].*memory_fre_mib"):
+        load_snapshot(bad)
+    document = base.to_dict() | {"schema_version": 99}
+    bad.write_text(__import__("json").dumps(document))
+    with pytest.raises(InputError, match="schema_version 99"):
+        load_snapshot(bad)
+
+
+def test_processes_record_fields(snapshots):
+    proc = snapshots["rtx6000-x8-stale-process"].gpus[3].processes[0]
+    assert proc == GpuProcess(pid=48213, name="python3", used_mib=71236)
