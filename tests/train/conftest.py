@@ -1,0 +1,57 @@
+"""Shared setups for the training tests: a loaded tiny Qwen3 target, tiny datasets, profiles."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MASK_ID = 151669   # a padding row of the Qwen3 embedding (the tokenizer has 151669 tokens)
+
+
+def write_dataset(path: Path, rows: int = 32, seed: int = 0) -> Path:
+    """Token sequences with a learnable pattern (counting mod 50) and a prompt without loss."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "length": [], "num_loss_tokens": [], "id": []}
+    for index in range(rows):
+        length, prompt, start = int(rng.integers(40, 80)), int(rng.integers(5, 15)), int(rng.integers(0, 50))
+        columns["input_ids"].append([1000 + (start + j) % 50 for j in range(length)])
+        columns["loss_mask"].append([0] * prompt + [1] * (length - prompt))
+        columns["length"].append(length)
+        columns["num_loss_tokens"].append(length - prompt)
+        columns["id"].append(f"row-{index}")
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+    return path
+
+
+def write_profile(path: Path, target: Path, dataset: Path, run_dir: Path, **train: object) -> Path:
+    machine = train.pop("machine", {"nproc_per_node": 2})
+    settings = {"epochs": 1, "max_steps": 24, "global_batch": 4, "max_micro_batch": 1, "num_anchors": 8,
+                "decay_gamma": 3.0, "log_every_steps": 1, "save_every_steps": 12, "lr": 1e-2, **train}
+    lines = ["[machine]", 'device = "cpu"', 'backend = "gloo"', *(f"{k} = {_toml(v)}" for k, v in machine.items()),
+             "[model]", f'target = "{target}"', 'dtype = "float32"',
+             "[paths]", f'run_dir = "{run_dir}"', f'dataset = "{dataset}"',
+             "[drafter]", "num_layers = 1", "block_size = 4", f"mask_token_id = {MASK_ID}",
+             "[train]", *(f"{k} = {_toml(v)}" for k, v in settings.items())]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _toml(value: object) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_model(tiny_qwen3_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, dtype="float32", local_files_only=True).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("data") / "dataset")
