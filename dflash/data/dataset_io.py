@@ -1,0 +1,328 @@
+"""The dataset on disk: Arrow IPC shards in the layout `datasets.save_to_disk` writes.
+
+    DATASET/data-00000-of-00003.arrow ...   Arrow IPC streams (what `datasets.load_from_disk` maps)
+    DATASET/state.json, dataset_info.json   the files `load_from_disk` reads
+    DATASET/dflash_meta.json                tokenizer + chat-template fingerprints, max_length,
+                                            sources, per-shard rows/tokens/sha256, rejects, history
+
+Shards are written record batch by record batch (memory stays bounded whatever the size), each
+shard's sha256 computed as it is written. Datasets are built in a staging directory next to the
+final path (`.NAME.<purpose>-<pid>`) and renamed into place; a staging directory whose process
+is gone is removed by the next run.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from envcheck.errors import InputError
+from envcheck.fileio import write_json_atomic
+
+META_NAME = "dflash_meta.json"
+META_FORMAT = "dflash-dataset/1"
+STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<purpose>[a-z-]+)-(?P<pid>\d+)$")
+# Fault injection for the kill-safety tests (documented in docs/data.md): seconds to sleep after
+# each shard is closed, so a test can SIGKILL a merge or tokenize while it is half written.
+SHARD_DELAY_ENV = "DFLASH_TEST_SHARD_DELAY_S"
+
+
+def column_types() -> dict[str, Any]:
+    """Column -> Arrow type of a tokenized dataset (the contract the trainer and merge rely on)."""
+    import pyarrow as pa
+
+    return {
+        "id": pa.string(), "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8()),
+        "length": pa.int32(), "num_loss_tokens": pa.int32(), "finish_reason": pa.string(),
+        "truncated": pa.bool_(), "truncated_tokens": pa.int32(), "tool_call_repeats": pa.int32(),
+        "empty_reasoning": pa.bool_(),
+    }
+
+
+def dataset_schema() -> Any:
+    import pyarrow as pa
+
+    schema = pa.schema(list(column_types().items()))
+    info = json.dumps({"info": {"features": features_of(schema)}})
+    return schema.with_metadata({"huggingface": info})
+
+
+def features_of(schema: Any) -> dict[str, Any]:
+    """`datasets` feature dicts for an Arrow schema of scalars and lists of scalars."""
+    import pyarrow as pa
+
+    def value(arrow_type: Any) -> dict[str, str]:
+        name = "string" if arrow_type == pa.string() else "bool" if arrow_type == pa.bool_() else str(arrow_type)
+        return {"dtype": name, "_type": "Value"}
+
+    features = {}
+    for column in schema:
+        if pa.types.is_list(column.type):
+            features[column.name] = {"feature": value(column.type.value_type), "_type": "List"}
+        else:
+            features[column.name] = value(column.type)
+    return features
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    filename: str
+    rows: int
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    sha256: str
+
+
+class _HashingFile:
+    """A write-only file that hashes what goes through it (pyarrow writes via `write`)."""
+
+    def __init__(self, path: Path):
+        self.handle = path.open("wb")
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.size += view.nbytes
+        return self.handle.write(view)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+            self.handle.close()
+            self.closed = True
+
+
+class ShardWriter:
+    """Writes record batches into shards of `shard_rows` rows; `close()` names them data-i-of-n."""
+
+    def __init__(self, directory: Path, schema: Any, shard_rows: int):
+        assert shard_rows > 0
+        self.directory, self.schema, self.shard_rows = Path(directory), schema, shard_rows
+        self.shards: list[ShardInfo] = []
+        self._file: _HashingFile | None = None
+        self._writer: Any = None
+        self._rows = self._tokens = self._loss_tokens = 0
+
+    def write(self, batch: Any) -> None:
+        """Append a record batch (split across shards as needed)."""
+        offset = 0
+        while offset < batch.num_rows:
+            if self._writer is None:
+                self._open()
+            take = min(batch.num_rows - offset, self.shard_rows - self._rows)
+            self._write_part(batch.slice(offset, take))
+            offset += take
+            if self._rows >= self.shard_rows:
+                self._close_shard()
+
+    def close(self) -> list[ShardInfo]:
+        if self._writer is not None:
+            self._close_shard()
+        if not self.shards:  # an empty dataset still has one (empty) shard, as datasets writes it
+            self._open()
+            self._close_shard()
+        return self._final_names()
+
+    def _open(self) -> None:
+        import pyarrow as pa
+
+        self._file = _HashingFile(self.directory / f".shard-{len(self.shards):05d}.arrow")
+        self._writer = pa.ipc.new_stream(self._file, self.schema)
+        self._rows = self._tokens = self._loss_tokens = 0
+
+    def _write_part(self, part: Any) -> None:
+        import pyarrow.compute as pc
+
+        self._writer.write_batch(part)
+        self._rows += part.num_rows
+        self._tokens += int(pc.sum(part.column("length")).as_py() or 0)
+        self._loss_tokens += int(pc.sum(part.column("num_loss_tokens")).as_py() or 0)
+
+    def _close_shard(self) -> None:
+        self._writer.close()
+        self._file.close()
+        name = f".shard-{len(self.shards):05d}.arrow"
+        self.shards.append(ShardInfo(name, self._rows, self._tokens, self._loss_tokens,
+                                     self._file.size, self._file.digest.hexdigest()))
+        self._writer = self._file = None
+        _maybe_delay()
+
+    def _final_names(self) -> list[ShardInfo]:
+        final = []
+        for index, shard in enumerate(self.shards):
+            name = f"data-{index:05d}-of-{len(self.shards):05d}.arrow"
+            os.replace(self.directory / shard.filename, self.directory / name)
+            final.append(ShardInfo(name, shard.rows, shard.tokens, shard.loss_tokens, shard.bytes, shard.sha256))
+        return final
+
+
+def _maybe_delay() -> None:
+    delay = float(os.environ.get(SHARD_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def finalize_dataset(directory: Path, shards: list[ShardInfo], schema: Any, meta: dict[str, Any]) -> None:
+    """Write state.json, dataset_info.json and dflash_meta.json next to the shards."""
+    meta = {**meta, "format": META_FORMAT, "shards": [asdict(shard) for shard in shards],
+            "rows": sum(s.rows for s in shards), "tokens": sum(s.tokens for s in shards),
+            "loss_tokens": sum(s.loss_tokens for s in shards)}
+    fingerprint = hashlib.sha256("".join(s.sha256 for s in shards).encode()).hexdigest()[:16]
+    state = {"_data_files": [{"filename": s.filename} for s in shards], "_fingerprint": fingerprint,
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+             "_output_all_columns": False, "_split": None}
+    info = {"citation": "", "description": "tokenized by launcher.py tokenize; see dflash_meta.json",
+            "features": features_of(schema), "homepage": "", "license": ""}
+    write_json_atomic(directory / "state.json", state)
+    write_json_atomic(directory / "dataset_info.json", info)
+    write_json_atomic(directory / META_NAME, meta)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The dataset's dflash_meta.json; InputError if the directory is not a tokenized dataset."""
+    meta_path = Path(path) / META_NAME
+    if not Path(path).is_dir():
+        raise InputError(f"{path}: no such dataset directory")
+    if not meta_path.exists():
+        raise InputError(f"{path}: no {META_NAME}; not a dataset written by `launcher.py tokenize` or `merge`")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("format") != META_FORMAT:
+        raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {META_FORMAT!r}")
+    return meta
+
+
+def shard_paths(path: Path, meta: dict[str, Any]) -> list[Path]:
+    paths = [Path(path) / shard["filename"] for shard in meta["shards"]]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise InputError(f"{path}: shard files missing: {', '.join(missing)}")
+    return paths
+
+
+def read_schema(shard: Path) -> Any:
+    import pyarrow as pa
+
+    with pa.memory_map(str(shard)) as source:
+        return pa.ipc.open_stream(source).schema
+
+
+def iter_batches(shard: Path, columns: list[str] | None = None, mapped: bool = False) -> Iterator[Any]:
+    """Record batches of one shard. `mapped`: zero-copy from a memory map (only touched columns are
+    paged in); otherwise read batch by batch into memory that is freed after each batch."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(shard)) if mapped else pa.OSFile(str(shard))
+    with source:
+        for batch in pa.ipc.open_stream(source):
+            yield batch.select(columns) if columns else batch
+
+
+def numpy_of(array: Any) -> Any:
+    """A null-free numeric or bool Arrow array (or a column of them) as numpy, zero-copy for numbers."""
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(array, pa.ChunkedArray):
+        return np.concatenate([numpy_of(chunk) for chunk in array.chunks] or [np.empty(0)])
+    assert array.null_count == 0, "columns of a tokenized dataset have no nulls"
+    data = array.buffers()[1]
+    if pa.types.is_boolean(array.type):
+        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+        return bits[array.offset: array.offset + len(array)].astype(bool)
+    dtype = np.dtype(str(array.type))  # int8 ... uint64, float32, float64
+    return np.frombuffer(data, dtype=dtype, count=array.offset + len(array))[array.offset:]
+
+
+def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- staging directories and atomic publication ---------------------------------------------
+
+def staging_path(target: Path, purpose: str) -> Path:
+    return target.parent / f".{target.name}.{purpose}-{os.getpid()}"
+
+
+def new_staging(target: Path, purpose: str) -> Path:
+    """A fresh staging directory for `target` (stale ones of dead processes are removed first)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_staging(target)
+    staging = staging_path(target, purpose)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def sweep_stale_staging(target: Path) -> list[Path]:
+    """Remove `.NAME.<purpose>-<pid>` siblings of `target` whose process no longer exists."""
+    removed = []
+    for entry in target.parent.glob(f".{target.name}.*-*"):
+        match = STAGING_RE.match(entry.name)
+        if match and match["name"] == target.name and not _process_alive(int(match["pid"])):
+            _restore_if_orphaned(entry, target, match["purpose"])
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _restore_if_orphaned(entry: Path, target: Path, purpose: str) -> None:
+    """A two-rename swap killed between its renames leaves the old dataset at `.NAME.old-PID`."""
+    if purpose == "old" and not target.exists():
+        os.replace(entry, target)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def publish_directory(staging: Path, target: Path) -> None:
+    """Put `staging` at `target` atomically; an existing `target` is swapped out, then removed."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    if _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old dataset
+        return
+    old = staging_path(target, "old")
+    os.replace(target, old)   # a kill here is repaired by sweep_stale_staging (restores `old`)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Linux renameat2(RENAME_EXCHANGE): swap two paths in one atomic step. False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
+    return result == 0

@@ -1,0 +1,489 @@
+"""Completions JSONL -> tokenized Arrow dataset (`launcher.py tokenize`).
+
+Each conversation is rendered with the target's chat template (a few renderings, see
+`dflash.data.render`), the full text is tokenized ONCE with offsets, and the loss mask is set
+from the character spans. Work is split into chunks of lines handled by worker processes; the
+results come back in input order, so the dataset is identical whatever the number of workers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
+from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
+from envcheck.errors import ConfigError, DataError, InputError
+from envcheck.schema import Profile
+
+CHUNK_LINES = 32
+BATCH_ROWS = 256
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    max_length: int = 8192
+    thinking_default: bool = True
+    rewritten_turns: RewrittenTurns = "split"
+
+
+@dataclass
+class TokenizedSample:
+    id: str                      # the record's id, or ID#<message index> for a split-off turn
+    record_id: str
+    input_ids: np.ndarray        # int32
+    loss_mask: np.ndarray        # uint8
+    truncated_tokens: int
+    finish_reason: str
+    tool_call_repeats: int
+    empty_reasoning: bool
+
+
+@dataclass(frozen=True)
+class Line:
+    source: str
+    number: int
+    text: str
+
+
+@dataclass
+class TokenizeSummary:
+    """What `tokenize_completions` did; also recorded in the manifest's "tokenize" stage."""
+
+    output: str
+    rejects_path: str
+    sources: list[str]
+    records: int = 0
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated_samples: int = 0
+    rewritten_turns: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)
+    degenerate_share: float = 0.0
+    degenerate: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejects.values())
+
+    def manifest_figures(self) -> dict[str, Any]:
+        return {"samples": self.samples, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+                "degenerate_share": round(self.degenerate_share, 6), "degenerate": self.degenerate,
+                "rejects": self.rejected, "rejects_by_reason": self.rejects, "dataset": self.output}
+
+
+# --- per-record work (runs in worker processes) ----------------------------------------------
+
+class SampleTokenizer:
+    """Render + tokenize-once + mask for one conversation. Holds the tokenizer and renderer."""
+
+    def __init__(self, tokenizer: Any, settings: TokenizeSettings):
+        self.backend = tokenizer.backend_tokenizer
+        self.settings = settings
+        self.renderer = ChatRenderer(tokenizer, settings.thinking_default, settings.rewritten_turns)
+
+    def process_line(self, line: Line) -> list[TokenizedSample] | Reject:
+        parsed = parse_record(line.text, line.source, line.number)
+        if isinstance(parsed, Reject):
+            return parsed
+        try:
+            return self.process(parsed)
+        except RecordProblem as problem:
+            return Reject(line.source, line.number, problem.reason, str(problem), parsed.id)
+
+    def process(self, conversation: Conversation) -> list[TokenizedSample]:
+        rendered = self.renderer.render(conversation)
+        return [self._sample(text, conversation, rendered.tool_call_repeats, rendered.empty_reasoning)
+                for text in rendered.texts]
+
+    def _sample(self, rendered: RenderedText, conversation: Conversation, repeats: int, empty: bool) -> TokenizedSample:
+        encoding = self.backend.encode(rendered.text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int32)
+        mask = loss_mask_from_spans(encoding, len(ids), rendered.spans)
+        cut = max(0, len(ids) - self.settings.max_length)
+        if cut:
+            ids, mask = ids[: self.settings.max_length], mask[: self.settings.max_length]
+        return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty)
+
+
+def loss_mask_from_spans(encoding: Any, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
+    """1 on the tokens inside the character spans. A token that starts before a span (merged
+    across its start) is left out; the token holding the span's last character is in."""
+    mask = np.zeros(length, dtype=np.uint8)
+    for start, end in spans:
+        if end <= start:
+            continue
+        first = encoding.char_to_token(start)
+        last = encoding.char_to_token(end - 1)
+        assert first is not None and last is not None, (start, end)
+        if encoding.token_to_chars(first)[0] < start:
+            first += 1
+        mask[first: last + 1] = 1
+    return mask
+
+
+_WORKER: SampleTokenizer | None = None
+
+
+def _set_worker(worker: SampleTokenizer) -> None:
+    global _WORKER
+    _WORKER = worker
+
+
+def _process_chunk(lines: list[Line]) -> list[list[TokenizedSample] | Reject]:
+    assert _WORKER is not None, "worker not initialised"
+    return [_WORKER.process_line(line) for line in lines]
+
+
+# --- reading input ---------------------------------------------------------------------------
+
+@dataclass
+class SourceFile:
+    """An input file, hashed as it is read."""
+
+    path: Path
+    records: int = 0
+    bytes: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.path), "bytes": self.bytes, "records": self.records,
+                "sha256": self.digest.hexdigest()}
+
+
+def read_lines(source: SourceFile) -> Iterator[Line | Reject]:
+    """Non-blank lines of a JSONL file, numbered from 1; undecodable bytes become a Reject."""
+    with source.path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            source.digest.update(raw)
+            source.bytes += len(raw)
+            if not raw.strip():
+                continue
+            source.records += 1
+            try:
+                yield Line(str(source.path), number, raw.decode("utf-8"))
+            except UnicodeDecodeError as error:
+                yield Reject(str(source.path), number, "invalid_json", f"not UTF-8: {error.reason}")
+    if source.records == 0:
+        yield Reject(str(source.path), 0, "empty_file", "the file holds no records")
+
+
+def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+# --- the orchestration ------------------------------------------------------------------------
+
+def tokenize_completions(profile: Profile, input_path: str | Path | list | None = None,
+                         output_path: str | Path | None = None, workers: int | None = None,
+                         allow_degenerate: bool = False, run_dir: str | Path | None = None,
+                         progress: bool = True) -> TokenizeSummary:
+    """Tokenize completions into a dataset at `output_path` (default: the profile's paths).
+
+    Raises InputError when nothing usable is in the input, DataError when more than
+    `data.max_degenerate_share` of the samples are degenerate (unless `allow_degenerate`).
+    With `run_dir`, the manifest's "tokenize" stage records the state and the figures.
+    """
+    from dflash.manifest import update_stage
+
+    job = TokenizeJob.from_profile(profile, input_path, output_path, workers, allow_degenerate, progress)
+    if run_dir is not None:
+        update_stage(run_dir, "tokenize", "running", dataset=str(job.output))
+    try:
+        summary = job.run()
+    except BaseException as error:
+        if run_dir is not None:
+            update_stage(run_dir, "tokenize", "failed", error=str(error) or type(error).__name__)
+        raise
+    if run_dir is not None:
+        update_stage(run_dir, "tokenize", "done", **summary.manifest_figures())
+    return summary
+
+
+@dataclass
+class TokenizeJob:
+    inputs: list[Path]
+    output: Path
+    tokenizer_dir: Path
+    settings: TokenizeSettings
+    shard_rows: int
+    workers: int
+    allow_degenerate: bool
+    progress: bool
+    thresholds: dict[str, Any]
+
+    @classmethod
+    def from_profile(cls, profile: Profile, input_path: Any, output_path: Any, workers: int | None,
+                     allow_degenerate: bool, progress: bool) -> "TokenizeJob":
+        from envcheck.profile import expand_path
+
+        inputs = _input_paths(profile, input_path)
+        output = Path(output_path) if output_path else expand_path(profile, profile.paths.dataset)
+        data = profile.data
+        settings = TokenizeSettings(data.max_length, _thinking_default(profile), data.rewritten_turns)
+        thresholds = {"min_loss_tokens": data.min_loss_tokens, "tool_call_repeat_limit": data.tool_call_repeat_limit,
+                      "max_degenerate_share": data.max_degenerate_share}
+        count = workers or data.num_workers or os.cpu_count() or 1
+        return cls(inputs, output, tokenizer_dir_for(profile), settings, data.shard_rows, max(1, count),
+                   allow_degenerate, progress, thresholds)
+
+    @property
+    def rejects_path(self) -> Path:
+        return self.output.with_name(self.output.name + ".rejects.jsonl")
+
+    def run(self) -> TokenizeSummary:
+        from dflash.data import dataset_io
+
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        staging = dataset_io.new_staging(self.output, "tokenize")
+        try:
+            summary = self._write(tokenizer, staging)
+            summary.seconds = time.perf_counter() - started
+            dataset_io.publish_directory(staging, self.output)
+        finally:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        return summary
+
+    def _write(self, tokenizer: Any, staging: Path) -> TokenizeSummary:
+        from dflash.data import dataset_io
+        from dflash.data.inspect import inspect_dataset
+
+        sources = [SourceFile(path) for path in self.inputs]
+        summary = TokenizeSummary(str(self.output), str(self.rejects_path), [str(p) for p in self.inputs])
+        writer = dataset_io.ShardWriter(staging, dataset_io.dataset_schema(), self.shard_rows)
+        with RejectsFile(self.rejects_path) as rejects:
+            self._consume(self._results(tokenizer, sources), writer, rejects, summary)
+            shards = writer.close()
+        dataset_io.finalize_dataset(staging, shards, dataset_io.dataset_schema(),
+                                    self._meta(tokenizer, sources, summary))
+        report = inspect_dataset(staging)
+        summary.degenerate_share, summary.degenerate = report.degenerate_share, dict(report.degenerate)
+        self._check_usable(summary, report)
+        return summary
+
+    def _results(self, tokenizer: Any, sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, Any]]:
+        """(line, result) in input order; results from a pool of workers when workers > 1."""
+        worker = SampleTokenizer(tokenizer, self.settings)
+        lines = (item for source in sources for item in read_lines(source))
+        chunks = chunked(lines, CHUNK_LINES)
+        bar = _progress_bar(self.progress, sum(p.stat().st_size for p in self.inputs), sources)
+        for chunk, results in _map_chunks(worker, chunks, self.workers):
+            bar.update(sum(len(item.text) for item in chunk if isinstance(item, Line)))
+            yield from zip(chunk, results)
+        bar.close()
+
+    def _consume(self, results: Iterable, writer: Any, rejects: "RejectsFile", summary: TokenizeSummary) -> None:
+        seen: set[int] = set()
+        buffer = SampleBuffer()
+        for line, result in results:
+            summary.records += 1
+            if isinstance(result, list) and _id_key(result[0].record_id) in seen:
+                result = Reject(line.source, line.number, "duplicate_id", "this id appeared earlier",
+                                result[0].record_id)
+            if isinstance(result, Reject):
+                rejects.add(result)
+                continue
+            seen.add(_id_key(result[0].record_id))
+            summary.rewritten_turns += len(result) - 1
+            for sample in result:
+                buffer.add(sample, summary)
+            if len(buffer) >= BATCH_ROWS:
+                writer.write(buffer.take())
+        if len(buffer):
+            writer.write(buffer.take())
+        summary.rejects = dict(sorted(rejects.counts.items()))
+
+    def _meta(self, tokenizer: Any, sources: list[SourceFile], summary: TokenizeSummary) -> dict[str, Any]:
+        return {"tokenizer": tokenizer_identity(tokenizer, self.tokenizer_dir), "max_length": self.settings.max_length,
+                "settings": {**asdict(self.settings), **self.thresholds},
+                "sources": [source.describe() for source in sources],
+                "rejects": {"total": summary.rejected, "by_reason": summary.rejects, "file": self.rejects_path.name},
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": []}
+
+    def _check_usable(self, summary: TokenizeSummary, report: Any) -> None:
+        if summary.samples == 0:
+            reasons = ", ".join(f"{k}={v}" for k, v in summary.rejects.items()) or "no records"
+            raise InputError(f"no usable records in {', '.join(summary.sources)} ({reasons}); "
+                             f"see {summary.rejects_path}")
+        limit = self.thresholds["max_degenerate_share"]
+        if report.degenerate_share > limit and not self.allow_degenerate:
+            raise DataError(f"{report.degenerate_share:.1%} of the {report.samples} samples are degenerate "
+                            f"(limit data.max_degenerate_share = {limit:.1%}): {report.degenerate_summary()}. "
+                            "Fix the generation, or pass --allow-degenerate to write the dataset anyway.")
+
+
+class SampleBuffer:
+    """Collects samples and turns them into one Arrow record batch."""
+
+    def __init__(self) -> None:
+        self.samples: list[TokenizedSample] = []
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def add(self, sample: TokenizedSample, summary: TokenizeSummary) -> None:
+        self.samples.append(sample)
+        summary.samples += 1
+        summary.tokens += len(sample.input_ids)
+        summary.loss_tokens += int(sample.loss_mask.sum())
+        summary.truncated_samples += bool(sample.truncated_tokens)
+
+    def take(self) -> Any:
+        batch = samples_to_batch(self.samples)
+        self.samples = []
+        return batch
+
+
+def samples_to_batch(samples: list[TokenizedSample]) -> Any:
+    import pyarrow as pa
+
+    from dflash.data.dataset_io import dataset_schema
+
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    columns = {
+        "id": pa.array([s.id for s in samples], pa.string()),
+        "input_ids": pa.ListArray.from_arrays(offsets, np.concatenate([s.input_ids for s in samples])),
+        "loss_mask": pa.ListArray.from_arrays(offsets, np.concatenate([s.loss_mask for s in samples])),
+        "length": pa.array(lengths),
+        "num_loss_tokens": pa.array(np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.int32)),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
+        "truncated": pa.array([s.truncated_tokens > 0 for s in samples], pa.bool_()),
+        "truncated_tokens": pa.array(np.array([s.truncated_tokens for s in samples], dtype=np.int32)),
+        "tool_call_repeats": pa.array(np.array([s.tool_call_repeats for s in samples], dtype=np.int32)),
+        "empty_reasoning": pa.array([s.empty_reasoning for s in samples], pa.bool_()),
+    }
+    return pa.RecordBatch.from_pydict(columns, schema=dataset_schema())
+
+
+class RejectsFile:
+    """Rejected records, one JSON line each, written to a temp file and renamed into place."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> "RejectsFile":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.handle = self.temp.open("w", encoding="utf-8")
+        return self
+
+    def add(self, reject: Reject) -> None:
+        self.counts[reject.reason] += 1
+        self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.close()
+        if exc[0] is None:
+            os.replace(self.temp, self.path)
+        else:
+            self.temp.unlink(missing_ok=True)
+
+
+def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -> Iterator[tuple[list, list]]:
+    """(chunk, results) in order. Lines already rejected while reading pass through unchanged."""
+    _set_worker(worker)
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, _process_mixed(chunk)
+        return
+    import multiprocessing
+
+    # fork: workers inherit the loaded tokenizer; at most 2 chunks per worker are in flight
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_process_mixed, (chunk,))))
+            if len(pending) >= 2 * workers:
+                done_chunk, result = pending.popleft()
+                yield done_chunk, result.get()
+        while pending:
+            done_chunk, result = pending.popleft()
+            yield done_chunk, result.get()
+
+
+def _process_mixed(chunk: list[Line | Reject]) -> list[Any]:
+    lines = [item for item in chunk if isinstance(item, Line)]
+    results = iter(_process_chunk(lines))
+    return [next(results) if isinstance(item, Line) else item for item in chunk]
+
+
+def _progress_bar(enabled: bool, total: int, sources: list[SourceFile]) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not enabled, mininterval=1.0)
+
+
+def _id_key(record_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "little")
+
+
+def _input_paths(profile: Profile, input_path: Any) -> list[Path]:
+    from envcheck.profile import expand_path
+
+    if input_path is None:
+        paths = [expand_path(profile, profile.paths.completions)]
+    else:
+        paths = [Path(p) for p in (input_path if isinstance(input_path, (list, tuple)) else [input_path])]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise InputError(f"completions file not found: {', '.join(missing)} "
+                         "(run `launcher.py generate` first, or pass --input FILE)")
+    return paths
+
+
+def _thinking_default(profile: Profile) -> bool:
+    return profile.generate.thinking
+
+
+def tokenizer_dir_for(profile: Profile) -> Path:
+    """`model.tokenizer` if set, else the target model's directory."""
+    from dflash.models import resolve_model_path
+
+    return resolve_model_path(profile.model.tokenizer or profile.model.target)
+
+
+def load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot load a tokenizer from {directory}: {error}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"the tokenizer in {directory} has no chat template; set model.tokenizer to a "
+                          "directory whose tokenizer_config.json (or chat_template.jinja) has one")
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ConfigError(f"the tokenizer in {directory} is not a fast tokenizer (no tokenizer.json)")
+    return tokenizer
+
+
+def tokenizer_identity(tokenizer: Any, directory: Path) -> dict[str, Any]:
+    """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return {
+        "path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+        "fingerprint": hashlib.sha256((vocab + specials).encode()).hexdigest(),
+        "chat_template_fingerprint": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+    }
