@@ -1,0 +1,50 @@
+"""The torchrun command builder (pure: nothing starts) and the resolved-profile hand-over."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dflash.launch import build_torchrun_command, describe_command, profile_from_json, profile_to_json
+from envcheck.errors import ConfigError
+from envcheck.profile import load_profile
+
+
+def test_single_node_is_standalone_with_the_profile_nproc(tmp_path):
+    profile = load_profile("cpu-demo")
+    argv, env = build_torchrun_command(profile, tmp_path, resume=True, python="py", base_env={"PATH": "/bin"})
+    assert argv[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert argv[argv.index("-m", 3) + 1] == "dflash.train_worker" and argv[-1] == "--resume"
+    assert "--rdzv-endpoint" not in argv
+    assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_multi_node_uses_a_c10d_rendezvous(tmp_path):
+    base = load_profile("cpu-demo")
+    profile = dataclasses.replace(base, machine=dataclasses.replace(base.machine, nnodes=2, rdzv_endpoint="10.0.0.1:29400"))
+    argv, _ = build_torchrun_command(profile, tmp_path, python="py", base_env={})
+    assert "--standalone" not in argv
+    assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+
+
+def test_multi_node_without_endpoint_says_what_to_set(tmp_path):
+    base = load_profile("cpu-demo")
+    profile = dataclasses.replace(base, machine=dataclasses.replace(base.machine, nnodes=2))
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        build_torchrun_command(profile, tmp_path, base_env={})
+
+
+def test_printed_command_never_shows_secrets(tmp_path):
+    argv, env = build_torchrun_command(load_profile("cpu-demo"), tmp_path, base_env={"HF_TOKEN": "hf_abc"},
+                                       extra_env={"OMP_NUM_THREADS": "3"})
+    line = describe_command(argv, env, keys=("OMP_NUM_THREADS", "HF_TOKEN"))
+    assert "hf_abc" not in line and "OMP_NUM_THREADS=3" in line and "HF_TOKEN='<redacted>'" in line
+
+
+def test_resolved_profile_round_trips_through_json(tmp_path):
+    profile = load_profile("rtx6000-x8")
+    path = tmp_path / "profile.json"
+    path.write_text(profile_to_json(profile))
+    assert profile_from_json(path) == profile
