@@ -297,7 +297,7 @@ def _health_problems(gpu: GpuFacts) -> list[str]:
 
 def check_cuda_probe(ctx: CheckInput) -> list[Finding]:
     if not ctx.snapshot.cuda_probe_ran:
-        return [Finding("gpu.kernel", "SKIP", "the CUDA probe did not run (use --cuda-probe)")]
+        return [Finding("gpu.kernel", "SKIP", "the CUDA probe did not run (--cuda-probe on a node with GPUs)")]
     bad = [g for g in ctx.snapshot.gpus if not g.kernel_ok]
     findings = [Finding("gpu.kernel", "FAIL", f"{gpu_label(g)}: a test kernel failed: {g.probe_error or 'wrong result'}",
                         f"install a torch whose arch list covers SM{g.compute_capability}, and check the driver") for g in bad]

@@ -169,9 +169,11 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
 
 
 def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
+    """Write atomically; values of secret-looking environment variables are masked anywhere in it."""
     from envcheck.fileio import write_json_atomic
+    from envcheck.redact import redact_document, secret_values
 
-    return write_json_atomic(path, snapshot.to_dict())
+    return write_json_atomic(path, redact_document(snapshot.to_dict(), secret_values(os.environ)))
 
 
 def collect_snapshot(disk_paths: typing.Sequence[Path] = (), *, cuda_probe: bool = False,

@@ -25,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
         path = save_snapshot(snapshot, args.output)
         print(f"snapshot of {snapshot.hostname}: {len(snapshot.gpus)} GPU(s), {len(snapshot.packages)} packages -> {path}")
     else:
-        print(json.dumps(snapshot.to_dict(), indent=2, sort_keys=True))
+        print(json.dumps(preflight.scrub_document(snapshot.to_dict()), indent=2, sort_keys=True))
     return 0

@@ -89,3 +89,27 @@ def test_pins_parsing_and_matching(tmp_path):
     assert normalize("Flash_Infer.python") == "flash-infer-python"
     assert version_matches_pin("2.9.1+cu128", "2.9.1") and not version_matches_pin("2.9.1+cu128", "2.9.1+cu130")
     assert not version_matches_pin("2.9.10", "2.9.1")
+
+
+def test_cuda_probe_child_command_pins_one_gpu(tmp_path, monkeypatch):
+    from envcheck import cuda_probe
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    argv, env = cuda_probe.child_command("GPU-abc", tmp_path, python="python3")
+    assert argv == ["python3", "-m", "envcheck.cuda_probe", "GPU-abc"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-abc" and "CUDA_MODULE_LOADING" not in env
+    assert env["DFLASH_PROBE_STORE"].startswith(str(tmp_path))
+
+
+def test_cuda_probe_reports_failure_as_data(tmp_path):
+    """A real child on a GPU-less machine (or a bogus UUID): the result carries the error."""
+    from envcheck import cuda_probe
+    from envcheck.snapshot import GpuFacts, Snapshot
+
+    gpu = GpuFacts(index=0, uuid="GPU-00000000-0000-0000-0000-000000000000", name="x", compute_capability="9.0",
+                   memory_total_mib=1, memory_free_mib=1, memory_used_mib=0)
+    results = cuda_probe.run_all([gpu], timeout_s=120)
+    assert results[0].uuid == gpu.uuid and results[0].kernel_ok is False and results[0].error
+    snapshot = Snapshot(gpus=[gpu])
+    cuda_probe.apply(snapshot, results)
+    assert snapshot.cuda_probe_ran and snapshot.gpus[0].probe_error == results[0].error
