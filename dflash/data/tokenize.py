@@ -463,7 +463,24 @@ def tokenizer_dir_for(profile: Profile) -> Path:
     return resolve_model_path(profile.model.tokenizer or profile.model.target)
 
 
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
 def load_tokenizer(directory: Path) -> Any:
+    """The fast tokenizer in `directory` (loaded once per process and directory state)."""
+    key = _directory_state(Path(directory))
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = _load_tokenizer(Path(directory))
+    return _TOKENIZERS[key]
+
+
+def _directory_state(directory: Path) -> tuple:
+    files = sorted(directory.glob("*")) if directory.is_dir() else []
+    return (str(directory.resolve()), *((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.is_file()))
+
+
+def _load_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
@@ -480,10 +497,16 @@ def load_tokenizer(directory: Path) -> Any:
 
 def tokenizer_identity(tokenizer: Any, directory: Path) -> dict[str, Any]:
     """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
-    return {
-        "path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
-        "fingerprint": hashlib.sha256((vocab + specials).encode()).hexdigest(),
-        "chat_template_fingerprint": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-    }
+    return {"path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+            "fingerprint": _vocab_fingerprint(tokenizer),
+            "chat_template_fingerprint": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+
+
+def _vocab_fingerprint(tokenizer: Any) -> str:
+    cached = getattr(tokenizer, "_dflash_vocab_fingerprint", None)
+    if cached is None:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+        cached = hashlib.sha256((vocab + specials).encode()).hexdigest()
+        tokenizer._dflash_vocab_fingerprint = cached
+    return cached
