@@ -340,8 +340,8 @@ def _measure(context: _RankContext) -> tuple[RankMemory, dict[str, Any]]:
     for module in context.args.imports:
         importlib.import_module(module)
     try:
-        import torch  # noqa: F401
-    except ImportError:
+        importlib.import_module("torch")
+    except ImportError:                      # an environment without torch: the imports' RSS only
         record = RankMemory(rank=context.rank, device="cpu", stages=dict.fromkeys(STAGES))
         record.stages["init"] = round(host_rss_mib(), 1)
         return record, _meta("cpu", {}, context.args.imports)
