@@ -123,7 +123,23 @@ def visible_gpu_count() -> int:
     if visible is not None:
         return len([item for item in visible.split(",") if item.strip() and item.strip() != "-1"])
     gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    if gpus.is_dir():
+        return len(list(gpus.iterdir()))
+    return _nvml_gpu_count()
+
+
+def _nvml_gpu_count() -> int:
+    """GPUs NVML sees (no CUDA context); 0 without nvidia-ml-py or without a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, or NVMLError_LibraryNotFound / DriverNotLoaded
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def default_world_size(options: ProbeOptions) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from envcheck.errors import EXIT_CANNOT_TEST, EXIT_FAIL
 from envcheck.memprobe import (STAGES, ProbeOptions, ProbeReport, RankMemory, compare_reports,
-                               rank_command, report_from_json)
+                               default_world_size, rank_command, report_from_json)
 
 LAUNCHER = str(Path(__file__).resolve().parents[2] / "launcher.py")
 SMALL = ["--hidden", "128", "--layers", "2", "--steps", "2"]
@@ -50,6 +50,15 @@ def test_rank_command_follows_the_torchrun_contract(tmp_path):
     assert argv[:3] == ["/venv/bin/python", "-m", "envcheck.memprobe"] and argv[-2:] == ["--import", "memhog"]
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == \
         ("1", "1", "2", "127.0.0.1", "29511")
+
+
+def test_ranks_default_to_the_visible_gpus_and_one_on_cpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3,5")
+    assert default_world_size(ProbeOptions()) == 3
+    assert default_world_size(ProbeOptions(device="cpu")) == 1
+    assert default_world_size(ProbeOptions(nproc=2, device="cpu")) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert default_world_size(ProbeOptions()) == 1
 
 
 def _probe(*args: str) -> subprocess.CompletedProcess:
