@@ -61,13 +61,14 @@ def _culprit_line(report: dict[str, Any]) -> str:
         return f"bisect incomplete: candidates left {', '.join(report['candidates_left'])}; rerun to resume"
     what = "culprit" if culprit["exact"] else "culprit is one of (the others in between could not be tested)"
     delta = _delta_text(culprit["memory_delta_mib"], culprit["first_bad_probed"])
-    return f"{what}: {', '.join(culprit['groups'])} ({'; '.join(culprit['changes'])}); memory delta {delta}"
+    caveat = "" if culprit["first_bad_probed"] else " [unconfirmed: BAD was assumed bad; rerun with --verify-bad]"
+    return f"{what}: {', '.join(culprit['groups'])} ({'; '.join(culprit['changes'])}); memory delta {delta}{caveat}"
 
 
 def _delta_text(delta: Optional[float], probed: bool) -> str:
     if delta is not None:
         return f"{delta:+.1f} MiB"
-    return "unknown (BAD itself was not probed; use --verify-bad)" if not probed else "unknown (no probe report)"
+    return "unknown" if not probed else "unknown (the probe wrote no report)"
 
 
 def _probes_line(report: dict[str, Any]) -> str:

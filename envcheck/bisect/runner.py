@@ -64,7 +64,7 @@ def plan_bisect(config: BisectConfig) -> BisectPlan:
 
 def _header(config: BisectConfig, groups: list[Group]) -> dict:
     described = [[group.name, group.describe()] for group in groups]
-    identity = json.dumps([described, config.probe, config.verify_bad])
+    identity = json.dumps([described, config.probe])   # --verify-bad may be added on resume
     return {"kind": "bisect", "good": str(config.good), "bad": str(config.bad), "groups": described,
             "probe": config.probe, "fingerprint": hashlib.sha256(identity.encode()).hexdigest()[:16]}
 
