@@ -169,11 +169,11 @@ def _copy_verified(dataset: DatasetOnDisk, staging: Path, progress: bool) -> Non
         for source in files:
             copied = _copy_file(source, staging / source.name, bar)
             expected = recorded.get(source.name)
-            if expected and dataset_io.file_sha256(staging / source.name) != expected:
-                raise DataError(f"backup copy of {source} does not match its recorded sha256; nothing merged")
             if expected and copied != expected:
                 raise DataError(f"{source} does not match the sha256 in {dataset_io.META_NAME}: the base "
                                 "changed or is corrupt; nothing merged (restore it from a backup)")
+            if expected and dataset_io.file_sha256(staging / source.name) != expected:
+                raise DataError(f"backup copy of {source} does not match its recorded sha256; nothing merged")
 
 
 def _copy_file(source: Path, target: Path, bar: Any) -> str:
@@ -212,12 +212,12 @@ def duplicate_filter(base: DatasetOnDisk, add: DatasetOnDisk, dedup: str) -> np.
 
 def _keys(dataset: DatasetOnDisk, dedup: str) -> Iterator[np.ndarray]:
     column = "id" if dedup == "id" else "input_ids"
-    for shard in dataset.shards:
-        for batch in dataset_io.iter_batches(shard, [column], mapped=True):
+    for shard in dataset.shards:  # token lists are read batch by batch, not mapped: RSS stays flat
+        for batch in dataset_io.iter_batches(shard, [column], mapped=dedup == "id"):
             yield _id_keys(batch.column(0)) if dedup == "id" else _content_keys(batch.column(0))
 
 
-def _hash8(data: bytes) -> int:
+def _hash8(data: bytes | memoryview) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -228,7 +228,7 @@ def _id_keys(ids: Any) -> np.ndarray:
 def _content_keys(lists: Any) -> np.ndarray:
     offsets = dataset_io.numpy_of(lists.offsets)
     values = dataset_io.numpy_of(lists.values)
-    return np.fromiter((_hash8(values[offsets[i]: offsets[i + 1]].tobytes()) for i in range(len(lists))),
+    return np.fromiter((_hash8(memoryview(values[offsets[i]: offsets[i + 1]])) for i in range(len(lists))),
                        dtype=np.uint64, count=len(lists))
 
 
@@ -268,14 +268,12 @@ class Totals:
 def _stream(dataset: DatasetOnDisk, keep: np.ndarray | None, writer: Any, totals: Totals, bar: Any) -> Totals:
     """Copy a dataset's record batches into `writer`, filtered by `keep`; one batch in memory.
     Returns the totals read (before filtering); `totals` accumulates what was written."""
-    import pyarrow as pa
-
     read, position = Totals(), 0
     for shard in dataset.shards:
         for batch in dataset_io.iter_batches(shard):
             read.add(batch)
             if keep is not None:
-                batch = batch.filter(pa.array(keep[position: position + batch.num_rows]))
+                batch = batch.filter(dataset_io.arrow_bool_mask(keep[position: position + batch.num_rows]))
                 position = read.rows
             totals.add(batch)
             writer.write(batch)
