@@ -38,9 +38,10 @@ class Endpoint:
 class RequestFailure(Exception):
     """A request that did not produce a usable completion."""
 
-    def __init__(self, reason: str, retryable: bool = True, endpoint_down: bool = False):
+    def __init__(self, reason: str, retryable: bool = True, endpoint_down: bool = False, status: int = 0):
         super().__init__(reason)
         self.reason = reason
+        self.status = status
         self.retryable = retryable
         self.endpoint_down = endpoint_down
 
@@ -170,7 +171,7 @@ def parse_chat_response(status: int, payload: bytes) -> dict[str, Any]:
     if status != 200:
         excerpt = payload[:300].decode("utf-8", "replace").replace("\n", " ")
         retryable = status >= 500 or status in (408, 429)
-        raise RequestFailure(f"HTTP {status}: {excerpt}", retryable=retryable)
+        raise RequestFailure(f"HTTP {status}: {excerpt}", retryable=retryable, status=status)
     try:
         document = json.loads(payload)
         message = document["choices"][0]["message"]

@@ -32,26 +32,40 @@ class SamplingParams:
     def from_section(cls, section: GenerateSection) -> "SamplingParams":
         return cls(section.temperature, section.top_p, section.top_k, section.max_tokens, section.thinking)
 
-    def request_fields(self, backend: str) -> dict[str, Any]:
+    def request_fields(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The sampling fields of a request body, minus those the server rejected (`omit`)."""
         fields: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
                                   "max_tokens": self.max_tokens,
                                   "chat_template_kwargs": {"enable_thinking": self.thinking}}
-        if backend != "transformers" and self.top_k > 0:
+        if self.top_k > 0:
             fields["top_k"] = self.top_k
-        return fields
+        return {key: value for key, value in fields.items() if key not in omit | omitted_for(backend)}
 
-    def recorded(self, backend: str) -> dict[str, Any]:
+    def recorded(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The sampling parameters as recorded in each output line (what was actually sent)."""
-        sent = asdict(self)
-        if backend == "transformers":
-            sent.pop("top_k")
-        return sent
+        dropped = omit | omitted_for(backend)
+        return {key: value for key, value in asdict(self).items()
+                if not (key in dropped or (key == "thinking" and "chat_template_kwargs" in dropped))}
+
+
+# Optional request fields: sent when the server accepts them, dropped (and not recorded) when it
+# answers 4xx naming them. `transformers serve` is known to reject top_k.
+OPTIONAL_FIELDS = ("top_k", "chat_template_kwargs")
+
+
+def omitted_for(backend: str) -> frozenset[str]:
+    return frozenset({"top_k"}) if backend == "transformers" else frozenset()
+
+
+def rejected_optional_field(error_text: str, omit: frozenset[str]) -> str | None:
+    """The optional field a 4xx error names (and we still send), if any."""
+    return next((name for name in OPTIONAL_FIELDS if name in error_text and name not in omit), None)
 
 
 def build_request_body(prompt: PromptRecord, sampling: SamplingParams, backend: str,
-                       model: str | None) -> bytes:
+                       model: str | None, omit: frozenset[str] = frozenset()) -> bytes:
     """The /v1/chat/completions JSON body for one prompt (non-streaming)."""
-    body: dict[str, Any] = {"messages": list(prompt.messages), **sampling.request_fields(backend)}
+    body: dict[str, Any] = {"messages": list(prompt.messages), **sampling.request_fields(backend, omit)}
     if model:
         body["model"] = model
     if prompt.tools:

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 from dflash.generate.client import (EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat)
 from dflash.generate.prompts import PromptRecord, load_prompts
-from dflash.generate.records import SamplingParams, build_request_body, completion_record
+from dflash.generate.records import (SamplingParams, build_request_body, completion_record,
+                                     rejected_optional_field)
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
 from dflash.manifest import update_stage
@@ -131,6 +132,7 @@ class GenerationRun:
     _fatal: BaseException | None = None
     _bar: Any = None
     _workers: list[asyncio.Task] = field(default_factory=list)
+    _omit: frozenset[str] = frozenset()
 
     async def run(self, prompts: list[PromptRecord]) -> None:
         queue: asyncio.Queue[PromptRecord] = asyncio.Queue()
@@ -183,14 +185,17 @@ class GenerationRun:
 
     async def _complete(self, session: Any, prompt: PromptRecord) -> None:
         """Send one prompt until it succeeds, fails for good, or the run is failing."""
-        body = build_request_body(prompt, self.sampling, self.backend, self._model)
         attempts = requeues = 0
         while self._fatal is None:
+            omitted = self._omit
+            body = build_request_body(prompt, self.sampling, self.backend, self._model, omitted)
             endpoint = await self.pool.acquire(None if self.supervisor else max(self.timeout_s, 60.0))
             started = time.time()
             try:
                 response = await post_chat(session, endpoint, body, self.timeout_s)
             except RequestFailure as failure:
+                if self._drop_rejected_field(failure, omitted):
+                    continue
                 self.pool.report_failure(endpoint, failure)
                 if failure.endpoint_down and requeues < MAX_ENDPOINT_REQUEUES:
                     requeues += 1
@@ -206,9 +211,19 @@ class GenerationRun:
             self._record(prompt, response, started)
             return
 
+    def _drop_rejected_field(self, failure: RequestFailure, omitted: frozenset[str]) -> bool:
+        """A 4xx naming an optional field this request sent (e.g. top_k): stop sending it, resend uncounted."""
+        field_name = rejected_optional_field(failure.reason, omitted) if 400 <= failure.status < 500 else None
+        if field_name is None:
+            return False
+        if field_name not in self._omit:
+            self._omit = self._omit | {field_name}
+            print(f"warning: the server rejects {field_name!r}; sending requests without it", file=sys.stderr)
+        return True
+
     def _record(self, prompt: PromptRecord, response: dict[str, Any], started: float) -> None:
-        record = completion_record(prompt, response, self.sampling.recorded(self.backend), started, time.time(),
-                                   self.model_label)
+        record = completion_record(prompt, response, self.sampling.recorded(self.backend, self._omit), started,
+                                   time.time(), self.model_label)
         self.store.add(record)
         self.summary.completed += 1
         self.summary.prompt_tokens += record["prompt_tokens"]

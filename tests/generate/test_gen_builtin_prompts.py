@@ -1,0 +1,31 @@
+"""The shipped prompt sets: valid, varied, disjoint, and reproduced exactly by their script."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+from dflash.generate.prompts import load_prompts
+
+
+def text_of(record):
+    return record.messages[-1]["content"]
+
+
+def test_builtin_sets_are_valid_varied_and_disjoint(repo_root):
+    train = load_prompts(repo_root / "dflash/prompts/builtin_prompts.jsonl")
+    heldout = load_prompts(repo_root / "dflash/prompts/heldout_prompts.jsonl")
+    assert len(train) == 300 and len(heldout) == 40
+    families = Counter(record.id.rsplit("-", 1)[1] for record in train)
+    assert set(families) == {"math", "word", "code", "rewrite", "list", "define", "tool"}
+    assert min(families.values()) >= 20
+    assert all(record.tools for record in train if record.id.endswith("-tool"))
+    assert len({text_of(r) for r in train}) == len(train)
+    assert not {text_of(r) for r in train} & {text_of(r) for r in heldout}
+
+
+def test_script_reproduces_the_shipped_files(repo_root, tmp_path):
+    script = repo_root / "dflash/prompts/make_prompts.py"
+    subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path)], check=True, capture_output=True)
+    for name in ("builtin_prompts.jsonl", "heldout_prompts.jsonl"):
+        assert (tmp_path / name).read_bytes() == (repo_root / "dflash/prompts" / name).read_bytes()

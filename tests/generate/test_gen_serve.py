@@ -1,0 +1,158 @@
+"""Generation against a real `transformers serve` on 127.0.0.1 serving a tiny Qwen3.
+
+Covers: a normal managed run; the client SIGKILLed and resumed; the server SIGKILLed and
+restarted; faults (500s, truncated JSON, timeouts) retried or recorded; `--retry-failed`; several
+endpoints sharing load with a dead one taken out of rotation.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import psutil
+import pytest
+
+from conftest import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
+from dflash.generate import generate_from_profile
+from dflash.manifest import read_manifest
+from envcheck.profile import load_profile
+
+pytestmark = pytest.mark.slow
+
+
+def start_launcher(profile_path, *extra):
+    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path),
+            "--skip-preflight", "--no-progress", *extra]
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=launcher_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(path, count, process, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        if path.exists() and path.read_text().count("\n") >= count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} never reached {count} lines")
+
+
+def server_children(pid):
+    return [child for child in psutil.Process(pid).children(recursive=True)
+            if "serve" in " ".join(child.cmdline())]
+
+
+def port_open(port):
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_managed_server_run_writes_one_complete_record_per_prompt(tmp_path, tiny_qwen3_target):
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 6)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts)
+    process = start_launcher(profile_path)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err
+    assert "completed 6, failed 0" in out
+    output = tmp_path / "run" / "completions.jsonl"
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == ids
+    for record in records:
+        assert record["messages"][-1]["role"] == "assistant" and isinstance(record["messages"][-1]["content"], str)
+        assert record["completion_tokens"] == 6 and record["finish_reason"] == "length"
+        assert record["prompt_tokens"] > 5 and record["sampling"]["max_tokens"] == 6
+        assert record["started_at"] <= record["finished_at"]
+    assert "tools" in records[0] and "tools" not in records[1]
+    stage = read_manifest(tmp_path / "run")["stages"]["generate"]
+    assert stage["state"] == "done" and stage["completed"] == 6 and stage["output_tokens"] == 36
+    assert "Uvicorn running" in (tmp_path / "run" / "generate" / "server.log").read_text()
+    assert not port_open(load_profile(str(profile_path)).generate.port)  # the server was stopped
+
+
+def test_client_sigkilled_mid_run_resumes_with_exactly_one_completion_per_id(tmp_path, tiny_qwen3_target):
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 14)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts,
+                                 max_tokens=10)
+    output = tmp_path / "run" / "completions.jsonl"
+    process = start_launcher(profile_path)
+    wait_for_lines(output, 4, process)
+    server = server_children(process.pid)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    psutil.wait_procs(server, timeout=30)  # the server goes with its launcher
+    done_before = read_output_ids(output)
+    assert 4 <= len(done_before) < 14
+    process = start_launcher(profile_path)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err
+    final = read_output_ids(output)
+    assert Counter(final) == Counter(ids)  # no gaps, no duplicates
+    assert final[: len(done_before)] == done_before
+    assert f"{len(done_before)} already done" in out
+
+
+def test_server_killed_mid_run_is_restarted_and_the_run_completes(tmp_path, tiny_qwen3_target):
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 12)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts,
+                                 max_tokens=10, max_server_restarts=2)
+    output = tmp_path / "run" / "completions.jsonl"
+    process = start_launcher(profile_path)
+    wait_for_lines(output, 2, process)
+    (server,) = server_children(process.pid)
+    server.kill()
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err
+    assert "restart 1/2" in err
+    assert Counter(read_output_ids(output)) == Counter(ids)
+    stage = read_manifest(tmp_path / "run")["stages"]["generate"]
+    assert stage["server_restarts"] == 1 and stage["failed"] == 0
+    assert (tmp_path / "run" / "generate" / "server.log").read_text().count("starting:") == 2
+
+
+def test_faults_are_retried_or_recorded_and_retry_failed_runs_just_those(tmp_path, tiny_qwen3_target,
+                                                                          served_tiny_model, fault_proxy_factory):
+    proxy = fault_proxy_factory(served_tiny_model, slow_s=6.0)
+    prompts = tmp_path / "prompts.jsonl"
+    markers = {1: "[500]", 2: "[trunc]", 3: "[slow]", 4: "[poison]", 6: "[500]", 7: "[poison]"}
+    ids = write_prompts(prompts, 10, markers)
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts,
+                                             request_timeout_s=3.0, retries=2, concurrency=3)))
+    summary = generate_from_profile(profile, endpoints=[proxy.url], progress=False)
+    assert proxy.injected == {"500": 2 + 2 * 3, "trunc": 1, "slow": 1}
+    assert (summary.completed, summary.failed) == (8, 2)
+    assert summary.retried == 4 + 2 * 2  # four one-off faults + two poisoned prompts retried twice each
+    output = tmp_path / "run" / "completions.jsonl"
+    assert sorted(read_output_ids(output)) == [i for i in ids if i not in ("q004", "q007")]
+    failures = [json.loads(line) for line in (tmp_path / "run" / "generate" / "failures.jsonl").read_text().splitlines()]
+    assert {f["id"] for f in failures} == {"q004", "q007"}
+    assert all(f["reason"].startswith("HTTP 500") and f["attempts"] == 3 for f in failures)
+
+    again = generate_from_profile(profile, endpoints=[proxy.url], progress=False)
+    assert again.selected == 0  # a plain rerun does not resend recorded failures
+    retried = generate_from_profile(profile, endpoints=[served_tiny_model], retry_failed=True, progress=False)
+    assert (retried.selected, retried.completed, retried.failed) == (2, 2, 0)
+    assert Counter(read_output_ids(output)) == Counter(ids)
+    assert (tmp_path / "run" / "generate" / "failures.jsonl").read_text() == ""
+
+
+def test_endpoints_share_the_load_and_a_dead_one_leaves_rotation(tmp_path, tiny_qwen3_target,
+                                                                 served_tiny_model, fault_proxy_factory):
+    first, second = fault_proxy_factory(served_tiny_model), fault_proxy_factory(served_tiny_model)
+    dead = f"http://127.0.0.1:{free_port()}"
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 12)
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts,
+                                             concurrency=4, retries=0)))
+    summary = generate_from_profile(profile, endpoints=[first.url, dead, second.url], progress=False)
+    assert (summary.completed, summary.failed, summary.retried) == (12, 0, 0)
+    assert first.forwarded >= 3 and second.forwarded >= 3 and first.forwarded + second.forwarded == 12
+    assert Counter(read_output_ids(tmp_path / "run" / "completions.jsonl")) == Counter(ids)
