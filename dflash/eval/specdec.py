@@ -1,0 +1,254 @@
+"""Speculative decoding: a drafter proposes a block, the target verifies it in one forward.
+
+Each step drafts up to `block_size - 1` tokens after the anchor (the last committed token, not yet
+seen by the target), feeds `[anchor, d1, ..., dk]` to the target in ONE KV-cached forward, commits
+the longest accepted prefix plus one token from the target (the bonus token), and crops the KV
+cache back to the committed length. tau (acceptance length) of a step = accepted + 1, so a
+drafter that is always right gets tau = block_size and one that is always wrong gets tau = 1.
+
+Greedy (temperature 0): a draft token is accepted when it equals the target's argmax; the output
+is the target's own greedy decoding, token for token. Temperature > 0: the standard speculative
+rejection rule (accept x with probability min(1, p(x)/q(x)), else resample from
+norm(max(0, p - q))), which leaves the target's sampling distribution unchanged.
+
+The verify forward also returns the target's tap features of the verified positions, so a DFlash
+drafter's context is extended with the target's features of the committed tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one block; `probs` [len(tokens), V] are the draft distributions q.
+
+    `probs` None means the tokens were chosen deterministically (q is one-hot), as prompt
+    lookup does; rejection sampling then accepts token x with probability p(x).
+    """
+
+    tokens: list[int]
+    probs: Optional["torch.Tensor"] = None
+
+
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter."""
+
+    name: str
+    uses_features: bool  # True: the loop must pass the target's tap features of committed tokens
+
+    def reset(self) -> None:
+        """Forget per-prompt state before a new prompt."""
+
+    def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,
+                temperature: float) -> Proposal:
+        """Up to k tokens to follow `committed`; `features` [len(committed)-1, F] or None."""
+
+
+class NoDrafter:
+    """Proposes nothing: the loop then is plain target-only decoding (one token per forward)."""
+
+    name = "target"
+    uses_features = False
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, committed, features, k, temperature) -> Proposal:
+        return Proposal(tokens=[])
+
+
+@dataclass
+class VerifyOutput:
+    logits: "torch.Tensor"                      # [n, V], float32
+    features: Optional["torch.Tensor"] = None   # [n, L*H] tap features, when taps were asked for
+
+
+class TargetVerifier:
+    """The target behind a KV cache: forward a few tokens, read logits and tap features, roll back.
+
+    `layer_ids` are tap layers (layer k = output of decoder layer k = HF hidden_states[k + 1]);
+    None: no features (prompt lookup and target-only decoding do not need them).
+    """
+
+    def __init__(self, model: Any, layer_ids: Optional[Sequence[int]] = None):
+        self.model = model
+        self.layer_ids = tuple(layer_ids) if layer_ids is not None else None
+        self.device = next(model.parameters()).device
+        self.cache = None
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def forward(self, token_ids: Sequence[int], with_features: bool = False) -> VerifyOutput:
+        """Feed `token_ids` after the cached prefix; logits (and taps) of every fed position."""
+        import torch
+
+        start = self.length
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        want_taps = with_features and self.layer_ids is not None
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache,
+                             use_cache=True, output_hidden_states=want_taps)
+        features = self._taps(out.hidden_states) if want_taps else None
+        return VerifyOutput(logits=out.logits[0].float(), features=features)
+
+    def _taps(self, hidden_states: Sequence["torch.Tensor"]) -> "torch.Tensor":
+        import torch
+
+        return torch.cat([hidden_states[k + 1][0] for k in self.layer_ids], dim=-1)
+
+    def rollback(self, length: int) -> None:
+        """Crop the KV cache to its first `length` positions (rejected draft tokens go)."""
+        extra = self.length - length
+        assert extra >= 0, f"cannot roll back to {length} from {self.length}"
+        if extra:
+            self.cache.crop(-extra)
+
+
+@dataclass
+class DecodeResult:
+    """One prompt decoded by one method."""
+
+    tokens: list[int]                        # new tokens (prompt excluded)
+    taus: list[int] = field(default_factory=list)       # acceptance length of each draft step
+    proposed: list[int] = field(default_factory=list)   # draft tokens proposed at each step
+    wall_s: float = 0.0
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    block_size: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    eos_ids: tuple[int, ...] = ()
+
+
+def pick_token(logits: "torch.Tensor", temperature: float, generator: Optional["torch.Generator"]) -> int:
+    """argmax at temperature 0, else a sample from softmax(logits / temperature)."""
+    import torch
+
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def accept_greedy(draft: Sequence[int], logits: "torch.Tensor") -> tuple[int, int]:
+    """(accepted, bonus): leading draft tokens equal to the target's argmax, then its next argmax.
+
+    `logits[i]` is the target's prediction for the token after block position i (anchor = 0).
+    """
+    targets = logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted, targets[accepted]
+
+
+def accept_sampling(proposal: Proposal, logits: "torch.Tensor", temperature: float,
+                    generator: Optional["torch.Generator"]) -> tuple[int, int]:
+    """(accepted, bonus) by the speculative rejection rule; preserves the target's distribution."""
+    import torch
+
+    target_probs = torch.softmax(logits / temperature, dim=-1)
+    for i, token in enumerate(proposal.tokens):
+        p = target_probs[i]
+        q = _draft_distribution(proposal, i, p)
+        ratio = float(p[token] / q[token]) if q[token] > 0 else 0.0
+        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        if float(residual.sum()) <= 0.0:
+            residual = p
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    bonus = torch.multinomial(target_probs[len(proposal.tokens)], 1, generator=generator)
+    return len(proposal.tokens), int(bonus)
+
+
+def _draft_distribution(proposal: Proposal, index: int, like: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    if proposal.probs is not None:
+        return proposal.probs[index].to(like)
+    one_hot = torch.zeros_like(like)
+    one_hot[proposal.tokens[index]] = 1.0
+    return one_hot
+
+
+def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: Sequence[int],
+                       settings: DecodeSettings, generator: Optional["torch.Generator"] = None) -> DecodeResult:
+    """Decode one prompt; with `NoDrafter` this is plain target-only decoding."""
+    assert settings.block_size >= 1 and len(prompt_ids) > 0
+    started = time.perf_counter()
+    verifier.reset()
+    drafter.reset()
+    prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features)
+    committed = list(prompt_ids) + [pick_token(prefill.logits[-1], settings.temperature, generator)]
+    state = _LoopState(committed=committed, features=prefill.features, prompt_len=len(prompt_ids))
+    while not state.finished(settings):
+        _step(verifier, drafter, state, settings, generator)
+    tokens = state.new_tokens(settings)
+    return DecodeResult(tokens=tokens, taus=state.taus, proposed=state.proposed,
+                        wall_s=time.perf_counter() - started)
+
+
+@dataclass
+class _LoopState:
+    committed: list[int]
+    features: Optional["torch.Tensor"]
+    prompt_len: int
+    taus: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+
+    def new_tokens(self, settings: DecodeSettings) -> list[int]:
+        """Generated tokens, cut after the first EOS and at max_new_tokens."""
+        tokens = self.committed[self.prompt_len:][: settings.max_new_tokens]
+        for i, token in enumerate(tokens):
+            if token in settings.eos_ids:
+                return tokens[: i + 1]
+        return tokens
+
+    def finished(self, settings: DecodeSettings) -> bool:
+        tokens = self.new_tokens(settings)
+        return len(tokens) >= settings.max_new_tokens or (bool(tokens) and tokens[-1] in settings.eos_ids)
+
+
+def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, settings: DecodeSettings,
+          generator: Optional["torch.Generator"]) -> None:
+    """Draft one block, verify it in one target forward, commit, roll the cache back."""
+    import torch
+
+    proposal = drafter.propose(state.committed, state.features, settings.block_size - 1, settings.temperature)
+    proposal.tokens = list(proposal.tokens)[: settings.block_size - 1]
+    out = verifier.forward([state.committed[-1]] + proposal.tokens, with_features=drafter.uses_features)
+    if settings.temperature <= 0:
+        accepted, bonus = accept_greedy(proposal.tokens, out.logits)
+    else:
+        accepted, bonus = accept_sampling(proposal, out.logits, settings.temperature, generator)
+    state.committed += proposal.tokens[:accepted] + [bonus]
+    verifier.rollback(len(state.committed) - 1)
+    if out.features is not None:
+        state.features = torch.cat([state.features, out.features[: accepted + 1]], dim=0)
+    state.taus.append(accepted + 1)
+    state.proposed.append(len(proposal.tokens))

@@ -1,0 +1,216 @@
+"""Speculative decoding on tiny random targets: lossless greedy, tau bounds, rejection sampling."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import OracleDrafter, small_vocab_model
+from dflash.eval.prompt_lookup import PromptLookupDrafter
+from dflash.eval.specdec import (DecodeSettings, NoDrafter, Proposal, TargetVerifier,
+                                 accept_greedy, speculative_decode)
+
+PROMPTS = ([9707, 11, 1879, 0], [785, 6722, 315, 9625, 374, 12095, 13, 785], [151644, 872, 198, 3838])
+
+
+def greedy_without_cache(model, prompt: list[int], max_new: int) -> list[int]:
+    """Reference: re-run the whole sequence for every token (no KV cache, no drafting)."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_qwen3_model) -> dict[int, list[int]]:
+    return {i: greedy_without_cache(tiny_qwen3_model, prompt, 25) for i, prompt in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+@pytest.mark.parametrize("wrong_every", [0, 1, 3])
+def test_greedy_output_equals_target_greedy(tiny_qwen3_model, references, block_size, wrong_every):
+    verifier = TargetVerifier(tiny_qwen3_model)
+    vocab = tiny_qwen3_model.config.vocab_size
+    settings = DecodeSettings(block_size=block_size, max_new_tokens=25)
+    for i, prompt in enumerate(PROMPTS):
+        drafter = OracleDrafter(references[i], len(prompt), vocab, wrong_every=wrong_every)
+        result = speculative_decode(verifier, drafter, prompt, settings)
+        assert result.tokens == references[i], f"prompt {i}"
+
+
+def test_greedy_matches_transformers_generate_with_eos(tiny_qwen3_model, references):
+    """Stopping at EOS mid-block: same tokens as `generate`, cut right after the EOS."""
+    prompt = PROMPTS[1]
+    eos = references[1][6]  # a token the target emits: decoding must stop right after it
+    expected = tiny_qwen3_model.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                                         eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    assert expected[-1] == eos and len(expected) <= 7
+    verifier = TargetVerifier(tiny_qwen3_model)
+    drafter = OracleDrafter(references[1], len(prompt), tiny_qwen3_model.config.vocab_size)
+    result = speculative_decode(verifier, drafter, prompt, DecodeSettings(5, 25, eos_ids=(eos,)))
+    assert result.tokens == expected
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_always_right_drafter_gets_tau_block_size(tiny_qwen3_model, references, block_size):
+    steps = 3
+    prompt = PROMPTS[0]
+    settings = DecodeSettings(block_size=block_size, max_new_tokens=1 + steps * block_size)
+    drafter = OracleDrafter(references[0], len(prompt), tiny_qwen3_model.config.vocab_size)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model), drafter, prompt, settings)
+    assert result.taus == [block_size] * steps
+    assert result.mean_tau == block_size
+
+
+def test_always_wrong_drafter_gets_tau_one(tiny_qwen3_model, references):
+    prompt = PROMPTS[2]
+    drafter = OracleDrafter(references[2], len(prompt), tiny_qwen3_model.config.vocab_size, wrong_every=1)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model), drafter, prompt, DecodeSettings(6, 12))
+    assert result.taus == [1] * 11
+    assert all(count == 5 for count in result.proposed)
+
+
+def test_no_drafter_is_target_only_decoding(tiny_qwen3_model, references):
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model), NoDrafter(), PROMPTS[0], DecodeSettings(8, 25))
+    assert result.tokens == references[0]
+    assert result.taus == [1] * 24
+
+
+def test_verify_taps_follow_hidden_states_convention(tiny_qwen3_model):
+    """Tap layer k = output of decoder layer k = hidden_states[k + 1], concatenated in order."""
+    verifier = TargetVerifier(tiny_qwen3_model, layer_ids=(0, 2))
+    verifier.reset()
+    out = verifier.forward(PROMPTS[0], with_features=True)
+    with torch.inference_mode():
+        states = tiny_qwen3_model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.features, torch.cat([states[1][0], states[3][0]], dim=-1))
+
+
+def test_rollback_keeps_the_committed_prefix(tiny_qwen3_model):
+    """After a rejected block is cropped, the next logits equal a fresh forward of the prefix."""
+    verifier = TargetVerifier(tiny_qwen3_model)
+    verifier.reset()
+    verifier.forward(PROMPTS[1][:5])
+    verifier.forward([1, 2, 3])
+    verifier.rollback(5)
+    cached = verifier.forward(PROMPTS[1][5:6]).logits[-1]
+    with torch.inference_mode():
+        fresh = tiny_qwen3_model(torch.tensor([PROMPTS[1][:6]])).logits[0, -1]
+    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_accept_greedy_counts_leading_matches():
+    logits = torch.zeros(4, 5)
+    for position, token in enumerate([2, 3, 4, 1]):
+        logits[position, token] = 1.0
+    assert accept_greedy([2, 3, 0], logits) == (2, 4)
+    assert accept_greedy([2, 3, 4], logits) == (3, 1)
+    assert accept_greedy([1], logits) == (0, 2)
+
+
+class RandomDistributionDrafter:
+    """Samples drafts from a fixed random distribution q (far from the target's p)."""
+
+    name = "random-q"
+    uses_features = False
+
+    def __init__(self, vocab: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(torch.randn(vocab, generator=generator) * 2.0, dim=-1)
+        self.generator = generator
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, committed, features, k, temperature) -> Proposal:
+        tokens = torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist()
+        return Proposal(tokens=tokens, probs=self.q.expand(k, -1))
+
+
+class FixedTokenDrafter:
+    """Always proposes token 0 deterministically (q one-hot)."""
+
+    name = "fixed"
+    uses_features = False
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, committed, features, k, temperature) -> Proposal:
+        return Proposal(tokens=[0] * k)
+
+
+def exact_second_third_distribution(model, prompt: list[int], temperature: float) -> torch.Tensor:
+    """p(x2, x3 | prompt) of the target at `temperature` (x1 summed out), by enumeration: [V, V].
+
+    x1 comes from the prefill; x2 and x3 from the first draft step, so both the first and the
+    second draft slot (and the residual/bonus paths) are under test.
+    """
+    vocab = model.config.vocab_size
+
+    def next_probs(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.softmax(model(torch.tensor(contexts)).logits[:, -1] / temperature, dim=-1)
+
+    first = next_probs([prompt])[0]                                                    # [V]
+    second = next_probs([prompt + [a] for a in range(vocab)])                          # [V, V]
+    third = next_probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)])  # [V*V, V]
+    joint = first[:, None, None] * second[:, :, None] * third.view(vocab, vocab, vocab)
+    return joint.sum(dim=0)
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square test; cells with expected < 5 are pooled into one."""
+    keep = expected >= 5
+    obs = torch.cat([observed[keep], observed[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    statistic = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("drafter_kind,temperature", [("random-q", 1.0), ("fixed", 0.7)])
+def test_rejection_sampling_preserves_target_distribution(drafter_kind, temperature):
+    model = small_vocab_model()
+    vocab, prompt, samples = model.config.vocab_size, [1, 5, 2], 2000
+    exact = exact_second_third_distribution(model, prompt, temperature)
+    drafter = RandomDistributionDrafter(vocab, seed=1) if drafter_kind == "random-q" else FixedTokenDrafter()
+    verifier, generator = TargetVerifier(model), torch.Generator().manual_seed(1234)
+    settings = DecodeSettings(block_size=4, max_new_tokens=3, temperature=temperature)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    accepted_any = False
+    for _ in range(samples):
+        result = speculative_decode(verifier, drafter, prompt, settings, generator=generator)
+        counts[result.tokens[1], result.tokens[2]] += 1
+        accepted_any |= result.taus[0] > 1
+    assert accepted_any, "the drafter never got a token accepted: the test would not exercise acceptance"
+    assert exact.max() < 0.5, "target too peaked for a meaningful test"
+    p_value = chi_square_p_value(counts.flatten(), exact.flatten().double() * samples)
+    assert p_value > 0.001, f"speculative samples differ from the target's distribution (p={p_value:.2e})"
+
+
+def test_chi_square_detects_a_biased_sampler():
+    """The statistical test has power: a sampler that skews p by a few percent is rejected."""
+    exact = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    skewed = torch.tensor([0.45, 0.27, 0.18, 0.10], dtype=torch.float64)
+    counts = torch.bincount(torch.multinomial(skewed, 3000, replacement=True,
+                                              generator=torch.Generator().manual_seed(0)), minlength=4)
+    assert chi_square_p_value(counts.double(), exact * 3000) < 0.001
+
+
+def test_prompt_lookup_gets_tau_above_one_on_a_repetitive_prompt(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
+    prompt = tokenizer("red green blue yellow, " * 6 + "red green", add_special_tokens=False)["input_ids"]
+    settings = DecodeSettings(block_size=8, max_new_tokens=32)
+    lookup = speculative_decode(TargetVerifier(model), PromptLookupDrafter(), prompt, settings)
+    plain = speculative_decode(TargetVerifier(model), NoDrafter(), prompt, settings)
+    assert lookup.tokens == plain.tokens
+    assert lookup.mean_tau > 2.0, lookup.taus
+    assert not math.isnan(lookup.mean_tau)
