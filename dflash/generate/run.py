@@ -133,6 +133,7 @@ class GenerationRun:
     _bar: Any = None
     _workers: list[asyncio.Task] = field(default_factory=list)
     _omit: frozenset[str] = frozenset()
+    _sampling_cache: tuple[frozenset[str], dict[str, Any]] | None = None
 
     async def run(self, prompts: list[PromptRecord]) -> None:
         queue: asyncio.Queue[PromptRecord] = asyncio.Queue()
@@ -222,13 +223,19 @@ class GenerationRun:
         return True
 
     def _record(self, prompt: PromptRecord, response: dict[str, Any], started: float) -> None:
-        record = completion_record(prompt, response, self.sampling.recorded(self.backend, self._omit), started,
-                                   time.time(), self.model_label)
+        record = completion_record(prompt, response, self._recorded_sampling(), started, time.time(),
+                                   self.model_label)
         self.store.add(record)
         self.summary.completed += 1
         self.summary.prompt_tokens += record["prompt_tokens"]
         self.summary.output_tokens += record["completion_tokens"]
         self._advance()
+
+    def _recorded_sampling(self) -> dict[str, Any]:
+        """The sampling dict of each output line, rebuilt only when the omitted fields change."""
+        if self._sampling_cache is None or self._sampling_cache[0] != self._omit:
+            self._sampling_cache = (self._omit, self.sampling.recorded(self.backend, self._omit))
+        return self._sampling_cache[1]
 
     def _record_failure(self, prompt: PromptRecord, reason: str, attempts: int) -> None:
         self.store.add_failure(prompt.id, reason, attempts)
@@ -236,7 +243,7 @@ class GenerationRun:
         self._advance()
 
     def _advance(self) -> None:
-        if self._bar is not None:
+        if self._bar is not None and not self._bar.disable:
             self._bar.update(1)
             if self._bar.n % 16 == 0:
                 elapsed = max(self._bar.format_dict.get("elapsed", 0.0), 1e-9)
@@ -383,12 +390,7 @@ def _finish_manifest(run_dir: Path, summary: GenerateSummary, store: CompletionS
 
 
 def run_preflight_if_available(profile: Profile, *, force: bool, run_dir: Path) -> None:
-    """The preflight audit (envcheck.preflight.run_preflight), when this installation has it."""
-    import importlib.util
-
-    if importlib.util.find_spec("envcheck.preflight") is None:
-        print("note: preflight audit not available in this installation; skipped", file=sys.stderr)
-        return
+    """The preflight audit (raises PreflightFailed on a FAIL unless `force`)."""
     from envcheck.preflight import run_preflight
 
     run_preflight(profile, force=force, run_dir=run_dir)

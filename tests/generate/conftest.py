@@ -131,6 +131,7 @@ def fault_proxy_factory():
 
     yield start
     for loop, thread in started:
+        asyncio.run_coroutine_threadsafe(loop.proxy_cleanup(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
 
@@ -178,6 +179,12 @@ def _serve_proxy(proxy: FaultProxy, loop: asyncio.AbstractEventLoop, ready: thre
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         proxy.url = f"http://127.0.0.1:{port}"
+
+        async def cleanup() -> None:
+            await runner.cleanup()
+            await session.close()
+
+        loop.proxy_cleanup = cleanup
 
     loop.run_until_complete(setup())
     ready.set()

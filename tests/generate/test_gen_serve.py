@@ -57,10 +57,13 @@ def test_managed_server_run_writes_one_complete_record_per_prompt(tmp_path, tiny
     prompts = tmp_path / "prompts.jsonl"
     ids = write_prompts(prompts, 6)
     profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts)
-    process = start_launcher(profile_path)
-    out, err = process.communicate(timeout=180)
+    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path), "--force"]
+    process = subprocess.run(argv, cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True, timeout=180)
+    out, err = process.stdout, process.stderr
     assert process.returncode == 0, err
     assert "completed 6, failed 0" in out
+    assert "preflight audit" in err  # the audit ran first and was recorded
+    assert read_manifest(tmp_path / "run")["stages"]["audit"]["forced"] is True
     output = tmp_path / "run" / "completions.jsonl"
     records = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == ids
@@ -74,6 +77,14 @@ def test_managed_server_run_writes_one_complete_record_per_prompt(tmp_path, tiny
     assert stage["state"] == "done" and stage["completed"] == 6 and stage["output_tokens"] == 36
     assert "Uvicorn running" in (tmp_path / "run" / "generate" / "server.log").read_text()
     assert not port_open(load_profile(str(profile_path)).generate.port)  # the server was stopped
+    assert "generate:" in err and "req/s" in err  # the progress bar
+
+    from dflash.data import tokenize_completions
+
+    dataset = tokenize_completions(load_profile(str(profile_path)), input_path=output, output_path=tmp_path / "ds",
+                                   workers=1, allow_degenerate=True, progress=False)
+    assert dataset.records == 6 and dataset.samples == 6 and dataset.rejected == 0
+    assert dataset.loss_tokens >= 6 * 6  # every assistant token (and its end marker) is trained on
 
 
 def test_client_sigkilled_mid_run_resumes_with_exactly_one_completion_per_id(tmp_path, tiny_qwen3_target):
