@@ -136,6 +136,8 @@ class EvalSection:
     num_prompts: int = 32
     max_new_tokens: int = 256
     temperature: float = 0.0
+    seed: int = 0                            # sampling seed (temperature > 0)
+    prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
 
 
 @dataclass(frozen=True)
