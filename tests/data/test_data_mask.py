@@ -190,3 +190,26 @@ def test_parse_record_reasons():
         result = parse_record(line, "f.jsonl", 7)
         assert isinstance(result, Reject) and result.reason == reason and result.line == 7, (line, result)
     assert parse_record(json.dumps({"id": 5, "messages": turn("a", None, "b")}), "f", 1).id == "5"
+
+
+def test_direct_template_render_equals_apply_chat_template(qwen3_tokenizer):
+    from dflash.data.render import ChatRenderer
+
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    conversations = [
+        {"id": "m", "messages": turn("Hi", "Greet.", "Hello!") + turn("2+2?", "Add.", "4")},
+        {"id": "t", "tools": [WEATHER_TOOL], "messages": [
+            {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "reasoning_content": "Call.", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+    ]
+    renderer = ChatRenderer(qwen3_tokenizer)
+    for record in conversations:
+        conversation = parse_record(json.dumps(record), "f", 1)
+        kwargs = renderer.template_kwargs(conversation)
+        renderer._prepare(conversation)
+        for upto in range(1, len(conversation.messages) + 1):
+            for prompt in (False, True):
+                expected = qwen3_tokenizer.apply_chat_template(conversation.messages[:upto], tools=conversation.tools,
+                                                               tokenize=False, add_generation_prompt=prompt, **kwargs)
+                assert renderer._render(conversation, upto, prompt, kwargs) == expected
