@@ -408,18 +408,20 @@ def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -
             yield chunk, _process_mixed(chunk)
         return
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    # fork: workers inherit the loaded tokenizer; at most 2 chunks per worker are in flight
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    # fork: workers inherit the loaded tokenizer; at most 2 chunks per worker are in flight. A
+    # worker that dies (OOM kill) raises BrokenProcessPool here instead of hanging the run.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append((chunk, pool.apply_async(_process_mixed, (chunk,))))
+            pending.append((chunk, pool.submit(_process_mixed, chunk)))
             if len(pending) >= 2 * workers:
-                done_chunk, result = pending.popleft()
-                yield done_chunk, result.get()
+                done_chunk, future = pending.popleft()
+                yield done_chunk, future.result()
         while pending:
-            done_chunk, result = pending.popleft()
-            yield done_chunk, result.get()
+            done_chunk, future = pending.popleft()
+            yield done_chunk, future.result()
 
 
 def _process_mixed(chunk: list[Line | Reject]) -> list[Any]:
