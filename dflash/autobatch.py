@@ -16,8 +16,8 @@ GLOBAL weight of the step, the summed gradient does not depend on how the batch 
 
 Fault injection (off by default), for CPU tests and drills on real nodes:
 
-    DFLASH_INJECT_OOM="rank=1,step=3"      rank 1 raises torch.OutOfMemoryError in its first forward
-                                           of step 3 (once per process)
+    DFLASH_INJECT_OOM="rank=1,step=3"      rank 1 raises torch.OutOfMemoryError at the first injection
+                                           point of step 3 (once; not again after a torchrun restart)
     DFLASH_INJECT_OOM="rank=1,above=2"     rank 1 raises it in every forward with micro-batch > 2
     DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside optimizer.step (fatal by design)
 
@@ -95,7 +95,13 @@ def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
 
 
 def injector_from_env(environ: dict[str, str] | None = None) -> OomInjector | None:
-    return parse_injection((environ if environ is not None else os.environ).get(INJECT_ENV, ""))
+    """The switch from the environment; a `step=` injection does not fire again after a torchrun
+    restart (TORCHELASTIC_RESTART_COUNT > 0), so a drill shows the restart resuming cleanly."""
+    environ = environ if environ is not None else os.environ
+    injector = parse_injection(environ.get(INJECT_ENV, ""))
+    if injector is not None and int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        injector.fired = True
+    return injector
 
 
 # --- run state (the agreed micro-batch, persisted) ----------------------------------------
@@ -319,3 +325,20 @@ class AutoBatch:
                             f"states are allocated lazily at the first update, so shrinking the micro-batch "
                             f"cannot help: raise memory.margin (or memory.overhead_mib) so the plan leaves "
                             f"room for them, free the GPU, or train fewer drafter layers")
+
+
+def init_distributed(backend: str, timeout_s: float = 600.0) -> tuple[int, int]:
+    """init_process_group for a torchrun worker that may be restarted (--max-restarts): the
+    rendezvous keys get a per-attempt prefix, so a restarted rank never connects to an address a
+    dead rank of the previous attempt published (gloo then fails with 'Connection refused')."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world

@@ -188,7 +188,7 @@ def rank_budget(rank: int, gpu: GpuView | None, profile: Profile, baseline: Mapp
 
 def baseline_index(baseline: Any | None) -> dict[str, GpuView]:
     """A baseline snapshot's GPUs keyed by UUID and by index (for overhead fallback)."""
-    if baseline is None:
+    if baseline is None or _get(baseline, "gpus") is None:
         return {}
     views = gpus_from_snapshot(baseline, "baseline")
     return {**{str(gpu.index): gpu for gpu in views}, **{gpu.uuid: gpu for gpu in views if gpu.uuid}}

@@ -131,7 +131,9 @@ class Workload:
 
     def key(self) -> str:
         """Identifies the workload a calibration was measured on."""
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        facts = dataclasses.asdict(self)
+        facts["target"].pop("source")               # the same shape read from another path is the same workload
+        text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -334,8 +336,9 @@ def peak_model(workload: Workload, calibration: Calibration | None = None) -> Pe
     estimated = estimated_peak_model(workload)
     if calibration is None or calibration.workload_key != workload.key():
         return estimated
+    logits_chunk = estimated.intercept_mib - estimated.static_mib    # the measured intercept includes it
     return PeakModel(intercept_mib=calibration.intercept_mib, slope_mib=calibration.slope_mib,
-                     static_mib=estimated.static_mib, source="calibration")
+                     static_mib=max(0.0, calibration.intercept_mib - logits_chunk), source="calibration")
 
 
 def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:

@@ -99,11 +99,11 @@ def main() -> None:
     parser.add_argument("--snapshot", default="")
     parser.add_argument("--baseline", default="")
     parser.add_argument("--state", default="")
-    parser.add_argument("--crash-at-step", type=int, default=-1, help="first attempt only: exit(1) before this step")
+    parser.add_argument("--crash-after-first-attempt", action="store_true",
+                        help="attempt 0 exits(1) after its last step, so torchrun --max-restarts restarts the ranks")
     args = parser.parse_args()
 
-    torch.distributed.init_process_group("gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank, world = autobatch.init_distributed("gloo")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     planned = planned_micro_batch(args, rank, world)
     lines: list[str] = []
@@ -114,9 +114,6 @@ def main() -> None:
     share = args.global_batch // world
 
     for step in range(args.steps):
-        if attempt == 0 and step == args.crash_at_step:
-            write(args.out / f"rank{rank}-attempt{attempt}.json", record)
-            sys.exit(1)
         mine = step_indices(step, args.global_batch)[rank * share:(rank + 1) * share]
         total = autobatch.global_weight(float(batch(mine)[2].sum()))
 
@@ -130,6 +127,8 @@ def main() -> None:
         record["steps"].append({"step": step, "micro_batch": outcome.micro_batch, "attempts": outcome.attempts})
     record.update(params=flat_params(model), log=lines, reductions=auto.reductions)
     write(args.out / f"rank{rank}-attempt{attempt}.json", record)
+    if attempt == 0 and args.crash_after_first_attempt:
+        sys.exit(1)
     torch.distributed.destroy_process_group()
 
 
