@@ -16,9 +16,12 @@ drafter's context is extended with the target's features of the committed tokens
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+
+from dflash.extract import TapCapture
 
 if TYPE_CHECKING:
     import torch
@@ -99,16 +102,11 @@ class TargetVerifier:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         want_taps = with_features and self.layer_ids is not None
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache,
-                             use_cache=True, output_hidden_states=want_taps)
-        features = self._taps(out.hidden_states) if want_taps else None
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            capture = stack.enter_context(TapCapture(self.model, self.layer_ids)) if want_taps else None
+            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+        features = capture.features()[0] if capture is not None else None
         return VerifyOutput(logits=out.logits[0].float(), features=features)
-
-    def _taps(self, hidden_states: Sequence["torch.Tensor"]) -> "torch.Tensor":
-        import torch
-
-        return torch.cat([hidden_states[k + 1][0] for k in self.layer_ids], dim=-1)
 
     def rollback(self, length: int) -> None:
         """Crop the KV cache to its first `length` positions (rejected draft tokens go)."""

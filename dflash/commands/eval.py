@@ -1,0 +1,56 @@
+"""`launcher.py eval --profile P [--draft CHECKPOINT] [--prompts FILE]`: real speculative decoding.
+
+Decodes held-out prompts with the target alone, with the trained DFlash drafter and with prompt
+lookup (same block size); prints mean tau and speedup of each and writes `{run_dir}/eval/`
+(report.json, report.md, PNG plots).
+"""
+from __future__ import annotations
+
+import argparse
+
+from envcheck.commands import add_profile_option, load_profile_arg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_option(parser)
+    parser.add_argument("--draft", metavar="CHECKPOINT",
+                        help="drafter checkpoint (step-N/ or a checkpoints/ dir); default: the run's latest")
+    parser.add_argument("--prompts", metavar="FILE", help="prompts JSONL (default: paths.eval_prompts, "
+                        "else the built-in held-out set)")
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: the profile's paths.run_dir)")
+    parser.add_argument("--num-prompts", type=int, metavar="N", help="first N prompts (default: eval.num_prompts)")
+    parser.add_argument("--max-new-tokens", type=int, metavar="N", help="default: eval.max_new_tokens")
+    parser.add_argument("--temperature", type=float, metavar="T",
+                        help="0: greedy, lossless (default: eval.temperature); > 0: speculative rejection sampling")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: eval.seed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.eval.evaluate import EvalOptions, run_eval
+    from envcheck.errors import ConfigError
+
+    for flag in ("num_prompts", "max_new_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.temperature is not None and args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    profile = load_profile_arg(args)
+    options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    summary = run_eval(profile, run_dir=args.run_dir, options=options)
+    print(summary_lines(summary.report))
+    for path in summary.files:
+        print(f"wrote {path}")
+    return 0
+
+
+def summary_lines(report: dict) -> str:
+    """One line per method: mean tau, tokens/s, speedup (and losslessness when greedy)."""
+    lines = [f"eval: {report['num_prompts']} prompts, block size {report['block_size']}, "
+             f"temperature {report['temperature']}"]
+    for name, method in report["methods"].items():
+        tau = f"tau {method['mean_tau']:.2f}  " if name != "target" else " " * 11
+        same = method.get("identical_to_target")
+        note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
+        lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup']:.2f}x{note}")
+    return "\n".join(lines)

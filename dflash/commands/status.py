@@ -1,0 +1,73 @@
+"""`launcher.py status RUN_DIR`: each stage's state and figures, read from the run's manifest.
+
+Every stage updates `manifest.json` atomically as it goes; this only reads it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HIDDEN_KEYS = ("state", "updated_at")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the run directory (e.g. runs/cpu-demo)")
+    parser.add_argument("--profile", metavar="P", help="instead of RUN_DIR: the profile's paths.run_dir")
+    parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.manifest import manifest_path, read_manifest
+    from envcheck.errors import ConfigError, InputError
+
+    run_dir = resolve_run_dir(args.run_dir, args.profile)
+    if not manifest_path(run_dir).exists():
+        if not run_dir.is_dir():
+            raise InputError(f"{run_dir}: no such run directory")
+        raise InputError(f"{run_dir}: no {manifest_path(run_dir).name} yet; no stage has run in this directory")
+    try:
+        manifest = read_manifest(run_dir)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{manifest_path(run_dir)}: line {error.lineno}: not valid JSON ({error.msg})") from None
+    if not isinstance(manifest.get("stages"), dict):
+        raise ConfigError(f"{manifest_path(run_dir)}: expected an object with 'stages'")
+    print(json.dumps(manifest, indent=2, sort_keys=True) if args.json else format_status(run_dir, manifest))
+    return 0
+
+
+def resolve_run_dir(run_dir: str | None, profile_name: str | None) -> Path:
+    from envcheck.errors import ConfigError
+
+    if bool(run_dir) == bool(profile_name):
+        raise ConfigError("give either RUN_DIR or --profile P (one of them)")
+    if run_dir:
+        return Path(run_dir)
+    from envcheck.profile import expand_path, load_profile
+
+    profile = load_profile(profile_name)
+    return expand_path(profile, profile.paths.run_dir)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def format_status(run_dir: Path, manifest: dict[str, Any]) -> str:
+    """One line per stage (pipeline order first): state, figures, last update."""
+    from dflash.manifest import STAGES
+
+    stages = manifest["stages"]
+    names = [name for name in STAGES] + sorted(set(stages) - set(STAGES))
+    lines = [f"run {run_dir}"]
+    for name in names:
+        entry = stages.get(name, {"state": "pending"})
+        figures = "  ".join(f"{key}={format_value(value)}" for key, value in entry.items() if key not in HIDDEN_KEYS)
+        updated = f"  [{entry['updated_at']}]" if "updated_at" in entry else ""
+        lines.append(f"  {name:<9} {entry.get('state', '?'):<8} {figures}{updated}".rstrip())
+    return "\n".join(lines)

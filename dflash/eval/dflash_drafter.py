@@ -1,0 +1,52 @@
+"""The trained DFlash drafter behind the `Drafter` protocol.
+
+Each step: context = the target's tap features of every committed position before the anchor
+(extended by the decoding loop after each verify forward), block = `[anchor, MASK x (B-1)]` at
+positions anchor..anchor+B-1; rows 1..B-1 of the drafter's logits are the draft tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from dflash.eval.specdec import Proposal
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class DFlashDraft:
+    model: Any                     # dflash.drafter.DFlashDrafter, attached to the target
+    name: str = "dflash"
+    uses_features: bool = True
+    generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.model.block_size)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.model.target_layer_ids)
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,
+                temperature: float) -> Proposal:
+        import torch
+
+        anchor_pos = len(committed) - 1
+        assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
+        logits = self.model.draft_logits(features[None], int(committed[-1]), anchor_pos)[1:1 + k].float()
+        if temperature <= 0:
+            return Proposal(tokens=logits.argmax(dim=-1).tolist())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return Proposal(tokens=torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).tolist(), probs=probs)
+
+
+def load_dflash_draft(checkpoint: str, target_model: Any) -> DFlashDraft:
+    from dflash.checkpoint import load_drafter
+
+    return DFlashDraft(model=load_drafter(checkpoint, target_model))

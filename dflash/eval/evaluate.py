@@ -1,0 +1,188 @@
+"""`eval`: decode held-out prompts with the target alone, with the trained DFlash drafter and with
+prompt lookup (same block size), and write the report, the plots and the manifest's eval entry."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from envcheck.errors import InputError
+from envcheck.profile import expand_path
+from envcheck.schema import Profile
+
+DEFAULT_EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    checkpoint: Optional[str] = None        # step-N dir or checkpoints dir; None: the run's latest
+    prompts_path: Optional[str] = None      # None: paths.eval_prompts, else the built-in held-out set
+    num_prompts: Optional[int] = None       # None: eval.num_prompts
+    max_new_tokens: Optional[int] = None    # None: eval.max_new_tokens
+    temperature: Optional[float] = None     # None: eval.temperature
+    seed: Optional[int] = None              # None: eval.seed
+
+
+@dataclass
+class EvalSummary:
+    report: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+
+    def figure(self, method: str, key: str) -> Any:
+        return self.report["methods"].get(method, {}).get(key)
+
+
+@dataclass
+class EncodedPrompt:
+    prompt_id: str
+    token_ids: list[int]
+
+
+def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
+    """An explicit checkpoint must exist; otherwise the run's latest checkpoint."""
+    from dflash.checkpoint import latest_checkpoint
+
+    if checkpoint:
+        path = Path(checkpoint)
+        if not path.exists():
+            raise InputError(f"--draft {checkpoint}: no such checkpoint directory")
+        return path
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise InputError(f"{run_dir}: no drafter checkpoint yet; train first (launcher.py train) or pass --draft DIR")
+    return latest
+
+
+def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
+    if override:
+        return Path(override)
+    if profile.paths.eval_prompts:
+        return expand_path(profile, profile.paths.eval_prompts)
+    return DEFAULT_EVAL_PROMPTS
+
+
+def encode_prompts(tokenizer: Any, path: Path, count: int, thinking: bool) -> list[EncodedPrompt]:
+    """The first `count` prompts, rendered with the chat template and a generation prompt."""
+    from dflash.generate.prompts import load_prompts
+
+    encoded = []
+    for record in load_prompts(path)[:count]:
+        text = tokenizer.apply_chat_template(list(record.messages), tools=list(record.tools) or None,
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
+        encoded.append(EncodedPrompt(record.id, tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return encoded
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def load_target(profile: Profile) -> tuple[Any, Any, Path]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.models import resolve_model_path
+
+    path = resolve_model_path(profile.model.target)
+    tokenizer_path = resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else path
+    device = "cuda" if profile.machine.device == "cuda" and torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, profile.model.dtype),
+                                                 local_files_only=True).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True), path
+
+
+def decode_prompts(model: Any, drafters: Sequence[Any], prompts: Sequence[EncodedPrompt], settings: Any,
+                   seed: int, layer_ids: Sequence[int]) -> list[Any]:
+    """Every prompt with target-only decoding and each drafter, in turn (same machine state)."""
+    import torch
+    from tqdm import tqdm
+
+    from dflash.eval.report import MethodRun, PromptRuns
+    from dflash.eval.specdec import NoDrafter, TargetVerifier, speculative_decode
+
+    verifier = TargetVerifier(model, layer_ids)
+    methods = [NoDrafter(), *drafters]
+    _warm_up(verifier, methods, prompts[0].token_ids, settings)
+    results = []
+    for prompt in tqdm(prompts, desc="eval", unit="prompt"):
+        entry = PromptRuns(prompt.prompt_id, len(prompt.token_ids))
+        for method in methods:
+            generator = torch.Generator().manual_seed(seed)
+            if hasattr(method, "generator"):
+                method.generator = torch.Generator().manual_seed(seed + 1)
+            run = speculative_decode(verifier, method, prompt.token_ids, settings, generator=generator)
+            entry.runs[method.name] = MethodRun(run.tokens, run.taus, run.wall_s)
+        results.append(entry)
+    return results
+
+
+def _warm_up(verifier: Any, methods: Sequence[Any], prompt_ids: list[int], settings: Any) -> None:
+    """One short decode per method first, so one-off costs do not land in the first timing."""
+    from dataclasses import replace
+
+    from dflash.eval.specdec import speculative_decode
+
+    short = replace(settings, max_new_tokens=min(8, settings.max_new_tokens))
+    for method in methods:
+        speculative_decode(verifier, method, prompt_ids, short)
+
+
+def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
+             options: EvalOptions = EvalOptions()) -> EvalSummary:
+    """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
+    from dflash.manifest import update_stage
+
+    run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
+    checkpoint = resolve_checkpoint(run_dir, options.checkpoint)
+    update_stage(run_dir, "eval", "running", checkpoint=str(checkpoint))
+    try:
+        summary = _evaluate(profile, run_dir, checkpoint, options)
+    except BaseException as error:
+        update_stage(run_dir, "eval", "failed", error=str(error) or type(error).__name__)
+        raise
+    update_stage(run_dir, "eval", "done", **manifest_figures(summary.report))
+    return summary
+
+
+def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
+    from dflash.eval.dflash_drafter import load_dflash_draft
+    from dflash.eval.plots import write_plots
+    from dflash.eval.prompt_lookup import PromptLookupDrafter
+    from dflash.eval.report import build_report, write_report
+    from dflash.eval.specdec import DecodeSettings
+
+    model, tokenizer, target_path = load_target(profile)
+    draft = load_dflash_draft(str(checkpoint), model)
+    temperature = profile.eval.temperature if options.temperature is None else options.temperature
+    seed = profile.eval.seed if options.seed is None else options.seed
+    settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,
+                              max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
+                              eos_ids=stop_token_ids(tokenizer, model))
+    prompts_path = eval_prompts_path(profile, options.prompts_path)
+    prompts = encode_prompts(tokenizer, prompts_path, options.num_prompts or profile.eval.num_prompts,
+                             profile.generate.thinking)
+    lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
+    results = decode_prompts(model, [draft, lookup], prompts, settings, seed, draft.layer_ids)
+    context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint),
+               "prompts_file": str(prompts_path), "max_new_tokens": settings.max_new_tokens, "seed": seed}
+    report = build_report(results, block_size=settings.block_size, temperature=temperature, context=context)
+    eval_dir = run_dir / "eval"
+    files = [*write_report(report, eval_dir), *write_plots(report, eval_dir, run_dir / "train" / "metrics.jsonl")]
+    return EvalSummary(report=report, files=files)
+
+
+def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """What `status` shows for eval: tau and speedup of each drafting method."""
+    figures: dict[str, Any] = {"prompts": report["num_prompts"], "block_size": report["block_size"]}
+    for name, method in report["methods"].items():
+        if name == "target":
+            figures["target_tokens_per_s"] = round(method["tokens_per_s"], 2)
+            continue
+        figures[f"{name}_tau"] = round(method["mean_tau"], 3)
+        figures[f"{name}_speedup"] = round(method["speedup"], 3) if method["speedup"] else None
+        if method["identical_to_target"] is not None:
+            figures[f"{name}_lossless"] = method["identical_to_target"]
+    return figures

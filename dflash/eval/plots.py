@@ -1,0 +1,108 @@
+"""PNG plots (matplotlib, headless): training curves and the eval's acceptance figures.
+
+* `training.png`: loss and simulated acceptance length (sim_tau) over steps, from metrics.jsonl.
+* `tau_histogram.png`: share of draft steps with tau = 1..B, one bar group per drafting method.
+* `position_acceptance.png`: acceptance at each block position, one line per drafting method.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from envcheck.errors import InputError
+
+TARGET = "target"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """metrics.jsonl lines that carry a step; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue
+            raise InputError(f"{path}: line {number}: not valid JSON") from None
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def _save(figure: Any, path: Path) -> Path:
+    from envcheck.fileio import write_bytes_atomic
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    _pyplot().close(figure)
+    return write_bytes_atomic(path, buffer.getvalue())
+
+
+def plot_training(metrics: list[dict[str, Any]], path: str | Path) -> Path:
+    plt = _pyplot()
+    figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [row["step"] for row in metrics]
+    loss_axis.plot(steps, [row.get("loss") for row in metrics], color="tab:red")
+    loss_axis.set(title="training loss", xlabel="step", ylabel="loss")
+    tau_axis.plot(steps, [row.get("sim_tau") for row in metrics], color="tab:blue")
+    tau_axis.set(title="simulated acceptance length", xlabel="step", ylabel="sim tau")
+    for axis in (loss_axis, tau_axis):
+        axis.grid(alpha=0.3)
+    return _save(figure, Path(path))
+
+
+def plot_tau_histogram(report: dict[str, Any], path: str | Path) -> Path:
+    plt = _pyplot()
+    block = report["block_size"]
+    drafted = [name for name in report["methods"] if name != TARGET]
+    figure, axis = plt.subplots(figsize=(6.5, 3.6))
+    width = 0.8 / max(1, len(drafted))
+    for i, name in enumerate(drafted):
+        method = report["methods"][name]
+        counts = [method["tau_histogram"][str(t)] for t in range(1, block + 1)]
+        total = max(1, sum(counts))
+        axis.bar([t + (i - (len(drafted) - 1) / 2) * width for t in range(1, block + 1)],
+                 [c / total for c in counts], width=width, label=f"{name} (mean {method['mean_tau']:.2f})")
+    axis.set(title="acceptance length per step", xlabel="tau", ylabel="share of steps", xticks=range(1, block + 1))
+    axis.legend()
+    return _save(figure, Path(path))
+
+
+def plot_position_acceptance(report: dict[str, Any], path: str | Path) -> Path:
+    plt = _pyplot()
+    block = report["block_size"]
+    figure, axis = plt.subplots(figsize=(6.5, 3.6))
+    for name, method in report["methods"].items():
+        if name != TARGET:
+            axis.plot(range(1, block), method["position_acceptance"], marker="o", label=name)
+    axis.set(title="acceptance per block position", xlabel="block position", ylabel="accepted share",
+             ylim=(0, 1.02), xticks=range(1, block))
+    axis.grid(alpha=0.3)
+    axis.legend()
+    return _save(figure, Path(path))
+
+
+def write_plots(report: dict[str, Any], eval_dir: str | Path, metrics_path: str | Path | None) -> list[Path]:
+    """All plots into `eval_dir`; the training plot only when metrics exist."""
+    eval_dir = Path(eval_dir)
+    written = [plot_tau_histogram(report, eval_dir / "tau_histogram.png"),
+               plot_position_acceptance(report, eval_dir / "position_acceptance.png")]
+    if metrics_path is not None and Path(metrics_path).exists():
+        metrics = read_metrics(metrics_path)
+        if metrics:
+            written.append(plot_training(metrics, eval_dir / "training.png"))
+    return written
