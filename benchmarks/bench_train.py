@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Benchmark of online extraction and training on CPU with SmolLM2-135M-Instruct.
+
+Prints, for a sequence of --tokens real-text tokens:
+  * target extraction: the truncated hooked forward (stops after the deepest tap) against a full
+    forward with output_hidden_states=True and logits: time (median of --repeats) and peak memory
+    (RSS growth during the first forward, each variant in a fresh process);
+    held against: truncated <= (deepest tap + 1) / N of the full forward + 10 %;
+  * training throughput: tokens/s of full training steps (extraction, drafter forward/backward
+    over all anchors, AdamW) for the cpu-demo drafter (1 layer, block 8).
+
+Usage: .venv/bin/python benchmarks/bench_train.py [--tokens 2048] [--taps 15] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def real_text_ids(tokenizer, tokens: int) -> list[int]:
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(REPO.glob("**/*.md")) if ".venv" not in p.parts)
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < tokens:
+        ids = ids + ids
+    return ids[:tokens]
+
+
+def load_target():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.models import smollm2_dir
+
+    path = smollm2_dir()
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    return model.requires_grad_(False), AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class PeakRss:
+    """Polls this process's RSS every millisecond; `growth_mib` = peak - RSS at start."""
+
+    def __enter__(self):
+        import psutil
+
+        self.process, self.running = psutil.Process(), True
+        self.start = self.peak = self.process.memory_info().rss
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def growth_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+def child_extraction(variant: str, tokens: int, taps: list[int], repeats: int) -> dict:
+    import torch
+
+    from dflash.extract import extract_taps
+
+    model, tokenizer = load_target()
+    input_ids = torch.tensor([real_text_ids(tokenizer, tokens)])
+
+    def once():
+        if variant == "truncated":
+            return extract_taps(model, input_ids, taps)
+        with torch.no_grad():
+            return model(input_ids, output_hidden_states=True, use_cache=False).logits
+
+    with PeakRss() as rss:
+        once()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - started)
+    return {"variant": variant, "seconds": statistics.median(times), "peak_growth_mib": rss.growth_mib,
+            "num_layers": model.config.num_hidden_layers}
+
+
+def run_child(variant: str, args: argparse.Namespace) -> dict:
+    argv = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+            "--taps", *map(str, args.taps)]
+    output = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def training_throughput(tokens: int, steps: int) -> float:
+    """tokens/s of training steps on one sequence (cpu-demo drafter: 1 layer, block 8, 64 anchors)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from dflash.anchors import sample_anchors
+    from dflash.drafter import DFlashDrafter, drafter_config
+    from dflash.extract import default_target_layer_ids
+    from dflash.loss import decay_weights
+    from dflash.trainer import MicroBatch, forward_micro
+
+    model, tokenizer = load_target()
+    layers = default_target_layer_ids(model.config.num_hidden_layers, 1)
+    config = drafter_config(model.config, num_layers=1, block_size=8, target_layer_ids=layers, mask_token_id=16)
+    drafter = DFlashDrafter(config).attach_target(model)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
+    ids = real_text_ids(tokenizer, tokens)
+    mask = np.ones(tokens, dtype=np.int64)
+    anchors = torch.from_numpy(sample_anchors(mask, 64, seed=0, epoch=0, row=0))[None]
+    batch = MicroBatch(torch.tensor([ids]), torch.from_numpy(mask)[None], anchors, torch.ones_like(anchors, dtype=torch.bool), tokens)
+    state = types.SimpleNamespace(device=torch.device("cpu"), target=model, layer_ids=layers, drafter=drafter,
+                                  model=drafter, backend="sdpa", decay=decay_weights(8, 4.0), chunk_rows=2048)
+    times = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        parts = forward_micro(state, batch)
+        (parts.weighted_ce / parts.weight_sum).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    return tokens / statistics.median(times[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--taps", type=int, nargs="+", default=[15], help="tap layer ids (cpu-demo: [15])")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--child", choices=["truncated", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child_extraction(args.child, args.tokens, args.taps, args.repeats)))
+        return 0
+    truncated, full = run_child("truncated", args), run_child("full", args)
+    layers = full["num_layers"]
+    bound = (max(args.taps) + 1) / layers + 0.10
+    ratio = truncated["seconds"] / full["seconds"]
+    print(f"SmolLM2-135M-Instruct, CPU, {args.tokens} tokens, taps {args.taps} of {layers} layers")
+    print(f"extraction truncated (hooks, stop after deepest tap): {truncated['seconds'] * 1000:8.1f} ms, "
+          f"peak +{truncated['peak_growth_mib']:.0f} MiB")
+    print(f"full forward (output_hidden_states + logits):        {full['seconds'] * 1000:8.1f} ms, "
+          f"peak +{full['peak_growth_mib']:.0f} MiB")
+    print(f"time ratio truncated/full: {ratio:.3f}  (target <= (deepest+1)/N + 0.10 = {bound:.3f}: "
+          f"{'PASS' if ratio <= bound else 'MISS'})")
+    print(f"training throughput (1-layer drafter, block 8, 64 anchors): "
+          f"{training_throughput(args.tokens, args.train_steps):.0f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

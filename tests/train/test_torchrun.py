@@ -1,0 +1,115 @@
+"""Real torchrun runs on CPU (gloo, 2 ranks) with the tiny random Qwen3 target."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.launch import build_torchrun_command, run_training
+from envcheck.errors import RunFailed
+from envcheck.profile import load_profile
+from tests.train.conftest import write_profile
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
+    """24 steps on 2 ranks, a checkpoint at step 12 and at the end."""
+    root = tmp_path_factory.mktemp("run")
+    profile = load_profile(str(write_profile(root / "p.toml", tiny_qwen3_target, tiny_dataset, root / "run")))
+    assert run_training(profile, run_dir=root / "run") == 0
+    return profile, root / "run"
+
+
+def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
+    _, run_dir = trained
+    lines = metrics(run_dir)
+    assert [line["step"] for line in lines] == list(range(1, 25))
+    first, last = sum(l["loss"] for l in lines[:4]) / 4, sum(l["loss"] for l in lines[-4:]) / 4
+    assert last < first - 0.15, (first, last)          # ln(151936) = 11.93 at the start
+    assert len(lines[-1]["acc"]) == 3 and len(lines[-1]["mem_mib"]) == 2 and lines[-1]["tokens_per_s"] > 0
+    assert lines[-1]["sim_tau"] == pytest.approx(sum(
+        __import__("math").prod(lines[-1]["acc"][:k]) for k in range(1, 4)))
+    assert any((run_dir / "train" / "tb").glob("events.out.tfevents.*"))
+    checkpoints = run_dir / "train" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-24"
+    assert {p.name for p in (checkpoints / "step-12").iterdir()} == {"model.safetensors", "config.json", "training_state.pt"}
+    stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+    assert stage["state"] == "done" and stage["steps"] == 24
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve(trained, tmp_path):
+    profile, run_dir = trained
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir / "train" / "checkpoints" / "step-12", resumed / "train" / "checkpoints" / "step-12")
+    (resumed / "train" / "checkpoints" / "latest").write_text("step-12\n")
+    assert run_training(profile, run_dir=resumed, resume=True) == 0
+    again = {line["step"]: line["loss"] for line in metrics(resumed)}
+    original = {line["step"]: line["loss"] for line in metrics(run_dir)}
+    assert sorted(again) == list(range(13, 25))
+    for step, loss in again.items():
+        assert loss == pytest.approx(original[step], rel=1e-5), step
+
+
+def test_a_failing_rank_is_reported_with_its_rank_and_traceback(trained, tmp_path):
+    profile, _ = trained
+    with pytest.raises(RunFailed) as failure:
+        run_training(profile, run_dir=tmp_path / "fail", extra_env={"DFLASH_FAIL_RANK": "1:3"})
+    message = str(failure.value)
+    assert message.startswith("rank 1 failed first") and "injected failure on rank 1 at step 3" in message
+    assert "Traceback" in message or "File " in message
+    stage = json.loads((tmp_path / "fail" / "manifest.json").read_text())["stages"]["train"]
+    assert stage["state"] == "failed" and stage["failed_rank"] == 1
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=400, save_every_steps=1000)
+    code = ("import sys; from envcheck.profile import load_profile; from dflash.launch import run_training; "
+            f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics_file = run_dir / "train" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics_file.exists() or len(metrics_file.read_text().splitlines()) < 2):
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0
+    stopped = json.loads((run_dir / "train" / "stopped.json").read_text())
+    assert stopped["step"] >= 2
+    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == f"step-{stopped['step']}"
+    assert (run_dir / "train" / "checkpoints" / f"step-{stopped['step']}" / "model.safetensors").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
+    from dflash.launch import TrainPaths, prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir,
+                                             machine=machine, max_steps=3)))
+    prepare_run_dir(profile, TrainPaths(run_dir), resume=False, force=False)
+    argv, env = build_torchrun_command(profile, run_dir)
+    agents = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for _ in range(2)]
+    assert [agent.wait(timeout=180) for agent in agents] == [0, 0]
+    lines = metrics(run_dir)
+    assert [line["step"] for line in lines] == [1, 2, 3] and len(lines[-1]["mem_mib"]) == 2
