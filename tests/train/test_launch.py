@@ -48,3 +48,14 @@ def test_resolved_profile_round_trips_through_json(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(profile_to_json(profile))
     assert profile_from_json(path) == profile
+
+
+def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
+    import subprocess
+    import sys
+
+    code = ("import sys, launcher; code = launcher.main(['train', '--profile', 'cpu-demo', '--print-command']); "
+            "assert 'torch' not in sys.modules, 'train --print-command imported torch'; sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.run --standalone" in result.stdout and "dflash.train_worker" in result.stdout
