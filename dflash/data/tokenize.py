@@ -270,7 +270,7 @@ class TokenizeJob:
         sources = [SourceFile(path) for path in self.inputs]
         summary = TokenizeSummary(str(self.output), str(self.rejects_path), [str(p) for p in self.inputs])
         writer = dataset_io.ShardWriter(staging, dataset_io.dataset_schema(), self.shard_rows)
-        with RejectsFile(self.rejects_path) as rejects:
+        with RejectsFile(self.rejects_path, staging) as rejects:
             self._consume(self._results(tokenizer, sources), writer, rejects, summary)
             shards = writer.close()
         dataset_io.finalize_dataset(staging, shards, dataset_io.dataset_schema(),
@@ -376,15 +376,16 @@ def samples_to_batch(samples: list[TokenizedSample]) -> Any:
 
 
 class RejectsFile:
-    """Rejected records, one JSON line each, written to a temp file and renamed into place."""
+    """Rejected records, one JSON line each, written to a temp file in the staging directory (a
+    killed run's is swept with it) and renamed into place."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, staging: Path):
         self.path = path
+        self.temp = staging / f".{path.name}.tmp"
         self.counts: Counter[str] = Counter()
 
     def __enter__(self) -> "RejectsFile":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.handle = self.temp.open("w", encoding="utf-8")
         return self
 

@@ -123,3 +123,32 @@ def test_cli_tokenize_and_inspect(tmp_path, qwen3_tokenizer_dir, repo_root):
     missing = subprocess.run([sys.executable, "launcher.py", "inspect", str(tmp_path / "nope")],
                              cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no such dataset directory" in missing.stderr
+
+
+@pytest.mark.slow
+def test_tokenize_killed_midway_publishes_nothing_and_rerun_cleans_up(tmp_path, qwen3_tokenizer_dir, repo_root):
+    import os
+    import signal
+    import time
+
+    from dflash.data.dataset_io import SHARD_DELAY_ENV
+
+    write_jsonl(tmp_path / "c.jsonl", GOOD)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[machine]\ndevice = "cpu"\n[model]\ntarget = "{qwen3_tokenizer_dir}"\n'
+                       f'[paths]\nrun_dir = "{tmp_path / "run"}"\ncompletions = "{tmp_path / "c.jsonl"}"\n'
+                       f'[data]\nshard_rows = 2\nmin_loss_tokens = 4\n')
+    argv = [sys.executable, "launcher.py", "tokenize", "--profile", str(profile), "--workers", "1", "--no-progress"]
+    process = subprocess.Popen(argv, cwd=repo_root, env={**os.environ, SHARD_DELAY_ENV: "0.5"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while not list((tmp_path / "run").glob(".dataset.tokenize-*/.shard-00001.arrow")):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not (tmp_path / "run" / "dataset").exists()
+    assert list((tmp_path / "run").glob(".dataset.tokenize-*"))  # the stale staging directory
+    assert subprocess.run(argv, cwd=repo_root, capture_output=True, timeout=120).returncode == 0
+    assert load_training_dataset(tmp_path / "run" / "dataset").num_rows == len(GOOD)
+    assert not list((tmp_path / "run").glob(".dataset.*"))
