@@ -1,0 +1,55 @@
+"""`launcher.py pipeline --profile P`: audit -> generate -> tokenize -> train -> eval in one run dir.
+
+Rerun it to resume: finished stages are skipped (see dflash.pipeline). At the end it prints the
+drafter's tau and speedup next to prompt lookup's.
+"""
+from __future__ import annotations
+
+import argparse
+
+from envcheck.commands import add_profile_option, load_profile_arg
+
+STAGES = ("audit", "generate", "tokenize", "train", "eval")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_option(parser)
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: the profile's paths.run_dir)")
+    parser.add_argument("--force", action="store_true", help="go on when the preflight audit FAILs")
+    parser.add_argument("--redo", choices=STAGES, metavar="STAGE",
+                        help=f"run STAGE and every later stage again even if done ({', '.join(STAGES)})")
+    parser.add_argument("--stop-after", choices=STAGES, metavar="STAGE", help="stop after this stage")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from dflash.pipeline import run_pipeline
+
+    profile = load_profile_arg(args)
+    started = time.perf_counter()
+    outcomes = run_pipeline(profile, run_dir=args.run_dir, force_audit=args.force, redo=args.redo,
+                            stop_after=args.stop_after)
+    print(f"\npipeline ({profile.name}), {time.perf_counter() - started:.0f} s:")
+    for outcome in outcomes:
+        took = f"{outcome.wall_s:6.0f} s" if outcome.action == "ran" else "skipped "
+        print(f"  {outcome.name:<9} {took}  {outcome.detail}")
+    print(final_figures(profile, args.run_dir))
+    return 0
+
+
+def final_figures(profile, run_dir) -> str:
+    """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
+    from dflash.manifest import read_manifest
+    from dflash.pipeline import with_run_dir
+    from envcheck.profile import expand_path
+
+    profile = with_run_dir(profile, run_dir)
+    directory = expand_path(profile, profile.paths.run_dir)
+    entry = read_manifest(directory)["stages"].get("eval", {})
+    if entry.get("state") != "done":
+        return f"run directory: {directory} (no eval yet)"
+    return (f"tau: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
+            f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
+            f"run directory: {directory} (report: {directory / 'eval' / 'report.md'}; "
+            f"`launcher.py status {directory}`)")

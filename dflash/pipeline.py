@@ -1,0 +1,203 @@
+"""The whole workflow as one command: audit -> generate -> tokenize -> train -> eval, one run dir.
+
+Rerunning resumes: a stage is skipped when the manifest says it is done, its outputs exist and
+none of its inputs changed after them (the rule `make` uses, on modification times). `generate`
+resumes by itself (it sends only prompts without a completion, and starts no server when there
+are none); `train` continues from its latest checkpoint when it was interrupted and starts over
+when its dataset changed after the last checkpoint; the audit always runs (it is about the
+machine now, and takes seconds).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from envcheck.errors import ConfigError
+from envcheck.schema import Profile
+
+STAGE_NAMES = ("audit", "generate", "tokenize", "train", "eval")
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    profile: Profile                 # paths.run_dir already points at the run directory
+    run_dir: Path
+    force_audit: bool = False        # go on when the audit FAILs
+    redo: frozenset[str] = frozenset()
+
+    def path(self, template: str) -> Path:
+        from envcheck.profile import expand_path
+
+        return expand_path(self.profile, template)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[PipelineContext], str]                       # does the work; returns a summary line
+    outputs: Callable[[PipelineContext], list[Path]] = lambda ctx: []
+    inputs: Callable[[PipelineContext], list[Path]] = lambda ctx: []
+    always_run: bool = False                                    # resumes by itself, or is about now
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    name: str
+    action: str          # "ran" or "skipped"
+    wall_s: float
+    detail: str
+
+
+def with_run_dir(profile: Profile, run_dir: Optional[str | Path]) -> Profile:
+    """The profile with paths.run_dir set, so every stage's `{run_dir}` paths agree."""
+    if run_dir is None:
+        return profile
+    return replace(profile, paths=replace(profile.paths, run_dir=str(Path(run_dir).resolve())))
+
+
+def newest_mtime(paths: Sequence[Path]) -> float:
+    return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
+
+
+def skip_reason(stage: Stage, ctx: PipelineContext, manifest: dict[str, Any]) -> Optional[str]:
+    """Why `stage` need not run now, or None when it must run."""
+    if stage.always_run or stage.name in ctx.redo:
+        return None
+    if manifest["stages"].get(stage.name, {}).get("state") != "done":
+        return None
+    outputs = stage.outputs(ctx)
+    if not outputs or not all(p.exists() for p in outputs):
+        return None
+    if newest_mtime(stage.inputs(ctx)) > min(p.stat().st_mtime for p in outputs):
+        return None
+    return "already done, inputs unchanged"
+
+
+def run_stages(stages: Sequence[Stage], ctx: PipelineContext,
+               report: Callable[[str], None] = print) -> list[StageOutcome]:
+    """Run or skip each stage in order; a stage that raises stops the pipeline (the error propagates)."""
+    from dflash.manifest import read_manifest, update_stage
+
+    outcomes = []
+    for stage in stages:
+        reason = skip_reason(stage, ctx, read_manifest(ctx.run_dir))
+        if reason is not None:
+            outcomes.append(StageOutcome(stage.name, "skipped", 0.0, reason))
+            report(f"== {stage.name}: skipped ({reason})")
+            continue
+        report(f"== {stage.name}")
+        started = time.perf_counter()
+        detail = stage.run(ctx)
+        wall_s = time.perf_counter() - started
+        update_stage(ctx.run_dir, stage.name, None, pipeline_wall_s=round(wall_s, 1))
+        outcomes.append(StageOutcome(stage.name, "ran", wall_s, detail))
+        report(f"== {stage.name}: {detail} ({wall_s:.0f} s)")
+    return outcomes
+
+
+# --- the real stages ---------------------------------------------------------------------------
+
+def _audit(ctx: PipelineContext) -> str:
+    from envcheck.preflight import run_preflight
+
+    findings = run_preflight(ctx.profile, force=ctx.force_audit, run_dir=ctx.run_dir)
+    counts = {status: sum(f.status == status for f in findings) for status in ("PASS", "WARN", "FAIL", "SKIP")}
+    return ", ".join(f"{count} {status}" for status, count in counts.items())
+
+
+def _generate(ctx: PipelineContext) -> str:
+    from dflash.generate import generate_from_profile
+
+    summary = generate_from_profile(ctx.profile, run_dir=ctx.run_dir)
+    if summary.selected == 0:
+        return f"all {summary.total} prompts already have completions"
+    return f"{summary.selected} prompts sent, {summary.already_done} done before"
+
+
+def _tokenize(ctx: PipelineContext) -> str:
+    from dflash.data import tokenize_completions
+
+    summary = tokenize_completions(ctx.profile, run_dir=ctx.run_dir)
+    figures = summary.manifest_figures()
+    return ", ".join(f"{key} {figures[key]}" for key in ("samples", "tokens", "loss_tokens", "degenerate") if key in figures) \
+        or "dataset written"
+
+
+def _train(ctx: PipelineContext) -> str:
+    from dflash.checkpoint import latest_checkpoint
+    from dflash.launch import run_training
+    from dflash.manifest import read_manifest
+
+    state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
+    resume, force = train_mode(state, latest_checkpoint(ctx.run_dir) is not None, "train" in ctx.redo)
+    run_training(ctx.profile, run_dir=ctx.run_dir, resume=resume, force=force)
+    entry = read_manifest(ctx.run_dir)["stages"].get("train", {})
+    if entry.get("state") != "done":
+        raise ConfigError(f"training stopped before the end (step {entry.get('stopped_at_step', '?')}); "
+                          "rerun the pipeline to continue from the last checkpoint")
+    return f"{'resumed, ' if resume else ''}{entry.get('steps')} steps, last loss {entry.get('last_loss')}"
+
+
+def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[bool, bool]:
+    """(resume, force) for run_training: continue an unfinished run from its checkpoint; start
+    over (the old train/ moved aside) when a finished run is stale or `--redo` asks for it."""
+    resume = has_checkpoint and state != "done" and not redo
+    return resume, has_checkpoint and not resume
+
+
+def _eval(ctx: PipelineContext) -> str:
+    from dflash.eval.evaluate import run_eval
+
+    methods = run_eval(ctx.profile, run_dir=ctx.run_dir).report["methods"]
+    return "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup']:.2f}x"
+                     for name, m in methods.items() if name != "target")
+
+
+def _latest_pointer(ctx: PipelineContext) -> Path:
+    from dflash.checkpoint import LATEST, checkpoints_dir
+
+    return checkpoints_dir(ctx.run_dir) / LATEST
+
+
+def default_stages() -> list[Stage]:
+    completions = lambda ctx: [ctx.path(ctx.profile.paths.completions)]  # noqa: E731
+    dataset = lambda ctx: [ctx.path(ctx.profile.paths.dataset)]          # noqa: E731
+    checkpoint = lambda ctx: [_latest_pointer(ctx)]                      # noqa: E731
+    return [
+        Stage("audit", _audit, always_run=True),
+        Stage("generate", _generate, outputs=completions, always_run=True),
+        Stage("tokenize", _tokenize, outputs=dataset, inputs=completions),
+        Stage("train", _train, outputs=checkpoint, inputs=dataset),
+        Stage("eval", _eval, outputs=lambda ctx: [ctx.run_dir / "eval" / "report.json"], inputs=checkpoint),
+    ]
+
+
+def select_stages(stages: Sequence[Stage], stop_after: Optional[str]) -> list[Stage]:
+    names = [stage.name for stage in stages]
+    if stop_after is None:
+        return list(stages)
+    if stop_after not in names:
+        raise ConfigError(f"--stop-after {stop_after!r}: valid stages are {', '.join(names)}")
+    return list(stages[: names.index(stop_after) + 1])
+
+
+def redo_from(stage: Optional[str]) -> frozenset[str]:
+    """`--redo STAGE`: that stage and every later one run again."""
+    if stage is None:
+        return frozenset()
+    if stage not in STAGE_NAMES:
+        raise ConfigError(f"--redo {stage!r}: valid stages are {', '.join(STAGE_NAMES)}")
+    return frozenset(STAGE_NAMES[STAGE_NAMES.index(stage):])
+
+
+def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, force_audit: bool = False,
+                 redo: Optional[str] = None, stop_after: Optional[str] = None,
+                 stages: Optional[Sequence[Stage]] = None) -> list[StageOutcome]:
+    from envcheck.profile import expand_path
+
+    profile = with_run_dir(profile, run_dir)
+    ctx = PipelineContext(profile, expand_path(profile, profile.paths.run_dir), force_audit, redo_from(redo))
+    chosen = select_stages(stages if stages is not None else default_stages(), stop_after)
+    return run_stages(chosen, ctx)
