@@ -146,12 +146,13 @@ def main() -> int:
     print(f"corpus: {args.records} conversations, {len(texts)} samples, {tokens:,} tokens "
           f"({tokens / len(texts):,.0f} per sample); {pinning}; best of {args.repeat} alternating runs")
     ratio = 0.0
-    for clock, label in (("cpu_s", "CPU time"), ("wall_s", "wall time")):
+    clocks = (("cpu_s", "CPU time"), ("wall_s", "wall time")) if args.workers == 1 else (("wall_s", "wall time"),)
+    for clock, label in clocks:  # with workers the work is in child processes: wall time only
         floor_tps, ours_tps = best_rate(floors, clock), best_rate(ours, clock)
         ratio = ratio or ours_tps / floor_tps
         print(f"[{label}] floor tokenizer(text) only: {floor_tps:10,.0f} tokens/s | ours parse+render+tokenize+"
               f"mask+Arrow write+inspect: {ours_tps:10,.0f} tokens/s | ratio {ours_tps / floor_tps:.2f}x")
-    print(f"ratio (CPU time) {ratio:.2f}x of the floor, target >= {TARGET_RATIO}x: "
+    print(f"ratio ({clocks[0][1]}) {ratio:.2f}x of the floor, target >= {TARGET_RATIO}x: "
           f"{'PASS' if ratio >= TARGET_RATIO else 'FAIL'}")
     return 0 if ratio >= TARGET_RATIO else 1
 
