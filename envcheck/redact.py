@@ -6,7 +6,8 @@ import re
 from typing import Any, Mapping
 
 REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+# TOKEN but not TOKENIZERS_PARALLELISM and the like: tokenizer settings are not secrets.
+SECRET_NAME = re.compile(r"TOKEN(?!IZ)|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 GPU_VARIABLES = (
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "CUDA_HOME",
@@ -18,6 +19,11 @@ GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 def is_secret_name(name: str) -> bool:
     return bool(SECRET_NAME.search(name))
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of `env` with the values of secret-looking names replaced by REDACTED."""
+    return {name: REDACTED if is_secret_name(name) else value for name, value in env.items()}
 
 
 def redact_value(name: str, value: str, secrets: list[str] | None = None) -> str:

@@ -5,15 +5,9 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from envcheck.redact import redact_env
 from envcheck.schema import Profile
 
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Environment variables with secret-looking names replaced by '<redacted>'."""
-    return {name: "<redacted>" if any(m in name.upper() for m in SECRET_MARKERS) else value
-            for name, value in env.items()}
 
 
 def generation_plan(profile: Profile, input_path: str | None, output_path: str | None,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate.plan import redact_env
+from envcheck.redact import redact_env
 from dflash.generate.servers import (ensure_port_free, server_command_for, sglang_server_command,
                                      transformers_server_command)
 from envcheck.errors import ConfigError, RunFailed
@@ -79,5 +79,7 @@ def test_busy_port_is_refused_with_its_number():
 
 
 def test_secrets_are_redacted_in_plans():
-    env = redact_env({"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk", "HF_HUB_OFFLINE": "1"})
-    assert env == {"HF_TOKEN": "<redacted>", "OPENAI_API_KEY": "<redacted>", "HF_HUB_OFFLINE": "1"}
+    env = redact_env({"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk", "HF_HUB_OFFLINE": "1",
+                      "TOKENIZERS_PARALLELISM": "false"})
+    assert env == {"HF_TOKEN": "<redacted>", "OPENAI_API_KEY": "<redacted>", "HF_HUB_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
