@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from envcheck.errors import ConfigError, RunFailed
+from envcheck.redact import redact_env
 from envcheck.schema import Profile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,6 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     env.setdefault("OMP_NUM_THREADS", str(worker_threads(profile)))
     env.update(extra_env or {})
     return env
-
-
-def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else v) for k, v in env.items()}
 
 
 def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, ...] = ("PYTHONPATH", "OMP_NUM_THREADS")) -> str:
