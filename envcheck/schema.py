@@ -123,6 +123,7 @@ class TrainSection:
     max_restarts: int = 0                    # torchrun --max-restarts
     decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
+    optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
 
 
 @dataclass(frozen=True)
