@@ -139,6 +139,8 @@ class EvalSection:
     temperature: float = 0.0
     seed: int = 0                            # sampling seed (temperature > 0)
     prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
+    cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
+                                             # more threads stall small batch-1 forwards on a busy CPU
 
 
 @dataclass(frozen=True)
