@@ -237,7 +237,7 @@ def make_plan(profile: Profile, snapshot: Any | None = None, *, baseline: Any | 
               world_size: int | None = None, shape: memory.TargetShape | None = None) -> Plan:
     """The whole per-rank plan; pure apart from reading the target's config.json."""
     world = world_size or world_size_of(profile)
-    workload = memory.workload_from_profile(profile, shape)
+    workload = memory.workload_from_profile(profile, shape, world)
     model = memory.peak_model(workload, calibration)
     known = baseline_index(baseline)
     budgets = [rank_budget(r, gpu, profile, known)

@@ -7,8 +7,11 @@ allocates through torch is modelled as
 
 * intercept = static memory + one logits chunk. Static: the target's weights in model.dtype
   (embedding, lm_head and the layers up to the deepest tap: the trainer drops the rest), and
-  the drafter's trainable parameters in float32 (mixed precision: master weights, gradients and
-  two AdamW states, 16 bytes per parameter, plus autocast's bf16 weight copies). Logits are
+  the drafter's trainable parameters in float32 (mixed precision: master weights and gradients,
+  8 bytes per parameter, plus autocast's bf16 weight copies) and the two float32 AdamW states
+  (8 bytes per parameter) -- all of them on every rank with `train.optimizer_sharding = "none"`,
+  only this rank's shard with "zero1" (ZeroRedundancyOptimizer: parameters are assigned whole,
+  largest first, to the least-loaded rank; the largest shard is what counts). Logits are
   computed `train.loss_chunk_rows` block tokens at a time under checkpointing: bf16 logits,
   their fp32 upcast and fp32 gradient;
 * slope = memory per sequence of the WORST micro-batch the data allows: every sequence at
@@ -18,6 +21,13 @@ allocates through torch is modelled as
   tap) and the drafter's saved activations (the concatenated taps kept for the fc backward, the
   context keys/values of every draft layer, and each draft layer's saved activations over
   anchors x block tokens).
+
+Between steps two more moments can be the peak of a rank (`MemoryEstimate.between_steps`): the
+optimizer update (static + one float32 temporary over this rank's parameters: foreach AdamW's
+sqrt(exp_avg_sq)), and a checkpoint save (gradients already dropped; under zero1 every rank's
+shard is gathered to rank 0 by broadcasts: the serialized shard and its deserialized copy are on
+the device of every rank at once before rank 0 moves them to host memory). `PeakModel.peak_mib(m)`
+is the larger of the step's line and that figure.
 
 The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
 micro-batch sizes) replaces intercept and slope with measured ones (`Calibration`), which are
@@ -48,6 +58,8 @@ LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (t
 DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
 LOGITS_BYTES_PER_ELEMENT = 2 + 4 + 4  # bf16 logits, fp32 upcast, fp32 gradient
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
+ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
+GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
 CALIBRATION_KEY = "memory_calibration"
 
 
@@ -107,6 +119,7 @@ class Workload:
     max_length: int
     tap_layers: tuple[int, ...]
     logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS
+    optimizer_shards: int = 1           # ranks the AdamW states are sharded over (1: replicated)
 
     @property
     def dtype_bytes(self) -> int:
@@ -150,6 +163,9 @@ class MemoryEstimate:
     tap_features: float
     target_activations: float
     drafter_activations: float
+    optimizer_shards: int = 1
+    update_temporaries: float = 0.0     # during optimizer.step, on top of static
+    checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
 
     @property
     def static(self) -> float:
@@ -160,6 +176,19 @@ class MemoryEstimate:
     def per_sequence(self) -> float:
         return self.tap_features + max(self.target_activations, self.drafter_activations)
 
+    @property
+    def update_peak(self) -> float:
+        return self.static + self.update_temporaries
+
+    @property
+    def checkpoint_peak(self) -> float:
+        return self.static - self.drafter_grads + self.checkpoint_gather
+
+    @property
+    def between_steps(self) -> float:
+        """The peak outside forward/backward: the optimizer update or a checkpoint save."""
+        return max(self.update_peak, self.checkpoint_peak)
+
 
 @dataclass(frozen=True)
 class PeakModel:
@@ -169,12 +198,15 @@ class PeakModel:
     slope_mib: float
     static_mib: float
     source: str                     # "estimate" or "calibration"
+    between_steps_mib: float = 0.0  # optimizer update / checkpoint save (independent of m)
 
     def peak_mib(self, micro_batch: int) -> float:
-        return self.intercept_mib + self.slope_mib * micro_batch
+        return max(self.intercept_mib + self.slope_mib * micro_batch, self.between_steps_mib)
 
     def largest_fitting(self, budget_mib: float, ceiling: int) -> int:
         """The largest micro-batch in 0..ceiling whose peak fits the budget (0: not even one)."""
+        if self.between_steps_mib > budget_mib:
+            return 0
         if self.slope_mib <= 0 or budget_mib == float("inf"):
             return ceiling if self.intercept_mib <= budget_mib else 0
         fitting = int((budget_mib - self.intercept_mib) // self.slope_mib)
@@ -258,13 +290,21 @@ def tap_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
     return tuple(round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps))
 
 
-def workload_from_profile(profile: Profile, shape: TargetShape | None = None) -> Workload:
+def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
+    """Ranks the AdamW states are spread over: the world size under zero1, else 1."""
+    world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
+    return world if profile.train.optimizer_sharding == "zero1" and world > 1 else 1
+
+
+def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
+                          world_size: int | None = None) -> Workload:
     shape = shape or target_shape(profile)
     taps = profile.drafter.target_layer_ids or tap_layer_ids(shape.num_layers, profile.drafter.num_layers)
     chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
-                    max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk)
+                    max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
+                    optimizer_shards=optimizer_shards(profile, world_size))
 
 
 # --- the analytic estimate ----------------------------------------------------------------
@@ -274,6 +314,28 @@ def drafter_params(workload: Workload) -> int:
     shape = workload.target
     fc = len(workload.tap_layers) * shape.hidden * shape.hidden
     return workload.drafter_layers * shape.layer_params() + fc + 2 * shape.hidden
+
+
+def drafter_param_sizes(workload: Workload) -> list[int]:
+    """Element counts of the drafter's trainable tensors (as `drafter_params` sums them)."""
+    s = workload.target
+    layer = [s.hidden * s.q_dim, s.hidden * s.kv_dim, s.hidden * s.kv_dim, s.q_dim * s.hidden,
+             *([s.hidden * s.intermediate] * 3), s.head_dim, s.head_dim, s.hidden, s.hidden]
+    fc = len(workload.tap_layers) * s.hidden * s.hidden
+    return layer * workload.drafter_layers + [fc, s.hidden, s.hidden]
+
+
+def zero_shard_sizes(sizes: list[int], shards: int) -> list[int]:
+    """ZeroRedundancyOptimizer's partition: largest tensor first, each to the least-loaded rank
+    (the first such rank on a tie). Returns the parameters per rank."""
+    loads = [0] * shards
+    for size in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += size
+    return loads
+
+
+def largest_shard_params(workload: Workload) -> int:
+    return max(zero_shard_sizes(drafter_param_sizes(workload), workload.optimizer_shards))
 
 
 def target_params_loaded(workload: Workload) -> int:
@@ -286,13 +348,17 @@ def target_params_loaded(workload: Workload) -> int:
 def estimate(workload: Workload) -> MemoryEstimate:
     params = drafter_params(workload)
     drafter = params * DRAFTER_MASTER_BYTES / MIB
+    shard = largest_shard_params(workload) * DRAFTER_MASTER_BYTES / MIB
+    sharded = workload.optimizer_shards > 1
     return MemoryEstimate(
         target_weights=target_params_loaded(workload) * workload.dtype_bytes / MIB,
-        drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * drafter,
+        drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * shard,
         autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
         logits_chunk=_logits_chunk_mib(workload), tap_features=_tap_features_mib(workload),
         target_activations=_target_activations_mib(workload),
-        drafter_activations=_drafter_activations_mib(workload))
+        drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
+        update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard,
+        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0)
 
 
 def _logits_chunk_mib(workload: Workload) -> float:
@@ -328,7 +394,7 @@ def _drafter_activations_mib(workload: Workload) -> float:
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
     return PeakModel(intercept_mib=figures.static + figures.logits_chunk, slope_mib=figures.per_sequence,
-                     static_mib=figures.static, source="estimate")
+                     static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps)
 
 
 def peak_model(workload: Workload, calibration: Calibration | None = None) -> PeakModel:
@@ -337,8 +403,12 @@ def peak_model(workload: Workload, calibration: Calibration | None = None) -> Pe
     if calibration is None or calibration.workload_key != workload.key():
         return estimated
     logits_chunk = estimated.intercept_mib - estimated.static_mib    # the measured intercept includes it
+    # between steps: as far above/below the one-sequence step as the estimate says, from the measured one
+    step_of_one = calibration.intercept_mib + calibration.slope_mib
+    between = step_of_one + estimated.between_steps_mib - (estimated.intercept_mib + estimated.slope_mib)
     return PeakModel(intercept_mib=calibration.intercept_mib, slope_mib=calibration.slope_mib,
-                     static_mib=max(0.0, calibration.intercept_mib - logits_chunk), source="calibration")
+                     static_mib=max(0.0, calibration.intercept_mib - logits_chunk), source="calibration",
+                     between_steps_mib=max(0.0, between))
 
 
 def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:

@@ -117,9 +117,21 @@ def format_plan(plan, storage) -> list[str]:
                  f"{plan.peak_model.slope_mib:.0f} x micro-batch MiB, from the {plan.peak_model.source}; "
                  f"worst case: {plan.workload.max_length} tokens, {plan.workload.anchors} anchors x "
                  f"{plan.workload.block_size} block tokens per sequence)"]
+    lines.append(_optimizer_line(plan))
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
     return lines
+
+
+def _optimizer_line(plan) -> str:
+    """How the AdamW states are held, and the peak between steps (update, checkpoint save)."""
+    figures, shards = plan.estimate, plan.workload.optimizer_shards
+    if shards > 1:
+        held = (f"AdamW states sharded over {shards} ranks (zero1): largest shard {_mib(figures.optimizer_states)} "
+                f"MiB per rank, {_mib(figures.checkpoint_gather)} MiB more while a checkpoint gathers them to rank 0")
+    else:
+        held = f"AdamW states on every rank (optimizer_sharding none or one rank): {_mib(figures.optimizer_states)} MiB"
+    return f"optimizer: {held}; peak between steps {_mib(plan.peak_model.between_steps_mib)} MiB"
 
 
 def _row(plan, rank_plan) -> tuple[str, ...]:

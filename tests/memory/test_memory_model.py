@@ -61,11 +61,60 @@ def test_static_memory_counts_target_to_deepest_tap_and_fp32_drafter_with_adamw(
     figures = memory.estimate(workload)
     params = memory.drafter_params(workload)
     assert figures.drafter_weights == pytest.approx(params * 4 / memory.MIB)
-    assert figures.optimizer_states == pytest.approx(2 * figures.drafter_weights)
+    replicated = memory.estimate(dataclasses.replace(workload, optimizer_shards=1))
+    assert replicated.optimizer_states == pytest.approx(2 * figures.drafter_weights)
     assert figures.drafter_grads == figures.drafter_weights
     dropped = 64 - (max(workload.tap_layers) + 1)
     assert figures.target_weights == pytest.approx(
         (27_000_000_000 - dropped * memory.QWEN36_27B_LIKE.layer_params()) * 2 / memory.MIB)
+
+
+def test_zero1_keeps_the_largest_shard_of_adamw_states_per_rank():
+    workload = rtx_workload()
+    assert workload.optimizer_shards == 8                   # profile default zero1, 8 ranks
+    sizes = memory.drafter_param_sizes(workload)
+    assert sum(sizes) == memory.drafter_params(workload)
+    shards = memory.zero_shard_sizes(sizes, 8)
+    assert sum(shards) == sum(sizes) and sum(sizes) / 8 < max(shards) < 1.1 * sum(sizes) / 8
+    sharded, replicated = memory.estimate(workload), memory.estimate(dataclasses.replace(workload, optimizer_shards=1))
+    assert sharded.optimizer_states == pytest.approx(max(shards) * 8 / memory.MIB)
+    assert replicated.static - sharded.static == pytest.approx(replicated.optimizer_states - sharded.optimizer_states)
+    assert replicated.static - sharded.static > 12_000          # MiB: what makes the flagship fit 96 GB
+    assert workload.key() != dataclasses.replace(workload, optimizer_shards=1).key()
+
+
+def test_zero_partition_is_the_one_zero_redundancy_optimizer_makes():
+    """Largest tensor first to the least-loaded rank, first rank on ties: checked against torch's own
+    partition on a fake 3-rank process group (no real ranks needed to partition)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sizes = [7, 300, 300, 5, 120, 120, 64, 64, 1000, 3]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW)
+        torch_loads = [sum(p.numel() for group in groups for p in group["params"])
+                       for groups in zero._partition_parameters()]
+    finally:
+        dist.destroy_process_group()
+    assert memory.zero_shard_sizes(sizes, 3) == torch_loads
+
+
+def test_between_steps_peaks_update_and_checkpoint_gather():
+    workload = rtx_workload(max_length=256, num_anchors=8, optimizer_shards=2)   # tiny activations
+    figures = memory.estimate(workload)
+    shard = max(memory.zero_shard_sizes(memory.drafter_param_sizes(workload), 2)) * 4 / memory.MIB
+    assert figures.update_peak == pytest.approx(figures.static + shard)
+    assert figures.checkpoint_peak == pytest.approx(figures.static - figures.drafter_grads + 2 * 2 * shard)
+    model = memory.estimated_peak_model(workload)
+    assert model.between_steps_mib == figures.between_steps > model.intercept_mib + model.slope_mib
+    assert model.peak_mib(1) == model.between_steps_mib     # the checkpoint save is this rank's peak
+    assert model.largest_fitting(model.between_steps_mib - 1, ceiling=8) == 0
+    replicated = memory.estimate(dataclasses.replace(workload, optimizer_shards=1))
+    assert replicated.checkpoint_gather == 0.0               # nothing to gather: states are local
 
 
 def test_worst_case_grows_with_length_and_anchors_but_static_does_not():

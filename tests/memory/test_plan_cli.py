@@ -5,10 +5,13 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 import launcher
 
+REPO = Path(launcher.__file__).resolve().parent
 SNAPSHOTS = "tests/fixtures/snapshots"
 CALIBRATION = "tests/fixtures/memory/rtx6000-x8-calibration.json"
 
@@ -33,10 +36,11 @@ def test_upgrade_snapshot_makes_rank_6_the_bottleneck_with_a_reduced_micro_batch
                          "--baseline", CALIBRATION)
     upgraded = plan_json("--profile", "rtx6000-x8", "--snapshot", f"{SNAPSHOTS}/rtx6000-x8-cu130-upgrade.json",
                          "--baseline", CALIBRATION)
-    assert baseline["micro_batch"] == 2 and baseline["bottleneck_ranks"] == []
+    assert baseline["micro_batch"] == 3 and baseline["bottleneck_ranks"] == []
+    assert baseline["micro_batch_sizes"] == [3, 3, 2]
     assert upgraded["bottleneck_ranks"] == [6]
-    assert [r["feasible_micro_batch"] for r in upgraded["ranks"]] == [2, 2, 2, 2, 2, 2, 1, 2]
-    assert (upgraded["micro_batch"], upgraded["accum_steps"]) == (1, 8)
+    assert [r["feasible_micro_batch"] for r in upgraded["ranks"]] == [3, 3, 3, 3, 3, 3, 2, 3]
+    assert (upgraded["micro_batch"], upgraded["accum_steps"]) == (2, 4)
     for document in (baseline, upgraded):                   # the profile's global batch, exactly
         assert sum(document["micro_batch_sizes"]) * document["world_size"] == document["global_batch"] == 64
     rank6 = upgraded["ranks"][6]
@@ -55,15 +59,36 @@ def test_table_names_every_column_marks_rank_6_and_prints_the_storage_comparison
     for column in ("gpu", "free MiB", "overhead MiB", "static MiB", "peak MiB", "micro", "accum"):
         assert column in header
     rank6 = next(line for line in lines if line.split()[:2] == ["6", "6"])
-    assert "97,152" in rank6 and "1 <" in rank6
-    assert "global batch per optimizer step: 64 sequences = 8 ranks x 8 micro-batches" in result.stdout
+    assert "97,152" in rank6 and "2 <" in rank6
+    assert "global batch per optimizer step: 64 sequences = 8 ranks x 4 micro-batches" in result.stdout
+    assert "AdamW states sharded over 8 ranks (zero1)" in result.stdout
     assert "bottleneck: rank(s) 6" in result.stdout and "92.4 TB" in result.stdout
 
 
-def test_uncalibrated_estimate_is_used_and_says_so_when_nothing_fits():
-    result = plan("--profile", "rtx6000-x8", "--snapshot", f"{SNAPSHOTS}/rtx6000-x8-baseline.json")
+def test_flagship_is_feasible_uncalibrated_with_zero1_and_not_without_it(tmp_path):
+    """The 1.75B-parameter drafter's AdamW states (14 GB) replicated on every rank do not fit next to
+    the 27B target's layers on a 96 GB card; sharded over 8 ranks they do."""
+    sharded = plan_json("--profile", "rtx6000-x8", "--snapshot", f"{SNAPSHOTS}/rtx6000-x8-baseline.json")
+    assert sharded["workload"]["optimizer_shards"] == 8 and sharded["peak_model"]["source"] == "estimate"
+    assert [r["feasible_micro_batch"] for r in sharded["ranks"]] == [1] * 8 and sharded["accum_steps"] == 8
+    (tmp_path / "rtx6000-x8.toml").write_text((REPO / "profiles" / "rtx6000-x8.toml").read_text())
+    variant = tmp_path / "rtx-none.toml"
+    variant.write_text('extends = "rtx6000-x8"\n[train]\noptimizer_sharding = "none"\n')
+    result = plan("--profile", str(variant), "--snapshot", f"{SNAPSHOTS}/rtx6000-x8-baseline.json")
     assert result.returncode == 0, result.stderr
     assert "from the estimate" in result.stdout and "NOT FEASIBLE" in result.stdout
+    assert "AdamW states on every rank" in result.stdout
+
+
+def test_b200_and_h200_profiles_are_feasible(tmp_path):
+    b200 = plan_json("--profile", "b200-x8", "--snapshot", f"{SNAPSHOTS}/b200-x8-nvcc128-cu130.json")
+    assert b200["micro_batch"] == 8 and b200["accum_steps"] == 1
+    h200_node = tmp_path / "h200.json"                       # one H200, 141 GB, as NVML reports it
+    h200_node.write_text(json.dumps({"gpus": [{"index": 0, "uuid": "GPU-0f3a", "name": "NVIDIA H200",
+                                               "memory_total_mib": 143_771, "memory_free_mib": 143_190}]}))
+    h200 = plan_json("--profile", "h200-x1", "--snapshot", str(h200_node))
+    assert h200["workload"]["optimizer_shards"] == 1             # one rank: nothing to shard over
+    assert h200["micro_batch"] >= 1 and sum(h200["micro_batch_sizes"]) == h200["global_batch"] == 8
 
 
 def test_cuda_profile_without_snapshot_or_nvml_is_a_usage_error():
