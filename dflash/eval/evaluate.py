@@ -2,9 +2,10 @@
 prompt lookup (same block size), and write the report, the plots and the manifest's eval entry."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from envcheck.errors import InputError
 from envcheck.profile import expand_path
@@ -94,6 +95,20 @@ def load_target(profile: Profile) -> tuple[Any, Any, Path]:
     return model, AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True), path
 
 
+@contextlib.contextmanager
+def cpu_threads(model: Any, threads: int) -> Iterator[None]:
+    """Decoding on CPU: a fixed thread count for every method (0 keeps torch's default); restored after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads > 0 and next(model.parameters()).device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def decode_prompts(model: Any, drafters: Sequence[Any], prompts: Sequence[EncodedPrompt], settings: Any,
                    seed: int, layer_ids: Sequence[int]) -> list[Any]:
     """Every prompt with target-only decoding and each drafter, in turn (same machine state)."""
@@ -165,8 +180,11 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
     prompts = encode_prompts(tokenizer, prompts_path, options.num_prompts or profile.eval.num_prompts,
                              profile.generate.thinking)
     lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
-    results = decode_prompts(model, [draft, lookup], prompts, settings, seed, draft.layer_ids)
+    with cpu_threads(model, profile.eval.cpu_threads):
+        threads = _torch_threads()
+        results = decode_prompts(model, [draft, lookup], prompts, settings, seed, draft.layer_ids)
     context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint),
+               "torch_threads": threads,
                "prompts_file": str(prompts_path), "max_new_tokens": settings.max_new_tokens, "seed": seed}
     report = build_report(results, block_size=settings.block_size, temperature=temperature, context=context)
     eval_dir = run_dir / "eval"
@@ -186,3 +204,9 @@ def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
         if method["identical_to_target"] is not None:
             figures[f"{name}_lossless"] = method["identical_to_target"]
     return figures
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

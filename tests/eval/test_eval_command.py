@@ -40,7 +40,7 @@ def test_eval_writes_report_plots_and_manifest(eval_run, capsys):
     assert code == 0
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert set(report["methods"]) == {"target", "dflash", "prompt_lookup"}
-    assert report["num_prompts"] == 3 and report["block_size"] == 4
+    assert report["num_prompts"] == 3 and report["block_size"] == 4 and report["torch_threads"] == 1
     assert [p["id"] for p in report["prompts"]] == ["heldout-0000-math", "heldout-0001-math", "heldout-0002-word"]
     for name in ("dflash", "prompt_lookup"):
         method = report["methods"][name]
