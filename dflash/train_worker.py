@@ -124,12 +124,16 @@ def run_planned_step(state: Any, rows: list[int], epoch: int, plan: Any) -> Any:
 def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
     from dflash.checkpoint import save_checkpoint
     from dflash.manifest import update_stage
+    from dflash.trainer import full_optimizer_state, optimizer_shard_count
     from envcheck.fileio import write_json_atomic
 
+    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
+    optimizer_state = full_optimizer_state(state.optimizer)     # a collective under zero1: every rank
     if not state.env.is_main:
         return
     where = save_checkpoint(run_dir, state.drafter, state.step, {
-        "optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
+        "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
+        "scheduler": state.scheduler.state_dict(),
         "micro_batch": state.micro_batch, "total_steps": state.extras["total_steps"]})
     last_loss = state.extras.get("last_loss")
     update_stage(run_dir, "train", "done" if final else "running", steps=state.step,

@@ -435,8 +435,7 @@ def _assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targ
                     data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
     from dflash.attention import resolve_backend
 
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=profile.train.lr,
-                                  weight_decay=profile.train.weight_decay)
+    optimizer = build_optimizer(profile, [p for p in drafter.parameters() if p.requires_grad])
     steps = total_steps(profile, data.steps_per_epoch)
     return TrainState(env=env, device=device, target=target, drafter=drafter, model=drafter, optimizer=optimizer,
                       scheduler=cosine_schedule(optimizer, steps, profile.train.warmup_ratio), data=data,
@@ -444,6 +443,42 @@ def _assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targ
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, micro_batch=profile.train.max_micro_batch,
                       extras={"total_steps": steps})
+
+
+def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW; with train.optimizer_sharding = "zero1" on several ranks its states are sharded
+    (ZeroRedundancyOptimizer: each rank updates its parameters, then broadcasts them). The caller
+    sums the gradients over the ranks before `step`, so every rank holds the full gradient."""
+    settings = {"lr": profile.train.lr, "weight_decay": profile.train.weight_decay}
+    if not sharded_optimizer_wanted(profile):
+        return torch.optim.AdamW(params, **settings)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **settings)
+
+
+def sharded_optimizer_wanted(profile: Profile) -> bool:
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return profile.train.optimizer_sharding == "zero1" and distributed
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, to_rank: int = 0) -> dict[str, Any] | None:
+    """The complete optimizer state on `to_rank` (None elsewhere). A sharded optimizer first gathers
+    every rank's shard to `to_rank`: a collective, so EVERY rank must call this."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=to_rank)
+        return optimizer.state_dict() if dist.get_rank() == to_rank else None
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return optimizer.state_dict() if rank == to_rank else None
+
+
+def optimizer_shard_count(optimizer: torch.optim.Optimizer) -> int:
+    """Ranks the optimizer's states are sharded over (1: every rank holds them all)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.world_size if isinstance(optimizer, ZeroRedundancyOptimizer) else 1
 
 
 def restore_checkpoint(state: TrainState, run_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """Real torchrun runs on CPU (gloo, 2 ranks) with the tiny random Qwen3 target."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -57,6 +58,34 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(trained, tmp_path):
     shutil.copytree(run_dir / "train" / "checkpoints" / "step-12", resumed / "train" / "checkpoints" / "step-12")
     (resumed / "train" / "checkpoints" / "latest").write_text("step-12\n")
     assert run_training(profile, run_dir=resumed, resume=True) == 0
+    again = {line["step"]: line["loss"] for line in metrics(resumed)}
+    original = {line["step"]: line["loss"] for line in metrics(run_dir)}
+    assert sorted(again) == list(range(13, 25))
+    for step, loss in again.items():
+        assert loss == pytest.approx(original[step], rel=1e-5), step
+
+
+def test_zero1_checkpoint_holds_the_complete_optimizer_state_and_resumes_unsharded(trained, tmp_path):
+    """The run shards AdamW over its 2 ranks (zero1, the default); the checkpoint still holds every
+    parameter's state, so a run with optimizer_sharding = "none" resumes it onto the same curve."""
+    import torch
+
+    profile, run_dir = trained
+    saved = torch.load(run_dir / "train" / "checkpoints" / "step-12" / "training_state.pt", weights_only=False)
+    assert profile.train.optimizer_sharding == "zero1" and saved["optimizer_shards"] == 2
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run_dir / "train" / "checkpoints" / "step-12" / "model.safetensors"))
+    states = saved["optimizer"]["state"]
+    assert len(states) == len(saved["optimizer"]["param_groups"][0]["params"]) > 2
+    assert len(states) == len(weights)                       # every trainable tensor, not rank 0's shard
+    assert sorted(s["exp_avg"].numel() for s in states.values()) == sorted(w.numel() for w in weights.values())
+    assert all(float(s["exp_avg_sq"].abs().sum()) > 0 for s in states.values())
+    resumed = tmp_path / "unsharded"
+    shutil.copytree(run_dir / "train" / "checkpoints" / "step-12", resumed / "train" / "checkpoints" / "step-12")
+    (resumed / "train" / "checkpoints" / "latest").write_text("step-12\n")
+    unsharded = dataclasses.replace(profile, train=dataclasses.replace(profile.train, optimizer_sharding="none"))
+    assert run_training(unsharded, run_dir=resumed, resume=True) == 0
     again = {line["step"]: line["loss"] for line in metrics(resumed)}
     original = {line["step"]: line["loss"] for line in metrics(run_dir)}
     assert sorted(again) == list(range(13, 25))
