@@ -93,6 +93,20 @@ def test_zero1_checkpoint_holds_the_complete_optimizer_state_and_resumes_unshard
         assert loss == pytest.approx(original[step], rel=1e-5), step
 
 
+def test_zero1_run_recovers_from_a_forward_oom_and_an_optimizer_oom_stays_fatal(trained, tmp_path):
+    profile, run_dir = trained
+    wider = dataclasses.replace(profile, train=dataclasses.replace(profile.train, max_micro_batch=2))
+    assert run_training(wider, run_dir=tmp_path / "oom", extra_env={"DFLASH_INJECT_OOM": "rank=1,step=2"}) == 0
+    lines, original = metrics(tmp_path / "oom"), metrics(run_dir)
+    assert [line["micro_batch"] for line in lines] == [2] + [1] * 23        # halved on both ranks at step 2
+    for line, reference in zip(lines, original):                              # same curve as micro-batch 1
+        assert line["loss"] == pytest.approx(reference["loss"], rel=1e-5), line["step"]
+    fatal = dataclasses.replace(wider, train=dataclasses.replace(wider.train, max_steps=3))
+    with pytest.raises(RunFailed) as failure:
+        run_training(fatal, run_dir=tmp_path / "fatal", extra_env={"DFLASH_INJECT_OOM": "rank=1,step=2,phase=optimizer"})
+    assert str(failure.value).startswith("rank 1 failed first") and "inside optimizer.step" in str(failure.value)
+
+
 def test_a_failing_rank_is_reported_with_its_rank_and_traceback(trained, tmp_path):
     profile, _ = trained
     with pytest.raises(RunFailed) as failure:
