@@ -122,15 +122,26 @@ def run_planned_step(state: Any, rows: list[int], epoch: int, plan: Any) -> Any:
 
 
 def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
-    from dflash.checkpoint import save_checkpoint
-    from dflash.manifest import update_stage
-    from dflash.trainer import full_optimizer_state, optimizer_shard_count
-    from envcheck.fileio import write_json_atomic
+    """Every rank: gather the optimizer state to rank 0 (a collective under zero1), rank 0 writes,
+    then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
+    import torch.distributed as dist
+
+    from dflash.trainer import full_optimizer_state
 
     state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
-    optimizer_state = full_optimizer_state(state.optimizer)     # a collective under zero1: every rank
-    if not state.env.is_main:
-        return
+    optimizer_state = full_optimizer_state(state.optimizer)
+    if state.env.is_main:
+        _write_checkpoint(state, run_dir, optimizer_state, final=final, stopped=stopped)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
+    from dflash.checkpoint import save_checkpoint
+    from dflash.manifest import update_stage
+    from dflash.trainer import optimizer_shard_count
+    from envcheck.fileio import write_json_atomic
+
     where = save_checkpoint(run_dir, state.drafter, state.step, {
         "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
         "scheduler": state.scheduler.state_dict(),
