@@ -121,7 +121,7 @@ def _tokenize(ctx: PipelineContext) -> str:
 
     summary = tokenize_completions(ctx.profile, run_dir=ctx.run_dir)
     figures = summary.manifest_figures()
-    return ", ".join(f"{key} {figures[key]}" for key in ("samples", "tokens", "loss_tokens", "degenerate") if key in figures) \
+    return ", ".join(f"{key} {figures[key]}" for key in ("samples", "tokens", "loss_tokens", "degenerate_share") if key in figures) \
         or "dataset written"
 
 
