@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,19 @@ def test_oom_inside_optimizer_step_is_fatal_with_a_reason(tmp_path):
 
 # --- real ranks: torchrun, gloo, 2 processes ----------------------------------------------
 
+def run_in_own_group(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run torchrun in its own process group; on timeout kill the whole group, ranks included."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"torchrun hung for {timeout} s (ranks killed):\n{stdout[-2000:]}{stderr[-2000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def torchrun(tmp_path: Path, *args: str, inject: str = "", max_restarts: int = 0) -> dict[str, dict]:
     """Records by name (`rank1-attempt0`), plus `rank0-last`/`rank1-last`: the last attempt's."""
     env = {k: v for k, v in os.environ.items() if k != autobatch.INJECT_ENV}
@@ -94,7 +108,7 @@ def torchrun(tmp_path: Path, *args: str, inject: str = "", max_restarts: int = 0
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", str(max_restarts), str(HERE / "autobatch_worker.py"), "--out", str(out), *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    result = run_in_own_group(command, env, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))}
     for rank in (0, 1):
