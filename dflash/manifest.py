@@ -18,6 +18,8 @@ from envcheck.fileio import write_json_atomic
 MANIFEST_NAME = "manifest.json"
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
 StageState = Literal["pending", "running", "done", "failed", "skipped"]
+# Figures that describe how a stage last stopped; a stage that runs again or finishes drops them.
+STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step")
 
 
 def manifest_path(run_dir: str | Path) -> Path:
@@ -51,6 +53,9 @@ def update_stage(run_dir: str | Path, stage: str, state: StageState | None = Non
         entry = document["stages"].setdefault(stage, {"state": "pending"})
         if state is not None:
             entry["state"] = state
+        if state in ("running", "done"):
+            for key in STOP_KEYS:
+                entry.pop(key, None)
         entry.update(figures)
         entry["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_json_atomic(manifest_path(run_dir), document)
