@@ -95,6 +95,10 @@ class GenerateSection:
     flush_every: int = 32
     tool_call_parser: str = ""               # SGLang --tool-call-parser (e.g. "qwen25"); "" leaves tool calls in content
     server_startup_timeout_s: float = 900.0  # how long a started server may take to answer /health
+    max_prompts: int = 0                     # use only the first N prompts of paths.prompts (0: all)
+    continuous_batching: bool = False        # transformers serve --continuous-batching (one batched forward)
+    cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
+    server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: 1, unless already set)
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,8 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
     audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage.
     """
     paths = resolve_paths(profile, input_path, output_path, run_dir)
+    if limit is None and profile.generate.max_prompts > 0:
+        limit = profile.generate.max_prompts
     if preflight:
         run_preflight_if_available(profile, force=force, run_dir=paths.run_dir)
     prompts = load_prompts(paths.prompts)

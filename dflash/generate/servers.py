@@ -81,16 +81,38 @@ def sglang_attention_backend(ours: str) -> str:
 
 
 def transformers_server_command(profile: Profile, model_path: Path, port: int | None = None,
-                                python: str = sys.executable) -> ServerCommand:
-    """`transformers serve MODEL` on the profile's device, preloaded, bound to the profile's host."""
+                                python: str = sys.executable,
+                                environ: Mapping[str, str] | None = None) -> ServerCommand:
+    """`transformers serve MODEL` on the profile's device, preloaded, bound to the profile's host.
+
+    `generate.continuous_batching` adds `--continuous-batching` (all requests in flight share one
+    batched forward; same text at temperature 0); `generate.cb_num_blocks` caps its KV cache, which
+    otherwise takes most of the free memory (12 GB of RAM on CPU). On CPU the server's OpenMP threads are
+    `generate.server_threads`, else 1 unless `environ` (default: this process's) already sets
+    OMP_NUM_THREADS: concurrent requests each spinning every core's thread starve each other.
+    """
     settings, host = profile.generate, profile.machine.bind_host
     port = settings.port if port is None else port
     device = "cpu" if profile.machine.device == "cpu" else "auto"
     argv = [python, "-m", "transformers.cli.transformers", "serve", str(model_path),
             "--device", device, "--dtype", profile.model.dtype,
             "--host", host, "--port", str(port), "--log-level", "info"]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if settings.continuous_batching:
+        argv.append("--continuous-batching")
+        if settings.cb_num_blocks > 0:
+            argv += ["--cb-num-blocks", str(settings.cb_num_blocks)]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           **server_thread_env(profile, os.environ if environ is None else environ)}
     return ServerCommand(argv, env, f"http://{client_host(host)}:{port}", "transformers serve")
+
+
+def server_thread_env(profile: Profile, environ: Mapping[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS for a CPU server: the profile's server_threads, else 1 unless already set."""
+    if profile.machine.device != "cpu":
+        return {}
+    if profile.generate.server_threads > 0:
+        return {"OMP_NUM_THREADS": str(profile.generate.server_threads)}
+    return {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": "1"}
 
 
 def server_command_for(profile: Profile, model_path: Path, port: int | None = None) -> ServerCommand:

@@ -83,3 +83,26 @@ def test_secrets_are_redacted_in_plans():
                       "TOKENIZERS_PARALLELISM": "false"})
     assert env == {"HF_TOKEN": "<redacted>", "OPENAI_API_KEY": "<redacted>", "HF_HUB_OFFLINE": "1",
                    "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_transformers_serve_continuous_batching_flag():
+    profile = load_profile("h200-x1")
+    assert "--continuous-batching" not in transformers_server_command(profile, Path("m")).argv
+    generate = dataclasses.replace(profile.generate, continuous_batching=True)
+    argv = transformers_server_command(dataclasses.replace(profile, generate=generate), Path("m")).argv
+    assert argv.count("--continuous-batching") == 1
+    assert "--cb-num-blocks" not in argv
+    generate = dataclasses.replace(generate, cb_num_blocks=64)
+    argv = transformers_server_command(dataclasses.replace(profile, generate=generate), Path("m")).argv
+    assert flag(argv, "--cb-num-blocks") == "64"
+
+
+def test_cpu_server_threads_default_one_unless_set_and_profile_wins():
+    cpu = load_profile("cpu-demo")
+    plain = dataclasses.replace(cpu, generate=dataclasses.replace(cpu.generate, server_threads=0))
+    assert transformers_server_command(plain, Path("m"), environ={}).env["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in transformers_server_command(plain, Path("m"), environ={"OMP_NUM_THREADS": "2"}).env
+    pinned = dataclasses.replace(cpu, generate=dataclasses.replace(cpu.generate, server_threads=3))
+    assert transformers_server_command(pinned, Path("m"), environ={"OMP_NUM_THREADS": "1"}).env["OMP_NUM_THREADS"] == "3"
+    gpu = load_profile("h200-x1")
+    assert "OMP_NUM_THREADS" not in transformers_server_command(gpu, Path("m"), environ={}).env
