@@ -167,3 +167,19 @@ def test_endpoints_share_the_load_and_a_dead_one_leaves_rotation(tmp_path, tiny_
     assert (summary.completed, summary.failed, summary.retried) == (12, 0, 0)
     assert first.forwarded >= 3 and second.forwarded >= 3 and first.forwarded + second.forwarded == 12
     assert Counter(read_output_ids(tmp_path / "run" / "completions.jsonl")) == Counter(ids)
+
+
+def test_continuous_batching_server_serves_only_the_first_max_prompts(tmp_path, tiny_qwen3_target):
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 5)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts,
+                                 max_prompts=3, continuous_batching=True, concurrency=3)
+    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path),
+            "--skip-preflight", "--no-progress"]
+    process = subprocess.run(argv, cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True, timeout=180)
+    assert process.returncode == 0, process.stderr
+    assert "completed 3, failed 0" in process.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == ids[:3]
+    assert all(r["completion_tokens"] == 6 for r in records)
+    assert "--continuous-batching" in (tmp_path / "run" / "generate" / "server.log").read_text()
