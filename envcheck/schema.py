@@ -107,6 +107,7 @@ class DrafterSection:
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
     mask_token_id: Optional[int] = None      # None: the tokenizer's mask token, else an error
+    norm_init: float = 1.0                   # initial weight of the final norm before the target's lm_head
 
 
 @dataclass(frozen=True)
