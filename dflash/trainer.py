@@ -377,7 +377,10 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
                             target_layer_ids=layer_ids, mask_token_id=resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings))
     config.num_target_layers = num_target_layers
     torch.manual_seed(profile.train.seed)
-    return DFlashDrafter(config).attach_target(target)
+    drafter = DFlashDrafter(config).attach_target(target)
+    with torch.no_grad():
+        drafter.norm.weight.fill_(profile.drafter.norm_init)
+    return drafter
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> Any:

@@ -211,3 +211,17 @@ def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, 
     features = batch[4][:1, :9]
     torch.testing.assert_close(reloaded.draft_logits(features, 1234, 9), drafter.draft_logits(features, 1234, 9),
                                rtol=0, atol=0)
+
+
+def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model, tiny_dataset, tmp_path):
+    from conftest import write_profile
+    from dflash.trainer import build_drafter
+    from envcheck.profile import load_profile
+
+    path = write_profile(tmp_path / "p.toml", tmp_path / "target", tiny_dataset, tmp_path / "run")
+    path.write_text(path.read_text().replace("num_layers = 1", "num_layers = 1\nnorm_init = 0.25"))
+    profile = load_profile(str(path))
+    drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
+    assert torch.equal(drafter.norm.weight, torch.full_like(drafter.norm.weight, 0.25))
+    assert torch.equal(drafter.hidden_norm.weight, torch.ones_like(drafter.hidden_norm.weight))
+    assert drafter.norm.weight.requires_grad  # still trained
