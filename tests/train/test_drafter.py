@@ -213,14 +213,15 @@ def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, 
                                rtol=0, atol=0)
 
 
-def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model, tiny_dataset, tmp_path):
-    from conftest import write_profile
+def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
+    import dataclasses
+
     from dflash.trainer import build_drafter
     from envcheck.profile import load_profile
 
-    path = write_profile(tmp_path / "p.toml", tmp_path / "target", tiny_dataset, tmp_path / "run")
-    path.write_text(path.read_text().replace("num_layers = 1", "num_layers = 1\nnorm_init = 0.25"))
-    profile = load_profile(str(path))
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, drafter=dataclasses.replace(
+        profile.drafter, block_size=4, mask_token_id=MASK_ID, norm_init=0.25))
     drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
     assert torch.equal(drafter.norm.weight, torch.full_like(drafter.norm.weight, 0.25))
     assert torch.equal(drafter.hidden_norm.weight, torch.ones_like(drafter.hidden_norm.weight))
