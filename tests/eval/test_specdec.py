@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import OracleDrafter, small_vocab_model
+from eval_helpers import OracleDrafter, small_vocab_model
 from dflash.eval.prompt_lookup import PromptLookupDrafter
 from dflash.eval.specdec import (DecodeSettings, NoDrafter, Proposal, TargetVerifier,
                                  accept_greedy, speculative_decode)

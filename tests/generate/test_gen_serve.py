@@ -16,7 +16,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from conftest import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
+from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
 from dflash.generate import generate_from_profile
 from dflash.manifest import read_manifest
 from envcheck.profile import load_profile
