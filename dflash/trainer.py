@@ -125,18 +125,23 @@ class TrainData:
         records = [self.dataset[row] for row in rows]
         ids = [list(r["input_ids"])[: self.max_length] for r in records]
         masks = [list(r["loss_mask"])[: self.max_length] for r in records]
-        anchors = [sample_anchors(m, self.train.num_anchors, seed=self.train.seed, epoch=epoch, row=row)
-                   for m, row in zip(masks, rows)]
-        width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
-        batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
-                           torch.zeros(len(rows), count, dtype=torch.long), torch.zeros(len(rows), count, dtype=torch.bool),
-                           tokens=sum(map(len, ids)))
-        for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
-            batch.input_ids[i, : len(seq)] = torch.tensor(seq)
-            batch.loss_mask[i, : len(mask)] = torch.tensor(mask)
-            batch.anchors[i, : len(anchor)] = torch.from_numpy(anchor)
-            batch.anchor_valid[i, : len(anchor)] = True
-        return batch
+        return collate_rows(ids, masks, rows, self.train.num_anchors, self.train.seed, epoch)
+
+
+def collate_rows(ids: list[list[int]], masks: list[list[int]], rows: list[int], num_anchors: int,
+                 seed: int, epoch: int) -> MicroBatch:
+    """Right-pad sequences into a MicroBatch; anchors sampled per (seed, epoch, dataset row)."""
+    anchors = [sample_anchors(m, num_anchors, seed=seed, epoch=epoch, row=row) for m, row in zip(masks, rows)]
+    width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
+    batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
+                       torch.zeros(len(rows), count, dtype=torch.long), torch.zeros(len(rows), count, dtype=torch.bool),
+                       tokens=sum(map(len, ids)))
+    for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
+        batch.input_ids[i, : len(seq)] = torch.tensor(seq)
+        batch.loss_mask[i, : len(mask)] = torch.tensor(mask)
+        batch.anchors[i, : len(anchor)] = torch.from_numpy(anchor)
+        batch.anchor_valid[i, : len(anchor)] = True
+    return batch
 
 
 @dataclass
@@ -411,7 +416,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     target.model.layers = target.model.layers[: max(layer_ids) + 1]
     drafter = build_drafter(profile, target, layer_ids, num_target_layers).to(device)
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
-    state = _assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
+    state = assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
     if resume:
         restore_checkpoint(state, run_dir)
     state.model = _wrap_ddp(drafter, device)
@@ -434,7 +439,7 @@ def _dataset_path(profile: Profile) -> Path:
     return expand_path(profile, profile.paths.dataset)
 
 
-def _assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
+def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
                     data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
     from dflash.attention import resolve_backend
 

@@ -605,7 +605,7 @@ def training_state(profile: Any, target: Any, data: Any, device: Any) -> Any:
     drafter = trainer.build_drafter(profile, target, layer_ids, num_layers).to(device)
     block = profile.drafter.block_size
     decay = decay_weights(block, default_gamma(block, profile.train.decay_gamma))
-    return trainer._assemble_state(profile, trainer.WorkerEnv(0, 1, 0), device, target, drafter, data,
+    return trainer.assemble_state(profile, trainer.WorkerEnv(0, 1, 0), device, target, drafter, data,
                                    layer_ids, decay)
 
 
@@ -621,24 +621,11 @@ class SequenceData:
         return max(1, len(self.rows) // 8)
 
     def collate(self, rows: list[int], epoch: int) -> Any:
-        import torch
-
-        from dflash.anchors import sample_anchors
-        from dflash.trainer import MicroBatch
+        from dflash.trainer import collate_rows
 
         ids = [self.rows[r % len(self.rows)][0] for r in rows]
         masks = [self.rows[r % len(self.rows)][1] for r in rows]
-        anchors = [sample_anchors(m, self.num_anchors, seed=self.seed, epoch=epoch, row=r) for m, r in zip(masks, rows)]
-        width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
-        batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
-                           torch.zeros(len(rows), count, dtype=torch.long),
-                           torch.zeros(len(rows), count, dtype=torch.bool), tokens=sum(map(len, ids)))
-        for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
-            batch.input_ids[i, :len(seq)] = torch.tensor(seq)
-            batch.loss_mask[i, :len(mask)] = torch.tensor(mask)
-            batch.anchors[i, :len(anchor)] = torch.from_numpy(anchor)
-            batch.anchor_valid[i, :len(anchor)] = True
-        return batch
+        return collate_rows(ids, masks, rows, self.num_anchors, self.seed, epoch)
 
 
 def worst_case_rows(dims: Dims, count: int = 8) -> list[tuple[list[int], list[int]]]:
