@@ -293,7 +293,7 @@ class PartContext:
 
     @property
     def work(self) -> Path:
-        path = self.out / "work"
+        path = self.out / "scratch"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -936,7 +936,7 @@ def save_tokenizer_free_target(path: Path) -> None:
 
 
 def tiny_target(ctx: PartContext) -> TinyTarget:
-    """OUT/work/tiny-target (built once, shared by train and eval)."""
+    """OUT/scratch/tiny-target (built once, shared by train and eval)."""
     from dflash.models import build_tiny_target
 
     tokenizer_dir = qwen3_tokenizer_or_none(ctx)
