@@ -35,3 +35,15 @@ def test_unknown_profile_is_a_usage_error_naming_the_choices():
     result = run_cli("plan", "--profile", "nope")
     assert result.returncode == 2
     assert "unknown profile 'nope'" in result.stderr and "rtx6000-x8" in result.stderr
+
+
+def test_every_registered_command_has_its_module_and_help(capsys):
+    import importlib
+
+    for name, (module_name, _) in launcher.COMMANDS.items():
+        module = importlib.import_module(module_name)
+        assert callable(module.add_arguments) and callable(module.run), name
+        with pytest.raises(SystemExit) as info:
+            launcher.main([name, "--help"])
+        assert info.value.code == 0, name
+        assert "usage: launcher.py " + name in capsys.readouterr().out
