@@ -6,8 +6,6 @@ drafter's tau and speedup next to prompt lookup's.
 from __future__ import annotations
 
 import argparse
-import os
-from typing import MutableMapping
 
 from envcheck.commands import add_profile_option, load_profile_arg
 
@@ -23,24 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after", choices=STAGES, metavar="STAGE", help="stop after this stage")
 
 
-def apply_cpu_thread_default(profile, environ: MutableMapping[str, str]) -> None:
-    """On CPU profiles, one OpenMP thread per process unless the user set OMP_NUM_THREADS.
-
-    Every stage's processes inherit it: the generation server (4 concurrent requests, each with
-    2 OpenMP threads, on 2 cores ran 4.8x slower than with 1), the training ranks (1 each on 2
-    cores, their own default too) and eval (which sets eval.cpu_threads itself).
-    """
-    if profile.machine.device == "cpu":
-        environ.setdefault("OMP_NUM_THREADS", "1")
-
-
 def run(args: argparse.Namespace) -> int:
     import time
 
     from dflash.pipeline import run_pipeline
 
     profile = load_profile_arg(args)
-    apply_cpu_thread_default(profile, os.environ)
     started = time.perf_counter()
     outcomes = run_pipeline(profile, run_dir=args.run_dir, force_audit=args.force, redo=args.redo,
                             stop_after=args.stop_after)

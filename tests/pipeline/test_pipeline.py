@@ -153,17 +153,3 @@ def test_run_pipeline_uses_the_given_stages_and_run_dir(recorder):
                             stages=recorder.stages())
     assert [o.name for o in outcomes] == ["audit", "generate", "tokenize"]
     assert set(read_manifest(recorder.run_dir)["stages"]) == {"audit", "generate", "tokenize"}
-
-
-def test_cpu_profiles_default_to_one_openmp_thread_per_process():
-    from dflash.commands.pipeline import apply_cpu_thread_default
-
-    environ: dict[str, str] = {}
-    apply_cpu_thread_default(load_profile("cpu-demo"), environ)
-    assert environ == {"OMP_NUM_THREADS": "1"}
-    environ = {"OMP_NUM_THREADS": "2"}
-    apply_cpu_thread_default(load_profile("cpu-demo"), environ)
-    assert environ == {"OMP_NUM_THREADS": "2"}                  # the user's choice stands
-    environ = {}
-    apply_cpu_thread_default(load_profile("h200-x1"), environ)
-    assert environ == {}
