@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from envcheck.errors import ConfigError, RunFailed
+from envcheck.profile import REPO_ROOT
 from envcheck.redact import redact_env
 from envcheck.schema import Profile
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
