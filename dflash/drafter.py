@@ -6,6 +6,10 @@
   projected (same k/v projections, k RMSNorm) from concat(context, block tokens).
 * The block `[anchor, MASK x (B-1)]` is embedded with the target's frozen embedding; the output
   goes through the final `norm` and the target's frozen lm_head. Slot k predicts anchor + k.
+* Optional draft vocabulary (`drafter.draft_vocab_size`, as EAGLE-3's reduced draft vocabulary):
+  only the lm_head rows of the N most frequent training tokens are used, so the drafter proposes
+  those tokens only and its logits cost N/V of the full head. The ids are a buffer, `draft_vocab`,
+  saved with the weights.
 
 Parameter names follow the reference drafter (`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`,
 `norm`), so `model.safetensors` + `config.json` load where the reference format is expected.
@@ -17,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
@@ -27,7 +32,7 @@ ARCHITECTURE = "DFlashDraftModel"
 
 
 def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
-                   target_layer_ids: Sequence[int], mask_token_id: int) -> Qwen3Config:
+                   target_layer_ids: Sequence[int], mask_token_id: int, draft_vocab_size: int = 0) -> Qwen3Config:
     """The drafter's config (reference format): the target's shapes, L layers, DFlash keys."""
     heads = target_config.num_attention_heads
     head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
@@ -41,7 +46,8 @@ def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
         max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
         architectures=[ARCHITECTURE], block_size=block_size,
         num_target_layers=target_config.num_hidden_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids),
+                       **({"draft_vocab_size": int(draft_vocab_size)} if draft_vocab_size else {})},
     )
 
 
@@ -116,6 +122,9 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None
+        vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
+        if vocab_size:      # the target token id of each draft row (saved with the weights)
+            self.register_buffer("draft_vocab", torch.zeros(vocab_size, dtype=torch.long))
 
     def attach_target(self, target: nn.Module) -> "DFlashDrafter":
         """Use the target's embedding and lm_head (frozen, not registered here)."""
@@ -156,9 +165,40 @@ class DFlashDrafter(nn.Module):
             hidden = layer(hidden, context, rope, attend)
         return self.norm(hidden)
 
+    @property
+    def has_draft_vocab(self) -> bool:
+        return hasattr(self, "draft_vocab")
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Rows of the (frozen) lm_head the drafter may propose: `drafter.draft_vocab_size` ids."""
+        if not self.has_draft_vocab or token_ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"the drafter was built for a draft vocabulary of "
+                             f"{self.draft_vocab.numel() if self.has_draft_vocab else 0} tokens, got {tuple(token_ids.shape)}")
+        self.draft_vocab.copy_(token_ids)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] over the target's vocabulary, or [..., N] over the draft vocabulary."""
         weight = self.lm_head.weight
-        return self.lm_head(hidden.to(weight.dtype))
+        if not self.has_draft_vocab:
+            return self.lm_head(hidden.to(weight.dtype))
+        bias = getattr(self.lm_head, "bias", None)
+        rows = self.draft_vocab
+        return F.linear(hidden.to(weight.dtype), weight[rows], None if bias is None else bias[rows])
+
+    def token_ids(self, logit_index: torch.Tensor) -> torch.Tensor:
+        """Column indices of `logits` -> target token ids."""
+        return self.draft_vocab[logit_index] if self.has_draft_vocab else logit_index
+
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target token ids -> (columns of `logits`, inside the draft vocabulary?)."""
+        if not self.has_draft_vocab:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        vocab = self.draft_vocab.to(labels.device)
+        column = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long, device=labels.device)
+        column[vocab] = torch.arange(vocab.numel(), device=labels.device)
+        inside = labels <= column.numel() - 1
+        mapped = torch.where(inside, column[labels.clamp(max=column.numel() - 1)], -1)
+        return mapped.clamp(min=0), mapped >= 0
 
     def forward_layout(self, block_ids: torch.Tensor, context_features: torch.Tensor,
                        layout: BlockLayout, backend: str) -> torch.Tensor:
@@ -182,9 +222,49 @@ class DFlashDrafter(nn.Module):
 
 
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    import torch.nn.functional as F
-
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def target_source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
+    """The target layers the drafter's layers start from: those right after the deepest tap."""
+    first = max(drafter.target_layer_ids) + 1
+    return [min(first + i, num_target_layers - 1) for i in range(len(drafter.layers))]
+
+
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: float = 1.0) -> list[int]:
+    """Start the drafter from the target's own weights (`drafter.init = "target"`); returns the source layers.
+
+    Draft layer i copies target layer (deepest tap + 1 + i): every parameter whose name and shape
+    match (q/k/v/o, MLP, norms; q_norm/k_norm too where the target has them). fc starts as the mean
+    of the tap features, hidden_norm as the first source layer's input norm (so the context's keys
+    and values are what that target layer would compute from the deepest tap), and the final norm
+    as the target's final norm times `norm_scale`. The target must still have all its layers.
+    """
+    from dflash.extract import decoder_layers
+
+    target_layers = decoder_layers(target)
+    expected = int(drafter.config.num_target_layers)
+    if len(target_layers) != expected:
+        raise ValueError(f"drafter.init = \"target\" needs all {expected} target layers, the loaded target "
+                         f"has {len(target_layers)} (initialise the drafter before truncating the target)")
+    sources = target_source_layers(drafter, expected)
+    for layer, source in zip(drafter.layers, sources):
+        own = layer.state_dict()
+        matched = {name: value for name, value in target_layers[source].state_dict().items()
+                   if name in own and own[name].shape == value.shape}
+        if not any(name.startswith("self_attn.") for name in matched):
+            raise ValueError(f"drafter.init = \"target\": target layer {source} "
+                             f"({type(target_layers[source]).__name__}) has no attention weights named like "
+                             f"the drafter's (self_attn.q_proj ...); use drafter.init = \"random\"")
+        layer.load_state_dict(matched, strict=False)
+    hidden, taps = drafter.config.hidden_size, len(drafter.target_layer_ids)
+    identity = torch.eye(hidden, dtype=drafter.fc.weight.dtype) / taps
+    drafter.fc.weight.copy_(identity.repeat(1, taps))
+    drafter.hidden_norm.weight.copy_(target_layers[sources[0]].input_layernorm.weight)
+    final_norm = getattr(getattr(target, "model", target), "norm")
+    drafter.norm.weight.copy_(final_norm.weight * norm_scale)
+    return sources
 
 
 def trainable_parameter_names(drafter: DFlashDrafter) -> list[str]:

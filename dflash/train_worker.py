@@ -188,13 +188,18 @@ class MetricsLog:
 
 
 def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
-    return {
+    line = {
         "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
         "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
         "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
         "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.extras.get("mem_mib", []),
         "micro_batch": state.micro_batch, "time": time.time(),
     }
+    cache = state.extras.get("feature_cache")
+    if cache is not None:       # rank 0's cache (train.feature_cache)
+        line["feature_cache"] = {"rows": len(cache.rows), "mib": round(cache.nbytes / 2**20, 1),
+                                 "hits": cache.hits, "misses": cache.misses}
+    return line
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dflash.anchors import sample_anchors
 from dflash.attention import BlockLayout
 from dflash.drafter import DFlashDrafter
-from dflash.loss import LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from dflash.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
 from envcheck.errors import DataError
 from envcheck.schema import Profile
 
@@ -68,10 +68,12 @@ class MicroBatch:
     anchors: torch.Tensor
     anchor_valid: torch.Tensor
     tokens: int
+    rows: tuple[int, ...] = ()          # dataset rows (the feature cache's keys)
+    lengths: tuple[int, ...] = ()       # unpadded length of each sequence
 
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
-                          self.anchor_valid.to(device), self.tokens)
+                          self.anchor_valid.to(device), self.tokens, self.rows, self.lengths)
 
 
 @dataclass
@@ -135,7 +137,7 @@ def collate_rows(ids: list[list[int]], masks: list[list[int]], rows: list[int], 
     width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
     batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
                        torch.zeros(len(rows), count, dtype=torch.long), torch.zeros(len(rows), count, dtype=torch.bool),
-                       tokens=sum(map(len, ids)))
+                       tokens=sum(map(len, ids)), rows=tuple(rows), lengths=tuple(map(len, ids)))
     for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
         batch.input_ids[i, : len(seq)] = torch.tensor(seq)
         batch.loss_mask[i, : len(mask)] = torch.tensor(mask)
@@ -163,13 +165,20 @@ class TrainState:
     chunk_rows: int
     step: int = 0
     micro_batch: int = 1
+    autocast: str = "auto"
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
+    """Labels of every block slot, as columns of the drafter's logits; slots whose token is
+    outside the draft vocabulary (drafter.draft_vocab_size) carry no loss."""
+    targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, drafter.block_size)
+    labels, inside = drafter.draft_labels(targets.labels)
+    return BlockTargets(labels=labels, label_mask=targets.label_mask * inside)
+
+
 def micro_weight_sum(state: TrainState, batch: MicroBatch) -> float:
-    targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
-                            state.drafter.block_size)
-    return float((targets.label_mask * state.decay.cpu()).sum())
+    return float((step_targets(state.drafter, batch).label_mask * state.decay.cpu()).sum())
 
 
 def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
@@ -177,15 +186,19 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     from dflash.extract import extract_taps
 
     batch = batch.to(state.device)
-    features = extract_taps(state.target, batch.input_ids, state.layer_ids)
+    cache = state.extras.get("feature_cache")
+    if cache is None:
+        features = extract_taps(state.target, batch.input_ids, state.layer_ids)
+    else:
+        features = cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
     drafter, block = state.drafter, state.drafter.block_size
     layout = BlockLayout(batch.anchors, batch.input_ids.shape[1], block)
     anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
     block_ids = drafter.block_input_ids(anchor_ids).flatten(1)
-    with _autocast(state.device):
+    with _autocast(state.device, state.autocast):
         hidden = state.model(block_ids, features, layout.key_positions(), _attend_for(layout, state.backend))
         hidden = hidden.view(*batch.anchors.shape, block, -1)
-        targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, block)
+        targets = step_targets(drafter, batch)
         parts = block_loss(hidden, drafter.logits, targets, state.decay, state.chunk_rows)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
@@ -197,10 +210,43 @@ def _attend_for(layout: BlockLayout, backend: str):
     return make_attend(layout, backend)
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def _autocast(device: torch.device, setting: str = "auto"):
+    """The drafter's forward: bf16 autocast on CUDA ("auto"), on CPU only with train.autocast = "bfloat16"."""
+    if setting == "bfloat16" or (setting == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class FeatureCache:
+    """train.feature_cache: each dataset row's tap features, kept in host memory after its first
+    target forward, so later epochs skip the target. The target is frozen and its forward is
+    deterministic per row (right padding under a causal mask leaves a row's features unchanged),
+    so a cached row gives the features the online forward would give again."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def features(self, batch: MicroBatch, extract: Any) -> torch.Tensor:
+        """[b, S, L*H] for the batch: cached rows are copied in, the others extracted and stored."""
+        if not batch.rows or len(batch.rows) != batch.input_ids.shape[0]:
+            raise ValueError("the feature cache needs the batch's dataset rows (collate_rows sets them)")
+        missing = [i for i, row in enumerate(batch.rows) if row not in self.rows]
+        self.hits, self.misses = self.hits + len(batch.rows) - len(missing), self.misses + len(missing)
+        if missing:
+            fresh = extract(batch.input_ids[missing])
+            for j, i in enumerate(missing):
+                self.rows[batch.rows[i]] = fresh[j, : batch.lengths[i]].to("cpu", copy=True)
+        first = self.rows[batch.rows[0]]
+        out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1], first.shape[-1], dtype=first.dtype)
+        for i, row in enumerate(batch.rows):
+            cached = self.rows[row]
+            out[i, : cached.shape[0]] = cached
+        return out.to(batch.input_ids.device)
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -375,16 +421,27 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
     return ids
 
 
-def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int) -> DFlashDrafter:
-    from dflash.drafter import drafter_config
+def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
+                  draft_vocab: list[int] | None = None) -> DFlashDrafter:
+    """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
+    from dflash.drafter import drafter_config, init_from_target
 
+    if profile.drafter.draft_vocab_size and not draft_vocab:
+        raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "
+                         f"draft vocabulary chosen from the dataset (choose_draft_vocab)")
     config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
-                            target_layer_ids=layer_ids, mask_token_id=resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings))
+                            target_layer_ids=layer_ids, mask_token_id=resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings),
+                            draft_vocab_size=len(draft_vocab or []))
     config.num_target_layers = num_target_layers
     torch.manual_seed(profile.train.seed)
     drafter = DFlashDrafter(config).attach_target(target)
-    with torch.no_grad():
-        drafter.norm.weight.fill_(profile.drafter.norm_init)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
+    if profile.drafter.init == "target":
+        init_from_target(drafter, target, norm_scale=profile.drafter.norm_init)
+    else:
+        with torch.no_grad():
+            drafter.norm.weight.fill_(profile.drafter.norm_init)
     return drafter
 
 
@@ -413,8 +470,9 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     target = load_target(profile, device)
     num_target_layers = target.config.num_hidden_layers
     layer_ids = resolve_layer_ids(profile, num_target_layers)
-    target.model.layers = target.model.layers[: max(layer_ids) + 1]
-    drafter = build_drafter(profile, target, layer_ids, num_target_layers).to(device)
+    vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None
+    drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab).to(device)
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     state = assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
     if resume:
@@ -423,6 +481,19 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     state.extras["autobatch"] = _start_autobatch(state, run_dir)
     state.micro_batch = state.extras["autobatch"].micro_batch
     return state
+
+
+def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> list[int]:
+    """drafter.draft_vocab_size most frequent loss tokens of the dataset (the same on every rank)."""
+    from dflash.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
+
+    counts = count_loss_tokens(data.dataset, data.max_length)
+    vocab = draft_vocabulary(counts, profile.drafter.draft_vocab_size)
+    if env.is_main:
+        print(f"draft vocabulary: {len(vocab)} tokens (drafter.draft_vocab_size {profile.drafter.draft_vocab_size}; "
+              f"{len(counts)} distinct in the data) cover {100 * coverage(counts, vocab):.1f}% of the loss tokens",
+              flush=True)
+    return vocab
 
 
 def _start_autobatch(state: TrainState, run_dir: Path) -> Any:
@@ -450,7 +521,14 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       layer_ids=layer_ids, decay=decay.to(device),
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, micro_batch=profile.train.max_micro_batch,
-                      extras={"total_steps": steps})
+                      autocast=profile.train.autocast, extras=_state_extras(profile, steps))
+
+
+def _state_extras(profile: Profile, steps: int) -> dict[str, Any]:
+    extras: dict[str, Any] = {"total_steps": steps}
+    if profile.train.feature_cache:
+        extras["feature_cache"] = FeatureCache()
+    return extras
 
 
 def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

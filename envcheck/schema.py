@@ -107,7 +107,9 @@ class DrafterSection:
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
     mask_token_id: Optional[int] = None      # None: the tokenizer's mask token, else an error
-    norm_init: float = 1.0                   # initial weight of the final norm before the target's lm_head
+    norm_init: float = 1.0                   # final norm's start: its weight (random init), a factor on the target's (target init)
+    init: Literal["random", "target"] = "random"  # target: layers start as the target's layers after the deepest tap
+    draft_vocab_size: int = 0                # 0: the target's vocabulary; N: only the N most frequent training tokens
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class TrainSection:
     decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
     optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
+    autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
+    feature_cache: bool = False              # keep each row's tap features in host memory after epoch 1
 
 
 @dataclass(frozen=True)

@@ -601,8 +601,8 @@ def training_state(profile: Any, target: Any, data: Any, device: Any) -> Any:
 
     num_layers = target.config.num_hidden_layers
     layer_ids = trainer.resolve_layer_ids(profile, num_layers)
-    target.model.layers = target.model.layers[: max(layer_ids) + 1]          # as the trainer does
     drafter = trainer.build_drafter(profile, target, layer_ids, num_layers).to(device)
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]          # as the trainer does
     block = profile.drafter.block_size
     decay = decay_weights(block, default_gamma(block, profile.train.decay_gamma))
     return trainer.assemble_state(profile, trainer.WorkerEnv(0, 1, 0), device, target, drafter, data,

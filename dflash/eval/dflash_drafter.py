@@ -41,9 +41,20 @@ class DFlashDraft:
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
         logits = self.model.draft_logits(features[None], int(committed[-1]), anchor_pos)[1:1 + k].float()
         if temperature <= 0:
-            return Proposal(tokens=logits.argmax(dim=-1).tolist())
+            return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist())
         probs = torch.softmax(logits / temperature, dim=-1)
-        return Proposal(tokens=torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).tolist(), probs=probs)
+        picked = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return Proposal(tokens=self.model.token_ids(picked).tolist(), probs=self._over_target_vocab(probs))
+
+    def _over_target_vocab(self, probs: "torch.Tensor") -> "torch.Tensor":
+        """q over the target's vocabulary: a draft vocabulary's tokens keep their mass, the rest get 0."""
+        if not self.model.has_draft_vocab:
+            return probs
+        import torch
+
+        full = torch.zeros(probs.shape[0], self.model.lm_head.weight.shape[0], dtype=probs.dtype, device=probs.device)
+        full[:, self.model.draft_vocab] = probs
+        return full
 
 
 def load_dflash_draft(checkpoint: str, target_model: Any) -> DFlashDraft:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.drafter import _attend_all
 from dflash.eval.dflash_drafter import DFlashDraft, load_dflash_draft
 from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
 from dflash.extract import extract_taps
@@ -11,7 +12,7 @@ from dflash.extract import extract_taps
 PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]
 
 
-def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0):
+def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0, draft_vocab: list[int] | None = None):
     """A random-weight drafter shaped for `target`, saved as a real training checkpoint."""
     from dflash.checkpoint import save_checkpoint
     from dflash.drafter import DFlashDrafter, drafter_config
@@ -19,10 +20,27 @@ def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0):
 
     config = drafter_config(target.config, num_layers=1, block_size=block_size,
                             target_layer_ids=default_target_layer_ids(target.config.num_hidden_layers, 1),
-                            mask_token_id=151669)
+                            mask_token_id=151669, draft_vocab_size=len(draft_vocab or []))
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config).attach_target(target)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.tensor(draft_vocab))
     return save_checkpoint(run_dir, drafter, step=3, state={})
+
+
+def target_greedy_tokens(target, prompt: list[int], count: int) -> list[int]:
+    settings = DecodeSettings(block_size=4, max_new_tokens=count)
+    return speculative_decode(TargetVerifier(target), NoDrafter(), prompt, settings).tokens
+
+
+@pytest.fixture(scope="module")
+def vocab_draft(tiny_qwen3_model, tmp_path_factory):
+    """A drafter whose draft vocabulary holds the target's own greedy tokens and some others."""
+    greedy = target_greedy_tokens(tiny_qwen3_model, PROMPT, 20)
+    vocabulary = sorted(set(greedy) | set(range(100, 140)))
+    run_dir = tmp_path_factory.mktemp("vocab-run")
+    save_random_drafter(run_dir, tiny_qwen3_model, draft_vocab=vocabulary)
+    return load_dflash_draft(str(run_dir / "train" / "checkpoints"), tiny_qwen3_model), vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -75,4 +93,43 @@ def test_sampled_drafts_carry_their_distribution(tiny_qwen3_model, saved_draft):
     proposal = draft.propose(PROMPT + [11], features, 3, temperature=0.8)
     assert len(proposal.tokens) == 3 and proposal.probs.shape == (3, tiny_qwen3_model.config.vocab_size)
     torch.testing.assert_close(proposal.probs.sum(dim=-1), torch.ones(3))
+    assert all(proposal.probs[i, token] > 0 for i, token in enumerate(proposal.tokens))
+
+
+def test_a_draft_vocabulary_survives_the_checkpoint_and_limits_the_proposals(tiny_qwen3_model, vocab_draft):
+    draft, vocabulary = vocab_draft
+    assert draft.model.draft_vocab.tolist() == vocabulary
+    verifier = TargetVerifier(tiny_qwen3_model, draft.layer_ids)
+    verifier.reset()
+    features = verifier.forward(PROMPT, with_features=True).features
+    block = draft.model.block_input_ids(torch.tensor([[11]]))[0]
+    positions = torch.arange(len(PROMPT) + 4)[None]
+    full = draft.model.lm_head(draft.model(block, features[None], positions, _attend_all))
+    restricted = draft.model.draft_logits(features[None], 11, len(PROMPT))
+    torch.testing.assert_close(restricted, full[0][:, vocabulary])          # the head's rows, nothing retrained
+    proposal = draft.propose(PROMPT + [11], features, 3, temperature=0.0)
+    assert all(token in vocabulary for token in proposal.tokens)
+    assert proposal.tokens == [vocabulary[i] for i in restricted[1:].argmax(dim=-1).tolist()]
+
+
+def test_greedy_with_a_draft_vocabulary_is_lossless(tiny_qwen3_model, vocab_draft):
+    draft, _ = vocab_draft
+    settings = DecodeSettings(block_size=draft.block_size, max_new_tokens=20)
+    plain = speculative_decode(TargetVerifier(tiny_qwen3_model), NoDrafter(), PROMPT, settings)
+    drafted = speculative_decode(TargetVerifier(tiny_qwen3_model, draft.layer_ids), draft, PROMPT, settings)
+    assert drafted.tokens == plain.tokens
+
+
+def test_sampled_drafts_from_a_draft_vocabulary_put_no_mass_outside_it(tiny_qwen3_model, vocab_draft):
+    draft, vocabulary = vocab_draft
+    draft.generator = torch.Generator().manual_seed(0)
+    verifier = TargetVerifier(tiny_qwen3_model, draft.layer_ids)
+    verifier.reset()
+    features = verifier.forward(PROMPT, with_features=True).features
+    proposal = draft.propose(PROMPT + [11], features, 3, temperature=0.8)
+    assert proposal.probs.shape == (3, tiny_qwen3_model.config.vocab_size)
+    torch.testing.assert_close(proposal.probs.sum(dim=-1), torch.ones(3))
+    outside = torch.ones(proposal.probs.shape[1], dtype=torch.bool)
+    outside[vocabulary] = False
+    assert float(proposal.probs[:, outside].sum()) == 0.0
     assert all(proposal.probs[i, token] > 0 for i, token in enumerate(proposal.tokens))

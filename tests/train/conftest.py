@@ -28,12 +28,13 @@ def write_dataset(path: Path, rows: int = 32, seed: int = 0) -> Path:
 
 def write_profile(path: Path, target: Path, dataset: Path, run_dir: Path, **train: object) -> Path:
     machine = train.pop("machine", {"nproc_per_node": 2})
+    drafter = {"num_layers": 1, "block_size": 4, "mask_token_id": MASK_ID, **train.pop("drafter", {})}
     settings = {"epochs": 1, "max_steps": 24, "global_batch": 4, "max_micro_batch": 1, "num_anchors": 8,
                 "decay_gamma": 3.0, "log_every_steps": 1, "save_every_steps": 12, "lr": 1e-2, **train}
     lines = ["[machine]", 'device = "cpu"', 'backend = "gloo"', *(f"{k} = {_toml(v)}" for k, v in machine.items()),
              "[model]", f'target = "{target}"', 'dtype = "float32"',
              "[paths]", f'run_dir = "{run_dir}"', f'dataset = "{dataset}"',
-             "[drafter]", "num_layers = 1", "block_size = 4", f"mask_token_id = {MASK_ID}",
+             "[drafter]", *(f"{k} = {_toml(v)}" for k, v in drafter.items()),
              "[train]", *(f"{k} = {_toml(v)}" for k, v in settings.items())]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

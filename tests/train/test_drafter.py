@@ -226,3 +226,83 @@ def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
     assert torch.equal(drafter.norm.weight, torch.full_like(drafter.norm.weight, 0.25))
     assert torch.equal(drafter.hidden_norm.weight, torch.ones_like(drafter.hidden_norm.weight))
     assert drafter.norm.weight.requires_grad  # still trained
+
+
+def test_profile_drafter_init_target_starts_from_the_layer_after_the_deepest_tap(tiny_target_model):
+    import dataclasses
+
+    from dflash.trainer import build_drafter
+    from envcheck.profile import load_profile
+
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, drafter=dataclasses.replace(
+        profile.drafter, num_layers=1, block_size=4, mask_token_id=MASK_ID, init="target", norm_init=1.0))
+    drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
+    source = tiny_target_model.model.layers[2]
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.gate_proj.weight, source.mlp.gate_proj.weight)
+    assert torch.equal(drafter.norm.weight, tiny_target_model.model.norm.weight)
+
+
+@pytest.fixture()
+def target_with_distinct_norms(tiny_target_model):
+    """A copy of the tiny target whose RMSNorm weights are no longer all ones (so copying them shows)."""
+    import copy
+
+    model = copy.deepcopy(tiny_target_model)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1.0 + 0.5 * torch.rand(parameter.shape, generator=generator))
+    return model
+
+
+def test_target_init_gives_the_context_the_keys_and_values_of_the_next_target_layer(target_with_distinct_norms):
+    """drafter.init = "target": draft layer 0 starts as target layer (deepest tap + 1), so the keys
+    and values it computes for the context are exactly what that target layer computes there."""
+    from dflash.drafter import init_from_target
+
+    target = target_with_distinct_norms
+    config = drafter_config(target.config, num_layers=2, block_size=BLOCK, target_layer_ids=[1],
+                            mask_token_id=MASK_ID)
+    drafter = DFlashDrafter(config).attach_target(target)
+    assert init_from_target(drafter, target, norm_scale=0.5) == [2, 3]
+    ids = torch.randint(0, 5000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tap = target(input_ids=ids, output_hidden_states=True).hidden_states[2]        # output of layer 1
+        context = drafter.hidden_norm(drafter.fc(extract_taps(target, ids, [1])))
+        source = target.model.layers[2]
+        for proj in ("k_proj", "v_proj"):
+            expected = getattr(source.self_attn, proj)(source.input_layernorm(tap))
+            assert torch.allclose(getattr(drafter.layers[0].self_attn, proj)(context), expected, atol=1e-5), proj
+    assert torch.equal(drafter.layers[1].mlp.down_proj.weight, target.model.layers[3].mlp.down_proj.weight)
+    assert torch.equal(drafter.layers[1].self_attn.k_norm.weight, target.model.layers[3].self_attn.k_norm.weight)
+    assert torch.allclose(drafter.norm.weight, 0.5 * target.model.norm.weight)
+    drafter.layers[0].self_attn.q_proj.weight.data.add_(1.0)         # a copy: the target is untouched
+    assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+
+
+def test_target_init_with_several_taps_starts_fc_as_their_mean(tiny_target_model):
+    from dflash.drafter import init_from_target
+
+    config = drafter_config(tiny_target_model.config, num_layers=1, block_size=BLOCK, target_layer_ids=[0, 3],
+                            mask_token_id=MASK_ID)
+    drafter = DFlashDrafter(config).attach_target(tiny_target_model)
+    assert init_from_target(drafter, tiny_target_model) == [3]          # past the last layer: the last one
+    first, second = torch.randn(3, 64), torch.randn(3, 64)
+    assert torch.allclose(drafter.fc(torch.cat([first, second], dim=-1)), (first + second) / 2, atol=1e-6)
+
+
+def test_target_init_refuses_a_truncated_target(tiny_target_model):
+    import copy
+
+    from dflash.drafter import init_from_target
+
+    truncated = copy.deepcopy(tiny_target_model)
+    truncated.model.layers = truncated.model.layers[:2]
+    config = drafter_config(tiny_target_model.config, num_layers=1, block_size=BLOCK, target_layer_ids=[1],
+                            mask_token_id=MASK_ID)
+    drafter = DFlashDrafter(config).attach_target(truncated)
+    with pytest.raises(ValueError, match="needs all 4 target layers"):
+        init_from_target(drafter, truncated)

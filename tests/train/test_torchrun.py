@@ -107,6 +107,49 @@ def test_zero1_run_recovers_from_a_forward_oom_and_an_optimizer_oom_stays_fatal(
     assert str(failure.value).startswith("rank 1 failed first") and "inside optimizer.step" in str(failure.value)
 
 
+def test_feature_cache_skips_the_target_after_epoch_one_and_keeps_the_loss_curve(trained, tmp_path):
+    """train.feature_cache: 24 steps = 3 epochs of 8; each rank runs the target once per row it
+    meets, later epochs read the kept features, and the loss curve is the online run's."""
+    profile, run_dir = trained
+    cached = dataclasses.replace(profile, train=dataclasses.replace(profile.train, feature_cache=True))
+    assert run_training(cached, run_dir=tmp_path / "cached") == 0
+    lines, original = metrics(tmp_path / "cached"), metrics(run_dir)
+    for line, reference in zip(lines, original):
+        assert line["loss"] == pytest.approx(reference["loss"], rel=1e-4), line["step"]
+    after_epoch_one, last = lines[7]["feature_cache"], lines[-1]["feature_cache"]
+    assert after_epoch_one == {**after_epoch_one, "hits": 0, "misses": 16, "rows": 16}   # 8 steps x 2 rows, all new
+    assert last["rows"] == last["misses"] <= 32 and last["hits"] == 48 - last["misses"] and last["hits"] > 0
+    assert last["mib"] > 0
+
+
+def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qwen3_target, tiny_dataset, tmp_path):
+    """The CPU-demo settings together: drafter from the target's layers, a 40-token draft
+    vocabulary (the data uses 50), bf16 autocast, the feature cache; the checkpoint reloads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dflash.checkpoint import load_drafter
+    from dflash.draft_vocab import count_loss_tokens, draft_vocabulary
+
+    run_dir = tmp_path / "run"
+    path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=16,
+                         feature_cache=True, autocast="bfloat16", lr=3e-3,
+                         drafter={"num_layers": 2, "target_layer_ids": [1], "init": "target", "draft_vocab_size": 40})
+    profile = load_profile(str(path))
+    assert run_training(profile, run_dir=run_dir) == 0
+    lines = metrics(run_dir)
+    assert sum(l["loss"] for l in lines[-4:]) / 4 < sum(l["loss"] for l in lines[:4]) / 4 - 0.1
+    assert lines[0]["loss"] < 5.0            # softmax over 40 columns: ln(40) = 3.7, not ln(151936) = 11.9
+    import datasets
+
+    expected = draft_vocabulary(count_loss_tokens(datasets.load_from_disk(str(tiny_dataset)), 512), 40)
+    weights = load_file(str(run_dir / "train" / "checkpoints" / "step-16" / "model.safetensors"))
+    assert weights["draft_vocab"].tolist() == expected and len(expected) == 40
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, dtype="float32", local_files_only=True)
+    drafter = load_drafter(run_dir / "train" / "checkpoints", target)
+    assert drafter.draft_vocab.tolist() == expected and len(drafter.layers) == 2
+
+
 def test_a_failing_rank_is_reported_with_its_rank_and_traceback(trained, tmp_path):
     profile, _ = trained
     with pytest.raises(RunFailed) as failure:
