@@ -108,6 +108,8 @@ def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
             if state.step % profile.train.save_every_steps == 0 and state.step < total:
                 _save(state, run_dir, final=False)
         _save(state, run_dir, final=True)
+        if state.env.is_main and state.extras.get("feature_cache") is not None:
+            state.extras["feature_cache"].remove()      # every rank is past the final barrier
     finally:
         if log:
             log.close()
@@ -196,9 +198,8 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
         "micro_batch": state.micro_batch, "time": time.time(),
     }
     cache = state.extras.get("feature_cache")
-    if cache is not None:       # rank 0's cache (train.feature_cache)
-        line["feature_cache"] = {"rows": len(cache.rows), "mib": round(cache.nbytes / 2**20, 1),
-                                 "hits": cache.hits, "misses": cache.misses}
+    if cache is not None:       # train.feature_cache: files on the node; hits and misses of rank 0
+        line["feature_cache"] = cache.stats()
     return line
 
 

@@ -217,38 +217,6 @@ def _autocast(device: torch.device, setting: str = "auto"):
     return contextlib.nullcontext()
 
 
-class FeatureCache:
-    """train.feature_cache: each dataset row's tap features, kept in host memory after its first
-    target forward, so later epochs skip the target. The target is frozen and its forward is
-    deterministic per row (right padding under a causal mask leaves a row's features unchanged),
-    so a cached row gives the features the online forward would give again."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, torch.Tensor] = {}
-        self.hits = self.misses = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.rows.values())
-
-    def features(self, batch: MicroBatch, extract: Any) -> torch.Tensor:
-        """[b, S, L*H] for the batch: cached rows are copied in, the others extracted and stored."""
-        if not batch.rows or len(batch.rows) != batch.input_ids.shape[0]:
-            raise ValueError("the feature cache needs the batch's dataset rows (collate_rows sets them)")
-        missing = [i for i, row in enumerate(batch.rows) if row not in self.rows]
-        self.hits, self.misses = self.hits + len(batch.rows) - len(missing), self.misses + len(missing)
-        if missing:
-            fresh = extract(batch.input_ids[missing])
-            for j, i in enumerate(missing):
-                self.rows[batch.rows[i]] = fresh[j, : batch.lengths[i]].to("cpu", copy=True)
-        first = self.rows[batch.rows[0]]
-        out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1], first.shape[-1], dtype=first.dtype)
-        for i, row in enumerate(batch.rows):
-            cached = self.rows[row]
-            out[i, : cached.shape[0]] = cached
-        return out.to(batch.input_ids.device)
-
-
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
@@ -475,6 +443,8 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     state = assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
+    if profile.train.feature_cache:
+        state.extras["feature_cache"] = start_feature_cache(profile, run_dir, data, layer_ids)
     if resume:
         restore_checkpoint(state, run_dir)
     state.model = _wrap_ddp(drafter, device)
@@ -525,10 +495,17 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
 
 
 def _state_extras(profile: Profile, steps: int) -> dict[str, Any]:
-    extras: dict[str, Any] = {"total_steps": steps}
-    if profile.train.feature_cache:
-        extras["feature_cache"] = FeatureCache()
-    return extras
+    return {"total_steps": steps}
+
+
+def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> Any:
+    """train.feature_cache: the run's shared per-row feature files (dflash.feature_cache)."""
+    from dflash.feature_cache import FeatureCache, cache_directory
+
+    key = {"dataset": str(_dataset_path(profile)), "fingerprint": getattr(data.dataset, "_fingerprint", ""),
+           "rows": len(data.dataset), "target": profile.model.target, "dtype": profile.model.dtype,
+           "layers": list(layer_ids), "max_length": data.max_length}
+    return FeatureCache(cache_directory(run_dir, key))
 
 
 def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

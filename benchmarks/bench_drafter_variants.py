@@ -1,0 +1,236 @@
+"""Which drafter set-up learns fastest on the CPU demo: trained in-process, measured by greedy tau.
+
+    .venv/bin/python benchmarks/bench_drafter_variants.py --run-dir runs/cpu-demo [--steps 300]
+
+Needs a run directory whose `dataset/` the tokenize stage wrote (the pipeline leaves one). The
+target's tap features of every row are extracted once and kept in memory; each variant then
+trains a fresh drafter for `--steps` steps (8 sequences x 16 anchors, AdamW, warmup + cosine,
+the trainer's own loss and targets) on one process. Held-out: the first `--heldout` prompts of
+`dflash/prompts/heldout_prompts.jsonl`, continued greedily by the target for 48 tokens. Each
+drafter drafts at every position of those continuations (teacher-forced, as speculative
+decoding sees them) and the greedy decoding walk over them gives tau = tokens / steps, the
+figure `launcher.py eval` reports; prompt lookup is walked the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+VARIANTS = {
+    "random-1L": {"layers": 1, "init": "random", "vocab": 0, "lr": 3e-3, "norm_init": 0.25},
+    "target-1L": {"layers": 1, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
+    "target-3L": {"layers": 3, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
+    "target-3L-vocab": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
+}
+TAP, BLOCK, BATCH, ANCHORS, NEW_TOKENS = 26, 8, 8, 16, 48
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    mask: list[int]
+
+
+def load_rows(run_dir: Path) -> list[Sequence]:
+    import datasets
+
+    table = datasets.load_from_disk(str(run_dir / "dataset")).with_format(None)
+    return [Sequence(list(r["input_ids"]), list(r["loss_mask"])) for r in table]
+
+
+def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
+    """Held-out prompt + the target's own greedy continuation (loss mask on the continuation)."""
+    import torch
+
+    path = REPO_ROOT / "dflash" / "prompts" / "heldout_prompts.jsonl"
+    prompts = [json.loads(line)["messages"] for line in path.read_text().splitlines()[:count]]
+    out = []
+    for messages in prompts:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        with torch.no_grad():
+            full = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
+        out.append(Sequence(full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))
+    return out
+
+
+def tap_features(target, rows: list[Sequence]) -> list:
+    from dflash.extract import extract_taps
+    import torch
+
+    return [extract_taps(target, torch.tensor([r.ids]), [TAP])[0] for r in rows]
+
+
+def padded(features: list, chosen: list[int], width: int):
+    import torch
+
+    out = torch.zeros(len(chosen), width, features[0].shape[-1])
+    for i, row in enumerate(chosen):
+        out[i, : features[row].shape[0]] = features[row]
+    return out
+
+
+def build(target, variant: dict, vocab: list[int] | None):
+    import torch
+
+    from dflash.drafter import DFlashDrafter, drafter_config, init_from_target
+
+    config = drafter_config(target.config, num_layers=variant["layers"], block_size=BLOCK, target_layer_ids=[TAP],
+                            mask_token_id=16, draft_vocab_size=len(vocab or []))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).attach_target(target)
+    if vocab:
+        drafter.set_draft_vocab(torch.tensor(vocab))
+    if variant["init"] == "target":
+        init_from_target(drafter, target, norm_scale=variant["norm_init"])
+    else:
+        with torch.no_grad():
+            drafter.norm.weight.fill_(variant["norm_init"])
+    return drafter
+
+
+def blocks_hidden(drafter, batch, features):
+    import torch
+
+    from dflash.attention import BlockLayout, make_attend
+
+    layout = BlockLayout(batch.anchors, batch.input_ids.shape[1], BLOCK)
+    block_ids = drafter.block_input_ids(torch.gather(batch.input_ids, 1, batch.anchors)).flatten(1)
+    hidden = drafter(block_ids, features, layout.key_positions(), make_attend(layout, "sdpa"))
+    return hidden.view(*batch.anchors.shape, BLOCK, -1)
+
+
+def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) -> float:
+    import numpy as np
+    import torch
+
+    from dflash.loss import block_loss, decay_weights
+    from dflash.trainer import collate_rows, step_targets
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warmup = max(1, math.ceil(0.04 * steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
+                                                 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    decay, per_epoch = decay_weights(BLOCK, 4.0), len(rows) // BATCH
+    started = time.perf_counter()
+    for step in range(steps):
+        epoch, index = divmod(step, per_epoch)
+        order = np.random.default_rng([0, epoch]).permutation(len(rows))
+        chosen = [int(r) for r in order[index * BATCH:(index + 1) * BATCH]]
+        batch = collate_rows([rows[r].ids for r in chosen], [rows[r].mask for r in chosen], chosen, ANCHORS, 0, epoch)
+        hidden = blocks_hidden(drafter, batch, padded(features, chosen, batch.input_ids.shape[1]))
+        parts = block_loss(hidden, drafter.logits, step_targets(drafter, batch), decay)
+        optimizer.zero_grad(set_to_none=True)
+        (parts.weighted_ce / parts.weight_sum.clamp(min=1e-9)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+    return time.perf_counter() - started
+
+
+def walk_steps(first: int, count: int, accepted_at: dict[int, int]) -> int:
+    """Greedy decoding over the reference continuation: speculative steps for `count` tokens."""
+    position, end, steps = first, first + count, 0
+    while position < end:
+        position += accepted_at.get(position, 0) + 1
+        steps += 1
+    return steps
+
+
+def accepted(proposal: list[int], truth: list[int]) -> int:
+    k = 0
+    while k < min(len(proposal), len(truth)) and proposal[k] == truth[k]:
+        k += 1
+    return k
+
+
+def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float, list[float]]:
+    from types import SimpleNamespace
+
+    import torch
+
+    tokens = steps = 0
+    reached = [0] * (BLOCK - 1)
+    drafts = 0
+    with torch.no_grad():
+        for row, seq in enumerate(heldout):
+            first = seq.mask.index(1) - 1          # the anchor before the first new token
+            anchors = list(range(first, len(seq.ids) - 1))
+            batch = SimpleNamespace(input_ids=torch.tensor([seq.ids]), anchors=torch.tensor([anchors]))
+            hidden = blocks_hidden(drafter, batch, features[row][None])
+            picked = drafter.token_ids(drafter.logits(hidden[0, :, 1:]).argmax(dim=-1)).tolist()
+            accepted_at = {}
+            for anchor, proposal in zip(anchors, picked):
+                k = accepted(proposal, seq.ids[anchor + 1:anchor + BLOCK])
+                accepted_at[anchor] = k
+                for slot in range(k):
+                    reached[slot] += 1
+                drafts += 1
+            count = len(seq.ids) - 1 - first
+            tokens, steps = tokens + count, steps + walk_steps(first, count, accepted_at)
+    return tokens / steps, [round(r / drafts, 3) for r in reached]
+
+
+def prompt_lookup_tau(heldout: list[Sequence]) -> float:
+    from dflash.eval.prompt_lookup import lookup_continuation
+
+    tokens = steps = 0
+    for seq in heldout:
+        first = seq.mask.index(1) - 1
+        accepted_at = {a: accepted(lookup_continuation(seq.ids[:a + 1], BLOCK - 1), seq.ids[a + 1:a + BLOCK])
+                       for a in range(first, len(seq.ids) - 1)}
+        count = len(seq.ids) - 1 - first
+        tokens, steps = tokens + count, steps + walk_steps(first, count, accepted_at)
+    return tokens / steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="a run directory with dataset/ (after tokenize)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--heldout", type=int, default=40)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.draft_vocab import count_loss_tokens, draft_vocabulary
+    from dflash.models import resolve_model_path
+
+    torch.set_num_threads(2)
+    path = resolve_model_path("builtin:smollm2-135m-instruct")
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    target.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    rows = load_rows(args.run_dir)
+    started = time.perf_counter()
+    heldout = heldout_sequences(target, tokenizer, args.heldout)
+    train_features, heldout_features = tap_features(target, rows), tap_features(target, heldout)
+    print(f"{len(rows)} training rows ({sum(sum(r.mask) for r in rows)} loss tokens), {len(heldout)} held-out "
+          f"prompts x {NEW_TOKENS} greedy tokens; features in {time.perf_counter() - started:.0f} s", flush=True)
+    import datasets
+
+    counts = count_loss_tokens(datasets.load_from_disk(str(args.run_dir / "dataset")), 10**9)
+    print(f"prompt lookup            tau {prompt_lookup_tau(heldout):.3f}", flush=True)
+    for name in args.variants.split(","):
+        variant = VARIANTS[name]
+        vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
+        drafter = build(target, variant, vocab)
+        seconds = train(drafter, rows, train_features, args.steps, variant["lr"])
+        tau, reached = drafter_tau(drafter.eval(), heldout, heldout_features)
+        print(f"{name:<24} tau {tau:.3f}  reached slot 1..7 {reached}  {args.steps} steps in {seconds:.0f} s "
+              f"({seconds / args.steps:.2f} s/step)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
