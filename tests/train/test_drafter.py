@@ -221,7 +221,7 @@ def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
 
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, drafter=dataclasses.replace(
-        profile.drafter, block_size=4, mask_token_id=MASK_ID, norm_init=0.25))
+        profile.drafter, block_size=4, mask_token_id=MASK_ID, norm_init=0.25, init="random", draft_vocab_size=0))
     drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
     assert torch.equal(drafter.norm.weight, torch.full_like(drafter.norm.weight, 0.25))
     assert torch.equal(drafter.hidden_norm.weight, torch.ones_like(drafter.hidden_norm.weight))
@@ -236,8 +236,13 @@ def test_profile_drafter_init_target_starts_from_the_layer_after_the_deepest_tap
 
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, drafter=dataclasses.replace(
-        profile.drafter, num_layers=1, block_size=4, mask_token_id=MASK_ID, init="target", norm_init=1.0))
-    drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
+        profile.drafter, num_layers=1, block_size=4, mask_token_id=MASK_ID, init="target", norm_init=1.0,
+        draft_vocab_size=40))
+    with pytest.raises(ValueError, match="needs the draft vocabulary"):
+        build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers)
+    vocab = list(range(1000, 1040))
+    drafter = build_drafter(profile, tiny_target_model, [1], tiny_target_model.config.num_hidden_layers, vocab)
+    assert drafter.draft_vocab.tolist() == vocab and drafter.config.dflash_config["draft_vocab_size"] == 40
     source = tiny_target_model.model.layers[2]
     assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
     assert torch.equal(drafter.layers[0].mlp.gate_proj.weight, source.mlp.gate_proj.weight)
