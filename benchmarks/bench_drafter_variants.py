@@ -14,7 +14,6 @@ figure `launcher.py eval` reports; prompt lookup is walked the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -50,12 +49,11 @@ def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
     """Held-out prompt + the target's own greedy continuation (loss mask on the continuation)."""
     import torch
 
-    path = REPO_ROOT / "dflash" / "prompts" / "heldout_prompts.jsonl"
-    prompts = [json.loads(line)["messages"] for line in path.read_text().splitlines()[:count]]
+    from dflash.eval.evaluate import DEFAULT_EVAL_PROMPTS, encode_prompts
+
     out = []
-    for messages in prompts:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    for encoded in encode_prompts(tokenizer, DEFAULT_EVAL_PROMPTS, count, thinking=False):
+        prompt = list(encoded.token_ids)
         with torch.no_grad():
             full = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
         out.append(Sequence(full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))

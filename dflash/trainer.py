@@ -491,11 +491,7 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       layer_ids=layer_ids, decay=decay.to(device),
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, micro_batch=profile.train.max_micro_batch,
-                      autocast=profile.train.autocast, extras=_state_extras(profile, steps))
-
-
-def _state_extras(profile: Profile, steps: int) -> dict[str, Any]:
-    return {"total_steps": steps}
+                      autocast=profile.train.autocast, extras={"total_steps": steps})
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> Any:
