@@ -1110,32 +1110,7 @@ def part_train(ctx: PartContext) -> str:
 EVAL_BLOCK = 16
 EVAL_PROMPTS_GPU, EVAL_PROMPTS_CPU = 4, 2
 EVAL_TOKENS_GPU, EVAL_TOKENS_CPU = 64, 24
-
-
-@dataclass
-class CorruptedOracle:
-    """Proposes the target's own greedy continuation with every `wrong_every`-th slot wrong: tau > 1
-    and rejected drafts on every other step, so KV-cache rollback is exercised."""
-
-    reference: list[int]
-    prompt_len: int
-    vocab: int
-    wrong_every: int = 5
-    name: str = "oracle_corrupted"
-    uses_features: bool = False
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, committed: Sequence[int], features: Any, k: int, temperature: float) -> Any:
-        from dflash.eval.specdec import Proposal
-
-        done = len(committed) - self.prompt_len
-        tokens = list(self.reference[done:done + k])
-        for slot in range(len(tokens)):
-            if (done + slot) % self.wrong_every == self.wrong_every - 1:
-                tokens[slot] = (tokens[slot] + 1) % self.vocab
-        return Proposal(tokens=tokens)
+ORACLE_WRONG_EVERY = 5      # the oracle's every 5th slot is wrong: tau > 1 and rejected drafts, so rollback runs
 
 
 def eval_prompts(tiny: TinyTarget, count: int) -> list[tuple[str, list[int]]]:
@@ -1176,6 +1151,7 @@ def random_dflash_draft(model: Any, mask_token_id: int, device: Any) -> Any:
 
 def decode_all(model: Any, draft: Any, prompts: list[tuple[str, list[int]]], settings: Any, vocab: int) -> list[Any]:
     """Per prompt: target-only greedy first, then each drafter on the same verifier."""
+    from dflash.eval.oracle import OracleDrafter
     from dflash.eval.prompt_lookup import PromptLookupDrafter
     from dflash.eval.report import MethodRun, PromptRuns
     from dflash.eval.specdec import NoDrafter, TargetVerifier, speculative_decode
@@ -1187,7 +1163,8 @@ def decode_all(model: Any, draft: Any, prompts: list[tuple[str, list[int]]], set
         entry = PromptRuns(prompt_id, len(ids))
         reference = speculative_decode(verifier, NoDrafter(), ids, settings)
         entry.runs["target"] = MethodRun(reference.tokens, reference.taus, reference.wall_s)
-        for method in (draft, PromptLookupDrafter(), CorruptedOracle(reference.tokens, len(ids), vocab)):
+        oracle = OracleDrafter(reference.tokens, len(ids), vocab, wrong_every=ORACLE_WRONG_EVERY, name="oracle_corrupted")
+        for method in (draft, PromptLookupDrafter(), oracle):
             run = speculative_decode(verifier, method, ids, settings)
             entry.runs[method.name] = MethodRun(run.tokens, run.taus, run.wall_s)
         results.append(entry)

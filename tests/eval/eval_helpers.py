@@ -1,12 +1,7 @@
-"""Fixtures for the eval tests: tiny random targets loaded once, and test drafters."""
+"""Fixtures for the eval tests: tiny random targets loaded once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
-
 import pytest
-
-from dflash.eval.specdec import Proposal
 
 
 @pytest.fixture(scope="session")
@@ -29,30 +24,6 @@ def small_vocab_model(vocab: int = 8, hidden: int = 32, layers: int = 2, seed: i
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # random init gives near-uniform logits; make them vary
     return model
-
-
-@dataclass
-class OracleDrafter:
-    """Proposes the target's own greedy continuation (`reference`), optionally corrupting some
-    slots: `wrong_every=n` makes every n-th draft slot wrong; 1 makes every draft wrong."""
-
-    reference: list[int]
-    prompt_len: int
-    vocab: int
-    wrong_every: int = 0
-    name: str = "oracle"
-    uses_features: bool = False
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, committed: Sequence[int], features, k: int, temperature: float) -> Proposal:
-        done = len(committed) - self.prompt_len
-        tokens = list(self.reference[done:done + k])
-        for slot in range(len(tokens)):
-            if self.wrong_every and (done + slot) % self.wrong_every == 0:
-                tokens[slot] = (tokens[slot] + 1) % self.vocab
-        return Proposal(tokens=tokens)
 
 
 @pytest.fixture(autouse=True)
