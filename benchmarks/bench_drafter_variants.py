@@ -14,11 +14,11 @@ figure `launcher.py eval` reports; prompt lookup is walked the same way.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -38,10 +38,7 @@ class Sequence:
     mask: list[int]
 
 
-def load_rows(run_dir: Path) -> list[Sequence]:
-    import datasets
-
-    table = datasets.load_from_disk(str(run_dir / "dataset")).with_format(None)
+def load_rows(table: Any) -> list[Sequence]:
     return [Sequence(list(r["input_ids"]), list(r["loss_mask"])) for r in table]
 
 
@@ -77,47 +74,31 @@ def padded(features: list, chosen: list[int], width: int):
 
 
 def build(target, variant: dict, vocab: list[int] | None):
-    import torch
+    """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
+    import dataclasses
 
-    from dflash.drafter import DFlashDrafter, drafter_config, init_from_target
+    from dflash.trainer import build_drafter
+    from envcheck.profile import load_profile
 
-    config = drafter_config(target.config, num_layers=variant["layers"], block_size=BLOCK, target_layer_ids=[TAP],
-                            mask_token_id=16, draft_vocab_size=len(vocab or []))
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config).attach_target(target)
-    if vocab:
-        drafter.set_draft_vocab(torch.tensor(vocab))
-    if variant["init"] == "target":
-        init_from_target(drafter, target, norm_scale=variant["norm_init"])
-    else:
-        with torch.no_grad():
-            drafter.norm.weight.fill_(variant["norm_init"])
-    return drafter
-
-
-def blocks_hidden(drafter, batch, features):
-    import torch
-
-    from dflash.attention import BlockLayout, make_attend
-
-    layout = BlockLayout(batch.anchors, batch.input_ids.shape[1], BLOCK)
-    block_ids = drafter.block_input_ids(torch.gather(batch.input_ids, 1, batch.anchors)).flatten(1)
-    hidden = drafter(block_ids, features, layout.key_positions(), make_attend(layout, "sdpa"))
-    return hidden.view(*batch.anchors.shape, BLOCK, -1)
+    profile = load_profile("cpu-demo")
+    drafter_settings = dataclasses.replace(profile.drafter, num_layers=variant["layers"], target_layer_ids=(TAP,),
+                                           block_size=BLOCK, init=variant["init"], norm_init=variant["norm_init"],
+                                           draft_vocab_size=variant["vocab"])
+    profile = dataclasses.replace(profile, drafter=drafter_settings)
+    return build_drafter(profile, target, [TAP], target.config.num_hidden_layers, vocab)
 
 
 def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) -> float:
     import numpy as np
     import torch
 
+    from dflash.drafter import forward_blocks
     from dflash.loss import block_loss, decay_weights
-    from dflash.trainer import collate_rows, step_targets
+    from dflash.trainer import collate_rows, cosine_schedule, step_targets
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, math.ceil(0.04 * steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    schedule = cosine_schedule(optimizer, steps, warmup_ratio=0.04)
     decay, per_epoch = decay_weights(BLOCK, 4.0), len(rows) // BATCH
     started = time.perf_counter()
     for step in range(steps):
@@ -125,7 +106,8 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
         order = np.random.default_rng([0, epoch]).permutation(len(rows))
         chosen = [int(r) for r in order[index * BATCH:(index + 1) * BATCH]]
         batch = collate_rows([rows[r].ids for r in chosen], [rows[r].mask for r in chosen], chosen, ANCHORS, 0, epoch)
-        hidden = blocks_hidden(drafter, batch, padded(features, chosen, batch.input_ids.shape[1]))
+        features_batch = padded(features, chosen, batch.input_ids.shape[1])
+        hidden = forward_blocks(drafter, batch.input_ids, batch.anchors, features_batch, "sdpa")
         parts = block_loss(hidden, drafter.logits, step_targets(drafter, batch), decay)
         optimizer.zero_grad(set_to_none=True)
         (parts.weighted_ce / parts.weight_sum.clamp(min=1e-9)).backward()
@@ -152,9 +134,9 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
 
 
 def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float, list[float]]:
-    from types import SimpleNamespace
-
     import torch
+
+    from dflash.drafter import forward_blocks
 
     tokens = steps = 0
     reached = [0] * (BLOCK - 1)
@@ -163,8 +145,8 @@ def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float
         for row, seq in enumerate(heldout):
             first = seq.mask.index(1) - 1          # the anchor before the first new token
             anchors = list(range(first, len(seq.ids) - 1))
-            batch = SimpleNamespace(input_ids=torch.tensor([seq.ids]), anchors=torch.tensor([anchors]))
-            hidden = blocks_hidden(drafter, batch, features[row][None])
+            hidden = forward_blocks(drafter, torch.tensor([seq.ids]), torch.tensor([anchors]), features[row][None],
+                                    "sdpa")
             picked = drafter.token_ids(drafter.logits(hidden[0, :, 1:]).argmax(dim=-1)).tolist()
             accepted_at = {}
             for anchor, proposal in zip(anchors, picked):
@@ -209,15 +191,16 @@ def main() -> int:
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    rows = load_rows(args.run_dir)
+    import datasets
+
+    table = datasets.load_from_disk(str(args.run_dir / "dataset")).with_format(None)
+    rows = load_rows(table)
     started = time.perf_counter()
     heldout = heldout_sequences(target, tokenizer, args.heldout)
     train_features, heldout_features = tap_features(target, rows), tap_features(target, heldout)
     print(f"{len(rows)} training rows ({sum(sum(r.mask) for r in rows)} loss tokens), {len(heldout)} held-out "
           f"prompts x {NEW_TOKENS} greedy tokens; features in {time.perf_counter() - started:.0f} s", flush=True)
-    import datasets
-
-    counts = count_loss_tokens(datasets.load_from_disk(str(args.run_dir / "dataset")), 10**9)
+    counts = count_loss_tokens(table, 10**9)
     print(f"prompt lookup            tau {prompt_lookup_tau(heldout):.3f}", flush=True)
     for name in args.variants.split(","):
         variant = VARIANTS[name]

@@ -200,11 +200,6 @@ class DFlashDrafter(nn.Module):
         mapped = torch.where(inside, column[labels.clamp(max=column.numel() - 1)], -1)
         return mapped.clamp(min=0), mapped >= 0
 
-    def forward_layout(self, block_ids: torch.Tensor, context_features: torch.Tensor,
-                       layout: BlockLayout, backend: str) -> torch.Tensor:
-        """Training forward: all blocks of each sequence at once under the block mask."""
-        return self(block_ids, context_features, layout.key_positions(), make_attend(layout, backend))
-
     @torch.no_grad()
     def draft_logits(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
         """One block at positions anchor_pos..anchor_pos+B-1 after C committed positions -> logits [B, V].
@@ -219,6 +214,18 @@ class DFlashDrafter(nn.Module):
         key_positions = torch.cat([context_positions, block_positions])[None]
         hidden = self(block, context_features, key_positions, _attend_all)
         return self.logits(hidden)[0]
+
+
+def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
+                   context_features: torch.Tensor, backend: str) -> torch.Tensor:
+    """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
+    block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
+    reached through `.module`), called itself so the wrapper's hooks run."""
+    drafter = getattr(model, "module", model)
+    layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)
+    block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
+    hidden = model(block_ids, context_features, layout.key_positions(), make_attend(layout, backend))
+    return hidden.view(*anchors.shape, drafter.block_size, -1)
 
 
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.anchors import sample_anchors
-from dflash.attention import BlockLayout
-from dflash.drafter import DFlashDrafter
+from dflash.drafter import DFlashDrafter, forward_blocks
 from dflash.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
 from envcheck.errors import DataError
 from envcheck.schema import Profile
@@ -191,23 +190,12 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
         features = extract_taps(state.target, batch.input_ids, state.layer_ids)
     else:
         features = cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
-    drafter, block = state.drafter, state.drafter.block_size
-    layout = BlockLayout(batch.anchors, batch.input_ids.shape[1], block)
-    anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
-    block_ids = drafter.block_input_ids(anchor_ids).flatten(1)
     with _autocast(state.device, state.autocast):
-        hidden = state.model(block_ids, features, layout.key_positions(), _attend_for(layout, state.backend))
-        hidden = hidden.view(*batch.anchors.shape, block, -1)
-        targets = step_targets(drafter, batch)
-        parts = block_loss(hidden, drafter.logits, targets, state.decay, state.chunk_rows)
+        hidden = forward_blocks(state.model, batch.input_ids, batch.anchors, features, state.backend)
+        parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
+                           state.chunk_rows)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
-
-
-def _attend_for(layout: BlockLayout, backend: str):
-    from dflash.attention import make_attend
-
-    return make_attend(layout, backend)
 
 
 def _autocast(device: torch.device, setting: str = "auto"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
-from dflash.drafter import DFlashDrafter, drafter_config
+from dflash.drafter import DFlashDrafter, drafter_config, forward_blocks
 from dflash.loss import block_loss, decay_weights
 from dflash.trainer import collate_rows, step_targets
 from tests.train.conftest import MASK_ID
@@ -45,12 +45,7 @@ def test_labels_outside_the_draft_vocabulary_carry_no_loss(tiny_target_model):
     assert torch.equal(targets.label_mask > 0, in_vocab & (targets.label_mask > 0))
     assert bool((targets.label_mask[~in_vocab] == 0).all()) and bool((targets.label_mask[in_vocab] > 0).any())
     assert torch.equal(labels_in_target_ids[targets.label_mask > 0], raw[targets.label_mask > 0])
-    features = torch.randn(1, 8, 64)
-    from dflash.attention import BlockLayout, make_attend
-
-    layout = BlockLayout(batch.anchors, 8, 4)
-    block = drafter.block_input_ids(torch.gather(batch.input_ids, 1, batch.anchors)).flatten(1)
-    hidden = drafter(block, features, layout.key_positions(), make_attend(layout, "sdpa")).view(1, -1, 4, 64)
+    hidden = forward_blocks(drafter, batch.input_ids, batch.anchors, torch.randn(1, 8, 64), "sdpa")
     parts = block_loss(hidden, drafter.logits, targets, decay_weights(4, 3.0))
     logits = drafter.logits(hidden[:, :, 1:])                                         # [1, N, 3, 3 columns]
     assert logits.shape[-1] == 3

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.attention import BlockLayout, make_attend
-from dflash.drafter import DFlashDrafter, drafter_config
+from dflash.drafter import DFlashDrafter, drafter_config, forward_blocks
 from dflash.extract import default_target_layer_ids, extract_taps
 from dflash.loss import block_loss, block_targets, decay_weights
 
@@ -53,9 +53,7 @@ def batch(tiny_target_model):
 
 def batched_loss(drafter, batch, backend="sdpa"):
     input_ids, loss_mask, anchors, valid, features = batch
-    layout = BlockLayout(anchors, input_ids.shape[1], BLOCK)
-    block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
-    hidden = drafter.forward_layout(block_ids, features, layout, backend).view(*anchors.shape, BLOCK, -1)
+    hidden = forward_blocks(drafter, input_ids, anchors, features, backend)
     targets = block_targets(input_ids, loss_mask, anchors, valid, BLOCK)
     return block_loss(hidden, drafter.logits, targets, decay_weights(BLOCK, GAMMA), chunk_rows=5)
 
