@@ -194,10 +194,9 @@ class DFlashDrafter(nn.Module):
         if not self.has_draft_vocab:
             return labels, torch.ones_like(labels, dtype=torch.bool)
         vocab = self.draft_vocab.to(labels.device)
-        column = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long, device=labels.device)
+        column = torch.full((self.lm_head.weight.shape[0],), -1, dtype=torch.long, device=labels.device)
         column[vocab] = torch.arange(vocab.numel(), device=labels.device)
-        inside = labels <= column.numel() - 1
-        mapped = torch.where(inside, column[labels.clamp(max=column.numel() - 1)], -1)
+        mapped = column[labels]
         return mapped.clamp(min=0), mapped >= 0
 
     @torch.no_grad()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,13 +31,12 @@ def cache_directory(run_dir: Path, key: dict[str, Any]) -> Path:
 
 
 class FeatureCache:
-    """Per rank: which rows it read (hits) or extracted (misses) and how many bytes it wrote."""
+    """One rank's view of the node's feature files: how many rows it read (hits) or extracted (misses)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
-        self.seen: set[int] = set()
 
     def stats(self) -> dict[str, Any]:
         files = list(self.directory.glob("*.pt"))
@@ -77,11 +75,15 @@ class FeatureCache:
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def _write(self, row: int, value: "torch.Tensor") -> None:
+        import io
+
         import torch
 
-        temporary = self.directory / f".{row}.{os.getpid()}.tmp"
-        torch.save(value.contiguous(), temporary)
-        os.replace(temporary, self._path(row))
+        from envcheck.fileio import write_bytes_atomic
+
+        buffer = io.BytesIO()
+        torch.save(value.contiguous(), buffer)
+        write_bytes_atomic(self._path(row), buffer.getvalue())
 
     def remove(self) -> None:
         shutil.rmtree(self.directory.parent, ignore_errors=True)

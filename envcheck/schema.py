@@ -132,7 +132,7 @@ class TrainSection:
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
     optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
-    feature_cache: bool = False              # keep each row's tap features in host memory after epoch 1
+    feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
 
 
 @dataclass(frozen=True)
