@@ -3,7 +3,7 @@
 
 A thin CLI: each subcommand lives in its own module (imported only when that subcommand runs,
 so `--help`, `profiles`, `plan` and `audit` never import torch), and exceptions map to exit
-codes in one place (`envcheck.errors.exit_code_for`).
+codes in one place (`core.errors.exit_code_for`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Sequence
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "profiles": ("envcheck.commands.profiles", "list the profiles in profiles/"),
+    "profiles": ("dflash.commands.profiles", "list the profiles in profiles/"),
     "plan": ("dflash.commands.plan", "print the resolved profile and run plan; starts nothing"),
     "audit": ("envcheck.commands.audit", "preflight audit of this machine (or of a saved snapshot)"),
     "snapshot": ("envcheck.commands.snapshot", "save this machine's facts as a JSON snapshot"),
@@ -47,7 +47,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from envcheck.errors import LauncherError, exit_code_for
+    from core.errors import LauncherError, exit_code_for
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)

@@ -23,7 +23,7 @@ from envcheck.bisect.report import build_report  # noqa: E402
 from envcheck.bisect.runner import BisectConfig, run_bisect  # noqa: E402
 from envcheck.bisect.search import next_candidate, probe_bound  # noqa: E402
 from envcheck.bisect.venvs import InstallerOptions, build_candidate  # noqa: E402
-from envcheck.fileio import write_text_atomic  # noqa: E402
+from core.fileio import write_text_atomic  # noqa: E402
 
 PROBE = f"{{python}} {REPO_ROOT / 'launcher.py'} probe --import memhog"
 

@@ -85,7 +85,7 @@ def pin(pid: int, core: int) -> int:
 
 def run_client(profile_name: str, requests: int, url: str, workdir: Path, concurrency: int | None) -> tuple:
     from dflash.generate import generate_from_profile
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
 
     profile = load_profile(profile_name)
     if concurrency:

@@ -58,7 +58,7 @@ def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
 
 
 def tap_features(target, rows: list[Sequence]) -> list:
-    from dflash.extract import extract_taps
+    from dflash.drafter.taps import extract_taps
     import torch
 
     return [extract_taps(target, torch.tensor([r.ids]), [TAP])[0] for r in rows]
@@ -77,8 +77,8 @@ def build(target, variant: dict, vocab: list[int] | None):
     """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
     import dataclasses
 
-    from dflash.trainer import build_drafter
-    from envcheck.profile import load_profile
+    from dflash.train.trainer import build_drafter
+    from core.profile import load_profile
 
     profile = load_profile("cpu-demo")
     drafter_settings = dataclasses.replace(profile.drafter, num_layers=variant["layers"], target_layer_ids=(TAP,),
@@ -92,9 +92,9 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
     import numpy as np
     import torch
 
-    from dflash.drafter import forward_blocks
-    from dflash.loss import block_loss, decay_weights
-    from dflash.trainer import collate_rows, cosine_schedule, step_targets
+    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.loss import block_loss, decay_weights
+    from dflash.train.trainer import collate_rows, cosine_schedule, step_targets
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -136,7 +136,7 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
 def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float, list[float]]:
     import torch
 
-    from dflash.drafter import forward_blocks
+    from dflash.drafter.model import forward_blocks
 
     tokens = steps = 0
     reached = [0] * (BLOCK - 1)
@@ -183,7 +183,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.draft_vocab import count_loss_tokens, draft_vocabulary
+    from dflash.drafter.draft_vocab import count_loss_tokens, draft_vocabulary
     from dflash.models import resolve_model_path
 
     torch.set_num_threads(2)

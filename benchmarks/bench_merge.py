@@ -36,7 +36,7 @@ def build(directory: Path, rows: int, seed: int, prefix: str) -> Path:
 
     from dflash.data import dataset_io
     from dflash.data.tokenize import TokenizedSample, samples_to_batch
-    from envcheck.fileio import atomic_directory
+    from core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)
     with atomic_directory(directory) as staging:

@@ -5,7 +5,7 @@ find_executable_batch_size approach), on the same emulated budget.
 The device is emulated on CPU: the "true" memory of the workload is a peak model (the calibration
 fixture, optionally perturbed to emulate a calibration error); the budgets come from recorded node
 snapshots; the first rank whose true peak exceeds its budget raises torch.OutOfMemoryError through
-dflash.autobatch's fault-injection switch (above=N). Both strategies run the real AutoBatch
+dflash.train.autobatch's fault-injection switch (above=N). Both strategies run the real AutoBatch
 recovery loop on a small real training step; only the starting micro-batch differs.
 
     .venv/bin/python benchmarks/bench_oom_steps.py
@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "memory"))
 
-from dflash import autobatch, budget, memory  # noqa: E402
-from envcheck.fileio import read_json  # noqa: E402
-from envcheck.profile import load_profile  # noqa: E402
+from dflash.memory import model as memory  # noqa: E402
+from dflash.memory import plan as budget  # noqa: E402
+from dflash.train import autobatch  # noqa: E402
+from core.fileio import read_json  # noqa: E402
+from core.profile import load_profile  # noqa: E402
 
 SNAPSHOTS = REPO / "tests" / "fixtures" / "snapshots"
 CALIBRATION = REPO / "tests" / "fixtures" / "memory" / "rtx6000-x8-calibration.json"

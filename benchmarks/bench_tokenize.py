@@ -125,7 +125,7 @@ def main() -> int:
     args = parser.parse_args()
     from dflash.data.tokenize import load_tokenizer, tokenizer_identity
     from dflash.models import qwen3_tokenizer_dir
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
 
     pinning = pin_to_one_core() if args.workers == 1 else f"{args.workers} workers"
     base = load_profile("cpu-demo")

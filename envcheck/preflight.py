@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Optional
 
 from envcheck.checks import CheckInput, Finding, run_checks
-from envcheck.errors import ConfigError, PreflightFailed
-from envcheck.schema import Profile
+from core.errors import ConfigError, PreflightFailed
+from core.schema import Profile
 from envcheck.snapshot import Snapshot
 
 
 def requirements_path(profile: Profile) -> Path:
-    from envcheck.profile import REPO_ROOT
+    from core.paths import REPO_ROOT
 
     path = Path(profile.machine.requirements)
     return path if path.is_absolute() else REPO_ROOT / path
@@ -33,7 +33,7 @@ def read_profile_pins(profile: Profile) -> dict[str, str]:
 
 def disk_paths(profile: Profile) -> list[Path]:
     """Where the run writes: the run directory (completions, dataset, checkpoints live under it)."""
-    from envcheck.profile import expand_path
+    from core.profile import expand_path
 
     return [expand_path(profile, profile.paths.run_dir)]
 
@@ -75,9 +75,9 @@ def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None
 
 
 def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: bool) -> None:
-    from dflash.manifest import update_stage
+    from core.manifest import update_stage
     from envcheck import report
-    from envcheck.fileio import write_json_atomic
+    from core.fileio import write_json_atomic
 
     document = report.findings_document(findings, profile=profile.name, forced=force)
     write_json_atomic(run_dir / "audit" / "findings.json", scrub_document(document))
@@ -88,12 +88,12 @@ def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: boo
 
 def scrub(text: str) -> str:
     """Mask the values of secret-looking environment variables wherever they appear."""
-    from envcheck.redact import redact_value, secret_values
+    from core.redact import redact_value, secret_values
 
     return redact_value("", text, secret_values(os.environ))
 
 
 def scrub_document(document):
-    from envcheck.redact import redact_document, secret_values
+    from core.redact import redact_document, secret_values
 
     return redact_document(document, secret_values(os.environ))

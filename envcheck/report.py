@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Sequence
 
 from envcheck.checks import STATUS_ORDER, Finding
-from envcheck.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT
+from core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT
 
 
 def counts(findings: Sequence[Finding]) -> dict[str, int]:

@@ -159,8 +159,8 @@ def _from_data(hint: Any, value: Any, where: str) -> Any:
 
 def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """Read a snapshot file; a malformed one raises InputError naming the file and the key."""
-    from envcheck.errors import InputError
-    from envcheck.fileio import read_json
+    from core.errors import InputError
+    from core.fileio import read_json
 
     try:
         return Snapshot.from_dict(read_json(path))
@@ -170,8 +170,8 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
 
 def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
     """Write atomically; values of secret-looking environment variables are masked anywhere in it."""
-    from envcheck.fileio import write_json_atomic
-    from envcheck.redact import redact_document, secret_values
+    from core.fileio import write_json_atomic
+    from core.redact import redact_document, secret_values
 
     return write_json_atomic(path, redact_document(snapshot.to_dict(), secret_values(os.environ)))
 
@@ -179,7 +179,8 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
 def collect_snapshot(disk_paths: typing.Sequence[Path] = (), *, cuda_probe: bool = False,
                      environ: typing.Mapping[str, str] | None = None) -> Snapshot:
     """This machine's facts. No CUDA context is created in this process."""
-    from envcheck import host, nvml_facts, packages, redact, toolkit, torch_facts
+    from core import redact
+    from envcheck import host, nvml_facts, packages, toolkit, torch_facts
 
     environ = os.environ if environ is None else environ
     nvml, gpus = nvml_facts.collect()

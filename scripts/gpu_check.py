@@ -223,7 +223,7 @@ def cuda_from_environment(result: dict[str, Any], current: str) -> str:
 
 
 def write_report(out: Path, results: list[dict[str, Any]], started: float, args: argparse.Namespace) -> Path:
-    from envcheck.fileio import write_json_atomic
+    from core.fileio import write_json_atomic
 
     environment = next((r for r in results if r["name"] == "environment"), {})
     document = {
@@ -329,7 +329,7 @@ class PartContext:
                 "wall_s": round(time.monotonic() - self.started, 1)}
 
     def save(self) -> None:
-        from envcheck.fileio import write_json_atomic
+        from core.fileio import write_json_atomic
 
         write_json_atomic(self.out / "parts" / f"{self.spec.name}.json", self.document())
 
@@ -568,7 +568,7 @@ def qwen3_config(dims: Dims) -> Any:
 
 def check_profile(target: str, dims: Dims, device: str, dtype: str, attention: str, **train: Any) -> Any:
     """A Profile built in code (no TOML): the trainer's and the planner's view of this workload."""
-    from envcheck.schema import (DataSection, DrafterSection, MachineSection, MemorySection, ModelSection, Profile,
+    from core.schema import (DataSection, DrafterSection, MachineSection, MemorySection, ModelSection, Profile,
                                  TrainSection)
 
     settings = {"num_anchors": dims.num_anchors, "attention": attention, "max_steps": 1000, "warmup_ratio": 0.0,
@@ -596,8 +596,8 @@ def random_target_on(device: Any, config: Any, dtype: Any) -> Any:
 
 def training_state(profile: Any, target: Any, data: Any, device: Any) -> Any:
     """The trainer's own state (drafter, AdamW, schedule, backend) around a given target and data."""
-    from dflash import trainer
-    from dflash.loss import decay_weights, default_gamma
+    from dflash.train import trainer
+    from dflash.drafter.loss import decay_weights, default_gamma
 
     num_layers = target.config.num_hidden_layers
     layer_ids = trainer.resolve_layer_ids(profile, num_layers)
@@ -611,7 +611,7 @@ def training_state(profile: Any, target: Any, data: Any, device: Any) -> Any:
 
 class SequenceData:
     """In-memory rows (token ids + loss masks) collated exactly as the trainer's data is:
-    right-padded, anchors from `dflash.anchors.sample_anchors`. Duck-types `TrainData`."""
+    right-padded, anchors from `dflash.drafter.anchors.sample_anchors`. Duck-types `TrainData`."""
 
     def __init__(self, rows: list[tuple[list[int], list[int]]], num_anchors: int, seed: int = 0):
         self.rows, self.num_anchors, self.seed = rows, num_anchors, seed
@@ -621,7 +621,7 @@ class SequenceData:
         return max(1, len(self.rows) // 8)
 
     def collate(self, rows: list[int], epoch: int) -> Any:
-        from dflash.trainer import collate_rows
+        from dflash.train.trainer import collate_rows
 
         ids = [self.rows[r % len(self.rows)][0] for r in rows]
         masks = [self.rows[r % len(self.rows)][1] for r in rows]
@@ -652,7 +652,7 @@ class Workbench:
 def build_workbench(ctx: PartContext, dims: Dims = WORKLOAD_DIMS) -> Workbench:
     import torch
 
-    from dflash import memory
+    from dflash.memory import model as memory
 
     device = require_cuda(ctx)
     on_gpu = device.type == "cuda"        # the trainer's CUDA setup: bf16 target, autocast, flex_attention
@@ -672,7 +672,7 @@ def build_workbench(ctx: PartContext, dims: Dims = WORKLOAD_DIMS) -> Workbench:
 
 def train_step(bench: Workbench, micro_batch: int) -> Any:
     """One optimizer step over `micro_batch` worst-case sequences (one forward/backward)."""
-    from dflash import trainer
+    from dflash.train import trainer
 
     return trainer.run_step(bench.state, list(range(micro_batch)), 0, trainer.BatchPlan(micro_batch, 1))
 
@@ -710,7 +710,7 @@ def calibrate(ctx: PartContext, bench: Workbench) -> Any:
     """Peaks at micro-batch 1 and 2 -> the calibrated peak model."""
     import torch
 
-    from dflash import memory
+    from dflash.memory import model as memory
 
     peaks = memory.measure_peaks(lambda m: train_step(bench, m), (1, 2))
     calibration = memory.fit_calibration(peaks, bench.workload, device_name=torch.cuda.get_device_name(bench.device),
@@ -725,7 +725,7 @@ def calibrate(ctx: PartContext, bench: Workbench) -> Any:
 
 def compare_predictions(ctx: PartContext, bench: Workbench, calibration: Any) -> list[float]:
     """The calibrated line and the analytic estimate vs measured peaks at larger micro-batches."""
-    from dflash import memory
+    from dflash.memory import model as memory
 
     calibrated = memory.peak_model(bench.workload, calibration)
     estimated = memory.estimated_peak_model(bench.workload)
@@ -749,7 +749,7 @@ def compare_predictions(ctx: PartContext, bench: Workbench, calibration: Any) ->
 
 
 def part_calibrate(ctx: PartContext) -> str:
-    from dflash import memory
+    from dflash.memory import model as memory
 
     bench = build_workbench(ctx)
     warm_up(ctx, bench)
@@ -797,7 +797,7 @@ def emulated_snapshot(cap_mib: float, name: str) -> dict[str, Any]:
 def planned_micro_batch(bench: Workbench, calibration: Any, cap_mib: float) -> int:
     import dataclasses
 
-    from dflash import budget
+    from dflash.memory import plan as budget
 
     snapshot = emulated_snapshot(cap_mib, "emulated")
     profile = dataclasses.replace(bench.profile, machine=dataclasses.replace(bench.profile.machine, device="cuda"))
@@ -810,8 +810,8 @@ def run_capped(ctx: PartContext, bench: Workbench, cap_mib: float, planned: int,
     """DRILL_STEPS optimizer steps of the global batch under the cap, through the trainer and AutoBatch."""
     import torch
 
-    from dflash import trainer
-    from dflash.autobatch import AutoBatch, load_run_state
+    from dflash.train import trainer
+    from dflash.train.autobatch import AutoBatch, load_run_state
 
     total_mib = torch.cuda.get_device_properties(bench.device).total_memory / MIB
     torch.cuda.empty_cache()
@@ -879,7 +879,7 @@ def drill_lowered(ctx: PartContext, bench: Workbench, planned: int, model: Any) 
 def part_drills(ctx: PartContext) -> str:
     import torch
 
-    from dflash import memory
+    from dflash.memory import model as memory
 
     bench = build_workbench(ctx)
     warm_up(ctx, bench)
@@ -908,7 +908,7 @@ class TinyTarget:
 
 def qwen3_tokenizer_or_none(ctx: PartContext) -> Optional[Path]:
     from dflash.models import qwen3_tokenizer_dir
-    from envcheck.errors import ConfigError
+    from core.errors import ConfigError
 
     try:
         return qwen3_tokenizer_dir()
@@ -921,7 +921,7 @@ def save_tokenizer_free_target(path: Path) -> None:
     """A random Qwen3 of the same shape with a small vocabulary and no tokenizer files."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from envcheck.fileio import atomic_directory
+    from core.fileio import atomic_directory
 
     heads = TINY_HIDDEN // 16
     config = Qwen3Config(vocab_size=FALLBACK_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_HIDDEN,
@@ -996,7 +996,7 @@ def tiny_train_dims(tiny: TinyTarget) -> Dims:
 def train_state_on_tiny(ctx: PartContext, tiny: TinyTarget, cuda: bool) -> Any:
     import torch
 
-    from dflash import trainer
+    from dflash.train import trainer
 
     dims = tiny_train_dims(tiny)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -1010,7 +1010,7 @@ def train_state_on_tiny(ctx: PartContext, tiny: TinyTarget, cuda: bool) -> Any:
 
 
 def short_training(ctx: PartContext, state: Any, steps: int) -> list[float]:
-    from dflash import trainer
+    from dflash.train import trainer
 
     losses, slot1_acc, started = [], [], time.perf_counter()
     plan = trainer.BatchPlan(micro_batch=4, accum_steps=2)
@@ -1038,7 +1038,7 @@ def loss_and_grads(state: Any, batch: Any, backend: str, with_grads: bool) -> tu
     """Normalised loss (and the flattened drafter gradient) of one batch through `backend`."""
     import torch
 
-    from dflash import trainer
+    from dflash.train import trainer
 
     state.backend = backend
     state.optimizer.zero_grad(set_to_none=True)
@@ -1137,9 +1137,9 @@ def eval_prompts(tiny: TinyTarget, count: int) -> list[tuple[str, list[int]]]:
 def random_dflash_draft(model: Any, mask_token_id: int, device: Any) -> Any:
     import torch
 
-    from dflash.drafter import DFlashDrafter, drafter_config
+    from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.eval.dflash_drafter import DFlashDraft
-    from dflash.extract import default_target_layer_ids
+    from dflash.drafter.taps import default_target_layer_ids
 
     layers = model.config.num_hidden_layers
     config = drafter_config(model.config, num_layers=2, block_size=EVAL_BLOCK,

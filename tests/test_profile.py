@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from envcheck.errors import ConfigError
-from envcheck.profile import list_profiles, load_profile
+from core.errors import ConfigError
+from core.profile import list_profiles, load_profile
 
 
 def write(directory: Path, name: str, text: str) -> Path:

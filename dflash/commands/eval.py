@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from envcheck.commands import add_profile_option, load_profile_arg
+from core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.eval.evaluate import EvalOptions, run_eval
-    from envcheck.errors import ConfigError
+    from core.errors import ConfigError
 
     for flag in ("num_prompts", "max_new_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

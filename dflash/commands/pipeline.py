@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from envcheck.commands import add_profile_option, load_profile_arg
+from core.cli import add_profile_option, load_profile_arg
 
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
 
@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
 def final_figures(profile, run_dir) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
-    from dflash.manifest import read_manifest
+    from core.manifest import read_manifest
     from dflash.pipeline import with_run_dir
-    from envcheck.profile import expand_path
+    from core.profile import expand_path
 
     profile = with_run_dir(profile, run_dir)
     directory = expand_path(profile, profile.paths.run_dir)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from envcheck.commands import add_profile_option, load_profile_arg
+from core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.budget import make_plan
-    from dflash.memory import load_calibration
-    from envcheck.profile import profile_as_dict
+    from dflash.memory.plan import make_plan
+    from dflash.memory.model import load_calibration
+    from core.profile import profile_as_dict
 
     profile = load_profile_arg(args)
     snapshot = _read_document(args.snapshot) if args.snapshot else _live_snapshot(profile)
@@ -61,7 +61,7 @@ def _finite(value: float) -> float | None:
 
 
 def _read_document(path: Path) -> dict:
-    from envcheck.fileio import read_json
+    from core.fileio import read_json
 
     return read_json(path)
 
@@ -70,7 +70,7 @@ def _live_snapshot(profile) -> dict | None:
     """This machine's GPUs through NVML (no CUDA context); None for a CPU profile."""
     if profile.machine.device == "cpu":
         return None
-    from envcheck.errors import ConfigError
+    from core.errors import ConfigError
 
     try:
         return {"gpus": _nvml_gpus()}
@@ -99,7 +99,7 @@ def _nvml_gpu(index: int, handle, pynvml) -> dict:
 
 
 def _storage(plan, args: argparse.Namespace):
-    from dflash.memory import SEEDS_AVG_TOKENS, SEEDS_SAMPLES, offline_storage
+    from dflash.memory.model import SEEDS_AVG_TOKENS, SEEDS_SAMPLES, offline_storage
 
     return offline_storage(plan.workload, samples=args.samples or SEEDS_SAMPLES,
                            avg_tokens=args.avg_tokens or SEEDS_AVG_TOKENS)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from envcheck.commands import add_profile_option, load_profile_arg
+from core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dflash.launch import build_torchrun_command, describe_command, run_training
-    from envcheck.profile import expand_path
+    from dflash.train.launch import build_torchrun_command, describe_command, run_training
+    from core.profile import expand_path
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)

@@ -39,7 +39,7 @@ def load_training_dataset(path: str | Path) -> Any:
     import datasets
 
     from dflash.data.dataset_io import read_meta
-    from envcheck.errors import InputError
+    from core.errors import InputError
 
     read_meta(Path(path))
     dataset = datasets.load_from_disk(str(path))

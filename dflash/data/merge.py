@@ -22,7 +22,7 @@ from typing import Any, Iterator, Literal
 import numpy as np
 
 from dflash.data import dataset_io
-from envcheck.errors import ConfigError, DataError, InputError
+from core.errors import ConfigError, DataError, InputError
 
 Dedup = Literal["none", "id", "content"]
 DEDUP_CHOICES = ("none", "id", "content")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class DFlashDraft:
-    model: Any                     # dflash.drafter.DFlashDrafter, attached to the target
+    model: Any                     # dflash.drafter.model.DFlashDrafter, attached to the target
     name: str = "dflash"
     uses_features: bool = True
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
@@ -58,6 +58,6 @@ class DFlashDraft:
 
 
 def load_dflash_draft(checkpoint: str, target_model: Any) -> DFlashDraft:
-    from dflash.checkpoint import load_drafter
+    from dflash.drafter.checkpoint import load_drafter
 
     return DFlashDraft(model=load_drafter(checkpoint, target_model))

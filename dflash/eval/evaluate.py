@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from envcheck.errors import InputError
-from envcheck.profile import expand_path
-from envcheck.schema import Profile
+from core.errors import InputError
+from core.profile import expand_path
+from core.schema import Profile
 
 DEFAULT_EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout_prompts.jsonl"
 
@@ -41,7 +41,7 @@ class EncodedPrompt:
 
 def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
     """An explicit checkpoint must exist; otherwise the run's latest checkpoint."""
-    from dflash.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint import latest_checkpoint
 
     if checkpoint:
         path = Path(checkpoint)
@@ -148,7 +148,7 @@ def _warm_up(verifier: Any, methods: Sequence[Any], prompt_ids: list[int], setti
 def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
              options: EvalOptions = EvalOptions()) -> EvalSummary:
     """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
-    from dflash.manifest import update_stage
+    from core.manifest import update_stage
 
     run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
     checkpoint = resolve_checkpoint(run_dir, options.checkpoint)

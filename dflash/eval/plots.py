@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from envcheck.errors import InputError
+from core.errors import InputError
 
 TARGET = "target"
 
@@ -43,7 +43,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _save(figure: Any, path: Path) -> Path:
-    from envcheck.fileio import write_bytes_atomic
+    from core.fileio import write_bytes_atomic
     import io
 
     buffer = io.BytesIO()

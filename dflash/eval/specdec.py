@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
-from dflash.extract import TapCapture
+from dflash.drafter.taps import TapCapture
 
 if TYPE_CHECKING:
     import torch

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from envcheck.redact import redact_env
-from envcheck.schema import Profile
+from core.redact import redact_env
+from core.schema import Profile
 
 
 

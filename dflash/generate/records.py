@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.generate.prompts import PromptRecord
-from envcheck.schema import GenerateSection
+from core.schema import GenerateSection
 
 THINK_END = "</think>"
 

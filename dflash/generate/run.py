@@ -23,9 +23,9 @@ from dflash.generate.records import (SamplingParams, build_request_body, complet
                                      rejected_optional_field)
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
-from dflash.manifest import update_stage
-from envcheck.errors import ConfigError, RunFailed
-from envcheck.schema import Profile
+from core.manifest import update_stage
+from core.errors import ConfigError, RunFailed
+from core.schema import Profile
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -90,7 +90,7 @@ class RunPaths:
 def resolve_paths(profile: Profile, input_path: str | Path | None, output_path: str | Path | None,
                   run_dir: str | Path | None) -> RunPaths:
     """Profile path templates expanded against `run_dir` (the profile's unless overridden)."""
-    from envcheck.profile import expand_path
+    from core.profile import expand_path
 
     base = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
 

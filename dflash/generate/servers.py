@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping
 
-from envcheck.errors import ConfigError, RunFailed
-from envcheck.schema import Profile
+from core.errors import ConfigError, RunFailed
+from core.schema import Profile
 
 # our profile's audit.attention_backend -> SGLang's --attention-backend
 SGLANG_ATTENTION_BACKENDS = {

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from envcheck.errors import InputError
-from envcheck.fileio import write_text_atomic
+from core.errors import InputError
+from core.fileio import write_text_atomic
 
 INDEX_NAME = "done.index"
 FAILURES_NAME = "failures.jsonl"

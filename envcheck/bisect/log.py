@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from envcheck.errors import ConfigError
-from envcheck.fileio import write_text_atomic
+from core.errors import ConfigError
+from core.fileio import write_text_atomic
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from envcheck.bisect.log import BisectLog, StepRecord
 from envcheck.bisect.runner import BisectPlan
 from envcheck.bisect.search import probe_bound, search_state
-from envcheck.fileio import write_json_atomic, write_text_atomic
+from core.fileio import write_json_atomic, write_text_atomic
 
 
 def build_report(plan: BisectPlan, log: BisectLog, complete: bool) -> dict[str, Any]:

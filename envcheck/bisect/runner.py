@@ -23,8 +23,8 @@ from envcheck.bisect.log import BisectLog, StepRecord
 from envcheck.bisect.reqsets import RequirementSet, load_requirement_set
 from envcheck.bisect.search import Outcome, next_candidate
 from envcheck.bisect.venvs import InstallerOptions, build_candidate, venv_python
-from envcheck.errors import CannotTest, ConfigError, InputError, RunFailed
-from envcheck.profile import REPO_ROOT
+from core.errors import CannotTest, ConfigError, InputError, RunFailed
+from core.paths import REPO_ROOT
 
 DEFAULT_PROBE = f"{{python}} {shlex.quote(str(REPO_ROOT / 'launcher.py'))} probe"
 SKIP_CODE = 125

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from envcheck.bisect.reqsets import RequirementSet, requirements_text
-from envcheck.fileio import write_text_atomic
+from core.fileio import write_text_atomic
 
 Command = tuple[list[str], dict[str, str]]
 

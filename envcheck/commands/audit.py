@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from envcheck import preflight, report
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
     from envcheck.snapshot import load_snapshot
 
     profile = load_profile(args.profile)

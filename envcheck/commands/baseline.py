@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 def _save(args: argparse.Namespace) -> int:
     from envcheck import preflight
     from envcheck.baseline import save_baseline
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
     from envcheck.snapshot import load_snapshot
 
     profile = load_profile(args.profile)
@@ -46,7 +46,7 @@ def _diff(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from envcheck.baseline import diff_snapshots
-    from envcheck.errors import InputError
+    from core.errors import InputError
 
     old, new = _diff_operands(args)
     if old is None:
@@ -62,7 +62,7 @@ def _diff(args: argparse.Namespace) -> int:
 def _diff_operands(args: argparse.Namespace):
     from envcheck import preflight
     from envcheck.baseline import load_baseline
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
     from envcheck.snapshot import load_snapshot
 
     if args.old and args.new:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from envcheck.commands import add_profile_option
+from core.cli import add_profile_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +74,8 @@ def _config_from_args(args: argparse.Namespace):
 def _default_work_dir(args: argparse.Namespace) -> Path:
     if not args.profile:
         return Path("runs") / "bisect"
-    from envcheck.commands import load_profile_arg
-    from envcheck.profile import expand_path
+    from core.cli import load_profile_arg
+    from core.profile import expand_path
 
     return expand_path(load_profile_arg(args), "{run_dir}/bisect")
 

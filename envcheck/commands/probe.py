@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from envcheck.commands import add_profile_option
+from core.cli import add_profile_option
 
 BASELINE_ENV = "ENVCHECK_PROBE_BASELINE"   # set by `launcher.py bisect` for each candidate
 OUT_ENV = "ENVCHECK_PROBE_OUT"
@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck.errors import EXIT_FAIL, EXIT_OK, CannotTest
-    from envcheck.fileio import write_json_atomic
+    from core.errors import EXIT_FAIL, EXIT_OK, CannotTest
+    from core.fileio import write_json_atomic
     from envcheck.memprobe import compare_reports, format_report, load_report, run_probe
 
     options, tolerance = _options_from_args(args)
@@ -64,7 +64,7 @@ def _options_from_args(args: argparse.Namespace):
 
     profile = None
     if args.profile:
-        from envcheck.commands import load_profile_arg
+        from core.cli import load_profile_arg
 
         profile = load_profile_arg(args)
     nproc = args.nproc if args.nproc is not None else (profile.machine.nproc_per_node if profile else 0)

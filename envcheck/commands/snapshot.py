@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from envcheck import preflight
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
     from envcheck.snapshot import save_snapshot
 
     snapshot = preflight.live_snapshot(load_profile(args.profile), cuda_probe=args.cuda_probe)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from envcheck.bisect.log import BisectLog, StepRecord
-from envcheck.errors import ConfigError
+from core.errors import ConfigError
 
 HEADER = {"kind": "bisect", "fingerprint": "abc"}
 

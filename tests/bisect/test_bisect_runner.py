@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from envcheck.bisect.runner import _outcome, probe_command
-from envcheck.errors import RunFailed
+from core.errors import RunFailed
 
 
 

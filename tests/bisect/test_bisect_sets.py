@@ -7,7 +7,7 @@ import pytest
 
 from envcheck.bisect.changes import apply_groups, diff_sets, group_changes
 from envcheck.bisect.reqsets import load_requirement_set, requirements_text
-from envcheck.errors import InputError
+from core.errors import InputError
 
 
 def test_requirements_file_with_comments_options_extras_markers_and_includes(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from envcheck.errors import EXIT_CANNOT_TEST, EXIT_FAIL
+from core.errors import EXIT_CANNOT_TEST, EXIT_FAIL
 from envcheck.memprobe import (STAGES, ProbeOptions, ProbeReport, RankMemory, compare_reports,
                                default_world_size, rank_command, report_from_json)
 

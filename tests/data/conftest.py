@@ -12,7 +12,7 @@ import pytest
 
 def make_profile(tokenizer_dir: Path, run_dir: Path, **data: Any):
     """The cpu-demo profile with another tokenizer, its run dir under tmp, and data overrides."""
-    from envcheck.profile import load_profile
+    from core.profile import load_profile
 
     profile = load_profile("cpu-demo")
     return dataclasses.replace(
@@ -43,7 +43,7 @@ def build_dataset(directory: Path, ids: list[str], seed: int = 0, tokens: int = 
     """A tokenized-dataset directory with random token rows (for merge tests; no tokenizer needed)."""
     from dflash.data import dataset_io
     from dflash.data.tokenize import TokenizedSample, samples_to_batch
-    from envcheck.fileio import atomic_directory
+    from core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)
     samples = []

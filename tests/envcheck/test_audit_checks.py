@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from envcheck import checks, report
-from envcheck.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
+from core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
 from envcheck.preflight import audit
-from envcheck.profile import load_profile
+from core.profile import load_profile
 from envcheck.snapshot import GpuProcess, Snapshot, load_snapshot
 
 

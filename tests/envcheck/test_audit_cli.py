@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.manifest import read_manifest
-from envcheck.errors import PreflightFailed
+from core.manifest import read_manifest
+from core.errors import PreflightFailed
 from envcheck.preflight import run_preflight
-from envcheck.profile import load_profile
+from core.profile import load_profile
 from envcheck.snapshot import load_snapshot
 
 SECRET = "hf_s3cr3tV4lue0123456789"

@@ -6,7 +6,8 @@ import json
 import stat
 from pathlib import Path
 
-from envcheck import host, redact, toolkit, torch_facts
+from core import redact
+from envcheck import host, toolkit, torch_facts
 from envcheck.packages import read_pins
 from envcheck.packages import normalize, version_matches_pin
 

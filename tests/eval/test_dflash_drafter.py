@@ -4,19 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter import _attend_all
+from dflash.drafter.model import _attend_all
 from dflash.eval.dflash_drafter import DFlashDraft, load_dflash_draft
 from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
-from dflash.extract import extract_taps
+from dflash.drafter.taps import extract_taps
 
 PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]
 
 
 def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0, draft_vocab: list[int] | None = None):
     """A random-weight drafter shaped for `target`, saved as a real training checkpoint."""
-    from dflash.checkpoint import save_checkpoint
-    from dflash.drafter import DFlashDrafter, drafter_config
-    from dflash.extract import default_target_layer_ids
+    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.taps import default_target_layer_ids
 
     config = drafter_config(target.config, num_layers=1, block_size=block_size,
                             target_layer_ids=default_target_layer_ids(target.config.num_hidden_layers, 1),

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import launcher
-from dflash.manifest import read_manifest, update_stage
+from core.manifest import read_manifest, update_stage
 from test_dflash_drafter import save_random_drafter
 
 

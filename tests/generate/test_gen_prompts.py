@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash.generate.prompts import load_prompts
-from envcheck.errors import InputError
+from core.errors import InputError
 
 
 def write_lines(path, lines):

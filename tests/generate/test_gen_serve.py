@@ -18,8 +18,8 @@ import pytest
 
 from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
 from dflash.generate import generate_from_profile
-from dflash.manifest import read_manifest
-from envcheck.profile import load_profile
+from core.manifest import read_manifest
+from core.profile import load_profile
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from envcheck.redact import redact_env
+from core.redact import redact_env
 from dflash.generate.servers import (ensure_port_free, server_command_for, sglang_server_command,
                                      transformers_server_command)
-from envcheck.errors import ConfigError, RunFailed
-from envcheck.profile import load_profile
+from core.errors import ConfigError, RunFailed
+from core.profile import load_profile
 
 
 def flag(argv, name):

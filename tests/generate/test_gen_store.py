@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash.generate.store import CompletionStore
-from envcheck.errors import InputError
+from core.errors import InputError
 
 
 def open_store(tmp_path, flush_every=2):

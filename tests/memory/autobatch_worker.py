@@ -1,5 +1,5 @@
 """A torchrun worker for the autobatch tests: a small self-contained training loop (plain torch)
-that uses dflash.autobatch exactly as a trainer would. Each rank writes what it did to --out.
+that uses dflash.train.autobatch exactly as a trainer would. Each rank writes what it did to --out.
 
 Data are a deterministic function of the global sample index; every step takes the next
 global_batch samples and rank r trains on its contiguous share, split into micro-batches. Each
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash import autobatch  # noqa: E402
+from dflash.train import autobatch  # noqa: E402
 
 POSITIONS, FEATURES, CLASSES = 6, 8, 5
 
@@ -78,10 +78,10 @@ def reference_run(steps: int, global_batch: int, micro_batch: int) -> list[float
 def planned_micro_batch(args: argparse.Namespace, rank: int, world: int) -> int:
     if not args.profile:
         return args.micro_batch
-    from dflash.budget import plan_for_rank
-    from dflash.memory import load_calibration
-    from envcheck.fileio import read_json
-    from envcheck.profile import load_profile
+    from dflash.memory.plan import plan_for_rank
+    from dflash.memory.model import load_calibration
+    from core.fileio import read_json
+    from core.profile import load_profile
 
     baseline = read_json(args.baseline) if args.baseline else None
     plan = plan_for_rank(load_profile(args.profile), read_json(args.snapshot), rank, world,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dflash import memory
-from envcheck.errors import InputError
-from envcheck.profile import load_profile
+from dflash.memory import model as memory
+from core.errors import InputError
+from core.profile import load_profile
 
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,

@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
-from dflash.drafter import DFlashDrafter, drafter_config, forward_blocks
-from dflash.loss import block_loss, decay_weights
-from dflash.trainer import collate_rows, step_targets
+from dflash.drafter.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
+from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.loss import block_loss, decay_weights
+from dflash.train.trainer import collate_rows, step_targets
 from tests.train.conftest import MASK_ID
 
 

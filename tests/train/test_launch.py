@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from dflash.launch import build_torchrun_command, describe_command, profile_from_json, profile_to_json
-from envcheck.errors import ConfigError
-from envcheck.profile import load_profile
+from dflash.train.launch import build_torchrun_command, describe_command, profile_from_json, profile_to_json
+from core.errors import ConfigError
+from core.profile import load_profile
 
 
 def test_single_node_is_standalone_with_the_profile_nproc(tmp_path):
@@ -15,7 +15,7 @@ def test_single_node_is_standalone_with_the_profile_nproc(tmp_path):
     argv, env = build_torchrun_command(profile, tmp_path, resume=True, python="py", base_env={"PATH": "/bin"})
     assert argv[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert argv[argv.index("-m", 3) + 1] == "dflash.train_worker" and argv[-1] == "--resume"
+    assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and argv[-1] == "--resume"
     assert "--rdzv-endpoint" not in argv
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
 
@@ -58,4 +58,4 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
             "assert 'torch' not in sys.modules, 'train --print-command imported torch'; sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "torch.distributed.run --standalone" in result.stdout and "dflash.train_worker" in result.stdout
+    assert "torch.distributed.run --standalone" in result.stdout and "dflash.train.worker" in result.stdout

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.launch import build_torchrun_command, run_training
-from envcheck.errors import RunFailed
-from envcheck.profile import load_profile
+from dflash.train.launch import build_torchrun_command, run_training
+from core.errors import RunFailed
+from core.profile import load_profile
 from tests.train.conftest import write_profile
 
 pytestmark = pytest.mark.slow
@@ -129,8 +129,8 @@ def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qw
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash.checkpoint import load_drafter
-    from dflash.draft_vocab import count_loss_tokens, draft_vocabulary
+    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.draft_vocab import count_loss_tokens, draft_vocabulary
 
     run_dir = tmp_path / "run"
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=16,
@@ -165,7 +165,7 @@ def test_a_failing_rank_is_reported_with_its_rank_and_traceback(trained, tmp_pat
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=400, save_every_steps=1000)
-    code = ("import sys; from envcheck.profile import load_profile; from dflash.launch import run_training; "
+    code = ("import sys; from core.profile import load_profile; from dflash.train.launch import run_training; "
             f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics_file = run_dir / "train" / "metrics.jsonl"
@@ -187,7 +187,7 @@ def free_port() -> int:
 
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
-    from dflash.launch import TrainPaths, prepare_run_dir
+    from dflash.train.launch import TrainPaths, prepare_run_dir
 
     run_dir = tmp_path / "run"
     machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}

@@ -11,7 +11,7 @@ the snapshot has it, else the baseline's for the same GPU (by UUID), else the pr
 memory.overhead_mib, else DEFAULT_OVERHEAD_MIB.
 
 A rank's feasible micro-batch is the largest m <= train.max_micro_batch whose predicted peak
-(dflash.memory) fits its budget; the ranks agree on the minimum, and gradient accumulation keeps
+(dflash.memory.model) fits its budget; the ranks agree on the minimum, and gradient accumulation keeps
 the global batch (train.global_batch sequences per optimizer step) exact. No torch import here.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from envcheck.errors import ConfigError, InputError
-from envcheck.schema import Profile
+from core.errors import ConfigError, InputError
+from core.schema import Profile
 
-from dflash import memory
+from dflash.memory import model as memory
 
 DEFAULT_OVERHEAD_MIB = 1024.0       # context ~500-600 MiB + NCCL buffers + cuBLAS workspace
 UNLIMITED_MIB = float("inf")
@@ -256,7 +256,7 @@ def plan_for_rank(profile: Profile, snapshot: Any | None, rank: int, world_size:
 
     Raises RunFailed when not even one sequence fits: the message names the budget and the peak.
     """
-    from envcheck.errors import RunFailed
+    from core.errors import RunFailed
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
     plan = make_plan(profile, snapshot, baseline=baseline, calibration=calibration,

@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envcheck.errors import InputError
-from envcheck.fileio import atomic_directory, write_text_atomic
+from core.errors import InputError
+from core.fileio import atomic_directory, write_text_atomic
 
 if TYPE_CHECKING:
-    from dflash.drafter import DFlashDrafter
+    from dflash.drafter.model import DFlashDrafter
 
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
@@ -72,7 +72,7 @@ def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafte
     """A drafter from `step-N/` (or a run's `checkpoints/` dir: its latest), attached to the target."""
     from safetensors.torch import load_file
 
-    from dflash.drafter import DFlashDrafter
+    from dflash.drafter.model import DFlashDrafter
 
     checkpoint_dir = _resolve_checkpoint_dir(Path(checkpoint_dir))
     drafter = DFlashDrafter(read_drafter_config(checkpoint_dir))

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from envcheck.errors import ConfigError, RunFailed
-from envcheck.profile import REPO_ROOT
-from envcheck.redact import redact_env
-from envcheck.schema import Profile
+from core.errors import ConfigError, RunFailed
+from core.paths import REPO_ROOT
+from core.redact import redact_env
+from core.schema import Profile
 
 
 
@@ -83,7 +83,7 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     argv = [python or sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(profile),
             "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
             "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
-            "-m", "dflash.train_worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
+            "-m", "dflash.train.worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
     if resume:
         argv.append("--resume")
     return argv, _worker_env(profile, base_env, extra_env)
@@ -121,8 +121,8 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
 
 def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
     """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside."""
-    from dflash.checkpoint import checkpoints_dir
-    from envcheck.fileio import write_text_atomic
+    from dflash.drafter.checkpoint import checkpoints_dir
+    from core.fileio import write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
     if has_checkpoints and not resume:
@@ -139,7 +139,7 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank."""
-    from dflash.manifest import update_stage
+    from core.manifest import update_stage
 
     paths = TrainPaths(Path(run_dir).resolve())
     prepare_run_dir(profile, paths, resume=resume, force=force)
@@ -173,8 +173,8 @@ def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, 
 
 
 def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
-    from dflash.manifest import update_stage
-    from envcheck.fileio import read_json
+    from core.manifest import update_stage
+    from core.fileio import read_json
 
     stopped = paths.train_dir / "stopped.json"
     if stopped.exists():

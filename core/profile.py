@@ -1,6 +1,6 @@
 """Profiles: `profiles/*.toml`, loaded, merged along `extends` and validated strictly.
 
-A profile file holds sections whose fields are the dataclasses in `envcheck.schema`. A variant
+A profile file holds sections whose fields are the dataclasses in `core.schema`. A variant
 names its base with `extends = "NAME"` and states only what differs; tables merge key by key.
 An unknown key, a wrong type, a value outside its choices or a missing required value is a
 ConfigError naming the file, the key and what would be valid.
@@ -8,17 +8,16 @@ ConfigError naming the file, the key and what would be valid.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from envcheck.errors import ConfigError
-from envcheck.schema import Profile
+from core.errors import ConfigError
+from core.paths import REPO_ROOT, profile_dir
+from core.schema import Profile
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 REQUIRED = dataclasses.MISSING
 
 
@@ -29,10 +28,6 @@ class ProfileSource:
     name: str
     files: tuple[Path, ...]
     origin: dict[str, Path]
-
-
-def profile_dir() -> Path:
-    return Path(os.environ.get("DFLASH_PROFILES_DIR", PROFILES_DIR))
 
 
 def list_profiles(directory: Path | None = None) -> list[str]:
@@ -182,9 +177,6 @@ def _fail(origin: dict[str, Path], dotted: str, name: str, problem: str) -> typi
 def profile_as_dict(profile: Profile) -> dict[str, Any]:
     """The resolved profile as plain data (for `plan` and JSON output)."""
     return dataclasses.asdict(profile)
-
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def expand_path(profile: Profile, template: str) -> Path:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from envcheck.errors import ConfigError, RunFailed
+from core.errors import ConfigError, RunFailed
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
@@ -117,7 +117,7 @@ def run_state_path(run_dir: str | Path) -> Path:
 
 
 def load_run_state(path: str | Path) -> RunState | None:
-    from envcheck.fileio import read_json
+    from core.fileio import read_json
 
     if not Path(path).exists():
         return None
@@ -126,7 +126,7 @@ def load_run_state(path: str | Path) -> RunState | None:
 
 
 def save_run_state(path: str | Path, state: RunState) -> None:
-    from envcheck.fileio import write_json_atomic
+    from core.fileio import write_json_atomic
 
     write_json_atomic(path, {"micro_batch": state.micro_batch, "reductions": state.reductions})
 

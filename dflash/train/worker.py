@@ -1,4 +1,4 @@
-"""Entry point of each torchrun rank: `python -m dflash.train_worker --profile-json F --run-dir D`.
+"""Entry point of each torchrun rank: `python -m dflash.train.worker --profile-json F --run-dir D`.
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
 writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM sets a flag that all
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dflash.trainer import WorkerEnv
+    from dflash.train.trainer import WorkerEnv
 
     env = WorkerEnv.from_env()
     try:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
-    from envcheck.fileio import write_json_atomic
+    from core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
     write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json",
@@ -51,8 +51,8 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
 
 
 def _train(args: argparse.Namespace, env: Any) -> int:
-    from dflash.launch import profile_from_json
-    from dflash.trainer import build_state, close_process_group, init_process_group
+    from dflash.train.launch import profile_from_json
+    from dflash.train.trainer import build_state, close_process_group, init_process_group
 
     profile = profile_from_json(args.profile_json)
     init_process_group(profile, env)
@@ -88,7 +88,7 @@ class StopFlag:
 
 
 def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
-    from dflash.trainer import gather_memory_mib, maybe_inject_failure, plan_batches
+    from dflash.train.trainer import gather_memory_mib, maybe_inject_failure, plan_batches
 
     total = state.extras["total_steps"]
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
@@ -116,8 +116,8 @@ def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
 
 
 def run_planned_step(state: Any, rows: list[int], epoch: int, plan: Any) -> Any:
-    """The step; the memory-budget layer (dflash.autobatch) may wrap this to adapt the plan."""
-    from dflash.trainer import run_step
+    """The step; the memory-budget layer (dflash.train.autobatch) may wrap this to adapt the plan."""
+    from dflash.train.trainer import run_step
 
     wrapper = state.extras.get("step_wrapper")
     return wrapper(state, rows, epoch, plan) if wrapper else run_step(state, rows, epoch, plan)
@@ -128,7 +128,7 @@ def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> N
     then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
     import torch.distributed as dist
 
-    from dflash.trainer import full_optimizer_state
+    from dflash.train.trainer import full_optimizer_state
 
     state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
     optimizer_state = full_optimizer_state(state.optimizer)
@@ -139,10 +139,10 @@ def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> N
 
 
 def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
-    from dflash.checkpoint import save_checkpoint
-    from dflash.manifest import update_stage
-    from dflash.trainer import optimizer_shard_count
-    from envcheck.fileio import write_json_atomic
+    from dflash.drafter.checkpoint import save_checkpoint
+    from core.manifest import update_stage
+    from dflash.train.trainer import optimizer_shard_count
+    from core.fileio import write_json_atomic
 
     where = save_checkpoint(run_dir, state.drafter, state.step, {
         "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
@@ -205,7 +205,7 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
 
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep only lines up to `step` (a resumed run rewrites what came after its checkpoint)."""
-    from envcheck.fileio import write_text_atomic
+    from core.fileio import write_text_atomic
 
     if not path.exists():
         return

@@ -32,7 +32,7 @@ is the larger of the step's line and that figure.
 The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
 micro-batch sizes) replaces intercept and slope with measured ones (`Calibration`), which are
 stored with the baseline under the key `memory_calibration`. Non-torch memory (CUDA context, NCCL,
-cuBLAS workspace) is not part of this model: `dflash.budget` subtracts it from the free memory.
+cuBLAS workspace) is not part of this model: `dflash.memory.plan` subtracts it from the free memory.
 
 Target shapes come from the target's `config.json` when the directory exists (a nested
 `text_config` is used for multimodal configs; the parameter count from the safetensors index when
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from envcheck.errors import InputError
-from envcheck.schema import Profile
+from core.errors import InputError
+from core.schema import Profile
 
 MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -270,7 +270,8 @@ def _param_count_on_disk(directory: Path, dtype_bytes: int) -> int:
 
 def target_shape(profile: Profile) -> TargetShape:
     """The profile's target shape, read from disk when possible (never converts or downloads)."""
-    from dflash.models import SMOLLM2, cache_dir
+    from core.paths import cache_dir
+    from dflash.models import SMOLLM2
 
     spec = profile.model.target
     dtype_bytes = DTYPE_BYTES[profile.model.dtype]
@@ -454,7 +455,7 @@ def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibratio
 
 def save_calibration(baseline_path: str | Path, calibration: Calibration) -> Path:
     """Store the calibration inside the baseline JSON (atomically), next to the facts it was measured on."""
-    from envcheck.fileio import read_json, write_json_atomic
+    from core.fileio import read_json, write_json_atomic
 
     path = Path(baseline_path)
     document = read_json(path) if path.exists() else {}

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.attention import Attend, BlockLayout, make_attend
+from dflash.drafter.attention import Attend, BlockLayout, make_attend
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -247,7 +247,7 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     and values are what that target layer would compute from the deepest tap), and the final norm
     as the target's final norm times `norm_scale`. The target must still have all its layers.
     """
-    from dflash.extract import decoder_layers
+    from dflash.drafter.taps import decoder_layers
 
     target_layers = decoder_layers(target)
     expected = int(drafter.config.num_target_layers)

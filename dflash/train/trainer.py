@@ -1,4 +1,4 @@
-"""Online DFlash training, run inside each torchrun rank (see `dflash.train_worker`).
+"""Online DFlash training, run inside each torchrun rank (see `dflash.train.worker`).
 
 One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on every rank (a
 `BatchPlan`; the same number of forward/backward calls everywhere). The loss of the step is the
@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash.anchors import sample_anchors
-from dflash.drafter import DFlashDrafter, forward_blocks
-from dflash.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
-from envcheck.errors import DataError
-from envcheck.schema import Profile
+from dflash.drafter.anchors import sample_anchors
+from dflash.drafter.model import DFlashDrafter, forward_blocks
+from dflash.drafter.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from core.errors import DataError
+from core.schema import Profile
 
 FAIL_RANK_ENV = "DFLASH_FAIL_RANK"       # fault injection for tests: "RANK:STEP" raises on that rank
 
@@ -182,7 +182,7 @@ def micro_weight_sum(state: TrainState, batch: MicroBatch) -> float:
 
 def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     """Target taps (no grad, truncated forward) -> drafter over all blocks -> loss parts."""
-    from dflash.extract import extract_taps
+    from dflash.drafter.taps import extract_taps
 
     batch = batch.to(state.device)
     cache = state.extras.get("feature_cache")
@@ -216,7 +216,7 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
 
     Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; the
     micro-batches' forward/backward (no collective: DDP's hooks are off); one all_reduce(SUM) of
-    the gradients; the update. With `extras["autobatch"]` (dflash.autobatch.AutoBatch) the
+    the gradients; the update. With `extras["autobatch"]` (dflash.train.autobatch.AutoBatch) the
     micro-batch is agreed across ranks and halved on all of them after an out-of-memory error.
     """
     started = time.perf_counter()
@@ -246,7 +246,7 @@ def _update(state: TrainState) -> None:
 
 
 def sync_gradients(state: TrainState) -> None:
-    from dflash.autobatch import sync_gradients as sum_gradients
+    from dflash.train.autobatch import sync_gradients as sum_gradients
 
     sum_gradients([p for p in state.drafter.parameters() if p.requires_grad])
 
@@ -368,7 +368,7 @@ def _tokenizer_mask_id(profile: Profile) -> int | None:
 
 
 def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
-    from dflash.extract import default_target_layer_ids
+    from dflash.drafter.taps import default_target_layer_ids
 
     ids = list(profile.drafter.target_layer_ids) or default_target_layer_ids(num_target_layers, profile.drafter.num_layers)
     bad = [k for k in ids if not 0 <= k < num_target_layers]
@@ -380,7 +380,7 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
 def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
-    from dflash.drafter import drafter_config, init_from_target
+    from dflash.drafter.model import drafter_config, init_from_target
 
     if profile.drafter.draft_vocab_size and not draft_vocab:
         raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "
@@ -419,7 +419,7 @@ def total_steps(profile: Profile, steps_per_epoch: int) -> int:
 
 
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool) -> TrainState:
-    from dflash.loss import decay_weights, default_gamma
+    from dflash.drafter.loss import decay_weights, default_gamma
 
     device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
     data = TrainData(_dataset_path(profile), profile, env)
@@ -443,7 +443,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
 
 def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> list[int]:
     """drafter.draft_vocab_size most frequent loss tokens of the dataset (the same on every rank)."""
-    from dflash.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
+    from dflash.drafter.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
 
     counts = count_loss_tokens(data.dataset, data.max_length)
     vocab = draft_vocabulary(counts, profile.drafter.draft_vocab_size)
@@ -456,21 +456,21 @@ def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> lis
 
 def _start_autobatch(state: TrainState, run_dir: Path) -> Any:
     """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
-    from dflash.autobatch import AutoBatch, run_state_path
+    from dflash.train.autobatch import AutoBatch, run_state_path
 
     log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
     return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log)
 
 
 def _dataset_path(profile: Profile) -> Path:
-    from envcheck.profile import expand_path
+    from core.profile import expand_path
 
     return expand_path(profile, profile.paths.dataset)
 
 
 def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
                     data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
-    from dflash.attention import resolve_backend
+    from dflash.drafter.attention import resolve_backend
 
     optimizer = build_optimizer(profile, [p for p in drafter.parameters() if p.requires_grad])
     steps = total_steps(profile, data.steps_per_epoch)
@@ -483,8 +483,8 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> Any:
-    """train.feature_cache: the run's shared per-row feature files (dflash.feature_cache)."""
-    from dflash.feature_cache import FeatureCache, cache_directory
+    """train.feature_cache: the run's shared per-row feature files (dflash.train.feature_cache)."""
+    from dflash.train.feature_cache import FeatureCache, cache_directory
 
     key = {"dataset": str(_dataset_path(profile)), "fingerprint": getattr(data.dataset, "_fingerprint", ""),
            "rows": len(data.dataset), "target": profile.model.target, "dtype": profile.model.dtype,
@@ -532,7 +532,7 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
     """Weights, optimizer, schedule, step and micro-batch from the latest checkpoint (if any)."""
     from safetensors.torch import load_file
 
-    from dflash.checkpoint import WEIGHTS, latest_checkpoint, load_training_state
+    from dflash.drafter.checkpoint import WEIGHTS, latest_checkpoint, load_training_state
 
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
