@@ -77,7 +77,7 @@ def build(target, variant: dict, vocab: list[int] | None):
     """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
     import dataclasses
 
-    from dflash.train.trainer import build_drafter
+    from dflash.train.setup import build_drafter
     from core.profile import load_profile
 
     profile = load_profile("cpu-demo")
@@ -94,7 +94,9 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
 
     from dflash.drafter.model import forward_blocks
     from dflash.drafter.loss import block_loss, decay_weights
-    from dflash.train.trainer import collate_rows, cosine_schedule, step_targets
+    from dflash.train.data import collate_rows
+    from dflash.train.optim import cosine_schedule
+    from dflash.train.step import step_targets
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -118,7 +118,8 @@ def training_throughput(tokens: int, steps: int) -> float:
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
     from dflash.drafter.loss import decay_weights
-    from dflash.train.trainer import MicroBatch, forward_micro
+    from dflash.train.data import MicroBatch
+    from dflash.train.step import forward_micro
 
     model, tokenizer = load_target()
     layers = default_target_layer_ids(model.config.num_hidden_layers, 1)
@@ -130,7 +131,8 @@ def training_throughput(tokens: int, steps: int) -> float:
     anchors = torch.from_numpy(sample_anchors(mask, 64, seed=0, epoch=0, row=0))[None]
     batch = MicroBatch(torch.tensor([ids]), torch.from_numpy(mask)[None], anchors, torch.ones_like(anchors, dtype=torch.bool), tokens)
     state = types.SimpleNamespace(device=torch.device("cpu"), target=model, layer_ids=layers, drafter=drafter,
-                                  model=drafter, backend="sdpa", decay=decay_weights(8, 4.0), chunk_rows=2048)
+                                  model=drafter, backend="sdpa", decay=decay_weights(8, 4.0), chunk_rows=2048,
+                                  feature_cache=None, autocast="off")
     times = []
     for _ in range(steps + 1):
         started = time.perf_counter()

@@ -8,6 +8,7 @@ ConfigError naming the file, the key and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -74,12 +75,21 @@ def _resolve_chain(path: Path, directory: Path, seen: tuple[Path, ...]) -> tuple
         return document, own_origin
     if not isinstance(base_name, str):
         raise ConfigError(f"{path}: key 'extends' must be a profile name (a string), got {base_name!r}")
-    base_path = directory / f"{base_name}.toml"
-    if not base_path.exists():
-        choices = ", ".join(list_profiles(directory))
+    base_path = _base_profile_path(base_name, [path.parent, directory, profile_dir()])
+    if base_path is None:
+        choices = ", ".join(sorted({*list_profiles(path.parent), *list_profiles(directory), *list_profiles()}))
         raise ConfigError(f"{path}: key 'extends' names unknown profile {base_name!r}; valid choices: {choices}")
     base, base_origin = _resolve_chain(base_path, directory, (*seen, path))
     return _deep_merge(base, document), {**base_origin, **own_origin}
+
+
+def _base_profile_path(base_name: str, folders: list[Path]) -> Path | None:
+    """`extends = "NAME"`: NAME.toml next to the extending file first, then the shipped profiles."""
+    for folder in dict.fromkeys(folders):
+        candidate = folder / f"{base_name}.toml"
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def _dotted_keys(table: dict, prefix: str = "") -> list[str]:
@@ -177,6 +187,18 @@ def _fail(origin: dict[str, Path], dotted: str, name: str, problem: str) -> typi
 def profile_as_dict(profile: Profile) -> dict[str, Any]:
     """The resolved profile as plain data (for `plan` and JSON output)."""
     return dataclasses.asdict(profile)
+
+
+def profile_to_json(profile: Profile) -> str:
+    """The resolved profile as JSON (what each torchrun rank reads back with `profile_from_json`)."""
+    return json.dumps(profile_as_dict(profile), indent=2, sort_keys=True) + "\n"
+
+
+def profile_from_json(path: str | Path) -> Profile:
+    """The resolved profile written by `profile_to_json`, validated by the same rules as a TOML file."""
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    name = document.pop("name")
+    return _build(Profile, document, {key: Path(path) for key in _dotted_keys(document)}, prefix="", name=name)
 
 
 def expand_path(profile: Profile, template: str) -> Path:

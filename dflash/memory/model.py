@@ -51,6 +51,7 @@ from typing import Any, Callable, Mapping
 
 from core.errors import InputError
 from core.schema import Profile
+from dflash.drafter.taps import default_target_layer_ids
 
 MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -284,13 +285,6 @@ def target_shape(profile: Profile) -> TargetShape:
     return QWEN36_27B_LIKE
 
 
-def tap_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-    """DFlash's spaced context layers: [N // 2] for one tap, else round(1 + i (N - 4) / (L - 1))."""
-    if num_taps == 1:
-        return (num_target_layers // 2,)
-    return tuple(round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps))
-
-
 def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
     """Ranks the AdamW states are spread over: the world size under zero1, else 1."""
     world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
@@ -300,7 +294,7 @@ def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
 def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                           world_size: int | None = None) -> Workload:
     shape = shape or target_shape(profile)
-    taps = profile.drafter.target_layer_ids or tap_layer_ids(shape.num_layers, profile.drafter.num_layers)
+    taps = profile.drafter.target_layer_ids or tuple(default_target_layer_ids(shape.num_layers, profile.drafter.num_layers))
     chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.errors import ConfigError, RunFailed
+from dflash.train.dist import agree_micro_batch, count_failed, sync_gradients
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
@@ -137,67 +138,6 @@ def resume_micro_batch(planned: int, path: str | Path) -> int:
     return planned if state is None else min(planned, state.micro_batch)
 
 
-# --- collectives --------------------------------------------------------------------------
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device(group: Any = None):
-    """Where a collective's tensor must live: the current CUDA device for NCCL, else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_reduce(value: float, op_name: str, group: Any = None, dtype: str = "float64") -> float:
-    if not _distributed():
-        return value
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=getattr(torch, dtype), device=_collective_device(group))
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op_name), group=group)
-    return tensor.item()
-
-
-def agree_micro_batch(local: int, group: Any = None) -> int:
-    """Every rank's feasible micro-batch -> the smallest (all_reduce MIN), the same on all ranks."""
-    return int(_all_reduce(local, "MIN", group, dtype="int64"))
-
-
-def global_weight(local_weight: float, group: Any = None) -> float:
-    """The step's total loss weight over all ranks (all_reduce SUM): the loss normaliser."""
-    return _all_reduce(float(local_weight), "SUM", group)
-
-
-def all_ranks_ok(ok: bool, group: Any = None) -> bool:
-    return _all_reduce(1 if ok else 0, "MIN", group, dtype="int64") == 1
-
-
-def sync_gradients(parameters, group: Any = None) -> None:
-    """Sum every trainable parameter's gradient over the ranks (one flattened all_reduce)."""
-    if not _distributed():
-        return
-    import torch
-    import torch.distributed as dist
-
-    grads = [p.grad for p in parameters if p.requires_grad and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
-
-
 # --- OOM recovery -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -227,10 +167,6 @@ def release_memory(optimizer) -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _count_failed(ok: bool, group: Any = None) -> int:
-    return int(_all_reduce(0 if ok else 1, "SUM", group, dtype="int64"))
 
 
 class AutoBatch:
@@ -298,7 +234,7 @@ class AutoBatch:
         ok = _attempt(lambda: accumulate(self.micro_batch))
         if not ok:
             self.log(f"[autobatch] rank {self.rank}: out of memory at step {self.step}, micro-batch {self.micro_batch}")
-        failed = _count_failed(ok, self.group)
+        failed = count_failed(ok, self.group)
         if failed:
             release_memory(optimizer)
         self._last_failed = failed
@@ -325,20 +261,3 @@ class AutoBatch:
                             f"states are allocated lazily at the first update, so shrinking the micro-batch "
                             f"cannot help: raise memory.margin (or memory.overhead_mib) so the plan leaves "
                             f"room for them, free the GPU, or train fewer drafter layers")
-
-
-def init_distributed(backend: str, timeout_s: float = 600.0) -> tuple[int, int]:
-    """init_process_group for a torchrun worker that may be restarted (--max-restarts): the
-    rendezvous keys get a per-attempt prefix, so a restarted rank never connects to an address a
-    dead rank of the previous attempt published (gloo then fails with 'Connection refused')."""
-    import datetime
-
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, world

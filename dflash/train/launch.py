@@ -7,7 +7,6 @@ rank and node trains exactly the same configuration.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, Mapping
 
 from core.errors import ConfigError, RunFailed
 from core.paths import REPO_ROOT
+from core.profile import profile_to_json
 from core.redact import redact_env
 from core.schema import Profile
 
@@ -47,31 +47,11 @@ class TrainPaths:
         return self.train_dir / "failures"
 
 
-def profile_to_json(profile: Profile) -> str:
-    return json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True) + "\n"
-
-
-def profile_from_json(path: str | Path) -> Profile:
-    """The resolved profile written by `profile_to_json` (sections rebuilt, lists back to tuples)."""
-    document = json.loads(Path(path).read_text(encoding="utf-8"))
-    values: dict[str, Any] = {}
-    for item in dataclasses.fields(Profile):
-        value = document[item.name]
-        section = _section_type(item.name)
-        values[item.name] = section(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}) if section else value
-    return Profile(**values)
-
-
-def _section_type(name: str) -> type | None:
-    import typing
-
-    hint = typing.get_type_hints(Profile)[name]
-    return hint if dataclasses.is_dataclass(hint) else None
-
-
 def worker_threads(profile: Profile) -> int:
     """OMP threads per rank: the node's cores shared by its ranks (GPU ranks: 1 is plenty... at least 1)."""
-    cores = os.cpu_count() or 1
+    from envcheck.host import cpu_count
+
+    cores = cpu_count()
     return max(1, cores // max(1, profile.machine.nproc_per_node))
 
 

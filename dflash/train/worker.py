@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dflash.train.trainer import WorkerEnv
+    from dflash.train.dist import WorkerEnv
 
     env = WorkerEnv.from_env()
     try:
@@ -51,11 +51,12 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
 
 
 def _train(args: argparse.Namespace, env: Any) -> int:
-    from dflash.train.launch import profile_from_json
-    from dflash.train.trainer import build_state, close_process_group, init_process_group
+    from core.profile import profile_from_json
+    from dflash.train.dist import close_process_group, init_process_group, rank_device
+    from dflash.train.setup import build_state
 
     profile = profile_from_json(args.profile_json)
-    init_process_group(profile, env)
+    init_process_group(profile.machine.backend, rank_device(profile.machine.device, env))
     stop = StopFlag.install()
     try:
         state = build_state(profile, args.run_dir, env, resume=args.resume)
@@ -77,80 +78,68 @@ class StopFlag:
         signal.signal(signal.SIGTERM, lambda *_: setattr(flag, "requested", True))
         return flag
 
-    def agreed(self, device: Any) -> bool:
-        import torch
-        import torch.distributed as dist
+    def agreed(self) -> bool:
+        from dflash.train.dist import any_rank
 
-        value = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item() > 0)
+        return any_rank(self.requested)
 
 
 def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
-    from dflash.train.trainer import gather_memory_mib, maybe_inject_failure, plan_batches
+    from dflash.memory.plan import batch_plan
+    from dflash.train.dist import gather_memory_mib
+    from dflash.train.step import maybe_inject_failure, run_step
 
-    total = state.extras["total_steps"]
+    total = state.total_steps
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     try:
         while state.step < total:
-            maybe_inject_failure(state.env, state.step + 1)
+            maybe_inject_failure(state.env.rank, state.step + 1)
             epoch, rows = state.data.step_rows(state.step)
-            stats = run_planned_step(state, rows, epoch, plan_batches(len(rows), state.micro_batch))
+            stats = run_step(state, rows, epoch, batch_plan(state.data.global_batch, state.env.world_size,
+                                                            state.micro_batch))
             state.step += 1
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
-                state.extras["mem_mib"] = gather_memory_mib(state.device)
+                state.mem_mib = gather_memory_mib(state.device)
             if log:
                 log.record(state, stats, epoch)
-            if stop.agreed(state.device):
+            if stop.agreed():
                 _save(state, run_dir, final=False, stopped=True)
                 return
             if state.step % profile.train.save_every_steps == 0 and state.step < total:
                 _save(state, run_dir, final=False)
         _save(state, run_dir, final=True)
-        if state.env.is_main and state.extras.get("feature_cache") is not None:
-            state.extras["feature_cache"].remove()      # every rank is past the final barrier
+        if state.env.is_main and state.feature_cache is not None:
+            state.feature_cache.remove()      # every rank is past the final barrier
     finally:
         if log:
             log.close()
 
 
-def run_planned_step(state: Any, rows: list[int], epoch: int, plan: Any) -> Any:
-    """The step; the memory-budget layer (dflash.train.autobatch) may wrap this to adapt the plan."""
-    from dflash.train.trainer import run_step
-
-    wrapper = state.extras.get("step_wrapper")
-    return wrapper(state, rows, epoch, plan) if wrapper else run_step(state, rows, epoch, plan)
-
-
 def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
     """Every rank: gather the optimizer state to rank 0 (a collective under zero1), rank 0 writes,
     then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
-    import torch.distributed as dist
-
-    from dflash.train.trainer import full_optimizer_state
+    from dflash.train.dist import barrier
+    from dflash.train.optim import full_optimizer_state
 
     state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
     optimizer_state = full_optimizer_state(state.optimizer)
     if state.env.is_main:
         _write_checkpoint(state, run_dir, optimizer_state, final=final, stopped=stopped)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
 
 
 def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
     from dflash.drafter.checkpoint import save_checkpoint
     from core.manifest import update_stage
-    from dflash.train.trainer import optimizer_shard_count
+    from dflash.train.optim import optimizer_shard_count
     from core.fileio import write_json_atomic
 
     where = save_checkpoint(run_dir, state.drafter, state.step, {
         "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
         "scheduler": state.scheduler.state_dict(),
-        "micro_batch": state.micro_batch, "total_steps": state.extras["total_steps"]})
-    last_loss = state.extras.get("last_loss")
+        "micro_batch": state.micro_batch, "total_steps": state.total_steps})
     update_stage(run_dir, "train", "done" if final else "running", steps=state.step,
-                 last_loss=last_loss, checkpoint=str(where))
+                 last_loss=state.last_loss, checkpoint=str(where))
     if stopped:
         write_json_atomic(run_dir / "train" / STOPPED_FILE, {"step": state.step, "checkpoint": str(where)})
         print(f"stopped by SIGTERM after step {state.step}; checkpoint {where}", flush=True)
@@ -167,14 +156,14 @@ class MetricsLog:
         self.every = max(1, profile.train.log_every_steps)
         truncate_metrics(self.path, state.step)
         self.writer = SummaryWriter(str(run_dir / "train" / "tb"), purge_step=state.step + 1)
-        self.bar = tqdm(total=state.extras["total_steps"], initial=state.step, desc="train", unit="step",
+        self.bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step",
                         dynamic_ncols=True, mininterval=1.0)
 
     def record(self, state: Any, stats: Any, epoch: int) -> None:
-        state.extras["last_loss"] = stats.loss
+        state.last_loss = stats.loss
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.3f}", tau=f"{stats.sim_tau:.2f}", refresh=False)
-        if state.step % self.every and state.step != state.extras["total_steps"]:
+        if state.step % self.every and state.step != state.total_steps:
             return
         line = metrics_line(state, stats)
         with self.path.open("a", encoding="utf-8") as handle:
@@ -194,12 +183,11 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
         "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
         "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
         "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
-        "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.extras.get("mem_mib", []),
+        "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.mem_mib,
         "micro_batch": state.micro_batch, "time": time.time(),
     }
-    cache = state.extras.get("feature_cache")
-    if cache is not None:       # train.feature_cache: files on the node; hits and misses of rank 0
-        line["feature_cache"] = cache.stats()
+    if state.feature_cache is not None:   # train.feature_cache: files on the node; hits and misses of rank 0
+        line["feature_cache"] = state.feature_cache.stats()
     return line
 
 

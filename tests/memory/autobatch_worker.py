@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash.train import autobatch  # noqa: E402
+from dflash.train.dist import global_weight, init_process_group  # noqa: E402
 
 POSITIONS, FEATURES, CLASSES = 6, 8, 5
 
@@ -103,7 +104,8 @@ def main() -> None:
                         help="attempt 0 exits(1) after its last step, so torchrun --max-restarts restarts the ranks")
     args = parser.parse_args()
 
-    rank, world = autobatch.init_distributed("gloo")
+    init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     planned = planned_micro_batch(args, rank, world)
     lines: list[str] = []
@@ -115,7 +117,7 @@ def main() -> None:
 
     for step in range(args.steps):
         mine = step_indices(step, args.global_batch)[rank * share:(rank + 1) * share]
-        total = autobatch.global_weight(float(batch(mine)[2].sum()))
+        total = global_weight(float(batch(mine)[2].sum()))
 
         def accumulate(micro_batch: int) -> None:
             for start in range(0, share, micro_batch):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash.train import autobatch
+from dflash.train.dist import global_weight
 from core.errors import ConfigError, RunFailed
 
 HERE = Path(__file__).resolve().parent
@@ -56,7 +57,7 @@ def single_rank_run(tmp_path: Path, injector, steps: int = 3, micro_batch: int =
     outcomes = []
     for step in range(steps):
         indices = worker.step_indices(step, global_batch)
-        total = autobatch.global_weight(float(worker.batch(indices)[2].sum()))
+        total = global_weight(float(worker.batch(indices)[2].sum()))
 
         def accumulate(m: int) -> None:
             for start in range(0, global_batch, m):

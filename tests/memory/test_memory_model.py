@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory import model as memory
 from core.errors import InputError
 from core.profile import load_profile
@@ -22,8 +23,8 @@ def rtx_workload(**changes) -> memory.Workload:
 
 
 def test_tap_layers_follow_the_dflash_spacing():
-    assert memory.tap_layer_ids(36, 5) == (1, 9, 17, 25, 33)
-    assert memory.tap_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
 
 
 def test_shape_is_read_from_config_json_with_nested_text_config(tmp_path):

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from dflash.train.launch import build_torchrun_command, describe_command, profile_from_json, profile_to_json
+from core.profile import profile_from_json, profile_to_json
+from dflash.train.launch import build_torchrun_command, describe_command
 from core.errors import ConfigError
 from core.profile import load_profile
 

@@ -1,0 +1,89 @@
+"""Training data of one rank: the Arrow dataset, the per-epoch order, this rank's rows of a
+step, and collation into right-padded micro-batches with their anchors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.errors import DataError
+from core.schema import Profile
+from dflash.drafter.anchors import sample_anchors
+from dflash.train.dist import WorkerEnv
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences and their anchors (padded anchors: 0, anchor_valid False)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    tokens: int
+    rows: tuple[int, ...] = ()          # dataset rows (the feature cache's keys)
+    lengths: tuple[int, ...] = ()       # unpadded length of each sequence
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
+                          self.anchor_valid.to(device), self.tokens, self.rows, self.lengths)
+
+class TrainData:
+    """The Arrow dataset, the per-epoch order, each rank's rows of a step, and collation."""
+
+    def __init__(self, path: Path, profile: Profile, env: WorkerEnv):
+        import datasets
+
+        if not Path(path).exists():
+            raise DataError(f"{path}: no dataset; run `launcher.py tokenize --profile {profile.name}` first")
+        self.dataset = datasets.load_from_disk(str(path)).with_format(None)
+        missing = {"input_ids", "loss_mask"} - set(self.dataset.column_names)
+        if missing:
+            raise DataError(f"{path}: dataset lacks columns {sorted(missing)}; re-run tokenize")
+        self.global_batch, self.env, self.train = profile.train.global_batch, env, profile.train
+        self.max_length = profile.data.max_length
+        self._check_sizes(path)
+
+    def _check_sizes(self, path: Path) -> None:
+        if self.global_batch % self.env.world_size:
+            raise DataError(f"train.global_batch {self.global_batch} is not divisible by {self.env.world_size} ranks")
+        if len(self.dataset) < self.global_batch:
+            raise DataError(f"{path}: {len(self.dataset)} rows, fewer than train.global_batch {self.global_batch}")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.dataset) // self.global_batch
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.global_batch // self.env.world_size
+
+    def step_rows(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, this rank's row indices) of global step `step` (0-based); drop-last per epoch."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.train.seed, epoch]).permutation(len(self.dataset))
+        chosen = order[index * self.global_batch:(index + 1) * self.global_batch]
+        return epoch, [int(row) for row in chosen[self.env.rank::self.env.world_size]]
+
+    def collate(self, rows: list[int], epoch: int) -> MicroBatch:
+        records = [self.dataset[row] for row in rows]
+        ids = [list(r["input_ids"])[: self.max_length] for r in records]
+        masks = [list(r["loss_mask"])[: self.max_length] for r in records]
+        return collate_rows(ids, masks, rows, self.train.num_anchors, self.train.seed, epoch)
+
+def collate_rows(ids: list[list[int]], masks: list[list[int]], rows: list[int], num_anchors: int,
+                 seed: int, epoch: int) -> MicroBatch:
+    """Right-pad sequences into a MicroBatch; anchors sampled per (seed, epoch, dataset row)."""
+    anchors = [sample_anchors(m, num_anchors, seed=seed, epoch=epoch, row=row) for m, row in zip(masks, rows)]
+    width, count = max(map(len, ids)), max(1, max(map(len, anchors)))
+    batch = MicroBatch(torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
+                       torch.zeros(len(rows), count, dtype=torch.long), torch.zeros(len(rows), count, dtype=torch.bool),
+                       tokens=sum(map(len, ids)), rows=tuple(rows), lengths=tuple(map(len, ids)))
+    for i, (seq, mask, anchor) in enumerate(zip(ids, masks, anchors)):
+        batch.input_ids[i, : len(seq)] = torch.tensor(seq)
+        batch.loss_mask[i, : len(mask)] = torch.tensor(mask)
+        batch.anchors[i, : len(anchor)] = torch.from_numpy(anchor)
+        batch.anchor_valid[i, : len(anchor)] = True
+    return batch

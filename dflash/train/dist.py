@@ -1,0 +1,195 @@
+"""Every collective of a training rank, and the one process-group setup.
+
+torchrun gives every rank the same argv; each derives its own values from RANK, WORLD_SIZE and
+LOCAL_RANK (`WorkerEnv`). Without an initialised process group every helper here is the
+identity, so single-process runs and tests use the same code.
+
+Collective tensors live where the backend wants them: the current CUDA device for NCCL, the
+CPU for gloo.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """This rank's place in the job, from the torchrun environment contract."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> "WorkerEnv":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_device(device_type: str, env: WorkerEnv) -> "torch.device":
+    """This rank's device: its local GPU (made current) on CUDA, else the CPU."""
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(backend: str, device: "torch.device | None" = None,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the job's process group (no-op for a single process or when already joined).
+
+    The rendezvous keys get a per-attempt prefix, so a rank restarted by torchrun
+    (--max-restarts) never connects to an address a dead rank of the previous attempt published
+    (gloo then fails with 'Connection refused').
+    """
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world <= 1 or distributed():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout,
+                            device_id=device if device is not None and device.type == "cuda" else None)
+
+
+def close_process_group() -> None:
+    if distributed():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def collective_device(group: Any = None) -> "torch.device":
+    """Where a collective's tensor must live: the current CUDA device for NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if distributed() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_tensor(values: "torch.Tensor", op_name: str = "SUM", group: Any = None) -> "torch.Tensor":
+    """All-reduce `values` in place (on the collective device) and return them on their own device."""
+    if not distributed():
+        return values
+    import torch.distributed as dist
+
+    moved = values.to(collective_device(group))
+    dist.all_reduce(moved, op=getattr(dist.ReduceOp, op_name), group=group)
+    return moved.to(values.device)
+
+
+def all_reduce_scalar(value: float, op_name: str, group: Any = None, dtype: str = "float64") -> float:
+    if not distributed():
+        return value
+    import torch
+
+    tensor = torch.tensor([value], dtype=getattr(torch, dtype))
+    return all_reduce_tensor(tensor, op_name, group).item()
+
+
+def agree_micro_batch(local: int, group: Any = None) -> int:
+    """Every rank's feasible micro-batch -> the smallest (all_reduce MIN), the same on all ranks."""
+    return int(all_reduce_scalar(local, "MIN", group, dtype="int64"))
+
+
+def global_weight(local_weight: float, group: Any = None) -> float:
+    """The step's total loss weight over all ranks (all_reduce SUM): the loss normaliser."""
+    return all_reduce_scalar(float(local_weight), "SUM", group)
+
+
+def all_ranks_ok(ok: bool, group: Any = None) -> bool:
+    return all_reduce_scalar(1 if ok else 0, "MIN", group, dtype="int64") == 1
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True on every rank when at least one rank's flag is set (all_reduce MAX)."""
+    return all_reduce_scalar(1 if flag else 0, "MAX", group, dtype="int64") == 1
+
+
+def count_failed(ok: bool, group: Any = None) -> int:
+    """How many ranks report a failure (all_reduce SUM of 0/1)."""
+    return int(all_reduce_scalar(0 if ok else 1, "SUM", group, dtype="int64"))
+
+
+def sync_gradients(parameters: Iterable["torch.nn.Parameter"], group: Any = None) -> None:
+    """Sum every trainable parameter's gradient over the ranks (one flattened all_reduce)."""
+    if not distributed():
+        return
+    import torch
+
+    grads = [p.grad for p in parameters if p.requires_grad and p.grad is not None]
+    if not grads:
+        return
+    flat = all_reduce_tensor(torch.cat([g.reshape(-1) for g in grads]), "SUM", group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def gather_floats(value: float, group: Any = None) -> list[float]:
+    """`value` of every rank, in rank order (all_gather)."""
+    if not distributed():
+        return [value]
+    import torch
+    import torch.distributed as dist
+
+    device = collective_device(group)
+    gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([value], device=device, dtype=torch.float32), group=group)
+    return [float(t.item()) for t in gathered]
+
+
+def gather_memory_mib(device: "torch.device") -> list[float]:
+    """Peak memory of every rank in MiB (device memory on GPU, max RSS on CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        import resource
+
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return [round(value, 1) for value in gather_floats(mine)]
+
+
+def barrier() -> None:
+    if distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def rank_of_process() -> int:
+    """This process's rank in the group (0 without one)."""
+    if not distributed():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank()

@@ -1,0 +1,234 @@
+"""The training state of one rank, and the one entry point that builds it (`build_state`):
+dataset, frozen target (truncated after the deepest tap), drafter, optimizer and schedule,
+feature cache, resume from the latest checkpoint, DDP wrapper and the agreed micro-batch.
+
+Tests, benchmarks and the GPU checks build their state through `build_state` too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from core.schema import Profile
+from dflash.drafter.model import DFlashDrafter
+from dflash.train.data import TrainData
+from dflash.train.dist import WorkerEnv, distributed
+
+if TYPE_CHECKING:
+    from dflash.train.autobatch import AutoBatch
+    from dflash.train.feature_cache import FeatureCache
+
+
+@dataclass
+class TrainState:
+    """Everything a step needs. `model` is the DDP wrapper (or the drafter on one rank)."""
+
+    env: WorkerEnv
+    device: torch.device
+    target: Any
+    drafter: DFlashDrafter
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: TrainData
+    layer_ids: list[int]
+    decay: torch.Tensor
+    backend: str
+    grad_clip: float
+    chunk_rows: int
+    total_steps: int
+    step: int = 0
+    micro_batch: int = 1
+    autocast: str = "auto"
+    autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
+    feature_cache: FeatureCache | None = None       # train.feature_cache
+    last_loss: float | None = None                  # of the last step (for the run manifest)
+    mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
+
+
+def load_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> Any:
+    """The frozen target (eval mode, no grads); layers past `keep_layers` are dropped (never run)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models import resolve_model_path
+
+    path = resolve_model_path(profile.model.target)
+    dtype = getattr(torch, profile.model.dtype)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    target.requires_grad_(False)
+    if keep_layers is not None:
+        target.model.layers = target.model.layers[:keep_layers]
+    return target
+
+
+def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
+    """drafter.mask_token_id, else the tokenizer's mask token; it must be a row of the embedding."""
+    mask_id = profile.drafter.mask_token_id
+    if mask_id is None:
+        mask_id = _tokenizer_mask_id(profile)
+    if mask_id is None:
+        raise ValueError(f"profile {profile.name}: the tokenizer has no mask token; set [drafter] mask_token_id "
+                         f"to an embedding row the data never uses (Qwen3: 151669, a padding row)")
+    if not 0 <= mask_id < vocab_rows:
+        raise ValueError(f"profile {profile.name}: drafter.mask_token_id {mask_id} is not a row of the "
+                         f"target's embedding (0..{vocab_rows - 1})")
+    return int(mask_id)
+
+
+def _tokenizer_mask_id(profile: Profile) -> int | None:
+    from transformers import AutoTokenizer
+
+    from dflash.models import resolve_model_path
+
+    path = resolve_model_path(profile.model.tokenizer or profile.model.target)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True).mask_token_id
+
+
+def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
+    from dflash.drafter.taps import default_target_layer_ids
+
+    ids = list(profile.drafter.target_layer_ids) or default_target_layer_ids(num_target_layers, profile.drafter.num_layers)
+    bad = [k for k in ids if not 0 <= k < num_target_layers]
+    if bad:
+        raise ValueError(f"profile {profile.name}: drafter.target_layer_ids {bad} outside 0..{num_target_layers - 1}")
+    return ids
+
+
+def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
+                  draft_vocab: list[int] | None = None) -> DFlashDrafter:
+    """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
+    from dflash.drafter.model import drafter_config, init_from_target
+
+    if profile.drafter.draft_vocab_size and not draft_vocab:
+        raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "
+                         f"draft vocabulary chosen from the dataset (choose_draft_vocab)")
+    mask_id = resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings)
+    config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
+                            target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []))
+    config.num_target_layers = num_target_layers
+    torch.manual_seed(profile.train.seed)
+    drafter = DFlashDrafter(config).attach_target(target)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
+    if profile.drafter.init == "target":
+        init_from_target(drafter, target, norm_scale=profile.drafter.norm_init)
+    else:
+        with torch.no_grad():
+            drafter.norm.weight.fill_(profile.drafter.norm_init)
+    return drafter
+
+
+def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,
+                planned_micro_batch: int | None = None) -> TrainState:
+    """The rank's whole training state. The micro-batch starts from `planned_micro_batch` (the
+    memory plan's), else train.max_micro_batch; the ranks then agree on the smallest."""
+    from dflash.drafter.loss import decay_weights, default_gamma
+
+    device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
+    data = TrainData(dataset_path(profile), profile, env)
+    target = load_target(profile, device)
+    num_target_layers = target.config.num_hidden_layers
+    layer_ids = resolve_layer_ids(profile, num_target_layers)
+    vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None
+    drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab).to(device)
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
+    gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
+    state = assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
+    if profile.train.feature_cache:
+        state.feature_cache = start_feature_cache(profile, run_dir, data, layer_ids)
+    if resume:
+        restore_checkpoint(state, run_dir)
+    state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)
+    state.model = wrap_ddp(drafter, device)
+    state.autobatch = start_autobatch(state, run_dir)
+    state.micro_batch = state.autobatch.micro_batch
+    return state
+
+
+def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> list[int]:
+    """drafter.draft_vocab_size most frequent loss tokens of the dataset (the same on every rank)."""
+    from dflash.drafter.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
+
+    counts = count_loss_tokens(data.dataset, data.max_length)
+    vocab = draft_vocabulary(counts, profile.drafter.draft_vocab_size)
+    if env.is_main:
+        print(f"draft vocabulary: {len(vocab)} tokens (drafter.draft_vocab_size {profile.drafter.draft_vocab_size}; "
+              f"{len(counts)} distinct in the data) cover {100 * coverage(counts, vocab):.1f}% of the loss tokens",
+              flush=True)
+    return vocab
+
+
+def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
+    """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
+    from dflash.train.autobatch import AutoBatch, run_state_path
+
+    log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
+    return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log)
+
+
+def dataset_path(profile: Profile) -> Path:
+    from core.profile import expand_path
+
+    return expand_path(profile, profile.paths.dataset)
+
+
+def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
+                   data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
+    from dflash.drafter.attention import resolve_backend
+    from dflash.train.optim import build_optimizer, cosine_schedule, total_steps
+
+    optimizer = build_optimizer(profile, [p for p in drafter.parameters() if p.requires_grad])
+    steps = total_steps(profile, data.steps_per_epoch)
+    return TrainState(env=env, device=device, target=target, drafter=drafter, model=drafter, optimizer=optimizer,
+                      scheduler=cosine_schedule(optimizer, steps, profile.train.warmup_ratio), data=data,
+                      layer_ids=layer_ids, decay=decay.to(device),
+                      backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
+                      chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
+                      micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast)
+
+
+def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:
+    """train.feature_cache: the run's shared per-row feature files (dflash.train.feature_cache)."""
+    from dflash.train.feature_cache import FeatureCache, cache_directory
+
+    key = {"dataset": str(dataset_path(profile)), "fingerprint": getattr(data.dataset, "_fingerprint", ""),
+           "rows": len(data.dataset), "target": profile.model.target, "dtype": profile.model.dtype,
+           "layers": list(layer_ids), "max_length": data.max_length}
+    return FeatureCache(cache_directory(run_dir, key))
+
+
+def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
+    """Weights, optimizer, schedule, step and micro-batch from the latest checkpoint (if any)."""
+    from safetensors.torch import load_file
+
+    from dflash.drafter.checkpoint import WEIGHTS, latest_checkpoint, load_training_state
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        if state.env.is_main:
+            print(f"no checkpoint under {run_dir}/train/checkpoints; starting from step 0", flush=True)
+        return
+    state.drafter.load_state_dict(load_file(str(checkpoint / WEIGHTS), device=str(state.device)))
+    saved = load_training_state(checkpoint)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
+    if state.env.is_main:
+        print(f"resumed from {checkpoint} (step {state.step})", flush=True)
+
+
+def wrap_ddp(drafter: DFlashDrafter, device: torch.device) -> torch.nn.Module:
+    if not distributed():
+        return drafter
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
+    # DDP broadcasts the initial weights; gradients are summed explicitly after the micro-batches
+    # (run_step), so no collective ever runs inside a forward or backward.
+    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)

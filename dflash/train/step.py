@@ -1,0 +1,144 @@
+"""One optimizer step of online DFlash training, run inside each torchrun rank.
+
+One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on every rank (a
+`dflash.memory.plan.BatchPlan`; the same number of forward/backward calls everywhere). The loss
+of the step is the weighted cross entropy summed over all ranks' micro-batches divided by the
+GLOBAL weight sum (all_reduce SUM before any backward), so gradients do not depend on how the
+batch is split, and the micro-batch may change between steps (`run_step` re-runs from the same
+rows and anchors).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash.drafter.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from dflash.drafter.model import DFlashDrafter, forward_blocks
+from dflash.train import dist
+from dflash.train.data import MicroBatch
+
+if TYPE_CHECKING:
+    from dflash.memory.plan import BatchPlan
+    from dflash.train.setup import TrainState
+
+FAIL_RANK_ENV = "DFLASH_FAIL_RANK"       # fault injection for tests: "RANK:STEP" raises on that rank
+
+
+@dataclass
+class StepStats:
+    loss: float
+    acc: list[float]
+    sim_tau: float
+    tokens: int
+    weight_sum: float
+    seconds: float
+
+
+def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
+    """Labels of every block slot, as columns of the drafter's logits; slots whose token is
+    outside the draft vocabulary (drafter.draft_vocab_size) carry no loss."""
+    targets = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, drafter.block_size)
+    labels, inside = drafter.draft_labels(targets.labels)
+    return BlockTargets(labels=labels, label_mask=targets.label_mask * inside)
+
+
+def micro_weight_sum(state: TrainState, batch: MicroBatch) -> float:
+    return float((step_targets(state.drafter, batch).label_mask * state.decay.cpu()).sum())
+
+
+def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
+    """Target taps (no grad, truncated forward) -> drafter over all blocks -> loss parts."""
+    from dflash.drafter.taps import extract_taps
+
+    batch = batch.to(state.device)
+    if state.feature_cache is None:
+        features = extract_taps(state.target, batch.input_ids, state.layer_ids)
+    else:
+        features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
+    with autocast_context(state.device, state.autocast):
+        hidden = forward_blocks(state.model, batch.input_ids, batch.anchors, features, state.backend)
+        parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
+                           state.chunk_rows)
+    parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
+    return parts
+
+
+def autocast_context(device: torch.device, setting: str = "auto") -> Any:
+    """The drafter's forward: bf16 autocast on CUDA ("auto"), on CPU only with train.autocast = "bfloat16"."""
+    if setting == "bfloat16" or (setting == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
+    """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable from the same rows.
+
+    Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; the
+    micro-batches' forward/backward (no collective: DDP's hooks are off); one all_reduce(SUM) of
+    the gradients; the update. With `state.autobatch` (dflash.train.autobatch.AutoBatch) the
+    micro-batch is agreed across ranks and halved on all of them after an out-of-memory error.
+    """
+    started = time.perf_counter()
+    local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
+    global_weight = max(dist.global_weight(local_weight), 1e-12)
+    totals: dict[str, Any] = {}
+
+    def accumulate(micro_batch: int) -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+        batches = [state.data.collate(rows[i:i + micro_batch], epoch) for i in range(0, len(rows), micro_batch)]
+        totals["sums"], totals["tokens"] = accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
+
+    if state.autobatch is not None:
+        state.micro_batch = state.autobatch.run_step(state.step + 1, accumulate, state.optimizer,
+                                                     lambda: update(state)).micro_batch
+    else:
+        accumulate(plan.micro_batch)
+        dist.sync_gradients(p for p in state.drafter.parameters() if p.requires_grad)
+        update(state)
+    return step_stats(state, totals["sums"], totals["tokens"], time.perf_counter() - started)
+
+
+def update(state: TrainState) -> None:
+    torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
+    state.optimizer.step()
+    state.scheduler.step()
+
+
+def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
+    """Forward/backward of each micro-batch, loss / GLOBAL weight; gradients stay local (summed later)."""
+    slots = state.drafter.block_size - 1
+    totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
+    no_sync = state.model.no_sync if hasattr(state.model, "no_sync") else contextlib.nullcontext
+    for batch in batches:
+        if state.autobatch is not None:
+            state.autobatch.inject("forward")
+        with no_sync():
+            parts = forward_micro(state, batch)
+            (parts.weighted_ce / global_weight).backward()
+        totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
+                             parts.weight_sum.detach().double().cpu().view(1),
+                             parts.correct.double().cpu(), parts.counted.double().cpu()])
+    return totals
+
+
+def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_seconds: float) -> StepStats:
+    slots = state.drafter.block_size - 1
+    reduced = dist.all_reduce_tensor(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]))
+    acc = per_slot_accuracy(reduced[2:2 + slots], reduced[2 + slots:2 + 2 * slots])
+    weight = float(reduced[1])
+    return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
+                     sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
+                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds)
+
+
+def maybe_inject_failure(rank: int, step: int) -> None:
+    """Fault injection (tests, docs/train.md): DFLASH_FAIL_RANK=RANK:STEP raises on that rank."""
+    spec = os.environ.get(FAIL_RANK_ENV, "")
+    if spec and spec.split(":") == [str(rank), str(step)]:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV}={spec})")
