@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from core.cli import add_profile_option, load_profile_arg
 
@@ -14,23 +15,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train even if the preflight audit FAILs; start over when checkpoints exist")
     parser.add_argument("--skip-preflight", action="store_true", help="do not run the preflight audit at all")
     parser.add_argument("--print-command", action="store_true",
-                        help="print the torchrun command (per node) and exit; starts nothing")
+                        help="print the memory plan and the torchrun command (per node) and exit; starts nothing")
+    parser.add_argument("--snapshot", metavar="FILE", type=Path,
+                        help="plan for the node this snapshot recorded (dry runs, tests; default: this machine's GPUs)")
+    parser.add_argument("--baseline", metavar="FILE", type=Path,
+                        help="baseline with overheads and the memory calibration (default: the profile's saved baseline)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dflash.train.launch import build_torchrun_command, describe_command, run_training
     from core.profile import expand_path
+    from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
+    from dflash.train.launch import build_torchrun_command, describe_command, run_training
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)
+    inputs = read_inputs(profile, args.snapshot, args.baseline)
+    plan = plan_for_launch(profile, inputs)
+    print(describe(plan, inputs), flush=True)
     if args.print_command:
         print(describe_command(*build_torchrun_command(profile, run_dir, resume=args.resume)))
         return 0
     if not args.skip_preflight:
         _preflight(profile, run_dir, force=args.force)
-    return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume)
+    return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
 
 
 def _preflight(profile, run_dir, *, force: bool) -> None:

@@ -219,8 +219,9 @@ def world_size_of(profile: Profile) -> int:
 
 def rank_gpus(profile: Profile, snapshot: Any | None, world_size: int,
               cuda_visible_devices: str | None) -> list[GpuView | None]:
-    """The GPU of each local rank (None for every rank on a CPU profile)."""
-    if profile.machine.device == "cpu":
+    """The GPU of each local rank. A CPU profile has none (unlimited budgets) unless a snapshot is
+    given: then its GPUs' budgets apply, which is how a dry run plans a CPU run as if on that node."""
+    if profile.machine.device == "cpu" and snapshot is None:
         return [None] * world_size
     if snapshot is None:
         raise ConfigError("a CUDA profile needs GPU facts: pass --snapshot FILE (see `launcher.py snapshot`)")
@@ -263,11 +264,11 @@ def plan_for_rank(profile: Profile, snapshot: Any | None, rank: int, world_size:
                      cuda_visible_devices=visible, world_size=world_size)
     mine = plan.ranks[rank]
     if mine.feasible_micro_batch == 0:
-        raise RunFailed(_does_not_fit(mine.budget, plan.peak_model))
+        raise RunFailed(does_not_fit(mine.budget, plan.peak_model))
     return batch_plan(profile.train.global_batch, world_size, mine.feasible_micro_batch)
 
 
-def _does_not_fit(budget: RankBudget, model: memory.PeakModel) -> str:
+def does_not_fit(budget: RankBudget, model: memory.PeakModel) -> str:
     gpu = f"GPU {budget.gpu.index}" if budget.gpu else "this device"
     return (f"rank {budget.rank}: one sequence needs {model.peak_mib(1):.0f} MiB but {gpu}'s budget is "
             f"{budget.budget_mib:.0f} MiB (free {budget.free_mib:.0f} - overhead {budget.overhead_mib:.0f} "

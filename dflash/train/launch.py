@@ -117,12 +117,22 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
 
 
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
-                 extra_env: Mapping[str, str] | None = None) -> int:
-    """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank."""
-    from core.manifest import update_stage
+                 extra_env: Mapping[str, str] | None = None, plan: tuple[Any, Any] | None = None) -> int:
+    """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank.
 
+    `plan` = (Plan, PlanInputs) from dflash.memory.launch_plan (computed here from this machine
+    and the profile's baseline when not given) is written to train/plan.json, where every rank
+    reads its starting micro-batch and budget. A rank that cannot hold one sequence stops the
+    launch here (PreflightFailed), before any model loads."""
+    from core.manifest import update_stage
+    from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
+
+    if plan is None:
+        inputs = read_inputs(profile)
+        plan = (plan_for_launch(profile, inputs), inputs)
     paths = TrainPaths(Path(run_dir).resolve())
     prepare_run_dir(profile, paths, resume=resume, force=force)
+    write_plan(paths.run_dir, *plan)
     argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env)
     if profile.machine.nnodes > 1:
         print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)

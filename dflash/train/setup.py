@@ -47,6 +47,7 @@ class TrainState:
     feature_cache: FeatureCache | None = None       # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
+    predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
 
 
 def load_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> Any:

@@ -56,14 +56,33 @@ def _train(args: argparse.Namespace, env: Any) -> int:
     from dflash.train.setup import build_state
 
     profile = profile_from_json(args.profile_json)
-    init_process_group(profile.machine.backend, rank_device(profile.machine.device, env))
+    device = rank_device(profile.machine.device, env)
+    init_process_group(profile.machine.backend, device)
     stop = StopFlag.install()
     try:
-        state = build_state(profile, args.run_dir, env, resume=args.resume)
+        start = apply_rank_plan(args.run_dir, env, device)
+        state = build_state(profile, args.run_dir, env, resume=args.resume,
+                            planned_micro_batch=start.micro_batch if start else None)
+        state.predicted_peak_mib = start.predicted_peak_mib if start else None
         train_loop(state, profile, args.run_dir, stop)
     finally:
         close_process_group()
     return 0
+
+
+def apply_rank_plan(run_dir: Path, env: Any, device: Any) -> Any:
+    """This rank's line of train/plan.json (None without one); on CUDA the allocator is capped to
+    the rank's budget, so it cannot take memory another process on that GPU was promised."""
+    from dflash.memory.launch_plan import allocator_fraction, read_rank_start
+
+    start = read_rank_start(run_dir, env.rank)
+    fraction = allocator_fraction(start) if start else None
+    if fraction is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        print(f"rank {env.rank}: allocator capped to {start.budget_mib:.0f} MiB ({fraction:.3f} of the GPU)", flush=True)
+    return start
 
 
 class StopFlag:
@@ -184,6 +203,7 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
         "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
         "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
         "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.mem_mib,
+        "predicted_peak_mib": state.predicted_peak_mib,
         "micro_batch": state.micro_batch, "time": time.time(),
     }
     if state.feature_cache is not None:   # train.feature_cache: files on the node; hits and misses of rank 0

@@ -1,0 +1,167 @@
+"""The memory plan a training run starts from: computed at launch, written to
+`<run_dir>/train/plan.json`, read back by every rank.
+
+Inputs: the node's GPUs (a recorded snapshot given with `--snapshot`, else this machine's GPUs
+through NVML, without a CUDA context), the profile's baseline (overheads of GPUs the snapshot did
+not probe, and the memory calibration `launcher.py calibrate` stored) and the profile. A rank
+whose budget cannot hold one sequence stops the launch before any model loads.
+
+Each rank starts from its own feasible micro-batch (`RankStart.micro_batch`); AutoBatch then
+agrees on the smallest over all ranks, persists it and halves it on a runtime OOM. On CUDA a
+rank also caps its allocator to its budget (`allocator_fraction`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import PreflightFailed
+from core.fileio import read_json, write_json_atomic
+from core.schema import Profile
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan is computed from, and where each part came from (shown to the user)."""
+
+    snapshot: Any | None
+    baseline: Any | None
+    calibration: Any | None
+    snapshot_source: str            # a file, "NVML", or "none (CPU profile)"
+    calibration_source: str         # the baseline file holding it, or "analytic model"
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """One rank's line of plan.json: where it starts and what it may use."""
+
+    rank: int
+    micro_batch: int                # this rank's feasible micro-batch (before agreement)
+    budget_mib: float | None        # None: unlimited (CPU)
+    total_mib: float | None         # the GPU's total memory (None on CPU)
+    predicted_peak_mib: float       # the plan's peak at the agreed micro-batch
+
+
+def plan_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "train" / PLAN_FILE
+
+
+def read_inputs(profile: Profile, snapshot_file: Path | None = None, baseline_file: Path | None = None) -> PlanInputs:
+    """The plan's inputs; the baseline defaults to the profile's saved one (`baseline save`)."""
+    from dflash.memory.model import load_calibration
+
+    snapshot, snapshot_source = _snapshot(profile, snapshot_file)
+    baseline_file = baseline_file or _saved_baseline(profile)
+    baseline = read_json(baseline_file) if baseline_file else None
+    calibration = load_calibration(baseline, str(baseline_file))
+    source = f"calibration in {baseline_file}" if calibration else "analytic model"
+    if calibration is None and snapshot_file is not None and isinstance(snapshot, dict):
+        calibration = load_calibration(snapshot, str(snapshot_file))
+        source = f"calibration in {snapshot_file}" if calibration else source
+    return PlanInputs(snapshot, baseline, calibration, snapshot_source, source)
+
+
+def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Any | None, str]:
+    if snapshot_file is not None:
+        return read_json(snapshot_file), str(snapshot_file)
+    if profile.machine.device == "cpu":
+        return None, "none (CPU profile)"
+    return live_snapshot(), "NVML"
+
+
+def _saved_baseline(profile: Profile) -> Path | None:
+    from envcheck.baseline import baseline_path
+
+    path = baseline_path(profile.name)
+    return path if path.exists() else None
+
+
+def live_snapshot() -> dict[str, Any]:
+    """This machine's GPUs through NVML (no CUDA context)."""
+    from core.errors import ConfigError
+
+    try:
+        return {"gpus": _nvml_gpus()}
+    except Exception as error:  # pynvml missing, NVMLError_LibraryNotFound, driver errors
+        raise ConfigError(f"cannot read this machine's GPUs through NVML ({type(error).__name__}: {error}); "
+                          f"pass --snapshot FILE recorded on the node to plan for") from None
+
+
+def _nvml_gpus() -> list[dict[str, Any]]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return [_nvml_gpu(index, pynvml.nvmlDeviceGetHandleByIndex(index), pynvml)
+                for index in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_gpu(index: int, handle: Any, pynvml: Any) -> dict[str, Any]:
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    name, uuid = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetUUID(handle)
+    return {"index": index, "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_total_mib": info.total / 2**20, "memory_free_mib": info.free / 2**20}
+
+
+def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Any:
+    """The plan of this node's ranks; PreflightFailed (exit 1) when a rank cannot hold one sequence."""
+    from dflash.memory.plan import does_not_fit, make_plan
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
+    plan = make_plan(profile, inputs.snapshot, baseline=inputs.baseline, calibration=inputs.calibration,
+                     cuda_visible_devices=visible)
+    short = [rank for rank in plan.ranks if rank.feasible_micro_batch == 0]
+    if short:
+        reasons = "\n  ".join(does_not_fit(rank.budget, plan.peak_model) for rank in short)
+        raise PreflightFailed(f"the memory plan does not fit (peak model from the {inputs.calibration_source}):\n  "
+                              f"{reasons}")
+    return plan
+
+
+def rank_starts(plan: Any) -> list[RankStart]:
+    peak = plan.peak_model.peak_mib(plan.batch.micro_batch)
+    return [RankStart(rank=r.budget.rank, micro_batch=r.feasible_micro_batch, budget_mib=_finite(r.budget.budget_mib),
+                      total_mib=r.budget.gpu.total_mib if r.budget.gpu else None, predicted_peak_mib=round(peak, 1))
+            for r in plan.ranks]
+
+
+def _finite(value: float) -> float | None:
+    return None if value == float("inf") else round(value, 1)
+
+
+def write_plan(run_dir: Path, plan: Any, inputs: PlanInputs) -> Path:
+    document = {"profile": plan.profile, "world_size": plan.world_size, "micro_batch": plan.batch.micro_batch,
+                "accum_steps": plan.batch.accum_steps, "global_batch": plan.batch.global_batch,
+                "snapshot_source": inputs.snapshot_source, "peak_model_source": inputs.calibration_source,
+                "peak_model": asdict(plan.peak_model), "ranks": [asdict(start) for start in rank_starts(plan)]}
+    return write_json_atomic(plan_path(run_dir), document)
+
+
+def read_rank_start(run_dir: Path, rank: int) -> RankStart | None:
+    """This rank's line of plan.json (None when the run was started without a plan)."""
+    path = plan_path(run_dir)
+    if not path.exists():
+        return None
+    ranks = read_json(path)["ranks"]
+    return RankStart(**ranks[rank]) if rank < len(ranks) else None
+
+
+def allocator_fraction(start: RankStart) -> float | None:
+    """The share of its GPU a rank's allocator may use: its budget over the GPU's total memory."""
+    if start.budget_mib is None or not start.total_mib:
+        return None
+    return max(0.0, min(1.0, start.budget_mib / start.total_mib))
+
+
+def describe(plan: Any, inputs: PlanInputs) -> str:
+    starts = ", ".join(f"rank {s.rank}: {s.micro_batch}" for s in rank_starts(plan))
+    return (f"memory plan: micro-batch {plan.batch.micro_batch} x {plan.batch.accum_steps} accumulation steps on "
+            f"{plan.world_size} ranks (GPUs from {inputs.snapshot_source}; peak model from the "
+            f"{inputs.calibration_source}); feasible per rank: {starts}")
