@@ -250,24 +250,6 @@ def make_plan(profile: Profile, snapshot: Any | None = None, *, baseline: Any | 
                 estimate=memory.estimate(workload), workload=workload)
 
 
-def plan_for_rank(profile: Profile, snapshot: Any | None, rank: int, world_size: int, *,
-                  baseline: Any | None = None, calibration: memory.Calibration | None = None,
-                  cuda_visible_devices: str | None = None) -> BatchPlan:
-    """This rank's feasible micro-batch and accumulation, before agreement (see autobatch).
-
-    Raises RunFailed when not even one sequence fits: the message names the budget and the peak.
-    """
-    from core.errors import RunFailed
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
-    plan = make_plan(profile, snapshot, baseline=baseline, calibration=calibration,
-                     cuda_visible_devices=visible, world_size=world_size)
-    mine = plan.ranks[rank]
-    if mine.feasible_micro_batch == 0:
-        raise RunFailed(does_not_fit(mine.budget, plan.peak_model))
-    return batch_plan(profile.train.global_batch, world_size, mine.feasible_micro_batch)
-
-
 def does_not_fit(budget: RankBudget, model: memory.PeakModel) -> str:
     gpu = f"GPU {budget.gpu.index}" if budget.gpu else "this device"
     return (f"rank {budget.rank}: one sequence needs {model.peak_mib(1):.0f} MiB but {gpu}'s budget is "

@@ -1,5 +1,8 @@
-"""A torchrun worker for the autobatch tests: a small self-contained training loop (plain torch)
-that uses dflash.train.autobatch exactly as a trainer would. Each rank writes what it did to --out.
+"""A torchrun harness for AutoBatch alone: a small self-contained training loop (plain torch) whose
+exact parameters are known (`reference_run`), so agreement and OOM recovery can be held to the
+unreduced run to 1e-5. It plans nothing itself: each rank's starting micro-batch is given
+(`--planned-by-rank`); the real trainer's plan-at-launch path is tested in tests/train/test_plan_launch.py.
+Each rank writes what it did to --out.
 
 Data are a deterministic function of the global sample index; every step takes the next
 global_batch samples and rank r trains on its contiguous share, split into micro-batches. Each
@@ -76,18 +79,11 @@ def reference_run(steps: int, global_batch: int, micro_batch: int) -> list[float
     return flat_params(model)
 
 
-def planned_micro_batch(args: argparse.Namespace, rank: int, world: int) -> int:
-    if not args.profile:
+def planned_micro_batch(args: argparse.Namespace, rank: int) -> int:
+    """This rank's starting micro-batch: `--planned-by-rank 4,2` (one per rank), else --micro-batch."""
+    if not args.planned_by_rank:
         return args.micro_batch
-    from dflash.memory.plan import plan_for_rank
-    from dflash.memory.model import load_calibration
-    from core.fileio import read_json
-    from core.profile import load_profile
-
-    baseline = read_json(args.baseline) if args.baseline else None
-    plan = plan_for_rank(load_profile(args.profile), read_json(args.snapshot), rank, world,
-                         baseline=baseline, calibration=load_calibration(baseline, args.baseline))
-    return plan.micro_batch
+    return int(args.planned_by_rank.split(",")[rank])
 
 
 def main() -> None:
@@ -96,9 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--profile", default="")
-    parser.add_argument("--snapshot", default="")
-    parser.add_argument("--baseline", default="")
+    parser.add_argument("--planned-by-rank", default="", help="each rank's planned micro-batch, e.g. 4,2")
     parser.add_argument("--state", default="")
     parser.add_argument("--crash-after-first-attempt", action="store_true",
                         help="attempt 0 exits(1) after its last step, so torchrun --max-restarts restarts the ranks")
@@ -107,7 +101,7 @@ def main() -> None:
     init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    planned = planned_micro_batch(args, rank, world)
+    planned = planned_micro_batch(args, rank)
     lines: list[str] = []
     auto = autobatch.AutoBatch.start(planned, args.state or None, rank, log=lines.append)
     record = {"rank": rank, "attempt": attempt, "planned": planned, "agreed": auto.micro_batch, "steps": []}

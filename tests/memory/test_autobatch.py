@@ -137,10 +137,11 @@ def test_smaller_budget_on_rank_1_sets_both_ranks_and_matches_the_unreduced_run(
     calibration = memory.fit_calibration({1: 3_500.0, 2: 5_000.0}, workload)   # 2000 + 1500 MiB per sequence
     snapshot = {"gpus": [{"index": i, "uuid": f"GPU-{i}", "memory_total_mib": 12_000, "memory_free_mib": free}
                          for i, free in enumerate([10_000, 6_500])]}           # budgets 8500, 5350 MiB
-    (tmp_path / "snapshot.json").write_text(json.dumps(snapshot))
-    memory.save_calibration(tmp_path / "baseline.json", calibration)
-    ranks = torchrun(tmp_path, "--profile", str(profile), "--snapshot", str(tmp_path / "snapshot.json"),
-                     "--baseline", str(tmp_path / "baseline.json"), "--steps", "4", max_restarts=1)
+    from dflash.memory.plan import make_plan
+
+    plan = make_plan(load_profile(str(profile)), snapshot, calibration=calibration)
+    planned = ",".join(str(rank.feasible_micro_batch) for rank in plan.ranks)
+    ranks = torchrun(tmp_path, "--planned-by-rank", planned, "--steps", "4", max_restarts=1)
     r0, r1 = ranks["rank0-last"], ranks["rank1-last"]
     assert (r0["planned"], r1["planned"]) == (4, 2)
     assert r0["agreed"] == r1["agreed"] == 2

@@ -5,7 +5,7 @@ import pytest
 
 from dflash.memory import model as memory
 from dflash.memory import plan as budget
-from core.errors import ConfigError, InputError, RunFailed
+from core.errors import ConfigError, InputError
 from core.profile import load_profile
 
 UUIDS = ["GPU-aaaa0000-1111", "GPU-bbbb0000-2222", "GPU-cccc0000-3333", "GPU-aaaa9999-4444"]
@@ -99,15 +99,20 @@ def test_ranks_follow_cuda_visible_devices(tmp_path):
         calibrated_plan(profile, [10_000, 6_500], cuda_visible_devices="1")
 
 
-def test_plan_for_rank_gives_the_local_plan_and_refuses_when_one_sequence_cannot_fit(tmp_path, monkeypatch):
+def test_launch_plan_gives_each_rank_its_start_and_refuses_when_one_sequence_cannot_fit(tmp_path, monkeypatch):
+    from core.errors import PreflightFailed
+    from dflash.memory.launch_plan import PlanInputs, allocator_fraction, plan_for_launch, rank_starts
+
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")
     calibration = memory.fit_calibration(CALIBRATION_POINTS, memory.workload_from_profile(profile))
-    snap = snapshot([10_000, 6_500], [500, 500])
-    local = budget.plan_for_rank(profile, snap, 1, 2, calibration=calibration)
-    assert (local.micro_batch, local.accum_steps) == (2, 4)
-    with pytest.raises(RunFailed, match=r"rank 1: one sequence needs 3500 MiB but GPU 1's budget is 2650 MiB"):
-        budget.plan_for_rank(profile, snapshot([10_000, 3_500], [500, 500]), 1, 2, calibration=calibration)
+    inputs = PlanInputs(snapshot([10_000, 6_500], [500, 500]), None, calibration, "test", "calibration")
+    starts = rank_starts(plan_for_launch(profile, inputs))
+    assert [start.micro_batch for start in starts] == [4, 2]
+    assert allocator_fraction(starts[1]) == pytest.approx(starts[1].budget_mib / 97_887)
+    short = PlanInputs(snapshot([10_000, 3_500], [500, 500]), None, calibration, "test", "calibration")
+    with pytest.raises(PreflightFailed, match=r"rank 1: one sequence needs 3500 MiB but GPU 1's budget is 2650 MiB"):
+        plan_for_launch(profile, short)
 
 
 def test_cuda_profile_without_snapshot_asks_for_one(tmp_path):
