@@ -207,9 +207,26 @@ def _static_sdist_requires(message: email.message.Message) -> bool:
 # -- the index -----------------------------------------------------------------------------------
 
 def read_index(pins: list[Pin], options: InstallerOptions) -> MetadataMap:
-    """Metadata the installer's index reports for the pins (one resolver call, retried without
-    each pin it cannot find)."""
-    remaining = [pin for pin in pins if not pin.version.startswith("@")]
+    """Metadata the installer's index reports for the pins: one resolver call per batch of
+    distinct names (GOOD's versions, then BAD's), each retried without a pin it cannot find."""
+    found: MetadataMap = {}
+    for batch in distinct_name_batches([pin for pin in pins if not pin.version.startswith("@")]):
+        found.update(_read_index_batch(batch, options))
+    return found
+
+
+def distinct_name_batches(pins: list[Pin]) -> list[list[Pin]]:
+    """The pins split so that no batch names a package twice (first versions first)."""
+    batches: list[list[Pin]] = []
+    for pin in pins:
+        batch = next((b for b in batches if all(other.name != pin.name for other in b)), None)
+        if batch is None:
+            batches.append(batch := [])
+        batch.append(pin)
+    return batches
+
+
+def _read_index_batch(remaining: list[Pin], options: InstallerOptions) -> MetadataMap:
     found: MetadataMap = {}
     while remaining:
         report, unknown = _dry_run_report(remaining, options)
