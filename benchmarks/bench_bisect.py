@@ -1,7 +1,9 @@
-"""Bisect benchmark: probes used against the number of changed groups, and the wall time of one
-candidate step (venv + install + consistency check) with uv and a warm cache against pip.
+"""Bisect benchmark: probes used against the number of changed groups, coupled wheelhouses
+(families only and skips, as before, against groups learned from the check, against groups read
+from metadata), and the wall time of one candidate step (venv + install + consistency check)
+with uv and a warm cache against pip.
 
-    .venv/bin/python benchmarks/bench_bisect.py [--sizes 4 8 16 32] [--repeats 5]
+    .venv/bin/python benchmarks/bench_bisect.py [--sizes 4 8 16 32] [--repeats 5] [--culprits core opt]
 
 Everything is local: the wheelhouses are written by `envcheck.bisect.demo`, installs use
 `--no-index --find-links`, probes are real `launcher.py probe` runs in each candidate venv.
@@ -18,7 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from envcheck.bisect.demo import DemoPackage, build_demo, build_wheel  # noqa: E402
+from envcheck.bisect.demo import (COUPLED_CHANGED, COUPLED_IMPORTED, DemoPackage, build_coupled_demo,  # noqa: E402
+                                  build_demo, build_wheel, demo_probe)
 from envcheck.bisect.report import build_report  # noqa: E402
 from envcheck.bisect.runner import BisectConfig, run_bisect  # noqa: E402
 from envcheck.bisect.search import next_candidate, probe_bound  # noqa: E402
@@ -26,6 +29,10 @@ from envcheck.bisect.venvs import InstallerOptions, build_candidate  # noqa: E40
 from core.fileio import write_text_atomic  # noqa: E402
 
 PROBE = f"{{python}} {REPO_ROOT / 'launcher.py'} probe --import memhog"
+COUPLED_PROBE = demo_probe(COUPLED_IMPORTED).replace("launcher.py", str(REPO_ROOT / "launcher.py"))
+MODES = {"before": dict(use_metadata=False, learn_conflicts=False),     # families only, skip inconsistent
+         "check": dict(use_metadata=False, learn_conflicts=True),       # couplings learned from the check
+         "metadata": dict(use_metadata=True, learn_conflicts=True)}     # couplings read from Requires-Dist
 
 
 def pure_search_probes(groups: int) -> tuple[int, float]:
@@ -68,6 +75,42 @@ def real_bisect(root: Path, groups: int, cache: Path) -> dict:
     return report
 
 
+def coupled_bisect(root: Path, culprit: str, mode: str, cache: Path) -> dict:
+    demo = build_coupled_demo(root / "demo", culprit)
+    installer = InstallerOptions(find_links=(str(demo.wheelhouse),), no_index=True, offline=True, cache_dir=str(cache))
+    work = root / mode
+    config = BisectConfig(good=demo.good, bad=demo.bad, work_dir=work, log_path=work / "log.jsonl",
+                          probe=COUPLED_PROBE, installer=installer, **MODES[mode])
+    started = time.monotonic()
+    report = build_report(*run_bisect(config))
+    report["wall_s"] = time.monotonic() - started
+    return report
+
+
+def true_group(culprit: str) -> set[str]:
+    """The culprit's group under the metadata grouping: what a correct answer names."""
+    return {"core": {"core", "plug"}, "plug": {"core", "plug"}, "app": {"app", "lib"}, "lib": {"app", "lib"}}.get(
+        culprit, {culprit})
+
+
+def print_coupled(root: Path, culprits: list[str], cache: Path) -> None:
+    print("\ncoupled wheelhouse (10 changes: two-way pins, a chain, a one-way pair, an added and a removed package)")
+    print(f"{'culprit':>8} {'mode':>9} {'groups':>7} {'probes':>7} {'bound':>6} {'skipped':>8} {'regrouped':>10} "
+          f"{'innocent':>9} {'exact':>6} {'wall s':>7}  answer")
+    totals: dict[str, list[int]] = {mode: [0, 0, 0] for mode in MODES}
+    for culprit in culprits:
+        for mode in MODES:
+            report = coupled_bisect(root / f"{culprit}", culprit, mode, cache)
+            named = set(report["culprit"]["packages"])
+            innocent = len(named - true_group(culprit))
+            totals[mode] = [a + b for a, b in zip(totals[mode], (report["skipped"], innocent, report["probes_used"]))]
+            print(f"{culprit:>8} {mode:>9} {len(report['groups']):>7} {report['probes_used']:>7} {report['probe_bound']:>6} "
+                  f"{report['skipped']:>8} {report['regrouped']:>10} {innocent:>9} {str(report['culprit']['exact']):>6} "
+                  f"{report['wall_s']:>7.1f}  {','.join(report['culprit']['groups'])}")
+    for mode, (skipped, innocent, probes) in totals.items():
+        print(f"total {mode:>9}: skipped {skipped}, innocent packages named {innocent}, probes {probes}")
+
+
 def step_times(root: Path, installer: str, repeats: int, cache: Path) -> list[float]:
     """Wall seconds of building the demo's GOOD candidate (8 packages), `repeats` times."""
     from envcheck.bisect.reqsets import load_requirement_set
@@ -90,6 +133,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--culprits", nargs="+", default=list(COUPLED_CHANGED), choices=COUPLED_CHANGED)
+    parser.add_argument("--skip-uniform", action="store_true", help="only the coupled wheelhouses")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-bisect-") as tmp:
         root = Path(tmp)
@@ -98,6 +143,9 @@ def main() -> int:
         for groups in (2, 4, 8, 16, 32, 64, 128):
             worst, mean = pure_search_probes(groups)
             print(f"{groups:>7} {worst:>6} {mean:>6.2f} {probe_bound(groups):>6}")
+        print_coupled(root / "coupled", args.culprits, root / "uv-cache")
+        if args.skip_uniform:
+            return 0
         print("\nreal bisects (uv venvs from a local wheelhouse, launcher.py probe in each)")
         print(f"{'groups':>7} {'probes':>7} {'bound':>6} {'culprit':>8} {'delta MiB':>10} {'wall s':>7} {'s/step':>7}")
         for groups in args.sizes:

@@ -4,6 +4,12 @@ The probe is any command following `git bisect run`'s exit codes (0 good, 125 sk
 bad; 128 and above, or a signal, aborts). By default it is `launcher.py probe` run with the
 candidate venv's python: GOOD's probe report becomes the baseline the others are judged
 against (passed as ENVCHECK_PROBE_BASELINE; each step's report goes to ENVCHECK_PROBE_OUT).
+
+Groups come from the packages' metadata (`changes.group_changes`). A candidate that is still
+inconsistent (`uv pip check` names a conflict between two groups) teaches the bisect a coupling:
+it logs it, regroups (the two groups merge, or the needed one moves first) and goes on; logged
+steps are matched to the new candidates by the set of packages they applied, so none is probed
+twice. Only a candidate whose conflict no regrouping can fix is skipped.
 """
 from __future__ import annotations
 
@@ -18,12 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from envcheck.bisect.changes import Group, apply_groups, diff_sets, group_changes
-from envcheck.bisect.log import BisectLog, StepRecord
+from envcheck.bisect.changes import Change, Group, apply_groups, diff_sets, group_changes
+from envcheck.bisect.coupling import Coupling, learned_couplings
+from envcheck.bisect.log import BisectLog, LearnedRecord, StepRecord
+from envcheck.bisect.metadata import MetadataMap, collect_metadata, save_cache
 from envcheck.bisect.reqsets import RequirementSet, load_requirement_set
 from envcheck.bisect.search import Outcome, next_candidate
 from envcheck.bisect.venvs import InstallerOptions, build_candidate, venv_python
 from core.errors import CannotTest, ConfigError, InputError, RunFailed
+from core.fileio import write_text_atomic
 from core.paths import REPO_ROOT
 
 DEFAULT_PROBE = f"{{python}} {shlex.quote(str(REPO_ROOT / 'launcher.py'))} probe"
@@ -44,6 +53,8 @@ class BisectConfig:
     fresh: bool = False
     keep_venvs: bool = False
     probe_timeout_s: float = 1800.0
+    use_metadata: bool = True                   # False: hard-coded families only
+    learn_conflicts: bool = True                # False: an inconsistent candidate is only skipped
 
 
 @dataclass
@@ -51,15 +62,63 @@ class BisectPlan:
     good: RequirementSet
     groups: list[Group]
     header: dict
+    changes: list[Change] = field(default_factory=list)
+    metadata: MetadataMap = field(default_factory=dict)
+    extra_groups: list[str] = field(default_factory=list)
 
 
-def plan_bisect(config: BisectConfig) -> BisectPlan:
-    """Read both sets and group their differences (starts nothing)."""
+def plan_bisect(config: BisectConfig, write_cache: bool = False) -> BisectPlan:
+    """Read both sets, read the changed packages' metadata and group the changes (builds nothing)."""
     good, bad = load_requirement_set(config.good), load_requirement_set(config.bad)
-    groups = group_changes(diff_sets(good, bad), config.extra_groups)
-    if not groups:
+    changes = diff_sets(good, bad)
+    if not changes:
         raise InputError(f"{config.good} and {config.bad} pin the same versions: nothing to bisect")
-    return BisectPlan(good, groups, _header(config, groups))
+    metadata = _metadata(config, changes, write_cache) if config.use_metadata else {}
+    groups = group_changes(changes, config.extra_groups, metadata)
+    return BisectPlan(good, groups, _header(config, groups), changes, metadata, list(config.extra_groups))
+
+
+def _metadata(config: BisectConfig, changes: list[Change], write_cache: bool) -> MetadataMap:
+    cache = config.work_dir / "metadata.json"
+    pins = [pin for change in changes for pin in (change.old, change.new) if pin is not None]
+    metadata = collect_metadata(pins, config.installer, cache)
+    if write_cache and metadata:
+        save_cache(cache, metadata)
+    return metadata
+
+
+def regroup(plan: BisectPlan, learned: list[LearnedRecord]) -> BisectPlan:
+    """The plan with the logged learned couplings applied (the header, and so the log, stays)."""
+    if not learned:
+        return plan
+    couplings = [Coupling(item.mover, item.needs, item.reason, "check") for item in learned]
+    groups = group_changes(plan.changes, plan.extra_groups, plan.metadata, couplings)
+    return BisectPlan(plan.good, groups, plan.header, plan.changes, plan.metadata, plan.extra_groups)
+
+
+def learn_from(plan: BisectPlan, record: StepRecord, known: list[LearnedRecord]) -> list[LearnedRecord]:
+    """The couplings an inconsistent step shows that change the grouping; [] when none does."""
+    changed = {change.name for change in plan.changes}
+    found = learned_couplings(record.conflicts, set(record.packages), changed, record.step)
+    new = [LearnedRecord(record.step, c.mover, c.needs, c.reason) for c in found]
+    before = [(group.name, group.packages) for group in plan.groups]
+    after = [(group.name, group.packages) for group in regroup(plan, [*known, *new]).groups]
+    return new if after != before else []
+
+
+def outcomes_for(plan: BisectPlan, steps: list[StepRecord]) -> dict[int, Outcome]:
+    """The logged outcomes of the candidates of this grouping, matched by applied packages."""
+    prefixes = {frozenset(_applied(plan.groups[:k])): k for k in range(len(plan.groups) + 1)}
+    outcomes: dict[int, Outcome] = {}
+    for step in steps:
+        k = prefixes.get(frozenset(step.packages))
+        if k is not None and step.reason != "regrouped":
+            outcomes[k] = step.result
+    return outcomes
+
+
+def _applied(groups: list[Group]) -> list[str]:
+    return [name for group in groups for name in group.packages]
 
 
 def _header(config: BisectConfig, groups: list[Group]) -> dict:
@@ -71,17 +130,26 @@ def _header(config: BisectConfig, groups: list[Group]) -> dict:
 
 def run_bisect(config: BisectConfig) -> tuple[BisectPlan, BisectLog, bool]:
     """Search until done (True) or until `max_steps` new steps ran (False: resume later)."""
-    plan = plan_bisect(config)
+    plan = plan_bisect(config, write_cache=True)
     log = BisectLog.open(config.log_path, plan.header, fresh=config.fresh)
-    outcomes: dict[int, Outcome] = {step.k: step.result for step in log.steps}
+    plan = regroup(plan, log.learned)
+    outcomes = outcomes_for(plan, log.steps)
     new_steps = 0
     while (k := next_candidate(len(plan.groups), outcomes, config.verify_bad)) is not None:
         if config.max_steps is not None and new_steps >= config.max_steps:
             return plan, log, False
         record = run_step(config, plan, k, step=len(log.steps) + 1, baseline=_baseline(log))
+        learned = learn_from(plan, record, log.learned) if config.learn_conflicts and record.reason == "inconsistent" else []
+        record.reason = "regrouped" if learned else record.reason
         log.append(record)
-        outcomes[k] = record.result
         new_steps += 1
+        if learned:
+            for item in learned:
+                log.append_learned(item)
+            plan = regroup(plan, log.learned)
+            outcomes = outcomes_for(plan, log.steps)
+        else:
+            outcomes[k] = record.result
     _check_good_was_good(config, log)
     return plan, log, True
 
@@ -104,21 +172,27 @@ def _check_good_was_good(config: BisectConfig, log: BisectLog) -> None:
 def run_step(config: BisectConfig, plan: BisectPlan, k: int, step: int, baseline: Optional[str]) -> StepRecord:
     """Build GOOD + the first k groups in a scratch venv, check it, probe it."""
     applied = plan.groups[:k]
-    record = StepRecord(step=step, k=k, groups=[group.name for group in applied], result="skip")
+    record = StepRecord(step=step, k=k, groups=[group.name for group in applied], result="skip",
+                        packages=sorted(_applied(applied)))
     venv_dir = config.work_dir / "venvs" / f"k{k:03d}"
     started = time.monotonic()
-    requirements = config.work_dir / "steps" / f"k{k:03d}.requirements.txt"
+    requirements = config.work_dir / "steps" / f"{step_stem(step, k)}.requirements.txt"
     built = build_candidate(config.installer, venv_dir, apply_groups(plan.good, applied), requirements)
     record.seconds.update(built.seconds)
     if not built.ok:
         record.reason = "inconsistent" if built.inconsistent else f"{built.stage} failed"
-        record.message = built.message
+        record.message, record.conflicts = built.message, built.conflicts
     else:
         _probe_into(record, config, venv_dir, baseline)
     if not config.keep_venvs:
         shutil.rmtree(venv_dir, ignore_errors=True)
     record.seconds["total"] = round(time.monotonic() - started, 3)
     return record
+
+
+def step_stem(step: int, k: int) -> str:
+    """File name stem of a step's requirements, probe log and report: `step03-k005`."""
+    return f"step{step:02d}-k{k:03d}"
 
 
 def probe_command(template: str, venv_dir: Path, report: Path, baseline: Optional[str]) -> tuple[list[str], dict[str, str]]:
@@ -140,13 +214,13 @@ def probe_command(template: str, venv_dir: Path, report: Path, baseline: Optiona
 def _probe_into(record: StepRecord, config: BisectConfig, venv_dir: Path, baseline: Optional[str]) -> None:
     steps_dir = config.work_dir / "steps"
     steps_dir.mkdir(parents=True, exist_ok=True)
-    report = steps_dir / f"k{record.k:03d}.json"
+    report = steps_dir / f"{step_stem(record.step, record.k)}.json"
     report.unlink(missing_ok=True)
     argv, env = probe_command(config.probe, venv_dir, report, None if record.k == 0 else baseline)
     started = time.monotonic()
     code, output = _run_probe(argv, env, config.probe_timeout_s)
     record.seconds["probe"] = round(time.monotonic() - started, 3)
-    (steps_dir / f"k{record.k:03d}.log").write_text(output, encoding="utf-8")
+    write_text_atomic(steps_dir / f"{step_stem(record.step, record.k)}.log", output)
     record.exit_code, record.result = code, _outcome(code, argv)
     record.reason = "cannot test" if code == SKIP_CODE else ""
     record.message = " | ".join(output.strip().splitlines()[-3:])

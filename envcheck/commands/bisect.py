@@ -1,5 +1,6 @@
 """`launcher.py bisect --good GOOD --bad BAD [--probe CMD]`: find the dependency change behind a
-memory regression by binary search over candidate environments built with uv."""
+memory regression by binary search over candidate environments built with uv.
+`--plan` prints the groups (and why each is one) and the probe bound, building nothing."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", type=Path, default=None, help="resumable JSON-lines log (default: WORK_DIR/log.jsonl)")
     parser.add_argument("--fresh", action="store_true", help="discard an existing log instead of resuming it")
     parser.add_argument("--group", action="append", default=[], metavar="A,B",
-                        help="packages that must move together (besides torch+nvidia-*+triton and flashinfer-*)")
+                        help="packages that must move together (besides what their metadata couples)")
+    parser.add_argument("--no-metadata", action="store_true",
+                        help="do not read Requires-Dist; group by the hard-coded torch / flashinfer families only")
     parser.add_argument("--verify-bad", action="store_true", help="also probe BAD itself (one more probe)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after N new steps; rerun to resume")
     parser.add_argument("--installer", choices=("uv", "pip"), default="uv")
@@ -33,21 +36,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="installer cache (default: uv's shared cache)")
     parser.add_argument("--keep-venvs", action="store_true", help="keep each candidate venv after its probe")
     parser.add_argument("--probe-timeout", type=float, default=1800.0, help="seconds per probe before it counts as skip")
-    parser.add_argument("--list-groups", action="store_true", help="print the changed groups and exit; builds nothing")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the groups, why each is a group, their order and the probe bound; builds nothing")
+    parser.add_argument("--list-groups", action="store_true", help="same as --plan")
+    parser.add_argument("--json", action="store_true", help="print the report (or the plan) as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck.bisect.report import build_report, format_report, save_report
+    from envcheck.bisect.report import build_plan_report, build_report, format_plan, format_report, save_report
     from envcheck.bisect.runner import plan_bisect, run_bisect
 
     config = _config_from_args(args)
-    if args.list_groups:
-        plan = plan_bisect(config)
-        for index, group in enumerate(plan.groups, start=1):
-            print(f"{index:>3} {group.name}: {group.describe()}")
+    if args.plan or args.list_groups:
+        plan_report = build_plan_report(plan_bisect(config))
+        print(json.dumps(plan_report, indent=2) if args.json else format_plan(plan_report))
         return 0
     plan, log, complete = run_bisect(config)
     report = build_report(plan, log, complete)
@@ -68,7 +72,7 @@ def _config_from_args(args: argparse.Namespace):
                         log_path=args.log or work_dir / "log.jsonl", probe=args.probe or _default_probe(args, DEFAULT_PROBE),
                         installer=installer, extra_groups=args.group, verify_bad=args.verify_bad,
                         max_steps=args.max_steps, fresh=args.fresh, keep_venvs=args.keep_venvs,
-                        probe_timeout_s=args.probe_timeout)
+                        probe_timeout_s=args.probe_timeout, use_metadata=not args.no_metadata)
 
 
 def _default_work_dir(args: argparse.Namespace) -> Path:

@@ -43,19 +43,20 @@ def _cli(demo, work_dir: Path, *extra: str, probe: str = PROBE) -> subprocess.Co
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
 
 
-def test_finds_memhog_within_the_probe_bound_and_skips_the_inconsistent_set(demo, tmp_path):
+def test_finds_memhog_within_the_probe_bound_with_the_coupled_pair_read_from_metadata(demo, tmp_path):
     plan, log, complete = run_bisect(_config(demo, tmp_path))
     report = build_report(plan, log, complete)
     assert complete and report["culprit"]["groups"] == ["memhog"] and report["culprit"]["exact"]
-    assert len(plan.groups) == 8
-    assert report["probes_used"] <= probe_bound(8) == 4
+    assert [group.name for group in plan.groups] == ["alpha", "beta", "gadget", "jointa+jointb", "memhog", "relic", "zulu"]
+    assert plan.groups[3].rules == ("metadata",) and "jointa 2.0 requires jointb==2.0 (GOOD has jointb 1.0)" in \
+        plan.groups[3].reasons
+    assert report["probes_used"] <= probe_bound(7) == 4
     assert report["culprit"]["memory_delta_mib"] > 150          # 10 MB -> 200 MB at import
-    skipped = [step for step in log.steps if step.result == "skip"]
-    assert skipped and all(step.reason == "inconsistent" and step.exit_code is None for step in skipped)
-    assert "jointa" in skipped[0].groups and "jointb" not in skipped[0].groups
-    assert "requires `jointb==2.0`" in skipped[0].message
+    assert [step.result for step in log.steps if step.result == "skip"] == [], "no candidate is inconsistent"
+    assert json.loads((tmp_path / "metadata.json").read_text())["jointa==2.0"]["requires"] == ["jointb==2.0"]
     assert not list((tmp_path / "venvs").glob("k*")), "scratch venvs are removed after each step"
-    culprit_env = (tmp_path / "steps" / "k006.requirements.txt").read_text()
+    first_bad = next(step for step in log.steps if step.k == 5)
+    culprit_env = (tmp_path / "steps" / f"step{first_bad.step:02d}-k005.requirements.txt").read_text()
     assert "memhog==2.0" in culprit_env and "relic==0.9" in culprit_env and "zulu==3.0" in culprit_env
 
 
@@ -91,17 +92,23 @@ def test_bisect_killed_mid_step_resumes_without_reprobing_logged_steps(demo, tmp
     killer.write_text(KILLER)
     counter = tmp_path / "probe-calls"
     probe = f"{{python}} {killer} {counter} 2 " + PROBE.removeprefix("{python} ")
-    killed = _cli(demo, tmp_path / "work", probe=probe)
+    # without metadata the jointa/jointb coupling is learned from two inconsistent candidates
+    killed = _cli(demo, tmp_path / "work", "--no-metadata", probe=probe)
     assert killed.returncode == -9
     logged = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()[1:]]
-    assert [(step["k"], step["result"]) for step in logged] == [(0, "good"), (4, "skip")]
-    resumed = _cli(demo, tmp_path / "work", probe=probe)
+    steps = [(line["k"], line["result"], line["reason"]) for line in logged if line["kind"] == "step"]
+    assert steps == [(0, "good", ""), (4, "skip", "regrouped"), (4, "skip", "regrouped")]
+    assert [(line["mover"], line["needs"]) for line in logged if line["kind"] == "learned"] == \
+        [("jointa", "jointb"), ("jointb", "jointa")]
+    resumed = _cli(demo, tmp_path / "work", "--no-metadata", probe=probe)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     assert report["culprit"]["groups"] == ["memhog"]
-    # probes: GOOD (1), the killed one (2), then the three the search still needed: k=3 again, 5, 6
+    assert [group["name"] for group in report["groups"]][3] == "jointa+jointb"
+    # probes: GOOD (1), the killed one (2), then the three the search still needed: k=3 again, 5, 4
     assert int(counter.read_text()) == 2 + 3
-    assert [step["k"] for step in report["steps"]] == [0, 4, 3, 5, 6]
+    assert [step["k"] for step in report["steps"]] == [0, 4, 4, 3, 5, 4]
+    assert report["skipped"] == 0 and report["regrouped"] == 2
 
 
 def test_pip_builds_the_same_candidate(demo, tmp_path):
@@ -110,7 +117,8 @@ def test_pip_builds_the_same_candidate(demo, tmp_path):
     argv, _ = install_command(options, tmp_path / "venv", tmp_path / "reqs.txt")
     assert argv[1:3] == ["-m", "pip"] and "--no-deps" in argv and "--no-index" in argv
     config = BisectConfig(good=paths.good, bad=paths.bad, work_dir=tmp_path, log_path=tmp_path / "log.jsonl",
-                          probe=PROBE, installer=options, max_steps=2)
+                          probe=PROBE, installer=options, max_steps=2, use_metadata=False)
     plan, log, complete = run_bisect(config)
-    assert [step.result for step in log.steps] == ["good", "skip"] and not complete
-    assert "jointb" in log.steps[1].message
+    assert [(step.result, step.reason) for step in log.steps] == [("good", ""), ("skip", "regrouped")] and not complete
+    assert log.steps[1].conflicts == ["jointa 2.0 has requirement jointb==2.0, but you have jointb 1.0."]
+    assert [(item.mover, item.needs) for item in log.learned] == [("jointa", "jointb")]
