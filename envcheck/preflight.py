@@ -39,7 +39,7 @@ def disk_paths(profile: Profile) -> list[Path]:
 
 
 def live_snapshot(profile: Profile, cuda_probe: bool = False) -> Snapshot:
-    from envcheck.snapshot import collect_snapshot
+    from envcheck.collect import collect_snapshot
 
     return collect_snapshot(disk_paths(profile), cuda_probe=cuda_probe)
 

@@ -1,16 +1,12 @@
-"""The machine's facts as one versioned JSON document, and how they are collected.
+"""The machine's facts as one versioned JSON document: its records, and reading and writing it.
 
 A snapshot is what `audit` checks, what a baseline stores and what `baseline diff` compares.
-Collection never creates a CUDA context in this process: GPU facts come from NVML, torch facts
-from a child process (cached, keyed by the installed torch), and the optional CUDA probe runs
-in child processes too.
+How the facts are collected is `envcheck.collect`.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -174,25 +170,3 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
     from core.redact import redact_document, secret_values
 
     return write_json_atomic(path, redact_document(snapshot.to_dict(), secret_values(os.environ)))
-
-
-def collect_snapshot(disk_paths: typing.Sequence[Path] = (), *, cuda_probe: bool = False,
-                     environ: typing.Mapping[str, str] | None = None) -> Snapshot:
-    """This machine's facts. No CUDA context is created in this process."""
-    from core import redact
-    from envcheck import host, nvml_facts, packages, toolkit, torch_facts
-
-    environ = os.environ if environ is None else environ
-    nvml, gpus = nvml_facts.collect()
-    snapshot = Snapshot(
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(),
-        python=".".join(map(str, __import__("sys").version_info[:3])),
-        nvml=nvml, gpus=gpus, torch=torch_facts.collect(), toolkit=toolkit.collect(environ),
-        packages=packages.installed_versions(), host=host.collect(disk_paths),
-        env=redact.gpu_environment(environ),
-    )
-    if cuda_probe and gpus:
-        from envcheck import cuda_probe as probe
-
-        probe.apply(snapshot, probe.run_all(snapshot.gpus))
-    return snapshot

@@ -1,0 +1,93 @@
+"""The layout is the architecture: core/ imports nothing of the floors above it, envcheck/ (the
+machine) never imports dflash/ (the workload), and no module imports itself back through a
+chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLOORS = {"core": 0, "envcheck": 1, "dflash": 2}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in FLOORS:
+        for path in (REPO / package).rglob("*.py"):
+            dotted = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def runtime_imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules `path` imports at run time (a `from pkg import submodule` counts the submodule)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+                   for node in ast.walk(block)}
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names} & known.keys()
+            targets |= subs if len(subs) == len(node.names) else {node.module, *subs}
+        elif isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+    return targets & known.keys()
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: runtime_imports(path, known) - {name} for name, path in known.items()}
+
+
+def floor(module: str) -> int:
+    return FLOORS[module.split(".")[0]]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_runs_up_a_floor():
+    graph = import_graph()
+    upward = sorted((module, target) for module, targets in graph.items() for target in targets
+                    if floor(target) > floor(module))
+    assert upward == []
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checker_sees_an_upward_import_and_a_cycle():
+    graph = {"core.a": {"dflash.b"}, "dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}}
+    assert [(m, t) for m, ts in graph.items() for t in ts if floor(t) > floor(m)] == [("core.a", "dflash.b")]
+    assert cycles(graph) == [["dflash.b", "dflash.c"]]
