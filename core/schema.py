@@ -110,6 +110,12 @@ class DrafterSection:
     norm_init: float = 1.0                   # final norm's start: its weight (random init), a factor on the target's (target init)
     init: Literal["random", "target"] = "random"  # target: layers start as the target's layers after the deepest tap
     draft_vocab_size: int = 0                # 0: the target's vocabulary; N: only the N most frequent training tokens
+    # The drafter's own attention shape and RoPE (docs/train.md, "Drafter shape"); 0 derives from the
+    # target: head dim min(target's, 128), the target's query/KV widths, plain RoPE at the target's theta.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0                        # <= 128 on SM12x: flex_attention's bf16 backward runs out of shared memory above
+    rope_theta: float = 0.0                  # plain RoPE base, written as top-level `rope_theta` in config.json
 
 
 @dataclass(frozen=True)
