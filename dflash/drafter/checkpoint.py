@@ -137,7 +137,7 @@ def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafte
     drafter directory, attached to the target. Weights load strictly (names and shapes)."""
     from dflash.drafter.model import DFlashDrafter
 
-    checkpoint_dir = _resolve_checkpoint_dir(Path(checkpoint_dir))
+    checkpoint_dir = resolve_checkpoint_dir(Path(checkpoint_dir))
     drafter = DFlashDrafter(read_drafter_config(checkpoint_dir))
     weights = {name: tensor.float() if tensor.is_floating_point() else tensor
                for name, tensor in read_weights(checkpoint_dir).items()}
@@ -149,7 +149,7 @@ def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafte
     return drafter.to(device).attach_target(target_model).eval()
 
 
-def _resolve_checkpoint_dir(path: Path) -> Path:
+def resolve_checkpoint_dir(path: Path) -> Path:
     if (path / LATEST).exists():
         pointed = path / (path / LATEST).read_text(encoding="utf-8").strip()
         return pointed
