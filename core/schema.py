@@ -99,6 +99,7 @@ class GenerateSection:
     continuous_batching: bool = False        # transformers serve --continuous-batching (one batched forward)
     cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
     server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: 1, unless already set)
+    context_length: int = 0                  # SGLang --context-length (prompt + completion); 0: the model's own
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,9 @@ class EvalSection:
     prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
     cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
                                              # more threads stall small batch-1 forwards on a busy CPU
+    engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
+    engine_python: str = ""                  # python of the environment with the engine ("": this one)
+    engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
 
 
 @dataclass(frozen=True)
