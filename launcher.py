@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("dflash.commands.merge", "merge two datasets safely (backup, schema check, atomic)"),
     "train": ("dflash.commands.train", "online DFlash drafter training with torchrun"),
     "eval": ("dflash.commands.eval", "speculative-decoding evaluation: tau and speedup"),
+    "export": ("dflash.commands.export", "write a drafter checkpoint in the format SGLang, vLLM or the reference loads"),
     "pipeline": ("dflash.commands.pipeline", "the whole workflow: audit, generate, tokenize, train, eval"),
     "status": ("dflash.commands.status", "stage-by-stage state of a run directory"),
     "probe": ("envcheck.commands.probe", "memory probe (git bisect run exit codes)"),

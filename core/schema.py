@@ -99,6 +99,7 @@ class GenerateSection:
     continuous_batching: bool = False        # transformers serve --continuous-batching (one batched forward)
     cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
     server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: 1, unless already set)
+    context_length: int = 0                  # SGLang --context-length (prompt + completion); 0: the model's own
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,12 @@ class DrafterSection:
     norm_init: float = 1.0                   # final norm's start: its weight (random init), a factor on the target's (target init)
     init: Literal["random", "target"] = "random"  # target: layers start as the target's layers after the deepest tap
     draft_vocab_size: int = 0                # 0: the target's vocabulary; N: only the N most frequent training tokens
+    # The drafter's own attention shape and RoPE (docs/train.md, "Drafter shape"); 0 derives from the
+    # target: head dim min(target's, 128), the target's query/KV widths, plain RoPE at the target's theta.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0                        # <= 128 on SM12x: flex_attention's bf16 backward runs out of shared memory above
+    rope_theta: float = 0.0                  # plain RoPE base, written as top-level `rope_theta` in config.json
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,9 @@ class EvalSection:
     prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
     cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
                                              # more threads stall small batch-1 forwards on a busy CPU
+    engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
+    engine_python: str = ""                  # python of the environment with the engine ("": this one)
+    engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, metavar="T",
                         help="0: greedy, lossless (default: eval.temperature); > 0: speculative rejection sampling")
     parser.add_argument("--seed", type=int, help="sampling seed (default: eval.seed)")
+    parser.add_argument("--engine", choices=("transformers", "sglang", "vllm"),
+                        help="transformers: in-process decoding (default on CPU); sglang / vllm: the engine serves "
+                             "the target with the drafter on 127.0.0.1 and reports tau (default: eval.engine)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
     profile = load_profile_arg(args)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          engine=args.engine)
     summary = run_eval(profile, run_dir=args.run_dir, options=options)
     print(summary_lines(summary.report))
     for path in summary.files:
@@ -46,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_lines(report: dict) -> str:
     """One line per method: mean tau, tokens/s, speedup (and losslessness when greedy)."""
-    lines = [f"eval: {report['num_prompts']} prompts, block size {report['block_size']}, "
-             f"temperature {report['temperature']}"]
+    lines = [f"eval{' (' + report['engine'] + ', engine-reported tau)' if 'engine' in report else ''}: "
+             f"{report['num_prompts']} prompts, block size {report['block_size']}, temperature {report['temperature']}"]
     for name, method in report["methods"].items():
-        tau = f"tau {method['mean_tau']:.2f}  " if name != "target" else " " * 11
+        tau = f"tau {method['mean_tau']:.2f}  " if name != "target" and method["mean_tau"] is not None else " " * 11
         same = method.get("identical_to_target")
         note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
-        lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup']:.2f}x{note}")
+        lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup'] or 0:.2f}x{note}")
     return "\n".join(lines)

@@ -1,9 +1,11 @@
 """Drafter checkpoints: `{run_dir}/train/checkpoints/step-N/` and the `latest` pointer.
 
 Each checkpoint directory holds `model.safetensors` (the trainable drafter weights, reference
-names), `config.json` (reference drafter format: `architectures: ["DFlashDraftModel"]`,
-`block_size`, `dflash_config: {mask_token_id, target_layer_ids}`, `num_target_layers`, Qwen3
-shape keys) and `training_state.pt` (optimizer, scheduler, step, agreed micro-batch). It is
+names), `config.json` (reference drafter format, `config_document`: `architectures:
+["DFlashDraftModel"]`, `model_type: qwen3`, `block_size`, `dflash_config: {mask_token_id,
+target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoPE as a top-level
+`rope_theta` next to transformers 5's `rope_parameters`) and `training_state.pt` (optimizer,
+scheduler, step, agreed micro-batch). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -39,7 +41,7 @@ def save_checkpoint(run_dir: str | Path, drafter: "DFlashDrafter", step: int, st
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
     with atomic_directory(target) as staging:
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        (staging / CONFIG).write_text(drafter.config.to_json_string(use_diff=False), encoding="utf-8")
+        (staging / CONFIG).write_text(json.dumps(config_document(drafter.config), indent=2) + "\n", encoding="utf-8")
         torch.save({"step": step, **state}, staging / STATE)
     write_text_atomic(root / LATEST, f"step-{step}\n")
     return target
@@ -56,32 +58,98 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return target
 
 
+def config_document(config: Any) -> dict[str, Any]:
+    """config.json of a drafter: the Qwen3Config's keys plus what loaders outside transformers 5
+    read: a top-level `rope_theta` (and `rope_scaling: null`: plain RoPE), `block_size` at both
+    levels. Loaders that read `rope_theta` (SGLang, transformers 4.x, MLX) otherwise fall back to
+    their own default base and run the drafter with a RoPE it was not trained with."""
+    document = json.loads(config.to_json_string(use_diff=False))
+    rope = document.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"the drafter uses plain RoPE only, got rope_parameters {rope}")
+    document["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    document["rope_scaling"] = None
+    document["model_type"] = "qwen3"
+    document.setdefault("dflash_config", {})["block_size"] = int(document["block_size"])
+    return document
+
+
 def read_drafter_config(checkpoint_dir: str | Path) -> Any:
+    """The drafter config of our checkpoints or of a published DFlash drafter (z-lab format:
+    `auto_map`, top-level `rope_theta`, block size at the top level or in dflash_config)."""
     from transformers import Qwen3Config
 
     path = Path(checkpoint_dir) / CONFIG
     if not path.exists():
-        raise InputError(f"{path}: no drafter config here; expected a checkpoint directory step-N/")
+        raise InputError(f"{path}: no drafter config here; expected a checkpoint directory step-N/ "
+                         "or a DFlash drafter directory (config.json + *.safetensors)")
     document = json.loads(path.read_text(encoding="utf-8"))
-    if "DFlashDraftModel" not in document.get("architectures", []) or "dflash_config" not in document:
-        raise InputError(f"{path}: not a DFlash drafter config (needs architectures DFlashDraftModel and dflash_config)")
+    _check_supported(path, document)
+    dflash = document["dflash_config"]
+    document["block_size"] = int(dflash.get("block_size", document.get("block_size", 16)))
+    for key in ("auto_map", "torch_dtype", "dtype", "layer_types", "use_sliding_window", "sliding_window"):
+        document.pop(key, None)
     return Qwen3Config.from_dict(document)
 
 
-def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafter":
-    """A drafter from `step-N/` (or a run's `checkpoints/` dir: its latest), attached to the target."""
+def _check_supported(path: Path, document: dict[str, Any]) -> None:
+    """InputError for configs this drafter cannot run the way they were trained."""
+    architectures = document.get("architectures") or []
+    if "DFlash2DraftModel" in architectures:
+        raise InputError(f"{path}: a DFlash 2 drafter (DFlash2DraftModel: causal convolutions, candidate "
+                         "selector); only DFlashDraftModel drafters are supported")
+    if "DFlashDraftModel" not in architectures or "dflash_config" not in document:
+        raise InputError(f"{path}: not a DFlash drafter config (needs architectures DFlashDraftModel and dflash_config)")
+    if "target_layer_ids" not in document["dflash_config"] or "mask_token_id" not in document["dflash_config"]:
+        raise InputError(f"{path}: dflash_config needs target_layer_ids and mask_token_id")
+    layer_types = set(document.get("layer_types") or ["full_attention"])
+    causal = document.get("is_causal") or document["dflash_config"].get("causal")
+    if layer_types != {"full_attention"} or causal:
+        raise InputError(f"{path}: layer_types {sorted(layer_types)} / is_causal {causal}: only full, "
+                         "bidirectional block attention is supported")
+    rope = document.get("rope_parameters") or document.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise InputError(f"{path}: RoPE scaling {rope} is not supported (plain RoPE only)")
+
+
+def read_weights(checkpoint_dir: Path) -> dict[str, Any]:
+    """The drafter's tensors: `model.safetensors`, or every shard an index names; a `model.`
+    prefix (some published exports) is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
 
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (checkpoint_dir / WEIGHTS).exists():
+        shards = [WEIGHTS]
+    else:
+        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
+    weights: dict[str, Any] = {}
+    for shard in shards:
+        for name, tensor in load_file(str(checkpoint_dir / shard)).items():
+            if "rotary_emb." not in name:
+                weights[name.removeprefix("model.")] = tensor
+    return weights
+
+
+def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafter":
+    """A drafter from `step-N/` (or a run's `checkpoints/` dir: its latest) or a published DFlash
+    drafter directory, attached to the target. Weights load strictly (names and shapes)."""
     from dflash.drafter.model import DFlashDrafter
 
-    checkpoint_dir = _resolve_checkpoint_dir(Path(checkpoint_dir))
+    checkpoint_dir = resolve_checkpoint_dir(Path(checkpoint_dir))
     drafter = DFlashDrafter(read_drafter_config(checkpoint_dir))
-    drafter.load_state_dict(load_file(str(checkpoint_dir / WEIGHTS)), strict=True)
+    weights = {name: tensor.float() if tensor.is_floating_point() else tensor
+               for name, tensor in read_weights(checkpoint_dir).items()}
+    try:
+        drafter.load_state_dict(weights, strict=True)
+    except RuntimeError as error:
+        raise InputError(f"{checkpoint_dir}: the weights do not fit its config.json: {error}") from error
     device = target_model.get_input_embeddings().weight.device
     return drafter.to(device).attach_target(target_model).eval()
 
 
-def _resolve_checkpoint_dir(path: Path) -> Path:
+def resolve_checkpoint_dir(path: Path) -> Path:
     if (path / LATEST).exists():
         pointed = path / (path / LATEST).read_text(encoding="utf-8").strip()
         return pointed

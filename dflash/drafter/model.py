@@ -18,6 +18,7 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -31,22 +32,77 @@ from dflash.drafter.attention import Attend, BlockLayout, make_attend
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
-                   target_layer_ids: Sequence[int], mask_token_id: int, draft_vocab_size: int = 0) -> Qwen3Config:
-    """The drafter's config (reference format): the target's shapes, L layers, DFlash keys."""
+MAX_HEAD_DIM = 128          # flex_attention's bf16 backward on SM12x needs head dim <= 128 (shared memory)
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter's own attention shape and RoPE (the hidden size always follows the target).
+
+    0 means "derive from the target" (`derive_shape`): head dim min(target's, 128), the target's
+    query and KV widths kept (heads scaled by target head dim / head dim), plain RoPE with the
+    target's base frequency. Partial rotary and M-RoPE of the target are never copied.
+    """
+
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 0.0
+
+
+def target_rope_theta(target_config: Any) -> float:
+    """The target's RoPE base frequency (transformers 5 `rope_parameters` or a top-level `rope_theta`)."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    rope = getattr(text, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta or getattr(text, "rope_theta", None) or DEFAULT_ROPE_THETA)
+
+
+def derive_shape(target_config: Any, wanted: DrafterShape = DrafterShape()) -> DrafterShape:
+    """Fill the zero fields of `wanted` from the target (see DrafterShape); checks the result."""
     heads = target_config.num_attention_heads
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    target_head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    head_dim = wanted.head_dim or min(target_head_dim, MAX_HEAD_DIM)
+    scale = target_head_dim / head_dim
+    shape = DrafterShape(
+        num_attention_heads=wanted.num_attention_heads or max(1, round(heads * scale)),
+        num_key_value_heads=wanted.num_key_value_heads or max(1, round(target_config.num_key_value_heads * scale)),
+        head_dim=head_dim, rope_theta=wanted.rope_theta or target_rope_theta(target_config))
+    if shape.num_attention_heads % shape.num_key_value_heads:
+        raise ValueError(f"drafter.num_attention_heads ({shape.num_attention_heads}) must be a multiple of "
+                         f"drafter.num_key_value_heads ({shape.num_key_value_heads})")
+    if shape.head_dim % 2:
+        raise ValueError(f"drafter.head_dim must be even (RoPE rotates pairs), got {shape.head_dim}")
+    return shape
+
+
+def profile_shape(drafter_section: Any) -> DrafterShape:
+    """The profile's `[drafter]` shape keys (0 = derive from the target)."""
+    return DrafterShape(num_attention_heads=drafter_section.num_attention_heads,
+                        num_key_value_heads=drafter_section.num_key_value_heads,
+                        head_dim=drafter_section.head_dim, rope_theta=drafter_section.rope_theta)
+
+
+def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
+                   target_layer_ids: Sequence[int], mask_token_id: int, draft_vocab_size: int = 0,
+                   shape: DrafterShape = DrafterShape()) -> Qwen3Config:
+    """The drafter's config (reference format): the target's hidden size, vocabulary and MLP width,
+    the drafter's own attention shape and plain RoPE (`shape`, derived from the target where 0),
+    L layers, DFlash keys."""
+    own = derive_shape(target_config, shape)
     return Qwen3Config(
         vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
         intermediate_size=target_config.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=heads, num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=head_dim, hidden_act=getattr(target_config, "hidden_act", "silu"),
-        rms_norm_eps=target_config.rms_norm_eps, rope_parameters=dict(rope),
+        num_attention_heads=own.num_attention_heads, num_key_value_heads=own.num_key_value_heads,
+        head_dim=own.head_dim, hidden_act=getattr(target_config, "hidden_act", "silu"),
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": own.rope_theta},
         max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
         architectures=[ARCHITECTURE], block_size=block_size,
         num_target_layers=target_config.num_hidden_layers,
         dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids),
+                       "block_size": int(block_size),
                        **({"draft_vocab_size": int(draft_vocab_size)} if draft_vocab_size else {})},
     )
 
@@ -86,9 +142,10 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
         k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
-        q = apply_rope(q, cos[:, -queries:], sin[:, -queries:])
-        k = apply_rope(k, cos, sin)
-        out = attend(q, k, v.to(q.dtype))
+        dtype = v.dtype     # the projections' dtype: bf16 under autocast, where norms and RoPE give fp32
+        q = apply_rope(q, cos[:, -queries:], sin[:, -queries:]).to(dtype)
+        k = apply_rope(k, cos, sin).to(dtype)
+        out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
 
 

@@ -22,6 +22,7 @@ class EvalOptions:
     max_new_tokens: Optional[int] = None    # None: eval.max_new_tokens
     temperature: Optional[float] = None     # None: eval.temperature
     seed: Optional[int] = None              # None: eval.seed
+    engine: Optional[str] = None            # None: eval.engine (transformers = in-process; sglang / vllm: served)
 
 
 @dataclass
@@ -153,8 +154,14 @@ def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
     run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
     checkpoint = resolve_checkpoint(run_dir, options.checkpoint)
     update_stage(run_dir, "eval", "running", checkpoint=str(checkpoint))
+    engine = options.engine or profile.eval.engine
     try:
-        summary = _evaluate(profile, run_dir, checkpoint, options)
+        if engine == "transformers":
+            summary = _evaluate(profile, run_dir, checkpoint, options)
+        else:
+            from dflash.eval.engines import evaluate_with_engine
+
+            summary = evaluate_with_engine(profile, run_dir, checkpoint, options, engine)
     except BaseException as error:
         update_stage(run_dir, "eval", "failed", error=str(error) or type(error).__name__)
         raise
@@ -193,16 +200,19 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
 
 
 def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
-    """What `status` shows for eval: tau and speedup of each drafting method."""
+    """What `status` shows for eval: tau and speedup of each drafting method (prefixed by the engine
+    for an engine eval: `sglang_dflash_tau`)."""
+    prefix = f"{report['engine']}_" if report.get("engine") else ""
     figures: dict[str, Any] = {"prompts": report["num_prompts"], "block_size": report["block_size"]}
     for name, method in report["methods"].items():
         if name == "target":
-            figures["target_tokens_per_s"] = round(method["tokens_per_s"], 2)
+            figures[f"{prefix}target_tokens_per_s"] = round(method["tokens_per_s"], 2)
             continue
-        figures[f"{name}_tau"] = round(method["mean_tau"], 3)
-        figures[f"{name}_speedup"] = round(method["speedup"], 3) if method["speedup"] else None
+        tau = method["mean_tau"]
+        figures[f"{prefix}{name}_tau"] = round(tau, 3) if tau is not None else None
+        figures[f"{prefix}{name}_speedup"] = round(method["speedup"], 3) if method["speedup"] else None
         if method["identical_to_target"] is not None:
-            figures[f"{name}_lossless"] = method["identical_to_target"]
+            figures[f"{prefix}{name}_lossless"] = method["identical_to_target"]
     return figures
 
 

@@ -66,11 +66,31 @@ def sglang_server_command(profile: Profile, model_path: Path, port: int | None =
             "--dtype", profile.model.dtype]
     if profile.model.tokenizer:
         argv += ["--tokenizer-path", profile.model.tokenizer]
+    if settings.context_length > 0:
+        argv += ["--context-length", str(settings.context_length)]
+    if is_hybrid_target(model_path):     # linear-attention state: SGLang's radix cache needs the extra buffer
+        argv += ["--mamba-scheduler-strategy", "extra_buffer"]
     if settings.reasoning_parser:
         argv += ["--reasoning-parser", settings.reasoning_parser]
     if settings.tool_call_parser:
         argv += ["--tool-call-parser", settings.tool_call_parser]
     return ServerCommand(argv, {}, f"http://{client_host(host)}:{port}", "sglang")
+
+
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def is_hybrid_target(model_path: Path) -> bool:
+    """True for targets with linear-attention (Gated DeltaNet / Mamba-style) layers, read from config.json."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        return False
+    config = json.loads(path.read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    kinds = set(text.get("layer_types") or [])
+    return bool(kinds & {"linear_attention", "mamba"}) or text.get("model_type", config.get("model_type")) in HYBRID_MODEL_TYPES
 
 
 def sglang_attention_backend(ours: str) -> str:

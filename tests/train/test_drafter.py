@@ -203,7 +203,8 @@ def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, 
     assert (tmp_path / "train" / "checkpoints" / "latest").read_text().strip() == "step-7"
     config = __import__("json").loads((saved / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == BLOCK
-    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": LAYERS}
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": LAYERS, "block_size": BLOCK}
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["rope_scaling"] is None
     assert config["num_target_layers"] == 4 and config["hidden_size"] == 64 and config["num_hidden_layers"] == 1
     reloaded = load_drafter(saved, tiny_target_model)
     features = batch[4][:1, :9]

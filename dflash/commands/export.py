@@ -1,0 +1,37 @@
+"""`launcher.py export CKPT --for sglang|vllm|reference [-o DIR] [--target DIR] [--full-vocab]`.
+
+Writes a drafter directory (config.json + model.safetensors) in the format the engine reads:
+plain RoPE keys at the top level, dflash_config / block_size / num_target_layers / architectures,
+and the draft vocabulary converted where the engine can hold it, refused where it cannot
+(`--full-vocab` drops it, with the consequence printed). See docs/train.md, "Exporting".
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="step-N/ checkpoint (or a checkpoints/ dir: its latest)")
+    parser.add_argument("--for", dest="engine", required=True, choices=("sglang", "vllm", "reference"),
+                        help="the engine that will load the drafter")
+    parser.add_argument("-o", "--output", metavar="DIR", help="output directory (default: CKPT-<engine>)")
+    parser.add_argument("--target", metavar="DIR", help="the target model directory (vLLM export of a draft vocabulary)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="drop a draft vocabulary the engine cannot hold (the drafter then proposes from the "
+                             "whole vocabulary)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.drafter.export import export_drafter
+
+    checkpoint = resolve_checkpoint_dir(Path(args.checkpoint))
+    output = Path(args.output) if args.output else checkpoint.with_name(f"{checkpoint.name}-{args.engine}")
+    result = export_drafter(checkpoint, args.engine, output, full_vocab=args.full_vocab,
+                            target=Path(args.target) if args.target else None)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {result.directory} (for {args.engine})")
+    return 0

@@ -1,0 +1,152 @@
+"""`launcher.py export CKPT --for sglang|vllm|reference`: a drafter directory an engine loads.
+
+What each engine reads from config.json (from its source, per version) is `ENGINE_READS`;
+docs/train.md lists the same and a test holds the two together and checks every export against it.
+
+Draft vocabulary (`drafter.draft_vocab_size`): our checkpoints keep the ids as a `draft_vocab`
+tensor. vLLM represents one (EAGLE-3 style): `draft_vocab_size` in config.json, the draft rows of
+the target's lm_head as the drafter's own `lm_head.weight`, and `d2t` (target id - draft index)
+per row; the export writes those (it needs the target's lm_head: `--target`). SGLang and the
+reference have no draft vocabulary (SGLang drops unknown weights silently and would score the full
+vocabulary): the export refuses unless `--full-vocab`, which drops the ids and says the
+consequence: the drafter then proposes from the whole vocabulary, including tokens it was never
+trained on, so its acceptance can be lower than eval measured.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from core.errors import InputError
+
+ENGINES = ("sglang", "vllm", "reference")
+
+# config.json keys each engine reads for a DFlash drafter (dotted: inside dflash_config), from source:
+# SGLang 0.5.11 python/sglang/srt/models/dflash.py + srt/speculative/dflash_utils.py;
+# vLLM vllm/model_executor/models/qwen3_dflash.py + v1/worker/gpu/spec_decode/eagle/eagle3_utils.py;
+# reference: PyPI dflash 0.1.0 dflash/model.py under transformers 5.15 (Qwen3Config).
+ENGINE_READS: dict[str, dict[str, Any]] = {
+    "sglang": {"version": "sglang 0.5.11", "required": [
+        "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+        "hidden_act", "num_target_layers", "block_size", "dflash_config.target_layer_ids",
+        "dflash_config.mask_token_id"],
+        "optional": ["attention_bias", "rope_scaling", "rope_is_neox_style", "dflash_config.block_size",
+                     "dflash_config.num_target_layers", "dflash_config.mask_token"],
+        "defaults_that_bite": {"rope_theta": 1000000.0}},
+    "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
+        "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+        "hidden_act", "vocab_size", "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
+        "eagle_aux_hidden_state_layer_ids"],
+        "optional": ["attention_bias", "draft_vocab_size", "is_neox_style", "layer_types", "is_causal",
+                     "sliding_window", "target_hidden_size", "logit_scale", "dflash_config.use_aux_hidden_state",
+                     "dflash_config.causal", "dflash_config.use_swa", "dflash_config.swa_window_size",
+                     "dflash_config.attention_sink_bias"],
+        "defaults_that_bite": {"rope_theta": 1000000.0}},
+    "reference": {"version": "dflash 0.1.0 (transformers 5.15)", "required": [
+        "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+        "hidden_act", "num_target_layers", "dflash_config.target_layer_ids", "dflash_config.block_size",
+        "dflash_config.mask_token_id"],
+        "optional": ["attention_bias", "attention_dropout", "layer_types", "is_causal", "sliding_window",
+                     "dflash_config.input_embedding_scale", "dflash_config.output_multiplier",
+                     "dflash_config.final_logit_softcapping"],
+        "defaults_that_bite": {}},
+}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    directory: Path
+    notes: list[str]
+
+
+def missing_fields(document: dict[str, Any], engine: str) -> list[str]:
+    """Required keys of ENGINE_READS[engine] that `document` lacks."""
+    return [key for key in ENGINE_READS[engine]["required"] if not _has(document, key)]
+
+
+def _has(document: dict[str, Any], dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    if head not in document:
+        return False
+    return _has(document[head], rest) if rest else document[head] is not None
+
+
+def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: bool = False,
+                   target: Optional[Path] = None) -> ExportResult:
+    """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring."""
+    from safetensors.torch import save_file
+
+    from core.fileio import atomic_directory
+    from dflash.drafter.checkpoint import resolve_checkpoint_dir, config_document, read_drafter_config, read_weights
+
+    if engine not in ENGINES:
+        raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")
+    checkpoint = resolve_checkpoint_dir(Path(checkpoint))
+    document = config_document(read_drafter_config(checkpoint))
+    weights = read_weights(checkpoint)
+    notes = _convert_vocab(document, weights, engine, full_vocab, target)
+    document = _engine_keys(document, engine)
+    missing = missing_fields(document, engine)
+    assert not missing, f"export for {engine} lacks {missing}"
+    with atomic_directory(output) as staging:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    return ExportResult(output, notes)
+
+
+def _engine_keys(document: dict[str, Any], engine: str) -> dict[str, Any]:
+    document = dict(document)
+    dflash = dict(document["dflash_config"])
+    dflash["num_target_layers"] = int(document["num_target_layers"])
+    document["dflash_config"] = dflash
+    if engine == "vllm":    # vLLM's aux layer ids count from the embedding: DFlash layer k is id k + 1
+        document["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in dflash["target_layer_ids"]]
+    return document
+
+
+def _convert_vocab(document: dict[str, Any], weights: dict[str, Any], engine: str, full_vocab: bool,
+                   target: Optional[Path]) -> list[str]:
+    """The draft vocabulary as the engine can hold it (or refused); the notes say what was done."""
+    import torch
+
+    if "draft_vocab" not in weights:
+        return []
+    ids = weights.pop("draft_vocab").long()
+    document["dflash_config"].pop("draft_vocab_size", None)
+    if engine == "vllm" and not full_vocab:
+        if target is None:
+            raise InputError("this drafter has a draft vocabulary; the vLLM export writes the draft rows of the "
+                             "target's lm_head and needs the target: pass --target DIR (or --full-vocab)")
+        weights["lm_head.weight"] = target_lm_head(target)[ids].clone()
+        weights["d2t"] = ids - torch.arange(ids.numel())          # vLLM: target id = draft index + d2t
+        document["draft_vocab_size"] = int(ids.numel())
+        return [f"draft vocabulary of {ids.numel()} tokens written as lm_head.weight rows + d2t (vLLM's format)"]
+    if not full_vocab:
+        raise InputError(f"this drafter was trained with a draft vocabulary ({ids.numel()} tokens); {engine} cannot "
+                         "represent one. --full-vocab exports it anyway, proposing from the whole vocabulary "
+                         "(tokens it never trained on included: acceptance can be lower than eval measured)")
+    return [f"draft vocabulary of {ids.numel()} tokens dropped (--full-vocab): the drafter proposes from the "
+            "whole vocabulary, including tokens it never trained on; acceptance can be lower than eval measured"]
+
+
+def target_lm_head(target: Path) -> Any:
+    """The target's lm_head weight [V, H] read from its safetensors (the embedding when tied)."""
+    from safetensors import safe_open
+
+    target = Path(target)
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    wanted = ("lm_head.weight",) if not tied else ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    for shard in sorted(target.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            for name in wanted:
+                if name in handle.keys():
+                    return handle.get_tensor(name).float()
+    raise InputError(f"{target}: no {' / '.join(wanted)} in its *.safetensors")

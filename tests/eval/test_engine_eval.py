@@ -1,0 +1,112 @@
+"""`eval --engine sglang|vllm` as far as a CPU allows: the argv against the pinned SGLang's own
+option list (from its server_args.py, tests/fixtures/engines/), the flow against a stand-in that
+speaks the engine's API (tests/eval/engine_standin.py): the engine cannot run here."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.profile import load_profile
+from dflash.eval.engines import engine_command
+from dflash.generate.servers import is_hybrid_target, sglang_server_command
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
+STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
+
+
+def sglang_options(version: str) -> tuple[set[str], str]:
+    lines = (FIXTURES / f"sglang-{version}-flags.txt").read_text().splitlines()
+    return {line for line in lines if line.startswith("--")}, "\n".join(l for l in lines if l.startswith("#"))
+
+
+def hybrid_target(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
+        "model_type": "qwen3_5_text", "layer_types": ["linear_attention"] * 3 + ["full_attention"]}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("method", ["target", "dflash", "prompt_lookup"])
+def test_sglang_engine_argv_uses_only_options_of_sglang_0_5_11(method, tmp_path):
+    profile = load_profile("rtx6000-x8")
+    command = engine_command("sglang", profile, hybrid_target(tmp_path), method, Path("/ckpt"), 16, 30100)
+    options, header = sglang_options("0.5.11")
+    flags = [arg for arg in command.argv if arg.startswith("--")]
+    assert set(flags) <= options, set(flags) - options
+    argv = command.argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--mamba-scheduler-strategy") + 1] == "extra_buffer" and '"extra_buffer"' in header
+    assert argv[argv.index("--context-length") + 1] == "32768"
+    if method == "dflash":
+        assert argv[argv.index("--speculative-algorithm") + 1] == "DFLASH" and '"DFLASH"' in header
+        assert argv[argv.index("--speculative-draft-model-path") + 1] == "/ckpt"
+        assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "16"
+    elif method == "prompt_lookup":
+        assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
+    else:
+        assert "--speculative-algorithm" not in argv
+
+
+def test_pinned_cu128_sglang_has_no_dflash_so_the_profile_names_the_engine():
+    _, header = sglang_options("0.5.10.post1")
+    assert '"DFLASH"' not in header
+    cu128 = Path("requirements-cu128.txt").read_text()
+    assert "sglang==0.5.10.post1" in cu128 and "sglang==0.5.11" in Path("requirements-cu130.txt").read_text()
+    assert load_profile("rtx6000-x8").eval.engine == "sglang"
+
+
+def test_generate_passes_context_length_and_the_hybrid_strategy_to_the_pinned_sglang(tmp_path):
+    options, _ = sglang_options("0.5.10.post1")
+    profile = load_profile("rtx6000-x8")
+    argv = sglang_server_command(profile, hybrid_target(tmp_path)).argv
+    assert {a for a in argv if a.startswith("--")} <= options
+    assert argv[argv.index("--mamba-scheduler-strategy") + 1] == "extra_buffer"
+    assert argv[argv.index("--context-length") + 1] == "32768"
+    assert is_hybrid_target(tmp_path) and not is_hybrid_target(tmp_path / "missing")
+
+
+def test_vllm_argv_carries_the_dflash_speculative_config():
+    profile = load_profile("rtx6000-x8")
+    argv = engine_command("vllm", profile, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == {"method": "dflash", "model": "/ckpt", "num_speculative_tokens": 15}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
+    from dflash.eval.engines import evaluate_with_engine
+    from dflash.eval.evaluate import EvalOptions
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "block_size": 4, "hidden_size": 64, "num_attention_heads": 4,
+        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]}}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"say {i} " * 5}]})
+                                 for i in range(3)) + "\n")
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(tiny_qwen3_target)),
+                                  eval=dataclasses.replace(profile.eval, engine_port=_free_port()))
+    summary = evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)),
+                                   engine, launch=[sys.executable, str(STANDIN), engine])
+    methods = summary.report["methods"]
+    assert (methods["target"]["mean_tau"], methods["dflash"]["mean_tau"], methods["prompt_lookup"]["mean_tau"]) == (
+        1.0, 3.5, 1.5)
+    assert methods["dflash"]["new_tokens"] == 30 and methods["dflash"]["identical_to_target"] is True
+    assert methods["target"]["speedup"] == 1.0 or methods["target"]["speedup"] == pytest.approx(1.0)
+    assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
+    log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
+    assert str(checkpoint) in log
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
