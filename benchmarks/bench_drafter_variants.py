@@ -46,7 +46,8 @@ def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
     """Held-out prompt + the target's own greedy continuation (loss mask on the continuation)."""
     import torch
 
-    from dflash.eval.evaluate import DEFAULT_EVAL_PROMPTS, encode_prompts
+    from dflash.eval.evaluate import encode_prompts
+    from dflash.eval.options import DEFAULT_EVAL_PROMPTS
 
     out = []
     for encoded in encode_prompts(tokenizer, DEFAULT_EVAL_PROMPTS, count, thinking=False):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from core.errors import ConfigError, RunFailed
+from core.errors import ConfigError
 from core.schema import Profile
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 
@@ -236,7 +236,7 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`."""
     from core.fileio import write_json_atomic, write_text_atomic
     from dflash.drafter.checkpoint import read_drafter_config
-    from dflash.eval.evaluate import EvalSummary, eval_prompts_path
+    from dflash.eval.options import EvalSummary, eval_prompts_path
     from dflash.generate.prompts import load_prompts
     from dflash.models import resolve_model_path
 

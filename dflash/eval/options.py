@@ -1,0 +1,42 @@
+"""What an evaluation is asked (EvalOptions), what it returns (EvalSummary), and which prompts
+it decodes: shared by the in-process decoder (dflash.eval.evaluate) and the engines
+(dflash.eval.engines)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from core.profile import expand_path
+from core.schema import Profile
+
+DEFAULT_EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    checkpoint: Optional[str] = None        # step-N dir or checkpoints dir; None: the run's latest
+    prompts_path: Optional[str] = None      # None: paths.eval_prompts, else the built-in held-out set
+    num_prompts: Optional[int] = None       # None: eval.num_prompts
+    max_new_tokens: Optional[int] = None    # None: eval.max_new_tokens
+    temperature: Optional[float] = None     # None: eval.temperature
+    seed: Optional[int] = None              # None: eval.seed
+    engine: Optional[str] = None            # None: eval.engine (transformers = in-process; sglang / vllm: served)
+
+
+@dataclass
+class EvalSummary:
+    report: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+
+    def figure(self, method: str, key: str) -> Any:
+        return self.report["methods"].get(method, {}).get(key)
+
+
+
+def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
+    if override:
+        return Path(override)
+    if profile.paths.eval_prompts:
+        return expand_path(profile, profile.paths.eval_prompts)
+    return DEFAULT_EVAL_PROMPTS
