@@ -101,14 +101,15 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
 def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
-    from dflash.drafter.model import drafter_config, init_from_target
+    from dflash.drafter.model import drafter_config, init_from_target, profile_shape
 
     if profile.drafter.draft_vocab_size and not draft_vocab:
         raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "
                          f"draft vocabulary chosen from the dataset (choose_draft_vocab)")
     mask_id = resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings)
     config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
-                            target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []))
+                            target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
+                            shape=profile_shape(profile.drafter))
     config.num_target_layers = num_target_layers
     torch.manual_seed(profile.train.seed)
     drafter = DFlashDrafter(config).attach_target(target)
