@@ -187,10 +187,11 @@ def warm_up(bench: CalibrationBench, micro_batches: Sequence[int] = CALIBRATION_
     except Exception as error:
         if bench.state.backend != "flex":
             raise
-        bench.state.backend = "sdpa"
+        failure = f"{type(error).__name__}: {str(error)[:300]}"
+    bench.state.backend = "sdpa"
     for micro_batch in micro_batches:
         step_at(bench, micro_batch)
-    return f"{type(error).__name__}: {str(error)[:300]}"
+    return failure
 
 
 def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, float]:
