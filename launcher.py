@@ -16,6 +16,7 @@ from typing import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "profiles": ("dflash.commands.profiles", "list the profiles in profiles/"),
     "plan": ("dflash.commands.plan", "print the resolved profile and run plan; starts nothing"),
+    "calibrate": ("dflash.commands.calibrate", "measure the memory model on this GPU; store it in the baseline"),
     "audit": ("envcheck.commands.audit", "preflight audit of this machine (or of a saved snapshot)"),
     "snapshot": ("envcheck.commands.snapshot", "save this machine's facts as a JSON snapshot"),
     "baseline": ("envcheck.commands.baseline", "save a profile's baseline / diff two snapshots"),

@@ -72,11 +72,14 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
 
 
 def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, layers: int = 4,
-                      seed: int = 0, model_type: str = "qwen3") -> Path:
+                      seed: int = 0, model_type: str = "qwen3", heads: int | None = None,
+                      intermediate: int | None = None) -> Path:
     """Save a random-weight target (Qwen3-shaped by default) with the given tokenizer.
 
-    Tests and the GPU check use it: it loads in well under a second. The vocabulary covers the
+    Tests and the GPU checks use it: it loads in well under a second. The vocabulary covers the
     tokenizer's full id range, so real token ids (and Qwen3's mask id 151669) are valid rows.
+    `heads` (default hidden // 16; KV heads are half) and `intermediate` (default 2 x hidden)
+    shape larger workloads (the GPU memory calibration's).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -87,9 +90,9 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, la
     vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
     if model_type == "qwen3":
         vocab = max(vocab, 151936)
-    heads = max(2, hidden // 16)
+    heads = heads or max(2, hidden // 16)
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
         head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -118,9 +118,13 @@ class Snapshot:
     host: HostFacts = field(default_factory=HostFacts)
     env: dict[str, str] = field(default_factory=dict)          # GPU-relevant variables, redacted
     cuda_probe_ran: bool = False
+    memory_calibration: Optional[dict[str, Any]] = None   # a baseline's measured memory model (`launcher.py calibrate`)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        document = dataclasses.asdict(self)
+        if document["memory_calibration"] is None:      # only a calibrated baseline carries the key
+            del document["memory_calibration"]
+        return document
 
     @classmethod
     def from_dict(cls, document: dict[str, Any]) -> "Snapshot":

@@ -1,8 +1,12 @@
-"""scripts/gpu_check.py on a machine without a GPU: every part is listed, the CPU-capable parts
-pass, the GPU-only parts are skipped with their reason, and the report is complete.
+"""scripts/gpu_check.py on a machine without a GPU: every part is listed (one per tests/gpu file),
+the CPU-capable parts pass, the GPU-only parts are skipped with their reason, and the report is
+complete.
 
-The whole script runs once (GPUs hidden with --cpu, so it is the CPU path even on a GPU node);
-the runner's time-limit handling is checked on a real child process.
+The whole script runs once (GPUs hidden with --cpu, so it is the CPU path even on a GPU node); a
+test part runs its pytest child on the CPU (skipped by tests/gpu/conftest.py, reason collected
+from the JUnit report); the runner's time-limit handling is checked on a real child process.
+The CPU paths the script used to run itself are tests now: flex vs SDPA in float32 in
+tests/train/test_drafter.py, lossless speculative decoding in tests/eval/test_specdec.py.
 """
 from __future__ import annotations
 
@@ -16,8 +20,19 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
-ALL_PARTS = ["environment", "audit", "calibrate", "train", "drills", "eval"]
-GPU_ONLY = {"calibrate", "drills"}
+GPU_TESTS = SCRIPT.parent.parent / "tests" / "gpu"
+KNOWN_TEST_PARTS = ["calibrate", "train", "drills", "eval"]
+OTHER_TEST_PARTS = sorted(p.stem.removeprefix("test_").removesuffix("_gpu") for p in GPU_TESTS.glob("test_*_gpu.py")
+                          if p.stem.removeprefix("test_").removesuffix("_gpu") not in KNOWN_TEST_PARTS)
+ALL_PARTS = ["environment", "audit", *KNOWN_TEST_PARTS, *OTHER_TEST_PARTS]
+GPU_ONLY = set(KNOWN_TEST_PARTS) | set(OTHER_TEST_PARTS)
+
+
+def import_script():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    return gpu_check
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +94,57 @@ def test_audit_part_ran_the_launcher_without_the_probe(cpu_run):
     assert any(item.startswith("CUDA probe") for item in audit["skipped"])
 
 
-def test_train_part_compares_flex_with_sdpa_in_float32(cpu_run):
-    _, report, _ = cpu_run
-    train = parts_by_name(report)["train"]
-    compared = train["figures"]["flex_vs_sdpa"]
-    assert checks_of(train)["flex vs SDPA loss"]["ok"]
-    assert compared["loss_rel_diff"] <= 1e-4 and compared["flex_loss"] > 0
-    assert any(item.startswith("bf16 flex_attention training") for item in train["skipped"])
-    assert any(item.startswith("flex vs SDPA gradients") for item in train["skipped"])
+def test_every_file_in_tests_gpu_is_a_part_run_by_pytest():
+    gpu_check = import_script()
+    files = sorted(GPU_TESTS.glob("test_*_gpu.py"))
+    assert {spec.test_file for spec in gpu_check.PARTS if spec.test_file} == set(files)
+    assert [spec.name for spec in gpu_check.PARTS] == ALL_PARTS
+    spec = gpu_check.PART_BY_NAME["calibrate"]
+    argv = gpu_check.pytest_command(spec, Path("OUT"))
+    assert argv[1:6] == ["-m", "pytest", "-m", "gpu", str(GPU_TESTS / "test_calibrate_gpu.py")]
+    assert "--junitxml=OUT/parts/calibrate.xml" in argv and "addopts=" in argv
 
 
-def test_eval_part_decodes_losslessly_and_reports_tau(cpu_run):
-    _, report, out = cpu_run
-    evaluation = parts_by_name(report)["eval"]
-    methods = evaluation["figures"]["float32"]
-    assert set(methods) == {"target", "dflash", "prompt_lookup", "oracle_corrupted"}
-    for name in ("dflash", "prompt_lookup", "oracle_corrupted"):
-        assert methods[name]["identical_to_target"] is True
-    assert methods["oracle_corrupted"]["mean_tau"] > 1.5      # drafts accepted and rolled back
-    decoded = json.loads((out / "eval_report.json").read_text(encoding="utf-8"))
-    assert decoded["methods"]["target"]["new_tokens"] > 0
+def test_a_test_part_on_the_cpu_is_skipped_by_the_conftest_with_its_reason(tmp_path):
+    """The real pytest child, its JUnit report and the recorded-figures file, without a GPU."""
+    gpu_check = import_script()
+    args = gpu_check.parse_args([str(tmp_path), "--cpu"])
+    (tmp_path / "parts").mkdir()
+    log = gpu_check.RunLog(tmp_path / "gpu_check.log")
+    result = gpu_check.run_test_part(gpu_check.PART_BY_NAME["calibrate"], args, 240, log)
+    assert result["status"] == "skipped" and "CUDA" in result["reason"], result
+    assert result["checks"] == [] and result["tests"] and {t["outcome"] for t in result["tests"]} == {"skipped"}
+    assert json.loads((tmp_path / "parts" / "calibrate.json").read_text())["status"] == "skipped"
+    assert "----- part calibrate -----" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_test_part_results_from_outcomes_and_recorded_figures(tmp_path):
+    gpu_check = import_script()
+    spec, log = gpu_check.PART_BY_NAME["train"], tmp_path / "train.log"
+    log.write_text("last words\n")
+    case = gpu_check.CaseOutcome
+    recorded = {"summary": "60 steps", "figures": {"train_steps": 60},
+                "checks": [{"name": "losses finite", "ok": True, "required": True, "detail": "60 steps"}], "skipped": []}
+    passed = gpu_check.gpu_test_result(spec, [case("a", "passed", ""), case("b", "skipped", "why")], recorded, 0, False, log)
+    assert passed["status"] == "ok" and passed["summary"] == "60 steps" and passed["figures"] == {"train_steps": 60}
+    assert [c["name"] for c in passed["checks"]] == ["losses finite", "test a"] and passed["skipped"] == ["b: why"]
+    failed = gpu_check.gpu_test_result(spec, [case("a", "failed", "assert 1 > 2")], recorded, 1, False, log)
+    assert failed["status"] == "failed" and "a: assert 1 > 2" in failed["reason"]
+    crashed = gpu_check.gpu_test_result(spec, [], {}, 2, False, log)
+    assert crashed["status"] == "failed" and "last words" in crashed["reason"]
+    killed = gpu_check.gpu_test_result(spec, [], recorded, -9, True, log)
+    assert killed["status"] == "timeout" and killed["figures"] == {"train_steps": 60}
+
+
+def test_junit_reports_are_read_case_by_case(tmp_path):
+    gpu_check = import_script()
+    report = tmp_path / "r.xml"
+    report.write_text('<testsuites><testsuite><testcase name="ok"/><testcase name="bad"><failure message="boom">x'
+                      '</failure></testcase><testcase name="gone"><skipped message="needs a CUDA GPU"/></testcase>'
+                      '</testsuite></testsuites>')
+    assert [(o.name, o.outcome, o.message) for o in gpu_check.read_junit(report)] == [
+        ("ok", "passed", ""), ("bad", "failed", "boom"), ("gone", "skipped", "needs a CUDA GPU")]
+    assert gpu_check.read_junit(tmp_path / "missing.xml") == []
 
 
 def test_log_holds_every_part_and_the_table_is_printed_last(cpu_run):
@@ -114,8 +160,7 @@ def test_log_holds_every_part_and_the_table_is_printed_last(cpu_run):
 
 
 def test_an_overrunning_child_is_killed_with_its_process_group(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_check
+    gpu_check = import_script()
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
@@ -144,8 +189,7 @@ def alive(pid: int) -> bool:
 
 
 def test_parts_are_skipped_when_a_module_or_the_time_budget_is_missing():
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_check
+    gpu_check = import_script()
 
     spec = gpu_check.PartSpec("x", "needs a module that is not there", 10, False, ("no_such_module_here",))
     assert "no_such_module_here" in gpu_check.why_not_run(spec, "yes", 100.0)

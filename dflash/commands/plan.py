@@ -1,5 +1,9 @@
 """`launcher.py plan --profile P [--snapshot FILE] [--json]`: the resolved profile and the per-rank
-memory plan (budgets, micro-batch, accumulation). Starts nothing and never imports torch."""
+memory plan (budgets, micro-batch, accumulation). Starts nothing and never imports torch.
+
+The memory model is the calibration stored in the baseline (`--baseline FILE`, else the profile's
+saved baseline for the snapshot's host, where `launcher.py calibrate` writes it) when it was
+measured on this workload, else the analytic model; the output says which (`memory model: ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot", metavar="FILE", type=Path,
                         help="plan for the node this snapshot recorded (default: read this machine's GPUs through NVML)")
     parser.add_argument("--baseline", metavar="FILE", type=Path,
-                        help="baseline snapshot: overheads for GPUs the snapshot did not probe, and the memory calibration")
+                        help="baseline snapshot: overheads for GPUs the snapshot did not probe, and the memory calibration "
+                             "(default: the profile's saved baseline for the snapshot's host, if any)")
     parser.add_argument("--cuda-visible-devices", metavar="LIST", default=os.environ.get("CUDA_VISIBLE_DEVICES"),
                         help="map ranks to GPUs as CUDA would (indices or GPU-UUIDs; default: $CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--samples", type=int, default=None,
@@ -34,13 +39,16 @@ def run(args: argparse.Namespace) -> int:
 
     profile = load_profile_arg(args)
     snapshot = _read_document(args.snapshot) if args.snapshot else _live_snapshot(profile)
-    baseline = _read_document(args.baseline) if args.baseline else None
-    calibration = load_calibration(baseline, str(args.baseline)) or load_calibration(snapshot, str(args.snapshot))
+    baseline_file = args.baseline or _saved_baseline(profile, snapshot)
+    baseline = _read_document(baseline_file) if baseline_file else None
+    calibration, where = (load_calibration(baseline, str(baseline_file)), baseline_file)
+    if calibration is None:
+        calibration, where = load_calibration(snapshot, str(args.snapshot)), args.snapshot
     plan = make_plan(profile, snapshot, baseline=baseline, calibration=calibration,
                      cuda_visible_devices=args.cuda_visible_devices)
-    storage = _storage(plan, args)
+    storage, source = _storage(plan, args), model_source(plan, calibration, where, baseline_file)
     if args.json:
-        document = {"profile": profile_as_dict(profile), "plan": plan_as_dict(plan, storage)}
+        document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
@@ -48,7 +56,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
     print("\n".join(format_plan(plan, storage)))
+    print(f"memory model: {source}")
     return 0
+
+
+def _saved_baseline(profile, snapshot: dict | None) -> Path | None:
+    """The profile's saved baseline (`baseline save`, `calibrate`) for the snapshot's host (this host
+    without a snapshot), if there is one."""
+    from envcheck.baseline import baseline_path
+
+    path = baseline_path(profile.name, (snapshot or {}).get("hostname") or None)
+    return path if path.exists() else None
+
+
+def model_source(plan, calibration, where: Path | None, baseline_file: Path | None) -> str:
+    """Which memory model the plan used, and why: the calibration from a file, or the analytic model."""
+    if plan.peak_model.source == "calibration":
+        return (f"calibration from {where} (measured {calibration.measured_at or 'at an unknown time'} on "
+                f"{calibration.device_name or 'an unnamed device'}, torch {calibration.torch_version or '?'})")
+    if calibration is not None:
+        return (f"analytic model: the calibration in {where} was measured on another workload (key "
+                f"{calibration.workload_key}, this profile's {plan.workload.key()}); re-run "
+                f"`launcher.py calibrate --profile {plan.profile}`")
+    looked = f"no calibration in {baseline_file}" if baseline_file else "no baseline with a calibration"
+    return f"analytic model ({looked}; `launcher.py calibrate --profile {plan.profile}` measures one on the GPU node)"
 
 
 def document_sections(document: dict) -> list[tuple[str, dict]]:

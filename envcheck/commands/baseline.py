@@ -36,9 +36,25 @@ def _save(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     snapshot = load_snapshot(args.source) if args.source else preflight.live_snapshot(profile, args.cuda_probe)
+    kept = _keep_calibration(snapshot, profile.name)
     path = save_baseline(snapshot, profile.name)
     print(f"baseline of profile {profile.name} for host {snapshot.hostname} -> {path}")
+    if kept:
+        print(f"kept the memory calibration of the previous baseline (measured {kept}; "
+              f"re-run `launcher.py calibrate --profile {profile.name}` after a torch or driver change)")
     return 0
+
+
+def _keep_calibration(snapshot, profile_name: str) -> str:
+    """A new baseline keeps the old one's `memory_calibration` (a measurement of the workload, not of
+    the machine's free memory). Returns when it was measured ('' when nothing was kept)."""
+    from envcheck.baseline import load_baseline
+
+    previous = load_baseline(profile_name, snapshot.hostname or None)
+    if snapshot.memory_calibration is not None or previous is None or previous.memory_calibration is None:
+        return ""
+    snapshot.memory_calibration = previous.memory_calibration
+    return str(previous.memory_calibration.get("measured_at") or "at an unknown time")
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -1,0 +1,148 @@
+"""`launcher.py calibrate` and where its result goes: the baseline (still a valid snapshot, kept by a
+new `baseline save`), read by `plan` by default, which says which memory model it used. The
+worst-case bench is built through the trainer's `build_state` (a real step runs on the CPU; the
+measurement itself needs a GPU: tests/gpu/test_calibrate_gpu.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launcher
+
+REPO = Path(launcher.__file__).resolve().parent
+SNAPSHOT = REPO / "tests/fixtures/snapshots/rtx6000-x8-baseline.json"
+CALIBRATION = REPO / "tests/fixtures/memory/rtx6000-x8-calibration.json"
+
+
+def run_launcher(*args: str, baselines: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DFLASH_BASELINE_DIR": str(baselines)}
+    return subprocess.run([sys.executable, str(REPO / "launcher.py"), *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def fixture_calibration():
+    from dflash.memory.model import load_calibration
+
+    return load_calibration(json.loads(CALIBRATION.read_text()), str(CALIBRATION))
+
+
+@pytest.fixture
+def calibrated_baseline(tmp_path) -> Path:
+    """`baseline save --from` the recorded node, then the calibration written into it."""
+    from dflash.memory.calibration import store_calibration
+
+    saved = run_launcher("baseline", "save", "--profile", "rtx6000-x8", "--from", str(SNAPSHOT), baselines=tmp_path)
+    assert saved.returncode == 0, saved.stderr
+    path = tmp_path / "rtx6000-x8" / "gpu-node-07.json"
+    store_calibration(path, fixture_calibration())
+    return path
+
+
+def test_the_calibration_lands_in_the_baseline_which_stays_a_valid_snapshot(calibrated_baseline):
+    from envcheck.snapshot import load_snapshot
+
+    document = json.loads(calibrated_baseline.read_text())
+    assert document["memory_calibration"]["slope_mib"] == 8560.0
+    assert document["hostname"] == "gpu-node-07" and document["gpus"]          # the snapshot is intact
+    assert load_snapshot(calibrated_baseline).memory_calibration["workload_key"] == "da4c93d486186c46"
+
+
+def test_a_new_baseline_save_keeps_the_calibration(calibrated_baseline):
+    again = run_launcher("baseline", "save", "--profile", "rtx6000-x8", "--from", str(SNAPSHOT),
+                         baselines=calibrated_baseline.parent.parent)
+    assert again.returncode == 0, again.stderr
+    assert "kept the memory calibration" in again.stdout
+    assert json.loads(calibrated_baseline.read_text())["memory_calibration"]["intercept_mib"] == 61220.0
+
+
+def test_audit_reads_a_calibrated_baseline(calibrated_baseline):
+    done = run_launcher("audit", "--profile", "rtx6000-x8", "--snapshot", str(SNAPSHOT), "--json",
+                        baselines=calibrated_baseline.parent.parent)
+    assert done.returncode in (0, 1, 3), done.stderr
+    assert "counts" in json.loads(done.stdout)
+
+
+def test_plan_uses_the_saved_baseline_by_default_and_names_it(calibrated_baseline):
+    done = run_launcher("plan", "--profile", "rtx6000-x8", "--snapshot", str(SNAPSHOT),
+                        baselines=calibrated_baseline.parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert f"memory model: calibration from {calibrated_baseline}" in done.stdout
+    assert "x 3 micro-batches" in done.stdout           # the calibrated line plans 3 (the estimate: 1)
+
+
+def test_plan_says_when_it_uses_the_analytic_model(tmp_path):
+    done = run_launcher("plan", "--profile", "rtx6000-x8", "--snapshot", str(SNAPSHOT), "--json", baselines=tmp_path)
+    plan = json.loads(done.stdout)["plan"]
+    assert plan["peak_model"]["source"] == "estimate" and plan["model_source"].startswith("analytic model (no baseline")
+
+
+def test_plan_rejects_a_calibration_of_another_workload_and_says_so(tmp_path):
+    variant = tmp_path / "longer.toml"
+    variant.write_text('extends = "rtx6000-x8"\n[data]\nmax_length = 4096\n')
+    done = run_launcher("plan", "--profile", str(variant), "--snapshot", str(SNAPSHOT), "--baseline", str(CALIBRATION),
+                        baselines=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "memory model: analytic model: the calibration in" in done.stdout and "another workload" in done.stdout
+
+
+def test_calibrate_refuses_a_cpu_profile_with_a_usage_error(tmp_path):
+    done = run_launcher("calibrate", "--profile", "cpu-demo", baselines=tmp_path)
+    assert done.returncode == 2 and "machine.device" in done.stderr
+    assert not any(tmp_path.iterdir())                  # nothing written
+
+
+def test_calibrate_without_a_cuda_device_cannot_test(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    done = run_launcher("calibrate", "--profile", "h200-x1", baselines=tmp_path)
+    assert done.returncode == 125 and "no CUDA device" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_fullest_shard_is_the_partition_the_memory_model_counts():
+    import torch
+
+    from dflash.memory import model as memory
+    from dflash.memory.calibration import fullest_shard
+
+    sizes = [7, 3, 3, 2, 9, 1, 1, 5]
+    params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
+    for shards in (1, 2, 3, 8):
+        owned = fullest_shard(params, shards)
+        assert sum(p.numel() for p in owned) == max(memory.zero_shard_sizes(sizes, shards))
+
+
+def test_worst_case_bench_builds_through_build_state_and_steps(tmp_path, tiny_qwen3_target):
+    """On the CPU: every row at max_length with the full anchors, the state from build_state, a real
+    step at micro-batch 2; zero1 over 4 ranks keeps one shard of AdamW states."""
+    import dataclasses
+
+    from core.profile import load_profile
+    from dflash.memory.calibration import step_at, worst_case_bench
+
+    base = load_profile("cpu-demo")
+    profile = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, target=str(tiny_qwen3_target), dtype="float32"),
+        machine=dataclasses.replace(base.machine, nproc_per_node=4),
+        data=dataclasses.replace(base.data, max_length=48),
+        drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=4, mask_token_id=151669, init="random", target_layer_ids=(),
+                                    draft_vocab_size=0),
+        train=dataclasses.replace(base.train, num_anchors=8, decay_gamma=3.0, optimizer_sharding="zero1",
+                                  feature_cache=False))
+    bench = worst_case_bench(profile, tmp_path, rows=2)
+    batch = bench.state.data.collate([0, 1], 0)
+    assert batch.input_ids.shape == (2, 48) and bool(batch.anchor_valid.all()) and batch.anchors.shape[1] == 8
+    assert bench.state.autobatch is None and bench.workload.optimizer_shards == 4 == bench.optimizer_shards
+    optimized = sum(p.numel() for group in bench.state.optimizer.param_groups for p in group["params"])
+    trainable = sum(p.numel() for p in bench.state.drafter.parameters() if p.requires_grad)
+    assert 0 < optimized < trainable
+    stats = step_at(bench, 2)
+    assert stats.tokens == 96 and stats.loss > 0
