@@ -20,13 +20,20 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from envcheck.bisect.demo import (COUPLED_CHANGED, COUPLED_IMPORTED, DemoPackage, build_coupled_demo,  # noqa: E402
-                                  build_demo, build_wheel, demo_probe)
+from core.fileio import write_text_atomic  # noqa: E402
+from envcheck.bisect.demo import (  # noqa: E402
+    COUPLED_CHANGED,
+    COUPLED_IMPORTED,
+    DemoPackage,
+    build_coupled_demo,
+    build_demo,
+    build_wheel,
+    demo_probe,
+)
 from envcheck.bisect.report import build_report  # noqa: E402
 from envcheck.bisect.runner import BisectConfig, run_bisect  # noqa: E402
 from envcheck.bisect.search import next_candidate, probe_bound  # noqa: E402
 from envcheck.bisect.venvs import InstallerOptions, build_candidate  # noqa: E402
-from core.fileio import write_text_atomic  # noqa: E402
 
 PROBE = f"{{python}} {REPO_ROOT / 'launcher.py'} probe --import memhog"
 COUPLED_PROBE = demo_probe(COUPLED_IMPORTED).replace("launcher.py", str(REPO_ROOT / "launcher.py"))

@@ -11,6 +11,7 @@ the requests/s it sustains at the profile's concurrency. Target: >= 2,000 reques
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import dataclasses
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -84,8 +84,8 @@ def pin(pid: int, core: int) -> int:
 
 
 def run_client(profile_name: str, requests: int, url: str, workdir: Path, concurrency: int | None) -> tuple:
-    from dflash.generate import generate_from_profile
     from core.profile import load_profile
+    from dflash.generate import generate_from_profile
 
     profile = load_profile(profile_name)
     if concurrency:

@@ -59,8 +59,9 @@ def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
 
 
 def tap_features(target, rows: list[Sequence]) -> list:
-    from dflash.drafter.taps import extract_taps
     import torch
+
+    from dflash.drafter.taps import extract_taps
 
     return [extract_taps(target, torch.tensor([r.ids]), [TAP])[0] for r in rows]
 
@@ -78,8 +79,8 @@ def build(target, variant: dict, vocab: list[int] | None):
     """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
     import dataclasses
 
-    from dflash.train.setup import build_drafter
     from core.profile import load_profile
+    from dflash.train.setup import build_drafter
 
     profile = load_profile("cpu-demo")
     drafter_settings = dataclasses.replace(profile.drafter, num_layers=variant["layers"], target_layer_ids=(TAP,),
@@ -93,8 +94,8 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
     import numpy as np
     import torch
 
-    from dflash.drafter.model import forward_blocks
     from dflash.drafter.loss import block_loss, decay_weights
+    from dflash.drafter.model import forward_blocks
     from dflash.train.data import collate_rows
     from dflash.train.optim import cosine_schedule
     from dflash.train.step import step_targets

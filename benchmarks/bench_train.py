@@ -115,9 +115,9 @@ def training_throughput(tokens: int, steps: int) -> float:
     import torch
 
     from dflash.drafter.anchors import sample_anchors
+    from dflash.drafter.loss import decay_weights
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
-    from dflash.drafter.loss import decay_weights
     from dflash.train.data import MicroBatch
     from dflash.train.step import forward_micro
 

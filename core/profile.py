@@ -138,7 +138,7 @@ def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: s
 
 
 def _coerce(hint: Any, value: Any, origin: dict, dotted: str, name: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             _fail(origin, dotted, name, f"must be a table [{dotted}], got {value!r}")
         return _build(hint, value, origin, f"{dotted}.", name)

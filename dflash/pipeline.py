@@ -126,9 +126,9 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 
 def _train(ctx: PipelineContext) -> str:
+    from core.manifest import read_manifest
     from dflash.drafter.checkpoint import latest_checkpoint
     from dflash.train.launch import run_training
-    from core.manifest import read_manifest
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
     resume, force = train_mode(state, latest_checkpoint(ctx.run_dir) is not None, "train" in ctx.redo)

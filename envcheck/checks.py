@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
-from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from core.schema import Profile
+from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import GpuFacts, Snapshot
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
@@ -242,7 +242,7 @@ def check_attention_backend(ctx: CheckInput) -> list[Finding]:
     bad = [(label, cc) for label, cc in capabilities if not runs_on(version_tuple(cc))]
     if bad:
         usable = ", ".join(name for name, (pred, _) in BACKEND_ARCHES.items() if pred(version_tuple(bad[0][1])))
-        return [Finding("attention.backend", "FAIL", f"attention backend {backend!r} runs on {valid}, not on SM{bad[0][1]} ({', '.join(l for l, _ in bad)})",
+        return [Finding("attention.backend", "FAIL", f"attention backend {backend!r} runs on {valid}, not on SM{bad[0][1]} ({', '.join(name for name, _ in bad)})",
                         f"set [audit] attention_backend in the profile to one of: {usable}")]
     return [Finding("attention.backend", "PASS", f"{backend!r} runs on SM{capabilities[0][1]}")]
 

@@ -416,7 +416,7 @@ def _build_model(context: _RankContext, device: Any) -> Any:
     blocks = []
     for _ in range(context.args.layers):
         blocks += [torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)]
-    model = torch.nn.Sequential(*blocks).to(device)
+    model: torch.nn.Module = torch.nn.Sequential(*blocks).to(device)
     if context.world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model
@@ -497,7 +497,7 @@ def installed_packages() -> dict[str, str]:
 
     packages: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name")
+        name = dist.metadata["Name"]
         if name:
             packages[name] = dist.version
     return dict(sorted(packages.items(), key=lambda item: item[0].lower()))

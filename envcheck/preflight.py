@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from envcheck.checks import CheckInput, Finding, run_checks
 from core.errors import ConfigError, PreflightFailed
 from core.schema import Profile
+from envcheck.checks import CheckInput, Finding, run_checks
 from envcheck.snapshot import Snapshot
 
 
@@ -75,14 +75,14 @@ def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None
 
 
 def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: bool) -> None:
-    from core.manifest import update_stage
-    from envcheck import report
     from core.fileio import write_json_atomic
+    from core.manifest import StageState, update_stage
+    from envcheck import report
 
     document = report.findings_document(findings, profile=profile.name, forced=force)
     write_json_atomic(run_dir / "audit" / "findings.json", scrub_document(document))
     failed = document["counts"]["FAIL"]
-    state = "failed" if failed and not force else "done"
+    state: StageState = "failed" if failed and not force else "done"
     update_stage(run_dir, "audit", state, forced=force, **{k.lower(): v for k, v in document["counts"].items()})
 
 

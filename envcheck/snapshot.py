@@ -139,7 +139,7 @@ class Snapshot:
 
 def _from_data(hint: Any, value: Any, where: str) -> Any:
     """Rebuild dataclasses from JSON data, rejecting unknown keys (the error names the key)."""
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected an object, got {value!r}")
         hints = typing.get_type_hints(hint)

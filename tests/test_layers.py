@@ -4,7 +4,6 @@ chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.eval.evaluate import EvalOptions, run_eval
     from core.errors import ConfigError
+    from dflash.eval.evaluate import EvalOptions, run_eval
 
     for flag in ("num_prompts", "max_new_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

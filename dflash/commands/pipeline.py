@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
 def final_figures(profile, run_dir) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
     from core.manifest import read_manifest
-    from dflash.pipeline import with_run_dir
     from core.profile import expand_path
+    from dflash.pipeline import with_run_dir
 
     profile = with_run_dir(profile, run_dir)
     directory = expand_path(profile, profile.paths.run_dir)

@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.memory.plan import make_plan
-    from dflash.memory.model import load_calibration
     from core.profile import profile_as_dict
+    from dflash.memory.model import load_calibration
+    from dflash.memory.plan import make_plan
 
     profile = load_profile_arg(args)
     snapshot = _read_document(args.snapshot) if args.snapshot else _live_snapshot(profile)

@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.manifest import manifest_path, read_manifest
     from core.errors import ConfigError, InputError
+    from core.manifest import manifest_path, read_manifest
 
     run_dir = resolve_run_dir(args.run_dir, args.profile)
     if not manifest_path(run_dir).exists():

@@ -17,9 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.profile import expand_path
     from dflash.data.inspect import inspect_dataset
     from dflash.data.tokenize import tokenize_completions
-    from core.profile import expand_path
 
     profile = load_profile_arg(args)
     run_dir = expand_path(profile, profile.paths.run_dir)

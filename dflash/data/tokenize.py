@@ -18,10 +18,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
-from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
 from core.errors import ConfigError, DataError, InputError
 from core.schema import Profile
+from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
+from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
 
 CHUNK_LINES = 32
 BATCH_ROWS = 256

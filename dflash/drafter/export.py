@@ -82,7 +82,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     from safetensors.torch import save_file
 
     from core.fileio import atomic_directory
-    from dflash.drafter.checkpoint import resolve_checkpoint_dir, config_document, read_drafter_config, read_weights
+    from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
 
     if engine not in ENGINES:
         raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")

@@ -12,6 +12,7 @@ from core.profile import expand_path
 from core.schema import Profile
 from dflash.eval.options import EvalOptions, EvalSummary, eval_prompts_path
 
+
 @dataclass
 class EncodedPrompt:
     prompt_id: str

@@ -43,8 +43,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _save(figure: Any, path: Path) -> Path:
-    from core.fileio import write_bytes_atomic
     import io
+
+    from core.fileio import write_bytes_atomic
 
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")

@@ -9,7 +9,6 @@ from core.redact import redact_env
 from core.schema import Profile
 
 
-
 def generation_plan(profile: Profile, input_path: str | None, output_path: str | None,
                     endpoints: Sequence[str], run_dir: str | None) -> dict[str, Any]:
     """The resolved plan of a generate run; starts nothing and loads no model."""

@@ -17,15 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash.generate.client import (EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat)
+from core.errors import ConfigError, RunFailed
+from core.manifest import update_stage
+from core.schema import Profile
+from dflash.generate.client import EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat
 from dflash.generate.prompts import PromptRecord, load_prompts
-from dflash.generate.records import (SamplingParams, build_request_body, completion_record,
-                                     rejected_optional_field)
+from dflash.generate.records import SamplingParams, build_request_body, completion_record, rejected_optional_field
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
-from core.manifest import update_stage
-from core.errors import ConfigError, RunFailed
-from core.schema import Profile
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0

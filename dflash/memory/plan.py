@@ -17,13 +17,11 @@ the global batch (train.global_batch sequences per optimizer step) exact. No tor
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from core.errors import ConfigError, InputError
 from core.schema import Profile
-
 from dflash.memory import model as memory
 
 DEFAULT_OVERHEAD_MIB = 1024.0       # context ~500-600 MiB + NCCL buffers + cuBLAS workspace

@@ -25,7 +25,6 @@ from core.redact import redact_env
 from core.schema import Profile
 
 
-
 @dataclass(frozen=True)
 class TrainPaths:
     run_dir: Path
@@ -101,8 +100,8 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
 
 def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
     """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside."""
-    from dflash.drafter.checkpoint import checkpoints_dir
     from core.fileio import write_text_atomic
+    from dflash.drafter.checkpoint import checkpoints_dir
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
     if has_checkpoints and not resume:
@@ -163,8 +162,8 @@ def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, 
 
 
 def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
-    from core.manifest import update_stage
     from core.fileio import read_json
+    from core.manifest import update_stage
 
     stopped = paths.train_dir / "stopped.json"
     if stopped.exists():

@@ -148,10 +148,10 @@ def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> N
 
 
 def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
-    from dflash.drafter.checkpoint import save_checkpoint
-    from core.manifest import update_stage
-    from dflash.train.optim import optimizer_shard_count
     from core.fileio import write_json_atomic
+    from core.manifest import update_stage
+    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.train.optim import optimizer_shard_count
 
     where = save_checkpoint(run_dir, state.drafter, state.step, {
         "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),

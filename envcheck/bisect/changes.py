@@ -40,7 +40,7 @@ class Change:
 
     def describe(self) -> str:
         if self.old is None:
-            return f"{self.name} (added, {self.new.version})"
+            return f"{self.name} (added, {self.new.version if self.new else '?'})"
         if self.new is None:
             return f"{self.name} (removed, was {self.old.version})"
         return f"{self.name} {self.old.version} -> {self.new.version}"
@@ -191,8 +191,9 @@ def _alone_reason(name: str, unreadable: set[str]) -> str:
 
 def _group_name(members: frozenset[str], glued: Sequence[Glue], inside: list[Coupling]) -> str:
     families = {family_of(name) for name in members}
-    if len(members) > 1 and len(families) == 1 and None not in families and any(g.rule == "family" for g in glued):
-        return families.pop()
+    family = next(iter(families)) if len(families) == 1 else None
+    if len(members) > 1 and family is not None and any(g.rule == "family" for g in glued):
+        return family
     ordered = sorted(members)
     if len(ordered) <= LONG_NAME:
         return "+".join(ordered)

@@ -81,7 +81,7 @@ def _requirements_on(pin: Optional[Pin], by_name: dict[str, "Change"],
     for line in metadata[pin_key(pin)].requires:
         requirement = _parse(line)
         target = canonical_name(requirement.name) if requirement else None
-        if target in by_name and target != pin.name and _active(requirement, extras):
+        if requirement is not None and target in by_name and target != pin.name and _active(requirement, extras):
             yield requirement, target
 
 
@@ -133,5 +133,5 @@ def learned_couplings(lines: list[str], applied: set[str], changed: set[str], st
     return found
 
 
-def _at(pin: Pin) -> str:
-    return f"{pin.name} {pin.version}"
+def _at(pin: Optional[Pin]) -> str:
+    return "(none)" if pin is None else f"{pin.name} {pin.version}"

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from core.errors import ConfigError
 from core.fileio import write_text_atomic
+from envcheck.bisect.search import Outcome
 
 
 @dataclass
@@ -26,7 +27,7 @@ class StepRecord:
     step: int
     k: int                                   # GOOD + the first k groups (of the grouping at that step)
     groups: list[str]                        # the groups applied
-    result: str                              # "good", "bad" or "skip"
+    result: Outcome                          # "good", "bad" or "skip"
     packages: list[str] = field(default_factory=list)   # the changed packages applied
     reason: str = ""                         # why skipped: "regrouped" (inconsistent; the coupling it
                                              # showed regrouped the changes, the search went on),

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from envcheck.bisect.reqsets import RequirementSet, canonical_name, requirements_text
 from core.fileio import write_text_atomic
+from envcheck.bisect.reqsets import RequirementSet, canonical_name, requirements_text
 
 Command = tuple[list[str], dict[str, str]]
 UV_CONFLICT = re.compile(r"The package `(?P<package>[^`]+)` requires `(?P<requirement>[^`]+)`")

@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck import preflight, report
     from core.profile import load_profile
+    from envcheck import preflight, report
     from envcheck.snapshot import load_snapshot
 
     profile = load_profile(args.profile)

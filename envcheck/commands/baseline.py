@@ -29,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save(args: argparse.Namespace) -> int:
+    from core.profile import load_profile
     from envcheck import preflight
     from envcheck.baseline import save_baseline
-    from core.profile import load_profile
     from envcheck.snapshot import load_snapshot
 
     profile = load_profile(args.profile)
@@ -61,8 +61,8 @@ def _diff(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from envcheck.baseline import diff_snapshots
     from core.errors import InputError
+    from envcheck.baseline import diff_snapshots
 
     old, new = _diff_operands(args)
     if old is None:
@@ -76,9 +76,9 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _diff_operands(args: argparse.Namespace):
+    from core.profile import load_profile
     from envcheck import preflight
     from envcheck.baseline import load_baseline
-    from core.profile import load_profile
     from envcheck.snapshot import load_snapshot
 
     if args.old and args.new:

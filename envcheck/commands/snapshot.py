@@ -16,8 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck import preflight
     from core.profile import load_profile
+    from envcheck import preflight
     from envcheck.snapshot import save_snapshot
 
     snapshot = preflight.live_snapshot(load_profile(args.profile), cuda_probe=args.cuda_probe)

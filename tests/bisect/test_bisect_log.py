@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from envcheck.bisect.log import BisectLog, StepRecord
 from core.errors import ConfigError
+from envcheck.bisect.log import BisectLog, StepRecord
 
 HEADER = {"kind": "bisect", "fingerprint": "abc"}
 

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from core.errors import EXIT_CANNOT_TEST, EXIT_FAIL
-from envcheck.memprobe import (STAGES, ProbeOptions, ProbeReport, RankMemory, compare_reports,
-                               default_world_size, rank_command, report_from_json)
+from envcheck.memprobe import (
+    STAGES,
+    ProbeOptions,
+    ProbeReport,
+    RankMemory,
+    compare_reports,
+    default_world_size,
+    rank_command,
+    report_from_json,
+)
 
 LAUNCHER = str(Path(__file__).resolve().parents[2] / "launcher.py")
 SMALL = ["--hidden", "128", "--layers", "2", "--steps", "2"]

@@ -41,9 +41,9 @@ def turn(user: str, reasoning: str | None, answer: str) -> list[dict[str, Any]]:
 def build_dataset(directory: Path, ids: list[str], seed: int = 0, tokens: int = 64,
                   fingerprint: str = "tok-A", shard_rows: int = 50, batch_rows: int = 25) -> Path:
     """A tokenized-dataset directory with random token rows (for merge tests; no tokenizer needed)."""
+    from core.fileio import atomic_directory
     from dflash.data import dataset_io
     from dflash.data.tokenize import TokenizedSample, samples_to_batch
-    from core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)
     samples = []

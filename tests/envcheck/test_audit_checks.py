@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from envcheck import checks, report
 from core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
-from envcheck.preflight import audit
 from core.profile import load_profile
+from envcheck import checks, report
+from envcheck.preflight import audit
 from envcheck.snapshot import GpuProcess, Snapshot, load_snapshot
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core.manifest import read_manifest
 from core.errors import PreflightFailed
-from envcheck.preflight import run_preflight
+from core.manifest import read_manifest
 from core.profile import load_profile
+from envcheck.preflight import run_preflight
 from envcheck.snapshot import load_snapshot
 
 SECRET = "hf_s3cr3tV4lue0123456789"

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from core import redact
 from envcheck import host, toolkit, torch_facts
-from envcheck.packages import read_pins
-from envcheck.packages import normalize, version_matches_pin
+from envcheck.packages import normalize, read_pins, version_matches_pin
 
 
 def test_torch_facts_come_from_a_child_and_are_cached_by_install_key(tmp_path):

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dflash.drafter.model import _attend_all
+from dflash.drafter.taps import extract_taps
 from dflash.eval.dflash_drafter import DFlashDraft, load_dflash_draft
 from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
-from dflash.drafter.taps import extract_taps
 
 PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]
 

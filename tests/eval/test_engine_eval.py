@@ -20,7 +20,7 @@ STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
 
 def sglang_options(version: str) -> tuple[set[str], str]:
     lines = (FIXTURES / f"sglang-{version}-flags.txt").read_text().splitlines()
-    return {line for line in lines if line.startswith("--")}, "\n".join(l for l in lines if l.startswith("#"))
+    return {line for line in lines if line.startswith("--")}, "\n".join(line for line in lines if line.startswith("#"))
 
 
 def hybrid_target(tmp_path: Path) -> Path:

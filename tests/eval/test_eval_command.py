@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_dflash_drafter import save_random_drafter
 
 import launcher
 from core.manifest import read_manifest, update_stage
-from test_dflash_drafter import save_random_drafter
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from eval_helpers import small_vocab_model
 
 from dflash.eval.oracle import OracleDrafter
 from dflash.eval.prompt_lookup import PromptLookupDrafter
-from dflash.eval.specdec import (DecodeSettings, NoDrafter, Proposal, TargetVerifier,
-                                 accept_greedy, speculative_decode)
-from eval_helpers import small_vocab_model
+from dflash.eval.specdec import DecodeSettings, NoDrafter, Proposal, TargetVerifier, accept_greedy, speculative_decode
 
 PROMPTS = ([9707, 11, 1879, 0], [785, 6722, 315, 9625, 374, 12095, 13, 785], [151644, 872, 198, 3838])
 

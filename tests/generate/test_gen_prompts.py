@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dflash.generate.prompts import load_prompts
 from core.errors import InputError
+from dflash.generate.prompts import load_prompts
 
 
 def write_lines(path, lines):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dflash.generate.store import CompletionStore
 from core.errors import InputError
+from dflash.generate.store import CompletionStore
 
 
 def open_store(tmp_path, flush_every=2):

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gpu_helpers import PartRecord, figures_path, out_dir, part_name
 
 HERE = Path(__file__).resolve().parent

@@ -73,8 +73,16 @@ class PartRecord:
 def gpu_profile(target: Path, dataset: Path, *, max_length: int, drafter_layers: int, block_size: int,
                 num_anchors: int, dtype: str = "bfloat16", attention: str = "flex", **train: Any) -> Any:
     """A one-GPU Profile built in code: the trainer's and the planner's view of a test workload."""
-    from core.schema import (DataSection, DrafterSection, MachineSection, MemorySection, ModelSection,
-                             PathsSection, Profile, TrainSection)
+    from core.schema import (
+        DataSection,
+        DrafterSection,
+        MachineSection,
+        MemorySection,
+        ModelSection,
+        PathsSection,
+        Profile,
+        TrainSection,
+    )
 
     settings = {"num_anchors": num_anchors, "attention": attention, "max_steps": 1000, "warmup_ratio": 0.0,
                 "global_batch": 8, "max_micro_batch": 8, "optimizer_sharding": "none", **train}

@@ -105,7 +105,7 @@ def run_capped(drills: Drills, cap_mib: float, planned: int, state_path: Path) -
         auto, state.autobatch = state.autobatch, None
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     persisted = load_run_state(state_path)
-    return DrillOutcome(planned=planned, final=auto.micro_batch, ooms=sum("out of memory at step" in l for l in lines),
+    return DrillOutcome(planned=planned, final=auto.micro_batch, ooms=sum("out of memory at step" in line for line in lines),
                         halvings=len(auto.reductions), steps_done=len(losses), sequences_per_step=sequences,
                         losses=losses, max_reserved_mib=round(torch.cuda.max_memory_reserved(device) / MIB, 1),
                         cap_mib=round(cap_mib, 1), fraction=round(cap_mib / drills.total_mib, 5),

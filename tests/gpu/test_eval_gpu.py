@@ -39,11 +39,11 @@ def eval_prompts(tokenizer_dir: Path, count: int) -> list[tuple[str, list[int]]]
 
 def random_dflash_draft(model: Any, device: Any) -> Any:
     import torch
+    from gpu_helpers import MASK_ID
 
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
     from dflash.eval.dflash_drafter import DFlashDraft
-    from gpu_helpers import MASK_ID
 
     layers = model.config.num_hidden_layers
     config = drafter_config(model.config, num_layers=2, block_size=EVAL_BLOCK,

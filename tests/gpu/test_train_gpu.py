@@ -47,10 +47,10 @@ def pattern_rows(cycle: list[int], count: int, seed: int = 0) -> list[tuple[list
 @pytest.fixture(scope="module")
 def state(tiny_target, tokenizer_dir, tmp_path_factory) -> Any:
     import torch
+    from gpu_helpers import gpu_profile, write_rows_dataset
 
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
-    from gpu_helpers import gpu_profile, write_rows_dataset
 
     work = tmp_path_factory.mktemp("train-gpu")
     dataset = write_rows_dataset(work / "dataset", pattern_rows(cycle_token_ids(tokenizer_dir), TRAIN_ROWS))

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.memory import model as memory
-from dflash.memory import plan as budget
 from core.errors import ConfigError, InputError
 from core.profile import load_profile
+from dflash.memory import model as memory
+from dflash.memory import plan as budget
 
 UUIDS = ["GPU-aaaa0000-1111", "GPU-bbbb0000-2222", "GPU-cccc0000-3333", "GPU-aaaa9999-4444"]
 

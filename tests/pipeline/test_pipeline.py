@@ -11,11 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from core.manifest import read_manifest, update_stage
-from dflash.pipeline import (PipelineContext, Stage, default_stages, redo_from, run_pipeline, run_stages,
-                             select_stages, train_mode, with_run_dir)
 from core.errors import ConfigError
+from core.manifest import read_manifest, update_stage
 from core.profile import expand_path, load_profile
+from dflash.pipeline import (
+    PipelineContext,
+    Stage,
+    default_stages,
+    redo_from,
+    run_pipeline,
+    run_stages,
+    select_stages,
+    train_mode,
+    with_run_dir,
+)
 
 
 class Recorder:

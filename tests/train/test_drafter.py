@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.attention import BlockLayout, make_attend
+from dflash.drafter.loss import block_loss, block_targets, decay_weights
 from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import default_target_layer_ids, extract_taps
-from dflash.drafter.loss import block_loss, block_targets, decay_weights
 
 BLOCK, GAMMA, LAYERS = 4, 3.0, [1, 2]
 MASK_ID = 151669
@@ -215,8 +215,8 @@ def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, 
 def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
     import dataclasses
 
-    from dflash.train.setup import build_drafter
     from core.profile import load_profile
+    from dflash.train.setup import build_drafter
 
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, drafter=dataclasses.replace(
@@ -230,8 +230,8 @@ def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
 def test_profile_drafter_init_target_starts_from_the_layer_after_the_deepest_tap(tiny_target_model):
     import dataclasses
 
-    from dflash.train.setup import build_drafter
     from core.profile import load_profile
+    from dflash.train.setup import build_drafter
 
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, drafter=dataclasses.replace(

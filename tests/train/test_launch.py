@@ -5,10 +5,9 @@ import dataclasses
 
 import pytest
 
-from core.profile import profile_from_json, profile_to_json
-from dflash.train.launch import build_torchrun_command, describe_command
 from core.errors import ConfigError
-from core.profile import load_profile
+from core.profile import load_profile, profile_from_json, profile_to_json
+from dflash.train.launch import build_torchrun_command, describe_command
 
 
 def test_single_node_is_standalone_with_the_profile_nproc(tmp_path):

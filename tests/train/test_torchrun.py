@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train.launch import build_torchrun_command, run_training
 from core.errors import RunFailed
 from core.profile import load_profile
+from dflash.train.launch import build_torchrun_command, run_training
 from tests.train.conftest import write_profile
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
     _, run_dir = trained
     lines = metrics(run_dir)
     assert [line["step"] for line in lines] == list(range(1, 25))
-    first, last = sum(l["loss"] for l in lines[:4]) / 4, sum(l["loss"] for l in lines[-4:]) / 4
+    first, last = sum(line["loss"] for line in lines[:4]) / 4, sum(line["loss"] for line in lines[-4:]) / 4
     assert last < first - 0.15, (first, last)          # ln(151936) = 11.93 at the start
     assert len(lines[-1]["acc"]) == 3 and len(lines[-1]["mem_mib"]) == 2 and lines[-1]["tokens_per_s"] > 0
     assert lines[-1]["sim_tau"] == pytest.approx(sum(
@@ -139,7 +139,7 @@ def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qw
     profile = load_profile(str(path))
     assert run_training(profile, run_dir=run_dir) == 0
     lines = metrics(run_dir)
-    assert sum(l["loss"] for l in lines[-4:]) / 4 < sum(l["loss"] for l in lines[:4]) / 4 - 0.1
+    assert sum(line["loss"] for line in lines[-4:]) / 4 < sum(line["loss"] for line in lines[:4]) / 4 - 0.1
     assert lines[0]["loss"] < 5.0            # softmax over 40 columns: ln(40) = 3.7, not ln(151936) = 11.9
     import datasets
 
