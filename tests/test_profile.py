@@ -75,3 +75,33 @@ def test_extends_unknown_and_cycle(tmp_path):
     write(tmp_path, "c", 'extends = "nowhere"\n')
     with pytest.raises(ConfigError, match="unknown profile 'nowhere'"):
         load_profile("c", tmp_path)
+
+
+def test_a_profile_outside_profiles_extends_a_shipped_one_and_a_neighbour_comes_first(tmp_path):
+    from core.profile import load_profile
+
+    mine = tmp_path / "mine.toml"
+    mine.write_text('extends = "cpu-demo"\n[train]\nlr = 0.5\n')
+    loaded = load_profile(str(mine))
+    assert loaded.train.lr == 0.5 and loaded.machine.nproc_per_node == load_profile("cpu-demo").machine.nproc_per_node
+    (tmp_path / "cpu-demo.toml").write_text('extends = "rtx6000-x8"\n')     # a file next to it wins
+    assert load_profile(str(mine)).machine.device == "cuda"
+
+
+def test_profile_json_round_trip_is_validated_like_toml(tmp_path):
+    import json
+
+    import pytest
+
+    from core.errors import ConfigError
+    from core.profile import load_profile, profile_from_json, profile_to_json
+
+    profile = load_profile("rtx6000-x8")
+    path = tmp_path / "profile.json"
+    path.write_text(profile_to_json(profile))
+    assert profile_from_json(path) == profile
+    document = json.loads(path.read_text())
+    document["train"]["no_such_key"] = 1
+    path.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match="train.no_such_key"):
+        profile_from_json(path)
