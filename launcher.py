@@ -3,7 +3,7 @@
 
 A thin CLI: each subcommand lives in its own module (imported only when that subcommand runs,
 so `--help`, `profiles`, `plan` and `audit` never import torch), and exceptions map to exit
-codes in one place (`core.errors.exit_code_for`).
+codes in one place (`launcher_core.errors.exit_code_for`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from core.errors import LauncherError, exit_code_for
+    from launcher_core.errors import LauncherError, exit_code_for
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)

@@ -20,7 +20,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from core.fileio import write_text_atomic  # noqa: E402
 from envcheck.bisect.demo import (  # noqa: E402
     COUPLED_CHANGED,
     COUPLED_IMPORTED,
@@ -34,6 +33,7 @@ from envcheck.bisect.report import build_report  # noqa: E402
 from envcheck.bisect.runner import BisectConfig, run_bisect  # noqa: E402
 from envcheck.bisect.search import next_candidate, probe_bound  # noqa: E402
 from envcheck.bisect.venvs import InstallerOptions, build_candidate  # noqa: E402
+from launcher_core.fileio import write_text_atomic  # noqa: E402
 
 PROBE = f"{{python}} {REPO_ROOT / 'launcher.py'} probe --import memhog"
 COUPLED_PROBE = demo_probe(COUPLED_IMPORTED).replace("launcher.py", str(REPO_ROOT / "launcher.py"))

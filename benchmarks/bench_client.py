@@ -84,8 +84,8 @@ def pin(pid: int, core: int) -> int:
 
 
 def run_client(profile_name: str, requests: int, url: str, workdir: Path, concurrency: int | None) -> tuple:
-    from core.profile import load_profile
     from dflash.generate import generate_from_profile
+    from launcher_core.profile import load_profile
 
     profile = load_profile(profile_name)
     if concurrency:

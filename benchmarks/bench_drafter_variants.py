@@ -79,8 +79,8 @@ def build(target, variant: dict, vocab: list[int] | None):
     """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
     import dataclasses
 
-    from core.profile import load_profile
     from dflash.train.setup import build_drafter
+    from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")
     drafter_settings = dataclasses.replace(profile.drafter, num_layers=variant["layers"], target_layer_ids=(TAP,),

@@ -34,9 +34,9 @@ finally:
 def build(directory: Path, rows: int, seed: int, prefix: str) -> Path:
     import numpy as np
 
-    from core.fileio import atomic_directory
     from dflash.data import dataset_io
     from dflash.data.tokenize import TokenizedSample, samples_to_batch
+    from launcher_core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)
     with atomic_directory(directory) as staging:

@@ -20,11 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "memory"))
 
-from core.fileio import read_json  # noqa: E402
-from core.profile import load_profile  # noqa: E402
 from dflash.memory import model as memory  # noqa: E402
 from dflash.memory import plan as budget  # noqa: E402
 from dflash.train import autobatch  # noqa: E402
+from launcher_core.fileio import read_json  # noqa: E402
+from launcher_core.profile import load_profile  # noqa: E402
 
 SNAPSHOTS = REPO / "tests" / "fixtures" / "snapshots"
 CALIBRATION = REPO / "tests" / "fixtures" / "memory" / "rtx6000-x8-calibration.json"

@@ -123,9 +123,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--workers", type=int, default=1, help="1 = the one-core figure the target is about")
     args = parser.parse_args()
-    from core.profile import load_profile
     from dflash.data.tokenize import load_tokenizer, tokenizer_identity
     from dflash.models import qwen3_tokenizer_dir
+    from launcher_core.profile import load_profile
 
     pinning = pin_to_one_core() if args.workers == 1 else f"{args.workers} workers"
     base = load_profile("cpu-demo")

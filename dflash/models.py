@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from core.errors import ConfigError
-from core.paths import cache_dir
+from launcher_core.errors import ConfigError
+from launcher_core.paths import cache_dir
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 QWEN3_TOKENIZER = "builtin:qwen3-tokenizer"
@@ -58,7 +58,7 @@ def smollm2_dir() -> Path:
 def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.fileio import atomic_directory
+    from launcher_core.fileio import atomic_directory
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, local_files_only=True)
@@ -84,7 +84,7 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, la
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from core.fileio import atomic_directory
+    from launcher_core.fileio import atomic_directory
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from core.errors import ConfigError
-from core.schema import Profile
+from launcher_core.errors import ConfigError
+from launcher_core.schema import Profile
 
 STAGE_NAMES = ("audit", "generate", "tokenize", "train", "eval")
 
@@ -28,7 +28,7 @@ class PipelineContext:
     redo: frozenset[str] = frozenset()
 
     def path(self, template: str) -> Path:
-        from core.profile import expand_path
+        from launcher_core.profile import expand_path
 
         return expand_path(self.profile, template)
 
@@ -78,7 +78,7 @@ def skip_reason(stage: Stage, ctx: PipelineContext, manifest: dict[str, Any]) ->
 def run_stages(stages: Sequence[Stage], ctx: PipelineContext,
                report: Callable[[str], None] = print) -> list[StageOutcome]:
     """Run or skip each stage in order; a stage that raises stops the pipeline (the error propagates)."""
-    from core.manifest import read_manifest, update_stage
+    from launcher_core.manifest import read_manifest, update_stage
 
     outcomes = []
     for stage in stages:
@@ -126,9 +126,9 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 
 def _train(ctx: PipelineContext) -> str:
-    from core.manifest import read_manifest
     from dflash.drafter.checkpoint import latest_checkpoint
     from dflash.train.launch import run_training
+    from launcher_core.manifest import read_manifest
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
     resume, force = train_mode(state, latest_checkpoint(ctx.run_dir) is not None, "train" in ctx.redo)
@@ -195,7 +195,7 @@ def redo_from(stage: Optional[str]) -> frozenset[str]:
 def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, force_audit: bool = False,
                  redo: Optional[str] = None, stop_after: Optional[str] = None,
                  stages: Optional[Sequence[Stage]] = None) -> list[StageOutcome]:
-    from core.profile import expand_path
+    from launcher_core.profile import expand_path
 
     profile = with_run_dir(profile, run_dir)
     ctx = PipelineContext(profile, expand_path(profile, profile.paths.run_dir), force_audit, redo_from(redo))

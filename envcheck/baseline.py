@@ -16,7 +16,7 @@ def baseline_dir() -> Path:
     override = os.environ.get("DFLASH_BASELINE_DIR")
     if override:
         return Path(override)
-    from core.paths import cache_dir
+    from launcher_core.paths import cache_dir
 
     return cache_dir() / "baselines"
 

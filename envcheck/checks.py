@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
-from core.schema import Profile
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import GpuFacts, Snapshot
+from launcher_core.schema import Profile
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 STATUS_ORDER: tuple[Status, ...] = ("FAIL", "WARN", "PASS", "SKIP")

@@ -16,8 +16,8 @@ from envcheck.snapshot import Snapshot
 def collect_snapshot(disk_paths: typing.Sequence[Path] = (), *, cuda_probe: bool = False,
                      environ: typing.Mapping[str, str] | None = None) -> Snapshot:
     """This machine's facts. No CUDA context is created in this process."""
-    from core import redact
     from envcheck import host, nvml_facts, packages, toolkit, torch_facts
+    from launcher_core import redact
 
     environ = os.environ if environ is None else environ
     nvml, gpus = nvml_facts.collect()

@@ -108,8 +108,8 @@ def report_from_json(document: dict[str, Any]) -> ProbeReport:
 
 
 def load_report(path: str | os.PathLike) -> ProbeReport:
-    from core.errors import InputError
-    from core.fileio import read_json
+    from launcher_core.errors import InputError
+    from launcher_core.fileio import read_json
 
     try:
         return report_from_json(read_json(path))
@@ -173,7 +173,7 @@ def rank_command(options: ProbeOptions, rank: int, world: int, port: int, out_di
 
 def run_probe(options: ProbeOptions) -> ProbeReport:
     """Measure in child processes (one per rank) and gather their results."""
-    from core.errors import CannotTest
+    from launcher_core.errors import CannotTest
 
     world = default_world_size(options)
     started = time.monotonic()

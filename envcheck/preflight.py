@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core.errors import ConfigError, PreflightFailed
-from core.schema import Profile
 from envcheck.checks import CheckInput, Finding, run_checks
 from envcheck.snapshot import Snapshot
+from launcher_core.errors import ConfigError, PreflightFailed
+from launcher_core.schema import Profile
 
 
 def requirements_path(profile: Profile) -> Path:
-    from core.paths import REPO_ROOT
+    from launcher_core.paths import REPO_ROOT
 
     path = Path(profile.machine.requirements)
     return path if path.is_absolute() else REPO_ROOT / path
@@ -33,7 +33,7 @@ def read_profile_pins(profile: Profile) -> dict[str, str]:
 
 def disk_paths(profile: Profile) -> list[Path]:
     """Where the run writes: the run directory (completions, dataset, checkpoints live under it)."""
-    from core.profile import expand_path
+    from launcher_core.profile import expand_path
 
     return [expand_path(profile, profile.paths.run_dir)]
 
@@ -75,9 +75,9 @@ def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None
 
 
 def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: bool) -> None:
-    from core.fileio import write_json_atomic
-    from core.manifest import StageState, update_stage
     from envcheck import report
+    from launcher_core.fileio import write_json_atomic
+    from launcher_core.manifest import StageState, update_stage
 
     document = report.findings_document(findings, profile=profile.name, forced=force)
     write_json_atomic(run_dir / "audit" / "findings.json", scrub_document(document))
@@ -88,12 +88,12 @@ def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: boo
 
 def scrub(text: str) -> str:
     """Mask the values of secret-looking environment variables wherever they appear."""
-    from core.redact import redact_value, secret_values
+    from launcher_core.redact import redact_value, secret_values
 
     return redact_value("", text, secret_values(os.environ))
 
 
 def scrub_document(document):
-    from core.redact import redact_document, secret_values
+    from launcher_core.redact import redact_document, secret_values
 
     return redact_document(document, secret_values(os.environ))

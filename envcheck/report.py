@@ -5,8 +5,8 @@ import textwrap
 from dataclasses import asdict
 from typing import Sequence
 
-from core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT
 from envcheck.checks import STATUS_ORDER, Finding
+from launcher_core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT
 
 
 def counts(findings: Sequence[Finding]) -> dict[str, int]:

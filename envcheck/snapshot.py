@@ -159,8 +159,8 @@ def _from_data(hint: Any, value: Any, where: str) -> Any:
 
 def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """Read a snapshot file; a malformed one raises InputError naming the file and the key."""
-    from core.errors import InputError
-    from core.fileio import read_json
+    from launcher_core.errors import InputError
+    from launcher_core.fileio import read_json
 
     try:
         return Snapshot.from_dict(read_json(path))
@@ -170,7 +170,7 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
 
 def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:
     """Write atomically; values of secret-looking environment variables are masked anywhere in it."""
-    from core.fileio import write_json_atomic
-    from core.redact import redact_document, secret_values
+    from launcher_core.fileio import write_json_atomic
+    from launcher_core.redact import redact_document, secret_values
 
     return write_json_atomic(path, redact_document(snapshot.to_dict(), secret_values(os.environ)))

@@ -71,7 +71,7 @@ def _probe_child(timeout_s: float = 120.0) -> TorchFacts:
 
 
 def _default_cache_path() -> Path:
-    from core.paths import cache_dir
+    from launcher_core.paths import cache_dir
 
     return cache_dir() / CACHE_NAME
 
@@ -87,7 +87,7 @@ def _read_cache(path: Path, key: str) -> Optional[TorchFacts]:
 
 
 def _write_cache(path: Path, key: str, facts: TorchFacts) -> None:
-    from core.fileio import write_json_atomic
+    from launcher_core.fileio import write_json_atomic
 
     facts_data = {"version": facts.version, "cuda": facts.cuda, "arch_list": facts.arch_list}
     try:

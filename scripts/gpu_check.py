@@ -233,7 +233,7 @@ def cuda_from_environment(result: dict[str, Any], current: str) -> str:
 
 
 def write_report(out: Path, results: list[dict[str, Any]], started: float, args: argparse.Namespace) -> Path:
-    from core.fileio import write_json_atomic
+    from launcher_core.fileio import write_json_atomic
 
     environment = next((r for r in results if r["name"] == "environment"), {})
     document = {
@@ -366,7 +366,7 @@ def run_test_part(spec: PartSpec, args: argparse.Namespace, limit_s: float, log:
     if killed:
         result["reason"] = result["summary"] = f"killed after its {limit_s:.0f} s limit; partial results kept"
     result.update(wall_s=round(time.monotonic() - started, 1), limit_s=round(limit_s), exit_code=child.returncode)
-    from core.fileio import write_json_atomic
+    from launcher_core.fileio import write_json_atomic
 
     write_json_atomic(out / "parts" / f"{spec.name}.json", result)
     return result
@@ -457,7 +457,7 @@ class PartContext:
                 "wall_s": round(time.monotonic() - self.started, 1)}
 
     def save(self) -> None:
-        from core.fileio import write_json_atomic
+        from launcher_core.fileio import write_json_atomic
 
         write_json_atomic(self.out / "parts" / f"{self.spec.name}.json", self.document())
 

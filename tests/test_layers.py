@@ -1,4 +1,4 @@
-"""The layout is the architecture: core/ imports nothing of the floors above it, envcheck/ (the
+"""The layout is the architecture: launcher_core/ imports nothing of the floors above it, envcheck/ (the
 machine) never imports dflash/ (the workload), and no module imports itself back through a
 chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FLOORS = {"core": 0, "envcheck": 1, "dflash": 2}
+FLOORS = {"launcher_core": 0, "envcheck": 1, "dflash": 2}
 
 
 def modules() -> dict[str, Path]:
@@ -87,6 +87,6 @@ def test_no_import_cycle():
 
 
 def test_the_checker_sees_an_upward_import_and_a_cycle():
-    graph = {"core.a": {"dflash.b"}, "dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}}
-    assert [(m, t) for m, ts in graph.items() for t in ts if floor(t) > floor(m)] == [("core.a", "dflash.b")]
+    graph = {"launcher_core.a": {"dflash.b"}, "dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}}
+    assert [(m, t) for m, ts in graph.items() for t in ts if floor(t) > floor(m)] == [("launcher_core.a", "dflash.b")]
     assert cycles(graph) == [["dflash.b", "dflash.c"]]

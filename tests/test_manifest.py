@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 
-from core.manifest import manifest_path, read_manifest, update_stage
+from launcher_core.manifest import manifest_path, read_manifest, update_stage
 
 
 def test_updates_merge_figures_and_survive_as_valid_json(tmp_path):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError
-from core.profile import list_profiles, load_profile
+from launcher_core.errors import ConfigError
+from launcher_core.profile import list_profiles, load_profile
 
 
 def write(directory: Path, name: str, text: str) -> Path:
@@ -78,7 +78,7 @@ def test_extends_unknown_and_cycle(tmp_path):
 
 
 def test_a_profile_outside_profiles_extends_a_shipped_one_and_a_neighbour_comes_first(tmp_path):
-    from core.profile import load_profile
+    from launcher_core.profile import load_profile
 
     mine = tmp_path / "mine.toml"
     mine.write_text('extends = "cpu-demo"\n[train]\nlr = 0.5\n')
@@ -93,8 +93,8 @@ def test_profile_json_round_trip_is_validated_like_toml(tmp_path):
 
     import pytest
 
-    from core.errors import ConfigError
-    from core.profile import load_profile, profile_from_json, profile_to_json
+    from launcher_core.errors import ConfigError
+    from launcher_core.profile import load_profile, profile_from_json, profile_to_json
 
     profile = load_profile("rtx6000-x8")
     path = tmp_path / "profile.json"

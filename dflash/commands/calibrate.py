@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def with_target_override(profile, target: str | None):
 
 
 def parse_micro_batches(text: str) -> tuple[int, ...]:
-    from core.errors import ConfigError
+    from launcher_core.errors import ConfigError
 
     try:
         values = tuple(int(part) for part in text.split(",") if part.strip())

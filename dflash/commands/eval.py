@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.errors import ConfigError
     from dflash.eval.evaluate import EvalOptions, run_eval
+    from launcher_core.errors import ConfigError
 
     for flag in ("num_prompts", "max_new_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

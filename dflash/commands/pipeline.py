@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
 
@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
 def final_figures(profile, run_dir) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
-    from core.manifest import read_manifest
-    from core.profile import expand_path
     from dflash.pipeline import with_run_dir
+    from launcher_core.manifest import read_manifest
+    from launcher_core.profile import expand_path
 
     profile = with_run_dir(profile, run_dir)
     directory = expand_path(profile, profile.paths.run_dir)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from core.profile import profile_as_dict
     from dflash.memory.model import load_calibration
     from dflash.memory.plan import make_plan
+    from launcher_core.profile import profile_as_dict
 
     profile = load_profile_arg(args)
     snapshot = _read_document(args.snapshot) if args.snapshot else _live_snapshot(profile)
@@ -92,7 +92,7 @@ def _finite(value: float) -> float | None:
 
 
 def _read_document(path: Path) -> dict:
-    from core.fileio import read_json
+    from launcher_core.fileio import read_json
 
     return read_json(path)
 
@@ -101,7 +101,7 @@ def _live_snapshot(profile) -> dict | None:
     """This machine's GPUs through NVML (no CUDA context); None for a CPU profile."""
     if profile.machine.device == "cpu":
         return None
-    from core.errors import ConfigError
+    from launcher_core.errors import ConfigError
 
     try:
         return {"gpus": _nvml_gpus()}

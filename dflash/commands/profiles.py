@@ -12,7 +12,7 @@ def run(args: argparse.Namespace) -> int:
     import json
     import tomllib
 
-    from core.profile import list_profiles, load_profile, profile_path
+    from launcher_core.profile import list_profiles, load_profile, profile_path
 
     rows = []
     for name in list_profiles():

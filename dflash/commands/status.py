@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.errors import ConfigError, InputError
-    from core.manifest import manifest_path, read_manifest
+    from launcher_core.errors import ConfigError, InputError
+    from launcher_core.manifest import manifest_path, read_manifest
 
     run_dir = resolve_run_dir(args.run_dir, args.profile)
     if not manifest_path(run_dir).exists():
@@ -38,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve_run_dir(run_dir: str | None, profile_name: str | None) -> Path:
-    from core.errors import ConfigError
+    from launcher_core.errors import ConfigError
 
     if bool(run_dir) == bool(profile_name):
         raise ConfigError("give either RUN_DIR or --profile P (one of them)")
     if run_dir:
         return Path(run_dir)
-    from core.profile import expand_path, load_profile
+    from launcher_core.profile import expand_path, load_profile
 
     profile = load_profile(profile_name)
     return expand_path(profile, profile.paths.run_dir)
@@ -60,7 +60,7 @@ def format_value(value: Any) -> str:
 
 def format_status(run_dir: Path, manifest: dict[str, Any]) -> str:
     """One line per stage (pipeline order first): state, figures, last update."""
-    from core.manifest import STAGES
+    from launcher_core.manifest import STAGES
 
     stages = manifest["stages"]
     names = [name for name in STAGES] + sorted(set(stages) - set(STAGES))

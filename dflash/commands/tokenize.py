@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,9 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.profile import expand_path
     from dflash.data.inspect import inspect_dataset
     from dflash.data.tokenize import tokenize_completions
+    from launcher_core.profile import expand_path
 
     profile = load_profile_arg(args)
     run_dir = expand_path(profile, profile.paths.run_dir)

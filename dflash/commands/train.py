@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from core.cli import add_profile_option, load_profile_arg
+from launcher_core.cli import add_profile_option, load_profile_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.profile import expand_path
     from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
     from dflash.train.launch import build_torchrun_command, describe_command, run_training
+    from launcher_core.profile import expand_path
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)

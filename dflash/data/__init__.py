@@ -38,8 +38,8 @@ def load_training_dataset(path: str | Path) -> Any:
     """The dataset for the trainer: `datasets.load_from_disk`, memory-mapped, columns checked."""
     import datasets
 
-    from core.errors import InputError
     from dflash.data.dataset_io import read_meta
+    from launcher_core.errors import InputError
 
     read_meta(Path(path))
     dataset = datasets.load_from_disk(str(path))

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from core.errors import InputError
-from core.fileio import write_json_atomic
+from launcher_core.errors import InputError
+from launcher_core.fileio import write_json_atomic
 
 META_NAME = "dflash_meta.json"
 META_FORMAT = "dflash-dataset/1"

@@ -21,8 +21,8 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from core.errors import ConfigError, DataError, InputError
 from dflash.data import dataset_io
+from launcher_core.errors import ConfigError, DataError, InputError
 
 Dedup = Literal["none", "id", "content"]
 DEDUP_CHOICES = ("none", "id", "content")

@@ -18,10 +18,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from core.errors import ConfigError, DataError, InputError
-from core.schema import Profile
 from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
 from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
+from launcher_core.errors import ConfigError, DataError, InputError
+from launcher_core.schema import Profile
 
 CHUNK_LINES = 32
 BATCH_ROWS = 256
@@ -200,7 +200,7 @@ def tokenize_completions(profile: Profile, input_path: str | Path | list | None 
     `data.max_degenerate_share` of the samples are degenerate (unless `allow_degenerate`).
     With `run_dir`, the manifest's "tokenize" stage records the state and the figures.
     """
-    from core.manifest import update_stage
+    from launcher_core.manifest import update_stage
 
     job = TokenizeJob.from_profile(profile, input_path, output_path, workers, allow_degenerate, progress)
     if run_dir is not None:
@@ -231,7 +231,7 @@ class TokenizeJob:
     @classmethod
     def from_profile(cls, profile: Profile, input_path: Any, output_path: Any, workers: int | None,
                      allow_degenerate: bool, progress: bool) -> "TokenizeJob":
-        from core.profile import expand_path
+        from launcher_core.profile import expand_path
 
         inputs = _input_paths(profile, input_path)
         output = Path(output_path) if output_path else expand_path(profile, profile.paths.dataset)
@@ -442,7 +442,7 @@ def _id_key(record_id: str) -> int:
 
 
 def _input_paths(profile: Profile, input_path: Any) -> list[Path]:
-    from core.profile import expand_path
+    from launcher_core.profile import expand_path
 
     if input_path is None:
         paths = [expand_path(profile, profile.paths.completions)]

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.errors import InputError
-from core.fileio import atomic_directory, write_text_atomic
+from launcher_core.errors import InputError
+from launcher_core.fileio import atomic_directory, write_text_atomic
 
 if TYPE_CHECKING:
     from dflash.drafter.model import DFlashDrafter

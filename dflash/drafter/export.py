@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from core.errors import InputError
+from launcher_core.errors import InputError
 
 ENGINES = ("sglang", "vllm", "reference")
 
@@ -81,8 +81,8 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring."""
     from safetensors.torch import save_file
 
-    from core.fileio import atomic_directory
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
+    from launcher_core.fileio import atomic_directory
 
     if engine not in ENGINES:
         raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")

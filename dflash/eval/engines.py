@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from core.errors import ConfigError
-from core.schema import Profile
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
+from launcher_core.errors import ConfigError
+from launcher_core.schema import Profile
 
 ENGINES = ("sglang", "vllm")
 METHODS = ("target", "dflash", "prompt_lookup")
@@ -234,11 +234,11 @@ def render_engine_markdown(report: dict[str, Any]) -> str:
 def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, options: Any, engine: str,
                          launch: Optional[Sequence[str]] = None) -> Any:
     """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`."""
-    from core.fileio import write_json_atomic, write_text_atomic
     from dflash.drafter.checkpoint import read_drafter_config
     from dflash.eval.options import EvalSummary, eval_prompts_path
     from dflash.generate.prompts import load_prompts
     from dflash.models import resolve_model_path
+    from launcher_core.fileio import write_json_atomic, write_text_atomic
 
     if launch is None:
         check_engine_installed(engine, profile)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from core.errors import InputError
-from core.profile import expand_path
-from core.schema import Profile
 from dflash.eval.options import EvalOptions, EvalSummary, eval_prompts_path
+from launcher_core.errors import InputError
+from launcher_core.profile import expand_path
+from launcher_core.schema import Profile
 
 
 @dataclass
@@ -120,7 +120,7 @@ def _warm_up(verifier: Any, methods: Sequence[Any], prompt_ids: list[int], setti
 def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
              options: EvalOptions = EvalOptions()) -> EvalSummary:
     """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
-    from core.manifest import update_stage
+    from launcher_core.manifest import update_stage
 
     run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
     checkpoint = resolve_checkpoint(run_dir, options.checkpoint)

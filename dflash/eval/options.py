@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from core.profile import expand_path
-from core.schema import Profile
+from launcher_core.profile import expand_path
+from launcher_core.schema import Profile
 
 DEFAULT_EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout_prompts.jsonl"
 

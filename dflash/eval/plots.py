@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.errors import InputError
+from launcher_core.errors import InputError
 
 TARGET = "target"
 
@@ -45,7 +45,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 def _save(figure: Any, path: Path) -> Path:
     import io
 
-    from core.fileio import write_bytes_atomic
+    from launcher_core.fileio import write_bytes_atomic
 
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")

@@ -147,7 +147,7 @@ def write_report(report: dict[str, Any], eval_dir) -> tuple:
     """`report.json` and `report.md` in `eval_dir`, each written atomically."""
     from pathlib import Path
 
-    from core.fileio import write_json_atomic, write_text_atomic
+    from launcher_core.fileio import write_json_atomic, write_text_atomic
 
     eval_dir = Path(eval_dir)
     return (write_json_atomic(eval_dir / "report.json", report),

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from core.errors import ConfigError, RunFailed
+from launcher_core.errors import ConfigError, RunFailed
 
 FAILURES_BEFORE_DOWN = 3
 PROBE_INTERVAL_S = 1.0

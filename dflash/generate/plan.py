@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from core.redact import redact_env
-from core.schema import Profile
+from launcher_core.redact import redact_env
+from launcher_core.schema import Profile
 
 
 def generation_plan(profile: Profile, input_path: str | None, output_path: str | None,

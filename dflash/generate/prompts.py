@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from core.errors import InputError
+from launcher_core.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool")
 

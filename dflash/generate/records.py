@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from core.schema import GenerateSection
 from dflash.generate.prompts import PromptRecord
+from launcher_core.schema import GenerateSection
 
 THINK_END = "</think>"
 

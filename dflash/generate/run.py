@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from core.errors import ConfigError, RunFailed
-from core.manifest import update_stage
-from core.schema import Profile
 from dflash.generate.client import EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat
 from dflash.generate.prompts import PromptRecord, load_prompts
 from dflash.generate.records import SamplingParams, build_request_body, completion_record, rejected_optional_field
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
+from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.manifest import update_stage
+from launcher_core.schema import Profile
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -89,7 +89,7 @@ class RunPaths:
 def resolve_paths(profile: Profile, input_path: str | Path | None, output_path: str | Path | None,
                   run_dir: str | Path | None) -> RunPaths:
     """Profile path templates expanded against `run_dir` (the profile's unless overridden)."""
-    from core.profile import expand_path
+    from launcher_core.profile import expand_path
 
     base = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
 

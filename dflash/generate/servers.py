@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping
 
-from core.errors import ConfigError, RunFailed
-from core.schema import Profile
+from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.schema import Profile
 
 # our profile's audit.attention_backend -> SGLang's --attention-backend
 SGLANG_ATTENTION_BACKENDS = {

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from core.errors import InputError
-from core.fileio import write_text_atomic
+from launcher_core.errors import InputError
+from launcher_core.fileio import write_text_atomic
 
 INDEX_NAME = "done.index"
 FAILURES_NAME = "failures.jsonl"

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from core.errors import CannotTest, ConfigError, RunFailed
-from core.schema import Profile
 from dflash.memory import model as memory
+from launcher_core.errors import CannotTest, ConfigError, RunFailed
+from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from dflash.train.setup import TrainState

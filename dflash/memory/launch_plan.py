@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import PreflightFailed
-from core.fileio import read_json, write_json_atomic
-from core.schema import Profile
+from launcher_core.errors import PreflightFailed
+from launcher_core.fileio import read_json, write_json_atomic
+from launcher_core.schema import Profile
 
 PLAN_FILE = "plan.json"
 
@@ -82,7 +82,7 @@ def _saved_baseline(profile: Profile) -> Path | None:
 
 def live_snapshot() -> dict[str, Any]:
     """This machine's GPUs through NVML (no CUDA context)."""
-    from core.errors import ConfigError
+    from launcher_core.errors import ConfigError
 
     try:
         return {"gpus": _nvml_gpus()}

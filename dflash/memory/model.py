@@ -49,9 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from core.errors import InputError
-from core.schema import Profile
 from dflash.drafter.taps import default_target_layer_ids
+from launcher_core.errors import InputError
+from launcher_core.schema import Profile
 
 MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -271,8 +271,8 @@ def _param_count_on_disk(directory: Path, dtype_bytes: int) -> int:
 
 def target_shape(profile: Profile) -> TargetShape:
     """The profile's target shape, read from disk when possible (never converts or downloads)."""
-    from core.paths import cache_dir
     from dflash.models import SMOLLM2
+    from launcher_core.paths import cache_dir
 
     spec = profile.model.target
     dtype_bytes = DTYPE_BYTES[profile.model.dtype]
@@ -449,7 +449,7 @@ def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibratio
 
 def save_calibration(baseline_path: str | Path, calibration: Calibration) -> Path:
     """Store the calibration inside the baseline JSON (atomically), next to the facts it was measured on."""
-    from core.fileio import read_json, write_json_atomic
+    from launcher_core.fileio import read_json, write_json_atomic
 
     path = Path(baseline_path)
     document = read_json(path) if path.exists() else {}

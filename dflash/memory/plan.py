@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from core.errors import ConfigError, InputError
-from core.schema import Profile
 from dflash.memory import model as memory
+from launcher_core.errors import ConfigError, InputError
+from launcher_core.schema import Profile
 
 DEFAULT_OVERHEAD_MIB = 1024.0       # context ~500-600 MiB + NCCL buffers + cuBLAS workspace
 UNLIMITED_MIB = float("inf")

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from core.errors import ConfigError, RunFailed
 from dflash.train.dist import agree_micro_batch, count_failed, sync_gradients
+from launcher_core.errors import ConfigError, RunFailed
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
@@ -118,7 +118,7 @@ def run_state_path(run_dir: str | Path) -> Path:
 
 
 def load_run_state(path: str | Path) -> RunState | None:
-    from core.fileio import read_json
+    from launcher_core.fileio import read_json
 
     if not Path(path).exists():
         return None
@@ -127,7 +127,7 @@ def load_run_state(path: str | Path) -> RunState | None:
 
 
 def save_run_state(path: str | Path, state: RunState) -> None:
-    from core.fileio import write_json_atomic
+    from launcher_core.fileio import write_json_atomic
 
     write_json_atomic(path, {"micro_batch": state.micro_batch, "reductions": state.reductions})
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.errors import DataError
-from core.schema import Profile
 from dflash.drafter.anchors import sample_anchors
 from dflash.train.dist import WorkerEnv
+from launcher_core.errors import DataError
+from launcher_core.schema import Profile
 
 
 @dataclass

@@ -79,7 +79,7 @@ class FeatureCache:
 
         import torch
 
-        from core.fileio import write_bytes_atomic
+        from launcher_core.fileio import write_bytes_atomic
 
         buffer = io.BytesIO()
         torch.save(value.contiguous(), buffer)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.errors import ConfigError, RunFailed
-from core.paths import REPO_ROOT
-from core.profile import profile_to_json
-from core.redact import redact_env
-from core.schema import Profile
+from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.paths import REPO_ROOT
+from launcher_core.profile import profile_to_json
+from launcher_core.redact import redact_env
+from launcher_core.schema import Profile
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
 
 def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
     """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside."""
-    from core.fileio import write_text_atomic
     from dflash.drafter.checkpoint import checkpoints_dir
+    from launcher_core.fileio import write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
     if has_checkpoints and not resume:
@@ -123,8 +123,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     and the profile's baseline when not given) is written to train/plan.json, where every rank
     reads its starting micro-batch and budget. A rank that cannot hold one sequence stops the
     launch here (PreflightFailed), before any model loads."""
-    from core.manifest import update_stage
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
+    from launcher_core.manifest import update_stage
 
     if plan is None:
         inputs = read_inputs(profile)
@@ -162,8 +162,8 @@ def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, 
 
 
 def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
-    from core.fileio import read_json
-    from core.manifest import update_stage
+    from launcher_core.fileio import read_json
+    from launcher_core.manifest import update_stage
 
     stopped = paths.train_dir / "stopped.json"
     if stopped.exists():

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from core.schema import Profile
 from dflash.train.dist import distributed, rank_of_process
+from launcher_core.schema import Profile
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> Any:

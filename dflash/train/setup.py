@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.schema import Profile
 from dflash.drafter.model import DFlashDrafter
 from dflash.train.data import TrainData
 from dflash.train.dist import WorkerEnv, distributed
+from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from dflash.train.autobatch import AutoBatch
@@ -172,7 +172,7 @@ def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
 
 
 def dataset_path(profile: Profile) -> Path:
-    from core.profile import expand_path
+    from launcher_core.profile import expand_path
 
     return expand_path(profile, profile.paths.dataset)
 

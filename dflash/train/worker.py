@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
-    from core.fileio import write_json_atomic
+    from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
     write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json",
@@ -51,9 +51,9 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
 
 
 def _train(args: argparse.Namespace, env: Any) -> int:
-    from core.profile import profile_from_json
     from dflash.train.dist import close_process_group, init_process_group, rank_device
     from dflash.train.setup import build_state
+    from launcher_core.profile import profile_from_json
 
     profile = profile_from_json(args.profile_json)
     device = rank_device(profile.machine.device, env)
@@ -148,10 +148,10 @@ def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> N
 
 
 def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
-    from core.fileio import write_json_atomic
-    from core.manifest import update_stage
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.train.optim import optimizer_shard_count
+    from launcher_core.fileio import write_json_atomic
+    from launcher_core.manifest import update_stage
 
     where = save_checkpoint(run_dir, state.drafter, state.step, {
         "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
@@ -213,7 +213,7 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
 
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep only lines up to `step` (a resumed run rewrites what came after its checkpoint)."""
-    from core.fileio import write_text_atomic
+    from launcher_core.fileio import write_text_atomic
 
     if not path.exists():
         return

@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.fileio import write_json_atomic, write_text_atomic
+from launcher_core.fileio import write_json_atomic, write_text_atomic
 
 IMPORTED = ("memhog", "alpha", "beta", "zulu")   # present in every candidate: the probe imports them
 

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from core.errors import ConfigError
-from core.fileio import write_text_atomic
 from envcheck.bisect.search import Outcome
+from launcher_core.errors import ConfigError
+from launcher_core.fileio import write_text_atomic
 
 
 @dataclass

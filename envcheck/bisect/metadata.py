@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import unquote, urlparse
 
-from core.fileio import write_json_atomic
 from envcheck.bisect.reqsets import Pin, canonical_name
 from envcheck.bisect.venvs import InstallerOptions, installer_env
+from launcher_core.fileio import write_json_atomic
 
 TRUSTED_SDIST_METADATA = (2, 2)        # PEP 643: from 2.2 on, static sdist metadata is reliable
 

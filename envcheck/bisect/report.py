@@ -6,12 +6,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from core.fileio import write_json_atomic, write_text_atomic
 from envcheck.bisect.changes import Group
 from envcheck.bisect.log import BisectLog, StepRecord
 from envcheck.bisect.metadata import pin_key
 from envcheck.bisect.runner import BisectPlan
 from envcheck.bisect.search import probe_bound, search_state
+from launcher_core.fileio import write_json_atomic, write_text_atomic
 
 
 def build_report(plan: BisectPlan, log: BisectLog, complete: bool) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import InputError
+from launcher_core.errors import InputError
 
 RequirementSet = dict[str, "Pin"]          # canonical name -> pin
 IGNORED_OPTIONS = ("--index-url", "-i", "--extra-index-url", "--find-links", "-f", "--no-index",

@@ -24,9 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from core.errors import CannotTest, ConfigError, InputError, RunFailed
-from core.fileio import write_text_atomic
-from core.paths import REPO_ROOT
 from envcheck.bisect.changes import Change, Group, apply_groups, diff_sets, group_changes
 from envcheck.bisect.coupling import Coupling, learned_couplings
 from envcheck.bisect.log import BisectLog, LearnedRecord, StepRecord
@@ -34,6 +31,9 @@ from envcheck.bisect.metadata import MetadataMap, collect_metadata, save_cache
 from envcheck.bisect.reqsets import RequirementSet, load_requirement_set
 from envcheck.bisect.search import Outcome, next_candidate
 from envcheck.bisect.venvs import InstallerOptions, build_candidate, venv_python
+from launcher_core.errors import CannotTest, ConfigError, InputError, RunFailed
+from launcher_core.fileio import write_text_atomic
+from launcher_core.paths import REPO_ROOT
 
 DEFAULT_PROBE = f"{{python}} {shlex.quote(str(REPO_ROOT / 'launcher.py'))} probe"
 SKIP_CODE = 125

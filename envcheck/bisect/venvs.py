@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from core.fileio import write_text_atomic
 from envcheck.bisect.reqsets import RequirementSet, canonical_name, requirements_text
+from launcher_core.fileio import write_text_atomic
 
 Command = tuple[list[str], dict[str, str]]
 UV_CONFLICT = re.compile(r"The package `(?P<package>[^`]+)` requires `(?P<requirement>[^`]+)`")

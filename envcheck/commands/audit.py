@@ -22,9 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from core.profile import load_profile
     from envcheck import preflight, report
     from envcheck.snapshot import load_snapshot
+    from launcher_core.profile import load_profile
 
     profile = load_profile(args.profile)
     snapshot = load_snapshot(args.snapshot) if args.snapshot else preflight.live_snapshot(profile, args.cuda_probe)

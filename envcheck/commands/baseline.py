@@ -29,10 +29,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save(args: argparse.Namespace) -> int:
-    from core.profile import load_profile
     from envcheck import preflight
     from envcheck.baseline import save_baseline
     from envcheck.snapshot import load_snapshot
+    from launcher_core.profile import load_profile
 
     profile = load_profile(args.profile)
     snapshot = load_snapshot(args.source) if args.source else preflight.live_snapshot(profile, args.cuda_probe)
@@ -61,8 +61,8 @@ def _diff(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from core.errors import InputError
     from envcheck.baseline import diff_snapshots
+    from launcher_core.errors import InputError
 
     old, new = _diff_operands(args)
     if old is None:
@@ -76,10 +76,10 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _diff_operands(args: argparse.Namespace):
-    from core.profile import load_profile
     from envcheck import preflight
     from envcheck.baseline import load_baseline
     from envcheck.snapshot import load_snapshot
+    from launcher_core.profile import load_profile
 
     if args.old and args.new:
         return load_snapshot(args.old), load_snapshot(args.new)

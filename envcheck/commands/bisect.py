@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from core.cli import add_profile_option
+from launcher_core.cli import add_profile_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +78,8 @@ def _config_from_args(args: argparse.Namespace):
 def _default_work_dir(args: argparse.Namespace) -> Path:
     if not args.profile:
         return Path("runs") / "bisect"
-    from core.cli import load_profile_arg
-    from core.profile import expand_path
+    from launcher_core.cli import load_profile_arg
+    from launcher_core.profile import expand_path
 
     return expand_path(load_profile_arg(args), "{run_dir}/bisect")
 

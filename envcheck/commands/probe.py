@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from core.cli import add_profile_option
+from launcher_core.cli import add_profile_option
 
 BASELINE_ENV = "ENVCHECK_PROBE_BASELINE"   # set by `launcher.py bisect` for each candidate
 OUT_ENV = "ENVCHECK_PROBE_OUT"
@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from core.errors import EXIT_FAIL, EXIT_OK, CannotTest
-    from core.fileio import write_json_atomic
     from envcheck.memprobe import compare_reports, format_report, load_report, run_probe
+    from launcher_core.errors import EXIT_FAIL, EXIT_OK, CannotTest
+    from launcher_core.fileio import write_json_atomic
 
     options, tolerance = _options_from_args(args)
     baseline = load_report(args.against) if args.against else None
@@ -64,7 +64,7 @@ def _options_from_args(args: argparse.Namespace):
 
     profile = None
     if args.profile:
-        from core.cli import load_profile_arg
+        from launcher_core.cli import load_profile_arg
 
         profile = load_profile_arg(args)
     nproc = args.nproc if args.nproc is not None else (profile.machine.nproc_per_node if profile else 0)

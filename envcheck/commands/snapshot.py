@@ -16,9 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from core.profile import load_profile
     from envcheck import preflight
     from envcheck.snapshot import save_snapshot
+    from launcher_core.profile import load_profile
 
     snapshot = preflight.live_snapshot(load_profile(args.profile), cuda_probe=args.cuda_probe)
     if args.output:

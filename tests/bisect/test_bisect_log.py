@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from core.errors import ConfigError
 from envcheck.bisect.log import BisectLog, StepRecord
+from launcher_core.errors import ConfigError
 
 HEADER = {"kind": "bisect", "fingerprint": "abc"}
 

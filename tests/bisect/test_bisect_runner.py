@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.errors import RunFailed
 from envcheck.bisect.runner import _outcome, probe_command
+from launcher_core.errors import RunFailed
 
 
 def test_probe_command_runs_the_candidate_python_with_report_paths_in_env(tmp_path):

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from core.errors import InputError
 from envcheck.bisect.changes import apply_groups, diff_sets, group_changes
 from envcheck.bisect.reqsets import load_requirement_set, requirements_text
+from launcher_core.errors import InputError
 
 
 def test_requirements_file_with_comments_options_extras_markers_and_includes(tmp_path):

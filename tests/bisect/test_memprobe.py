@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import EXIT_CANNOT_TEST, EXIT_FAIL
 from envcheck.memprobe import (
     STAGES,
     ProbeOptions,
@@ -19,6 +18,7 @@ from envcheck.memprobe import (
     rank_command,
     report_from_json,
 )
+from launcher_core.errors import EXIT_CANNOT_TEST, EXIT_FAIL
 
 LAUNCHER = str(Path(__file__).resolve().parents[2] / "launcher.py")
 SMALL = ["--hidden", "128", "--layers", "2", "--steps", "2"]

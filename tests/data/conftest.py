@@ -12,7 +12,7 @@ import pytest
 
 def make_profile(tokenizer_dir: Path, run_dir: Path, **data: Any):
     """The cpu-demo profile with another tokenizer, its run dir under tmp, and data overrides."""
-    from core.profile import load_profile
+    from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")
     return dataclasses.replace(
@@ -41,9 +41,9 @@ def turn(user: str, reasoning: str | None, answer: str) -> list[dict[str, Any]]:
 def build_dataset(directory: Path, ids: list[str], seed: int = 0, tokens: int = 64,
                   fingerprint: str = "tok-A", shard_rows: int = 50, batch_rows: int = 25) -> Path:
     """A tokenized-dataset directory with random token rows (for merge tests; no tokenizer needed)."""
-    from core.fileio import atomic_directory
     from dflash.data import dataset_io
     from dflash.data.tokenize import TokenizedSample, samples_to_batch
+    from launcher_core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)
     samples = []

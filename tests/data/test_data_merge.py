@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError, DataError
 from dflash.data import load_training_dataset, merge_datasets
 from dflash.data.dataset_io import SHARD_DELAY_ENV, read_meta
+from launcher_core.errors import ConfigError, DataError
 from tests.data.conftest import build_dataset, directory_digest
 
 IDS_A = [f"a{i}" for i in range(120)]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import DataError, InputError
-from core.manifest import read_manifest
 from dflash.data import inspect_dataset, load_training_dataset, tokenize_completions
 from dflash.data.dataset_io import read_meta
+from launcher_core.errors import DataError, InputError
+from launcher_core.manifest import read_manifest
 from tests.data.conftest import make_profile, turn, write_jsonl
 
 GOOD = [{"id": f"g{i}", "finish_reason": "stop",

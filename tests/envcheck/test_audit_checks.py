@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
-from core.profile import load_profile
 from envcheck import checks, report
 from envcheck.preflight import audit
 from envcheck.snapshot import GpuProcess, Snapshot, load_snapshot
+from launcher_core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
+from launcher_core.profile import load_profile
 
 
 @pytest.fixture(scope="module")

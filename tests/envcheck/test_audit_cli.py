@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import PreflightFailed
-from core.manifest import read_manifest
-from core.profile import load_profile
 from envcheck.preflight import run_preflight
 from envcheck.snapshot import load_snapshot
+from launcher_core.errors import PreflightFailed
+from launcher_core.manifest import read_manifest
+from launcher_core.profile import load_profile
 
 SECRET = "hf_s3cr3tV4lue0123456789"
 GPU_CHECKS = {"gpu.count", "torch.arch", "driver.cuda", "gpu.free_memory", "gpu.processes", "gpu.health"}

@@ -6,9 +6,9 @@ import json
 import stat
 from pathlib import Path
 
-from core import redact
 from envcheck import host, toolkit, torch_facts
 from envcheck.packages import normalize, read_pins, version_matches_pin
+from launcher_core import redact
 
 
 def test_torch_facts_come_from_a_child_and_are_cached_by_install_key(tmp_path):

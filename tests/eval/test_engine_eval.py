@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core.profile import load_profile
 from dflash.eval.engines import engine_command
 from dflash.generate.servers import is_hybrid_target, sglang_server_command
+from launcher_core.profile import load_profile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 STANDIN = Path(__file__).resolve().parent / "engine_standin.py"

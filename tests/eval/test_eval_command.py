@@ -7,7 +7,7 @@ import pytest
 from test_dflash_drafter import save_random_drafter
 
 import launcher
-from core.manifest import read_manifest, update_stage
+from launcher_core.manifest import read_manifest, update_stage
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from core.errors import InputError
 from dflash.generate.prompts import load_prompts
+from launcher_core.errors import InputError
 
 
 def write_lines(path, lines):

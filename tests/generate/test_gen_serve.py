@@ -17,9 +17,9 @@ import psutil
 import pytest
 from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
 
-from core.manifest import read_manifest
-from core.profile import load_profile
 from dflash.generate import generate_from_profile
+from launcher_core.manifest import read_manifest
+from launcher_core.profile import load_profile
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError, RunFailed
-from core.profile import load_profile
-from core.redact import redact_env
 from dflash.generate.servers import ensure_port_free, server_command_for, sglang_server_command, transformers_server_command
+from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.profile import load_profile
+from launcher_core.redact import redact_env
 
 
 def flag(argv, name):

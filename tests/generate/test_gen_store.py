@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from core.errors import InputError
 from dflash.generate.store import CompletionStore
+from launcher_core.errors import InputError
 
 
 def open_store(tmp_path, flush_every=2):

@@ -59,8 +59,8 @@ def record(request, gpu_out) -> PartRecord:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
-    from core.errors import ConfigError
     from dflash.models import qwen3_tokenizer_dir
+    from launcher_core.errors import ConfigError
 
     try:
         return qwen3_tokenizer_dir()

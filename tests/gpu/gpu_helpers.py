@@ -64,7 +64,7 @@ class PartRecord:
         self.save()
 
     def save(self) -> None:
-        from core.fileio import write_json_atomic
+        from launcher_core.fileio import write_json_atomic
 
         write_json_atomic(self.path, {"summary": self.summary, "figures": self.figures, "checks": self.checks,
                                       "skipped": self.skipped})
@@ -73,7 +73,7 @@ class PartRecord:
 def gpu_profile(target: Path, dataset: Path, *, max_length: int, drafter_layers: int, block_size: int,
                 num_anchors: int, dtype: str = "bfloat16", attention: str = "flex", **train: Any) -> Any:
     """A one-GPU Profile built in code: the trainer's and the planner's view of a test workload."""
-    from core.schema import (
+    from launcher_core.schema import (
         DataSection,
         DrafterSection,
         MachineSection,

@@ -23,10 +23,10 @@ def _require(engine: str) -> None:
 def test_engine_reports_tau_for_the_cpu_twins_checkpoint(engine, tmp_path, tiny_qwen3_target, tiny_dataset):
     import dataclasses
 
-    from core.profile import load_profile
     from dflash.drafter.checkpoint import latest_checkpoint
     from dflash.eval.evaluate import EvalOptions, run_eval
     from dflash.train.launch import run_training
+    from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
 
     _require(engine)

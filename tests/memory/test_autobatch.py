@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError, RunFailed
 from dflash.train import autobatch
 from dflash.train.dist import global_weight
+from launcher_core.errors import ConfigError, RunFailed
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -129,8 +129,8 @@ def test_smaller_budget_on_rank_1_sets_both_ranks_and_matches_the_unreduced_run(
     profile.write_text('[machine]\ndevice = "cuda"\nnproc_per_node = 2\nbackend = "gloo"\n[model]\n'
                        'target = "no-such-dir"\n[train]\nglobal_batch = 16\nmax_micro_batch = 4\n'
                        '[memory]\noverhead_mib = 500\n')
-    from core.profile import load_profile
     from dflash.memory import model as memory
+    from launcher_core.profile import load_profile
 
     workload = memory.workload_from_profile(load_profile(str(profile)))
     calibration = memory.fit_calibration({1: 3_500.0, 2: 5_000.0}, workload)   # 2000 + 1500 MiB per sequence

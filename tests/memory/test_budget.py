@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from core.errors import ConfigError, InputError
-from core.profile import load_profile
 from dflash.memory import model as memory
 from dflash.memory import plan as budget
+from launcher_core.errors import ConfigError, InputError
+from launcher_core.profile import load_profile
 
 UUIDS = ["GPU-aaaa0000-1111", "GPU-bbbb0000-2222", "GPU-cccc0000-3333", "GPU-aaaa9999-4444"]
 
@@ -100,8 +100,8 @@ def test_ranks_follow_cuda_visible_devices(tmp_path):
 
 
 def test_launch_plan_gives_each_rank_its_start_and_refuses_when_one_sequence_cannot_fit(tmp_path, monkeypatch):
-    from core.errors import PreflightFailed
     from dflash.memory.launch_plan import PlanInputs, allocator_fraction, plan_for_launch, rank_starts
+    from launcher_core.errors import PreflightFailed
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")

@@ -125,8 +125,8 @@ def test_worst_case_bench_builds_through_build_state_and_steps(tmp_path, tiny_qw
     step at micro-batch 2; zero1 over 4 ranks keeps one shard of AdamW states."""
     import dataclasses
 
-    from core.profile import load_profile
     from dflash.memory.calibration import step_at, worst_case_bench
+    from launcher_core.profile import load_profile
 
     base = load_profile("cpu-demo")
     profile = dataclasses.replace(

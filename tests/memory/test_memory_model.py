@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from core.errors import InputError
-from core.profile import load_profile
 from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory import model as memory
+from launcher_core.errors import InputError
+from launcher_core.profile import load_profile
 
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,

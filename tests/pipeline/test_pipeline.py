@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError
-from core.manifest import read_manifest, update_stage
-from core.profile import expand_path, load_profile
 from dflash.pipeline import (
     PipelineContext,
     Stage,
@@ -25,6 +22,9 @@ from dflash.pipeline import (
     train_mode,
     with_run_dir,
 )
+from launcher_core.errors import ConfigError
+from launcher_core.manifest import read_manifest, update_stage
+from launcher_core.profile import expand_path, load_profile
 
 
 class Recorder:

@@ -17,7 +17,7 @@ REFERENCE_PINS = ("dflash==0.1.0", "transformers==5.15.0", "torch==2.13.0", "saf
 
 def reference_python() -> Path:
     """The venv's python, built on first use; pytest.skip when the package index is unreachable."""
-    from core.paths import cache_dir
+    from launcher_core.paths import cache_dir
 
     key = "-".join(pin.replace("==", "-") for pin in REFERENCE_PINS)
     root = cache_dir() / "reference-venvs" / key

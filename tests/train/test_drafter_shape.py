@@ -32,7 +32,7 @@ def test_profile_values_override_the_derived_shape_and_are_checked():
 
 
 def test_the_flagship_profile_asks_for_32_heads_of_128_with_8_kv_heads():
-    from core.profile import load_profile
+    from launcher_core.profile import load_profile
 
     profile = load_profile("rtx6000-x8")
     assert profile_shape(profile.drafter) == DrafterShape(32, 8, 128, 0.0)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import InputError
 from dflash.drafter.checkpoint import load_drafter, save_checkpoint
 from dflash.drafter.export import ENGINE_READS, export_drafter, missing_fields
 from dflash.drafter.model import DFlashDrafter, drafter_config
+from launcher_core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
 MASK_ID = 151669

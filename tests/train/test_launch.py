@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from core.errors import ConfigError
-from core.profile import load_profile, profile_from_json, profile_to_json
 from dflash.train.launch import build_torchrun_command, describe_command
+from launcher_core.errors import ConfigError
+from launcher_core.profile import load_profile, profile_from_json, profile_to_json
 
 
 def test_single_node_is_standalone_with_the_profile_nproc(tmp_path):

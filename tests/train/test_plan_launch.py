@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import PreflightFailed
-from core.profile import load_profile
 from dflash.memory import model as memory
 from dflash.memory.launch_plan import plan_for_launch, read_inputs
 from dflash.train.launch import run_training
+from launcher_core.errors import PreflightFailed
+from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
 
 REPO = Path(__file__).resolve().parents[2]

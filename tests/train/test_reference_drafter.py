@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from core.profile import load_profile
+from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
 from tests.train.reference_venv import reference_python
 

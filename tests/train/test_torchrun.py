@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import RunFailed
-from core.profile import load_profile
 from dflash.train.launch import build_torchrun_command, run_training
+from launcher_core.errors import RunFailed
+from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
 
 pytestmark = pytest.mark.slow
@@ -165,7 +165,7 @@ def test_a_failing_rank_is_reported_with_its_rank_and_traceback(trained, tmp_pat
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=400, save_every_steps=1000)
-    code = ("import sys; from core.profile import load_profile; from dflash.train.launch import run_training; "
+    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.launch import run_training; "
             f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics_file = run_dir / "train" / "metrics.jsonl"

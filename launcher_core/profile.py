@@ -1,6 +1,6 @@
 """Profiles: `profiles/*.toml`, loaded, merged along `extends` and validated strictly.
 
-A profile file holds sections whose fields are the dataclasses in `core.schema`. A variant
+A profile file holds sections whose fields are the dataclasses in `launcher_core.schema`. A variant
 names its base with `extends = "NAME"` and states only what differs; tables merge key by key.
 An unknown key, a wrong type, a value outside its choices or a missing required value is a
 ConfigError naming the file, the key and what would be valid.
@@ -15,9 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from core.errors import ConfigError
-from core.paths import REPO_ROOT, profile_dir
-from core.schema import Profile
+from launcher_core.errors import ConfigError
+from launcher_core.paths import REPO_ROOT, profile_dir
+from launcher_core.schema import Profile
 
 REQUIRED = dataclasses.MISSING
 

@@ -1,6 +1,6 @@
 """The profile schema: one frozen dataclass per TOML section.
 
-Every field has a type (checked strictly by `core.profile`) and, unless it is required, a
+Every field has a type (checked strictly by `launcher_core.profile`) and, unless it is required, a
 default. `Literal[...]` fields list their valid choices. Paths are strings, relative to the
 repository root unless absolute; `{run_dir}` in a path expands to the profile's run directory.
 """

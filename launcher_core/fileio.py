@@ -41,7 +41,7 @@ def write_json_atomic(path: str | os.PathLike, document: Any) -> Path:
 
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; a missing or malformed file raises InputError naming it."""
-    from core.errors import InputError
+    from launcher_core.errors import InputError
 
     target = Path(path)
     try:

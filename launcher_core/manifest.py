@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from core.fileio import write_json_atomic
+from launcher_core.fileio import write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 STAGES = ("audit", "generate", "tokenize", "train", "eval")

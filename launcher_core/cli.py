@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.schema import Profile
+from launcher_core.schema import Profile
 
 
 def add_profile_option(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -12,6 +12,6 @@ def add_profile_option(parser: argparse.ArgumentParser, required: bool = True) -
 
 
 def load_profile_arg(args: argparse.Namespace) -> Profile:
-    from core.profile import load_profile
+    from launcher_core.profile import load_profile
 
     return load_profile(args.profile)
