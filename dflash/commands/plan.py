@@ -33,20 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.memory.model import load_calibration
+    from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.plan import make_plan
     from launcher_core.profile import profile_as_dict
 
     profile = load_profile_arg(args)
-    snapshot = _read_document(args.snapshot) if args.snapshot else _live_snapshot(profile)
-    baseline_file = args.baseline or _saved_baseline(profile, snapshot)
-    baseline = _read_document(baseline_file) if baseline_file else None
-    calibration, where = (load_calibration(baseline, str(baseline_file)), baseline_file)
-    if calibration is None:
-        calibration, where = load_calibration(snapshot, str(args.snapshot)), args.snapshot
-    plan = make_plan(profile, snapshot, baseline=baseline, calibration=calibration,
+    inputs = read_inputs(profile, args.snapshot, args.baseline)
+    plan = make_plan(profile, inputs.snapshot, baseline=inputs.baseline, calibration=inputs.calibration,
                      cuda_visible_devices=args.cuda_visible_devices)
-    storage, source = _storage(plan, args), model_source(plan, calibration, where, baseline_file)
+    storage, source = _storage(plan, args), model_source(plan, inputs)
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source}}
         print(json.dumps(document, indent=2))
@@ -60,28 +55,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _saved_baseline(profile, snapshot: dict | None) -> Path | None:
-    """The profile's saved baseline (`baseline save`, `calibrate`) for the snapshot's host (this host
-    without a snapshot), if there is one."""
-    from envcheck.baseline import baseline_path
-
-    path = baseline_path(profile.name, (snapshot or {}).get("hostname") or None)
-    return path if path.exists() else None
-
-
-def model_source(plan, calibration, where: Path | None, baseline_file: Path | None) -> str:
-    """Which memory model the plan used, and why: the calibration from a file, or the analytic model."""
-    if plan.peak_model.source == "calibration":
-        return (f"calibration from {where} (measured {calibration.measured_at or 'at an unknown time'} on "
-                f"{calibration.device_name or 'an unnamed device'}, torch {calibration.torch_version or '?'})")
-    if calibration is not None:
-        return (f"analytic model: the calibration in {where} was measured on another workload (key "
-                f"{calibration.workload_key}, this profile's {plan.workload.key()}); re-run "
-                f"`launcher.py calibrate --profile {plan.profile}`")
-    looked = f"no calibration in {baseline_file}" if baseline_file else "no baseline with a calibration"
-    return f"analytic model ({looked}; `launcher.py calibrate --profile {plan.profile}` measures one on the GPU node)"
-
-
 def document_sections(document: dict) -> list[tuple[str, dict]]:
     return [(section, values) for section, values in document.items() if isinstance(values, dict)]
 
@@ -89,44 +62,6 @@ def document_sections(document: dict) -> list[tuple[str, dict]]:
 def _finite(value: float) -> float | None:
     """JSON has no infinity: an unlimited (CPU) budget is null."""
     return None if value == float("inf") else value
-
-
-def _read_document(path: Path) -> dict:
-    from launcher_core.fileio import read_json
-
-    return read_json(path)
-
-
-def _live_snapshot(profile) -> dict | None:
-    """This machine's GPUs through NVML (no CUDA context); None for a CPU profile."""
-    if profile.machine.device == "cpu":
-        return None
-    from launcher_core.errors import ConfigError
-
-    try:
-        return {"gpus": _nvml_gpus()}
-    except Exception as error:  # pynvml missing, NVMLError_LibraryNotFound, driver errors
-        raise ConfigError(f"cannot read this machine's GPUs through NVML ({type(error).__name__}: {error}); "
-                          f"pass --snapshot FILE recorded on the node to plan for") from None
-
-
-def _nvml_gpus() -> list[dict]:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return [_nvml_gpu(index, pynvml.nvmlDeviceGetHandleByIndex(index), pynvml)
-                for index in range(pynvml.nvmlDeviceGetCount())]
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _nvml_gpu(index: int, handle, pynvml) -> dict:
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    name, uuid = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetUUID(handle)
-    return {"index": index, "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-            "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_total_mib": info.total / 2**20, "memory_free_mib": info.free / 2**20}
 
 
 def _storage(plan, args: argparse.Namespace):

@@ -31,8 +31,9 @@ class PlanInputs:
     snapshot: Any | None
     baseline: Any | None
     calibration: Any | None
-    snapshot_source: str            # a file, "NVML", or "none (CPU profile)"
-    calibration_source: str         # the baseline file holding it, or "analytic model"
+    snapshot_source: str                # a file, "NVML", or "none (CPU profile)"
+    calibration_file: Path | None = None    # where the calibration was read (baseline or snapshot)
+    baseline_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,17 @@ def plan_path(run_dir: str | Path) -> Path:
 
 
 def read_inputs(profile: Profile, snapshot_file: Path | None = None, baseline_file: Path | None = None) -> PlanInputs:
-    """The plan's inputs; the baseline defaults to the profile's saved one (`baseline save`)."""
+    """The plan's inputs; the baseline defaults to the profile's saved one for the snapshot's host
+    (`launcher.py baseline save`, `launcher.py calibrate`)."""
     from dflash.memory.model import load_calibration
 
     snapshot, snapshot_source = _snapshot(profile, snapshot_file)
-    baseline_file = baseline_file or _saved_baseline(profile)
+    baseline_file = baseline_file or saved_baseline(profile, snapshot)
     baseline = read_json(baseline_file) if baseline_file else None
-    calibration = load_calibration(baseline, str(baseline_file))
-    source = f"calibration in {baseline_file}" if calibration else "analytic model"
-    if calibration is None and snapshot_file is not None and isinstance(snapshot, dict):
-        calibration = load_calibration(snapshot, str(snapshot_file))
-        source = f"calibration in {snapshot_file}" if calibration else source
-    return PlanInputs(snapshot, baseline, calibration, snapshot_source, source)
+    calibration, where = load_calibration(baseline, str(baseline_file)), baseline_file
+    if calibration is None and snapshot_file is not None:
+        calibration, where = load_calibration(snapshot, str(snapshot_file)), snapshot_file
+    return PlanInputs(snapshot, baseline, calibration, snapshot_source, where if calibration else None, baseline_file)
 
 
 def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Any | None, str]:
@@ -73,11 +73,27 @@ def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Any | None,
     return live_snapshot(), "NVML"
 
 
-def _saved_baseline(profile: Profile) -> Path | None:
+def saved_baseline(profile: Profile, snapshot: Any | None) -> Path | None:
+    """The profile's saved baseline for the snapshot's host (this host without one), if any."""
     from envcheck.baseline import baseline_path
 
-    path = baseline_path(profile.name)
+    hostname = snapshot.get("hostname") if isinstance(snapshot, dict) else None
+    path = baseline_path(profile.name, hostname or None)
     return path if path.exists() else None
+
+
+def model_source(plan: Any, inputs: PlanInputs) -> str:
+    """Which memory model the plan used, and why: a calibration from a file, or the analytic model."""
+    calibration, where = inputs.calibration, inputs.calibration_file
+    if plan.peak_model.source == "calibration":
+        return (f"calibration from {where} (measured {calibration.measured_at or 'at an unknown time'} on "
+                f"{calibration.device_name or 'an unnamed device'}, torch {calibration.torch_version or '?'})")
+    if calibration is not None:
+        return (f"analytic model: the calibration in {where} was measured on another workload (key "
+                f"{calibration.workload_key}, this profile's {plan.workload.key()}); re-run "
+                f"`launcher.py calibrate --profile {plan.profile}`")
+    looked = f"no calibration in {inputs.baseline_file}" if inputs.baseline_file else "no baseline with a calibration"
+    return f"analytic model ({looked}; `launcher.py calibrate --profile {plan.profile}` measures one on the GPU node)"
 
 
 def live_snapshot() -> dict[str, Any]:
@@ -120,7 +136,7 @@ def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: 
     short = [rank for rank in plan.ranks if rank.feasible_micro_batch == 0]
     if short:
         reasons = "\n  ".join(does_not_fit(rank.budget, plan.peak_model) for rank in short)
-        raise PreflightFailed(f"the memory plan does not fit (peak model from the {inputs.calibration_source}):\n  "
+        raise PreflightFailed(f"the memory plan does not fit (memory model: {model_source(plan, inputs)}):\n  "
                               f"{reasons}")
     return plan
 
@@ -139,7 +155,7 @@ def _finite(value: float) -> float | None:
 def write_plan(run_dir: Path, plan: Any, inputs: PlanInputs) -> Path:
     document = {"profile": plan.profile, "world_size": plan.world_size, "micro_batch": plan.batch.micro_batch,
                 "accum_steps": plan.batch.accum_steps, "global_batch": plan.batch.global_batch,
-                "snapshot_source": inputs.snapshot_source, "peak_model_source": inputs.calibration_source,
+                "snapshot_source": inputs.snapshot_source, "memory_model": model_source(plan, inputs),
                 "peak_model": asdict(plan.peak_model), "ranks": [asdict(start) for start in rank_starts(plan)]}
     return write_json_atomic(plan_path(run_dir), document)
 
@@ -163,5 +179,5 @@ def allocator_fraction(start: RankStart) -> float | None:
 def describe(plan: Any, inputs: PlanInputs) -> str:
     starts = ", ".join(f"rank {s.rank}: {s.micro_batch}" for s in rank_starts(plan))
     return (f"memory plan: micro-batch {plan.batch.micro_batch} x {plan.batch.accum_steps} accumulation steps on "
-            f"{plan.world_size} ranks (GPUs from {inputs.snapshot_source}; peak model from the "
-            f"{inputs.calibration_source}); feasible per rank: {starts}")
+            f"{plan.world_size} ranks (GPUs from {inputs.snapshot_source}; memory model: "
+            f"{model_source(plan, inputs)}); feasible per rank: {starts}")
