@@ -12,7 +12,7 @@ from envcheck.snapshot import Snapshot, load_snapshot, save_snapshot
 
 
 def baseline_dir() -> Path:
-    """`DFLASH_BASELINE_DIR`, default `<cache>/baselines` (see dflash.models.cache_dir)."""
+    """`DFLASH_BASELINE_DIR`, default `<cache>/baselines` (see launcher_core.paths.cache_dir)."""
     override = os.environ.get("DFLASH_BASELINE_DIR")
     if override:
         return Path(override)
