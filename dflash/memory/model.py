@@ -56,7 +56,9 @@ MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)
 DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
-LOGITS_BYTES_PER_ELEMENT = 2 + 4 + 4  # bf16 logits, fp32 upcast, fp32 gradient
+LOGITS_BYTES_PER_ELEMENT = 2 + 2 + 4 + 4  # bf16 logits and their gradient, fp32 upcast and its gradient
+FP32_BYTES = 4                      # the drafter's residual stream, RMSNorm inputs/outputs, q/k norms
+LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32 [tokens, value dim] copies (traced)
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
 ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
 GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
@@ -77,6 +79,7 @@ class TargetShape:
     tie_embeddings: bool = False
     param_count: int = 0            # 0: computed from the dimensions
     source: str = "defaults"
+    linear_value_dim: int = 0       # Gated DeltaNet value heads x head dim (hybrid targets; 0: none)
 
     @property
     def q_dim(self) -> int:
@@ -100,7 +103,7 @@ class TargetShape:
 # Qwen3.6-27B-like: hidden 5120, 64 layers, GQA 24/4 heads of 256, 248K vocabulary, 27B parameters.
 QWEN36_27B_LIKE = TargetShape(hidden=5120, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
                               intermediate=17408, vocab=248320, param_count=27_000_000_000,
-                              source="Qwen3.6-27B-like defaults")
+                              source="Qwen3.6-27B-like defaults", linear_value_dim=48 * 128)
 # SmolLM2-135M-Instruct (the builtin target) before its first conversion exists on disk.
 SMOLLM2_135M = TargetShape(hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                            intermediate=1536, vocab=49152, tie_embeddings=True,
@@ -171,6 +174,12 @@ class MemoryEstimate:
     def static(self) -> float:
         return (self.target_weights + self.drafter_weights + self.drafter_grads + self.optimizer_states
                 + self.autocast_weights)
+
+    @property
+    def step_static(self) -> float:
+        """What a forward/backward's peak stands on: the loss's backward, the step's peak, comes
+        before any drafter gradient exists (they were dropped by zero_grad(set_to_none=True))."""
+        return self.static - self.drafter_grads
 
     @property
     def per_sequence(self) -> float:
@@ -248,9 +257,16 @@ def shape_from_config(config: Mapping[str, Any], source: str, param_count: int =
             head_dim=int(text.get("head_dim") or hidden // heads),
             intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            param_count=param_count, source=source)
+            param_count=param_count, source=source, linear_value_dim=_linear_value_dim(text))
     except KeyError as error:
         raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
+
+
+def _linear_value_dim(text: Mapping[str, Any]) -> int:
+    """Gated DeltaNet's value width when the config has linear-attention layers (Qwen3.5), else 0."""
+    if "linear_attention" not in (text.get("layer_types") or []):
+        return 0
+    return int(text.get("linear_num_value_heads", 0)) * int(text.get("linear_value_head_dim", 0))
 
 
 def shape_from_directory(directory: Path, dtype_bytes: int) -> TargetShape:
@@ -373,28 +389,63 @@ def _tap_features_mib(workload: Workload) -> float:
 
 
 def _target_activations_mib(workload: Workload) -> float:
-    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence."""
+    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence; on a
+    hybrid target the larger of that and a Gated DeltaNet layer's (PyTorch fallback, float32)."""
     s = workload.target
     elements = 2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
-    return workload.max_length * elements * workload.dtype_bytes / MIB
+    attention = workload.max_length * elements * workload.dtype_bytes
+    linear = workload.max_length * LINEAR_ATTENTION_FP32_COPIES * s.linear_value_dim * FP32_BYTES
+    return max(attention, linear) / MIB
 
 
 def _drafter_activations_mib(workload: Workload) -> float:
-    """Saved for backward over one sequence: concatenated taps, fc/norm outputs, per-layer context
-    keys/values (projected and k-normed), per-layer activations of every block token."""
-    s, seq, b = workload.target, workload.max_length, workload.dtype_bytes
-    context = seq * (len(workload.tap_layers) * s.hidden + 2 * s.hidden)
-    context_kv = workload.drafter_layers * seq * 3 * s.kv_dim
-    per_block_token = 4 * s.hidden + 3 * s.q_dim + 3 * s.kv_dim + 3 * s.intermediate
-    block = workload.drafter_layers * workload.block_tokens * per_block_token
-    return (context + context_kv + block) * b / MIB
+    """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
+    bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
+    residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
+    (autocast casts the float32 input again for every Linear)."""
+    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
+            + _final_bytes(workload)) / MIB
+
+
+def _low_bytes(workload: Workload) -> int:
+    return workload.dtype_bytes if workload.autocast else FP32_BYTES
+
+
+def _context_bytes(workload: Workload) -> int:
+    """Once: the taps' bf16 copy for fc, hidden_norm's float32 input, bf16 copy and float32 output."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    return workload.max_length * (len(workload.tap_layers) * s.hidden * lo + s.hidden * (f + lo + f))
+
+
+def _layer_key_bytes(workload: Workload) -> int:
+    """Per layer over context + block keys: k/v projections' input copies, k_norm, k and v for attention."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    keys = workload.max_length + workload.block_tokens
+    return keys * (2 * s.hidden * lo + s.kv_dim * (f + lo) + 2 * s.kv_dim * lo)
+
+
+def _layer_block_bytes(workload: Workload) -> int:
+    """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
+    post-attention norm, the MLP's two input copies and four intermediates."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    norms = 2 * s.hidden * (f + lo)
+    attention = s.hidden * lo + s.q_dim * (f + lo + lo) + 2 * s.q_dim * lo
+    mlp = 2 * s.hidden * lo + 4 * s.intermediate * lo
+    return workload.block_tokens * (norms + attention + mlp)
+
+
+def _final_bytes(workload: Workload) -> int:
+    """The final norm (float32 input, bf16 copy) and the loss's float32 copy of the labelled rows."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    rows = workload.anchors * (workload.block_size - 1)
+    return workload.block_tokens * s.hidden * (f + lo) + rows * s.hidden * f
 
 
 # --- peak model and calibration -----------------------------------------------------------
 
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
-    return PeakModel(intercept_mib=figures.static + figures.logits_chunk, slope_mib=figures.per_sequence,
+    return PeakModel(intercept_mib=figures.step_static + figures.logits_chunk, slope_mib=figures.per_sequence,
                      static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps)
 
 

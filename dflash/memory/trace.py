@@ -20,10 +20,11 @@ label counted):
    rank), with its states already allocated (a step after the first).
 
 Where the trace differs from a GPU run, on purpose:
-* attention: the drafter uses the `sdpa` backend (flex_attention has no backward on CPU, not even
-  on fake tensors); its dense block mask is built outside the tracker (flex uses a BlockMask of a
-  few KiB on the GPU), so it is not counted. SDPA with grouped KV heads on CPU expands K/V to the
-  query heads (`enable_gqa`): counted, as an sdpa-backend run on the GPU would;
+* attention: flex_attention (the GPU backend) has no backward on CPU, not even on fake tensors, so
+  the drafter attends through SDPA with flex's memory (`trace_attend`): the dense block mask is
+  built outside the tracker (flex's BlockMask is a few KiB), and the query heads are grouped per
+  KV head instead of expanding K/V to every query head (sdpa's `enable_gqa` on CPU would add two
+  K/V copies per layer that flex does not make);
 * the target forward runs the layers that decide its peak, not all of them: every tap layer and,
   for each layer type, the last layer of that type up to the deepest tap and the layer before it
   (the last of a type runs with every earlier tap held, on a fresh hidden state: the worst moment
@@ -287,11 +288,27 @@ def sharded_optimizer(drafter: Any, workload: memory.Workload) -> Any:
     return optimizer
 
 
-def trace_attend(workload: memory.Workload, anchors: Any) -> Any:
-    """The sdpa block attention of the trainer, its dense mask made here (outside the tracker)."""
-    from dflash.drafter.attention import BlockLayout, make_attend
+def trace_attend(workload: memory.Workload, anchors: Any, dtype: Any) -> Any:
+    """The block attention with flex's memory: SDPA over the layout's mask, made here (outside the
+    tracker: flex's BlockMask is a few KiB) as an additive mask in the attention's `dtype` (a boolean
+    one would be converted, and saved, inside every call), query heads grouped per KV head instead
+    of K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not)."""
+    import torch
+    import torch.nn.functional as F
 
-    return make_attend(BlockLayout(anchors, workload.max_length, workload.block_size), "sdpa")
+    from dflash.drafter.attention import BlockLayout
+
+    groups = workload.target.num_heads // workload.target.num_kv_heads
+    visible = BlockLayout(anchors, workload.max_length, workload.block_size).dense_mask().repeat(1, 1, groups, 1)
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        batch, heads, queries, dim = q.shape
+        grouped = q.reshape(batch, k.shape[1], groups * queries, dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+        return out.reshape(batch, heads, queries, dim)
+
+    return attend
 
 
 def drafter_hidden(drafter: Any, inputs: StepInputs, features: Any, attend: Any) -> Any:
@@ -354,7 +371,7 @@ def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_t
     config = config if config is not None else target_config(profile)
     workload = workload_for_config(profile, config)
     with FakeTensorMode():
-        parts = _build(config, workload, micro_batch)
+        parts = _build(config, workload, micro_batch, autocast_wanted(profile))
         tracker = phase_tracker()
         tracker.track_external(parts.target, parts.drafter, parts.optimizer)
         with tracker:
@@ -365,21 +382,26 @@ def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_t
 
 
 def workload_for_config(profile: Profile, config: Any) -> memory.Workload:
-    """The memory model's workload of `profile`, its target shape read from `config`."""
-    shape = memory.shape_from_config(config.to_dict(), f"{type(config).__name__}")
-    if profile.model.target != "builtin:smollm2-135m-instruct" and shape.hidden == memory.QWEN36_27B_LIKE.hidden:
-        shape = memory.target_shape(profile) if memory.target_shape(profile).num_layers == shape.num_layers else shape
+    """The memory model's workload of `profile` with the target shape of `config`; the profile's own
+    shape (and its parameter count) when the dimensions are the same."""
+    import dataclasses
+
+    shape = memory.shape_from_config(config.to_dict(), type(config).__name__)
+    known = memory.target_shape(profile)
+    if dataclasses.replace(shape, param_count=known.param_count, source=known.source) == known:
+        shape = known
     return memory.workload_from_profile(profile, shape)
 
 
-def _build(config: Any, workload: memory.Workload, micro_batch: int) -> _Model:
+def _build(config: Any, workload: memory.Workload, micro_batch: int, autocast: bool) -> _Model:
     import torch
 
     target = build_target(truncated_config(config, workload.loaded_target_layers), getattr(torch, workload.dtype))
     drafter = drafter_for(target, workload)
     inputs = worst_case_inputs(workload, micro_batch, config.vocab_size)
+    attention_dtype = torch.bfloat16 if autocast else torch.float32
     return _Model(target=target, drafter=drafter, optimizer=sharded_optimizer(drafter, workload), inputs=inputs,
-                  attend=trace_attend(workload, inputs.anchors))
+                  attend=trace_attend(workload, inputs.anchors, attention_dtype))
 
 
 def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: Profile,
@@ -391,14 +413,12 @@ def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: P
     features, layers_run = _target_taps(parts.target, parts.inputs, workload, full_target)
     after_target = tracker.live_bytes()
     tracker.phase = "drafter"
-    with _autocast(autocast_wanted(profile)):
-        hidden = drafter_hidden(parts.drafter, parts.inputs, features, parts.attend)
-        loss = loss_of(parts.drafter, hidden, parts.inputs, workload.logits_chunk_tokens)
+    loss = _drafter_loss(parts, features, workload, autocast_wanted(profile))
     after_forward = tracker.live_bytes()
     tracker.phase = "backward"
     loss.backward()
     tap_bytes = features.numel() * features.element_size()
-    del loss, hidden, features
+    del loss, features
     grads = tracker.live_by_category()["Gradient"]
     tracker.phase = "update"
     torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0, foreach=True)
@@ -412,6 +432,13 @@ def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: P
             "step_peak": max(phases[p] for p in ("target", "drafter", "backward")) / MIB,
             "update_peak": phases["update"] / MIB, "peak": max(phases.values()) / MIB,
             "target_layers_run": layers_run, "target_layers_loaded": workload.loaded_target_layers}
+
+
+def _drafter_loss(parts: _Model, features: Any, workload: memory.Workload, autocast: bool) -> Any:
+    """forward_micro's drafter part: only the loss outlives it (the hidden states die with it)."""
+    with _autocast(autocast):
+        hidden = drafter_hidden(parts.drafter, parts.inputs, features, parts.attend)
+        return loss_of(parts.drafter, hidden, parts.inputs, workload.logits_chunk_tokens)
 
 
 def _target_taps(target: Any, inputs: StepInputs, workload: memory.Workload, full_target: bool) -> tuple[Any, int]:
@@ -439,3 +466,48 @@ def _autocast(enabled: bool) -> Any:
 
 def _bytes(params: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params)
+
+
+# --- traced vs modelled -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ComparedFigure:
+    """One component (or the peak), traced and modelled, in MiB."""
+
+    name: str
+    traced: float
+    modelled: float
+
+    @property
+    def error(self) -> float:
+        """(modelled - traced) / traced: positive when the model over-estimates."""
+        return (self.modelled - self.traced) / self.traced if self.traced else 0.0
+
+
+def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigure]:
+    """Each traced figure next to the analytic model's figure for the same thing."""
+    e, m = memory.estimate(workload), traced.micro_batch
+    line = memory.estimated_peak_model(workload)
+    pairs = [("target weights", traced.target_weights, e.target_weights),
+             ("drafter weights (fp32)", traced.drafter_weights, e.drafter_weights),
+             ("drafter gradients", traced.drafter_grads, e.drafter_grads),
+             ("AdamW states (this rank)", traced.optimizer_states, e.optimizer_states),
+             ("tap features", traced.tap_features, m * e.tap_features),
+             ("target forward working set", traced.target_forward, m * e.target_activations),
+             ("drafter forward (+ autocast copies)", traced.drafter_forward, e.autocast_weights + m * e.drafter_activations),
+             ("step peak (forward/backward)", traced.step_peak, line.intercept_mib + line.slope_mib * m),
+             ("optimizer update peak", traced.update_peak, e.update_peak),
+             ("peak", traced.peak, line.peak_mib(m))]
+    return [ComparedFigure(name, traced_mib, modelled) for name, traced_mib, modelled in pairs]
+
+
+def format_comparison(profile_name: str, traced: TracedStep, figures: list[ComparedFigure]) -> list[str]:
+    width = max(len(f.name) for f in figures)
+    lines = [f"{profile_name}, micro-batch {traced.micro_batch}: traced in {traced.seconds:.0f} s "
+             f"(target: {traced.target_layers_run} of {traced.target_layers_loaded} loaded layers run; "
+             f"drafter attention: {traced.attention} with flex's memory)",
+             f"  {'component':<{width}}  {'traced MiB':>11}  {'model MiB':>11}  {'model vs trace':>14}"]
+    lines += [f"  {f.name:<{width}}  {f.traced:>11,.0f}  {f.modelled:>11,.0f}  {100 * f.error:>+13.1f}%" for f in figures]
+    categories = ", ".join(f"{name} {mib:,.0f}" for name, mib in traced.peak_categories.items() if mib >= 1)
+    lines.append(f"  at the traced peak: {categories}")
+    return lines
