@@ -169,6 +169,7 @@ class MemoryEstimate:
     optimizer_shards: int = 1
     update_temporaries: float = 0.0     # during optimizer.step, on top of static
     checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
+    logits_per_sequence: float = 0.0    # a loss chunk holds rows of several sequences when one has fewer
 
     @property
     def static(self) -> float:
@@ -183,15 +184,16 @@ class MemoryEstimate:
 
     @property
     def per_sequence(self) -> float:
-        return self.tap_features + max(self.target_activations, self.drafter_activations)
+        return self.tap_features + max(self.target_activations, self.drafter_activations) + self.logits_per_sequence
 
     @property
     def update_peak(self) -> float:
-        return self.static + self.update_temporaries
+        """Autocast's bf16 weight copies live only inside the forward/backward: not here."""
+        return self.static - self.autocast_weights + self.update_temporaries
 
     @property
     def checkpoint_peak(self) -> float:
-        return self.static - self.drafter_grads + self.checkpoint_gather
+        return self.static - self.autocast_weights - self.drafter_grads + self.checkpoint_gather
 
     @property
     def between_steps(self) -> float:
@@ -371,16 +373,32 @@ def estimate(workload: Workload) -> MemoryEstimate:
         target_weights=target_params_loaded(workload) * workload.dtype_bytes / MIB,
         drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * shard,
         autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
-        logits_chunk=_logits_chunk_mib(workload), tap_features=_tap_features_mib(workload),
+        logits_chunk=_logits_chunk_mib(workload), logits_per_sequence=_logits_per_sequence_mib(workload),
+        tap_features=_tap_features_mib(workload),
         target_activations=_target_activations_mib(workload),
         drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
         update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard,
         checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0)
 
 
+def _label_rows(workload: Workload) -> int:
+    """Rows of one sequence whose logits the loss computes: slots 1..B-1 of every anchor."""
+    return workload.anchors * (workload.block_size - 1)
+
+
 def _logits_chunk_mib(workload: Workload) -> float:
-    tokens = min(workload.logits_chunk_tokens, workload.block_tokens)
-    return tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+    """One full chunk, when one sequence fills it (else the chunk grows with the micro-batch)."""
+    if _label_rows(workload) < workload.logits_chunk_tokens:
+        return 0.0
+    return workload.logits_chunk_tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+
+
+def _logits_per_sequence_mib(workload: Workload) -> float:
+    """A sequence with fewer label rows than a chunk: the chunk holds that many rows per sequence
+    (exact while the micro-batch's rows fit one chunk, above the truth beyond)."""
+    if _label_rows(workload) >= workload.logits_chunk_tokens:
+        return 0.0
+    return _label_rows(workload) * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
 
 
 def _tap_features_mib(workload: Workload) -> float:
