@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples for the offline hidden-state storage comparison (default: the seeds' 902,087)")
     parser.add_argument("--avg-tokens", type=int, default=None,
                         help="average tokens per sample for that comparison (default: 2000)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also trace one training step on fake tensors (imports torch; about a minute or "
+                             "two per micro-batch at the flagship's shapes) and print it against the model, "
+                             "at micro-batch 1 and 2")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +56,21 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
     print("\n".join(format_plan(plan, storage)))
     print(f"memory model: {source}")
+    if args.trace:
+        print("\n".join(traced_vs_modelled(profile)))
     return 0
+
+
+def traced_vs_modelled(profile, micro_batches: tuple[int, ...] = (1, 2)) -> list[str]:
+    """`plan --trace`: one traced step per micro-batch (dflash.memory.trace) against the model."""
+    from dflash.memory import trace
+
+    traced_workload = trace.workload_for_config(profile, trace.target_config(profile))
+    lines = ["", "traced vs modelled (one step on fake tensors; the plan above uses the model):"]
+    for micro_batch in micro_batches:
+        traced = trace.trace_step(profile, micro_batch)
+        lines += trace.format_comparison(profile.name, traced, trace.compare(traced, traced_workload))
+    return lines
 
 
 def document_sections(document: dict) -> list[tuple[str, dict]]:

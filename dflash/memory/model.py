@@ -57,7 +57,9 @@ MIB = 1024 * 1024
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)
 DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
-LOGITS_BYTES_PER_ELEMENT = 2 + 4 + 4  # bf16 logits, fp32 upcast, fp32 gradient
+LOGITS_BYTES_PER_ELEMENT = 2 + 2 + 4 + 4  # bf16 logits and their gradient, fp32 upcast and its gradient
+FP32_BYTES = 4                      # the drafter's residual stream, RMSNorm inputs/outputs, q/k norms
+LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32 [tokens, value dim] copies (traced)
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
 ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
 GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
@@ -78,6 +80,7 @@ class TargetShape:
     tie_embeddings: bool = False
     param_count: int = 0            # 0: computed from the dimensions
     source: str = "defaults"
+    linear_value_dim: int = 0       # Gated DeltaNet value heads x head dim (hybrid targets; 0: none)
 
     @property
     def q_dim(self) -> int:
@@ -101,7 +104,7 @@ class TargetShape:
 # Qwen3.6-27B-like: hidden 5120, 64 layers, GQA 24/4 heads of 256, 248K vocabulary, 27B parameters.
 QWEN36_27B_LIKE = TargetShape(hidden=5120, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
                               intermediate=17408, vocab=248320, param_count=27_000_000_000,
-                              source="Qwen3.6-27B-like defaults")
+                              source="Qwen3.6-27B-like defaults", linear_value_dim=48 * 128)
 # SmolLM2-135M-Instruct (the builtin target) before its first conversion exists on disk.
 SMOLLM2_135M = TargetShape(hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                            intermediate=1536, vocab=49152, tie_embeddings=True,
@@ -167,6 +170,7 @@ class MemoryEstimate:
     optimizer_shards: int = 1
     update_temporaries: float = 0.0     # during optimizer.step, on top of static
     checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
+    logits_per_sequence: float = 0.0    # a loss chunk holds rows of several sequences when one has fewer
 
     @property
     def static(self) -> float:
@@ -174,16 +178,23 @@ class MemoryEstimate:
                 + self.autocast_weights)
 
     @property
+    def step_static(self) -> float:
+        """What a forward/backward's peak stands on: the loss's backward, the step's peak, comes
+        before any drafter gradient exists (they were dropped by zero_grad(set_to_none=True))."""
+        return self.static - self.drafter_grads
+
+    @property
     def per_sequence(self) -> float:
-        return self.tap_features + max(self.target_activations, self.drafter_activations)
+        return self.tap_features + max(self.target_activations, self.drafter_activations) + self.logits_per_sequence
 
     @property
     def update_peak(self) -> float:
-        return self.static + self.update_temporaries
+        """Autocast's bf16 weight copies live only inside the forward/backward: not here."""
+        return self.static - self.autocast_weights + self.update_temporaries
 
     @property
     def checkpoint_peak(self) -> float:
-        return self.static - self.drafter_grads + self.checkpoint_gather
+        return self.static - self.autocast_weights - self.drafter_grads + self.checkpoint_gather
 
     @property
     def between_steps(self) -> float:
@@ -249,9 +260,16 @@ def shape_from_config(config: Mapping[str, Any], source: str, param_count: int =
             head_dim=int(text.get("head_dim") or hidden // heads),
             intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            param_count=param_count, source=source)
+            param_count=param_count, source=source, linear_value_dim=_linear_value_dim(text))
     except KeyError as error:
         raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
+
+
+def _linear_value_dim(text: Mapping[str, Any]) -> int:
+    """Gated DeltaNet's value width when the config has linear-attention layers (Qwen3.5), else 0."""
+    if "linear_attention" not in (text.get("layer_types") or []):
+        return 0
+    return int(text.get("linear_num_value_heads", 0)) * int(text.get("linear_value_head_dim", 0))
 
 
 def shape_from_directory(directory: Path, dtype_bytes: int) -> TargetShape:
@@ -349,16 +367,32 @@ def estimate(workload: Workload) -> MemoryEstimate:
         target_weights=target_params_loaded(workload) * workload.dtype_bytes / MIB,
         drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * shard,
         autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
-        logits_chunk=_logits_chunk_mib(workload), tap_features=_tap_features_mib(workload),
+        logits_chunk=_logits_chunk_mib(workload), logits_per_sequence=_logits_per_sequence_mib(workload),
+        tap_features=_tap_features_mib(workload),
         target_activations=_target_activations_mib(workload),
         drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
         update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard,
         checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0)
 
 
+def _label_rows(workload: Workload) -> int:
+    """Rows of one sequence whose logits the loss computes: slots 1..B-1 of every anchor."""
+    return workload.anchors * (workload.block_size - 1)
+
+
 def _logits_chunk_mib(workload: Workload) -> float:
-    tokens = min(workload.logits_chunk_tokens, workload.block_tokens)
-    return tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+    """One full chunk, when one sequence fills it (else the chunk grows with the micro-batch)."""
+    if _label_rows(workload) < workload.logits_chunk_tokens:
+        return 0.0
+    return workload.logits_chunk_tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+
+
+def _logits_per_sequence_mib(workload: Workload) -> float:
+    """A sequence with fewer label rows than a chunk: the chunk holds that many rows per sequence
+    (exact while the micro-batch's rows fit one chunk, above the truth beyond)."""
+    if _label_rows(workload) >= workload.logits_chunk_tokens:
+        return 0.0
+    return _label_rows(workload) * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
 
 
 def _tap_features_mib(workload: Workload) -> float:
@@ -367,28 +401,63 @@ def _tap_features_mib(workload: Workload) -> float:
 
 
 def _target_activations_mib(workload: Workload) -> float:
-    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence."""
+    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence; on a
+    hybrid target the larger of that and a Gated DeltaNet layer's (PyTorch fallback, float32)."""
     s = workload.target
     elements = 2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
-    return workload.max_length * elements * workload.dtype_bytes / MIB
+    attention = workload.max_length * elements * workload.dtype_bytes
+    linear = workload.max_length * LINEAR_ATTENTION_FP32_COPIES * s.linear_value_dim * FP32_BYTES
+    return max(attention, linear) / MIB
 
 
 def _drafter_activations_mib(workload: Workload) -> float:
-    """Saved for backward over one sequence: concatenated taps, fc/norm outputs, per-layer context
-    keys/values (projected and k-normed), per-layer activations of every block token."""
-    s, seq, b = workload.target, workload.max_length, workload.dtype_bytes
-    context = seq * (len(workload.tap_layers) * s.hidden + 2 * s.hidden)
-    context_kv = workload.drafter_layers * seq * 3 * s.kv_dim
-    per_block_token = 4 * s.hidden + 3 * s.q_dim + 3 * s.kv_dim + 3 * s.intermediate
-    block = workload.drafter_layers * workload.block_tokens * per_block_token
-    return (context + context_kv + block) * b / MIB
+    """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
+    bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
+    residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
+    (autocast casts the float32 input again for every Linear)."""
+    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
+            + _final_bytes(workload)) / MIB
+
+
+def _low_bytes(workload: Workload) -> int:
+    return workload.dtype_bytes if workload.autocast else FP32_BYTES
+
+
+def _context_bytes(workload: Workload) -> int:
+    """Once: the taps' bf16 copy for fc, hidden_norm's float32 input, bf16 copy and float32 output."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    return workload.max_length * (len(workload.tap_layers) * s.hidden * lo + s.hidden * (f + lo + f))
+
+
+def _layer_key_bytes(workload: Workload) -> int:
+    """Per layer over context + block keys: k/v projections' input copies, k_norm, k and v for attention."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    keys = workload.max_length + workload.block_tokens
+    return keys * (2 * s.hidden * lo + s.kv_dim * (f + lo) + 2 * s.kv_dim * lo)
+
+
+def _layer_block_bytes(workload: Workload) -> int:
+    """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
+    post-attention norm, the MLP's two input copies and four intermediates."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    norms = 2 * s.hidden * (f + lo)
+    attention = s.hidden * lo + s.q_dim * (f + lo + lo) + 2 * s.q_dim * lo
+    mlp = 2 * s.hidden * lo + 4 * s.intermediate * lo
+    return workload.block_tokens * (norms + attention + mlp)
+
+
+def _final_bytes(workload: Workload) -> int:
+    """The final norm (float32 input, bf16 copy) and the loss's float32 copy of the labelled rows."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    rows = workload.anchors * (workload.block_size - 1)
+    return workload.block_tokens * s.hidden * (f + lo) + rows * s.hidden * f
 
 
 # --- peak model and calibration -----------------------------------------------------------
 
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
-    return PeakModel(intercept_mib=figures.static + figures.logits_chunk, slope_mib=figures.per_sequence,
+    return PeakModel(intercept_mib=figures.step_static + figures.logits_chunk, slope_mib=figures.per_sequence,
                      static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps)
 
 

@@ -49,7 +49,7 @@ def test_the_calibration_lands_in_the_baseline_which_stays_a_valid_snapshot(cali
     document = json.loads(calibrated_baseline.read_text())
     assert document["memory_calibration"]["slope_mib"] == 8560.0
     assert document["hostname"] == "gpu-node-07" and document["gpus"]          # the snapshot is intact
-    assert load_snapshot(calibrated_baseline).memory_calibration["workload_key"] == "da4c93d486186c46"
+    assert load_snapshot(calibrated_baseline).memory_calibration["workload_key"] == fixture_calibration().workload_key
 
 
 def test_a_new_baseline_save_keeps_the_calibration(calibrated_baseline):

@@ -1,0 +1,511 @@
+"""Trace one real training step on fake tensors and compare it with the analytic memory model.
+
+Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` (tensors have shapes,
+dtypes and storages of the right size, no data) and `MemTracker` (torch.distributed._tools,
+as torchtitan's memory estimation uses it) counts every storage created, by category
+(parameters, gradients, activations, backward temporaries, optimizer states), and the peak.
+On a CPU-only torch the fake tensors are CPU tensors: sizes are what count.
+
+The step is the trainer's (`dflash.train` forward_micro / _accumulate / _update), at the
+profile's worst case (every sequence `data.max_length` tokens, `train.num_anchors` anchors, every
+label counted):
+
+1. target taps: the frozen target in `model.dtype`, built from its config with transformers' own
+   classes (the flagship is Qwen3.5's `Qwen3_5ForCausalLM`, hybrid Gated DeltaNet / gated full
+   attention), truncated after the deepest tap, `extract_taps` under no_grad;
+2. the drafter (`DFlashDrafter`, float32 parameters) over every block, under bf16 autocast as on
+   CUDA when `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`, checkpointed);
+3. backward, gradient clipping, and AdamW (foreach, as on CUDA) over ONE rank's ZeRO-1 shard
+   (the largest: ZeroRedundancyOptimizer's partition, largest tensor first to the least-loaded
+   rank), with its states already allocated (a step after the first).
+
+Where the trace differs from a GPU run, on purpose:
+* attention: flex_attention (the GPU backend) has no backward on CPU, not even on fake tensors, so
+  the drafter attends through SDPA with flex's memory (`trace_attend`): the dense block mask is
+  built outside the tracker (flex's BlockMask is a few KiB), and the query heads are grouped per
+  KV head instead of expanding K/V to every query head (sdpa's `enable_gqa` on CPU would add two
+  K/V copies per layer that flex does not make);
+* the target forward runs the layers that decide its peak, not all of them: every tap layer and,
+  for each layer type, the last layer of that type up to the deepest tap and the layer before it
+  (the last of a type runs with every earlier tap held, on a fresh hidden state: the worst moment
+  of that type in the full forward, since the layers of one type have one shape). The weights of
+  every layer up to the deepest tap are allocated and counted. `full_target=True` runs every
+  layer (a test holds both to the same figures);
+* the label selection `rows[keep]` (a data-dependent shape) is replaced by the same copy through
+  `index_select` over all rows: the worst case keeps every row.
+
+Heavy imports happen inside the functions: `launcher.py plan` without `--trace` never loads torch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from dflash.memory import model as memory
+from launcher_core.schema import Profile
+
+MIB = memory.MIB
+# Qwen3.6-27B's text config (Qwen3.5 architecture), as published: what the flagship target is built
+# from when its directory is not on this machine. Hidden, layers, heads and vocabulary match
+# memory.QWEN36_27B_LIKE.
+QWEN36_27B_TEXT_CONFIG = {
+    "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "vocab_size": 248320,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """What one traced step allocated, in MiB (one rank)."""
+
+    micro_batch: int
+    target_weights: float
+    drafter_weights: float
+    drafter_grads: float
+    optimizer_states: float
+    tap_features: float             # the captured taps of the micro-batch, kept for the drafter
+    target_forward: float           # the target forward's peak above what was live before it, minus the taps
+    drafter_forward: float          # live after the drafter forward + loss, minus what was live before it
+    step_peak: float                # peak of taps + drafter forward + backward
+    update_peak: float              # peak of gradient clipping + optimizer.step
+    peak: float
+    peak_categories: dict[str, float] = field(default_factory=dict)
+    target_layers_run: int = 0
+    target_layers_loaded: int = 0
+    seconds: float = 0.0
+    attention: str = "sdpa"
+
+
+# --- the target ---------------------------------------------------------------------------
+
+def target_config(profile: Profile) -> Any:
+    """The profile's target config (transformers object): from its directory, the builtin
+    SmolLM2's shape, or the published Qwen3.6-27B text config."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, LlamaConfig
+
+    from dflash.models import SMOLLM2
+    from launcher_core.paths import cache_dir
+
+    spec = profile.model.target
+    directory = cache_dir() / "smollm2-135m-instruct" if spec == SMOLLM2 else Path(spec).expanduser()
+    if (directory / "config.json").exists():
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        return getattr(config, "text_config", None) or config
+    if spec == SMOLLM2:
+        s = memory.SMOLLM2_135M
+        return LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                           num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
+                           vocab_size=s.vocab, tie_word_embeddings=s.tie_embeddings)
+    return qwen36_27b_config()
+
+
+def qwen36_27b_config(**changes: Any) -> Any:
+    """Qwen3.6-27B's text config (`Qwen3_5TextConfig`); `changes` override fields (tests shrink it)."""
+    from transformers import Qwen3_5TextConfig
+
+    values = {**QWEN36_27B_TEXT_CONFIG, **changes}
+    interval = values.pop("full_attention_interval")
+    values.setdefault("layer_types", hybrid_layer_types(values["num_hidden_layers"], interval))
+    return Qwen3_5TextConfig(**values)
+
+
+def hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
+    """Qwen3.5's layout: linear attention x (interval - 1), then full attention, repeated."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def truncated_config(config: Any, keep_layers: int) -> Any:
+    """The config with only the first `keep_layers` layers (the trainer drops the rest)."""
+    import copy
+
+    truncated = copy.deepcopy(config)
+    truncated.num_hidden_layers = keep_layers
+    if getattr(truncated, "layer_types", None):
+        truncated.layer_types = list(truncated.layer_types[:keep_layers])
+    truncated._attn_implementation = "sdpa"
+    return truncated
+
+
+def build_target(config: Any, dtype: Any) -> Any:
+    """The frozen target from its config in `dtype` (under the caller's FakeTensorMode: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    target.requires_grad_(False)
+    return target
+
+
+def layer_types(target: Any) -> list[str]:
+    from dflash.drafter.taps import decoder_layers
+
+    return [getattr(layer, "block_type", None) or getattr(layer, "layer_type", None) or "decoder"
+            for layer in decoder_layers(target)]
+
+
+def peak_deciding_layers(types: Sequence[str], taps: Sequence[int]) -> list[int]:
+    """The tap layers and, per layer type, its last layer up to the deepest tap and the layer
+    before it (so that layer's input is a fresh hidden state, not a held tap), sorted."""
+    deepest = max(taps)
+    last_of_type = {kind: index for index, kind in enumerate(types[:deepest + 1])}
+    before = {index - 1 for index in last_of_type.values() if index > 0}
+    return sorted(set(taps) | set(last_of_type.values()) | before)
+
+
+class LayerSubset:
+    """Context manager: the target's forward runs only `indices` of its layers (weights stay)."""
+
+    def __init__(self, target: Any, indices: Sequence[int]):
+        self.base, self.indices = target.model, list(indices)
+
+    def __enter__(self) -> "LayerSubset":
+        import torch
+
+        config, layers = self.base.config, self.base.layers
+        self.saved = (layers, config.num_hidden_layers, getattr(config, "layer_types", None))
+        self.base.layers = torch.nn.ModuleList(layers[i] for i in self.indices)
+        config.num_hidden_layers = len(self.indices)
+        if self.saved[2] is not None:
+            config.layer_types = [self.saved[2][i] for i in self.indices]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.base.layers, self.base.config.num_hidden_layers, types = self.saved
+        if types is not None:
+            self.base.config.layer_types = types
+
+
+# --- the tracker --------------------------------------------------------------------------
+
+def phase_tracker() -> Any:
+    """A MemTracker that also keeps the peak (and its categories) of each named phase."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PhaseTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.phase, self.phase_peaks = "setup", {}
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            live = self.live_bytes()
+            if live > self.phase_peaks.get(self.phase, -1):
+                self.phase_peaks[self.phase] = live
+
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            # grad hooks only where every parameter trains: frozen ones (the target) cannot take hooks
+            trainable = all(p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)
+
+        def live_bytes(self) -> int:
+            return sum(snap["Total"] for snap in self._curr_mem_snap.values())
+
+        def live_by_category(self) -> dict[str, int]:
+            return _by_category(self._curr_mem_snap)
+
+    return PhaseTracker()
+
+
+def _by_category(snapshot: dict) -> dict[str, int]:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for device_snap in snapshot.values():
+        for key, value in device_snap.items():
+            name = getattr(key, "value", key)
+            if name in totals:
+                totals[name] += value
+    return totals
+
+
+# --- one step -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A worst-case micro-batch: full-length sequences, every anchor valid, every label counted."""
+
+    input_ids: Any
+    anchors: Any
+    labels: Any
+    weights: Any
+
+
+def worst_case_inputs(workload: memory.Workload, micro_batch: int, vocab: int) -> StepInputs:
+    import torch
+
+    seq, anchors = workload.max_length, workload.anchors
+    positions = torch.linspace(0, seq - workload.block_size - 1, anchors).long()
+    rows = micro_batch * anchors * (workload.block_size - 1)
+    return StepInputs(input_ids=torch.randint(0, vocab, (micro_batch, seq)),
+                      anchors=positions.expand(micro_batch, -1).contiguous(),
+                      labels=torch.randint(0, vocab, (rows,)), weights=torch.ones(rows))
+
+
+def drafter_for(target: Any, workload: memory.Workload, mask_token_id: int = 0) -> Any:
+    """The profile's drafter (float32 parameters, as the trainer builds it), attached to the target."""
+    import torch
+
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+
+    config = drafter_config(target.config, num_layers=workload.drafter_layers, block_size=workload.block_size,
+                            target_layer_ids=list(workload.tap_layers), mask_token_id=mask_token_id)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)          # fake tensors cannot be converted after construction
+    try:
+        return DFlashDrafter(config).attach_target(target)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def largest_zero1_shard(params: Sequence[Any], shards: int) -> list[Any]:
+    """The parameters ZeroRedundancyOptimizer gives its fullest rank (largest first, least-loaded rank)."""
+    loads, owned = [0] * shards, [[] for _ in range(shards)]
+    for param in sorted(params, key=lambda p: p.numel(), reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += param.numel()
+        owned[rank].append(param)
+    return owned[loads.index(max(loads))]
+
+
+def sharded_optimizer(drafter: Any, workload: memory.Workload) -> Any:
+    """AdamW (foreach, as on CUDA) over this rank's shard, its states allocated as after a first step."""
+    import torch
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    shard = largest_zero1_shard(params, workload.optimizer_shards) if workload.optimizer_shards > 1 else params
+    optimizer = torch.optim.AdamW(shard, lr=1e-4, foreach=True)
+    for param in shard:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def trace_attend(workload: memory.Workload, anchors: Any, dtype: Any) -> Any:
+    """The block attention with flex's memory: SDPA over the layout's mask, made here (outside the
+    tracker: flex's BlockMask is a few KiB) as an additive mask in the attention's `dtype` (a boolean
+    one would be converted, and saved, inside every call), query heads grouped per KV head instead
+    of K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dflash.drafter.attention import BlockLayout
+
+    groups = workload.target.num_heads // workload.target.num_kv_heads
+    visible = BlockLayout(anchors, workload.max_length, workload.block_size).dense_mask().repeat(1, 1, groups, 1)
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        batch, heads, queries, dim = q.shape
+        grouped = q.reshape(batch, k.shape[1], groups * queries, dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+        return out.reshape(batch, heads, queries, dim)
+
+    return attend
+
+
+def drafter_hidden(drafter: Any, inputs: StepInputs, features: Any, attend: Any) -> Any:
+    """`forward_blocks` with a prepared attend: every block of every sequence -> [b, N, B, H]."""
+    import torch
+
+    from dflash.drafter.attention import BlockLayout
+
+    layout = BlockLayout(inputs.anchors, inputs.input_ids.shape[1], drafter.block_size)
+    block_ids = drafter.block_input_ids(torch.gather(inputs.input_ids, 1, inputs.anchors)).flatten(1)
+    hidden = drafter(block_ids, features, layout.key_positions(), attend)
+    return hidden.view(*inputs.anchors.shape, drafter.block_size, -1)
+
+
+def loss_of(drafter: Any, hidden: Any, inputs: StepInputs, chunk_rows: int) -> Any:
+    """`block_loss` over every label: rows of slots 1..B-1, the kept copy, the chunked CE."""
+    return _loss_module(drafter, inputs, chunk_rows)(hidden)
+
+
+def _loss_module(drafter: Any, inputs: StepInputs, chunk_rows: int) -> Any:
+    """The loss as one module: MemTracker takes a second top-level call of a module (the lm_head,
+    once per loss chunk) for a second iteration; inside a parent module it is a reuse."""
+    import torch
+
+    from dflash.drafter.loss import _chunked_ce
+
+    class ChunkedLoss(torch.nn.Module):
+        def forward(self, hidden: Any) -> Any:
+            rows = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
+            rows = rows.index_select(0, torch.arange(rows.shape[0]))      # block_loss's rows[keep], all kept
+            weighted_ce, _ = _chunked_ce(rows, inputs.labels, inputs.weights, drafter.logits, chunk_rows)
+            return weighted_ce + 0.0 * hidden.sum()
+
+    return ChunkedLoss()
+
+
+def autocast_wanted(profile: Profile) -> bool:
+    """The trainer's rule: bf16 autocast on CUDA ("auto"), anywhere with train.autocast = "bfloat16"."""
+    setting = profile.train.autocast
+    return setting == "bfloat16" or (setting == "auto" and profile.machine.device == "cuda")
+
+
+@dataclass
+class _Model:
+    """What one traced step runs on (all fake)."""
+
+    target: Any
+    drafter: Any
+    optimizer: Any
+    inputs: StepInputs
+    attend: Any
+
+
+def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_target: bool = False) -> TracedStep:
+    """One training step of `profile` at `micro_batch` sequences, traced on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    config = config if config is not None else target_config(profile)
+    workload = workload_for_config(profile, config)
+    with FakeTensorMode():
+        parts = _build(config, workload, micro_batch, autocast_wanted(profile))
+        tracker = phase_tracker()
+        tracker.track_external(parts.target, parts.drafter, parts.optimizer)
+        with tracker:
+            figures = _run_step(tracker, parts, workload, profile, full_target)
+    peak = _by_category(tracker.get_tracker_snapshot("peak"))
+    return TracedStep(micro_batch=micro_batch, peak_categories={k: v / MIB for k, v in peak.items() if v},
+                      seconds=time.perf_counter() - started, **figures)
+
+
+def workload_for_config(profile: Profile, config: Any) -> memory.Workload:
+    """The memory model's workload of `profile` with the target shape of `config`; the profile's own
+    shape (and its parameter count) when the dimensions are the same."""
+    import dataclasses
+
+    shape = memory.shape_from_config(config.to_dict(), type(config).__name__)
+    known = memory.target_shape(profile)
+    if dataclasses.replace(shape, param_count=known.param_count, source=known.source) == known:
+        shape = known
+    return memory.workload_from_profile(profile, shape)
+
+
+def _build(config: Any, workload: memory.Workload, micro_batch: int, autocast: bool) -> _Model:
+    import torch
+
+    target = build_target(truncated_config(config, workload.loaded_target_layers), getattr(torch, workload.dtype))
+    drafter = drafter_for(target, workload)
+    inputs = worst_case_inputs(workload, micro_batch, config.vocab_size)
+    attention_dtype = torch.bfloat16 if autocast else torch.float32
+    return _Model(target=target, drafter=drafter, optimizer=sharded_optimizer(drafter, workload), inputs=inputs,
+                  attend=trace_attend(workload, inputs.anchors, attention_dtype))
+
+
+def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: Profile,
+              full_target: bool) -> dict[str, Any]:
+    import torch
+
+    tracker.phase = "target"
+    before = tracker.live_bytes()
+    features, layers_run = _target_taps(parts.target, parts.inputs, workload, full_target)
+    after_target = tracker.live_bytes()
+    tracker.phase = "drafter"
+    loss = _drafter_loss(parts, features, workload, autocast_wanted(profile))
+    after_forward = tracker.live_bytes()
+    tracker.phase = "backward"
+    loss.backward()
+    tap_bytes = features.numel() * features.element_size()
+    del loss, features
+    grads = tracker.live_by_category()["Gradient"]
+    tracker.phase = "update"
+    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0, foreach=True)
+    parts.optimizer.step()
+    phases = tracker.phase_peaks
+    return {"target_weights": _bytes(parts.target.parameters()) / MIB,
+            "drafter_weights": _bytes(p for p in parts.drafter.parameters() if p.requires_grad) / MIB,
+            "drafter_grads": grads / MIB, "optimizer_states": tracker.live_by_category()["Optstate"] / MIB,
+            "tap_features": tap_bytes / MIB, "target_forward": (phases["target"] - before - tap_bytes) / MIB,
+            "drafter_forward": (after_forward - after_target) / MIB,
+            "step_peak": max(phases[p] for p in ("target", "drafter", "backward")) / MIB,
+            "update_peak": phases["update"] / MIB, "peak": max(phases.values()) / MIB,
+            "target_layers_run": layers_run, "target_layers_loaded": workload.loaded_target_layers}
+
+
+def _drafter_loss(parts: _Model, features: Any, workload: memory.Workload, autocast: bool) -> Any:
+    """forward_micro's drafter part: only the loss outlives it (the hidden states die with it)."""
+    with _autocast(autocast):
+        hidden = drafter_hidden(parts.drafter, parts.inputs, features, parts.attend)
+        return loss_of(parts.drafter, hidden, parts.inputs, workload.logits_chunk_tokens)
+
+
+def _target_taps(target: Any, inputs: StepInputs, workload: memory.Workload, full_target: bool) -> tuple[Any, int]:
+    """extract_taps over every loaded layer, or over the layers that decide the forward's peak."""
+    import contextlib
+
+    from dflash.drafter.taps import extract_taps
+
+    taps = list(workload.tap_layers)
+    indices = (list(range(workload.loaded_target_layers)) if full_target
+               else peak_deciding_layers(layer_types(target), taps))
+    subset = contextlib.nullcontext() if full_target else LayerSubset(target, indices)
+    with subset:
+        features = extract_taps(target, inputs.input_ids, [indices.index(k) for k in taps])
+    return features, len(indices)
+
+
+def _autocast(enabled: bool) -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def _bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+# --- traced vs modelled -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ComparedFigure:
+    """One component (or the peak), traced and modelled, in MiB."""
+
+    name: str
+    traced: float
+    modelled: float
+
+    @property
+    def error(self) -> float:
+        """(modelled - traced) / traced: positive when the model over-estimates."""
+        return (self.modelled - self.traced) / self.traced if self.traced else 0.0
+
+
+def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigure]:
+    """Each traced figure next to the analytic model's figure for the same thing."""
+    e, m = memory.estimate(workload), traced.micro_batch
+    line = memory.estimated_peak_model(workload)
+    pairs = [("target weights", traced.target_weights, e.target_weights),
+             ("drafter weights (fp32)", traced.drafter_weights, e.drafter_weights),
+             ("drafter gradients", traced.drafter_grads, e.drafter_grads),
+             ("AdamW states (this rank)", traced.optimizer_states, e.optimizer_states),
+             ("tap features", traced.tap_features, m * e.tap_features),
+             ("target forward working set", traced.target_forward, m * e.target_activations),
+             ("drafter forward (+ autocast copies)", traced.drafter_forward, e.autocast_weights + m * e.drafter_activations),
+             ("step peak (forward/backward)", traced.step_peak, line.intercept_mib + line.slope_mib * m),
+             ("optimizer update peak", traced.update_peak, e.update_peak),
+             ("peak", traced.peak, line.peak_mib(m))]
+    return [ComparedFigure(name, traced_mib, modelled) for name, traced_mib, modelled in pairs]
+
+
+def format_comparison(profile_name: str, traced: TracedStep, figures: list[ComparedFigure]) -> list[str]:
+    width = max(len(f.name) for f in figures)
+    lines = [f"{profile_name}, micro-batch {traced.micro_batch}: traced in {traced.seconds:.0f} s "
+             f"(target: {traced.target_layers_run} of {traced.target_layers_loaded} loaded layers run; "
+             f"drafter attention: {traced.attention} with flex's memory)",
+             f"  {'component':<{width}}  {'traced MiB':>11}  {'model MiB':>11}  {'model vs trace':>14}"]
+    lines += [f"  {f.name:<{width}}  {f.traced:>11,.0f}  {f.modelled:>11,.0f}  {100 * f.error:>+13.1f}%" for f in figures]
+    categories = ", ".join(f"{name} {mib:,.0f}" for name, mib in traced.peak_categories.items() if mib >= 1)
+    lines.append(f"  at the traced peak: {categories}")
+    return lines
