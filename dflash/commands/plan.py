@@ -63,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
 def _saved_baseline(profile, snapshot: dict | None) -> Path | None:
     """The profile's saved baseline (`baseline save`, `calibrate`) for the snapshot's host (this host
     without a snapshot), if there is one."""
-    from envcheck.baseline import baseline_path
+    from dflash.memory.calibration import saved_baseline
 
-    path = baseline_path(profile.name, (snapshot or {}).get("hostname") or None)
-    return path if path.exists() else None
+    return saved_baseline(profile, (snapshot or {}).get("hostname") or None)
 
 
 def model_source(plan, calibration, where: Path | None, baseline_file: Path | None) -> str:

@@ -25,6 +25,7 @@ measure it, the same meaning as `launcher.py probe`).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2) -> Calibrat
 
     world = world_size_of(profile)
     shape = memory.target_shape(profile)
+    for stale in (scratch / "worst-case-dataset", scratch / "run"):        # a kept scratch from an earlier run
+        shutil.rmtree(stale, ignore_errors=True)
     dataset = write_worst_case_dataset(scratch / "worst-case-dataset", rows, profile.data.max_length, shape.vocab)
     copy = worst_case_profile(profile, dataset, rows)
     state = build_state(copy, scratch / "run", WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=rows)
@@ -255,6 +258,22 @@ def scratch_directory(scratch: Path | None) -> Any:
         return tempfile.TemporaryDirectory(prefix="dflash-calibrate-")  # yields a str
     scratch.mkdir(parents=True, exist_ok=True)
     return contextlib.nullcontext(scratch)
+
+
+def saved_baseline(profile: Profile, hostname: str | None = None) -> Path | None:
+    """The profile's saved baseline for `hostname` (default this host), where `calibrate` writes, if any."""
+    from envcheck.baseline import baseline_path
+
+    path = baseline_path(profile.name, hostname)
+    return path if path.exists() else None
+
+
+def saved_calibration(profile: Profile, hostname: str | None = None) -> tuple[memory.Calibration | None, Path | None]:
+    """The calibration stored in the profile's saved baseline, and that file (None, None: none saved)."""
+    from core.fileio import read_json
+
+    path = saved_baseline(profile, hostname)
+    return (memory.load_calibration(read_json(path), str(path)), path) if path else (None, None)
 
 
 def store_calibration(baseline: Path, calibration: memory.Calibration) -> Path:
