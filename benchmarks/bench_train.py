@@ -107,40 +107,51 @@ def run_child(variant: str, args: argparse.Namespace) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def training_throughput(tokens: int, steps: int) -> float:
-    """tokens/s of training steps on one sequence (cpu-demo drafter: 1 layer, block 8, 64 anchors)."""
-    import types
+def throughput_profile(dataset: Path, run_dir: Path, tokens: int):
+    """cpu-demo's target (SmolLM2-135M) with a 1-layer drafter, block 8, tap [15], 64 anchors,
+    one sequence per step, float32, SDPA: the workload this benchmark has always timed."""
+    import dataclasses
 
-    import numpy as np
+    from launcher_core.profile import load_profile
+
+    base = load_profile("cpu-demo")
+    return dataclasses.replace(
+        base, machine=dataclasses.replace(base.machine, nproc_per_node=1),
+        paths=dataclasses.replace(base.paths, dataset=str(dataset), run_dir=str(run_dir)),
+        data=dataclasses.replace(base.data, max_length=tokens),
+        drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=8, target_layer_ids=(15,), init="random",
+                                    draft_vocab_size=0, mask_token_id=16),
+        train=dataclasses.replace(base.train, global_batch=1, max_micro_batch=1, num_anchors=64, lr=6e-4,
+                                  decay_gamma=4.0, attention="sdpa", autocast="off", feature_cache=False,
+                                  warmup_ratio=0.0, max_steps=1000))
+
+
+def training_throughput(tokens: int, steps: int) -> float:
+    """tokens/s of training steps on one sequence, through the trainer's build_state and run_step."""
+    import tempfile
+
+    import datasets
     import torch
 
-    from dflash.drafter.anchors import sample_anchors
-    from dflash.drafter.loss import decay_weights
-    from dflash.drafter.model import DFlashDrafter, drafter_config
-    from dflash.drafter.taps import default_target_layer_ids
-    from dflash.train.data import MicroBatch
-    from dflash.train.step import forward_micro
+    from dflash.memory.plan import batch_plan
+    from dflash.train.dist import WorkerEnv
+    from dflash.train.setup import build_state
+    from dflash.train.step import run_step
 
-    model, tokenizer = load_target()
-    layers = default_target_layer_ids(model.config.num_hidden_layers, 1)
-    config = drafter_config(model.config, num_layers=1, block_size=8, target_layer_ids=layers, mask_token_id=16)
-    drafter = DFlashDrafter(config).attach_target(model)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
-    ids = real_text_ids(tokenizer, tokens)
-    mask = np.ones(tokens, dtype=np.int64)
-    anchors = torch.from_numpy(sample_anchors(mask, 64, seed=0, epoch=0, row=0))[None]
-    batch = MicroBatch(torch.tensor([ids]), torch.from_numpy(mask)[None], anchors, torch.ones_like(anchors, dtype=torch.bool), tokens)
-    state = types.SimpleNamespace(device=torch.device("cpu"), target=model, layer_ids=layers, drafter=drafter,
-                                  model=drafter, backend="sdpa", decay=decay_weights(8, 4.0), chunk_rows=2048,
-                                  feature_cache=None, autocast="off")
-    times = []
-    for _ in range(steps + 1):
-        started = time.perf_counter()
-        parts = forward_micro(state, batch)
-        (parts.weighted_ce / parts.weight_sum).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
+    _, tokenizer = load_target()
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
+        dataset = Path(work) / "dataset"
+        ids = real_text_ids(tokenizer, tokens)
+        datasets.Dataset.from_dict({"input_ids": [ids], "loss_mask": [[1] * tokens]}).save_to_disk(str(dataset))
+        profile = throughput_profile(dataset, Path(work) / "run", tokens)
+        state = build_state(profile, Path(work) / "run", WorkerEnv(0, 1, 0), resume=False)
+        times = []
+        for step in range(steps + 1):
+            state.step = step
+            started = time.perf_counter()
+            run_step(state, [0], 0, batch_plan(1, 1, 1))
+            times.append(time.perf_counter() - started)
     return tokens / statistics.median(times[1:])
 
 

@@ -71,7 +71,7 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
         tokenizer.save_pretrained(staging)
 
 
-def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, layers: int = 4,
+def build_tiny_target(directory: Path, tokenizer_dir: Path | None, hidden: int = 64, layers: int = 4,
                       seed: int = 0, model_type: str = "qwen3", heads: int | None = None,
                       intermediate: int | None = None) -> Path:
     """Save a random-weight target (Qwen3-shaped by default) with the given tokenizer.
@@ -79,28 +79,29 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path, hidden: int = 64, la
     Tests and the GPU checks use it: it loads in well under a second. The vocabulary covers the
     tokenizer's full id range, so real token ids (and Qwen3's mask id 151669) are valid rows.
     `heads` (default hidden // 16; KV heads are half) and `intermediate` (default 2 x hidden)
-    shape larger workloads (the GPU memory calibration's).
+    shape larger workloads (the GPU memory calibration's). Without a tokenizer (None) the model
+    has Qwen3's 151,936-row vocabulary and no tokenizer files: enough where only token ids matter.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from launcher_core.fileio import atomic_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True) if tokenizer_dir else None
+    vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1) if tokenizer else 151936
     if model_type == "qwen3":
         vocab = max(vocab, 151936)
     heads = heads or max(2, hidden // 16)
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad")}
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        head_dim=hidden // heads, max_position_embeddings=4096, tie_word_embeddings=False, **special,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with atomic_directory(directory) as staging:
         model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
     return Path(directory)

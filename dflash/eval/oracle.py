@@ -1,7 +1,7 @@
 """A drafter that knows the answer: the target's own greedy continuation, some slots corrupted.
 
 Used where the decoding loop itself is under test (exact tau, rollback after rejected drafts):
-the eval tests and the eval part of scripts/gpu_check.py.
+the eval tests and the GPU eval test (tests/gpu/test_eval_gpu.py).
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ measure it, the same meaning as `launcher.py probe`).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2) -> Calibrat
 
     world = world_size_of(profile)
     shape = memory.target_shape(profile)
+    for stale in (scratch / "worst-case-dataset", scratch / "run"):        # a kept scratch from an earlier run
+        shutil.rmtree(stale, ignore_errors=True)
     dataset = write_worst_case_dataset(scratch / "worst-case-dataset", rows, profile.data.max_length, shape.vocab)
     copy = worst_case_profile(profile, dataset, rows)
     state = build_state(copy, scratch / "run", WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=rows)
