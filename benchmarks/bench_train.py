@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from envcheck.host import cpu_count  # noqa: E402
+
 
 def real_text_ids(tokenizer, tokens: int) -> list[int]:
     text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(REPO.glob("**/*.md")) if ".venv" not in p.parts)
@@ -43,7 +45,7 @@ def load_target():
     from dflash.models import smollm2_dir
 
     path = smollm2_dir()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(cpu_count())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     return model.requires_grad_(False), AutoTokenizer.from_pretrained(path, local_files_only=True)
 
@@ -139,7 +141,7 @@ def training_throughput(tokens: int, steps: int) -> float:
     from dflash.train.step import run_step
 
     _, tokenizer = load_target()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(cpu_count())
     with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
         dataset = Path(work) / "dataset"
         ids = real_text_ids(tokenizer, tokens)

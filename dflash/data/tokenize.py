@@ -239,7 +239,9 @@ class TokenizeJob:
         settings = TokenizeSettings(data.max_length, _thinking_default(profile), data.rewritten_turns)
         thresholds = {"min_loss_tokens": data.min_loss_tokens, "tool_call_repeat_limit": data.tool_call_repeat_limit,
                       "max_degenerate_share": data.max_degenerate_share}
-        count = workers or data.num_workers or os.cpu_count() or 1
+        from envcheck.host import cpu_count
+
+        count = workers or data.num_workers or cpu_count()
         return cls(inputs, output, tokenizer_dir_for(profile), settings, data.shard_rows, max(1, count),
                    allow_degenerate, progress, thresholds)
 
