@@ -18,7 +18,6 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -28,60 +27,9 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.drafter.attention import Attend, BlockLayout, make_attend
+from dflash.drafter.shape import DrafterShape, derive_shape
 
 ARCHITECTURE = "DFlashDraftModel"
-
-
-MAX_HEAD_DIM = 128          # flex_attention's bf16 backward on SM12x needs head dim <= 128 (shared memory)
-DEFAULT_ROPE_THETA = 10000.0
-
-
-@dataclass(frozen=True)
-class DrafterShape:
-    """The drafter's own attention shape and RoPE (the hidden size always follows the target).
-
-    0 means "derive from the target" (`derive_shape`): head dim min(target's, 128), the target's
-    query and KV widths kept (heads scaled by target head dim / head dim), plain RoPE with the
-    target's base frequency. Partial rotary and M-RoPE of the target are never copied.
-    """
-
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    rope_theta: float = 0.0
-
-
-def target_rope_theta(target_config: Any) -> float:
-    """The target's RoPE base frequency (transformers 5 `rope_parameters` or a top-level `rope_theta`)."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    rope = getattr(text, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    return float(theta or getattr(text, "rope_theta", None) or DEFAULT_ROPE_THETA)
-
-
-def derive_shape(target_config: Any, wanted: DrafterShape = DrafterShape()) -> DrafterShape:
-    """Fill the zero fields of `wanted` from the target (see DrafterShape); checks the result."""
-    heads = target_config.num_attention_heads
-    target_head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-    head_dim = wanted.head_dim or min(target_head_dim, MAX_HEAD_DIM)
-    scale = target_head_dim / head_dim
-    shape = DrafterShape(
-        num_attention_heads=wanted.num_attention_heads or max(1, round(heads * scale)),
-        num_key_value_heads=wanted.num_key_value_heads or max(1, round(target_config.num_key_value_heads * scale)),
-        head_dim=head_dim, rope_theta=wanted.rope_theta or target_rope_theta(target_config))
-    if shape.num_attention_heads % shape.num_key_value_heads:
-        raise ValueError(f"drafter.num_attention_heads ({shape.num_attention_heads}) must be a multiple of "
-                         f"drafter.num_key_value_heads ({shape.num_key_value_heads})")
-    if shape.head_dim % 2:
-        raise ValueError(f"drafter.head_dim must be even (RoPE rotates pairs), got {shape.head_dim}")
-    return shape
-
-
-def profile_shape(drafter_section: Any) -> DrafterShape:
-    """The profile's `[drafter]` shape keys (0 = derive from the target)."""
-    return DrafterShape(num_attention_heads=drafter_section.num_attention_heads,
-                        num_key_value_heads=drafter_section.num_key_value_heads,
-                        head_dim=drafter_section.head_dim, rope_theta=drafter_section.rope_theta)
 
 
 def drafter_config(target_config: Any, *, num_layers: int, block_size: int,

@@ -7,7 +7,8 @@ allocates through torch is modelled as
 
 * intercept = static memory + one logits chunk. Static: the target's weights in model.dtype
   (embedding, lm_head and the layers up to the deepest tap: the trainer drops the rest), and
-  the drafter's trainable parameters in float32 (mixed precision: master weights and gradients,
+  the drafter's trainable parameters in float32 (its layers take the target's hidden and MLP
+  widths and their own attention shape, `dflash.drafter.shape`; mixed precision: master weights and gradients,
   8 bytes per parameter, plus autocast's bf16 weight copies) and the two float32 AdamW states
   (8 bytes per parameter) -- all of them on every rank with `train.optimizer_sharding = "none"`,
   only this rank's shard with "zero1" (ZeroRedundancyOptimizer: parameters are assigned whole,
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape, target_rope_theta
 from dflash.drafter.taps import default_target_layer_ids
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
@@ -81,6 +83,7 @@ class TargetShape:
     param_count: int = 0            # 0: computed from the dimensions
     source: str = "defaults"
     linear_value_dim: int = 0       # Gated DeltaNet value heads x head dim (hybrid targets; 0: none)
+    rope_theta: float = 0.0         # RoPE base (a derived drafter shape takes it; 0: the default)
 
     @property
     def q_dim(self) -> int:
@@ -94,6 +97,12 @@ class TargetShape:
         attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim) + 2 * self.head_dim
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
+    def attention_config(self) -> dict[str, Any]:
+        """The attention keys of the target's config.json: what `derive_shape` reads."""
+        return {"hidden_size": self.hidden, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                **({"rope_theta": self.rope_theta} if self.rope_theta else {})}
+
     def total_params(self) -> int:
         if self.param_count:
             return self.param_count
@@ -104,11 +113,12 @@ class TargetShape:
 # Qwen3.6-27B-like: hidden 5120, 64 layers, GQA 24/4 heads of 256, 248K vocabulary, 27B parameters.
 QWEN36_27B_LIKE = TargetShape(hidden=5120, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
                               intermediate=17408, vocab=248320, param_count=27_000_000_000,
-                              source="Qwen3.6-27B-like defaults", linear_value_dim=48 * 128)
+                              source="Qwen3.6-27B-like defaults", linear_value_dim=48 * 128,
+                              rope_theta=10_000_000.0)
 # SmolLM2-135M-Instruct (the builtin target) before its first conversion exists on disk.
 SMOLLM2_135M = TargetShape(hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                            intermediate=1536, vocab=49152, tie_embeddings=True,
-                           source="SmolLM2-135M defaults")
+                           source="SmolLM2-135M defaults", rope_theta=100_000.0)
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,7 @@ class Workload:
     target: TargetShape
     dtype: str
     drafter_layers: int
+    drafter_shape: DrafterShape         # the drafter's own attention (derived: no zero field)
     block_size: int
     num_anchors: int
     max_length: int
@@ -260,7 +271,8 @@ def shape_from_config(config: Mapping[str, Any], source: str, param_count: int =
             head_dim=int(text.get("head_dim") or hidden // heads),
             intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
             tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            param_count=param_count, source=source, linear_value_dim=_linear_value_dim(text))
+            param_count=param_count, source=source, linear_value_dim=_linear_value_dim(text),
+            rope_theta=target_rope_theta(text))
     except KeyError as error:
         raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
 
@@ -315,6 +327,7 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
     taps = profile.drafter.target_layer_ids or tuple(default_target_layer_ids(shape.num_layers, profile.drafter.num_layers))
     chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
+                    drafter_shape=derive_shape(shape.attention_config(), profile_shape(profile.drafter)),
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
                     max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
                     optimizer_shards=optimizer_shards(profile, world_size))
@@ -323,19 +336,23 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
 # --- the analytic estimate ----------------------------------------------------------------
 
 def drafter_params(workload: Workload) -> int:
-    """Draft layers shaped like the target's, the fc over the concatenated taps, two norms."""
-    shape = workload.target
-    fc = len(workload.tap_layers) * shape.hidden * shape.hidden
-    return workload.drafter_layers * shape.layer_params() + fc + 2 * shape.hidden
+    """Draft layers (the target's hidden and MLP widths, the drafter's own attention), the fc over
+    the concatenated taps, two norms."""
+    return sum(drafter_param_sizes(workload))
+
+
+def drafter_layer_sizes(workload: Workload) -> list[int]:
+    """Element counts of one draft layer's tensors: q/k/v/o, the MLP, q/k norms, two RMSNorms."""
+    s, own = workload.target, workload.drafter_shape
+    return [s.hidden * own.q_dim, s.hidden * own.kv_dim, s.hidden * own.kv_dim, own.q_dim * s.hidden,
+            *([s.hidden * s.intermediate] * 3), own.head_dim, own.head_dim, s.hidden, s.hidden]
 
 
 def drafter_param_sizes(workload: Workload) -> list[int]:
     """Element counts of the drafter's trainable tensors (as `drafter_params` sums them)."""
     s = workload.target
-    layer = [s.hidden * s.q_dim, s.hidden * s.kv_dim, s.hidden * s.kv_dim, s.q_dim * s.hidden,
-             *([s.hidden * s.intermediate] * 3), s.head_dim, s.head_dim, s.hidden, s.hidden]
     fc = len(workload.tap_layers) * s.hidden * s.hidden
-    return layer * workload.drafter_layers + [fc, s.hidden, s.hidden]
+    return drafter_layer_sizes(workload) * workload.drafter_layers + [fc, s.hidden, s.hidden]
 
 
 def zero_shard_sizes(sizes: list[int], shards: int) -> list[int]:
@@ -430,18 +447,19 @@ def _context_bytes(workload: Workload) -> int:
 
 
 def _layer_key_bytes(workload: Workload) -> int:
-    """Per layer over context + block keys: k/v projections' input copies, k_norm, k and v for attention."""
-    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    """Per layer over context + block keys: k/v projections' input copies, k_norm, k and v for attention
+    (the drafter's KV width)."""
+    s, kv_dim, lo, f = workload.target, workload.drafter_shape.kv_dim, _low_bytes(workload), FP32_BYTES
     keys = workload.max_length + workload.block_tokens
-    return keys * (2 * s.hidden * lo + s.kv_dim * (f + lo) + 2 * s.kv_dim * lo)
+    return keys * (2 * s.hidden * lo + kv_dim * (f + lo) + 2 * kv_dim * lo)
 
 
 def _layer_block_bytes(workload: Workload) -> int:
     """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
-    post-attention norm, the MLP's two input copies and four intermediates."""
-    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    post-attention norm, the MLP's two input copies and four intermediates (the drafter's query width)."""
+    s, q_dim, lo, f = workload.target, workload.drafter_shape.q_dim, _low_bytes(workload), FP32_BYTES
     norms = 2 * s.hidden * (f + lo)
-    attention = s.hidden * lo + s.q_dim * (f + lo + lo) + 2 * s.q_dim * lo
+    attention = s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
     mlp = 2 * s.hidden * lo + 4 * s.intermediate * lo
     return workload.block_tokens * (norms + attention + mlp)
 

@@ -13,8 +13,10 @@ label counted):
 1. target taps: the frozen target in `model.dtype`, built from its config with transformers' own
    classes (the flagship is Qwen3.5's `Qwen3_5ForCausalLM`, hybrid Gated DeltaNet / gated full
    attention), truncated after the deepest tap, `extract_taps` under no_grad;
-2. the drafter (`DFlashDrafter`, float32 parameters) over every block, under bf16 autocast as on
-   CUDA when `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`, checkpointed);
+2. the drafter (`DFlashDrafter`, float32 parameters, the profile's own attention shape through
+   `dflash.drafter.shape.profile_shape`, as the trainer builds it) over every block, under bf16
+   autocast as on CUDA when `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`,
+   checkpointed);
 3. backward, gradient clipping, and AdamW (foreach, as on CUDA) over ONE rank's ZeRO-1 shard
    (the largest: ZeroRedundancyOptimizer's partition, largest tensor first to the least-loaded
    rank), with its states already allocated (a step after the first).
@@ -247,14 +249,17 @@ def worst_case_inputs(workload: memory.Workload, micro_batch: int, vocab: int) -
                       labels=torch.randint(0, vocab, (rows,)), weights=torch.ones(rows))
 
 
-def drafter_for(target: Any, workload: memory.Workload, mask_token_id: int = 0) -> Any:
-    """The profile's drafter (float32 parameters, as the trainer builds it), attached to the target."""
+def drafter_for(target: Any, workload: memory.Workload, profile: Profile, mask_token_id: int = 0) -> Any:
+    """The profile's drafter (float32 parameters, its own attention shape from the profile, derived
+    from the target config where 0: as the trainer builds it), attached to the target."""
     import torch
 
     from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.shape import profile_shape
 
     config = drafter_config(target.config, num_layers=workload.drafter_layers, block_size=workload.block_size,
-                            target_layer_ids=list(workload.tap_layers), mask_token_id=mask_token_id)
+                            target_layer_ids=list(workload.tap_layers), mask_token_id=mask_token_id,
+                            shape=profile_shape(profile.drafter))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)          # fake tensors cannot be converted after construction
     try:
@@ -287,17 +292,18 @@ def sharded_optimizer(drafter: Any, workload: memory.Workload) -> Any:
     return optimizer
 
 
-def trace_attend(workload: memory.Workload, anchors: Any, dtype: Any) -> Any:
+def trace_attend(workload: memory.Workload, drafter: Any, anchors: Any, dtype: Any) -> Any:
     """The block attention with flex's memory: SDPA over the layout's mask, made here (outside the
     tracker: flex's BlockMask is a few KiB) as an additive mask in the attention's `dtype` (a boolean
     one would be converted, and saved, inside every call), query heads grouped per KV head instead
-    of K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not)."""
+    of K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not).
+    The groups are those of the built drafter's attention (`drafter.config`), not the model's."""
     import torch
     import torch.nn.functional as F
 
     from dflash.drafter.attention import BlockLayout
 
-    groups = workload.target.num_heads // workload.target.num_kv_heads
+    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
     visible = BlockLayout(anchors, workload.max_length, workload.block_size).dense_mask().repeat(1, 1, groups, 1)
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
@@ -369,7 +375,7 @@ def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_t
     config = config if config is not None else target_config(profile)
     workload = workload_for_config(profile, config)
     with FakeTensorMode():
-        parts = _build(config, workload, micro_batch, autocast_wanted(profile))
+        parts = _build(config, workload, profile, micro_batch)
         tracker = phase_tracker()
         tracker.track_external(parts.target, parts.drafter, parts.optimizer)
         with tracker:
@@ -391,15 +397,16 @@ def workload_for_config(profile: Profile, config: Any) -> memory.Workload:
     return memory.workload_from_profile(profile, shape)
 
 
-def _build(config: Any, workload: memory.Workload, micro_batch: int, autocast: bool) -> _Model:
+def _build(config: Any, workload: memory.Workload, profile: Profile, micro_batch: int) -> _Model:
     import torch
 
+    autocast = autocast_wanted(profile)
     target = build_target(truncated_config(config, workload.loaded_target_layers), getattr(torch, workload.dtype))
-    drafter = drafter_for(target, workload)
+    drafter = drafter_for(target, workload, profile)
     inputs = worst_case_inputs(workload, micro_batch, config.vocab_size)
     attention_dtype = torch.bfloat16 if autocast else torch.float32
     return _Model(target=target, drafter=drafter, optimizer=sharded_optimizer(drafter, workload), inputs=inputs,
-                  attend=trace_attend(workload, inputs.anchors, attention_dtype))
+                  attend=trace_attend(workload, drafter, inputs.anchors, attention_dtype))
 
 
 def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: Profile,

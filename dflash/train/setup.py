@@ -101,7 +101,8 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
 def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
-    from dflash.drafter.model import drafter_config, init_from_target, profile_shape
+    from dflash.drafter.model import drafter_config, init_from_target
+    from dflash.drafter.shape import profile_shape
 
     if profile.drafter.draft_vocab_size and not draft_vocab:
         raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "

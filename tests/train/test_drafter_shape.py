@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash.drafter.model import DFlashDrafter, DrafterShape, derive_shape, drafter_config, profile_shape
+from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
+from launcher_core.errors import ConfigError
 
 
 def wide_target_config() -> Qwen3Config:
@@ -27,8 +29,26 @@ def test_head_dim_is_capped_at_128_keeping_the_targets_query_and_kv_widths():
 def test_profile_values_override_the_derived_shape_and_are_checked():
     assert derive_shape(wide_target_config(), DrafterShape(32, 8, 128)) == DrafterShape(32, 8, 128, 1e7)
     assert derive_shape(wide_target_config(), DrafterShape(rope_theta=5e5)).rope_theta == 5e5
-    with pytest.raises(ValueError, match="multiple of"):
+    with pytest.raises(ConfigError, match="multiple of"):
         derive_shape(wide_target_config(), DrafterShape(num_attention_heads=10, num_key_value_heads=4))
+
+
+def test_a_config_json_mapping_gives_the_shape_of_the_config_object():
+    """The memory model reads config.json as a dict (multimodal: a nested text_config)."""
+    document = {"model_type": "qwen3_5", "text_config": wide_target_config().to_dict()}
+    assert derive_shape(document) == derive_shape(wide_target_config())
+    assert derive_shape(document, DrafterShape(32, 8, 128)) == DrafterShape(32, 8, 128, 1e7)
+    top_level_theta = {"hidden_size": 96, "num_attention_heads": 6, "rope_theta": 5e5}
+    assert derive_shape(top_level_theta) == DrafterShape(6, 6, 16, 5e5)      # no KV heads: as many as queries
+
+
+def test_the_shape_module_imports_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, dflash.drafter.shape; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_flagship_profile_asks_for_32_heads_of_128_with_8_kv_heads():
