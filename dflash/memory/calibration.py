@@ -149,21 +149,10 @@ def keep_one_optimizer_shard(state: TrainState, profile: Profile, shards: int) -
 
     from dflash.train.optim import cosine_schedule
 
-    owned = fullest_shard([p for p in state.drafter.parameters() if p.requires_grad], shards)
+    owned = memory.fullest_zero1_shard([p for p in state.drafter.parameters() if p.requires_grad], shards)
     state.optimizer = torch.optim.AdamW(owned, lr=profile.train.lr, weight_decay=profile.train.weight_decay)
     state.scheduler = cosine_schedule(state.optimizer, state.total_steps, profile.train.warmup_ratio)
     return sum(p.numel() for p in owned)
-
-
-def fullest_shard(params: Sequence[Any], shards: int) -> list[Any]:
-    """ZeroRedundancyOptimizer's partition (largest tensor first, to the least-loaded rank): the
-    parameters of the rank that holds the most."""
-    loads, owned = [0] * shards, [[] for _ in range(shards)]
-    for param in sorted(params, key=lambda p: p.numel(), reverse=True):
-        rank = loads.index(min(loads))
-        loads[rank] += param.numel()
-        owned[rank].append(param)
-    return owned[loads.index(max(loads))]
 
 
 # --- steps and measurements ---------------------------------------------------------------

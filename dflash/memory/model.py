@@ -48,7 +48,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape, target_rope_theta
 from dflash.drafter.taps import default_target_layer_ids
@@ -355,13 +355,28 @@ def drafter_param_sizes(workload: Workload) -> list[int]:
     return drafter_layer_sizes(workload) * workload.drafter_layers + [fc, s.hidden, s.hidden]
 
 
-def zero_shard_sizes(sizes: list[int], shards: int) -> list[int]:
+def zero1_partition(sizes: Sequence[int], shards: int) -> list[list[int]]:
     """ZeroRedundancyOptimizer's partition: largest tensor first, each to the least-loaded rank
-    (the first such rank on a tie). Returns the parameters per rank."""
-    loads = [0] * shards
-    for size in sorted(sizes, reverse=True):
-        loads[loads.index(min(loads))] += size
-    return loads
+    (the first such rank on a tie). Returns the indices of `sizes` each rank holds."""
+    loads, owned = [0] * shards, [[] for _ in range(shards)]
+    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += sizes[index]
+        owned[rank].append(index)
+    return owned
+
+
+def zero_shard_sizes(sizes: Sequence[int], shards: int) -> list[int]:
+    """The parameters per rank of the ZeRO-1 partition."""
+    return [sum(sizes[i] for i in indices) for indices in zero1_partition(sizes, shards)]
+
+
+def fullest_zero1_shard(params: Sequence[Any], shards: int) -> list[Any]:
+    """The parameters (anything with `numel()`) that the ZeRO-1 partition gives its fullest rank."""
+    sizes = [p.numel() for p in params]
+    owned = zero1_partition(sizes, shards)
+    fullest = max(owned, key=lambda indices: sum(sizes[i] for i in indices))
+    return [params[i] for i in fullest]
 
 
 def largest_shard_params(workload: Workload) -> int:

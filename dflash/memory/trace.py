@@ -268,22 +268,12 @@ def drafter_for(target: Any, workload: memory.Workload, profile: Profile, mask_t
         torch.set_default_dtype(previous)
 
 
-def largest_zero1_shard(params: Sequence[Any], shards: int) -> list[Any]:
-    """The parameters ZeroRedundancyOptimizer gives its fullest rank (largest first, least-loaded rank)."""
-    loads, owned = [0] * shards, [[] for _ in range(shards)]
-    for param in sorted(params, key=lambda p: p.numel(), reverse=True):
-        rank = loads.index(min(loads))
-        loads[rank] += param.numel()
-        owned[rank].append(param)
-    return owned[loads.index(max(loads))]
-
-
 def sharded_optimizer(drafter: Any, workload: memory.Workload) -> Any:
     """AdamW (foreach, as on CUDA) over this rank's shard, its states allocated as after a first step."""
     import torch
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    shard = largest_zero1_shard(params, workload.optimizer_shards) if workload.optimizer_shards > 1 else params
+    shard = memory.fullest_zero1_shard(params, workload.optimizer_shards) if workload.optimizer_shards > 1 else params
     optimizer = torch.optim.AdamW(shard, lr=1e-4, foreach=True)
     for param in shard:
         param.grad = torch.zeros_like(param)

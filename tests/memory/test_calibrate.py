@@ -111,7 +111,7 @@ def test_fullest_shard_is_the_partition_the_memory_model_counts():
     import torch
 
     from dflash.memory import model as memory
-    from dflash.memory.calibration import fullest_shard
+    from dflash.memory.model import fullest_zero1_shard as fullest_shard
 
     sizes = [7, 3, 3, 2, 9, 1, 1, 5]
     params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]

@@ -53,11 +53,11 @@ def test_peak_deciding_layers_keep_taps_and_the_last_layer_of_each_type_with_its
     assert layers == [1, 16, 31, 46, 58, 59, 60, 61]      # full: 59 (input 58); linear: 61 (input 60)
 
 
-def test_largest_zero1_shard_is_the_fullest_rank_of_the_greedy_partition():
+def test_fullest_zero1_shard_is_the_fullest_rank_of_the_greedy_partition():
     import torch
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 7, 5, 4, 1)]
-    shard = trace.largest_zero1_shard(params, 2)
+    shard = memory.fullest_zero1_shard(params, 2)
     assert sorted(p.numel() for p in shard) == [4, 10]       # 10 | 7 -> 5 on rank 1 (12), 4 on rank 0 (14), 1 on rank 1
     assert sum(p.numel() for p in shard) == max(memory.zero_shard_sizes([10, 7, 5, 4, 1], 2))
 
