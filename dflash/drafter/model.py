@@ -231,10 +231,36 @@ def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def target_source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
-    """The target layers the drafter's layers start from: those right after the deepest tap."""
+def target_source_layers(drafter: DFlashDrafter, num_target_layers: int, target_config: Any = None) -> list[int]:
+    """The target layers the drafter's layers start from: those right after the deepest tap.
+
+    With `target_config`, every source must be a plain softmax-attention layer the drafter's layer
+    can hold: a linear-attention (Gated DeltaNet) layer of a hybrid target such as Qwen3.5/3.6 has
+    no q/k/v/o projections, and a gated full-attention layer (`attn_output_gate`, q_proj holding
+    queries and gates, (1 + weight) RMSNorms) has weights that mean something else in the drafter.
+    Such a target is refused (ValueError) rather than half copied.
+    """
     first = max(drafter.target_layer_ids) + 1
-    return [min(first + i, num_target_layers - 1) for i in range(len(drafter.layers))]
+    sources = [min(first + i, num_target_layers - 1) for i in range(len(drafter.layers))]
+    if target_config is not None:
+        _refuse_unholdable_sources(sources, target_config)
+    return sources
+
+
+def _refuse_unholdable_sources(sources: list[int], target_config: Any) -> None:
+    from dflash.models import layer_types
+
+    kinds = layer_types(target_config)
+    linear = [s for s in sources if s < len(kinds) and kinds[s] != "full_attention"]
+    if linear:
+        raise ValueError(f"drafter.init = \"target\": the draft layers would start as target layers {sources}, and "
+                         f"{linear} are {kinds[linear[0]]} (Gated DeltaNet) layers, which have no attention weights "
+                         f"a drafter layer can hold; use drafter.init = \"random\" (the default)")
+    text = getattr(target_config, "text_config", None) or target_config
+    if getattr(text, "attn_output_gate", False):
+        raise ValueError(f"drafter.init = \"target\": target layers {sources} use gated attention "
+                         f"(attn_output_gate: q_proj holds queries and gates) and (1 + weight) norms, which do "
+                         f"not mean the same in a drafter layer; use drafter.init = \"random\" (the default)")
 
 
 @torch.no_grad()
@@ -245,7 +271,8 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     match (q/k/v/o, MLP, norms; q_norm/k_norm too where the target has them). fc starts as the mean
     of the tap features, hidden_norm as the first source layer's input norm (so the context's keys
     and values are what that target layer would compute from the deepest tap), and the final norm
-    as the target's final norm times `norm_scale`. The target must still have all its layers.
+    as the target's final norm times `norm_scale`. The target must still have all its layers, and
+    the source layers must be plain softmax attention (`target_source_layers` refuses the others).
     """
     from dflash.drafter.taps import decoder_layers
 
@@ -254,7 +281,7 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     if len(target_layers) != expected:
         raise ValueError(f"drafter.init = \"target\" needs all {expected} target layers, the loaded target "
                          f"has {len(target_layers)} (initialise the drafter before truncating the target)")
-    sources = target_source_layers(drafter, expected)
+    sources = target_source_layers(drafter, expected, getattr(target, "config", None))
     for layer, source in zip(drafter.layers, sources):
         own = layer.state_dict()
         matched = {name: value for name, value in target_layers[source].state_dict().items()
