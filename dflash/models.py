@@ -227,6 +227,17 @@ def layer_types(config) -> list[str]:
     return list(kinds) if kinds else ["full_attention"] * int(count)
 
 
+GATED_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def attention_is_gated(config) -> bool:
+    """Qwen3.5/3.6 (and Qwen3-Next) full attention multiplies its output by a sigmoid gate: their
+    transformers classes always do; config.json says `attn_output_gate`."""
+    text = text_config_dict(config) if isinstance(config, dict) else (getattr(config, "text_config", None) or config)
+    read = text.get if isinstance(text, dict) else (lambda key, default=None: getattr(text, key, default))
+    return bool(read("attn_output_gate", False)) or read("model_type", "") in GATED_ATTENTION_MODEL_TYPES
+
+
 def linear_attention_layers(config) -> list[int]:
     """Indices of the linear-attention (Gated DeltaNet) layers: they keep a recurrent and a conv
     state instead of a KV cache."""

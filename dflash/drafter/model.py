@@ -234,33 +234,17 @@ def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def target_source_layers(drafter: DFlashDrafter, num_target_layers: int, target_config: Any = None) -> list[int]:
     """The target layers the drafter's layers start from: those right after the deepest tap.
 
-    With `target_config`, every source must be a plain softmax-attention layer the drafter's layer
-    can hold: a linear-attention (Gated DeltaNet) layer of a hybrid target such as Qwen3.5/3.6 has
-    no q/k/v/o projections, and a gated full-attention layer (`attn_output_gate`, q_proj holding
-    queries and gates, (1 + weight) RMSNorms) has weights that mean something else in the drafter.
-    Such a target is refused (ValueError) rather than half copied.
+    With `target_config`, every source must be a plain softmax-attention layer a draft layer can
+    hold (`taps.unholdable_sources`: not the Gated DeltaNet or gated attention layers of a
+    Qwen3.5/3.6 target); otherwise ValueError rather than a half-copied drafter.
     """
-    first = max(drafter.target_layer_ids) + 1
-    sources = [min(first + i, num_target_layers - 1) for i in range(len(drafter.layers))]
-    if target_config is not None:
-        _refuse_unholdable_sources(sources, target_config)
+    from dflash.drafter.taps import source_layer_ids, unholdable_sources
+
+    sources = source_layer_ids(drafter.target_layer_ids, len(drafter.layers), num_target_layers)
+    problem = unholdable_sources(sources, target_config) if target_config is not None else ""
+    if problem:
+        raise ValueError(f"drafter.init = \"target\": {problem}")
     return sources
-
-
-def _refuse_unholdable_sources(sources: list[int], target_config: Any) -> None:
-    from dflash.models import layer_types
-
-    kinds = layer_types(target_config)
-    linear = [s for s in sources if s < len(kinds) and kinds[s] != "full_attention"]
-    if linear:
-        raise ValueError(f"drafter.init = \"target\": the draft layers would start as target layers {sources}, and "
-                         f"{linear} are {kinds[linear[0]]} (Gated DeltaNet) layers, which have no attention weights "
-                         f"a drafter layer can hold; use drafter.init = \"random\" (the default)")
-    text = getattr(target_config, "text_config", None) or target_config
-    if getattr(text, "attn_output_gate", False):
-        raise ValueError(f"drafter.init = \"target\": target layers {sources} use gated attention "
-                         f"(attn_output_gate: q_proj holds queries and gates) and (1 + weight) norms, which do "
-                         f"not mean the same in a drafter layer; use drafter.init = \"random\" (the default)")
 
 
 @torch.no_grad()
