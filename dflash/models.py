@@ -252,18 +252,21 @@ def load_target(path: str | Path, device: "str | object" = "cpu", dtype: str = "
 
     `device_map` places every weight on the device as it is read from the safetensors files, so a
     rank never holds a full host copy (8 ranks x ~54 GB for Qwen3.6-27B otherwise). A Qwen3.5/3.6
-    checkpoint loads as the text-only causal LM (vision tower and MTP head skipped). Decoder
-    layers past `keep_layers` are dropped (the trainer never runs them).
+    checkpoint loads as the text-only causal LM (vision tower and MTP head skipped). The config
+    is passed explicitly: transformers 5.6 otherwise drops `dtype` for such a composite checkpoint
+    (the text model then loads in the checkpoint's dtype). Decoder layers past `keep_layers` are
+    dropped (the trainer never runs them).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.compat import check_transformers
 
     check_transformers()
     device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=getattr(torch, dtype), device_map=str(device),
-                                                 local_files_only=True)
+    config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
+                                                 device_map=str(device), local_files_only=True)
     model.eval().requires_grad_(False)
     if keep_layers is not None:
         model.model.layers = model.model.layers[:keep_layers]

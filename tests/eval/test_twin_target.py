@@ -52,7 +52,9 @@ def test_twin_has_the_flagship_architecture(flagship_twin_target, twin_model):
 
 
 def test_load_target_places_weights_through_device_map(flagship_twin_target, monkeypatch):
-    """Straight onto the device: `device_map`, never `from_pretrained(...).to(device)`."""
+    """Straight onto the device: `device_map`, never `from_pretrained(...).to(device)`; every
+    weight in the asked dtype (transformers 5.6 drops `dtype` for a composite checkpoint unless
+    the config is passed)."""
     from transformers import AutoModelForCausalLM
 
     from dflash.models import load_target
