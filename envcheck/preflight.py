@@ -46,13 +46,16 @@ def live_snapshot(profile: Profile, cuda_probe: bool = False) -> Snapshot:
 
 def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = None, *,
           use_saved_baseline: bool = True) -> list[Finding]:
-    """Run every check. Without an explicit baseline, the profile's saved one for the snapshot's host."""
+    """Run every check. Without an explicit baseline, the profile's saved one for the snapshot's host.
+    The target's facts come from its config.json (envcheck.target), read here."""
     from envcheck.baseline import load_baseline
+    from envcheck.target import read_target_architecture
 
     if baseline is None and use_saved_baseline:
         baseline = load_baseline(profile.name, snapshot.hostname or None)
     context = CheckInput(snapshot=snapshot, profile=profile, baseline=baseline,
-                         pins=read_profile_pins(profile), pins_file=profile.machine.requirements)
+                         pins=read_profile_pins(profile), pins_file=profile.machine.requirements,
+                         target=read_target_architecture(profile))
     return run_checks(context)
 
 

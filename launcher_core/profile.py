@@ -56,6 +56,15 @@ def load_profile(name_or_path: str, directory: Path | None = None) -> Profile:
     return _build(Profile, merged, origin, prefix="", name=path.stem)
 
 
+def key_origins(name_or_path: str, directory: Path | None = None) -> tuple[Path, dict[str, Path]]:
+    """(the profile's own file, dotted key -> the file along its `extends` chain that sets it).
+
+    For messages about a resolved profile: a key no file sets is the profile's own file's to set."""
+    path = profile_path(name_or_path, directory)
+    _, origin = _resolve_chain(path, directory or path.parent, seen=())
+    return path, origin
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as handle:

@@ -56,3 +56,13 @@ def smollm2_dir() -> Path:
     from dflash.models import smollm2_dir
 
     return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def flagship_twin_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    """A random-weight model of the flagship's architecture (Qwen3.5/3.6: Gated DeltaNet + gated
+    attention every 4th layer, partial rotary, M-RoPE, vision tower, MTP weights, 248,320 rows)
+    with the real Qwen3 tokenizer, on disk (`dflash.models.build_flagship_twin`)."""
+    from dflash.models import build_flagship_twin
+
+    return build_flagship_twin(tmp_path_factory.mktemp("targets") / "flagship-twin", qwen3_tokenizer_dir)

@@ -25,10 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
     from dflash.train.launch import build_torchrun_command, describe_command, run_training
+    from dflash.train.launch_checks import validate_profile_for_launch
     from launcher_core.profile import expand_path
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)
+    validate_profile_for_launch(profile, source=args.profile)
     inputs = read_inputs(profile, args.snapshot, args.baseline)
     plan = plan_for_launch(profile, inputs)
     print(describe(plan, inputs), flush=True)

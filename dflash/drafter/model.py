@@ -236,10 +236,20 @@ def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def target_source_layers(drafter: DFlashDrafter, num_target_layers: int) -> list[int]:
-    """The target layers the drafter's layers start from: those right after the deepest tap."""
-    first = max(drafter.target_layer_ids) + 1
-    return [min(first + i, num_target_layers - 1) for i in range(len(drafter.layers))]
+def target_source_layers(drafter: DFlashDrafter, num_target_layers: int, target_config: Any = None) -> list[int]:
+    """The target layers the drafter's layers start from: those right after the deepest tap.
+
+    With `target_config`, every source must be a plain softmax-attention layer a draft layer can
+    hold (`taps.unholdable_sources`: not the Gated DeltaNet or gated attention layers of a
+    Qwen3.5/3.6 target); otherwise ValueError rather than a half-copied drafter.
+    """
+    from dflash.drafter.taps import source_layer_ids, unholdable_sources
+
+    sources = source_layer_ids(drafter.target_layer_ids, len(drafter.layers), num_target_layers)
+    problem = unholdable_sources(sources, target_config) if target_config is not None else ""
+    if problem:
+        raise ValueError(f"drafter.init = \"target\": {problem}")
+    return sources
 
 
 @torch.no_grad()
@@ -250,7 +260,8 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     match (q/k/v/o, MLP, norms; q_norm/k_norm too where the target has them). fc starts as the mean
     of the tap features, hidden_norm as the first source layer's input norm (so the context's keys
     and values are what that target layer would compute from the deepest tap), and the final norm
-    as the target's final norm times `norm_scale`. The target must still have all its layers.
+    as the target's final norm times `norm_scale`. The target must still have all its layers, and
+    the source layers must be plain softmax attention (`target_source_layers` refuses the others).
     """
     from dflash.drafter.taps import decoder_layers
 
@@ -259,7 +270,7 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     if len(target_layers) != expected:
         raise ValueError(f"drafter.init = \"target\" needs all {expected} target layers, the loaded target "
                          f"has {len(target_layers)} (initialise the drafter before truncating the target)")
-    sources = target_source_layers(drafter, expected)
+    sources = target_source_layers(drafter, expected, getattr(target, "config", None))
     for layer, source in zip(drafter.layers, sources):
         own = layer.state_dict()
         matched = {name: value for name, value in target_layers[source].state_dict().items()

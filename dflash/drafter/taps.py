@@ -26,6 +26,35 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * (n - 4) / (count - 1)) for i in range(count)]
 
 
+def source_layer_ids(layer_ids: Sequence[int], num_draft_layers: int, num_target_layers: int) -> list[int]:
+    """`drafter.init = "target"`: draft layer i starts as target layer (deepest tap + 1 + i), clipped."""
+    first = max(layer_ids) + 1
+    return [min(first + i, num_target_layers - 1) for i in range(num_draft_layers)]
+
+
+def unholdable_sources(sources: Sequence[int], target_config: Any) -> str:
+    """Why the draft layers cannot start as these target layers ("" when they can).
+
+    A draft layer holds plain softmax attention. A linear-attention (Gated DeltaNet) layer of a
+    hybrid target such as Qwen3.5/3.6 has no q/k/v/o projections at all; a gated full-attention
+    layer (`attn_output_gate`: q_proj holds queries and gates, (1 + weight) RMSNorms) has weights
+    that mean something else in a draft layer. `target_config` is a config object or config.json.
+    """
+    from dflash.models import attention_is_gated, layer_types
+
+    kinds = layer_types(target_config)
+    linear = [s for s in sources if s < len(kinds) and kinds[s] != "full_attention"]
+    if linear:
+        return (f"the draft layers would start as target layers {list(sources)}, and {linear} are "
+                f"{kinds[linear[0]]} (Gated DeltaNet) layers, which have no attention weights a draft layer "
+                f"can hold; use drafter.init = \"random\" (the default)")
+    if attention_is_gated(target_config):
+        return (f"target layers {list(sources)} use gated attention (attn_output_gate: q_proj holds queries "
+                f"and gates) and (1 + weight) norms, which do not mean the same in a draft layer; use "
+                f"drafter.init = \"random\" (the default)")
+    return ""
+
+
 def decoder_layers(model: Any) -> Sequence[Any]:
     """The decoder layer list of a transformers causal LM (`model.model.layers`)."""
     base = getattr(model, "model", model)

@@ -54,16 +54,17 @@ def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
 
 
 def load_target(profile: Profile) -> tuple[Any, Any, Path]:
+    """The target (straight onto the GPU on a CUDA profile), its tokenizer and its directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from dflash.models import load_target as load_model
     from dflash.models import resolve_model_path
 
     path = resolve_model_path(profile.model.target)
     tokenizer_path = resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else path
     device = "cuda" if profile.machine.device == "cuda" and torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, profile.model.dtype),
-                                                 local_files_only=True).to(device).eval()
+    model = load_model(path, device=device, dtype=profile.model.dtype)
     return model, AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True), path
 
 

@@ -1,9 +1,10 @@
 """Speculative decoding: a drafter proposes a block, the target verifies it in one forward.
 
 Each step drafts up to `block_size - 1` tokens after the anchor (the last committed token, not yet
-seen by the target), feeds `[anchor, d1, ..., dk]` to the target in ONE KV-cached forward, commits
-the longest accepted prefix plus one token from the target (the bonus token), and crops the KV
-cache back to the committed length. tau (acceptance length) of a step = accepted + 1, so a
+seen by the target), feeds `[anchor, d1, ..., dk]` to the target in ONE cached forward, commits
+the longest accepted prefix plus one token from the target (the bonus token), and rolls the cache
+back to the committed length (`TargetVerifier.rollback`: KV cropped; the linear-attention state of
+a hybrid target such as Qwen3.5/3.6 restored from a snapshot). tau (acceptance length) of a step = accepted + 1, so a
 drafter that is always right gets tau = block_size and one that is always wrong gets tau = 1.
 
 Greedy (temperature 0): a draft token is accepted when it equals the target's argmax; the output
@@ -72,48 +73,107 @@ class VerifyOutput:
     features: Optional["torch.Tensor"] = None   # [n, L*H] tap features, when taps were asked for
 
 
+ROLLBACKS = ("snapshot", "snapshot-rerun", "reprefill")
+
+
 class TargetVerifier:
-    """The target behind a KV cache: forward a few tokens, read logits and tap features, roll back.
+    """The target behind its cache: forward a few tokens, read logits and tap features, roll back.
 
     `layer_ids` are tap layers (layer k = output of decoder layer k = HF hidden_states[k + 1]);
     None: no features (prompt lookup and target-only decoding do not need them).
+
+    Rolling back rejected draft tokens: attention layers crop their KV cache. Linear-attention
+    layers (Qwen3.5/3.6 Gated DeltaNet) hold a recurrent and a conv state that cannot be cropped;
+    the `rollback` argument chooses how they go back:
+      * "snapshot" (default): their states are copied before each verify forward and restored
+        after a rejection; the accepted tokens are fed again at the front of the next verify
+        forward (no extra forward);
+      * "snapshot-rerun": the same, but the accepted tokens are fed again at once (one extra forward);
+      * "reprefill": no snapshot; after a rejection the whole committed sequence is fed again.
+    Every mode gives the target's exact output; they differ in time (benchmarks/bench_eval_rollback.py).
     """
 
-    def __init__(self, model: Any, layer_ids: Optional[Sequence[int]] = None):
+    def __init__(self, model: Any, layer_ids: Optional[Sequence[int]] = None, rollback: str = "snapshot"):
+        from dflash.compat import check_transformers, linear_state_continues
+        from dflash.eval.target_cache import cache_keyword
+        from dflash.models import linear_attention_layers
+
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback {rollback!r}; valid: {', '.join(ROLLBACKS)}")
+        version = check_transformers()
         self.model = model
         self.layer_ids = tuple(layer_ids) if layer_ids is not None else None
         self.device = next(model.parameters()).device
+        self.rollback_mode = rollback
+        self.hybrid = bool(linear_attention_layers(model.config))
+        self.sequential_linear = self.hybrid and not linear_state_continues(version)
+        self.cache_keyword = cache_keyword(model)
         self.cache = None
+        self._cached: list[int] = []     # tokens whose state the cache holds
+        self._pending: list[int] = []    # committed tokens to feed again before the next tokens
+        self._snapshot: Optional[tuple[int, Any]] = None   # (cached length, linear states) before the last forward
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache, self._cached, self._pending, self._snapshot = None, [], [], None
 
     @property
     def length(self) -> int:
-        return 0 if self.cache is None else int(self.cache.get_seq_length())
+        """Committed positions (those in the cache and those waiting to be fed again)."""
+        return len(self._cached) + len(self._pending)
 
     def forward(self, token_ids: Sequence[int], with_features: bool = False) -> VerifyOutput:
-        """Feed `token_ids` after the cached prefix; logits (and taps) of every fed position."""
+        """Feed `token_ids` after the committed prefix; logits (and taps) of every fed position."""
+        fed = self._pending + list(token_ids)
+        logits, features = self._run(fed, with_features and self.layer_ids is not None)
+        count = len(token_ids)
+        return VerifyOutput(logits=logits[-count:], features=None if features is None else features[-count:])
+
+    def _run(self, fed: list[int], want_taps: bool) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
         import torch
 
-        start = self.length
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        want_taps = with_features and self.layer_ids is not None
+        from dflash.eval.target_cache import output_cache, sequential_linear_attention, snapshot_linear_state
+
+        start = len(self._cached)
+        keep = self.hybrid and self.cache is not None and self.rollback_mode != "reprefill"
+        ids = torch.tensor([fed], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(fed), device=self.device)[None]
+        cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
         with torch.inference_mode(), contextlib.ExitStack() as stack:
+            self._snapshot = (start, snapshot_linear_state(self.cache)) if keep else None
             capture = stack.enter_context(TapCapture(self.model, self.layer_ids)) if want_taps else None
-            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
+            stack.enter_context(sequential_linear_attention(self.model, self.sequential_linear and start > 0))
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
+        self.cache = output_cache(out) if self.cache is None else self.cache
+        self._cached, self._pending = self._cached + fed, []
         features = capture.features()[0] if capture is not None else None
-        return VerifyOutput(logits=out.logits[0].float(), features=features)
+        return out.logits[0].float(), features
 
     def rollback(self, length: int) -> None:
-        """Crop the KV cache to its first `length` positions (rejected draft tokens go)."""
+        """Forget every position from `length` on (rejected draft tokens go)."""
+        import torch
+
         extra = self.length - length
-        assert extra >= 0, f"cannot roll back to {length} from {self.length}"
-        if extra:
-            self.cache.crop(-extra)
+        assert 0 <= extra <= len(self._cached), f"cannot roll back to {length} from {self.length}"
+        if not extra:
+            return
+        with torch.inference_mode():
+            self._drop_after(length)
+        if self.rollback_mode == "snapshot-rerun" and self._pending:
+            self._run(list(self._pending), want_taps=False)
+
+    def _drop_after(self, length: int) -> None:
+        from dflash.eval.target_cache import crop_attention, restore_linear_state
+
+        if not self.hybrid:
+            crop_attention(self.cache, length)
+            self._cached = self._cached[:length]
+        elif self._snapshot is None or self._snapshot[0] > length:      # "reprefill"
+            self.cache, self._pending, self._cached = None, self._cached[:length], []
+        else:
+            start, states = self._snapshot
+            restore_linear_state(states)
+            crop_attention(self.cache, start)
+            self._cached, self._pending, self._snapshot = self._cached[:start], self._cached[start:length], None
 
 
 @dataclass

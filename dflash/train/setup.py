@@ -50,21 +50,6 @@ class TrainState:
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
 
 
-def load_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> Any:
-    """The frozen target (eval mode, no grads); layers past `keep_layers` are dropped (never run)."""
-    from transformers import AutoModelForCausalLM
-
-    from dflash.models import resolve_model_path
-
-    path = resolve_model_path(profile.model.target)
-    dtype = getattr(torch, profile.model.dtype)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
-    target.requires_grad_(False)
-    if keep_layers is not None:
-        target.model.layers = target.model.layers[:keep_layers]
-    return target
-
-
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
     """drafter.mask_token_id, else the tokenizer's mask token; it must be a row of the embedding."""
     mask_id = profile.drafter.mask_token_id
@@ -124,15 +109,23 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
     return drafter
 
 
+def load_rank_target(profile: Profile, device: torch.device) -> Any:
+    """The profile's frozen target, straight onto this rank's device (dflash.models.load_target)."""
+    from dflash.models import load_target, resolve_model_path
+
+    return load_target(resolve_model_path(profile.model.target), device, profile.model.dtype)
+
+
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,
                 planned_micro_batch: int | None = None) -> TrainState:
     """The rank's whole training state. The micro-batch starts from `planned_micro_batch` (the
     memory plan's), else train.max_micro_batch; the ranks then agree on the smallest."""
-    from dflash.drafter.loss import decay_weights, default_gamma
+    from dflash.drafter.decay import default_gamma
+    from dflash.drafter.loss import decay_weights
 
     device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
     data = TrainData(dataset_path(profile), profile, env)
-    target = load_target(profile, device)
+    target = load_rank_target(profile, device)
     num_target_layers = target.config.num_hidden_layers
     layer_ids = resolve_layer_ids(profile, num_target_layers)
     vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None

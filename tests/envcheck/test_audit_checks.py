@@ -80,6 +80,43 @@ def test_pins_list_each_difference(snapshots, rtx):
     assert "flashinfer-python: installed 0.6.8.post1, pinned 0.6.7.post3" in pins[0].message
 
 
+@pytest.fixture(scope="module")
+def rtx_on_qwen36(rtx, fixtures_dir):
+    """rtx6000-x8 with its target's config.json at hand (the recorded Qwen3.6-27B config)."""
+    target = str(fixtures_dir / "targets" / "qwen3.6-27b")
+    return dataclasses.replace(rtx, model=dataclasses.replace(rtx.model, target=target))
+
+
+def test_qwen36_target_without_linear_attention_kernels_fails_with_the_fix(snapshots, rtx_on_qwen36):
+    """A node installed from the pins of before the Qwen3.6 target (no fla, no causal-conv1d)."""
+    findings = audit(rtx_on_qwen36, snapshots["rtx6000-x8-no-linear-kernels"], use_saved_baseline=False)
+    kernels = fails(findings, "packages.linear_attention")
+    assert len(kernels) == 1
+    assert "48 of its 64 layers are linear attention (Gated DeltaNet)" in kernels[0].message
+    assert "flash-linear-attention and causal-conv1d are not installed" in kernels[0].message
+    assert "pip install flash-linear-attention==0.5.2 fla-core==0.5.2" in kernels[0].hint
+    assert "--no-build-isolation causal-conv1d==1.7.0" in kernels[0].hint and "MAX_JOBS" in kernels[0].hint
+
+
+def test_qwen36_target_with_the_kernels_installed_passes(snapshots, rtx_on_qwen36):
+    findings = audit(rtx_on_qwen36, snapshots["rtx6000-x8-baseline"], use_saved_baseline=False)
+    assert [f.status for f in findings if f.id == "packages.linear_attention"] == ["PASS"]
+    snap = copy.deepcopy(snapshots["rtx6000-x8-baseline"])
+    del snap.packages["causal-conv1d"]
+    kernels = fails(audit(rtx_on_qwen36, snap, use_saved_baseline=False), "packages.linear_attention")
+    assert "causal-conv1d is not installed" in kernels[0].message and "fla-core" not in kernels[0].hint
+
+
+def test_linear_attention_check_needs_a_hybrid_target_on_a_gpu_profile(snapshots, rtx, tiny_qwen3_target):
+    no_kernels = snapshots["rtx6000-x8-no-linear-kernels"]
+    qwen3 = dataclasses.replace(rtx, model=dataclasses.replace(rtx.model, target=str(tiny_qwen3_target)))
+    status = lambda profile: [(f.status, f.message) for f in audit(profile, no_kernels, use_saved_baseline=False)  # noqa: E731
+                              if f.id == "packages.linear_attention"][0]
+    assert status(qwen3)[0] == "PASS" and "no linear-attention layers" in status(qwen3)[1]
+    assert status(rtx)[0] == "SKIP" and "/models/Qwen3.6-27B/config.json" in status(rtx)[1]   # not on this machine
+    assert status(load_profile("flagship-twin"))[0] == "SKIP"                               # CPU profile
+
+
 def _with(snapshot: Snapshot, **changes) -> Snapshot:
     copy_ = copy.deepcopy(snapshot)
     for dotted, value in changes.items():

@@ -11,6 +11,13 @@ def tiny_qwen3_model(tiny_qwen3_target):
     return AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()
 
 
+@pytest.fixture(scope="session")
+def twin_model(flagship_twin_target):
+    from dflash.models import load_target
+
+    return load_target(flagship_twin_target)
+
+
 def small_vocab_model(vocab: int = 8, hidden: int = 32, layers: int = 2, seed: int = 3):
     """A random Qwen3 with a tiny vocabulary, for distribution tests; scaled for peaked logits."""
     import torch

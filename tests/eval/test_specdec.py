@@ -1,4 +1,9 @@
-"""Speculative decoding on tiny random targets: lossless greedy, tau bounds, rejection sampling."""
+"""Speculative decoding on tiny random targets: lossless greedy, tau bounds, rejection sampling.
+
+The decoding-loop tests run on two targets: a tiny Qwen3 (a KV cache only) and the flagship twin
+(Qwen3.5/3.6: Gated DeltaNet layers whose recurrent and conv state must be restored after every
+rejected draft token, see dflash.eval.target_cache).
+"""
 from __future__ import annotations
 
 import math
@@ -23,16 +28,30 @@ def greedy_without_cache(model, prompt: list[int], max_new: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.fixture(scope="module")
-def references(tiny_qwen3_model) -> dict[int, list[int]]:
-    return {i: greedy_without_cache(tiny_qwen3_model, prompt, 25) for i, prompt in enumerate(PROMPTS)}
+TARGETS = ["qwen3", "twin"]
+_REFERENCES: dict[str, dict[int, list[int]]] = {}
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 7])
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """Each decoding-loop test runs on the tiny Qwen3 and on the flagship twin."""
+    return request.param, request.getfixturevalue("tiny_qwen3_model" if request.param == "qwen3" else "twin_model")
+
+
+@pytest.fixture
+def references(target) -> dict[int, list[int]]:
+    name, model = target
+    if name not in _REFERENCES:
+        _REFERENCES[name] = {i: greedy_without_cache(model, prompt, 25) for i, prompt in enumerate(PROMPTS)}
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7, 16])
 @pytest.mark.parametrize("wrong_every", [0, 1, 3])
-def test_greedy_output_equals_target_greedy(tiny_qwen3_model, references, block_size, wrong_every):
-    verifier = TargetVerifier(tiny_qwen3_model)
-    vocab = tiny_qwen3_model.config.vocab_size
+def test_greedy_output_equals_target_greedy(target, references, block_size, wrong_every):
+    model = target[1]
+    verifier = TargetVerifier(model)
+    vocab = model.config.vocab_size
     settings = DecodeSettings(block_size=block_size, max_new_tokens=25)
     for i, prompt in enumerate(PROMPTS):
         drafter = OracleDrafter(references[i], len(prompt), vocab, wrong_every=wrong_every)
@@ -40,65 +59,77 @@ def test_greedy_output_equals_target_greedy(tiny_qwen3_model, references, block_
         assert result.tokens == references[i], f"prompt {i}"
 
 
-def test_greedy_matches_transformers_generate_with_eos(tiny_qwen3_model, references):
+def test_greedy_matches_transformers_generate_with_eos(target, references):
     """Stopping at EOS mid-block: same tokens as `generate`, cut right after the EOS."""
+    model = target[1]
     prompt = PROMPTS[1]
     eos = references[1][6]  # a token the target emits: decoding must stop right after it
-    expected = tiny_qwen3_model.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
-                                         eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
     assert expected[-1] == eos and len(expected) <= 7
-    verifier = TargetVerifier(tiny_qwen3_model)
-    drafter = OracleDrafter(references[1], len(prompt), tiny_qwen3_model.config.vocab_size)
+    verifier = TargetVerifier(model)
+    drafter = OracleDrafter(references[1], len(prompt), model.config.vocab_size, wrong_every=4)
     result = speculative_decode(verifier, drafter, prompt, DecodeSettings(5, 25, eos_ids=(eos,)))
     assert result.tokens == expected
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8])
-def test_always_right_drafter_gets_tau_block_size(tiny_qwen3_model, references, block_size):
+def test_always_right_drafter_gets_tau_block_size(target, references, block_size):
+    model = target[1]
     steps = 3
     prompt = PROMPTS[0]
     settings = DecodeSettings(block_size=block_size, max_new_tokens=1 + steps * block_size)
-    drafter = OracleDrafter(references[0], len(prompt), tiny_qwen3_model.config.vocab_size)
-    result = speculative_decode(TargetVerifier(tiny_qwen3_model), drafter, prompt, settings)
+    drafter = OracleDrafter(references[0], len(prompt), model.config.vocab_size)
+    result = speculative_decode(TargetVerifier(model), drafter, prompt, settings)
     assert result.taus == [block_size] * steps
     assert result.mean_tau == block_size
 
 
-def test_always_wrong_drafter_gets_tau_one(tiny_qwen3_model, references):
+def test_always_wrong_drafter_gets_tau_one(target, references):
+    model = target[1]
     prompt = PROMPTS[2]
-    drafter = OracleDrafter(references[2], len(prompt), tiny_qwen3_model.config.vocab_size, wrong_every=1)
-    result = speculative_decode(TargetVerifier(tiny_qwen3_model), drafter, prompt, DecodeSettings(6, 12))
+    drafter = OracleDrafter(references[2], len(prompt), model.config.vocab_size, wrong_every=1)
+    result = speculative_decode(TargetVerifier(model), drafter, prompt, DecodeSettings(6, 12))
+    assert result.tokens == references[2][:12]
     assert result.taus == [1] * 11
     assert all(count == 5 for count in result.proposed)
 
 
-def test_no_drafter_is_target_only_decoding(tiny_qwen3_model, references):
-    result = speculative_decode(TargetVerifier(tiny_qwen3_model), NoDrafter(), PROMPTS[0], DecodeSettings(8, 25))
+def test_no_drafter_is_target_only_decoding(target, references):
+    result = speculative_decode(TargetVerifier(target[1]), NoDrafter(), PROMPTS[0], DecodeSettings(8, 25))
     assert result.tokens == references[0]
     assert result.taus == [1] * 24
 
 
-def test_verify_taps_follow_hidden_states_convention(tiny_qwen3_model):
+def test_verify_taps_follow_hidden_states_convention(target):
     """Tap layer k = output of decoder layer k = hidden_states[k + 1], concatenated in order."""
-    verifier = TargetVerifier(tiny_qwen3_model, layer_ids=(0, 2))
+    model = target[1]
+    verifier = TargetVerifier(model, layer_ids=(0, 2))
     verifier.reset()
     out = verifier.forward(PROMPTS[0], with_features=True)
     with torch.inference_mode():
-        states = tiny_qwen3_model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
+        states = model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(out.features, torch.cat([states[1][0], states[3][0]], dim=-1))
 
 
-def test_rollback_keeps_the_committed_prefix(tiny_qwen3_model):
-    """After a rejected block is cropped, the next logits equal a fresh forward of the prefix."""
-    verifier = TargetVerifier(tiny_qwen3_model)
+@pytest.mark.parametrize("keep", [5, 6])
+def test_rollback_keeps_the_committed_prefix(target, keep):
+    """After a rejected block goes, the next logits and taps equal a fresh forward of the prefix
+    (keep 6: one token of the rejected block stays committed)."""
+    model = target[1]
+    junk = [1, 2, 3]
+    verifier = TargetVerifier(model, layer_ids=(0, 2))
     verifier.reset()
-    verifier.forward(PROMPTS[1][:5])
-    verifier.forward([1, 2, 3])
-    verifier.rollback(5)
-    cached = verifier.forward(PROMPTS[1][5:6]).logits[-1]
+    verifier.forward(PROMPTS[1][:5], with_features=True)
+    verifier.forward(junk, with_features=True)
+    verifier.rollback(keep)
+    prefix = (PROMPTS[1][:5] + junk)[:keep]
+    out = verifier.forward([PROMPTS[1][5]], with_features=True)
     with torch.inference_mode():
-        fresh = tiny_qwen3_model(torch.tensor([PROMPTS[1][:6]])).logits[0, -1]
-    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+        fresh = model(torch.tensor([prefix + [PROMPTS[1][5]]]), output_hidden_states=True)
+    torch.testing.assert_close(out.logits[-1], fresh.logits[0, -1], atol=1e-4, rtol=1e-4)
+    taps = torch.cat([fresh.hidden_states[1][0, -1], fresh.hidden_states[3][0, -1]])
+    torch.testing.assert_close(out.features[-1], taps, atol=1e-4, rtol=1e-4)
 
 
 def test_accept_greedy_counts_leading_matches():

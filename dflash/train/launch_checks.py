@@ -1,0 +1,219 @@
+"""Launch-time checks of a profile against its target: every mistake a training rank would find
+only after loading the target (exit 5, minutes and ~54 GB per rank in) is found before torchrun
+starts (ConfigError, exit 2), naming the profile file and the key to change.
+
+Reads the target's config.json and tokenizer files, never its weights. What it checks, and
+where a rank would otherwise fail:
+
+| key | rule | a rank's failure |
+|---|---|---|
+| train.global_batch | divisible by the ranks (nproc_per_node x nnodes) | TrainData |
+| drafter.num_layers, drafter.block_size | at least 1 layer; a block of at least 2 | drafter config |
+| train.decay_gamma | > 0 unless the block size has a default (8, 10, 16) | decay.default_gamma |
+| drafter.target_layer_ids | inside the target's layers; or the default spacing fits the target | resolve_layer_ids |
+| drafter.mask_token_id | set, or the tokenizer has a mask token; a row of the target's embedding | resolve_mask_token_id |
+| drafter.init | "target": the source layers are plain softmax attention | init_from_target |
+| drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
+| train.epochs / max_steps, max_micro_batch, num_anchors | positive | the training loop |
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher_core.errors import ConfigError
+from launcher_core.schema import Profile
+
+# A padding row past the added tokens, by embedding size (mask token ids the data never uses).
+SUGGESTED_MASK_IDS = {151936: 151669, 248320: 248070}
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the checks need from a target directory's config.json."""
+
+    path: Path
+    vocab_rows: int
+    num_layers: int
+    config: dict
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """What the ranks will resolve: tap layers, mask token, loss decay (for the launch log)."""
+
+    target: TargetFacts
+    layer_ids: list[int]
+    mask_token_id: int
+    decay_gamma: float
+
+
+def read_target_facts(profile: Profile) -> TargetFacts:
+    """model.target's config.json (a builtin target is built or converted first, as the ranks would)."""
+    from dflash.models import resolve_model_path, text_config_dict
+
+    path = resolve_model_path(profile.model.target)
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{config_path}: cannot read the target's config ({error}); "
+                          f"model.target must be a model directory with a config.json") from None
+    text = text_config_dict(config)
+    if "vocab_size" not in text or "num_hidden_layers" not in text:
+        raise ConfigError(f"{config_path}: no vocab_size / num_hidden_layers; not a causal LM config")
+    return TargetFacts(path=path, vocab_rows=int(text["vocab_size"]), num_layers=int(text["num_hidden_layers"]),
+                       config=config)
+
+
+def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) -> LaunchFacts:
+    """Check the profile against its target; ConfigError listing every problem, each as
+    `FILE: key 'section.key': what is wrong and what to set`. `source`: the --profile argument
+    (name or TOML path) the profile was loaded from, default its name."""
+    where = _KeyFiles(profile, source)
+    target = read_target_facts(profile)
+    problems: list[str] = []
+    gamma = _check_sizes(profile, where, problems)
+    layer_ids = _check_layer_ids(profile, target, where, problems)
+    mask_id = _check_mask_token(profile, target, where, problems)
+    if layer_ids and profile.drafter.init == "target":
+        _check_target_init(profile, target, layer_ids, where, problems)
+    _check_draft_vocab(profile, target, where, problems)
+    if problems:
+        raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
+                          f"({len(problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in problems))
+    return LaunchFacts(target=target, layer_ids=layer_ids, mask_token_id=int(mask_id), decay_gamma=gamma)
+
+
+class _KeyFiles:
+    """Which file to name for a key: the one along the `extends` chain that sets it, else the
+    profile's own file (where the missing setting belongs)."""
+
+    def __init__(self, profile: Profile, source: Optional[str]):
+        from launcher_core.profile import key_origins
+
+        try:
+            self.own, self.origin = key_origins(source or profile.name)
+        except ConfigError:
+            self.own, self.origin = Path(f"profile {profile.name}"), {}
+
+    def __call__(self, dotted: str, problem: str) -> str:
+        return f"{self.origin.get(dotted, self.own)}: key '{dotted}': {problem}"
+
+
+def _check_sizes(profile: Profile, where: _KeyFiles, problems: list[str]) -> float:
+    from dflash.drafter.decay import default_gamma
+
+    drafter, train, machine = profile.drafter, profile.train, profile.machine
+    ranks = machine.nproc_per_node * machine.nnodes
+    if train.global_batch < 1 or train.global_batch % ranks:
+        problems.append(where("train.global_batch", f"{train.global_batch} is not a positive multiple of the "
+                              f"{ranks} ranks (machine.nproc_per_node x machine.nnodes)"))
+    for key, value in (("drafter.num_layers", drafter.num_layers), ("train.max_micro_batch", train.max_micro_batch),
+                       ("train.num_anchors", train.num_anchors)):
+        if value < 1:
+            problems.append(where(key, f"{value}; must be at least 1"))
+    if train.epochs < 1 and train.max_steps < 1:
+        problems.append(where("train.epochs", f"{train.epochs} with train.max_steps {train.max_steps}: nothing to train"))
+    if drafter.block_size < 2:
+        problems.append(where("drafter.block_size", f"{drafter.block_size}; a block is the anchor and at least one "
+                              f"draft slot, so at least 2"))
+    try:
+        return default_gamma(drafter.block_size, train.decay_gamma)
+    except ValueError as error:
+        problems.append(where("train.decay_gamma", f"unset, and {error}"))
+        return 0.0
+
+
+def _check_layer_ids(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> list[int]:
+    from dflash.drafter.taps import default_target_layer_ids
+
+    count = target.num_layers
+    if profile.drafter.target_layer_ids:
+        ids = list(profile.drafter.target_layer_ids)
+        bad = [k for k in ids if not 0 <= k < count]
+        if bad:
+            problems.append(where("drafter.target_layer_ids", f"{bad} outside the target's layers 0..{count - 1} "
+                                  f"({target.path.name}: {count} layers)"))
+            return []
+        return ids
+    try:
+        return default_target_layer_ids(count, profile.drafter.num_layers)
+    except ValueError as error:
+        problems.append(where("drafter.num_layers", f"{error}; set drafter.target_layer_ids or fewer draft layers"))
+        return []
+
+
+def _check_mask_token(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> int:
+    mask_id = profile.drafter.mask_token_id
+    suggestion = SUGGESTED_MASK_IDS.get(target.vocab_rows)
+    hint = f" (for this {target.vocab_rows:,}-row vocabulary: {suggestion}, a row past the added tokens)" if suggestion else ""
+    if mask_id is None:
+        tokenizer_dir = _tokenizer_dir(profile, target)
+        mask_id = tokenizer_mask_token_id(tokenizer_dir)
+        if mask_id is None:
+            problems.append(where("drafter.mask_token_id", f"unset, and the tokenizer in {tokenizer_dir} has no mask "
+                                  f"token; set it to an embedding row the data never uses{hint}"))
+            return -1
+    if not 0 <= mask_id < target.vocab_rows:
+        problems.append(where("drafter.mask_token_id", f"{mask_id} is not a row of the target's embedding "
+                              f"(0..{target.vocab_rows - 1}){hint}"))
+    return mask_id
+
+
+def _check_target_init(profile: Profile, target: TargetFacts, layer_ids: list[int], where: _KeyFiles,
+                       problems: list[str]) -> None:
+    from dflash.drafter.taps import source_layer_ids, unholdable_sources
+
+    sources = source_layer_ids(layer_ids, profile.drafter.num_layers, target.num_layers)
+    problem = unholdable_sources(sources, target.config)
+    if problem:
+        problems.append(where("drafter.init", f"\"target\": {problem}"))
+
+
+def _check_draft_vocab(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> None:
+    size = profile.drafter.draft_vocab_size
+    if not 0 <= size <= target.vocab_rows:
+        problems.append(where("drafter.draft_vocab_size", f"{size}; must be 0 (the whole vocabulary) or "
+                              f"1..{target.vocab_rows} (the target's vocabulary)"))
+
+
+def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:
+    from dflash.models import resolve_model_path
+
+    return resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else target.path
+
+
+def tokenizer_mask_token_id(directory: Path) -> Optional[int]:
+    """The tokenizer's mask token id from its files (tokenizer_config.json / special_tokens_map.json
+    name it; tokenizer.json or added_tokens_decoder give its id); None when it has none."""
+    config = _read_json(directory / "tokenizer_config.json")
+    content = _token_content(config.get("mask_token")) or _token_content(
+        _read_json(directory / "special_tokens_map.json").get("mask_token"))
+    if not content:
+        return None
+    for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
+        if _token_content(entry) == content:
+            return int(token_id)
+    tokenizer = _read_json(directory / "tokenizer.json")
+    for entry in tokenizer.get("added_tokens") or []:
+        if entry.get("content") == content:
+            return int(entry["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return int(vocab[content]) if isinstance(vocab, dict) and content in vocab else None
+
+
+def _token_content(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content") or "")
+    return value if isinstance(value, str) else ""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}

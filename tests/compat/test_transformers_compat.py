@@ -1,0 +1,71 @@
+"""The drafter, extraction and speculative-decoding tests under each transformers version the GPU
+requirement files pin (5.3.0 in requirements-cu128.txt, 5.6.0 in requirements-cu130.txt), in
+scratch venvs built with uv (compat_venvs.py), with the CPU torch of this run. A version older
+than the supported floor is refused with a message naming it.
+
+Marked `compat` (and `slow`): `.ci/run` runs it as part of the suite. Time on the 2-core CI
+machine: about 1 minute per version to build its venv the first time (seconds when reused), and
+3-4 minutes per version for the tests.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from compat_venvs import REPO_ROOT, ensure_venv, local_torch_wheel, read_pin
+
+pytestmark = [pytest.mark.compat, pytest.mark.slow]
+
+GPU_REQUIREMENTS = ("requirements-cu128.txt", "requirements-cu130.txt")
+PINNED = sorted({read_pin(REPO_ROOT / name, "transformers") for name in GPU_REQUIREMENTS})
+UNSUPPORTED = "5.2.0"             # the newest release below dflash.compat.MIN_TRANSFORMERS
+TESTS = ["tests/eval/test_specdec.py", "tests/eval/test_twin_target.py", "tests/train/test_drafter.py"]
+# Statistical and SmolLM2 tests do not depend on the transformers version (and take minutes).
+DESELECT = "not rejection_sampling and not chi_square and not prompt_lookup"
+
+
+@pytest.fixture(scope="module")
+def venv_root() -> Path:
+    from launcher_core.paths import cache_dir
+
+    wheel = local_torch_wheel()
+    if wheel is None:
+        pytest.skip("no local wheel of this run's torch in pip's find-links; the scratch venvs take torch "
+                    "from that same wheel and never download another build")
+    return cache_dir() / "compat"
+
+
+def run_in(venv, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run([str(venv.python), *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_the_gpu_pins_name_the_versions_under_test():
+    assert PINNED == ["5.3.0", "5.6.0"], "a GPU requirements file changed its transformers: update this test's docstring"
+
+
+@pytest.mark.parametrize("version", PINNED)
+def test_drafter_extraction_and_specdec_tests_pass_under_the_gpu_pins(venv_root, version):
+    venv = ensure_venv(version, venv_root, local_torch_wheel())
+    installed = run_in(venv, ["-c", "import transformers, torch; print(transformers.__version__, torch.__version__)"], 120)
+    assert installed.stdout.split()[0] == version, installed.stdout + installed.stderr
+    done = run_in(venv, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", DESELECT], 1500)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    print(f"transformers {version}: venv built in {venv.build_s} s (0: reused); {summary}")
+    assert done.returncode == 0, f"transformers {version}:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary
+
+
+def test_an_unsupported_transformers_is_refused_naming_it(venv_root):
+    venv = ensure_venv(UNSUPPORTED, venv_root, local_torch_wheel())
+    code = ("from dflash.eval.specdec import TargetVerifier\n"
+            "from launcher_core.errors import ConfigError\n"
+            "try:\n    TargetVerifier(object())\nexcept ConfigError as error:\n    print('REFUSED', error)\n")
+    done = run_in(venv, ["-c", code], 300)
+    assert f"REFUSED transformers {UNSUPPORTED} is not supported" in done.stdout, done.stdout + done.stderr

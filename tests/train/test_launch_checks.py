@@ -1,0 +1,138 @@
+"""Launch-time profile checks (dflash.train.launch_checks): each mistake a training rank would find
+after loading the target is a ConfigError (exit 2) before launch, naming the file and the key."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash.train.launch_checks import tokenizer_mask_token_id, validate_profile_for_launch
+from launcher_core.errors import EXIT_USAGE, ConfigError
+from launcher_core.profile import load_profile
+
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+@pytest.fixture
+def profiles_dir(tmp_path) -> Path:
+    """The shipped rtx6000-x8 and flagship-twin profiles, where a test's variant can extend them."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    for name in ("rtx6000-x8", "flagship-twin"):
+        shutil.copy(PROFILES / f"{name}.toml", folder / f"{name}.toml")
+    return folder
+
+
+def variant(folder: Path, body: str, base: str = "flagship-twin", target: str = "") -> Path:
+    """A profile extending `base` with `body` (TOML sections); `target` replaces model.target."""
+    path = folder / "variant.toml"
+    model = f'[model]\ntarget = "{target}"\n' if target else ""
+    path.write_text(f'extends = "{base}"\n{model}{body}\n', encoding="utf-8")
+    return path
+
+
+def check(path: Path):
+    return validate_profile_for_launch(load_profile(str(path)), source=str(path))
+
+
+def problems_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        check(path)
+    assert caught.value.exit_code == EXIT_USAGE
+    return str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def qwen36_config_dir(fixtures_dir) -> Path:
+    """Qwen3.6-27B's config.json (published facts; no weights): the flagship's real target shape."""
+    return fixtures_dir / "targets" / "qwen3.6-27b"
+
+
+def test_the_flagship_twin_profile_passes_with_the_flagship_policies(profiles_dir, flagship_twin_target):
+    facts = check(variant(profiles_dir, "", target=str(flagship_twin_target)))
+    assert facts.layer_ids == [1, 2, 3, 4, 5]            # default spacing over the twin's 8 layers
+    assert facts.mask_token_id == 248070 and facts.decay_gamma == 7.0
+
+
+def test_the_flagship_profile_passes_on_the_real_qwen36_config(profiles_dir, qwen36_config_dir):
+    facts = check(variant(profiles_dir, "", base="rtx6000-x8", target=str(qwen36_config_dir)))
+    assert facts.target.num_layers == 64 and facts.target.vocab_rows == 248320
+    assert facts.layer_ids == [1, 16, 31, 46, 61] and facts.mask_token_id == 248070
+
+
+def test_a_block_size_without_default_decay_names_train_decay_gamma(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, "[drafter]\nblock_size = 12", target=str(flagship_twin_target))
+    message = problems_of(path)
+    assert f"{path}: key 'train.decay_gamma': unset, and no default loss decay for block size 12" in message
+    path = variant(profiles_dir, "[drafter]\nblock_size = 12\n[train]\ndecay_gamma = 6.0", target=str(flagship_twin_target))
+    assert check(path).decay_gamma == 6.0
+
+
+def test_no_mask_token_names_the_file_that_should_set_it_and_the_row_to_use(tmp_path, profiles_dir, flagship_twin_target):
+    """rtx6000-x8 before this fix: no mask_token_id, a tokenizer without a mask token."""
+    (profiles_dir / "rtx6000-x8.toml").write_text(
+        (PROFILES / "rtx6000-x8.toml").read_text(encoding="utf-8").replace("mask_token_id = 248070", ""), encoding="utf-8")
+    path = variant(profiles_dir, "", target=str(flagship_twin_target))
+    message = problems_of(path)
+    assert f"{path}: key 'drafter.mask_token_id': unset, and the tokenizer in {flagship_twin_target} has no mask token" in message
+    assert "248,320-row vocabulary: 248070" in message
+
+
+def test_a_mask_token_outside_the_embedding_names_the_key(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, "[drafter]\nmask_token_id = 248320", target=str(flagship_twin_target))
+    assert f"{path}: key 'drafter.mask_token_id': 248320 is not a row of the target's embedding (0..248319)" in problems_of(path)
+
+
+def test_the_mask_token_is_inherited_from_the_file_that_sets_it(profiles_dir, flagship_twin_target):
+    """A key set further up the `extends` chain is reported against that file."""
+    (profiles_dir / "rtx6000-x8.toml").write_text(
+        (PROFILES / "rtx6000-x8.toml").read_text(encoding="utf-8").replace("248070", "999999"), encoding="utf-8")
+    message = problems_of(variant(profiles_dir, "", target=str(flagship_twin_target)))
+    assert f"{profiles_dir / 'rtx6000-x8.toml'}: key 'drafter.mask_token_id': 999999" in message
+
+
+def test_tap_layers_outside_the_target_are_named(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, "[drafter]\ntarget_layer_ids = [1, 4, 8]", target=str(flagship_twin_target))
+    assert f"{path}: key 'drafter.target_layer_ids': [8] outside the target's layers 0..7" in problems_of(path)
+
+
+def test_init_target_on_the_hybrid_flagship_is_refused_at_launch(profiles_dir, flagship_twin_target, qwen36_config_dir):
+    for target in (flagship_twin_target, qwen36_config_dir):
+        path = variant(profiles_dir, '[drafter]\ninit = "target"', target=str(target))
+        message = problems_of(path)
+        assert f"{path}: key 'drafter.init': \"target\": the draft layers would start as target layers" in message
+        assert "linear_attention (Gated DeltaNet)" in message and 'drafter.init = "random"' in message
+
+
+def test_init_target_on_a_gated_full_attention_source_is_refused(profiles_dir, flagship_twin_target):
+    """One draft layer after tap 2: its source, layer 3, is full attention, but gated."""
+    path = variant(profiles_dir, '[drafter]\ninit = "target"\nnum_layers = 1\ntarget_layer_ids = [2]',
+                   target=str(flagship_twin_target))
+    assert "key 'drafter.init': \"target\": target layers [3] use gated attention" in problems_of(path)
+
+
+def test_every_problem_is_listed_at_once(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, "[drafter]\ndraft_vocab_size = 300000\nblock_size = 1\n[train]\nglobal_batch = 3",
+                   target=str(flagship_twin_target))
+    message = problems_of(path)
+    assert "(4 problem(s))" in message
+    for key in ("train.global_batch", "drafter.block_size", "train.decay_gamma", "drafter.draft_vocab_size"):
+        assert f"{path}: key '{key}'" in message
+
+
+def test_a_target_without_config_json_is_named(profiles_dir, tmp_path):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    assert f"{empty / 'config.json'}: cannot read the target's config" in problems_of(variant(profiles_dir, "", target=str(empty)))
+
+
+def test_tokenizer_mask_token_from_its_files(tmp_path, qwen3_tokenizer_dir):
+    assert tokenizer_mask_token_id(qwen3_tokenizer_dir) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"mask_token": {"content": "<mask>"}, "added_tokens_decoder": {"50264": {"content": "<mask>"}}}))
+    assert tokenizer_mask_token_id(tmp_path) == 50264
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"mask_token": "<mask>"}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [], "model": {"vocab": {"<mask>": 7}}}))
+    assert tokenizer_mask_token_id(tmp_path) == 7
