@@ -85,9 +85,10 @@ class TargetVerifier:
     Rolling back rejected draft tokens: attention layers crop their KV cache. Linear-attention
     layers (Qwen3.5/3.6 Gated DeltaNet) hold a recurrent and a conv state that cannot be cropped;
     the `rollback` argument chooses how they go back:
-      * "snapshot" (default): their states are copied before each verify forward and restored
-        after a rejection; the accepted tokens are fed again at the front of the next verify
-        forward (no extra forward);
+      * "snapshot" (default): their states are copied right before each verify block and
+        restored after a rejection; the accepted tokens are fed again at the front of the next
+        verify forward (no extra forward), whose linear layers take them first and copy their
+        state before taking the new block (`target_cache.linear_attention_plan`);
       * "snapshot-rerun": the same, but the accepted tokens are fed again at once (one extra forward);
       * "reprefill": no snapshot; after a rejection the whole committed sequence is fed again.
     Every mode gives the target's exact output; they differ in time (benchmarks/bench_eval_rollback.py).
@@ -123,26 +124,29 @@ class TargetVerifier:
 
     def forward(self, token_ids: Sequence[int], with_features: bool = False) -> VerifyOutput:
         """Feed `token_ids` after the committed prefix; logits (and taps) of every fed position."""
-        fed = self._pending + list(token_ids)
-        logits, features = self._run(fed, with_features and self.layer_ids is not None)
+        logits, features = self._run(self._pending + list(token_ids), with_features and self.layer_ids is not None)
         count = len(token_ids)
         return VerifyOutput(logits=logits[-count:], features=None if features is None else features[-count:])
 
     def _run(self, fed: list[int], want_taps: bool) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+        """One forward of `fed` (pending tokens first). On a hybrid target the linear-attention
+        state right after the pending tokens, i.e. right before the new ones, is kept for `rollback`."""
         import torch
 
-        from dflash.eval.target_cache import output_cache, sequential_linear_attention, snapshot_linear_state
+        from dflash.eval.target_cache import LinearPlan, linear_attention_plan, output_cache, snapshot_linear_state
 
-        start = len(self._cached)
+        start, split = len(self._cached), len(self._pending)
         keep = self.hybrid and self.cache is not None and self.rollback_mode != "reprefill"
+        plan = LinearPlan(split_at=split if keep else 0, token_by_token=self.sequential_linear and start > 0)
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
         cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
         with torch.inference_mode(), contextlib.ExitStack() as stack:
-            self._snapshot = (start, snapshot_linear_state(self.cache)) if keep else None
+            before = snapshot_linear_state(self.cache) if keep and not split else None
             capture = stack.enter_context(TapCapture(self.model, self.layer_ids)) if want_taps else None
-            stack.enter_context(sequential_linear_attention(self.model, self.sequential_linear and start > 0))
+            stack.enter_context(linear_attention_plan(self.model, plan))
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
+        self._snapshot = (start + split, before if before is not None else plan.snapshot()) if keep else None
         self.cache = output_cache(out) if self.cache is None else self.cache
         self._cached, self._pending = self._cached + fed, []
         features = capture.features()[0] if capture is not None else None

@@ -3,17 +3,23 @@ transformers version (`dflash.compat`) and on hybrid targets.
 
 A Qwen3.5/3.6 target mixes full-attention layers (a KV cache, cropped by position) with Gated
 DeltaNet linear-attention layers (a recurrent state and a conv state of fixed size, which hold
-no positions and cannot be cropped). `snapshot_linear_state` copies those states before a verify
-forward and `restore_linear_state` puts them back after a rejection; `crop_attention` crops
-only the KV of the attention layers. The verifier (`dflash.eval.specdec.TargetVerifier`) then
-feeds the accepted tokens again.
+no positions and cannot be cropped). `snapshot_linear_state` copies those states,
+`restore_linear_state` puts them back after a rejection, `crop_attention` crops only the KV of
+the attention layers. `linear_attention_plan` lets one forward do two more things inside the
+linear layers, while attention and MLP layers still see all fed tokens at once:
+
+* split at a position: each linear layer takes the tokens before it, has its state copied, then
+  takes the rest; the verifier feeds the accepted tokens of the previous step in front of the
+  next block this way and still gets the state right before the block;
+* token by token (transformers 5.3-5.6, whose linear layers restart their state for a cached
+  forward of more than one token): their exact single-token path, one token at a time.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +61,8 @@ class _Slot:
             self.holder[self.key] = value
 
 
-def linear_state_slots(cache: Any) -> list[_Slot]:
-    """Every conv / recurrent state tensor of the cache's linear-attention layers.
+def linear_state_slots(cache: Any, layer_idx: Optional[int] = None) -> list[_Slot]:
+    """Every conv / recurrent state tensor of the cache's linear-attention layers (or of one).
 
     Layouts: 5.24 `LinearAttentionLayer.conv_states` is a dict (state index -> tensor); 5.6 it is
     a tensor attribute of the layer; 5.3 `Qwen3_5DynamicCache.conv_states` is a list over layers.
@@ -65,11 +71,13 @@ def linear_state_slots(cache: Any) -> list[_Slot]:
 
     layers = getattr(cache, "layers", None)
     if layers is None:
-        return [_Slot(states, index) for name in ("conv_states", "recurrent_states")
-                for states in [getattr(cache, name, None) or []]
-                for index, value in enumerate(states) if isinstance(value, torch.Tensor)]
+        lists = [getattr(cache, name, None) or [] for name in ("conv_states", "recurrent_states")]
+        return [_Slot(states, index) for states in lists for index, value in enumerate(states)
+                if isinstance(value, torch.Tensor) and layer_idx in (None, index)]
     slots = []
-    for layer in layers:
+    for index, layer in enumerate(layers):
+        if layer_idx not in (None, index):
+            continue
         for name in ("conv_states", "recurrent_states"):
             value = getattr(layer, name, None)
             if isinstance(value, dict):
@@ -82,9 +90,9 @@ def linear_state_slots(cache: Any) -> list[_Slot]:
 LinearSnapshot = list[tuple[_Slot, "torch.Tensor"]]
 
 
-def snapshot_linear_state(cache: Any) -> LinearSnapshot:
+def snapshot_linear_state(cache: Any, layer_idx: Optional[int] = None) -> LinearSnapshot:
     """Copies of the linear-attention states (the library updates them in place)."""
-    return [(slot, slot.get().clone()) for slot in linear_state_slots(cache)]
+    return [(slot, slot.get().clone()) for slot in linear_state_slots(cache, layer_idx)]
 
 
 def restore_linear_state(snapshot: LinearSnapshot) -> None:
@@ -120,17 +128,42 @@ def linear_attention_modules(model: Any) -> list[Any]:
     return [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
 
 
+@dataclass
+class LinearPlan:
+    """What the linear-attention layers do inside one forward (`linear_attention_plan`).
+
+    `split_at` > 0: take tokens [0, split_at) first, copy the layer's state into `saved`, then
+    the rest. `token_by_token`: feed a cached multi-token input one token at a time.
+    """
+
+    split_at: int = 0
+    token_by_token: bool = False
+    saved: dict[int, LinearSnapshot] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.split_at > 0 or self.token_by_token
+
+    def snapshot(self) -> LinearSnapshot:
+        """The states at the split, every linear layer's, in layer order."""
+        return [entry for index in sorted(self.saved) for entry in self.saved[index]]
+
+    def pieces(self, length: int, continues: bool) -> list[tuple[int, int]]:
+        if self.token_by_token and continues:
+            return [(t, t + 1) for t in range(length)]
+        cuts = [0, self.split_at, length] if 0 < self.split_at < length else [0, length]
+        return list(zip(cuts, cuts[1:]))
+
+
 @contextlib.contextmanager
-def sequential_linear_attention(model: Any, enabled: bool) -> Iterator[None]:
-    """transformers 5.3-5.6 restart a linear-attention layer's state for any cached forward of more
-    than one token; inside this context those layers take such a forward one token at a time
-    (their exact single-token path), while attention and MLP layers still see the whole block."""
-    modules = linear_attention_modules(model) if enabled else []
+def linear_attention_plan(model: Any, plan: LinearPlan) -> Iterator[LinearPlan]:
+    """Run the model's linear-attention layers as `plan` says for the forwards inside this context."""
+    modules = linear_attention_modules(model) if plan.active else []
     previous = [module.__dict__.get("forward") for module in modules]
     for module in modules:
-        module.forward = _token_by_token(module, module.forward)
+        module.forward = _planned(module, module.forward, plan)
     try:
-        yield
+        yield plan
     finally:
         for module, before in zip(modules, previous):
             if before is None:
@@ -139,7 +172,7 @@ def sequential_linear_attention(model: Any, enabled: bool) -> Iterator[None]:
                 module.forward = before
 
 
-def _token_by_token(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+def _planned(module: Any, original: Callable[..., Any], plan: LinearPlan) -> Callable[..., Any]:
     import torch
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -148,18 +181,21 @@ def _token_by_token(module: Any, original: Callable[..., Any]) -> Callable[..., 
         else:
             hidden, rest = args[0], args[1:]
         cache = kwargs.get("cache_params", kwargs.get("cache"))
-        if cache is None or hidden.shape[1] == 1 or not _has_previous_state(cache, module.layer_idx):
+        if cache is None:
             return original(hidden, *rest, **kwargs)
+        continues = hidden.shape[1] > 1 and _has_previous_state(cache, module.layer_idx)
         positions, mask = kwargs.pop("cache_position", None), kwargs.pop("attention_mask", None)
         outputs = []
-        for t in range(hidden.shape[1]):
+        for begin, end in plan.pieces(hidden.shape[1], continues):
+            if begin == plan.split_at and begin > 0:
+                plan.saved[module.layer_idx] = snapshot_linear_state(cache, module.layer_idx)
             step = dict(kwargs)
             if positions is not None:
-                step["cache_position"] = positions[t:t + 1]
+                step["cache_position"] = positions[begin:end]
             if mask is not None:
-                step["attention_mask"] = mask[:, t:t + 1] if mask.dim() == 2 else mask
-            outputs.append(original(hidden[:, t:t + 1], *rest, **step))
-        return torch.cat(outputs, dim=1)
+                step["attention_mask"] = mask[:, begin:end] if mask.dim() == 2 else mask
+            outputs.append(original(hidden[:, begin:end], *rest, **step))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     return forward
 

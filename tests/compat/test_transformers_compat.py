@@ -3,9 +3,10 @@ requirement files pin (5.3.0 in requirements-cu128.txt, 5.6.0 in requirements-cu
 scratch venvs built with uv (compat_venvs.py), with the CPU torch of this run. A version older
 than the supported floor is refused with a message naming it.
 
-Marked `compat` (and `slow`): `.ci/run` runs it as part of the suite. Time on the 2-core CI
-machine: about 1 minute per version to build its venv the first time (seconds when reused), and
-3-4 minutes per version for the tests.
+Marked `compat` (and `slow`): `.ci/run` runs it as part of the suite (`pytest -m compat tests`
+alone). Time on the 2-core machine: 5-20 s to build each venv (uv links torch from its cache; the
+first build downloads transformers and its dependencies), nothing when an unchanged venv is
+reused, and 1-3.5 minutes of tests per version (depending on load): 4-9 minutes in all.
 """
 from __future__ import annotations
 

@@ -117,6 +117,20 @@ def test_token_by_token_linear_layers_are_lossless_too(twin_model, expected):
     assert all("forward" not in module.__dict__ for module in twin_model.model.layers[0].children())
 
 
+def test_the_accepted_tokens_fed_again_do_not_pile_up(twin_model, expected):
+    """"snapshot": after a rejection the next verify forward is [anchor, accepted..., new block]
+    and the state is kept right before the new block, so what is fed again never exceeds a block
+    (a snapshot taken before the whole forward would re-feed every earlier step's tokens)."""
+    verifier = TargetVerifier(twin_model)
+    fed: list[int] = []
+    original = verifier._run
+    verifier._run = lambda tokens, taps: fed.append(len(tokens)) or original(tokens, taps)
+    drafter = OracleDrafter(expected, len(PROMPT), twin_model.config.vocab_size, wrong_every=3)
+    result = speculative_decode(verifier, drafter, PROMPT, DecodeSettings(6, 20))
+    assert result.tokens == expected
+    assert fed[0] == len(PROMPT) and max(fed[1:]) <= 6 + 3       # a block + at most the accepted tokens + anchor
+
+
 def test_the_verifier_uses_the_cache_keyword_of_the_installed_transformers(twin_model, tiny_qwen3_model):
     import inspect
 

@@ -33,9 +33,14 @@ def twin_bf16(flagship_twin_target):
 
 @pytest.fixture(scope="module")
 def twin_fp32(flagship_twin_target):
+    """float32 without TF32 (cuDNN convolutions default to it): cached and uncached forwards then
+    differ only by summation order."""
     from dflash.models import load_target
 
-    return load_target(flagship_twin_target, device="cuda", dtype="float32")
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield load_target(flagship_twin_target, device="cuda", dtype="float32")
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 def test_twin_loads_onto_the_gpu_and_reports_its_linear_attention_path(twin_bf16, record_property):
