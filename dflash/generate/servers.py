@@ -84,13 +84,14 @@ def is_hybrid_target(model_path: Path) -> bool:
     """True for targets with linear-attention (Gated DeltaNet / Mamba-style) layers, read from config.json."""
     import json
 
+    from dflash.models import layer_types, text_config_dict
+
     path = Path(model_path) / "config.json"
     if not path.exists():
         return False
     config = json.loads(path.read_text(encoding="utf-8"))
-    text = config.get("text_config") or config
-    kinds = set(text.get("layer_types") or [])
-    return bool(kinds & {"linear_attention", "mamba"}) or text.get("model_type", config.get("model_type")) in HYBRID_MODEL_TYPES
+    model_type = text_config_dict(config).get("model_type", config.get("model_type"))
+    return bool({"linear_attention", "mamba"} & set(layer_types(config))) or model_type in HYBRID_MODEL_TYPES
 
 
 def sglang_attention_backend(ours: str) -> str:

@@ -97,33 +97,17 @@ def model_source(plan: Any, inputs: PlanInputs) -> str:
 
 
 def live_snapshot() -> dict[str, Any]:
-    """This machine's GPUs through NVML (no CUDA context)."""
+    """This machine's GPUs through NVML (no CUDA context), as envcheck collects them for snapshots."""
+    from dataclasses import asdict
+
+    from envcheck.nvml_facts import collect
     from launcher_core.errors import ConfigError
 
-    try:
-        return {"gpus": _nvml_gpus()}
-    except Exception as error:  # pynvml missing, NVMLError_LibraryNotFound, driver errors
-        raise ConfigError(f"cannot read this machine's GPUs through NVML ({type(error).__name__}: {error}); "
-                          f"pass --snapshot FILE recorded on the node to plan for") from None
-
-
-def _nvml_gpus() -> list[dict[str, Any]]:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return [_nvml_gpu(index, pynvml.nvmlDeviceGetHandleByIndex(index), pynvml)
-                for index in range(pynvml.nvmlDeviceGetCount())]
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _nvml_gpu(index: int, handle: Any, pynvml: Any) -> dict[str, Any]:
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    name, uuid = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetUUID(handle)
-    return {"index": index, "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-            "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_total_mib": info.total / 2**20, "memory_free_mib": info.free / 2**20}
+    nvml, gpus = collect()
+    if nvml.error:
+        raise ConfigError(f"cannot read this machine's GPUs through NVML ({nvml.error}); "
+                          f"pass --snapshot FILE recorded on the node to plan for")
+    return {"gpus": [asdict(gpu) for gpu in gpus]}
 
 
 def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Any:

@@ -119,18 +119,18 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Any, Any] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank.
 
-    The profile is first checked against its target's config.json and tokenizer
-    (dflash.train.launch_checks: ConfigError, exit 2, naming file and key), then
-    `plan` = (Plan, PlanInputs) from dflash.memory.launch_plan (computed here from this machine
-    and the profile's baseline when not given) is written to train/plan.json, where every rank
-    reads its starting micro-batch and budget. A rank that cannot hold one sequence stops the
+    Without `plan`, the profile is first checked against its target's config.json and tokenizer
+    (dflash.train.launch_checks: ConfigError, exit 2, naming file and key) and the plan is computed
+    here from this machine and the profile's baseline (`launcher.py train` checks and plans before
+    calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
+    train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot hold one sequence stops the
     launch here (PreflightFailed), before any model loads."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
     from launcher_core.manifest import update_stage
 
-    validate_profile_for_launch(profile)
-    if plan is None:
+    if plan is None:        # `launcher.py train` checked and planned already; the pipeline has not
+        validate_profile_for_launch(profile)
         inputs = read_inputs(profile)
         plan = (plan_for_launch(profile, inputs), inputs)
     paths = TrainPaths(Path(run_dir).resolve())

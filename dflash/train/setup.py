@@ -65,12 +65,11 @@ def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
 
 
 def _tokenizer_mask_id(profile: Profile) -> int | None:
-    from transformers import AutoTokenizer
-
+    """The tokenizer's mask token, read from its files (the launch checks' reader)."""
     from dflash.models import resolve_model_path
+    from dflash.train.launch_checks import tokenizer_mask_token_id
 
-    path = resolve_model_path(profile.model.tokenizer or profile.model.target)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True).mask_token_id
+    return tokenizer_mask_token_id(resolve_model_path(profile.model.tokenizer or profile.model.target))
 
 
 def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
