@@ -132,9 +132,9 @@ def training_throughput(tokens: int, steps: int) -> float:
     """tokens/s of training steps on one sequence, through the trainer's build_state and run_step."""
     import tempfile
 
-    import datasets
     import torch
 
+    from dflash.data.dataset_io import save_token_rows
     from dflash.memory.plan import batch_plan
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
@@ -145,7 +145,7 @@ def training_throughput(tokens: int, steps: int) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
         dataset = Path(work) / "dataset"
         ids = real_text_ids(tokenizer, tokens)
-        datasets.Dataset.from_dict({"input_ids": [ids], "loss_mask": [[1] * tokens]}).save_to_disk(str(dataset))
+        save_token_rows(dataset, [(ids, [1] * tokens)])
         profile = throughput_profile(dataset, Path(work) / "run", tokens)
         state = build_state(profile, Path(work) / "run", WorkerEnv(0, 1, 0), resume=False)
         times = []

@@ -21,7 +21,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from launcher_core.errors import InputError
 from launcher_core.fileio import write_json_atomic
@@ -191,6 +191,18 @@ def finalize_dataset(directory: Path, shards: list[ShardInfo], schema: Any, meta
     write_json_atomic(directory / "state.json", state)
     write_json_atomic(directory / "dataset_info.json", info)
     write_json_atomic(directory / META_NAME, meta)
+
+
+def save_token_rows(path: Path, rows: Sequence[tuple[Sequence[int], Sequence[int]]], id_prefix: str = "row") -> Path:
+    """(token ids, loss mask) rows as a small tokenized dataset with the columns `tokenize` writes,
+    in `datasets.save_to_disk` form (tests, benchmarks, the calibration's worst case)."""
+    import datasets
+
+    columns = {"input_ids": [list(ids) for ids, _ in rows], "loss_mask": [list(mask) for _, mask in rows],
+               "length": [len(ids) for ids, _ in rows], "num_loss_tokens": [int(sum(mask)) for _, mask in rows],
+               "id": [f"{id_prefix}-{index}" for index in range(len(rows))]}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+    return Path(path)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

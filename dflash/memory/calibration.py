@@ -102,15 +102,12 @@ def require_cuda(profile: Profile) -> None:
 def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int, seed: int = 0) -> Path:
     """`rows` sequences of exactly max_length random token ids (the lower half of the vocabulary,
     so never a mask row), loss on every token: the memory model's worst micro-batch."""
-    import datasets
     import numpy as np
 
+    from dflash.data.dataset_io import save_token_rows
+
     ids = np.random.default_rng(seed).integers(0, max(2, vocab // 2), size=(rows, max_length))
-    columns = {"input_ids": ids.tolist(), "loss_mask": [[1] * max_length for _ in range(rows)],
-               "length": [max_length] * rows, "num_loss_tokens": [max_length] * rows,
-               "id": [f"worst-case-{i}" for i in range(rows)]}
-    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-    return path
+    return save_token_rows(path, [(row.tolist(), [1] * max_length) for row in ids], id_prefix="worst-case")
 
 
 def worst_case_profile(profile: Profile, dataset: Path, rows: int) -> Profile:

@@ -1,4 +1,4 @@
-"""What the GPU tests share: where their figures go, the profiles they train with, their datasets.
+"""What the GPU tests share: where their figures go, the profiles they train with.
 
 Each test module records figures and checks in a `PartRecord`, saved (atomically, after every
 entry, so a killed run keeps what it proved) to `$GPU_CHECK_OUT/figures/<part>.json`, where
@@ -93,17 +93,6 @@ def gpu_profile(target: Path, dataset: Path, *, max_length: int, drafter_layers:
                    data=DataSection(max_length=max_length),
                    drafter=DrafterSection(num_layers=drafter_layers, block_size=block_size, mask_token_id=MASK_ID),
                    train=TrainSection(**settings), memory=MemorySection(margin=0.10))
-
-
-def write_rows_dataset(path: Path, rows: list[tuple[list[int], list[int]]]) -> Path:
-    """(token ids, loss mask) rows as a tokenized Arrow dataset, the columns `tokenize` writes."""
-    import datasets
-
-    columns = {"input_ids": [ids for ids, _ in rows], "loss_mask": [mask for _, mask in rows],
-               "length": [len(ids) for ids, _ in rows], "num_loss_tokens": [sum(mask) for _, mask in rows],
-               "id": [f"row-{i}" for i in range(len(rows))]}
-    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-    return path
 
 
 def relative_error(predicted: float, measured: float) -> float:

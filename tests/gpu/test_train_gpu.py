@@ -47,13 +47,14 @@ def pattern_rows(cycle: list[int], count: int, seed: int = 0) -> list[tuple[list
 @pytest.fixture(scope="module")
 def state(tiny_target, tokenizer_dir, tmp_path_factory) -> Any:
     import torch
-    from gpu_helpers import gpu_profile, write_rows_dataset
+    from gpu_helpers import gpu_profile
 
+    from dflash.data.dataset_io import save_token_rows
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
 
     work = tmp_path_factory.mktemp("train-gpu")
-    dataset = write_rows_dataset(work / "dataset", pattern_rows(cycle_token_ids(tokenizer_dir), TRAIN_ROWS))
+    dataset = save_token_rows(work / "dataset", pattern_rows(cycle_token_ids(tokenizer_dir), TRAIN_ROWS))
     profile = gpu_profile(tiny_target, dataset, max_length=256, drafter_layers=2, block_size=TRAIN_BLOCK,
                           num_anchors=TRAIN_ANCHORS, lr=TRAIN_LR, max_micro_batch=4)
     state = build_state(profile, work / "run", WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=4)

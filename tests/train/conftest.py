@@ -11,19 +11,14 @@ MASK_ID = 151669   # a padding row of the Qwen3 embedding (the tokenizer has 151
 
 def write_dataset(path: Path, rows: int = 32, seed: int = 0) -> Path:
     """Token sequences with a learnable pattern (counting mod 50) and a prompt without loss."""
-    import datasets
+    from dflash.data.dataset_io import save_token_rows
 
     rng = np.random.default_rng(seed)
-    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "length": [], "num_loss_tokens": [], "id": []}
-    for index in range(rows):
+    records = []
+    for _ in range(rows):
         length, prompt, start = int(rng.integers(40, 80)), int(rng.integers(5, 15)), int(rng.integers(0, 50))
-        columns["input_ids"].append([1000 + (start + j) % 50 for j in range(length)])
-        columns["loss_mask"].append([0] * prompt + [1] * (length - prompt))
-        columns["length"].append(length)
-        columns["num_loss_tokens"].append(length - prompt)
-        columns["id"].append(f"row-{index}")
-    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-    return path
+        records.append(([1000 + (start + j) % 50 for j in range(length)], [0] * prompt + [1] * (length - prompt)))
+    return save_token_rows(path, records)
 
 
 def write_profile(path: Path, target: Path, dataset: Path, run_dir: Path, **train: object) -> Path:
