@@ -19,7 +19,6 @@ eval); speedup over the same engine's target-only run.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from dflash.compat import version_tuple
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
@@ -105,15 +105,11 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
         raise ConfigError(f"--engine {engine}: {engine} is not installed for {python} (eval.engine_python); "
                           f"install it there or point eval.engine_python at an environment that has it")
     version = probe.stdout.strip()
-    if _version_tuple(version) < MIN_VERSIONS[engine]:
+    if version_tuple(version) < MIN_VERSIONS[engine]:
         wanted = ".".join(map(str, MIN_VERSIONS[engine]))
         raise ConfigError(f"--engine {engine}: {engine} {version} at {python} has no DFLASH speculative algorithm "
                           f"(needs {wanted} or later, as requirements-cu130.txt pins); set eval.engine_python")
     return version
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def chat(base_url: str, messages: Sequence[dict], max_tokens: int, temperature: float, seed: int,

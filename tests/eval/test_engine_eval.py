@@ -13,6 +13,7 @@ import pytest
 from dflash.eval.engines import engine_command
 from dflash.generate.servers import is_hybrid_target, sglang_server_command
 from launcher_core.profile import load_profile
+from tests.generate.gen_helpers import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
@@ -91,7 +92,7 @@ def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(en
                                  for i in range(3)) + "\n")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(tiny_qwen3_target)),
-                                  eval=dataclasses.replace(profile.eval, engine_port=_free_port()))
+                                  eval=dataclasses.replace(profile.eval, engine_port=free_port()))
     summary = evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)),
                                    engine, launch=[sys.executable, str(STANDIN), engine])
     methods = summary.report["methods"]
@@ -102,11 +103,3 @@ def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(en
     assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
     log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
     assert str(checkpoint) in log
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
