@@ -109,3 +109,17 @@ def test_the_checkpoint_reloads_with_the_flagship_policies(twin_run):
     features = torch.randn(1, 7, len(drafter.target_layer_ids) * target.config.hidden_size)
     logits = drafter.draft_logits(features, anchor_id=785, anchor_pos=7)
     assert logits.shape == (16, target.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_the_flagship_checkpoint_loads_strictly_into_the_reference_with_the_same_logits(twin_run, tmp_path):
+    """The flagship's drafter format (its own 32 x 128 / 8 KV attention on the twin's hidden size,
+    block 16, mask 248070, five taps of a hybrid target) as the reference `DFlashDraftModel` reads it."""
+    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.models import load_target, resolve_model_path
+    from launcher_core.profile import load_profile
+    from tests.train.reference_venv import compare_with_reference
+
+    run_dir, profile_path, steps = twin_run
+    _ok(steps["train"])
+    target = load_target(resolve_model_path(load_profile(str(profile_path)).model.target))
+    compare_with_reference(latest_checkpoint(run_dir), target, tmp_path, context=7, first_token=785)

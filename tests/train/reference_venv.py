@@ -47,3 +47,39 @@ def _require_index() -> None:
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"the package index is unreachable, cannot build the reference venv ({REFERENCE_PINS[0]}): {reason}")
+
+
+def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 11, first_token: int = 1000) -> None:
+    """Load `checkpoint` into our drafter and into the reference `DFlashDraftModel` (strictly: no
+    missing, unexpected or mismatched keys), feed both the same target features and block, and
+    hold the reference's config reading and draft logits equal to ours."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.taps import extract_taps
+
+    python = reference_python()
+    drafter = load_drafter(checkpoint, target)
+    input_ids = torch.arange(first_token, first_token + context + 1)[None]
+    features = extract_taps(target, input_ids, drafter.target_layer_ids)[:, :context].float()
+    ours = drafter.draft_logits(features, int(input_ids[0, context]), context)
+    block = drafter.block_input_ids(input_ids[:, context])
+    inputs = {"target_hidden": features.contiguous(), "position_ids": torch.arange(context + drafter.block_size)[None],
+              "noise_embedding": target.get_input_embeddings()(block).float().contiguous(),
+              "lm_head": target.get_output_embeddings().weight.detach().float().contiguous()}
+    save_file(inputs, str(work / "inputs.safetensors"))
+    done = subprocess.run([str(python), "tests/train/reference_logits.py", str(checkpoint),
+                           str(work / "inputs.safetensors"), str(work / "logits.safetensors")],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(not keys for keys in seen["loading_info"].values()), seen["loading_info"]
+    assert (seen["block_size"], seen["mask_token_id"], seen["target_layer_ids"]) == (
+        drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids)
+    assert seen["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
+    torch.testing.assert_close(torch.tensor(seen["inv_freq"]), drafter.rotary_emb.inv_freq.float())
+    reference = load_file(str(work / "logits.safetensors"))["logits"][0]
+    torch.testing.assert_close(reference, ours.float(), rtol=1e-4, atol=1e-4)
