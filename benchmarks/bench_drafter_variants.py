@@ -33,6 +33,8 @@ VARIANTS = {
     "target-3L-vocab": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
     "target-3L-vocab8k": {"layers": 3, "init": "target", "vocab": 8192, "lr": 1e-3, "norm_init": 1.0},
     "target-3L-vocab-lr2e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0},
+    "target-3L-vocab-lr3e-4": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-4, "norm_init": 1.0},
+    "target-3L-vocab-lr3e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-3, "norm_init": 1.0},
     "target-2L-vocab": {"layers": 2, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
     "target-3L-vocab-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0,
                                   "anchors": 32},
@@ -98,7 +100,9 @@ def build(target, variant: dict, vocab: list[int] | None):
     return build_drafter(profile, target, [TAP], target.config.num_hidden_layers, vocab)
 
 
-def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, anchors: int = ANCHORS) -> float:
+def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, anchors: int = ANCHORS,
+          after_step=None) -> float:
+    """Train `steps` steps; `after_step(n)` is called after step n (n = 1..steps), its time not counted."""
     import numpy as np
     import torch
 
@@ -126,6 +130,10 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
+        if after_step is not None:
+            paused = time.perf_counter()
+            after_step(step + 1)
+            started += time.perf_counter() - paused
     return time.perf_counter() - started
 
 
@@ -192,6 +200,8 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--sets", default=",".join(SETS), help=f"held-out sets, comma-separated, of {', '.join(SETS)}")
+    parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
+                        "within the one run of --steps (same schedule)")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -221,24 +231,32 @@ def main() -> int:
     for name, seqs in heldout.items():
         print(f"prompt lookup            {name:<9} tau {prompt_lookup_tau(seqs):.3f}", flush=True)
     for name in args.variants.split(","):
-        run_variant(name, VARIANTS[name], target, (rows, train_features, counts), heldout, heldout_features, args.steps)
+        run_variant(name, VARIANTS[name], target, (rows, train_features, counts), heldout, heldout_features, args.steps,
+                    {int(s) for s in args.eval_at.split(",") if s})
     return 0
 
 
 def run_variant(name: str, variant: dict, target, training: tuple, heldout: dict, heldout_features: dict,
-                steps: int) -> None:
-    """Train one variant and print its tau on every held-out set."""
+                steps: int, eval_at: set[int]) -> None:
+    """Train one variant and print its tau on every held-out set (also after each step in `eval_at`)."""
     from dflash.drafter.draft_vocab import draft_vocabulary
 
     rows, train_features, counts = training
     vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
     drafter = build(target, variant, vocab)
-    seconds = train(drafter, rows, train_features, steps, variant["lr"], variant.get("anchors", ANCHORS))
-    drafter.eval()
-    for set_name, seqs in heldout.items():
-        tau, reached = drafter_tau(drafter, seqs, heldout_features[set_name])
-        print(f"{name:<24} {set_name:<9} tau {tau:.3f}  reached slot 1..7 {reached}  {steps} steps in {seconds:.0f} s "
-              f"({seconds / steps:.2f} s/step)", flush=True)
+
+    def report(step: int, note: str = "") -> None:
+        drafter.eval()
+        for set_name, seqs in heldout.items():
+            tau, reached = drafter_tau(drafter, seqs, heldout_features[set_name])
+            print(f"{name:<24} {set_name:<9} tau {tau:.3f}  reached slot 1..7 {reached}  step {step}{note}", flush=True)
+        drafter.train()
+
+    if 0 in eval_at:
+        report(0)
+    seconds = train(drafter, rows, train_features, steps, variant["lr"], variant.get("anchors", ANCHORS),
+                    lambda step: report(step) if step in eval_at and step != steps else None)
+    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step)")
 
 
 if __name__ == "__main__":
