@@ -1,12 +1,15 @@
 """Which drafter set-up learns fastest on the CPU demo: trained in-process, measured by greedy tau.
 
     .venv/bin/python benchmarks/bench_drafter_variants.py --run-dir runs/cpu-demo [--steps 300]
+        [--variants target-3L-vocab,...] [--sets everyday,indist]
 
 Needs a run directory whose `dataset/` the tokenize stage wrote (the pipeline leaves one). The
 target's tap features of every row are extracted once and kept in memory; each variant then
 trains a fresh drafter for `--steps` steps (8 sequences x 16 anchors, AdamW, warmup + cosine,
 the trainer's own loss and targets) on one process. Held-out: the first `--heldout` prompts of
-`dflash/prompts/heldout_prompts.jsonl`, continued greedily by the target for 48 tokens. Each
+each set in `--sets` (everyday: `dflash/prompts/everyday_prompts.jsonl`, the out-of-template set
+`eval` uses by default; indist: `dflash/prompts/indist_prompts.jsonl`, held-out entries of the
+training prompts' bank), continued greedily by the target for 48 tokens. Each
 drafter drafts at every position of those continuations (teacher-forced, as speculative
 decoding sees them) and the greedy decoding walk over them gives tau = tokens / steps, the
 figure `launcher.py eval` reports; prompt lookup is walked the same way.
@@ -28,7 +31,15 @@ VARIANTS = {
     "target-1L": {"layers": 1, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
     "target-3L": {"layers": 3, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
     "target-3L-vocab": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
+    "target-3L-vocab8k": {"layers": 3, "init": "target", "vocab": 8192, "lr": 1e-3, "norm_init": 1.0},
+    "target-3L-vocab-lr2e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0},
+    "target-3L-vocab-lr3e-4": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-4, "norm_init": 1.0},
+    "target-3L-vocab-lr3e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-3, "norm_init": 1.0},
+    "target-2L-vocab": {"layers": 2, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
+    "target-3L-vocab-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0,
+                                  "anchors": 32},
 }
+SETS = {"everyday": "everyday_prompts.jsonl", "indist": "indist_prompts.jsonl"}
 TAP, BLOCK, BATCH, ANCHORS, NEW_TOKENS = 26, 8, 8, 16, 48
 
 
@@ -42,15 +53,14 @@ def load_rows(table: Any) -> list[Sequence]:
     return [Sequence(list(r["input_ids"]), list(r["loss_mask"])) for r in table]
 
 
-def heldout_sequences(target, tokenizer, count: int) -> list[Sequence]:
+def heldout_sequences(target, tokenizer, path: Path, count: int) -> list[Sequence]:
     """Held-out prompt + the target's own greedy continuation (loss mask on the continuation)."""
     import torch
 
     from dflash.eval.evaluate import encode_prompts
-    from dflash.eval.options import DEFAULT_EVAL_PROMPTS
 
     out = []
-    for encoded in encode_prompts(tokenizer, DEFAULT_EVAL_PROMPTS, count, thinking=False):
+    for encoded in encode_prompts(tokenizer, path, count, thinking=False):
         prompt = list(encoded.token_ids)
         with torch.no_grad():
             full = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
@@ -90,7 +100,9 @@ def build(target, variant: dict, vocab: list[int] | None):
     return build_drafter(profile, target, [TAP], target.config.num_hidden_layers, vocab)
 
 
-def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) -> float:
+def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, anchors: int = ANCHORS,
+          after_step=None) -> float:
+    """Train `steps` steps; `after_step(n)` is called after step n (n = 1..steps), its time not counted."""
     import numpy as np
     import torch
 
@@ -109,7 +121,7 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
         epoch, index = divmod(step, per_epoch)
         order = np.random.default_rng([0, epoch]).permutation(len(rows))
         chosen = [int(r) for r in order[index * BATCH:(index + 1) * BATCH]]
-        batch = collate_rows([rows[r].ids for r in chosen], [rows[r].mask for r in chosen], chosen, ANCHORS, 0, epoch)
+        batch = collate_rows([rows[r].ids for r in chosen], [rows[r].mask for r in chosen], chosen, anchors, 0, epoch)
         features_batch = padded(features, chosen, batch.input_ids.shape[1])
         hidden = forward_blocks(drafter, batch.input_ids, batch.anchors, features_batch, "sdpa")
         parts = block_loss(hidden, drafter.logits, step_targets(drafter, batch), decay)
@@ -118,6 +130,10 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float) 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
+        if after_step is not None:
+            paused = time.perf_counter()
+            after_step(step + 1)
+            started += time.perf_counter() - paused
     return time.perf_counter() - started
 
 
@@ -183,11 +199,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--sets", default=",".join(SETS), help=f"held-out sets, comma-separated, of {', '.join(SETS)}")
+    parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
+                        "within the one run of --steps (same schedule)")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.drafter.draft_vocab import count_loss_tokens, draft_vocabulary
+    from dflash.drafter.draft_vocab import count_loss_tokens
     from dflash.models import resolve_model_path
 
     torch.set_num_threads(2)
@@ -200,21 +219,44 @@ def main() -> int:
     table = datasets.load_from_disk(str(args.run_dir / "dataset")).with_format(None)
     rows = load_rows(table)
     started = time.perf_counter()
-    heldout = heldout_sequences(target, tokenizer, args.heldout)
-    train_features, heldout_features = tap_features(target, rows), tap_features(target, heldout)
-    print(f"{len(rows)} training rows ({sum(sum(r.mask) for r in rows)} loss tokens), {len(heldout)} held-out "
-          f"prompts x {NEW_TOKENS} greedy tokens; features in {time.perf_counter() - started:.0f} s", flush=True)
+    prompts_dir = REPO_ROOT / "dflash" / "prompts"
+    heldout = {name: heldout_sequences(target, tokenizer, prompts_dir / SETS[name], args.heldout)
+               for name in args.sets.split(",")}
+    train_features = tap_features(target, rows)
+    heldout_features = {name: tap_features(target, seqs) for name, seqs in heldout.items()}
+    print(f"{len(rows)} training rows ({sum(sum(r.mask) for r in rows)} loss tokens), held-out "
+          f"{', '.join(f'{name} {len(seqs)}' for name, seqs in heldout.items())} prompts x {NEW_TOKENS} greedy "
+          f"tokens; features in {time.perf_counter() - started:.0f} s", flush=True)
     counts = count_loss_tokens(table, 10**9)
-    print(f"prompt lookup            tau {prompt_lookup_tau(heldout):.3f}", flush=True)
+    for name, seqs in heldout.items():
+        print(f"prompt lookup            {name:<9} tau {prompt_lookup_tau(seqs):.3f}", flush=True)
     for name in args.variants.split(","):
-        variant = VARIANTS[name]
-        vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
-        drafter = build(target, variant, vocab)
-        seconds = train(drafter, rows, train_features, args.steps, variant["lr"])
-        tau, reached = drafter_tau(drafter.eval(), heldout, heldout_features)
-        print(f"{name:<24} tau {tau:.3f}  reached slot 1..7 {reached}  {args.steps} steps in {seconds:.0f} s "
-              f"({seconds / args.steps:.2f} s/step)", flush=True)
+        run_variant(name, VARIANTS[name], target, (rows, train_features, counts), heldout, heldout_features, args.steps,
+                    {int(s) for s in args.eval_at.split(",") if s})
     return 0
+
+
+def run_variant(name: str, variant: dict, target, training: tuple, heldout: dict, heldout_features: dict,
+                steps: int, eval_at: set[int]) -> None:
+    """Train one variant and print its tau on every held-out set (also after each step in `eval_at`)."""
+    from dflash.drafter.draft_vocab import draft_vocabulary
+
+    rows, train_features, counts = training
+    vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
+    drafter = build(target, variant, vocab)
+
+    def report(step: int, note: str = "") -> None:
+        drafter.eval()
+        for set_name, seqs in heldout.items():
+            tau, reached = drafter_tau(drafter, seqs, heldout_features[set_name])
+            print(f"{name:<24} {set_name:<9} tau {tau:.3f}  reached slot 1..7 {reached}  step {step}{note}", flush=True)
+        drafter.train()
+
+    if 0 in eval_at:
+        report(0)
+    seconds = train(drafter, rows, train_features, steps, variant["lr"], variant.get("anchors", ANCHORS),
+                    lambda step: report(step) if step in eval_at and step != steps else None)
+    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step)")
 
 
 if __name__ == "__main__":

@@ -150,9 +150,10 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 def _eval(ctx: PipelineContext) -> str:
     from dflash.eval.evaluate import run_eval
 
-    methods = run_eval(ctx.profile, run_dir=ctx.run_dir).report["methods"]
-    return "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup']:.2f}x"
-                     for name, m in methods.items() if name != "target")
+    report = run_eval(ctx.profile, run_dir=ctx.run_dir).report
+    figures = "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup']:.2f}x"
+                        for name, m in report["methods"].items() if name != "target")
+    return f"{figures} on {report['num_prompts']} prompts, {report.get('prompt_set', report.get('prompts_file'))}"
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 def summary_lines(report: dict) -> str:
     """One line per method: mean tau, tokens/s, speedup (and losslessness when greedy)."""
     lines = [f"eval{' (' + report['engine'] + ', engine-reported tau)' if 'engine' in report else ''}: "
-             f"{report['num_prompts']} prompts, block size {report['block_size']}, temperature {report['temperature']}"]
+             f"{report['num_prompts']} prompts{' (' + report['prompt_set'] + ')' if report.get('prompt_set') else ''}, block size {report['block_size']}, temperature {report['temperature']}"]
     for name, method in report["methods"].items():
         tau = f"tau {method['mean_tau']:.2f}  " if name != "target" and method["mean_tau"] is not None else " " * 11
         same = method.get("identical_to_target")

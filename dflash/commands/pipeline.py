@@ -49,7 +49,8 @@ def final_figures(profile, run_dir) -> str:
     entry = read_manifest(directory)["stages"].get("eval", {})
     if entry.get("state") != "done":
         return f"run directory: {directory} (no eval yet)"
-    return (f"tau: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
+    on = f" on {entry.get('prompts')} prompts, {entry['prompt_set']}" if entry.get("prompt_set") else ""
+    return (f"tau{on}: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
             f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
             f"run directory: {directory} (report: {directory / 'eval' / 'report.md'}; "
             f"`launcher.py status {directory}`)")

@@ -231,7 +231,7 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
                          launch: Optional[Sequence[str]] = None) -> Any:
     """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`."""
     from dflash.drafter.checkpoint import read_drafter_config
-    from dflash.eval.options import EvalSummary, eval_prompts_path
+    from dflash.eval.options import EvalSummary, eval_prompts_path, prompt_set_label
     from dflash.generate.prompts import load_prompts
     from dflash.models import resolve_model_path
     from launcher_core.fileio import write_json_atomic, write_text_atomic
@@ -249,7 +249,8 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     eval_dir = run_dir / "eval"
     runs = run_engines(engine, profile, target, checkpoint, block_size, prompts, settings, eval_dir / "logs", launch)
     context = {"profile": profile.name, "target": str(target), "checkpoint": str(checkpoint),
-               "prompts_file": str(prompts_path), "max_new_tokens": settings.max_new_tokens, "seed": settings.seed}
+               "prompts_file": str(prompts_path), "prompt_set": prompt_set_label(prompts_path),
+               "max_new_tokens": settings.max_new_tokens, "seed": settings.seed}
     report = engine_report(engine, runs, block_size=block_size, temperature=temperature, context=context)
     files = [write_json_atomic(eval_dir / f"engine-{engine}.json", report),
              write_text_atomic(eval_dir / f"engine-{engine}.md", render_engine_markdown(report))]

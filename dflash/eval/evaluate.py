@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from dflash.eval.options import EvalOptions, EvalSummary, eval_prompts_path
+from dflash.eval.options import EvalOptions, EvalSummary, eval_prompts_path, prompt_set_label
 from launcher_core.errors import InputError
 from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
@@ -164,7 +164,8 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
         results = decode_prompts(model, [draft, lookup], prompts, settings, seed, draft.layer_ids)
     context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint),
                "torch_threads": threads,
-               "prompts_file": str(prompts_path), "max_new_tokens": settings.max_new_tokens, "seed": seed}
+               "prompts_file": str(prompts_path), "prompt_set": prompt_set_label(prompts_path),
+               "max_new_tokens": settings.max_new_tokens, "seed": seed}
     report = build_report(results, block_size=settings.block_size, temperature=temperature, context=context)
     eval_dir = run_dir / "eval"
     files = [*write_report(report, eval_dir), *write_plots(report, eval_dir, run_dir / "train" / "metrics.jsonl")]
@@ -176,6 +177,8 @@ def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
     for an engine eval: `sglang_dflash_tau`)."""
     prefix = f"{report['engine']}_" if report.get("engine") else ""
     figures: dict[str, Any] = {"prompts": report["num_prompts"], "block_size": report["block_size"]}
+    if report.get("prompt_set"):
+        figures[f"{prefix}prompt_set"] = report["prompt_set"]
     for name, method in report["methods"].items():
         if name == "target":
             figures[f"{prefix}target_tokens_per_s"] = round(method["tokens_per_s"], 2)

@@ -10,7 +10,13 @@ from typing import Any, Optional
 from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
 
-DEFAULT_EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout_prompts.jsonl"
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+# Written by hand apart from the training prompts: no template or generator shared with them.
+DEFAULT_EVAL_PROMPTS = PROMPTS_DIR / "everyday_prompts.jsonl"
+# Held-out entries of the bank the training prompts come from (make_prompts.py).
+INDIST_EVAL_PROMPTS = PROMPTS_DIR / "indist_prompts.jsonl"
+SHIPPED_SETS = {DEFAULT_EVAL_PROMPTS: "out-of-template held-out", INDIST_EVAL_PROMPTS: "in-distribution held-out",
+                PROMPTS_DIR / "builtin_prompts.jsonl": "training prompts"}
 
 
 @dataclass(frozen=True)
@@ -40,3 +46,10 @@ def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
     if profile.paths.eval_prompts:
         return expand_path(profile, profile.paths.eval_prompts)
     return DEFAULT_EVAL_PROMPTS
+
+
+def prompt_set_label(path: Path) -> str:
+    """What an eval's prompts are, for the report: `out-of-template held-out (everyday_prompts.jsonl)`,
+    `in-distribution held-out (...)`, `training prompts (...)`, or `your prompts (NAME)`."""
+    kind = SHIPPED_SETS.get(Path(path).resolve(), "your prompts")
+    return f"{kind} ({Path(path).name})"

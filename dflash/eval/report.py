@@ -124,7 +124,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     methods, block = report["methods"], report["block_size"]
     lines = [f"# Speculative decoding eval: {report.get('profile', '')}", ""]
     lines += [f"Target `{report.get('target', '')}`, drafter `{report.get('checkpoint', '')}`, "
-              f"block size {block}, temperature {report['temperature']}, {report['num_prompts']} prompts.", ""]
+              f"block size {block}, temperature {report['temperature']}, {report['num_prompts']} prompts"
+              f"{': ' + report['prompt_set'] if report.get('prompt_set') else ''}.", ""]
     lines += _table(["method", "mean tau", "steps", "new tokens", "tokens/s", "speedup", "identical to target"],
                     [[name, m["mean_tau"], m["steps"], m["new_tokens"], m["tokens_per_s"], m["speedup"],
                       m["identical_to_target"]] for name, m in methods.items()])

@@ -1,60 +1,40 @@
-"""Make the built-in prompt sets: `builtin_prompts.jsonl` (training) and `heldout_prompts.jsonl` (eval).
+"""Make the training prompts `builtin_prompts.jsonl` and the in-distribution held-out set
+`indist_prompts.jsonl` from the hand-written bank in `prompt_bank.py`.
 
-Deterministic (fixed seeds, no network): rerunning rewrites byte-identical files. Every prompt is
-written here from templates of our own: arithmetic and word problems, short code tasks,
-rewriting and instruction following, lists and definitions, and tool-calling requests with
-`tools`. The held-out set is drawn from the same families with different values, and any prompt
-whose text also appears in the training set is rejected, so the two never share a prompt.
+Deterministic (fixed seed, no network): rerunning rewrites byte-identical files. Every bank
+entry is one distinct request (explanations, advice, word problems, code, emails and letters,
+poems and stories, editing a given passage, translation, prompts in eight languages,
+comparisons, lists, facts, recipes, plans, classification and extraction, conversations
+already under way, tool calls). Every tenth entry of each category is held out as the
+in-distribution set; the rest are the training prompts, some behind one of several system
+prompts or with a closing instruction ("Please keep it short.", ...), categories interleaved so
+that the first N prompts cover them all. The default evaluation set, `everyday_prompts.jsonl`,
+is written by hand apart from the bank (no template, no generator shared with it).
 
-    python dflash/prompts/make_prompts.py [--train 300] [--heldout 40]
+    python dflash/prompts/make_prompts.py [--out-dir DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
+sys.path.insert(0, str(HERE))
 
-NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivo", "Jun", "Kemal", "Lea", "Milo", "Noor"]
-ITEMS = ["apples", "pencils", "marbles", "stickers", "books", "cookies", "stamps", "shells", "cards", "coins"]
-TOPICS = ["photosynthesis", "a binary search", "compound interest", "the water cycle", "a hash table",
-          "inflation", "plate tectonics", "recursion", "a vaccine", "supply and demand", "an API",
-          "gravity", "a prime number", "version control", "the immune system", "a neural network",
-          "erosion", "a database index", "the greenhouse effect", "a compiler", "democracy", "entropy",
-          "a black hole", "caching", "osmosis", "a budget", "public-key encryption", "a leap year"]
-CODE_TASKS = ["reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
-              "counts the vowels in a string", "removes duplicates from a list while keeping order",
-              "computes the factorial of n", "checks whether a string is a palindrome",
-              "returns the largest element of a list without using max", "merges two sorted lists",
-              "converts Celsius to Fahrenheit", "flattens a nested list one level deep",
-              "counts word frequencies in a sentence", "returns the sum of the digits of an integer",
-              "checks whether two strings are anagrams", "finds the second smallest number in a list",
-              "splits a list into chunks of size k", "capitalizes the first letter of every word",
-              "computes the greatest common divisor of two integers", "rotates a list by k positions",
-              "returns the indices of all occurrences of a value in a list"]
-LANGUAGES = ["Python", "JavaScript", "Go", "Rust", "C", "Java"]
-SENTENCES = ["the meeting has been moved to thursday because the room was double booked",
-             "our new app lets you track your daily water intake and reminds you to drink",
-             "the train was late again so i missed the first half of the presentation",
-             "please remember to bring your own cup to the office party on friday",
-             "the library will be closed for renovations during the whole month of august",
-             "we are looking for volunteers to help clean up the park next saturday morning",
-             "the recipe needs two eggs a cup of flour and a pinch of salt",
-             "after three weeks of testing the bug turned out to be a missing semicolon",
-             "the hiking trail is steep but the view from the top is worth it",
-             "customers can now return items within sixty days instead of thirty"]
-STYLES = ["more formal", "more friendly", "shorter", "suitable for a child", "as a bullet list",
-          "in the passive voice", "as a tweet under 200 characters", "with correct capitalization and punctuation"]
-LIST_ASKS = ["List {n} tips for {goal}.", "Give {n} examples of {thing}.", "Name {n} ways to {goal}."]
-GOALS = ["sleeping better", "learning a new language", "saving money on groceries", "staying focused while studying",
-         "reducing plastic waste", "writing clearer emails", "preparing for a job interview", "keeping houseplants alive"]
-THINGS = ["renewable energy sources", "mammals that live in the ocean", "sorting algorithms", "musical instruments with strings",
-          "board games for families", "programming languages", "simple machines", "uses of a spreadsheet"]
-CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Lima", "Oslo", "Hanoi", "Cairo", "Perth", "Quito"]
+import prompt_bank as bank  # noqa: E402  (a sibling module: the script runs without the package)
+
+SEED = 20261201
+HOLD_OUT_EVERY = 10
+SYSTEM_SHARE = 0.3
+PLAIN_CATEGORIES = {"explain": bank.EXPLAIN, "howto": bank.HOW_TO, "math": bank.MATH, "code": bank.CODE,
+                    "writing": bank.WRITING, "creative": bank.CREATIVE, "edit": bank.EDIT,
+                    "translate": bank.TRANSLATE, "multilingual": bank.MULTILINGUAL, "compare": bank.COMPARE,
+                    "list": bank.LISTS, "facts": bank.FACTS, "food": bank.FOOD, "plan": bank.PLANNING,
+                    "classify": bank.CLASSIFY}
+NO_SUFFIX = {"translate", "multilingual", "classify", "edit"}
 
 
 def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -62,102 +42,70 @@ def tool(name: str, description: str, properties: dict, required: list[str]) -> 
         "type": "object", "properties": properties, "required": required}}}
 
 
-WEATHER = tool("get_weather", "Current weather for a city",
-               {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ["city"])
-CALCULATOR = tool("calculate", "Evaluate an arithmetic expression exactly",
-                  {"expression": {"type": "string"}}, ["expression"])
-CONVERT = tool("convert_currency", "Convert an amount between currencies",
-               {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}}, ["amount", "from", "to"])
-REMINDER = tool("create_reminder", "Create a reminder at a time",
-                {"text": {"type": "string"}, "time": {"type": "string"}}, ["text", "time"])
+TOOLS = {
+    "get_weather": tool("get_weather", "Current weather for a city",
+                        {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                        ["city"]),
+    "calculate": tool("calculate", "Evaluate an arithmetic expression exactly", {"expression": {"type": "string"}},
+                      ["expression"]),
+    "convert_currency": tool("convert_currency", "Convert an amount between currencies",
+                             {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
+                             ["amount", "from", "to"]),
+    "create_reminder": tool("create_reminder", "Create a reminder at a time",
+                            {"text": {"type": "string"}, "time": {"type": "string"}}, ["text", "time"]),
+}
 
 
-def arithmetic(rng: random.Random) -> dict:
-    a, b, c = rng.randint(12, 999), rng.randint(2, 99), rng.randint(2, 30)
-    form = rng.choice(["What is {a} + {b} * {c}?", "Compute ({a} - {b}) * {c}. Show your steps.",
-                       "What is {a} divided by {c}, rounded to two decimals?", "Is {a} divisible by {c}? Explain."])
-    return {"messages": [{"role": "user", "content": form.format(a=a, b=b, c=c)}]}
+def conversation(turns: list[str]) -> list[dict]:
+    """Alternating user / assistant turns, ending with the user's."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)]
 
 
-def word_problem(rng: random.Random) -> dict:
-    name, other = rng.sample(NAMES, 2)
-    item, n, k, price = rng.choice(ITEMS), rng.randint(5, 60), rng.randint(2, 9), rng.randint(2, 15)
-    form = rng.choice([
-        "{name} has {n} {item} and gives {k} to {other}. Then {name} buys {k} times as many as {other} got. "
-        "How many {item} does {name} have now?",
-        "{name} buys {n} {item} at {price} dollars each and pays with a {bill} dollar bill. How much change is left?",
-        "{name} and {other} share {n} {item} so that {name} gets {k} more than {other}. How many does each get?",
-        "A box holds {k} {item}. How many boxes does {name} need for {n} {item}?"])
-    text = form.format(name=name, other=other, item=item, n=n, k=k, price=price, bill=(n * price // 100 + 1) * 100)
-    return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]}
-
-
-def code_task(rng: random.Random) -> dict:
-    task, language = rng.choice(CODE_TASKS), rng.choice(LANGUAGES)
-    form = rng.choice(["Write a {language} function that {task}.",
-                       "Write a short {language} function that {task}, with one example call.",
-                       "In {language}, implement a function that {task}. Keep it under 15 lines."])
-    return {"messages": [{"role": "user", "content": form.format(language=language, task=task)}]}
-
-
-def rewrite(rng: random.Random) -> dict:
-    sentence, style = rng.choice(SENTENCES), rng.choice(STYLES)
-    return {"messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": f"Rewrite this {style}: \"{sentence}\""}]}
-
-
-def listing(rng: random.Random) -> dict:
-    form, n = rng.choice(LIST_ASKS), rng.randint(3, 7)
-    text = form.format(n=n, goal=rng.choice(GOALS), thing=rng.choice(THINGS))
-    return {"prompt": text}
-
-
-def definition(rng: random.Random) -> dict:
-    topic = rng.choice(TOPICS)
-    form = rng.choice(["Explain {t} in two sentences.", "What is {t}? Give a one-line definition and an example.",
-                       "Explain {t} to a ten-year-old.", "Summarize the key idea behind {t} in three bullet points."])
-    return {"prompt": form.format(t=topic)}
-
-
-def tool_call(rng: random.Random) -> dict:
-    city, other = rng.sample(CITIES, 2)
-    a, b = rng.randint(100, 9999), rng.randint(3, 97)
-    choices: list[tuple[str, list[dict]]] = [
-        (f"What's the weather like in {city} right now, in celsius?", [WEATHER]),
-        (f"Should I take an umbrella in {city} today?", [WEATHER, REMINDER]),
-        (f"What is {a} * {b} exactly? Use the calculator.", [CALCULATOR]),
-        (f"Convert {a} US dollars to euros.", [CONVERT, CALCULATOR]),
-        (f"Remind me to call {rng.choice(NAMES)} at {rng.randint(1, 12)} pm.", [REMINDER]),
-        (f"Is it warmer in {city} or in {other} at the moment?", [WEATHER]),
-    ]
-    text, tools = rng.choice(choices)
-    return {"messages": [{"role": "user", "content": text}], "tools": tools}
-
-
-FAMILIES: list[tuple[str, Callable[[random.Random], dict], int]] = [
-    ("math", arithmetic, 2), ("word", word_problem, 2), ("code", code_task, 2), ("rewrite", rewrite, 2),
-    ("list", listing, 1), ("define", definition, 1), ("tool", tool_call, 2)]
-
-
-def prompt_text(record: dict) -> str:
-    return record.get("prompt") or record["messages"][-1]["content"]
-
-
-def make_set(prefix: str, count: int, seed: int, exclude: set[str]) -> list[dict]:
-    """`count` distinct prompts, families interleaved by weight, none whose text is in `exclude`."""
-    rng = random.Random(seed)
-    schedule = [family for family in FAMILIES for _ in range(family[2])]
-    records: list[dict] = []
-    seen = set(exclude)
-    while len(records) < count:
-        name, make, _ = schedule[len(records) % len(schedule)]
-        for _ in range(1000):
-            record = make(rng)
-            if prompt_text(record) not in seen:
-                break
-        seen.add(prompt_text(record))
-        records.append({"id": f"{prefix}-{len(records):04d}-{name}", **record})
+def bank_records() -> dict[str, list[dict]]:
+    """Every bank entry as a prompt record (no id yet), by category, in bank order."""
+    records = {name: [{"messages": [{"role": "user", "content": text}]} for text in texts]
+               for name, texts in PLAIN_CATEGORIES.items()}
+    records["chat"] = [{"messages": conversation(turns)} for turns in bank.CONVERSATIONS]
+    records["tool"] = [{"messages": [{"role": "user", "content": text}], "tools": [TOOLS[n] for n in names]}
+                       for text, names in bank.TOOL_REQUESTS]
     return records
+
+
+def split(records: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    """(training, held out): every HOLD_OUT_EVERY-th entry of a category, from the fifth, is held out."""
+    held = {name: [r for i, r in enumerate(rs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY // 2]
+            for name, rs in records.items()}
+    kept = {name: [r for i, r in enumerate(rs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY // 2]
+            for name, rs in records.items()}
+    return kept, held
+
+
+def vary(record: dict, category: str, rng: random.Random) -> dict:
+    """Some training prompts get a system prompt, some a closing instruction (single-turn English only)."""
+    messages = [dict(m) for m in record["messages"]]
+    if category not in NO_SUFFIX and category != "chat" and len(messages) == 1:
+        messages[-1]["content"] += rng.choice(bank.SUFFIXES)
+    if rng.random() < SYSTEM_SHARE:
+        messages.insert(0, {"role": "system", "content": rng.choice(bank.SYSTEMS)})
+    return {**record, "messages": messages}
+
+
+def interleave(prefix: str, groups: dict[str, list[dict]]) -> list[dict]:
+    """Round-robin over the categories, so any first N prompts mix them; ids `PREFIX-NNNN-CATEGORY`."""
+    queues = {name: list(rs) for name, rs in groups.items()}
+    out: list[dict] = []
+    while any(queues.values()):
+        for name, queue in queues.items():
+            if queue:
+                out.append({"id": f"{prefix}-{len(out):04d}-{name}", **queue.pop(0)})
+    return out
+
+
+def make_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    kept, held = split(bank_records())
+    varied = {name: [vary(r, name, rng) for r in rs] for name, rs in kept.items()}
+    return interleave("train", varied), interleave("indist", held)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -166,15 +114,12 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=300)
-    parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--out-dir", type=Path, default=HERE)
     args = parser.parse_args(argv)
-    train = make_set("train", args.train, seed=20240601, exclude=set())
-    heldout = make_set("heldout", args.heldout, seed=777, exclude={prompt_text(r) for r in train})
+    train, indist = make_sets()
     write_jsonl(args.out_dir / "builtin_prompts.jsonl", train)
-    write_jsonl(args.out_dir / "heldout_prompts.jsonl", heldout)
-    print(f"wrote {len(train)} training and {len(heldout)} held-out prompts to {args.out_dir}")
+    write_jsonl(args.out_dir / "indist_prompts.jsonl", indist)
+    print(f"wrote {len(train)} training and {len(indist)} in-distribution held-out prompts to {args.out_dir}")
     return 0
 
 

@@ -41,19 +41,45 @@ def test_eval_writes_report_plots_and_manifest(eval_run, capsys):
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert set(report["methods"]) == {"target", "dflash", "prompt_lookup"}
     assert report["num_prompts"] == 3 and report["block_size"] == 4 and report["torch_threads"] == 1
-    assert [p["id"] for p in report["prompts"]] == ["heldout-0000-math", "heldout-0001-math", "heldout-0002-word"]
+    assert [p["id"] for p in report["prompts"]] == ["everyday-00-word-problem", "everyday-01-code", "everyday-02-explain"]
+    assert report["prompt_set"] == "out-of-template held-out (everyday_prompts.jsonl)"
     for name in ("dflash", "prompt_lookup"):
         method = report["methods"][name]
         assert method["identical_to_target"] is True
         assert sum(method["tau_histogram"].values()) == method["steps"]
         assert method["speedup"] > 0
-    assert "| dflash |" in (run_dir / "eval" / "report.md").read_text()
+    markdown = (run_dir / "eval" / "report.md").read_text()
+    assert "| dflash |" in markdown and "3 prompts: out-of-template held-out (everyday_prompts.jsonl)." in markdown
     for png in ("tau_histogram.png", "position_acceptance.png"):
         assert (run_dir / "eval" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     entry = read_manifest(run_dir)["stages"]["eval"]
     assert entry["state"] == "done"
     assert entry["dflash_tau"] == pytest.approx(report["methods"]["dflash"]["mean_tau"], abs=1e-3)
     assert entry["dflash_lossless"] is True and entry["prompt_lookup_lossless"] is True
+    assert entry["prompt_set"] == report["prompt_set"]
+
+
+def test_pipeline_summary_line_names_the_prompt_set(eval_run):
+    from dflash.commands.pipeline import final_figures
+    from launcher_core.profile import load_profile
+
+    run_dir, profile, _ = eval_run
+    entry = read_manifest(run_dir)["stages"]["eval"]
+    line = final_figures(load_profile(str(profile)), None).splitlines()[0]
+    assert line.startswith("tau on 3 prompts, out-of-template held-out (everyday_prompts.jsonl): "
+                           f"DFlash {entry['dflash_tau']} vs prompt lookup {entry['prompt_lookup_tau']}")
+
+
+def test_eval_prompts_flag_labels_the_in_distribution_set(eval_run, capsys):
+    from dflash.eval.options import INDIST_EVAL_PROMPTS
+
+    run_dir, profile, _ = eval_run
+    assert launcher.main(["eval", "--profile", str(profile), "--prompts", str(INDIST_EVAL_PROMPTS),
+                          "--num-prompts", "1", "--max-new-tokens", "4"]) == 0
+    assert "1 prompts (in-distribution held-out (indist_prompts.jsonl))" in capsys.readouterr().out
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert report["prompt_set"] == "in-distribution held-out (indist_prompts.jsonl)"
+    assert [p["id"] for p in report["prompts"]] == ["indist-0000-explain"]
 
 
 def test_status_shows_each_stage(eval_run, capsys):

@@ -28,7 +28,7 @@ def eval_prompts(tokenizer_dir: Path, count: int) -> list[tuple[str, list[int]]]
     from dflash.generate.prompts import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    records = load_prompts(REPO_ROOT / "dflash" / "prompts" / "heldout_prompts.jsonl")[:count]
+    records = load_prompts(REPO_ROOT / "dflash" / "prompts" / "everyday_prompts.jsonl")[:count]
     encoded = []
     for record in records:
         text = tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True, tokenize=False,
