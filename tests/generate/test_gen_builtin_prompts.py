@@ -82,12 +82,3 @@ def test_script_reproduces_the_shipped_files(repo_root, tmp_path):
     for name in ("builtin_prompts.jsonl", "indist_prompts.jsonl"):
         assert (tmp_path / name).read_bytes() == (repo_root / "dflash/prompts" / name).read_bytes()
 
-
-def test_everyday_set_is_written_apart_from_the_training_templates(repo_root):
-    """dflash/prompts/everyday_prompts.jsonl: 40 everyday prompts written by hand, not by
-    make_prompts.py (for `launcher.py eval --prompts ...`); none of them is a training prompt."""
-    train = load_prompts(repo_root / "dflash/prompts/builtin_prompts.jsonl")
-    everyday = load_prompts(repo_root / "dflash/prompts/everyday_prompts.jsonl")
-    assert len(everyday) == 40 and len({record.id for record in everyday}) == 40
-    assert all(record.id.startswith("everyday-") for record in everyday)     # not make_prompts.py's ids
-    assert not {text_of(r) for r in everyday} & {text_of(r) for r in train}
