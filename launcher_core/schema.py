@@ -160,6 +160,8 @@ class EvalSection:
     engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
     engine_python: str = ""                  # python of the environment with the engine ("": this one)
     engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
+    also_prompts: tuple[str, ...] = ()       # more prompt sets measured beside the default one (not with --prompts),
+                                             # each reported apart and labelled (eval/<file stem>/)
 
 
 @dataclass(frozen=True)

@@ -57,4 +57,9 @@ def summary_lines(report: dict) -> str:
         same = method.get("identical_to_target")
         note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
         lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup'] or 0:.2f}x{note}")
+    for extra in report.get("also_sets", []):
+        lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): " + "; ".join(
+            f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup'] or 0:.2f}x"
+            for name, m in extra["methods"].items() if name != "target" and m["mean_tau"] is not None)
+            + f"  (report: {extra['report']})")
     return "\n".join(lines)

@@ -50,7 +50,27 @@ def final_figures(profile, run_dir) -> str:
     if entry.get("state") != "done":
         return f"run directory: {directory} (no eval yet)"
     on = f" on {entry.get('prompts')} prompts, {entry['prompt_set']}" if entry.get("prompt_set") else ""
+    also = "".join(f"tau on {extra['num_prompts']} prompts, {extra['prompt_set']}: DFlash "
+                   f"{_rounded(extra['methods'], 'dflash')} vs prompt lookup {_rounded(extra['methods'], 'prompt_lookup')}\n"
+                   for extra in _also_sets(directory))
     return (f"tau{on}: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
             f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
+            f"{also}"
             f"run directory: {directory} (report: {directory / 'eval' / 'report.md'}; "
             f"`launcher.py status {directory}`)")
+
+
+def _also_sets(run_dir) -> list[dict]:
+    """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
+    import json
+
+    report = run_dir / "eval" / "report.json"
+    try:
+        return json.loads(report.read_text()).get("also_sets", [])
+    except (OSError, ValueError):
+        return []
+
+
+def _rounded(methods: dict, name: str):
+    tau = methods.get(name, {}).get("mean_tau")
+    return round(tau, 3) if tau is not None else None

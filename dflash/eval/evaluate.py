@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from dflash.eval.options import EvalOptions, EvalSummary, eval_prompts_path, prompt_set_label
+from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, eval_prompts_path, prompt_set_label, set_brief
 from launcher_core.errors import InputError
 from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
@@ -142,10 +142,9 @@ def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
 
 
 def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
+    """The default (or `--prompts`) set into `eval/`, each of `eval.also_prompts` into `eval/<stem>/`;
+    the main report lists the extra sets' figures under `also_sets`."""
     from dflash.eval.dflash_drafter import load_dflash_draft
-    from dflash.eval.plots import write_plots
-    from dflash.eval.prompt_lookup import PromptLookupDrafter
-    from dflash.eval.report import build_report, write_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, target_path = load_target(profile)
@@ -155,21 +154,57 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
     settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,
                               max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
                               eos_ids=stop_token_ids(tokenizer, model))
-    prompts_path = eval_prompts_path(profile, options.prompts_path)
-    prompts = encode_prompts(tokenizer, prompts_path, options.num_prompts or profile.eval.num_prompts,
-                             profile.generate.thinking)
-    lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
-    with cpu_threads(model, profile.eval.cpu_threads):
-        threads = _torch_threads()
-        results = decode_prompts(model, [draft, lookup], prompts, settings, seed, draft.layer_ids)
-    context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint),
-               "torch_threads": threads,
-               "prompts_file": str(prompts_path), "prompt_set": prompt_set_label(prompts_path),
-               "max_new_tokens": settings.max_new_tokens, "seed": seed}
-    report = build_report(results, block_size=settings.block_size, temperature=temperature, context=context)
+    context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint), "seed": seed}
+    decode = _SetDecoder(profile, model, tokenizer, draft, settings, options.num_prompts or profile.eval.num_prompts, context)
     eval_dir = run_dir / "eval"
-    files = [*write_report(report, eval_dir), *write_plots(report, eval_dir, run_dir / "train" / "metrics.jsonl")]
+    extra_files: list[Path] = []
+    also_sets = []  # written before the main report, whose file marks the stage done
+    main_path = eval_prompts_path(profile, options.prompts_path)
+    for path in also_prompt_paths(profile, options.prompts_path):
+        if path.resolve() == main_path.resolve():
+            continue
+        extra = decode(path)
+        extra_files += _write_set(extra, eval_dir / path.stem, None)
+        also_sets.append(set_brief(extra, eval_dir / path.stem / "report.json"))
+    report = decode(main_path)
+    if also_sets:
+        report["also_sets"] = also_sets
+    files = [*_write_set(report, eval_dir, run_dir / "train" / "metrics.jsonl"), *extra_files]
     return EvalSummary(report=report, files=files)
+
+
+@dataclass
+class _SetDecoder:
+    """Decodes one prompt set with the target alone, the drafter and prompt lookup -> its report."""
+    profile: Profile
+    model: Any
+    tokenizer: Any
+    draft: Any
+    settings: Any
+    num_prompts: int
+    context: dict[str, Any]
+
+    def __call__(self, prompts_path: Path) -> dict[str, Any]:
+        from dflash.eval.prompt_lookup import PromptLookupDrafter
+        from dflash.eval.report import build_report
+
+        prompts = encode_prompts(self.tokenizer, prompts_path, self.num_prompts, self.profile.generate.thinking)
+        lookup = PromptLookupDrafter(max_ngram=self.profile.eval.prompt_lookup_max_ngram)
+        with cpu_threads(self.model, self.profile.eval.cpu_threads):
+            threads = _torch_threads()
+            results = decode_prompts(self.model, [self.draft, lookup], prompts, self.settings,
+                                     self.context["seed"], self.draft.layer_ids)
+        context = {**self.context, "torch_threads": threads, "prompts_file": str(prompts_path),
+                   "prompt_set": prompt_set_label(prompts_path), "max_new_tokens": self.settings.max_new_tokens}
+        return build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
+                            context=context)
+
+
+def _write_set(report: dict[str, Any], directory: Path, metrics_path: Optional[Path]) -> list[Path]:
+    from dflash.eval.plots import write_plots
+    from dflash.eval.report import write_report
+
+    return [*write_report(report, directory), *write_plots(report, directory, metrics_path)]
 
 
 def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +223,12 @@ def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
         figures[f"{prefix}{name}_speedup"] = round(method["speedup"], 3) if method["speedup"] else None
         if method["identical_to_target"] is not None:
             figures[f"{prefix}{name}_lossless"] = method["identical_to_target"]
+    for extra in report.get("also_sets", []):
+        stem = Path(extra["prompts_file"]).stem
+        figures[f"{stem}_prompt_set"] = extra["prompt_set"]
+        for name, method in extra["methods"].items():
+            if name != "target" and method["mean_tau"] is not None:
+                figures[f"{stem}_{name}_tau"] = round(method["mean_tau"], 3)
     return figures
 
 

@@ -39,6 +39,14 @@ class EvalSummary:
         return self.report["methods"].get(method, {}).get(key)
 
 
+def set_brief(report: dict[str, Any], report_path: Path) -> dict[str, Any]:
+    """An extra prompt set's figures, as the main report lists them under `also_sets`."""
+    keep = ("mean_tau", "speedup", "tokens_per_s", "identical_to_target")
+    return {"prompt_set": report.get("prompt_set"), "prompts_file": report.get("prompts_file"),
+            "num_prompts": report["num_prompts"], "report": str(report_path),
+            "methods": {name: {key: method.get(key) for key in keep} for name, method in report["methods"].items()}}
+
+
 
 def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
     if override:
@@ -46,6 +54,13 @@ def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
     if profile.paths.eval_prompts:
         return expand_path(profile, profile.paths.eval_prompts)
     return DEFAULT_EVAL_PROMPTS
+
+
+def also_prompt_paths(profile: Profile, override: Optional[str]) -> list[Path]:
+    """`eval.also_prompts`, measured beside the default set; none when `--prompts` chose a set."""
+    if override:
+        return []
+    return [expand_path(profile, path) for path in profile.eval.also_prompts]
 
 
 def prompt_set_label(path: Path) -> str:

@@ -130,6 +130,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                     [[name, m["mean_tau"], m["steps"], m["new_tokens"], m["tokens_per_s"], m["speedup"],
                       m["identical_to_target"]] for name, m in methods.items()])
     drafted = [name for name in methods if name != TARGET]
+    if report.get("also_sets"):
+        lines += ["", "## Other prompt sets", ""]
+        lines += _table(["prompt set", "prompts"] + [f"{n} tau" for n in drafted] + [f"{n} speedup" for n in drafted] + ["report"],
+                        [[extra["prompt_set"], extra["num_prompts"]]
+                         + [extra["methods"].get(n, {}).get("mean_tau") for n in drafted]
+                         + [extra["methods"].get(n, {}).get("speedup") for n in drafted] + [extra["report"]]
+                         for extra in report["also_sets"]])
     lines += ["", "## tau histogram (steps)", ""]
     lines += _table(["tau"] + drafted, [[t] + [methods[n]["tau_histogram"][str(t)] for n in drafted]
                                         for t in range(1, block + 1)])

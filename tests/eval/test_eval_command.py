@@ -110,3 +110,55 @@ def test_eval_without_checkpoint_says_to_train_first(tmp_path, tiny_qwen3_target
     assert launcher.main(["eval", "--profile", str(profile)]) == 2
     assert "no drafter checkpoint yet" in capsys.readouterr().err
     assert launcher.main(["eval", "--profile", str(profile), "--num-prompts", "0"]) == 2
+
+
+def test_eval_also_measures_the_in_distribution_set_and_labels_each(tiny_qwen3_target, tiny_qwen3_model, tmp_path, capsys):
+    """`eval.also_prompts`: the in-distribution set decoded beside the default one, written apart
+    (eval/indist_prompts/), listed in the main report, the printed summary, the manifest and the
+    pipeline's closing lines; `--prompts` measures only the set it names."""
+    from dflash.commands.pipeline import final_figures
+    from dflash.eval.options import INDIST_EVAL_PROMPTS
+    from dflash.generate.prompts import load_prompts
+    from launcher_core.profile import load_profile
+
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(f"""
+[machine]
+device = "cpu"
+[model]
+target = "{tiny_qwen3_target}"
+dtype = "float32"
+[paths]
+run_dir = "{tmp_path / 'run'}"
+[generate]
+thinking = false
+[eval]
+num_prompts = 2
+max_new_tokens = 6
+also_prompts = ["{INDIST_EVAL_PROMPTS}"]
+""")
+    run_dir = tmp_path / "run"
+    save_random_drafter(run_dir, tiny_qwen3_model, block_size=4)
+    assert launcher.main(["eval", "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    main = json.loads((run_dir / "eval" / "report.json").read_text())
+    extra = json.loads((run_dir / "eval" / "indist_prompts" / "report.json").read_text())
+    assert main["prompt_set"] == "out-of-template held-out (everyday_prompts.jsonl)"
+    assert extra["prompt_set"] == "in-distribution held-out (indist_prompts.jsonl)"
+    assert [p["id"] for p in extra["prompts"]] == [record.id for record in load_prompts(INDIST_EVAL_PROMPTS)[:2]]
+    [brief] = main["also_sets"]
+    assert brief["prompt_set"] == extra["prompt_set"] and brief["num_prompts"] == 2
+    for name in ("dflash", "prompt_lookup"):
+        assert brief["methods"][name]["mean_tau"] == extra["methods"][name]["mean_tau"]
+        assert extra["methods"][name]["identical_to_target"] is True
+    assert "also 2 prompts (in-distribution held-out (indist_prompts.jsonl)): dflash tau" in out
+    assert "## Other prompt sets" in (run_dir / "eval" / "report.md").read_text()
+    entry = read_manifest(run_dir)["stages"]["eval"]
+    assert entry["indist_prompts_dflash_tau"] == pytest.approx(extra["methods"]["dflash"]["mean_tau"], abs=1e-3)
+    lines = final_figures(load_profile(str(profile)), None).splitlines()
+    assert lines[1] == (f"tau on 2 prompts, in-distribution held-out (indist_prompts.jsonl): DFlash "
+                        f"{round(extra['methods']['dflash']['mean_tau'], 3)} vs prompt lookup "
+                        f"{round(extra['methods']['prompt_lookup']['mean_tau'], 3)}")
+
+    assert launcher.main(["eval", "--profile", str(profile), "--prompts", str(INDIST_EVAL_PROMPTS)]) == 0
+    assert "also_sets" not in json.loads((run_dir / "eval" / "report.json").read_text())
