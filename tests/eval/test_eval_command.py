@@ -10,25 +10,30 @@ import launcher
 from launcher_core.manifest import read_manifest, update_stage
 
 
-@pytest.fixture(scope="module")
-def eval_run(tiny_qwen3_target, tiny_qwen3_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("evalrun")
+def write_eval_profile(root, target, eval_settings: str):
+    """A CPU profile on the tiny target, run dir `root/run`, with these `[eval]` lines."""
     profile = root / "tiny.toml"
     profile.write_text(f"""
 description = "tiny target"
 [machine]
 device = "cpu"
 [model]
-target = "{tiny_qwen3_target}"
+target = "{target}"
 dtype = "float32"
 [paths]
 run_dir = "{root / 'run'}"
 [generate]
 thinking = false
 [eval]
-num_prompts = 3
-max_new_tokens = 12
+{eval_settings}
 """)
+    return profile
+
+
+@pytest.fixture(scope="module")
+def eval_run(tiny_qwen3_target, tiny_qwen3_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalrun")
+    profile = write_eval_profile(root, tiny_qwen3_target, "num_prompts = 3\nmax_new_tokens = 12")
     save_random_drafter(root / "run", tiny_qwen3_model, block_size=4)
     update_stage(root / "run", "train", "done", steps=3, last_loss=4.25)
     code = launcher.main(["eval", "--profile", str(profile)])
@@ -121,22 +126,8 @@ def test_eval_also_measures_the_in_distribution_set_and_labels_each(tiny_qwen3_t
     from dflash.generate.prompts import load_prompts
     from launcher_core.profile import load_profile
 
-    profile = tmp_path / "tiny.toml"
-    profile.write_text(f"""
-[machine]
-device = "cpu"
-[model]
-target = "{tiny_qwen3_target}"
-dtype = "float32"
-[paths]
-run_dir = "{tmp_path / 'run'}"
-[generate]
-thinking = false
-[eval]
-num_prompts = 2
-max_new_tokens = 6
-also_prompts = ["{INDIST_EVAL_PROMPTS}"]
-""")
+    profile = write_eval_profile(tmp_path, tiny_qwen3_target,
+                                 f'num_prompts = 2\nmax_new_tokens = 6\nalso_prompts = ["{INDIST_EVAL_PROMPTS}"]')
     run_dir = tmp_path / "run"
     save_random_drafter(run_dir, tiny_qwen3_model, block_size=4)
     assert launcher.main(["eval", "--profile", str(profile)]) == 0
