@@ -45,6 +45,44 @@ EXPLAIN = [
     "How do solar panels turn sunlight into electricity?",
     "What is inflation and why do prices go up over time?",
     "What is DNS and why does the internet need it?",
+    "How do antibiotics kill bacteria without hurting our own cells?",
+    "What actually happens behind the scenes when my card gets declined at a shop?",
+    "why do my ears pop on a plane",
+    "What is the greenhouse effect, and is it the same thing as the hole in the ozone layer?",
+    "Can you explain what an expense ratio is? My brokerage app shows 0.03% for a fund and I have no idea "
+    "if that's good or bad.",
+    "How do fireflies make light?",
+    "What is the placebo effect and why does it work at all?",
+    "Explain how a bill becomes a law in the United States.",
+    "What does it mean when a company 'goes public'?",
+    "How do hurricanes form, and why do they spin?",
+    "What is cholesterol? My doctor said mine is 'borderline high' and I'd like to understand what that means "
+    "before my next appointment.",
+    "whats the difference between a recession and a depression",
+    "How do touchscreens know where my finger is?",
+    "Why do leaves turn red and yellow in the fall?",
+    "What is encryption, and how does HTTPS keep my password safe on a website?",
+    "How does a sourdough starter work?",
+    "Why can't a government just print more money to pay off its debt?",
+    "Why does a spoon look bent when it's standing in a glass of water?",
+    "How does GPS figure out where I am?",
+    "Explain supply and demand with an example from everyday life.",
+    "What was the Cold War about?",
+    "What is a black hole, and could one swallow the Earth?",
+    "How does caffeine keep you awake?",
+    "What is a 401(k) match? My new employer offers 'up to 4%' and I'm not sure what I'm supposed to do.",
+    "Explain the offside rule in soccer.",
+    "Why do we yawn?",
+    "How do electric car batteries work, and why do they lose range in winter?",
+    "What does 'statute of limitations' mean?",
+    "Can my landlord keep my security deposit for normal wear and tear? What counts as normal?",
+    "How do bees make honey?",
+    "Simile vs metaphor: I always mix them up. Which is which?",
+    "Why is the Dead Sea so salty that people float in it?",
+    "In simple words, what is quantum computing and why is it supposed to be faster?",
+    "I'm starting a small cleaning business. Should it be an LLC or a sole proprietorship, and what does "
+    "each one actually mean?",
+    "How does the body cool itself down on a hot day?",
 ]
 
 HOW_TO = [
@@ -73,6 +111,32 @@ HOW_TO = [
     "How do I clean a cast iron pan?",
     "How can I be a better listener?",
     "What's the right way to ask for a raise?",
+    "How do I unclog a bathroom sink without calling a plumber?",
+    "Any tips for making small talk at networking events? I'm an introvert and I usually end up standing "
+    "next to the snacks the whole evening.",
+    "how to get rid of fruit flies in the kitchen",
+    "How do I teach my dog to stop pulling on the leash?",
+    "Best way to memorize vocabulary for a language exam in two weeks?",
+    "How can I negotiate a lower price when buying a used car?",
+    "How do I set up two-factor authentication on my email account?",
+    "My teenager barely talks to me anymore. How can I reconnect without being pushy?",
+    "How do I jump-start a car battery safely?",
+    "I use the same password everywhere. How do I keep track of different ones without going crazy?",
+    "How do I hang a heavy mirror on drywall?",
+    "How can I improve my handwriting as an adult?",
+    "I said something hurtful to a close friend. How do I apologize properly?",
+    "How do I file my taxes myself for the first time? I only have one W-2.",
+    "How do I start strength training at 50 without getting injured?",
+    "How do I get a stripped screw out?",
+    "How can I make my small bedroom feel bigger?",
+    "How do I deal with a coworker who keeps taking credit for my work?",
+    "how do i get my toddler to eat vegetables",
+    "Can you teach me how to write a strong thesis statement for a history essay?",
+    "How can I stop checking my phone every five minutes?",
+    "What's the safest way to defrost a frozen chicken?",
+    "How do I start a compost bin in a small backyard?",
+    "Nutrition labels confuse me. What should I actually look at?",
+    "I'm moving to a new city where I don't know anyone. How do I make friends there?",
 ]
 
 MATH = [
@@ -100,6 +164,32 @@ MATH = [
     "Is 221 a prime number?",
     "Find the next number: 2, 6, 12, 20, 30, ...",
     "A bike costs 480 euros. I pay a third now and the rest in 4 equal payments. How big is each payment?",
+    "A jacket costs $80. It's marked down 25%, then I get another 10% off at checkout. What do I pay?",
+    "Solve the system: 2x + y = 11 and x - y = 1.",
+    "What's the area of a circle with a radius of 7 cm? Use pi = 3.14.",
+    "If I invest $2,000 at 5% interest compounded yearly, how much will I have after 3 years?",
+    "How many minutes is 3.75 hours?",
+    "A 10 m ladder leans against a wall with its foot 6 m from the wall. How high up the wall does it reach?",
+    "what is 7/8 as a percentage",
+    "Two numbers add up to 50 and differ by 14. What are they?",
+    "A phone plan costs $30 a month plus $0.10 per text. What is the bill for a month with 250 texts?",
+    "Factor x^2 - 5x + 6.",
+    "My car uses 6.5 liters of fuel per 100 km. How much fuel do I need for a 340 km trip, and what does it "
+    "cost at 1.80 per liter?",
+    "What is the median of 4, 9, 2, 15, 7, 11?",
+    "At 3:15, what is the angle between the hour and minute hands of a clock?",
+    "I got 42 out of 60 on a test. What percentage is that?",
+    "In how many different orders can 5 people stand in a line?",
+    "A swimming pool is 25 m by 10 m and 2 m deep. How many liters of water does it hold?",
+    "Convert 5 miles to kilometers.",
+    "Sam can paint a fence in 6 hours and Alex can paint it in 3. Working together, how long do they take?",
+    "What's the derivative of x^3 + 4x?",
+    "A store sells 3 apples for $2. How much do 18 apples cost?",
+    "What is the sum of the whole numbers from 1 to 100?",
+    "Is 0.999... really equal to 1? Show why.",
+    "Which gives more pizza: one 12-inch pizza or two 8-inch pizzas?",
+    "Our restaurant bill is $86.40 and I want to tip 18%. What's the tip, and how much does each of us pay "
+    "if four of us split the total?",
 ]
 
 CODE = [
@@ -133,6 +223,38 @@ CODE = [
     "Write a Python script that renames all .jpeg files in a folder to .jpg.",
     "How does a hash map work internally?",
     "Write a TypeScript interface for a user with a name, an email and an optional age.",
+    "Give me an iterative Python function for the n-th Fibonacci number, no recursion.",
+    "Why does this return undefined in JavaScript?\n\nfunction total() {\n  return\n    1 + 2;\n}",
+    "Write a SQL query that counts orders per customer and only shows customers with more than 3 orders.",
+    "Explain what `async` and `await` do in Python.",
+    "Convert this Java loop to a Python list comprehension: "
+    "`for (int i = 0; i < 10; i++) { if (i % 3 == 0) result.add(i * 2); }`",
+    "In C, what's the difference between `char *s = \"hi\";` and `char s[] = \"hi\";`?",
+    "Write a Kotlin data class for a book with a title, an author and a year.",
+    "git says i'm in 'detached HEAD' state. what does that mean and how do i get back to my branch",
+    "Write a PowerShell command that lists the 10 largest files in a directory.",
+    "How do I remove duplicates from an array in JavaScript while keeping the original order?",
+    "Fix this SQL, it gives an error: `SELECT department, COUNT(*) FROM employees;`",
+    "Write a Python decorator that prints how long a function took to run.",
+    "What is dependency injection? Explain with a small example in C#.",
+    "How do I read a number from the user in C++ and handle it if they type letters instead?",
+    "Write a Dockerfile for a simple Flask app.",
+    "Processes vs threads: how are they different, and when would I use each?",
+    "This gives 'TypeError: can only concatenate str (not \"int\") to str'. How do I fix it?\n\n"
+    "age = 30\nprint('I am ' + age + ' years old')",
+    "Write a Swift function that checks whether a string is a palindrome.",
+    "What does the `yield` keyword do in Python?",
+    "Write a shell script that backs up a folder to a .tar.gz file with today's date in its name.",
+    "How do I write a React component that shows a counter with + and - buttons?",
+    "Write an R snippet that reads a CSV and plots a histogram of one column.",
+    "What is a memory leak, and how would I find one in a Node.js app?",
+    "Explain this regex: `^\\d{3}-\\d{4}$`",
+    "Write a binary search in C.",
+    "What are *args and **kwargs in Python?",
+    "My Java code throws a NullPointerException on `user.getName().length()`. What are the usual causes?",
+    "Convert this bash loop to Python: `for f in *.log; do gzip \"$f\"; done`",
+    "In CSS, how do I make a table's header row stay at the top while the rows scroll?",
+    "Write a Haskell function that sums the squares of the odd numbers in a list.",
 ]
 
 WRITING = [
@@ -151,6 +273,24 @@ WRITING = [
     "Write a thank-you note to a teacher at the end of the school year.",
     "Write a two-sentence bio for a freelance photographer.",
     "Write a text inviting friends to a board game night on Saturday.",
+    "Write a resignation letter that's polite and short. My last day will be the 30th.",
+    "Draft a message to my daughter's school saying she'll miss class on Thursday for a doctor's appointment.",
+    "Write a cold email to a local bakery asking if they'd deliver pastries to our office every Monday.",
+    "Write a toast for my parents' 40th anniversary dinner.",
+    "Write a classified ad for a used sofa: grey, three seats, good condition, $150, pickup only.",
+    "write a follow up email after a job interview for a nurse position",
+    "Write a short condolence message to a coworker whose father passed away.",
+    "Write a message to the group chat saying I can't make the hiking trip this weekend, without sounding "
+    "flaky.",
+    "Write a letter to my city council member asking for a crosswalk near the elementary school on Elm "
+    "Street.",
+    "Draft a welcome email for new members of our community garden.",
+    "Write a rental review for a cabin that was cozy and clean but had weak Wi-Fi.",
+    "Write a short announcement for the office: the kitchen fridge gets cleaned out this Friday at 5.",
+    "Write a letter of recommendation for a former intern, Priya, who was reliable and great with "
+    "spreadsheets.",
+    "Write a text to my roommate reminding them, nicely, that rent is due tomorrow.",
+    "Write an 'about us' paragraph for a family-run hardware store that opened in 1978.",
 ]
 
 CREATIVE = [
@@ -174,6 +314,27 @@ CREATIVE = [
     "Write a tweet announcing a bakery's new cinnamon rolls.",
     "Write a short fable with a moral about patience.",
     "Write an acrostic poem for the word RAIN.",
+    "Haiku about the first coffee of the morning, please.",
+    "Write a short poem from the point of view of an old lighthouse.",
+    "Tell me a knock-knock joke for kids.",
+    "write a sonnet about losing my car keys",
+    "Give me three ideas for a short film set entirely in an elevator.",
+    "Write a 100-word story that ends with the line 'and the garden was never quiet again.'",
+    "Make up a superhero whose power is only slightly useful, and describe their first mission.",
+    "Write a rap verse about doing laundry.",
+    "Write a love letter from a sock to its missing partner.",
+    "Come up with a name and a tagline for a dog-walking business.",
+    "Write a spooky two-sentence horror story.",
+    "Describe a busy farmers' market using all five senses.",
+    "Write a poem for my daughter's kindergarten graduation.",
+    "Write the first page of a sci-fi story where Earth receives a message from space that turns out to be "
+    "a recipe.",
+    "Could you write a limerick starring a forgetful wizard?",
+    "Invent a new sport that can be played in a swimming pool, and give it a name.",
+    "Write a short monologue for a villain who thinks they're the hero.",
+    "Write a lullaby about the stars.",
+    "Write a free-verse poem about my grandmother's kitchen.",
+    "Give me a creative writing prompt for a high school class.",
 ]
 
 EDIT = [
@@ -202,6 +363,32 @@ EDIT = [
     "Summarize: 'Remote work has grown sharply since 2020. Supporters say it saves commuting time and "
     "improves focus; critics say it weakens team culture and makes training new staff harder.'",
     "Make this headline catchier: 'Local Library Extends Opening Hours'",
+    "Proofread this: 'Their going to announce the winners tommorow, so everyone should of submitted there "
+    "entries by now.'",
+    "Make this more concise: 'I am writing to you today in order to let you know that I will unfortunately "
+    "not be able to attend the meeting that is scheduled for next Wednesday afternoon.'",
+    "Rewrite in the passive voice: 'The committee approved the new budget after a long debate.'",
+    "Summarize in two sentences: 'Scientists tracked 200 gray whales for five years using satellite tags. "
+    "They found the whales changed their migration routes as ocean temperatures rose, arriving at feeding "
+    "grounds up to two weeks earlier than in past decades. The researchers warn that food supplies may not "
+    "shift at the same pace.'",
+    "Make this sound less angry: 'This is the third time I've asked. Fix the invoice or I'm cancelling.'",
+    "Turn this paragraph into three bullet points: 'Our new app lets users track their spending, set monthly "
+    "savings goals and get alerts when a bill is due. It syncs with most banks and works offline.'",
+    "Convert this into a formal tone: 'gonna need the slides by thursday, k? thx'",
+    "Rewrite this so it isn't a run-on: 'I went to the store I forgot my wallet I had to go back home and "
+    "then it started raining.'",
+    "Expand this into a friendly paragraph: 'Team lunch Friday. Noon. Pizza place on 5th. RSVP.'",
+    "Translate this jargon into normal words: 'Let's circle back offline and leverage our synergies to move "
+    "the needle on Q3 deliverables.'",
+    "Give me a shorter title for this blog post: 'Ten Things I Wish Somebody Had Told Me Before I Adopted My "
+    "First Rescue Greyhound'",
+    "Fix the punctuation: 'lets eat grandma said the boy its getting late'",
+    "Rewrite this in the first person: 'She woke up late, missed the bus and ran the whole way to school.'",
+    "Simplify this contract clause: 'The Lessee shall indemnify and hold harmless the Lessor from any and "
+    "all claims arising out of the Lessee's use of the premises.'",
+    "Boil this review down to a few words: 'Battery lasts two full days, the camera is decent in daylight "
+    "but grainy at night, and the screen scratches easily. For the price, still a solid pick.'",
 ]
 
 TRANSLATE = [
@@ -217,6 +404,18 @@ TRANSLATE = [
     "Translate to English: 'Je voudrais réserver une chambre pour trois nuits.'",
     "Translate 'good morning' into five languages.",
     "What is the Chinese word for 'friend', and how is it pronounced?",
+    "Translate to German: 'My train is delayed, I'll be about twenty minutes late.'",
+    "How do you say 'I'm allergic to peanuts' in Spanish? It's for a trip next month.",
+    "Translate into Japanese: 'Nice to meet you. I'm a student from Canada.'",
+    "What does 'Schadenfreude' mean, and is there an English equivalent?",
+    "Translate from Italian: 'Non vedo l'ora di rivederti l'estate prossima.'",
+    "Translate to Portuguese: 'Can you recommend a good restaurant nearby?'",
+    "translate 'where is the bathroom' to chinese pls",
+    "Translate from French: 'Il pleut des cordes depuis ce matin.' Is that an idiom?",
+    "How do I say 'congratulations on your new baby' in Italian?",
+    "What does this Dutch sign mean: 'Verboden te parkeren'?",
+    "What does the Japanese phrase 'itadakimasu' mean, and when do people say it?",
+    "Translate into informal French: 'Want to grab a coffee after work?'",
 ]
 
 MULTILINGUAL = [
@@ -236,6 +435,22 @@ MULTILINGUAL = [
     "Wat is het verschil tussen een meer en een zee?",
     "¿Por qué el cielo es azul? Responde en español.",
     "Écris un court message pour souhaiter un bon anniversaire à ma sœur.",
+    "¿Cómo puedo mejorar mi currículum si no tengo mucha experiencia laboral?",
+    "¿Qué ejercicios puedo hacer en casa para fortalecer la espalda?",
+    "Quelle est la différence entre « tu » et « vous » en français ?",
+    "Donne-moi une idée de dîner rapide avec des pâtes et des courgettes.",
+    "Was ist der Unterschied zwischen einer GmbH und einer AG?",
+    "Welche Sehenswürdigkeiten sollte man in Hamburg unbedingt gesehen haben?",
+    "Como faço para economizar dinheiro ganhando um salário mínimo?",
+    "Quais são os sintomas mais comuns da dengue?",
+    "Mi consigli un libro italiano facile per chi sta imparando la lingua?",
+    "Qual è la differenza tra 'essere' e 'stare'?",
+    "请推荐几个适合周末去的北京景点。",
+    "帮我写一段简短的生日祝福，送给我的老师。",
+    "東京でおすすめのラーメン屋を教えてください。",
+    "「です」と「ます」の使い方を簡単に説明してください。",
+    "Hoe maak ik een goede planning voor mijn examens?",
+    "Kun je uitleggen waarom fietsen in Nederland zo populair is?",
 ]
 
 COMPARE = [
@@ -251,6 +466,18 @@ COMPARE = [
     "Is a gym membership worth it, or can I get fit at home?",
     "Trains or planes for travelling across Europe?",
     "Paper books or e-readers: what are the trade-offs?",
+    "Credit card or debit card for everyday purchases?",
+    "Should I pay off my student loans faster or invest the extra money?",
+    "Compare Spotify and Apple Music for someone who mostly listens to audiobooks.",
+    "Is it better to buy a new car or a three-year-old used one?",
+    "Running vs swimming for losing weight when you have bad knees?",
+    "How do Buddhism and Hinduism differ?",
+    "Public school or private school: what should parents weigh?",
+    "Which is better for a beginner photographer, a mirrorless camera or a DSLR?",
+    "Gas stove or induction cooktop?",
+    "Compare living in a big city and in a small town in your twenties.",
+    "ssd vs hdd for an old laptop upgrade",
+    "Freelancing or a full-time job after graduating in graphic design: pros and cons?",
 ]
 
 LISTS = [
@@ -266,6 +493,18 @@ LISTS = [
     "Brainstorm names for a fantasy kingdom.",
     "What vegetables grow well in pots on a balcony?",
     "List some quick exercises I can do at my desk.",
+    "Give me 8 conversation starters for a dinner party with strangers.",
+    "List the steps of the scientific method.",
+    "What are some must-read books for someone getting into philosophy?",
+    "Name ten countries in South America and their capitals.",
+    "List some free things to do on a weekend in a small town.",
+    "What are the most common logical fallacies? Give a one-line example of each.",
+    "Give me 10 ideas for a science fair project for a 12-year-old.",
+    "list camping meals that dont need a fridge",
+    "What are some good stretches for lower back pain?",
+    "Suggest names for a girls' soccer team.",
+    "List the main causes of World War I.",
+    "What documents do I usually need to rent an apartment?",
 ]
 
 FACTS = [
@@ -289,6 +528,26 @@ FACTS = [
     "How many players are on a soccer team?",
     "Why did the Titanic sink?",
     "What is the capital of Canada?",
+    "Who was the first woman to win a Nobel Prize?",
+    "What year did the Berlin Wall fall?",
+    "How many time zones does Russia have?",
+    "What is the hardest natural substance?",
+    "Which country has the most people?",
+    "How tall is the Eiffel Tower?",
+    "Who composed The Four Seasons?",
+    "What's the deepest point in the ocean?",
+    "How many teaspoons are in a tablespoon?",
+    "When was the printing press invented, and by whom?",
+    "what is the most spoken language in the world",
+    "How long do elephants live?",
+    "Which element has the atomic number 1?",
+    "Who was the first emperor of Rome?",
+    "What is the currency of Switzerland?",
+    "How many strings does a standard violin have?",
+    "Where are the Galápagos Islands?",
+    "What is the freezing point of salt water?",
+    "Who wrote 'One Hundred Years of Solitude'?",
+    "How many US states are there, and which was the last to join?",
 ]
 
 FOOD = [
@@ -302,6 +561,16 @@ FOOD = [
     "Plan a week of simple lunches for work.",
     "How do I cook quinoa?",
     "Give me a recipe for a quick tomato soup.",
+    "What goes into a simple stir-fry sauce?",
+    "I have chicken thighs, a lemon and some potatoes. What can I make for dinner?",
+    "How do I know when a steak is medium-rare without a thermometer?",
+    "easy overnight oats recipe?",
+    "How do I cook rice so it isn't sticky?",
+    "What spices should every beginner keep in the kitchen?",
+    "What's a good homemade pizza dough recipe?",
+    "How long does cooked chicken last in the fridge?",
+    "Can you suggest a dessert I can make without an oven?",
+    "How do I make hummus from canned chickpeas?",
 ]
 
 PLANNING = [
@@ -313,6 +582,15 @@ PLANNING = [
     "I have 2 hours before my flight. How should I spend the time at the airport?",
     "Make a packing checklist for a beach holiday.",
     "Outline the steps to launch a small online shop.",
+    "Plan a five-day road trip along the California coast, starting in San Francisco.",
+    "Help me plan my week: I work 9 to 5, have a gym class on Tuesday and Thursday evenings, and need to "
+    "finish a report by Friday.",
+    "Make a 6-week plan to run a 5K, starting from walking.",
+    "Plan a small baby shower for about 15 guests on a modest budget.",
+    "Create a cleaning schedule for a three-bedroom house shared by four roommates.",
+    "We're visiting Edinburgh for a long weekend with two teenagers. What should our itinerary look like?",
+    "Plan a revision timetable for my final exams: biology, history and maths, three weeks from now.",
+    "Outline a plan to pay off $8,000 of credit card debt in two years.",
 ]
 
 CLASSIFY = [
@@ -326,6 +604,22 @@ CLASSIFY = [
     "Find the keywords in: 'Our startup builds solar-powered chargers for hikers and campers.'",
     "Is this email spam? 'Congratulations! You won a free cruise. Click here to claim your prize now!'",
     "Sort these words alphabetically: zebra, mango, apple, kite, lemon.",
+    "Is the tone of this message formal or informal? 'Yo, u coming tonight or what?'",
+    "Extract the prices from this text: 'The blue mug is $12, the set of plates costs $45.50 and shipping "
+    "is $7.'",
+    "Categorize these expenses as needs or wants: rent, concert tickets, groceries, a new video game, "
+    "electricity bill, takeout.",
+    "Which language is this? 'Dziękuję bardzo za pomoc.'",
+    "Give me the sentiment of each tweet: 1) 'Best concert of my life!!' 2) 'Waited two hours for a bus "
+    "that never came.' 3) 'It's Tuesday.'",
+    "Pull out the action items from these meeting notes: 'Ana will send the budget by Monday. We agreed to "
+    "move the launch to June. Ben needs to book the venue.'",
+    "Group these into fruits and vegetables: tomato, broccoli, mango, spinach, peach, zucchini.",
+    "Is this sentence a question, a command or a statement: 'Close the window before you leave.'",
+    "Turn this into JSON with the keys title, author and year: 'Dune, written by Frank Herbert, came out in "
+    "1965.'",
+    "Tag this support ticket as billing, technical or account: 'I was charged twice for my subscription "
+    "this month.'",
 ]
 
 SYSTEMS = [
@@ -377,6 +671,48 @@ CONVERSATIONS = [
      "data = {'Name': 'Ann'}\nprint(data['name'])"],
     ["Let's play twenty questions. I'm thinking of an animal.", "Is it a mammal?", "Yes.",
      "Does it live in the water?", "No. Ask your next question."],
+    ["How do I convert Celsius to Fahrenheit?", "Multiply by 9/5 and add 32. For example, 20°C is 68°F.",
+     "What about minus 10?"],
+    ["I'm trying to eat less sugar.",
+     "Good goal! A simple start is cutting sugary drinks and checking labels for added sugar.",
+     "What can I snack on in the afternoon instead of biscuits?"],
+    ["Write a SQL query to get all users older than 30.", "SELECT * FROM users WHERE age > 30;",
+     "Now sort them by name and return only the name and email columns."],
+    ["My sister's wedding is in June.", "How lovely! Are you helping with anything?",
+     "I'm giving a speech. Can you help me start it?"],
+    ["Is it safe to run every day?",
+     "For most healthy people, yes, if you vary the intensity and rest when something hurts.",
+     "How many easy days should I have in a week?"],
+    ["¿Qué hora es en Tokio si en Madrid son las diez de la mañana?",
+     "En Tokio serían las cinco o las seis de la tarde, según la época del año.", "¿Y en Nueva York?"],
+    ["I got a parking ticket but the sign was hidden behind a tree branch.",
+     "You may be able to contest it. Did you take any photos of the sign?",
+     "Yes, I have two photos. How do I write the appeal?"],
+    ["What does 'ubiquitous' mean?", "It means found everywhere, like smartphones today.",
+     "Use it in a sentence about coffee shops."],
+    ["Help me name my fantasy football team.",
+     "Happy to! Tell me your favourite players or your city and I'll make it personal.",
+     "I live in Buffalo and my best player is a kicker."],
+    ["What's 25% of 80?", "25% of 80 is 20.", "And if a price of 80 goes up by 25%, what's the new price?"],
+    ["Can you explain what a Python list is?", "A list is an ordered, changeable collection, like [1, 2, 3].",
+     "How do I add an item to the end?", "Use append: my_list.append(4).", "And how do I remove the first one?"],
+    ["We're hosting Thanksgiving for the first time.",
+     "Exciting! How many people are coming, and is anyone vegetarian?",
+     "Twelve people, two of them vegetarian. What should the menu be?"],
+    ["Tell me a fun fact about space.", "A day on Venus is longer than its year.", "Wait, how is that possible?"],
+    ["My landlord wants to raise the rent by 15%.",
+     "That's a big jump. Do you know what your lease and local rules say about increases?",
+     "The lease ends in two months and says nothing about it."],
+    ["Wie sagt man 'Schmetterling' auf Englisch?", "Auf Englisch heißt das 'butterfly'.", "Und auf Französisch?"],
+    ["I want to start journaling.", "Nice habit! Do you want prompts, or a simple daily format?",
+     "Prompts, please. Something for tonight."],
+    ["When do I use 'who' and when 'whom'?",
+     "'Who' is a subject and 'whom' is an object: 'Who called?' versus 'To whom did you speak?'",
+     "Does anyone still say 'whom' in normal conversation?"],
+    ["Let's write a story together. You start.",
+     "The last train out of the city was empty, except for a woman holding a birdcage with no bird in it.",
+     "Who is she?", "Nobody knows, not even the conductor, who has checked her ticket four times.",
+     "Keep going, but make it funny."],
 ]
 
 # Requests that come with tools the model may call: (request, names of the tools offered).
@@ -391,4 +727,17 @@ TOOL_REQUESTS = [
     ("I'm flying to Oslo. What's the temperature there in fahrenheit?", ["get_weather"]),
     ("How many US dollars is 1,000 Mexican pesos?", ["convert_currency", "calculate"]),
     ("Set a reminder for my dentist appointment on Monday at 3 pm.", ["create_reminder", "get_weather"]),
+    ("Should I bring sunglasses in Cape Town today?", ["get_weather"]),
+    ("What is (2,340 - 615) / 7, exactly?", ["calculate"]),
+    ("I have 300 Canadian dollars left from my trip. How many British pounds is that?", ["convert_currency"]),
+    ("remind me to call mom on sunday at 6pm", ["create_reminder"]),
+    ("Is it colder in Chicago or in Minneapolis right now?", ["get_weather"]),
+    ("My rent is 1,450 dollars a month. What's that for a year, and how much is the yearly total in euros?",
+     ["calculate", "convert_currency"]),
+    ("If it's going to be below freezing in Denver tonight, remind me at 10 pm to bring the potted plants "
+     "inside.", ["get_weather", "create_reminder"]),
+    ("Split a bill of 238.60 between 7 people, to the cent.", ["calculate"]),
+    ("I'm paid 52,000 Swiss francs a year. What is that in euros, and per month?",
+     ["convert_currency", "calculate"]),
+    ("Remind me every morning at 7:30 to take my medication, starting tomorrow.", ["create_reminder"]),
 ]
