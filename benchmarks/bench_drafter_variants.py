@@ -38,9 +38,16 @@ VARIANTS = {
     "target-2L-vocab": {"layers": 2, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
     "target-3L-vocab-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0,
                                   "anchors": 32},
+    "target-3L-vocab-lr2e-3-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
+                                         "anchors": 32},
+    "target-3L-vocab-lr2e-3-gamma1.5": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
+                                        "gamma": 1.5},
+    "target-3L-vocab-lr2e-3-frozen-mlp": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
+                                          "freeze": ".mlp."},
 }
 SETS = {"everyday": "everyday_prompts.jsonl", "indist": "indist_prompts.jsonl"}
 TAP, BLOCK, BATCH, ANCHORS, NEW_TOKENS = 26, 8, 8, 16, 48
+GAMMA = 4.0  # the loss decay the trainer uses for block 8 (dflash.drafter.decay.default_gamma)
 
 
 @dataclass
@@ -101,7 +108,7 @@ def build(target, variant: dict, vocab: list[int] | None):
 
 
 def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, anchors: int = ANCHORS,
-          after_step=None) -> float:
+          gamma: float = GAMMA, after_step=None) -> float:
     """Train `steps` steps; `after_step(n)` is called after step n (n = 1..steps), its time not counted."""
     import numpy as np
     import torch
@@ -115,7 +122,7 @@ def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     schedule = cosine_schedule(optimizer, steps, warmup_ratio=0.04)
-    decay, per_epoch = decay_weights(BLOCK, 4.0), len(rows) // BATCH
+    decay, per_epoch = decay_weights(BLOCK, gamma), len(rows) // BATCH
     started = time.perf_counter()
     for step in range(steps):
         epoch, index = divmod(step, per_epoch)
@@ -244,6 +251,10 @@ def run_variant(name: str, variant: dict, target, training: tuple, heldout: dict
     rows, train_features, counts = training
     vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
     drafter = build(target, variant, vocab)
+    if variant.get("freeze"):   # keep these copied target weights as they are: fewer parameters to overfit with
+        for parameter_name, parameter in drafter.named_parameters():
+            if variant["freeze"] in parameter_name:
+                parameter.requires_grad_(False)
 
     def report(step: int, note: str = "") -> None:
         drafter.eval()
@@ -255,7 +266,7 @@ def run_variant(name: str, variant: dict, target, training: tuple, heldout: dict
     if 0 in eval_at:
         report(0)
     seconds = train(drafter, rows, train_features, steps, variant["lr"], variant.get("anchors", ANCHORS),
-                    lambda step: report(step) if step in eval_at and step != steps else None)
+                    variant.get("gamma", GAMMA), lambda step: report(step) if step in eval_at and step != steps else None)
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step)")
 
 
