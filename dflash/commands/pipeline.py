@@ -71,6 +71,6 @@ def _also_sets(run_dir) -> list[dict]:
         return []
 
 
-def _rounded(methods: dict, name: str):
+def _rounded(methods: dict, name: str) -> str:
     tau = methods.get(name, {}).get("mean_tau")
-    return round(tau, 3) if tau is not None else None
+    return f"{tau:.3f}" if tau is not None else "-"

@@ -148,8 +148,8 @@ def test_eval_also_measures_the_in_distribution_set_and_labels_each(tiny_qwen3_t
     assert entry["indist_prompts_dflash_tau"] == pytest.approx(extra["methods"]["dflash"]["mean_tau"], abs=1e-3)
     lines = final_figures(load_profile(str(profile)), None).splitlines()
     assert lines[1] == (f"tau on 2 prompts, in-distribution held-out (indist_prompts.jsonl): DFlash "
-                        f"{round(extra['methods']['dflash']['mean_tau'], 3)} vs prompt lookup "
-                        f"{round(extra['methods']['prompt_lookup']['mean_tau'], 3)}")
+                        f"{extra['methods']['dflash']['mean_tau']:.3f} vs prompt lookup "
+                        f"{extra['methods']['prompt_lookup']['mean_tau']:.3f}")
 
     assert launcher.main(["eval", "--profile", str(profile), "--prompts", str(INDIST_EVAL_PROMPTS)]) == 0
     assert "also_sets" not in json.loads((run_dir / "eval" / "report.json").read_text())
