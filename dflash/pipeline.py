@@ -206,4 +206,8 @@ def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, forc
     profile = with_run_dir(profile, run_dir)
     ctx = PipelineContext(profile, expand_path(profile, profile.paths.run_dir), force_audit, redo_from(redo))
     chosen = select_stages(stages if stages is not None else default_stages(), stop_after)
+    if any(stage.name == "eval" for stage in chosen):
+        from dflash.eval.options import also_prompt_paths
+
+        also_prompt_paths(profile, None)   # a missing eval.also_prompts file fails now, not after training
     return run_stages(chosen, ctx)

@@ -147,6 +147,8 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
     from dflash.eval.dflash_drafter import load_dflash_draft
     from dflash.eval.specdec import DecodeSettings
 
+    main_path = eval_prompts_path(profile, options.prompts_path)
+    also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     model, tokenizer, target_path = load_target(profile)
     draft = load_dflash_draft(str(checkpoint), model)
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
@@ -159,10 +161,7 @@ def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOp
     eval_dir = run_dir / "eval"
     extra_files: list[Path] = []
     also_sets = []  # written before the main report, whose file marks the stage done
-    main_path = eval_prompts_path(profile, options.prompts_path)
-    for path in also_prompt_paths(profile, options.prompts_path):
-        if path.resolve() == main_path.resolve():
-            continue
+    for path in also_paths:
         extra = decode(path)
         extra_files += _write_set(extra, eval_dir / path.stem, None)
         also_sets.append(set_brief(extra, eval_dir / path.stem / "report.json"))

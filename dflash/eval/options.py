@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher_core.errors import InputError
 from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
 
@@ -60,7 +61,12 @@ def also_prompt_paths(profile: Profile, override: Optional[str]) -> list[Path]:
     """`eval.also_prompts`, measured beside the default set; none when `--prompts` chose a set."""
     if override:
         return []
-    return [expand_path(profile, path) for path in profile.eval.also_prompts]
+    paths = [expand_path(profile, path) for path in profile.eval.also_prompts]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise InputError(f"eval.also_prompts: no such prompts file: {', '.join(missing)} (give prompts JSONL files, "
+                         f"relative to the repository root or absolute, or remove them from the list)")
+    return paths
 
 
 def prompt_set_label(path: Path) -> str:

@@ -153,3 +153,12 @@ def test_eval_also_measures_the_in_distribution_set_and_labels_each(tiny_qwen3_t
 
     assert launcher.main(["eval", "--profile", str(profile), "--prompts", str(INDIST_EVAL_PROMPTS)]) == 0
     assert "also_sets" not in json.loads((run_dir / "eval" / "report.json").read_text())
+
+
+def test_a_missing_also_prompts_file_is_named_before_the_target_loads(tiny_qwen3_target, tiny_qwen3_model, tmp_path, capsys):
+    profile = write_eval_profile(tmp_path, tiny_qwen3_target, f'also_prompts = ["{tmp_path / "nope.jsonl"}"]')
+    save_random_drafter(tmp_path / "run", tiny_qwen3_model, block_size=4)
+    assert launcher.main(["eval", "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert "eval.also_prompts: no such prompts file" in err and "nope.jsonl" in err
+    assert not (tmp_path / "run" / "eval" / "report.json").exists()

@@ -162,3 +162,17 @@ def test_run_pipeline_uses_the_given_stages_and_run_dir(recorder):
                             stages=recorder.stages())
     assert [o.name for o in outcomes] == ["audit", "generate", "tokenize"]
     assert set(read_manifest(recorder.run_dir)["stages"]) == {"audit", "generate", "tokenize"}
+
+
+def test_a_missing_also_prompts_file_stops_the_pipeline_before_the_first_stage(recorder):
+    import dataclasses
+
+    from launcher_core.errors import InputError
+
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, also_prompts=("no/such/set.jsonl",)))
+    with pytest.raises(InputError, match=r"eval.also_prompts: no such prompts file: .*no/such/set.jsonl"):
+        run_pipeline(profile, run_dir=recorder.run_dir, stages=recorder.stages())
+    assert recorder.calls == []
+    assert [o.name for o in run_pipeline(profile, run_dir=recorder.run_dir, stop_after="train",
+                                         stages=recorder.stages())] == ["audit", "generate", "tokenize", "train"]
