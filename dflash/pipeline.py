@@ -149,16 +149,12 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 
 def _eval(ctx: PipelineContext) -> str:
     from dflash.eval.evaluate import run_eval
+    from dflash.eval.options import drafted_figures
 
     report = run_eval(ctx.profile, run_dir=ctx.run_dir).report
     sets = [report, *report.get("also_sets", [])]
-    return "; also ".join(f"{_set_figures(entry)} on {entry['num_prompts']} prompts, "
+    return "; also ".join(f"{drafted_figures(entry['methods'])} on {entry['num_prompts']} prompts, "
                           f"{entry.get('prompt_set', entry.get('prompts_file'))}" for entry in sets)
-
-
-def _set_figures(report: dict) -> str:
-    return "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup']:.2f}x"
-                     for name, m in report["methods"].items() if name != "target" and m["mean_tau"] is not None)
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:

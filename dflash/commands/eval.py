@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_lines(report: dict) -> str:
     """One line per method: mean tau, tokens/s, speedup (and losslessness when greedy)."""
+    from dflash.eval.options import drafted_figures
+
     lines = [f"eval{' (' + report['engine'] + ', engine-reported tau)' if 'engine' in report else ''}: "
              f"{report['num_prompts']} prompts{' (' + report['prompt_set'] + ')' if report.get('prompt_set') else ''}, block size {report['block_size']}, temperature {report['temperature']}"]
     for name, method in report["methods"].items():
@@ -58,8 +60,6 @@ def summary_lines(report: dict) -> str:
         note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
         lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup'] or 0:.2f}x{note}")
     for extra in report.get("also_sets", []):
-        lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): " + "; ".join(
-            f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup'] or 0:.2f}x"
-            for name, m in extra["methods"].items() if name != "target" and m["mean_tau"] is not None)
-            + f"  (report: {extra['report']})")
+        lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): "
+                     f"{drafted_figures(extra['methods'])}  (report: {extra['report']})")
     return "\n".join(lines)

@@ -57,6 +57,12 @@ def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
     return DEFAULT_EVAL_PROMPTS
 
 
+def drafted_figures(methods: dict[str, Any]) -> str:
+    """`dflash tau 1.37 speedup 0.56x; prompt_lookup tau ...`: the drafting methods of one prompt set."""
+    return "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup'] or 0:.2f}x"
+                     for name, m in methods.items() if name != "target" and m["mean_tau"] is not None)
+
+
 def also_prompt_paths(profile: Profile, override: Optional[str]) -> list[Path]:
     """`eval.also_prompts`, measured beside the default set; none when `--prompts` chose a set."""
     if override:
