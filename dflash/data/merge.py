@@ -64,14 +64,13 @@ class DatasetOnDisk:
     schema: Any
 
     @classmethod
-    def open(cls, path: str | Path) -> "DatasetOnDisk":
+    def open(cls, path: str | Path, verify: bool = True) -> "DatasetOnDisk":
+        """`verify`: every shard's size and sha256 against dflash_meta.json first (DataError naming
+        the shard and the backup); without it, sizes only."""
         path = Path(path)
         meta = dataset_io.read_meta(path)
-        return cls(path, meta, dataset_io.read_schema(dataset_io.shard_paths(path, meta)[0]))
-
-    def verify(self) -> None:
-        """Every shard's size and sha256 against dflash_meta.json (DataError naming the shard)."""
-        dataset_io.verify_shards(self.path, self.meta, hashes=True)
+        shards = dataset_io.verify_shards(path, meta, hashes=verify)
+        return cls(path, meta, dataset_io.read_schema(shards[0]))
 
     @property
     def shards(self) -> list[Path]:
@@ -92,10 +91,8 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     target, plan = _target_path(Path(base), Path(add), output, in_place, dedup, force)
     dataset_io.sweep_stale_staging(Path(base))
     dataset_io.sweep_stale_staging(target)
-    base_set, add_set = DatasetOnDisk.open(base), DatasetOnDisk.open(add)
-    add_set.verify()
-    if not in_place:       # in place, the verified backup copy checks the base's sha256
-        base_set.verify()
+    # in place, the verified backup copy checks the base's sha256 (one read instead of two)
+    base_set, add_set = DatasetOnDisk.open(base, verify=not in_place), DatasetOnDisk.open(add)
     problems = compatibility_problems(base_set, add_set)
     if problems:
         raise DataError(f"cannot merge {add_set.path} into {base_set.path}: " + "; ".join(problems))
