@@ -2,8 +2,8 @@
 
 No command deletes or replaces a path it did not create:
 
-* an output that equals an input, contains one (an input lies inside it) or lies inside an
-  input directory is refused;
+* an output that equals an input or contains one (an input lies inside it) is refused (a new
+  folder inside an input folder destroys nothing and is allowed);
 * an existing path that is not this command's own kind of output (`OutputKind`: a dflash dataset
   for tokenize and merge, a drafter export for export, a snapshot for snapshot -o) is refused,
   with or without `--force`; an empty directory counts as free;
@@ -99,8 +99,6 @@ def _refuse_overlap(target: Path, source: Path, flag: str) -> None:
     if out in given.parents:
         raise ConfigError(f"{flag} {target} contains the input {source}; writing there would destroy it; "
                           "choose a new path")
-    if given in out.parents and given.is_dir():
-        raise ConfigError(f"{flag} {target} lies inside the input {source}; choose a path outside it")
 
 
 def _refuse_under_file(target: Path, flag: str) -> None:

@@ -107,3 +107,26 @@ def test_snapshot_output_refuses_a_directory_and_a_foreign_file(cli, tmp_path):
     foreign = cli("snapshot", "-o", mine)
     assert foreign.code == 2 and "is an existing file that is not a snapshot" in foreign.err
     assert mine.read_text() == '{"my": "data"}'
+
+
+def test_the_pipeline_replaces_only_its_own_dataset_keeping_a_backup(tmp_path, qwen3_tokenizer_dir):
+    from dflash.pipeline import PipelineContext, _tokenize
+    from launcher_core.errors import ConfigError
+    from launcher_core.profile import load_profile
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    completions(run_dir / "completions.jsonl", 5)
+    profile_path = write_tokenize_profile(tmp_path / "p.toml", qwen3_tokenizer_dir, run_dir)
+    ctx = PipelineContext(load_profile(str(profile_path)), run_dir)
+    _tokenize(ctx)
+    first = tree_digest(run_dir / "dataset")
+    completions(run_dir / "completions.jsonl", 8)            # generate added completions: tokenize reruns
+    _tokenize(ctx)
+    assert tree_digest(next(run_dir.glob("dataset.backup-*"))) == first
+    other = tmp_path / "run2"
+    build_dataset(other / "dataset", ["a"])                  # a dataset this run dir's pipeline never wrote
+    completions(other / "completions.jsonl", 3)
+    with pytest.raises(ConfigError, match="pass --force"):
+        _tokenize(PipelineContext(load_profile(str(write_tokenize_profile(tmp_path / "q.toml", qwen3_tokenizer_dir,
+                                                                           other))), other))

@@ -109,3 +109,11 @@ def test_a_training_state_holding_an_arbitrary_object_is_refused(checkpoint):
     with pytest.raises(InputError, match="not a training state this trainer loads safely"):
         load_training_state(checkpoint)
 
+
+
+def test_export_of_a_checkpoints_folder_writes_next_to_its_latest(cli, checkpoint):
+    before = tree_digest(checkpoint)
+    result = cli("export", checkpoint.parent, "--for", "vllm")
+    assert result.code == 0, result.err
+    assert (checkpoint.parent / f"{checkpoint.name}-vllm" / "config.json").exists()
+    assert tree_digest(checkpoint) == before
