@@ -124,3 +124,10 @@ def test_writing_a_json_file_over_a_directory_is_exit_2(tmp_path):
     with pytest.raises(InputError, match="is a directory"):
         write_json_atomic(tmp_path / "out", {"a": 1})
     assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir())
+
+
+def test_status_of_a_damaged_manifest_is_exit_2(cli, tmp_path):
+    (tmp_path / "manifest.json").write_text("[1]")
+    result = cli("status", tmp_path)
+    assert result.code == 2 and f"{tmp_path / 'manifest.json'}: expected a run manifest" in result.err
+    assert (tmp_path / "manifest.json").read_text() == "[1]"
