@@ -3,7 +3,8 @@
 
 A thin CLI: each subcommand lives in its own module (imported only when that subcommand runs,
 so `--help`, `profiles`, `plan` and `audit` never import torch), and exceptions map to exit
-codes in one place (`launcher_core.errors.exit_code_for`).
+codes in one place (`launcher_core.errors.exit_code_for`); any other exception is a crash: its
+traceback is written to a file and the command exits with EXIT_CRASH (`launcher_core.crash`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(error) or type(error).__name__
         print(f"error: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
         return exit_code_for(error)
+    except Exception as error:  # the funnel: anything else is a bug, reported in one line
+        return _report_crash(args.command, argv, error)
+
+
+def _report_crash(command: str, argv: Sequence[str], error: Exception) -> int:
+    """Traceback to a file (secrets masked), one line to stderr, the crash exit code."""
+    from launcher_core.crash import crash_exit_code, crash_line, write_crash_report
+
+    report = write_crash_report(command, argv, error)
+    print(crash_line(command, error, report), file=sys.stderr)
+    return crash_exit_code(command)
 
 
 if __name__ == "__main__":

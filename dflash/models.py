@@ -250,6 +250,26 @@ def linear_attention_layers(config) -> list[int]:
 
 # ---- loading a target -------------------------------------------------------------------------
 
+def check_model_files(directory: Path) -> None:
+    """A model directory's config.json must be a JSON object and each *.safetensors file whole
+    (its header read; a truncated file fails there): InputError naming the file, not a traceback
+    from deep inside transformers."""
+    from safetensors import SafetensorError, safe_open
+
+    from launcher_core.errors import InputError
+    from launcher_core.fileio import read_json_object
+
+    if (directory / "config.json").exists():
+        read_json_object(directory / "config.json", "a model config")
+    for weights in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise InputError(f"{weights}: not a readable safetensors file ({error}); it is truncated or "
+                             "damaged: copy the model again") from None
+
+
 def load_target(path: str | Path, device: "str | object" = "cpu", dtype: str = "float32",
                 keep_layers: int | None = None) -> object:
     """The frozen target (eval mode, no grads) loaded straight onto `device`.
@@ -267,6 +287,7 @@ def load_target(path: str | Path, device: "str | object" = "cpu", dtype: str = "
     from dflash.compat import check_transformers
 
     check_transformers()
+    check_model_files(Path(path))
     device = torch.device(device)
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),

@@ -118,8 +118,12 @@ def _generate(ctx: PipelineContext) -> str:
 
 def _tokenize(ctx: PipelineContext) -> str:
     from dflash.data import tokenize_completions
+    from launcher_core.manifest import read_manifest
 
-    summary = tokenize_completions(ctx.profile, run_dir=ctx.run_dir)
+    # Its own dataset (the manifest names it) or --redo tokenize: replaced, the old one kept as a backup.
+    written_before = read_manifest(ctx.run_dir)["stages"].get("tokenize", {}).get("dataset")
+    own = written_before == str(ctx.path(ctx.profile.paths.dataset)) or "tokenize" in ctx.redo
+    summary = tokenize_completions(ctx.profile, run_dir=ctx.run_dir, force=own)
     figures = summary.manifest_figures()
     return ", ".join(f"{key} {figures[key]}" for key in ("samples", "tokens", "loss_tokens", "degenerate_share") if key in figures) \
         or "dataset written"

@@ -160,11 +160,11 @@ def _from_data(hint: Any, value: Any, where: str) -> Any:
 def load_snapshot(path: str | os.PathLike) -> Snapshot:
     """Read a snapshot file; a malformed one raises InputError naming the file and the key."""
     from launcher_core.errors import InputError
-    from launcher_core.fileio import read_json
+    from launcher_core.fileio import read_json_object
 
     try:
-        return Snapshot.from_dict(read_json(path))
-    except (ValueError, TypeError) as error:
+        return Snapshot.from_dict(read_json_object(path, "a snapshot"))
+    except (ValueError, TypeError, AttributeError) as error:
         raise InputError(f"{path}: not a valid snapshot: {error}") from None
 
 

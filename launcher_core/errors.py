@@ -11,6 +11,7 @@ EXIT_USAGE = 2           # bad command line, profile or input file
 EXIT_WARN_STRICT = 3     # audit --strict found a WARN (and no FAIL)
 EXIT_DATA = 4            # the data is unusable (e.g. too many degenerate samples)
 EXIT_RUN = 5             # a launched job (torchrun, server) failed
+EXIT_CRASH = 70          # an unexpected error (a bug, not bad input): traceback saved, see launcher_core.crash
 EXIT_CANNOT_TEST = 125   # probe could not test this environment (git bisect run: skip)
 EXIT_INTERRUPTED = 130   # Ctrl-C
 

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` atomically (temp file in the same directory, fsync, rename)."""
     target = Path(path)
+    _check_file_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -29,6 +30,19 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return target
+
+
+def _check_file_target(target: Path) -> None:
+    """A file is written only where a file can go: not over a directory, not under a file."""
+    from launcher_core.errors import InputError
+
+    if target.is_dir():
+        raise InputError(f"{target} is a directory; name a file to write (e.g. {target / 'out.json'})")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"{target}: {parent} is a file, not a directory; choose another path")
+            break
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -48,8 +62,25 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(target.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{target}: file not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{target} is a directory, not a JSON file") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{target}: not a text (UTF-8) file, so not JSON; is it the right file?") from None
     except json.JSONDecodeError as error:
         raise InputError(f"{target}: line {error.lineno}: not valid JSON ({error.msg})") from None
+    except OSError as error:
+        raise InputError(f"{target}: cannot read it: {error.strerror or error}") from None
+
+
+def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """Read a JSON file that must hold an object (`what` names it in the error, e.g. "a snapshot")."""
+    from launcher_core.errors import InputError
+
+    document = read_json(path)
+    if not isinstance(document, dict):
+        raise InputError(f"{path}: expected {what} (a JSON object), found a JSON {_json_kind(document)}; "
+                         "is it the right file?")
+    return document
 
 
 @contextlib.contextmanager
@@ -79,3 +110,8 @@ def replace_directory(source: Path, target: Path) -> None:
     os.replace(target, old)
     os.replace(source, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _json_kind(document: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(document), type(document).__name__)

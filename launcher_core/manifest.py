@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -28,10 +27,18 @@ def manifest_path(run_dir: str | Path) -> Path:
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     """The manifest as a dict ({"stages": {...}}); empty stages when there is none yet."""
+    from launcher_core.fileio import read_json_object
+
     path = manifest_path(run_dir)
     if not path.exists():
         return {"stages": {}}
-    return json.loads(path.read_text(encoding="utf-8"))
+    document = read_json_object(path, "a run manifest")    # damaged: InputError naming it
+    document.setdefault("stages", {})
+    if not isinstance(document["stages"], dict):
+        from launcher_core.errors import InputError
+
+        raise InputError(f"{path}: `stages` is not an object; the manifest is damaged (move it aside to start over)")
+    return document
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import REPO_ROOT, profile_dir
-from launcher_core.schema import Profile
+from launcher_core.schema import RANGES, Profile, cross_field_problems
 
 REQUIRED = dataclasses.MISSING
 
@@ -53,7 +53,7 @@ def load_profile(name_or_path: str, directory: Path | None = None) -> Profile:
     path = profile_path(name_or_path, directory)
     merged, origin = _resolve_chain(path, directory or path.parent, seen=())
     merged.pop("extends", None)
-    return _build(Profile, merged, origin, prefix="", name=path.stem)
+    return _checked(_build(Profile, merged, origin, prefix="", name=path.stem), origin)
 
 
 def key_origins(name_or_path: str, directory: Path | None = None) -> tuple[Path, dict[str, Path]]:
@@ -131,6 +131,7 @@ def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: s
         if key not in fields:
             _fail(origin, dotted, name, f"unknown key; valid keys here: {', '.join(sorted(fields))}")
         values[key] = _coerce(hints[key], value, origin, dotted, name)
+        _check_range(values[key], origin, dotted, name)
     for field in fields.values():
         if field.name in values or field.name == "name":
             continue
@@ -156,6 +157,17 @@ def _coerce(hint: Any, value: Any, origin: dict, dotted: str, name: str) -> Any:
             return tuple(value)
         return float(value) if hint is float and isinstance(value, int) else value
     _fail(origin, dotted, name, f"got {value!r}; expected {_describe(hint)}")
+
+
+def _check_range(value: Any, origin: dict, dotted: str, name: str) -> None:
+    """The key's Range (`launcher_core.schema.RANGES`), for a number or each number of a list."""
+    rule = RANGES.get(dotted)
+    if rule is None:
+        return
+    for item in value if isinstance(value, tuple) else (value,):
+        if isinstance(item, (int, float)) and not isinstance(item, bool) and not rule.admits(item):
+            shown = f"{value!r}" if not isinstance(value, tuple) else f"{item!r} in {list(value)!r}"
+            _fail(origin, dotted, name, f"{shown} is out of range; valid: {rule.describe(isinstance(item, int))}")
 
 
 def _matches(hint: Any, value: Any) -> bool:
@@ -207,7 +219,15 @@ def profile_from_json(path: str | Path) -> Profile:
     """The resolved profile written by `profile_to_json`, validated by the same rules as a TOML file."""
     document = json.loads(Path(path).read_text(encoding="utf-8"))
     name = document.pop("name")
-    return _build(Profile, document, {key: Path(path) for key in _dotted_keys(document)}, prefix="", name=name)
+    origin = {key: Path(path) for key in _dotted_keys(document)}
+    return _checked(_build(Profile, document, origin, prefix="", name=name), origin)
+
+
+def _checked(profile: Profile, origin: dict[str, Path]) -> Profile:
+    """The cross-field rules of `launcher_core.schema` (the first problem is a ConfigError)."""
+    for dotted, problem in cross_field_problems(profile):
+        _fail(origin, dotted, profile.name, problem)
+    return profile
 
 
 def expand_path(profile: Profile, template: str) -> Path:

@@ -178,3 +178,141 @@ class Profile:
     train: TrainSection = field(default_factory=TrainSection)
     memory: MemorySection = field(default_factory=MemorySection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+
+# --- range rules: one declarative table, checked by launcher_core.profile for every source -------
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key (each element, for a list): `low`..`high` (either end
+    open with `low_open`/`high_open`), always finite; `zero` (when set) allows 0 and says what it
+    means ("all epochs"), for keys whose 0 is a documented default outside the range."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    zero: str = ""
+
+    def admits(self, value: float) -> bool:
+        import math
+
+        if not math.isfinite(value):
+            return False
+        if self.zero and value == 0:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self, integer: bool) -> str:
+        kind = "an integer" if integer else "a finite number"
+        low = None if self.low is None else f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        high = None if self.high is None else f"{'<' if self.high_open else '<='} {_number(self.high)}"
+        bounds = " and ".join(part for part in (low, high) if part)
+        return f"{kind}{' ' + bounds if bounds else ''}" + (f" (or 0: {self.zero})" if self.zero else "")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
+SHARE, PORT = Range(0, 1), Range(1, 65535)
+
+# dotted key -> Range. Every int/float key of the schema has a line here (tests/test_safety_profile.py
+# holds it): a new numeric key gets its rule with one line.
+RANGES: dict[str, Range] = {
+    "machine.gpu_count": AT_LEAST_0,
+    "machine.gpu_memory_gib": AT_LEAST_0,
+    "machine.nproc_per_node": AT_LEAST_1,
+    "machine.nnodes": AT_LEAST_1,
+    "audit.min_free_gib_per_gpu": AT_LEAST_0,
+    "audit.baseline_free_tolerance_mib": AT_LEAST_0,
+    "audit.baseline_context_tolerance_mib": AT_LEAST_0,
+    "audit.min_shm_gib": AT_LEAST_0,
+    "audit.min_disk_gib": AT_LEAST_0,
+    "audit.min_ram_gib": AT_LEAST_0,
+    "audit.gib_per_nvcc_job": POSITIVE,
+    "data.max_length": Range(2),
+    "data.num_workers": AT_LEAST_0,
+    "data.shard_rows": AT_LEAST_1,
+    "data.min_loss_tokens": AT_LEAST_0,
+    "data.max_degenerate_share": SHARE,
+    "data.tool_call_repeat_limit": AT_LEAST_1,
+    "generate.port": PORT,
+    "generate.concurrency": AT_LEAST_1,
+    "generate.temperature": AT_LEAST_0,
+    "generate.top_p": Range(0, 1, low_open=True),
+    "generate.top_k": Range(-1),
+    "generate.max_tokens": AT_LEAST_1,
+    "generate.request_timeout_s": POSITIVE,
+    "generate.retries": AT_LEAST_0,
+    "generate.max_server_restarts": AT_LEAST_0,
+    "generate.tp_size": AT_LEAST_1,
+    "generate.dp_size": AT_LEAST_1,
+    "generate.mem_fraction_static": Range(0, 1, low_open=True),
+    "generate.flush_every": AT_LEAST_1,
+    "generate.server_startup_timeout_s": POSITIVE,
+    "generate.max_prompts": AT_LEAST_0,
+    "generate.cb_num_blocks": AT_LEAST_0,
+    "generate.server_threads": AT_LEAST_0,
+    "generate.context_length": AT_LEAST_0,
+    "drafter.num_layers": AT_LEAST_1,
+    "drafter.block_size": Range(2),
+    "drafter.target_layer_ids": AT_LEAST_0,
+    "drafter.mask_token_id": AT_LEAST_0,
+    "drafter.norm_init": POSITIVE,
+    "drafter.draft_vocab_size": AT_LEAST_0,
+    "drafter.num_attention_heads": AT_LEAST_0,
+    "drafter.num_key_value_heads": AT_LEAST_0,
+    "drafter.head_dim": AT_LEAST_0,
+    "drafter.rope_theta": Range(0, low_open=True, zero="the target's theta"),
+    "train.epochs": AT_LEAST_1,
+    "train.max_steps": AT_LEAST_0,
+    "train.lr": POSITIVE,
+    "train.warmup_ratio": Range(0, 1, high_open=True),
+    "train.weight_decay": AT_LEAST_0,
+    "train.grad_clip": POSITIVE,
+    "train.global_batch": AT_LEAST_1,
+    "train.max_micro_batch": AT_LEAST_1,
+    "train.num_anchors": AT_LEAST_1,
+    "train.seed": AT_LEAST_0,
+    "train.save_every_steps": AT_LEAST_1,
+    "train.log_every_steps": AT_LEAST_1,
+    "train.max_restarts": AT_LEAST_0,
+    "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
+    "train.loss_chunk_rows": AT_LEAST_1,
+    "memory.margin": Range(0, 1, high_open=True),
+    "memory.overhead_mib": AT_LEAST_0,
+    "eval.num_prompts": AT_LEAST_1,
+    "eval.max_new_tokens": AT_LEAST_1,
+    "eval.temperature": AT_LEAST_0,
+    "eval.seed": AT_LEAST_0,
+    "eval.prompt_lookup_max_ngram": AT_LEAST_1,
+    "eval.cpu_threads": AT_LEAST_0,
+    "eval.engine_port": PORT,
+}
+
+
+def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
+    """(dotted key, problem) for each rule between keys that needs no target model."""
+    machine, train, data, drafter = profile.machine, profile.train, profile.data, profile.drafter
+    world = machine.nproc_per_node * machine.nnodes
+    problems = []
+    if train.global_batch % world:
+        problems.append(("train.global_batch", f"{train.global_batch} is not divisible by the {world} ranks "
+                         f"(machine.nproc_per_node {machine.nproc_per_node} x machine.nnodes {machine.nnodes})"))
+    if machine.gpu_count and machine.device == "cuda" and machine.nproc_per_node > machine.gpu_count:
+        problems.append(("machine.nproc_per_node", f"{machine.nproc_per_node} ranks on a node with "
+                         f"machine.gpu_count {machine.gpu_count}; valid: 1..{machine.gpu_count}"))
+    if machine.nnodes > 1 and not machine.rdzv_endpoint:
+        problems.append(("machine.rdzv_endpoint", f"machine.nnodes = {machine.nnodes} needs it (host:port "
+                         "of the c10d rendezvous, reachable from every node)"))
+    if data.min_loss_tokens >= data.max_length:
+        problems.append(("data.min_loss_tokens", f"{data.min_loss_tokens} is not below data.max_length "
+                         f"{data.max_length}: every sample would be degenerate"))
+    if drafter.num_key_value_heads and drafter.num_attention_heads % drafter.num_key_value_heads:
+        problems.append(("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
+                         f"drafter.num_attention_heads {drafter.num_attention_heads}"))
+    return problems

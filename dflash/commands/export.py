@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-vocab", action="store_true",
                         help="drop a draft vocabulary the engine cannot hold (the drafter then proposes from the "
                              "whole vocabulary)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing export at the output path (never a checkpoint or another folder)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,9 +28,12 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
+    from launcher_core.outputs import EXPORT, prepare_output
 
     checkpoint = resolve_checkpoint_dir(Path(args.checkpoint))
     output = Path(args.output) if args.output else checkpoint.with_name(f"{checkpoint.name}-{args.engine}")
+    inputs = [checkpoint, Path(args.checkpoint)] + ([Path(args.target)] if args.target else [])
+    prepare_output(output, EXPORT, inputs=inputs, force=args.force, flag="-o")
     result = export_drafter(checkpoint, args.engine, output, full_vocab=args.full_vocab,
                             target=Path(args.target) if args.target else None)
     for note in result.notes:

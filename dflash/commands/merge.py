@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drop added rows whose id / token content is already present (default: none)")
     parser.add_argument("--backup-dir", metavar="DIR", help="where the in-place backup goes (default: next to the base)")
     parser.add_argument("--shard-rows", type=int, metavar="N", help="rows per shard (default: the base's)")
+    parser.add_argument("--force", action="store_true",
+                        help="--output: replace an existing merged dataset there (kept as DATASET.backup-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -21,6 +23,6 @@ def run(args: argparse.Namespace) -> int:
     from dflash.data.merge import merge_datasets
 
     summary = merge_datasets(args.base, args.add, output=args.output, in_place=args.in_place, dedup=args.dedup,
-                             shard_rows=args.shard_rows, backup_dir=args.backup_dir, progress=not args.no_progress)
+                             shard_rows=args.shard_rows, backup_dir=args.backup_dir, progress=not args.no_progress, force=args.force)
     print(summary.format_text())
     return 0

@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, metavar="N", help="worker processes (default: data.num_workers, 0 = one per core)")
     parser.add_argument("--allow-degenerate", action="store_true",
                         help="write the dataset even if more than data.max_degenerate_share of it is degenerate")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing dataset at the output path (it is kept as DATASET.backup-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -25,12 +27,14 @@ def run(args: argparse.Namespace) -> int:
     run_dir = expand_path(profile, profile.paths.run_dir)
     summary = tokenize_completions(profile, args.input, args.output, workers=args.workers,
                                    allow_degenerate=args.allow_degenerate, run_dir=run_dir,
-                                   progress=not args.no_progress)
+                                   progress=not args.no_progress, force=args.force)
     print(f"tokenized {summary.records:,} records -> {summary.samples:,} samples, {summary.tokens:,} tokens, "
           f"{summary.loss_tokens:,} loss tokens in {summary.seconds:.1f} s -> {summary.output}")
+    if summary.backup:
+        print(f"  the dataset it replaced is kept at {summary.backup}")
     if summary.rewritten_turns:
         print(f"  {summary.rewritten_turns:,} turns the chat template rewrites later got samples of their own")
     reasons = ", ".join(f"{reason}={count:,}" for reason, count in summary.rejects.items())
     print(f"  rejected {summary.rejected:,} records" + (f" ({reasons}); see {summary.rejects_path}" if reasons else ""))
-    print(inspect_dataset(summary.output).format_text())
+    print(inspect_dataset(summary.output, verify=False).format_text())
     return 0

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from launcher_core.errors import InputError
-from launcher_core.fileio import write_json_atomic
+from launcher_core.errors import DataError, InputError
+from launcher_core.fileio import read_json_object, write_json_atomic
 
 META_NAME = "dflash_meta.json"
 META_FORMAT = "dflash-dataset/1"
@@ -206,42 +206,98 @@ def save_token_rows(path: Path, rows: Sequence[tuple[Sequence[int], Sequence[int
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """The dataset's dflash_meta.json; InputError if the directory is not a tokenized dataset."""
+    """The dataset's dflash_meta.json; InputError if the directory is not a tokenized dataset or
+    the file is unreadable (the message names it and the backup to restore)."""
     meta_path = Path(path) / META_NAME
     if not Path(path).is_dir():
         raise InputError(f"{path}: no such dataset directory")
     if not meta_path.exists():
         raise InputError(f"{path}: no {META_NAME}; not a dataset written by `launcher.py tokenize` or `merge`")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    try:
+        meta = read_json_object(meta_path, f"the {META_NAME} of a dataset")
+    except InputError as error:
+        raise InputError(f"{error}; {restore_hint(Path(path))}") from None
     if meta.get("format") != META_FORMAT:
         raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {META_FORMAT!r}")
+    if not isinstance(meta.get("shards"), list) or not all(_is_shard_entry(s) for s in meta["shards"]):
+        raise InputError(f"{meta_path}: `shards` is not a list of {{filename, rows, bytes, sha256}}; "
+                         f"the file is damaged; {restore_hint(Path(path))}")
     return meta
+
+
+def _is_shard_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("filename"), str) and "/" not in entry["filename"]
+
+
+def restore_hint(dataset: Path) -> str:
+    """What to do about a damaged dataset: restore the newest backup next to it, or rebuild it."""
+    from launcher_core.outputs import backups_of
+
+    backups = backups_of(dataset)
+    if backups:
+        return f"restore it from the backup {backups[0]} (e.g. move the damaged one aside and rename the backup)"
+    return "no backup of it was found next to it: rebuild it with `launcher.py tokenize` (or `merge`)"
 
 
 def shard_paths(path: Path, meta: dict[str, Any]) -> list[Path]:
     paths = [Path(path) / shard["filename"] for shard in meta["shards"]]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
-        raise InputError(f"{path}: shard files missing: {', '.join(missing)}")
+        raise DataError(f"{path}: shard files missing: {', '.join(missing)}; {restore_hint(Path(path))}")
     return paths
+
+
+def verify_shards(path: Path, meta: dict[str, Any], hashes: bool = True) -> list[Path]:
+    """The shard paths, after checking each one's size (always) and sha256 (`hashes`) against
+    dflash_meta.json. A mismatch is a DataError naming the shard and the backup to restore."""
+    paths = shard_paths(path, meta)
+    for shard_path, shard in zip(paths, meta["shards"]):
+        problem = _shard_problem(shard_path, shard, hashes)
+        if problem:
+            raise DataError(f"{shard_path}: {problem}; the dataset is damaged and was not used; "
+                            f"{restore_hint(Path(path))}")
+    return paths
+
+
+def _shard_problem(shard_path: Path, shard: dict[str, Any], hashes: bool) -> str:
+    size = shard_path.stat().st_size
+    recorded = shard.get("bytes")
+    if isinstance(recorded, int) and size != recorded:
+        return f"{size:,} bytes on disk, {recorded:,} recorded in {META_NAME} (truncated or overwritten)"
+    if hashes and isinstance(shard.get("sha256"), str) and file_sha256(shard_path) != shard["sha256"]:
+        return f"its sha256 does not match the one recorded in {META_NAME} (the bytes changed)"
+    return ""
 
 
 def read_schema(shard: Path) -> Any:
     import pyarrow as pa
 
-    with pa.memory_map(str(shard)) as source:
-        return pa.ipc.open_stream(source).schema
+    try:
+        with pa.memory_map(str(shard)) as source:
+            return pa.ipc.open_stream(source).schema
+    except (OSError, pa.ArrowException) as error:
+        raise _unreadable(shard, error) from None
 
 
 def iter_batches(shard: Path, columns: list[str] | None = None, mapped: bool = False) -> Iterator[Any]:
     """Record batches of one shard. `mapped`: zero-copy from a memory map (only touched columns are
-    paged in); otherwise read batch by batch into memory that is freed after each batch."""
+    paged in); otherwise read batch by batch into memory that is freed after each batch. An
+    unreadable shard (truncated, not Arrow) is a DataError naming it."""
     import pyarrow as pa
 
-    source = pa.memory_map(str(shard)) if mapped else pa.OSFile(str(shard))
-    with source:
-        for batch in pa.ipc.open_stream(source):
-            yield batch.select(columns) if columns else batch
+    try:
+        source = pa.memory_map(str(shard)) if mapped else pa.OSFile(str(shard))
+        with source:
+            for batch in pa.ipc.open_stream(source):
+                yield batch.select(columns) if columns else batch
+    except (OSError, pa.ArrowException) as error:
+        raise _unreadable(shard, error) from None
+
+
+def _unreadable(shard: Path, error: BaseException) -> DataError:
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return DataError(f"{shard}: not a readable Arrow shard ({detail}); the dataset is damaged; "
+                     f"{restore_hint(Path(shard).parent)}")
 
 
 def numpy_of(array: Any) -> Any:
@@ -324,9 +380,14 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def publish_directory(staging: Path, target: Path) -> None:
-    """Put `staging` at `target` atomically; an existing `target` is swapped out, then removed."""
+def publish_directory(staging: Path, target: Path, backup: Path | None = None) -> None:
+    """Put `staging` at `target` atomically; an existing `target` is swapped out, then removed, or
+    with `backup`, moved there first (a kill between the two renames leaves it at `backup`)."""
     if not target.exists():
+        os.replace(staging, target)
+        return
+    if backup is not None:
+        os.replace(target, backup)
         os.replace(staging, target)
         return
     if _exchange(staging, target):

@@ -1,7 +1,8 @@
 """`launcher.py inspect DATASET`: sizes, a histogram of loss tokens per sample, degenerate samples.
 
 Reads only the small per-sample columns, shard by shard from a memory map (the token lists are
-never paged in), so it is quick on datasets of any size. Degenerate reasons:
+never paged in). First every shard's size and sha256 are checked against dflash_meta.json (the
+hashing reads each shard once; see BENCHMARKS.md for its cost per GB). Degenerate reasons:
 
     low_loss_tokens  fewer than data.min_loss_tokens loss tokens (the seeds' 6-token empty answers)
     finish_length    the generation hit max_tokens (finish_reason == "length")
@@ -74,8 +75,11 @@ def _histogram_lines(histogram: list[tuple[int, int | None, int]], samples: int)
 
 
 def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_call_repeat_limit: int | None = None,
-                    examples: int = 5) -> InspectReport:
-    """Statistics of a tokenized dataset. Thresholds default to those recorded at tokenize time."""
+                    examples: int = 5, verify: bool = True) -> InspectReport:
+    """Statistics of a tokenized dataset. Thresholds default to those recorded at tokenize time.
+
+    Each shard's size is checked against dflash_meta.json, and with `verify` its sha256 too: a
+    damaged dataset is a DataError naming the shard and the backup to restore, not a report."""
     from dflash.data import dataset_io
 
     path = Path(path)
@@ -85,7 +89,7 @@ def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_c
                   "tool_call_repeat_limit": _pick(tool_call_repeat_limit, settings.get("tool_call_repeat_limit"), 8)}
     report = InspectReport(str(path), thresholds=thresholds)
     counts = np.zeros(len(HISTOGRAM_EDGES), dtype=np.int64)
-    for shard in dataset_io.shard_paths(path, meta):
+    for shard in dataset_io.verify_shards(path, meta, hashes=verify):
         for batch in dataset_io.iter_batches(shard, SMALL_COLUMNS, mapped=True):
             _add_batch(report, batch, counts, examples)
     report.histogram = [(int(low), int(high) if high else None, int(count)) for low, high, count

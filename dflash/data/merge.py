@@ -41,6 +41,7 @@ class MergeSummary:
     tokens: int = 0
     loss_tokens: int = 0
     backup: str | None = None
+    replaced: str | None = None          # --output --force: where the dataset it replaced was kept
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -51,6 +52,8 @@ class MergeSummary:
                  f"({self.dropped_tokens:,} tokens) of the added dataset"]
         if self.backup:
             lines.append(f"  base backed up (verified) at {self.backup}")
+        if self.replaced:
+            lines.append(f"  the dataset it replaced is kept at {self.replaced}")
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
 
@@ -61,10 +64,13 @@ class DatasetOnDisk:
     schema: Any
 
     @classmethod
-    def open(cls, path: str | Path) -> "DatasetOnDisk":
+    def open(cls, path: str | Path, verify: bool = True) -> "DatasetOnDisk":
+        """`verify`: every shard's size and sha256 against dflash_meta.json first (DataError naming
+        the shard and the backup); without it, sizes only."""
         path = Path(path)
         meta = dataset_io.read_meta(path)
-        return cls(path, meta, dataset_io.read_schema(dataset_io.shard_paths(path, meta)[0]))
+        shards = dataset_io.verify_shards(path, meta, hashes=verify)
+        return cls(path, meta, dataset_io.read_schema(shards[0]))
 
     @property
     def shards(self) -> list[Path]:
@@ -77,13 +83,16 @@ class DatasetOnDisk:
 
 def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None = None, in_place: bool = False,
                    dedup: Dedup = "none", shard_rows: int | None = None, backup_dir: str | Path | None = None,
-                   progress: bool = True) -> MergeSummary:
-    """Merge `add` into `base`, writing `output` (a new path) or replacing `base` (`in_place`)."""
+                   progress: bool = True, force: bool = False) -> MergeSummary:
+    """Merge `add` into `base`, writing `output` (a new path; an existing merged dataset there only
+    with `force`, kept as a backup) or replacing `base` (`in_place`). Both inputs are verified
+    (every shard's size and sha256) before anything is written."""
     started = time.perf_counter()
-    target = _target_path(Path(base), output, in_place, dedup)
+    target, plan = _target_path(Path(base), Path(add), output, in_place, dedup, force)
     dataset_io.sweep_stale_staging(Path(base))
     dataset_io.sweep_stale_staging(target)
-    base_set, add_set = DatasetOnDisk.open(base), DatasetOnDisk.open(add)
+    # in place, the verified backup copy checks the base's sha256 (one read instead of two)
+    base_set, add_set = DatasetOnDisk.open(base, verify=not in_place), DatasetOnDisk.open(add)
     problems = compatibility_problems(base_set, add_set)
     if problems:
         raise DataError(f"cannot merge {add_set.path} into {base_set.path}: " + "; ".join(problems))
@@ -94,24 +103,28 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     staging = dataset_io.new_staging(target, "merge")
     try:
         _write_merged(base_set, add_set, keep, staging, shard_rows, summary, progress)
-        _publish(staging, target, in_place)
+        _publish(staging, target, in_place, plan)
+        if plan is not None and plan.backup is not None:
+            summary.replaced = str(plan.backup)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     summary.seconds = time.perf_counter() - started
     return summary
 
 
-def _target_path(base: Path, output: str | Path | None, in_place: bool, dedup: str) -> Path:
+def _target_path(base: Path, add: Path, output: str | Path | None, in_place: bool, dedup: str,
+                 force: bool) -> tuple[Path, Any]:
+    """(the path written, the OutputPlan of --output; None in place)."""
+    from launcher_core.outputs import DATASET, prepare_output
+
     if dedup not in DEDUP_CHOICES:
         raise ConfigError(f"--dedup {dedup!r}: valid choices: {', '.join(DEDUP_CHOICES)}")
     if in_place == (output is not None):
         raise ConfigError("merge needs exactly one of --output DATASET or --in-place")
     if in_place:
-        return base
-    target = Path(output)
-    if target.exists():
-        raise ConfigError(f"--output {target} already exists; choose a new path, or use --in-place to replace the base")
-    return target
+        return base, None
+    plan = prepare_output(Path(output), DATASET, inputs=(base, add), force=force)
+    return plan.path, plan
 
 
 def compatibility_problems(base: DatasetOnDisk, add: DatasetOnDisk) -> list[str]:
@@ -311,9 +324,12 @@ def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) 
             "history": base.meta.get("history", []) + add.meta.get("history", []) + [event]}
 
 
-def _publish(staging: Path, target: Path, in_place: bool) -> None:
+def _publish(staging: Path, target: Path, in_place: bool, plan: Any) -> None:
     if in_place:
         dataset_io.publish_directory(staging, target)
+        return
+    if plan.replaces or (target.is_dir() and not any(target.iterdir())):
+        dataset_io.publish_directory(staging, target, plan.backup)
         return
     if target.exists():
         raise InputError(f"{target} appeared while merging; the merged dataset is not published")

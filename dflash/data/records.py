@@ -31,6 +31,7 @@ REJECT_REASONS: dict[str, str] = {
     "template_inconsistent": "the template's generation prompt is not a prefix of its own rendering of the turn",
     "template_drops_fields": "the template does not render the turn's reasoning, content or tool calls",
     "empty_file": "an input file holds no records",
+    "record_too_long": "the line is longer than 64 bytes per token of data.max_length (not rendered)",
 }
 
 

@@ -25,6 +25,16 @@ from launcher_core.schema import Profile
 
 CHUNK_LINES = 32
 BATCH_ROWS = 256
+# A JSONL line longer than this many bytes per token of max_length is rejected before it is parsed
+# or rendered (reason `record_too_long`): BPE tokens cover about 3-5 bytes of text (under 10 even
+# for escaped non-ASCII JSON), so such a record would lose most of itself to truncation, and
+# rendering and tokenizing it whole costs memory out of all proportion (10 MB: 1.7 GB RSS).
+RECORD_BYTES_PER_TOKEN = 64
+
+
+def record_byte_limit(max_length: int) -> int:
+    """The longest JSONL line (bytes) tokenize renders: RECORD_BYTES_PER_TOKEN x data.max_length."""
+    return RECORD_BYTES_PER_TOKEN * max_length
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class TokenizeSummary:
     loss_tokens: int = 0
     truncated_samples: int = 0
     rewritten_turns: int = 0
+    backup: str | None = None        # --force: where the dataset it replaced was kept
     rejects: dict[str, int] = field(default_factory=dict)
     degenerate_share: float = 0.0
     degenerate: dict[str, int] = field(default_factory=dict)
@@ -160,8 +171,9 @@ class SourceFile:
                 "sha256": self.digest.hexdigest()}
 
 
-def read_lines(source: SourceFile) -> Iterator[Line | Reject]:
-    """Non-blank lines of a JSONL file, numbered from 1; undecodable bytes become a Reject."""
+def read_lines(source: SourceFile, max_bytes: int | None = None) -> Iterator[Line | Reject]:
+    """Non-blank lines of a JSONL file, numbered from 1; undecodable bytes, and lines over
+    `max_bytes`, become a Reject (before anything parses or renders them)."""
     with source.path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             source.digest.update(raw)
@@ -169,6 +181,11 @@ def read_lines(source: SourceFile) -> Iterator[Line | Reject]:
             if not raw.strip():
                 continue
             source.records += 1
+            if max_bytes is not None and len(raw) > max_bytes:
+                yield Reject(str(source.path), number, "record_too_long",
+                             f"{len(raw):,} bytes, over the limit of {max_bytes:,} "
+                             f"({RECORD_BYTES_PER_TOKEN} x data.max_length); not rendered")
+                continue
             try:
                 yield Line(str(source.path), number, raw.decode("utf-8"))
             except UnicodeDecodeError as error:
@@ -193,8 +210,11 @@ def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 def tokenize_completions(profile: Profile, input_path: str | Path | list | None = None,
                          output_path: str | Path | None = None, workers: int | None = None,
                          allow_degenerate: bool = False, run_dir: str | Path | None = None,
-                         progress: bool = True) -> TokenizeSummary:
+                         progress: bool = True, force: bool = False) -> TokenizeSummary:
     """Tokenize completions into a dataset at `output_path` (default: the profile's paths).
+
+    The output path follows `launcher_core.outputs` (checked before any work): an existing dataset
+    there is replaced only with `force` (and kept as `NAME.backup-<time>`); anything else is refused.
 
     Raises InputError when nothing usable is in the input, DataError when more than
     `data.max_degenerate_share` of the samples are degenerate (unless `allow_degenerate`).
@@ -202,7 +222,7 @@ def tokenize_completions(profile: Profile, input_path: str | Path | list | None 
     """
     from launcher_core.manifest import update_stage
 
-    job = TokenizeJob.from_profile(profile, input_path, output_path, workers, allow_degenerate, progress)
+    job = TokenizeJob.from_profile(profile, input_path, output_path, workers, allow_degenerate, progress, force)
     if run_dir is not None:
         update_stage(run_dir, "tokenize", "running", dataset=str(job.output))
     try:
@@ -227,14 +247,17 @@ class TokenizeJob:
     allow_degenerate: bool
     progress: bool
     thresholds: dict[str, Any]
+    backup: Path | None = None       # where an existing dataset at `output` goes (--force)
 
     @classmethod
     def from_profile(cls, profile: Profile, input_path: Any, output_path: Any, workers: int | None,
-                     allow_degenerate: bool, progress: bool) -> "TokenizeJob":
+                     allow_degenerate: bool, progress: bool, force: bool = False) -> "TokenizeJob":
+        from launcher_core.outputs import DATASET, prepare_output
         from launcher_core.profile import expand_path
 
         inputs = _input_paths(profile, input_path)
         output = Path(output_path) if output_path else expand_path(profile, profile.paths.dataset)
+        plan = prepare_output(output, DATASET, inputs=inputs, force=force)
         data = profile.data
         settings = TokenizeSettings(data.max_length, _thinking_default(profile), data.rewritten_turns)
         thresholds = {"min_loss_tokens": data.min_loss_tokens, "tool_call_repeat_limit": data.tool_call_repeat_limit,
@@ -243,7 +266,7 @@ class TokenizeJob:
 
         count = workers or data.num_workers or cpu_count()
         return cls(inputs, output, tokenizer_dir_for(profile), settings, data.shard_rows, max(1, count),
-                   allow_degenerate, progress, thresholds)
+                   allow_degenerate, progress, thresholds, plan.backup)
 
     @property
     def rejects_path(self) -> Path:
@@ -258,7 +281,8 @@ class TokenizeJob:
         try:
             summary = self._write(tokenizer, staging)
             summary.seconds = time.perf_counter() - started
-            dataset_io.publish_directory(staging, self.output)
+            dataset_io.publish_directory(staging, self.output, self.backup)
+            summary.backup = str(self.backup) if self.backup else None
         finally:
             import shutil
 
@@ -277,7 +301,7 @@ class TokenizeJob:
             shards = writer.close()
         dataset_io.finalize_dataset(staging, shards, dataset_io.dataset_schema(),
                                     self._meta(tokenizer, sources, summary))
-        report = inspect_dataset(staging)
+        report = inspect_dataset(staging, verify=False)   # its shards were hashed as they were written
         summary.degenerate_share, summary.degenerate = report.degenerate_share, dict(report.degenerate)
         self._check_usable(summary, report)
         return summary
@@ -285,7 +309,8 @@ class TokenizeJob:
     def _results(self, tokenizer: Any, sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, Any]]:
         """(line, result) in input order; results from a pool of workers when workers > 1."""
         worker = SampleTokenizer(tokenizer, self.settings)
-        lines = (item for source in sources for item in read_lines(source))
+        limit = record_byte_limit(self.settings.max_length)
+        lines = (item for source in sources for item in read_lines(source, limit))
         chunks = chunked(lines, CHUNK_LINES)
         bar = _progress_bar(self.progress, sum(p.stat().st_size for p in self.inputs), sources)
         for chunk, results in _map_chunks(worker, chunks, self.workers):

@@ -5,7 +5,8 @@ names), `config.json` (reference drafter format, `config_document`: `architectur
 ["DFlashDraftModel"]`, `model_type: qwen3`, `block_size`, `dflash_config: {mask_token_id,
 target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoPE as a top-level
 `rope_theta` next to transformers 5's `rope_parameters`) and `training_state.pt` (optimizer,
-scheduler, step, agreed micro-batch). It is
+scheduler, step, agreed micro-batch: tensors, numbers, strings and containers only, read back with
+`torch.load(weights_only=True)`, never by unpickling arbitrary objects). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -83,7 +84,9 @@ def read_drafter_config(checkpoint_dir: str | Path) -> Any:
     if not path.exists():
         raise InputError(f"{path}: no drafter config here; expected a checkpoint directory step-N/ "
                          "or a DFlash drafter directory (config.json + *.safetensors)")
-    document = json.loads(path.read_text(encoding="utf-8"))
+    from launcher_core.fileio import read_json_object
+
+    document = read_json_object(path, "a drafter config")
     _check_supported(path, document)
     dflash = document["dflash_config"]
     document["block_size"] = int(dflash.get("block_size", document.get("block_size", 16)))
@@ -119,17 +122,39 @@ def read_weights(checkpoint_dir: Path) -> dict[str, Any]:
 
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        shards = sorted(set(_index_weight_map(index).values()))
     elif (checkpoint_dir / WEIGHTS).exists():
         shards = [WEIGHTS]
     else:
         raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
     weights: dict[str, Any] = {}
     for shard in shards:
-        for name, tensor in load_file(str(checkpoint_dir / shard)).items():
+        for name, tensor in _load_safetensors(checkpoint_dir / shard, load_file).items():
             if "rotary_emb." not in name:
                 weights[name.removeprefix("model.")] = tensor
     return weights
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    from launcher_core.fileio import read_json_object
+
+    weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index}: `weight_map` is not an object of tensor name -> file name")
+    return weight_map
+
+
+def _load_safetensors(path: Path, load_file: Any) -> dict[str, Any]:
+    """A safetensors file's tensors; a truncated or foreign file is an InputError naming it."""
+    from safetensors import SafetensorError
+
+    if not path.is_file():
+        raise InputError(f"{path}: missing (named by the checkpoint's index); restore the file or re-export")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise InputError(f"{path}: not a readable safetensors file ({error}); it is truncated or damaged: "
+                         "copy it again, or use another checkpoint") from None
 
 
 def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafter":
@@ -157,6 +182,23 @@ def resolve_checkpoint_dir(path: Path) -> Path:
 
 
 def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:
+    """The optimizer/scheduler state of a checkpoint, loaded with `weights_only=True`: tensors,
+    numbers, strings and containers only, never arbitrary pickled objects from the checkpoint
+    directory. A state holding anything else (not written by this trainer) is refused."""
+    import pickle
+
     import torch
 
-    return torch.load(checkpoint_dir / STATE, map_location="cpu", weights_only=False)
+    path = checkpoint_dir / STATE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError(f"{path}: missing; this checkpoint cannot be resumed (train without --resume)") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"{path}: not a training state this trainer loads safely ({first[:200]}); it holds "
+                         "objects other than tensors, numbers and strings, or is damaged. Resume from another "
+                         "checkpoint, or train without --resume") from None
+    if not isinstance(state, dict):
+        raise InputError(f"{path}: expected a dict of training state, found {type(state).__name__}")
+    return state

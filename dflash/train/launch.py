@@ -1,6 +1,7 @@
 """Launching training: a pure builder of the torchrun (argv, env), and `run_training`.
 
-`build_torchrun_command` starts nothing: one node -> `torchrun --standalone --nproc-per-node P`;
+`build_torchrun_command` starts nothing: one node -> a c10d rendezvous at 127.0.0.1:0 (a free
+loopback port; `--standalone` would name `localhost`), `--nproc-per-node P`;
 several nodes (machine.nnodes > 1) -> a c10d rendezvous at machine.rdzv_endpoint, the same
 command on every node. Workers get the resolved profile as JSON in the run directory, so every
 rank and node trains exactly the same configuration.
@@ -68,10 +69,14 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     return argv, _worker_env(profile, base_env, extra_env)
 
 
+SINGLE_NODE_ENDPOINT = "127.0.0.1:0"   # port 0: the agent's store takes a free port
+
+
 def _rendezvous_args(profile: Profile) -> list[str]:
     machine = profile.machine
-    if machine.nnodes <= 1:
-        return ["--standalone", "--nnodes", "1"]
+    if machine.nnodes <= 1:  # clients reach the store over loopback only (docs/train.md, "Rendezvous")
+        return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", SINGLE_NODE_ENDPOINT,
+                "--rdzv-id", f"dflash-{profile.name}"]
     if not machine.rdzv_endpoint:
         raise ConfigError(f"profile {profile.name}: machine.nnodes = {machine.nnodes} needs machine.rdzv_endpoint "
                           f"(host:port of the c10d rendezvous, reachable from every node)")

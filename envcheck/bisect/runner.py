@@ -29,7 +29,7 @@ from envcheck.bisect.coupling import Coupling, learned_couplings
 from envcheck.bisect.log import BisectLog, LearnedRecord, StepRecord
 from envcheck.bisect.metadata import MetadataMap, collect_metadata, save_cache
 from envcheck.bisect.reqsets import RequirementSet, load_requirement_set
-from envcheck.bisect.search import Outcome, next_candidate
+from envcheck.bisect.search import Outcome, next_candidate, search_state
 from envcheck.bisect.venvs import InstallerOptions, build_candidate, venv_python
 from launcher_core.errors import CannotTest, ConfigError, InputError, RunFailed
 from launcher_core.fileio import write_text_atomic
@@ -37,6 +37,7 @@ from launcher_core.paths import REPO_ROOT
 
 DEFAULT_PROBE = f"{{python}} {shlex.quote(str(REPO_ROOT / 'launcher.py'))} probe"
 SKIP_CODE = 125
+CRASH_MARK = "Traceback (most recent call last):"   # a Python crash, not a memory verdict
 
 
 @dataclass
@@ -151,6 +152,7 @@ def run_bisect(config: BisectConfig) -> tuple[BisectPlan, BisectLog, bool]:
         else:
             outcomes[k] = record.result
     _check_good_was_good(config, log)
+    _check_bad_builds(config, plan, log, outcomes)
     return plan, log, True
 
 
@@ -167,6 +169,42 @@ def _check_good_was_good(config: BisectConfig, log: BisectLog) -> None:
         raise ConfigError(f"GOOD ({config.good}) is already bad under this probe: nothing to bisect")
     if good.result == "skip":
         raise CannotTest(f"GOOD ({config.good}) cannot be tested ({good.reason}): {good.message}")
+
+
+BUILD_FAILED_REASONS = ("inconsistent", "venv failed", "install failed", "check failed")
+
+
+def _check_bad_builds(config: BisectConfig, plan: BisectPlan, log: BisectLog, outcomes: dict[int, Outcome]) -> None:
+    """A culprit range that reaches BAD rests on BAD being a real environment: when BAD was never
+    probed bad, it must at least build. If it cannot, no group is to blame (InputError)."""
+    groups = len(plan.groups)
+    if search_state(groups, outcomes).hi != groups or outcomes.get(groups) == "bad":
+        return
+    record = next((step for step in log.steps if step.k == groups and step.reason in BUILD_FAILED_REASONS), None)
+    if record is None and groups not in outcomes:
+        record = build_only(config, plan, groups, step=len(log.steps) + 1)
+        if record is None:
+            return
+        log.append(record)
+    if record is not None:
+        raise InputError(f"BAD ({config.bad}) cannot be built ({record.reason}: {record.message.strip()[:300]}): "
+                         "no culprit. Fix the BAD set (a pin that does not exist or conflicts) and rerun with --fresh")
+
+
+def build_only(config: BisectConfig, plan: BisectPlan, k: int, step: int) -> Optional[StepRecord]:
+    """Build candidate k without probing it: None when it builds, else the (skip) record of the failure."""
+    applied = plan.groups[:k]
+    venv_dir = config.work_dir / "venvs" / f"k{k:03d}"
+    requirements = config.work_dir / "steps" / f"{step_stem(step, k)}.requirements.txt"
+    built = build_candidate(config.installer, venv_dir, apply_groups(plan.good, applied), requirements)
+    shutil.rmtree(venv_dir, ignore_errors=True)
+    if built.ok:
+        return None
+    record = StepRecord(step=step, k=k, groups=[group.name for group in applied], result="skip",
+                        packages=sorted(_applied(applied)), message=built.message, conflicts=built.conflicts,
+                        reason="inconsistent" if built.inconsistent else f"{built.stage} failed")
+    record.seconds.update(built.seconds)
+    return record
 
 
 def run_step(config: BisectConfig, plan: BisectPlan, k: int, step: int, baseline: Optional[str]) -> StepRecord:
@@ -227,6 +265,23 @@ def _probe_into(record: StepRecord, config: BisectConfig, venv_dir: Path, baseli
     if report.exists():
         record.probe_report = str(report)
         record.memory_mib = _headline(report)
+    not_a_verdict = _not_a_verdict(code, output, report.exists(), expects_report(config.probe))
+    if not_a_verdict and record.result != "skip":
+        record.result, record.reason = "skip", not_a_verdict
+
+
+def expects_report(probe: str) -> bool:
+    """The default probe (`launcher.py probe`) and probes that name {out} write a report."""
+    return probe.startswith(DEFAULT_PROBE) or "{out}" in probe
+
+
+def _not_a_verdict(code: int, output: str, wrote_report: bool, wants_report: bool) -> str:
+    """Why a probe run is not a verdict ("" when it is): it crashed, or wrote no result."""
+    if code != 0 and CRASH_MARK in output:
+        return "probe crashed"
+    if wants_report and not wrote_report:
+        return "no probe result"
+    return ""
 
 
 def _run_probe(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str]:

@@ -76,7 +76,19 @@ def _rewrite_column(directory: Path, column: str, new_type: str | None) -> Path:
         with pa.OSFile(str(shard) + ".new", "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         os.replace(str(shard) + ".new", shard)
+    _rerecord_shards(directory)
     return directory
+
+
+def _rerecord_shards(directory: Path) -> None:
+    """Record the rewritten shards' sizes and sha256 (a consistent dataset with other columns)."""
+    from dflash.data.dataset_io import META_NAME, file_sha256
+
+    meta = json.loads((directory / META_NAME).read_text())
+    for shard in meta["shards"]:
+        path = directory / shard["filename"]
+        shard["bytes"], shard["sha256"] = path.stat().st_size, file_sha256(path)
+    (directory / META_NAME).write_text(json.dumps(meta))
 
 
 def test_in_place_backs_up_verified_then_replaces(dataset_factory, tmp_path):

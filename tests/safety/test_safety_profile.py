@@ -1,0 +1,107 @@
+"""Rows 14-15 of the safety table: numeric profile keys out of range (and cross-field rules that
+need no target) are refused with exit 2 by plan, train, the pipeline and the ranks alike, naming
+file, key, value and the valid range. The rules live in one table, `launcher_core.schema.RANGES`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from launcher_core import schema
+from launcher_core.errors import ConfigError
+
+CASES = [
+    ("machine", "nproc_per_node = 0", "machine.nproc_per_node", "0", "an integer >= 1"),
+    ("drafter", "block_size = 0", "drafter.block_size", "0", "an integer >= 2"),
+    ("train", "lr = -0.001", "train.lr", "-0.001", "a finite number > 0"),
+    ("train", "lr = nan", "train.lr", "nan", "a finite number > 0"),
+    ("train", "warmup_ratio = inf", "train.warmup_ratio", "inf", "a finite number >= 0 and < 1"),
+    ("generate", "port = 99999", "generate.port", "99999", "an integer >= 1 and <= 65535"),
+    ("eval", "engine_port = 0", "eval.engine_port", "0", "an integer >= 1 and <= 65535"),
+    ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2"),
+    ("data", "max_degenerate_share = 7.5", "data.max_degenerate_share", "7.5", "a finite number >= 0 and <= 1"),
+    ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0"),
+]
+
+
+def bad_profile(tmp_path: Path, section: str, line: str) -> Path:
+    path = tmp_path / "bad.toml"
+    path.write_text(f'extends = "cpu-demo"\n[{section}]\n{line}\n', encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("section, line, key, value, valid", CASES)
+def test_plan_refuses_an_out_of_range_value_naming_everything(cli, tmp_path, section, line, key, value, valid):
+    profile = bad_profile(tmp_path, section, line)
+    result = cli("plan", "--profile", profile)
+    assert result.code == 2 and "Traceback" not in result.err
+    assert result.err.strip() == f"error: {profile}: key '{key}': {value} is out of range; valid: {valid}"
+
+
+@pytest.mark.parametrize("command", [["train", "--print-command"], ["pipeline", "--stop-after", "audit"]])
+def test_train_and_the_pipeline_refuse_the_same_profile(cli, tmp_path, command):
+    profile = bad_profile(tmp_path, "machine", "nproc_per_node = 0")
+    result = cli(command[0], "--profile", profile, *command[1:])
+    assert result.code == 2 and "key 'machine.nproc_per_node': 0 is out of range" in result.err
+
+
+def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
+    from launcher_core.profile import load_profile, profile_as_dict, profile_from_json
+
+    document = profile_as_dict(load_profile("cpu-demo"))
+    document["train"]["lr"] = -1.0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match=rf"{path}: key 'train.lr': -1.0 is out of range"):
+        profile_from_json(path)
+
+
+@pytest.mark.parametrize("section, lines, key, problem", [
+    ("train", "global_batch = 5", "train.global_batch", "not divisible by the 2 ranks"),
+    ("machine", "nnodes = 2", "machine.rdzv_endpoint", "machine.nnodes = 2 needs it"),
+    ("data", "min_loss_tokens = 600", "data.min_loss_tokens", "not below data.max_length 512"),
+    ("drafter", "num_attention_heads = 6\nnum_key_value_heads = 4", "drafter.num_key_value_heads", "does not divide"),
+])
+def test_cross_field_rules_name_the_key(cli, tmp_path, section, lines, key, problem):
+    profile = bad_profile(tmp_path, section, lines)
+    result = cli("plan", "--profile", profile)
+    assert result.code == 2 and f"key '{key}'" in result.err and problem in result.err
+
+
+def _numeric(hint: typing.Any) -> bool:
+    args = [a for a in typing.get_args(hint) if a not in (type(None), Ellipsis)]
+    return hint in (int, float) or (bool(args) and all(_numeric(a) for a in args))
+
+
+def _numeric_keys() -> dict[str, typing.Any]:
+    keys = {}
+    for section in dataclasses.fields(schema.Profile):
+        cls = typing.get_type_hints(schema.Profile)[section.name]
+        if dataclasses.is_dataclass(cls):
+            hints = typing.get_type_hints(cls)
+            keys.update({f"{section.name}.{f.name}": f for f in dataclasses.fields(cls) if _numeric(hints[f.name])})
+    return keys
+
+
+def test_every_numeric_key_has_a_range_and_every_range_a_key():
+    numeric = _numeric_keys()
+    assert sorted(set(numeric) - set(schema.RANGES)) == [], "add a line to launcher_core.schema.RANGES"
+    assert sorted(set(schema.RANGES) - set(numeric)) == []
+
+
+def test_every_default_is_in_its_range():
+    for key, spec in _numeric_keys().items():
+        default = spec.default
+        for value in default if isinstance(default, tuple) else (default,):
+            if value is not None:
+                assert schema.RANGES[key].admits(value), (key, value)
+
+
+def test_every_shipped_profile_passes_the_rules():
+    from launcher_core.profile import list_profiles, load_profile
+
+    for name in list_profiles():
+        load_profile(name)
