@@ -24,6 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from launcher_core.processes import free_port  # noqa: E402
+
 RESPONSE = json.dumps({
     "id": "bench", "object": "chat.completion", "model": "responder",
     "choices": [{"index": 0, "finish_reason": "stop",
@@ -56,12 +58,6 @@ def serve_responder(port: int) -> None:
             await server.serve_forever()
 
     asyncio.run(main())
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_responder(port: int) -> subprocess.Popen:

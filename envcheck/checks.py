@@ -53,7 +53,8 @@ class CheckInput:
     target: Optional[TargetArchitecture] = None   # the profile's target's config.json (None: builtin)
 
 
-def version_tuple(text: str) -> tuple[int, ...]:
+def major_minor(text: str) -> tuple[int, ...]:
+    """`12.9.86` -> (12, 9); `12.0` -> (12, 0): CUDA, driver and compute-capability versions compare by these."""
     return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
 
 
@@ -102,7 +103,7 @@ def check_gpu_count_and_model(ctx: CheckInput) -> list[Finding]:
 def arch_covered(compute_capability: str, arch_list: list[str]) -> bool:
     """Does torch carry kernels for this GPU? sm_XY cubins run on the same major with minor >= Y
     (arch-specific `sm_90a` only on its own arch); compute_XY PTX JIT-compiles for any newer GPU."""
-    target = version_tuple(compute_capability)
+    target = major_minor(compute_capability)
     for arch in arch_list:
         match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", arch)
         if not match:
@@ -125,7 +126,7 @@ def check_torch_arch(ctx: CheckInput) -> list[Finding]:
             continue
         gpus = ", ".join(str(g.index) for g in ctx.snapshot.gpus if g.compute_capability == capability)
         sm = "sm_" + capability.replace(".", "")
-        need = MIN_CUDA_FOR_MAJOR.get(version_tuple(capability)[0], "a newer")
+        need = MIN_CUDA_FOR_MAJOR.get(major_minor(capability)[0], "a newer")
         findings.append(Finding("torch.arch", "FAIL",
             f"GPUs {gpus} (SM{capability}): torch {torch.version} (CUDA {torch.cuda}) has no kernels for {sm}; its arch list is {' '.join(torch.arch_list) or '(empty)'}",
             f"install a torch built with CUDA >= {need}, e.g. the profile's pins: pip install -r {ctx.profile.machine.requirements}"))
@@ -139,7 +140,7 @@ def check_torch_cuda(ctx: CheckInput) -> list[Finding]:
     if skip or not wanted:
         return [skip or Finding("torch.cuda", "SKIP", f"profile {ctx.profile.name} names no CUDA version")]
     torch = ctx.snapshot.torch
-    if version_tuple(torch.cuda) != version_tuple(wanted):
+    if major_minor(torch.cuda) != major_minor(wanted):
         return [Finding("torch.cuda", "FAIL", f"torch {torch.version} is built for CUDA {torch.cuda}, profile {ctx.profile.name} pins CUDA {wanted}",
                         f"pip install -r {ctx.profile.machine.requirements} (the CUDA {wanted} build), or use the profile for CUDA {torch.cuda}")]
     return [Finding("torch.cuda", "PASS", f"torch {torch.version} built for CUDA {torch.cuda}, as the profile pins")]
@@ -150,7 +151,7 @@ def check_driver_cuda(ctx: CheckInput) -> list[Finding]:
     if skip:
         return [skip]
     driver, torch_cuda = ctx.snapshot.nvml.cuda_driver_version, ctx.snapshot.torch.cuda
-    if version_tuple(driver) < version_tuple(torch_cuda):
+    if major_minor(driver) < major_minor(torch_cuda):
         return [Finding("driver.cuda", "FAIL", f"driver {ctx.snapshot.nvml.driver_version} supports CUDA {driver}, torch needs CUDA {torch_cuda}",
                         f"upgrade the NVIDIA driver to one that supports CUDA {torch_cuda}, or install torch for CUDA <= {driver}")]
     return [Finding("driver.cuda", "PASS", f"driver {ctx.snapshot.nvml.driver_version} (CUDA {driver}) >= torch's CUDA {torch_cuda}")]
@@ -169,23 +170,23 @@ def check_toolkit(ctx: CheckInput) -> list[Finding]:
 
 
 def _nvcc_vs_torch(kit, torch_cuda: str) -> Optional[Finding]:
-    if version_tuple(kit.nvcc_version) == version_tuple(torch_cuda):
+    if major_minor(kit.nvcc_version) == major_minor(torch_cuda):
         return None
     return Finding("toolkit.nvcc", "FAIL", f"nvcc {kit.nvcc_version} at {kit.nvcc_path} (from {kit.source}) but torch is built with CUDA {torch_cuda}",
                    f"set CUDA_HOME to a CUDA {torch_cuda} toolkit (e.g. /usr/local/cuda-{torch_cuda}), or install torch built for CUDA {kit.nvcc_version}")
 
 
 def _headers_vs_nvcc(kit) -> Optional[Finding]:
-    if not kit.cudart_version or version_tuple(kit.cudart_version) == version_tuple(kit.nvcc_version):
+    if not kit.cudart_version or major_minor(kit.cudart_version) == major_minor(kit.nvcc_version):
         return None
     return Finding("toolkit.headers", "FAIL", f"CUDA headers in {kit.cuda_home} say CUDART_VERSION {kit.cudart_version}, nvcc is {kit.nvcc_version}",
                    "headers and nvcc come from different toolkits: point CUDA_HOME at one complete toolkit")
 
 
 def _nvcc_for_sm12x(ctx: CheckInput) -> Optional[Finding]:
-    sm12x = [g for g in ctx.snapshot.gpus if version_tuple(g.compute_capability)[0] == 12]
+    sm12x = [g for g in ctx.snapshot.gpus if major_minor(g.compute_capability)[0] == 12]
     nvcc = ctx.snapshot.toolkit.nvcc_version
-    if not sm12x or version_tuple(nvcc) >= MIN_NVCC_FOR_SM12X or "flashinfer-jit-cache" in ctx.snapshot.packages:
+    if not sm12x or major_minor(nvcc) >= MIN_NVCC_FOR_SM12X or "flashinfer-jit-cache" in ctx.snapshot.packages:
         return None   # with flashinfer-jit-cache the kernels come precompiled: no JIT, no nvcc
     return Finding("toolkit.sm12x", "FAIL", f"nvcc {nvcc} cannot JIT FlashInfer kernels for SM{sm12x[0].compute_capability} (GPUs {', '.join(str(g.index) for g in sm12x)}); it needs nvcc >= 12.9",
                    "install flashinfer-jit-cache of the flashinfer version (precompiled kernels), or a CUDA toolkit >= 12.9 with torch of the same CUDA")
@@ -277,9 +278,9 @@ def check_attention_backend(ctx: CheckInput) -> list[Finding]:
     if not capabilities:
         return [Finding("attention.backend", "SKIP", f"no GPU to run attention backend {backend!r} on")]
     runs_on, valid = BACKEND_ARCHES[backend]
-    bad = [(label, cc) for label, cc in capabilities if not runs_on(version_tuple(cc))]
+    bad = [(label, cc) for label, cc in capabilities if not runs_on(major_minor(cc))]
     if bad:
-        usable = ", ".join(name for name, (pred, _) in BACKEND_ARCHES.items() if pred(version_tuple(bad[0][1])))
+        usable = ", ".join(name for name, (pred, _) in BACKEND_ARCHES.items() if pred(major_minor(bad[0][1])))
         return [Finding("attention.backend", "FAIL", f"attention backend {backend!r} runs on {valid}, not on SM{bad[0][1]} ({', '.join(name for name, _ in bad)})",
                         f"set [audit] attention_backend in the profile to one of: {usable}")]
     return [Finding("attention.backend", "PASS", f"{backend!r} runs on SM{capabilities[0][1]}")]

@@ -105,3 +105,12 @@ def _read(path: Path) -> Optional[str]:
         return path.read_text(encoding="utf-8").strip()
     except OSError:
         return None
+
+
+def nvidia_driver_version(proc_file: Path = Path("/proc/driver/nvidia/version")) -> Optional[str]:
+    """The NVIDIA driver version from /proc (no library, no CUDA context); None without one."""
+    text = _read(proc_file)
+    for word in (text or "").split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return None

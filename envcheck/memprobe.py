@@ -23,7 +23,6 @@ import dataclasses
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from envcheck.host import nvidia_driver_version
+from envcheck.packages import installed_versions
+from launcher_core.processes import free_port
 
 STAGES = ("init", "collective", "model", "train_peak")
 MEMORY_SWITCHES = ("CUDA_MODULE_LOADING", "NCCL_CUMEM_ENABLE", "CUBLAS_WORKSPACE_CONFIG",
@@ -148,12 +151,6 @@ def default_world_size(options: ProbeOptions) -> int:
     if options.device == "cpu":
         return 1
     return max(1, visible_gpu_count())
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_command(options: ProbeOptions, rank: int, world: int, port: int, out_dir: Path,
@@ -471,36 +468,11 @@ def _torch_versions(use_cuda: bool) -> dict[str, Any]:
     return versions
 
 
-def nvidia_driver_version() -> Optional[str]:
-    """The NVIDIA driver version from /proc (no library, no CUDA context); None without one."""
-    try:
-        text = Path("/proc/driver/nvidia/version").read_text()
-    except OSError:
-        return None
-    for word in text.split():
-        if word.count(".") >= 1 and word.replace(".", "").isdigit():
-            return word
-    return None
-
-
 def _meta(kind: str, versions: dict[str, Any], imports: list[str]) -> dict[str, Any]:
     versions = {"python": ".".join(map(str, sys.version_info[:3])), **versions}
     return {"kind": kind, "versions": versions, "imports": list(imports),
             "switches": {name: os.environ.get(name) for name in MEMORY_SWITCHES},
-            "packages": installed_packages()}
-
-
-def installed_packages() -> dict[str, str]:
-    """name -> version of every distribution this python sees (a probe report doubles as a
-    requirement set for `launcher.py bisect`)."""
-    from importlib import metadata
-
-    packages: dict[str, str] = {}
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"]
-        if name:
-            packages[name] = dist.version
-    return dict(sorted(packages.items(), key=lambda item: item[0].lower()))
+            "packages": installed_versions()}
 
 
 if __name__ == "__main__":

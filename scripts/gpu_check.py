@@ -26,7 +26,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,10 @@ from typing import Any, Callable, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from envcheck.host import nvidia_driver_version  # noqa: E402  (stdlib-only modules of the repo)
+from envcheck.packages import installed_versions, normalize  # noqa: E402
+from launcher_core.processes import stop_group, wait_or_stop  # noqa: E402
 
 MIB = 1024 * 1024
 DEFAULT_BUDGET_S = 450.0            # the whole script; the device time is 15 min including startup
@@ -171,27 +174,6 @@ def why_not_run(spec: PartSpec, has_cuda: str, seconds_left: float) -> str:
     return ""
 
 
-def wait_or_kill(child: subprocess.Popen, limit_s: float) -> bool:
-    """Wait up to limit_s; on overrun end the child's process group (SIGTERM, then SIGKILL). True: killed."""
-    try:
-        child.wait(timeout=limit_s)
-        return False
-    except subprocess.TimeoutExpired:
-        pass
-    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(child.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            child.wait(timeout=grace)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    child.wait()
-    return True
-
-
 def run_child(spec: PartSpec, args: argparse.Namespace, limit_s: float, has_cuda: str, log: RunLog) -> dict[str, Any]:
     out = Path(args.out)
     result_path, log_path = out / "parts" / f"{spec.name}.json", out / "parts" / f"{spec.name}.log"
@@ -200,7 +182,7 @@ def run_child(spec: PartSpec, args: argparse.Namespace, limit_s: float, has_cuda
     with log_path.open("w", encoding="utf-8") as handle:
         child = subprocess.Popen(child_command(spec, args, limit_s, has_cuda), stdout=handle, stderr=subprocess.STDOUT,
                                  env=child_environment(args.cpu), cwd=str(REPO_ROOT), start_new_session=True)
-        killed = wait_or_kill(child, limit_s)
+        killed = wait_or_stop(child, limit_s, KILL_GRACE_S)
     log.append_part(spec.name, log_path)
     result = _read_result(result_path, spec)
     result.update(wall_s=round(time.monotonic() - started, 1), limit_s=round(limit_s), exit_code=child.returncode)
@@ -360,7 +342,7 @@ def run_test_part(spec: PartSpec, args: argparse.Namespace, limit_s: float, log:
     with log_path.open("w", encoding="utf-8") as handle:
         child = subprocess.Popen(pytest_command(spec, out), stdout=handle, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                                  env=gpu_test_environment(args.cpu, out), start_new_session=True)
-        killed = wait_or_kill(child, limit_s)
+        killed = wait_or_stop(child, limit_s, KILL_GRACE_S)
     log.append_part(spec.name, log_path)
     result = gpu_test_result(spec, read_junit(junit), read_recorded(out, spec.name), child.returncode, killed, log_path)
     if killed:
@@ -486,15 +468,8 @@ REPORTED_PACKAGES = ("torch", "transformers", "numpy", "safetensors", "tqdm", "t
 
 
 def package_versions() -> dict[str, Optional[str]]:
-    from importlib import metadata
-
-    versions: dict[str, Optional[str]] = {}
-    for name in REPORTED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    installed = installed_versions()
+    return {name: installed.get(normalize(name)) for name in REPORTED_PACKAGES}
 
 
 def gpu_facts(torch: Any) -> list[dict[str, Any]]:
@@ -504,17 +479,6 @@ def gpu_facts(torch: Any) -> list[dict[str, Any]]:
         gpus.append({"index": index, "name": props.name, "capability": f"{props.major}.{props.minor}",
                      "total_mib": round(props.total_memory / MIB), "multiprocessors": props.multi_processor_count})
     return gpus
-
-
-def driver_version() -> Optional[str]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # no NVML here: the audit part reports why
-        return None
 
 
 def part_environment(ctx: PartContext) -> str:
@@ -531,7 +495,7 @@ def part_environment(ctx: PartContext) -> str:
         ctx.skip("GPU facts", "torch.cuda.is_available() is False")
         return f"torch {torch.__version__}, no CUDA device; GPU-only parts will be skipped"
     gpus = gpu_facts(torch)
-    ctx.figure(gpus=gpus, gpu_name=gpus[0]["name"], cudnn=torch.backends.cudnn.version(), driver=driver_version(),
+    ctx.figure(gpus=gpus, gpu_name=gpus[0]["name"], cudnn=torch.backends.cudnn.version(), driver=nvidia_driver_version(),
                bf16_supported=torch.cuda.is_bf16_supported())
     ctx.check("CUDA device visible", bool(gpus), f"{len(gpus)} device(s)")
     first = gpus[0]
@@ -551,7 +515,7 @@ def run_launcher(ctx: PartContext, arguments: list[str], timeout_s: float) -> su
     try:
         stdout, stderr = child.communicate(timeout=max(10.0, timeout_s))
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        stop_group(child, grace_s=0.0)
         child.communicate()
         raise RuntimeError(f"launcher.py {arguments[0]} did not finish within {max(10.0, timeout_s):.0f} s") from None
     if stderr.strip():

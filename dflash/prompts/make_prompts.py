@@ -1,5 +1,5 @@
 """Make the training prompts `builtin_prompts.jsonl` and the in-distribution held-out set
-`indist_prompts.jsonl` from the hand-written bank in `prompt_bank.py`.
+`indist_prompts.jsonl` from the hand-written bank in `prompt_bank.json`.
 
 Deterministic (fixed seed, no network): rerunning rewrites byte-identical files. Every bank
 entry is one distinct request (explanations, advice, word problems, code, emails and letters,
@@ -18,42 +18,37 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import prompt_bank as bank  # noqa: E402  (a sibling module: the script runs without the package)
-
+BANK = HERE / "prompt_bank.json"
 SEED = 20261201
 HOLD_OUT_EVERY = 10
 SYSTEM_SHARE = 0.3
-PLAIN_CATEGORIES = {"explain": bank.EXPLAIN, "howto": bank.HOW_TO, "math": bank.MATH, "code": bank.CODE,
-                    "writing": bank.WRITING, "creative": bank.CREATIVE, "edit": bank.EDIT,
-                    "translate": bank.TRANSLATE, "multilingual": bank.MULTILINGUAL, "compare": bank.COMPARE,
-                    "list": bank.LISTS, "facts": bank.FACTS, "food": bank.FOOD, "plan": bank.PLANNING,
-                    "classify": bank.CLASSIFY}
 NO_SUFFIX = {"translate", "multilingual", "classify", "edit"}
 
 
-def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required}}}
+@dataclass(frozen=True)
+class PromptBank:
+    """The hand-written bank (`prompt_bank.json`): plain requests by category, conversations
+    already under way, tool-call requests with the tools they may use, system prompts and
+    closing instructions."""
+
+    categories: dict[str, list[str]]
+    conversations: list[list[str]]
+    tool_requests: list[dict]
+    tools: dict[str, dict]
+    systems: list[str]
+    suffixes: list[str]
 
 
-TOOLS = {
-    "get_weather": tool("get_weather", "Current weather for a city",
-                        {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                        ["city"]),
-    "calculate": tool("calculate", "Evaluate an arithmetic expression exactly", {"expression": {"type": "string"}},
-                      ["expression"]),
-    "convert_currency": tool("convert_currency", "Convert an amount between currencies",
-                             {"amount": {"type": "number"}, "from": {"type": "string"}, "to": {"type": "string"}},
-                             ["amount", "from", "to"]),
-    "create_reminder": tool("create_reminder", "Create a reminder at a time",
-                            {"text": {"type": "string"}, "time": {"type": "string"}}, ["text", "time"]),
-}
+def load_bank(path: Path = BANK) -> PromptBank:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    tools = {entry["function"]["name"]: entry for entry in raw["tools"]}
+    return PromptBank(categories=raw["categories"], conversations=raw["conversations"],
+                      tool_requests=raw["tool_requests"], tools=tools, systems=raw["systems"],
+                      suffixes=raw["suffixes"])
 
 
 def conversation(turns: list[str]) -> list[dict]:
@@ -61,13 +56,13 @@ def conversation(turns: list[str]) -> list[dict]:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)]
 
 
-def bank_records() -> dict[str, list[dict]]:
+def bank_records(bank: PromptBank) -> dict[str, list[dict]]:
     """Every bank entry as a prompt record (no id yet), by category, in bank order."""
     records = {name: [{"messages": [{"role": "user", "content": text}]} for text in texts]
-               for name, texts in PLAIN_CATEGORIES.items()}
-    records["chat"] = [{"messages": conversation(turns)} for turns in bank.CONVERSATIONS]
-    records["tool"] = [{"messages": [{"role": "user", "content": text}], "tools": [TOOLS[n] for n in names]}
-                       for text, names in bank.TOOL_REQUESTS]
+               for name, texts in bank.categories.items()}
+    records["chat"] = [{"messages": conversation(turns)} for turns in bank.conversations]
+    records["tool"] = [{"messages": [{"role": "user", "content": entry["text"]}],
+                        "tools": [bank.tools[name] for name in entry["tools"]]} for entry in bank.tool_requests]
     return records
 
 
@@ -80,13 +75,13 @@ def split(records: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], dict[s
     return kept, held
 
 
-def vary(record: dict, category: str, rng: random.Random) -> dict:
+def vary(record: dict, category: str, rng: random.Random, bank: PromptBank) -> dict:
     """Some training prompts get a system prompt, some a closing instruction (single-turn English only)."""
     messages = [dict(m) for m in record["messages"]]
     if category not in NO_SUFFIX and category != "chat" and len(messages) == 1:
-        messages[-1]["content"] += rng.choice(bank.SUFFIXES)
+        messages[-1]["content"] += rng.choice(bank.suffixes)
     if rng.random() < SYSTEM_SHARE:
-        messages.insert(0, {"role": "system", "content": rng.choice(bank.SYSTEMS)})
+        messages.insert(0, {"role": "system", "content": rng.choice(bank.systems)})
     return {**record, "messages": messages}
 
 
@@ -101,10 +96,10 @@ def interleave(prefix: str, groups: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-def make_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
+def make_sets(bank: PromptBank, seed: int = SEED) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
-    kept, held = split(bank_records())
-    varied = {name: [vary(r, name, rng) for r in rs] for name, rs in kept.items()}
+    kept, held = split(bank_records(bank))
+    varied = {name: [vary(r, name, rng, bank) for r in rs] for name, rs in kept.items()}
     return interleave("train", varied), interleave("indist", held)
 
 
@@ -115,8 +110,9 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=HERE)
+    parser.add_argument("--bank", type=Path, default=BANK)
     args = parser.parse_args(argv)
-    train, indist = make_sets()
+    train, indist = make_sets(load_bank(args.bank))
     write_jsonl(args.out_dir / "builtin_prompts.jsonl", train)
     write_jsonl(args.out_dir / "indist_prompts.jsonl", indist)
     print(f"wrote {len(train)} training and {len(indist)} in-distribution held-out prompts to {args.out_dir}")

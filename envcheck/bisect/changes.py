@@ -24,7 +24,8 @@ from typing import Iterable, Optional, Sequence
 
 from envcheck.bisect.coupling import Coupling, readable, requirement_couplings
 from envcheck.bisect.metadata import MetadataMap
-from envcheck.bisect.reqsets import Pin, RequirementSet, canonical_name
+from envcheck.bisect.reqsets import Pin, RequirementSet
+from envcheck.packages import normalize
 
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio", "triton", "pytorch-triton"})
 FLASHINFER_FAMILY = frozenset({"flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache"})
@@ -108,7 +109,7 @@ def group_changes(changes: list[Change], extra_groups: Sequence[str] = (), metad
 def user_glue(extra_groups: Iterable[str], names: list[str]) -> list[Glue]:
     glue = []
     for item in extra_groups:
-        members = frozenset(canonical_name(part.strip()) for part in item.split(",") if part.strip())
+        members = frozenset(normalize(part.strip()) for part in item.split(",") if part.strip())
         if len(members & set(names)) > 1:
             glue.append(Glue(members & set(names), "--group", f"--group {item}"))
     return glue

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from envcheck.bisect.metadata import MetadataMap, pin_key
-from envcheck.bisect.reqsets import Pin, canonical_name
+from envcheck.bisect.reqsets import Pin
+from envcheck.packages import normalize
 
 if TYPE_CHECKING:
     from packaging.requirements import Requirement
@@ -80,7 +81,7 @@ def _requirements_on(pin: Optional[Pin], by_name: dict[str, "Change"],
     extras = _pin_extras(pin)
     for line in metadata[pin_key(pin)].requires:
         requirement = _parse(line)
-        target = canonical_name(requirement.name) if requirement else None
+        target = normalize(requirement.name) if requirement else None
         if requirement is not None and target in by_name and target != pin.name and _active(requirement, extras):
             yield requirement, target
 

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Iterable, Optional
 from urllib.parse import unquote, urlparse
 
-from envcheck.bisect.reqsets import Pin, canonical_name
+from envcheck.bisect.reqsets import Pin
 from envcheck.bisect.venvs import InstallerOptions, installer_env
+from envcheck.packages import normalize
 from launcher_core.fileio import write_json_atomic
 
 TRUSTED_SDIST_METADATA = (2, 2)        # PEP 643: from 2.2 on, static sdist metadata is reliable
@@ -145,7 +146,7 @@ def parse_dist_filename(filename: str) -> Optional[tuple[str, str]]:
             return None
     except (InvalidWheelFilename, InvalidSdistFilename):
         return None
-    return canonical_name(name), str(version)
+    return normalize(name), str(version)
 
 
 def _kind(path: Path) -> str:
@@ -266,7 +267,7 @@ def _dry_run_report(pins: list[Pin], options: InstallerOptions) -> tuple[Optiona
 
 def _unknown_pin(stderr: str, pins: list[Pin]) -> Optional[str]:
     match = re.search(r"(?:No matching distribution found for|satisfies the requirement) ([A-Za-z0-9._-]+)", stderr)
-    name = canonical_name(match[1]) if match else None
+    name = normalize(match[1]) if match else None
     return name if name in {pin.name for pin in pins} else None
 
 
@@ -275,7 +276,7 @@ def _from_report(report: dict, pins: list[Pin]) -> MetadataMap:
     found: MetadataMap = {}
     for item in report.get("install", []):
         metadata = item.get("metadata", {})
-        pin = by_name.get(canonical_name(str(metadata.get("name", ""))))
+        pin = by_name.get(normalize(str(metadata.get("name", ""))))
         if pin is not None:
             filename = str(item.get("download_info", {}).get("url", "")).rsplit("/", 1)[-1]
             found[pin_key(pin)] = PackageMetadata(pin.name, pin.version, tuple(metadata.get("requires_dist") or ()),

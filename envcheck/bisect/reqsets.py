@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from envcheck.packages import normalize
 from launcher_core.errors import InputError
 
 RequirementSet = dict[str, "Pin"]          # canonical name -> pin
@@ -32,10 +33,6 @@ class Pin:
     name: str           # canonical (PEP 503) name
     version: str        # "2.9.1+cu128", or "@ URL" for a direct reference
     spec: str           # "transformers[serving]==5.24.0", "torch @ file:///..."
-
-
-def canonical_name(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def load_requirement_set(path: str | Path) -> RequirementSet:
@@ -59,7 +56,7 @@ def parse_snapshot(document: object, source: Path) -> RequirementSet:
         version = value.get("version") if isinstance(value, dict) else value
         if not isinstance(version, str) or not version:
             raise InputError(f"{source}: packages.{name}: expected a version string, got {value!r}")
-        pins[canonical_name(name)] = Pin(canonical_name(name), version, f"{name}=={version}")
+        pins[normalize(name)] = Pin(normalize(name), version, f"{name}=={version}")
     return pins
 
 
@@ -80,13 +77,13 @@ def parse_requirements(text: str, source: Path, seen: tuple[Path, ...] = ()) -> 
 def parse_pin_line(line: str, source: Path, number: int) -> Pin:
     match = PIN_LINE.match(line)
     if match:
-        name, version = canonical_name(match["name"]), match["version"]
+        name, version = normalize(match["name"]), match["version"]
         spec = f"{match['name']}{match['extras'] or ''}=={version}"
         marker = (match["marker"] or "").strip()
         return Pin(name, version, f"{spec}; {marker}" if marker else spec)
     direct = DIRECT_LINE.match(line)
     if direct:
-        return Pin(canonical_name(direct["name"]), f"@ {direct['url']}", line)
+        return Pin(normalize(direct["name"]), f"@ {direct['url']}", line)
     if line.startswith(("-e ", "--editable")):
         raise InputError(f"{source}:{number}: editable install {line!r} cannot be bisected; "
                          "pin it as name==version or name @ URL")

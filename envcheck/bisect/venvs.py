@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from envcheck.bisect.reqsets import RequirementSet, canonical_name, requirements_text
+from envcheck.bisect.reqsets import RequirementSet, requirements_text
+from envcheck.packages import normalize
 from launcher_core.fileio import write_text_atomic
 
 Command = tuple[list[str], dict[str, str]]
@@ -129,7 +130,7 @@ def check_conflicts(output: str) -> list[tuple[str, str]]:
     """(package, required package) pairs, canonical names, from `uv pip check` or `pip check` output."""
     pairs = [(match["package"], re.split(r"[\s\[<>=!~;@(]", match["requirement"].strip(), maxsplit=1)[0])
              for pattern in (UV_CONFLICT, PIP_CONFLICT) for match in pattern.finditer(output)]
-    return list(dict.fromkeys((canonical_name(a), canonical_name(b)) for a, b in pairs))
+    return list(dict.fromkeys((normalize(a), normalize(b)) for a, b in pairs))
 
 
 def _run(argv: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,13 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher_core.processes import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 120) -> None:

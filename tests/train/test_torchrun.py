@@ -5,7 +5,6 @@ import dataclasses
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from dflash.train.launch import build_torchrun_command, run_training
 from launcher_core.errors import RunFailed
+from launcher_core.processes import free_port
 from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
 
@@ -178,12 +178,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_da
     assert stopped["step"] >= 2
     assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == f"step-{stopped['step']}"
     assert (run_dir / "train" / "checkpoints" / f"step-{stopped['step']}" / "model.safetensors").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):

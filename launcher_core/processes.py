@@ -1,0 +1,51 @@
+"""Child processes and their ports: the one place that picks a free loopback port and ends a
+process group (a server, a rank, a probe child and whatever it started)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+KILL_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now, on `host` (loopback by default)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to process group `pgid`; False when the group is gone already."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """End a child started with `start_new_session=True` and its whole group: SIGTERM, up to
+    `grace_s` to exit, then SIGKILL. Members that outlive the leader's clean exit go too."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not signal_group(process.pid, sig):
+            break
+        try:
+            process.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_or_stop(process: subprocess.Popen, limit_s: float, grace_s: float = KILL_GRACE_S) -> bool:
+    """Wait up to `limit_s` for the child; on overrun stop its group. True: it had to be stopped."""
+    try:
+        process.wait(timeout=limit_s)
+        return False
+    except subprocess.TimeoutExpired:
+        stop_group(process, grace_s)
+        return True
