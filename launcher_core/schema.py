@@ -140,6 +140,7 @@ class TrainSection:
     optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
+    grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
 
 
 @dataclass(frozen=True)

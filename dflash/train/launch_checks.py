@@ -15,6 +15,7 @@ where a rank would otherwise fail:
 | drafter.init | "target": the source layers are plain softmax attention | init_from_target |
 | drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
 | train.epochs / max_steps, max_micro_batch, num_anchors | positive | the training loop |
+| train.grad_bucket_mib | above 0, at most 1024 | the gradient sum (dflash.train.dist) |
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from launcher_core.schema import Profile
 
 # A padding row past the added tokens, by embedding size (mask token ids the data never uses).
 SUGGESTED_MASK_IDS = {151936: 151669, 248320: 248070}
+MAX_GRAD_BUCKET_MIB = 1024      # train.grad_bucket_mib: the sum's staging buffer stays a small share of a GPU
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ def _check_sizes(profile: Profile, where: _KeyFiles, problems: list[str]) -> flo
                        ("train.num_anchors", train.num_anchors)):
         if value < 1:
             problems.append(where(key, f"{value}; must be at least 1"))
+    if not 0 < train.grad_bucket_mib <= MAX_GRAD_BUCKET_MIB:
+        problems.append(where("train.grad_bucket_mib", f"{train.grad_bucket_mib}; the gradient sum's bucket must be "
+                              f"above 0 and at most {MAX_GRAD_BUCKET_MIB} MiB (default 64)"))
     if train.epochs < 1 and train.max_steps < 1:
         problems.append(where("train.epochs", f"{train.epochs} with train.max_steps {train.max_steps}: nothing to train"))
     if drafter.block_size < 2:

@@ -136,3 +136,11 @@ def test_tokenizer_mask_token_from_its_files(tmp_path, qwen3_tokenizer_dir):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"mask_token": "<mask>"}))
     (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [], "model": {"vocab": {"<mask>": 7}}}))
     assert tokenizer_mask_token_id(tmp_path) == 7
+
+
+def test_a_gradient_bucket_outside_its_range_names_train_grad_bucket_mib(profiles_dir, flagship_twin_target):
+    for bad in ("0", "-8", "2048"):
+        path = variant(profiles_dir, f"[train]\ngrad_bucket_mib = {bad}", target=str(flagship_twin_target))
+        assert f"{path}: key 'train.grad_bucket_mib': {float(bad)}; the gradient sum's bucket must be above 0" \
+            in problems_of(path)
+    assert check(variant(profiles_dir, "[train]\ngrad_bucket_mib = 25", target=str(flagship_twin_target)))
