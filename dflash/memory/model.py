@@ -259,6 +259,7 @@ class Calibration:
     device_name: str = ""
     torch_version: str = ""
     measured_at: str = ""
+    gradient_sum: str = ""          # "measured": 2+ ranks summed for real; "model": one process ("" before it was recorded)
 
     @property
     def slope_mib(self) -> float:
@@ -571,7 +572,8 @@ def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibratio
                            workload_key=str(document["workload_key"]),
                            device_name=str(document.get("device_name", "")),
                            torch_version=str(document.get("torch_version", "")),
-                           measured_at=str(document.get("measured_at", "")))
+                           measured_at=str(document.get("measured_at", "")),
+                           gradient_sum=str(document.get("gradient_sum", "")))
     except (KeyError, TypeError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
 
