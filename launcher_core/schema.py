@@ -140,6 +140,7 @@ class TrainSection:
     optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
+    grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ RANGES: dict[str, Range] = {
     "train.max_restarts": AT_LEAST_0,
     "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
     "train.loss_chunk_rows": AT_LEAST_1,
+    "train.grad_bucket_mib": Range(0, 1024, low_open=True),   # the sum's staging buffer stays a small share of a GPU
     "memory.margin": Range(0, 1, high_open=True),
     "memory.overhead_mib": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_1,

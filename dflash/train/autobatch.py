@@ -6,12 +6,15 @@ The collective sequence of one optimizer step is the same on every rank whatever
     all_reduce(SUM) of the step's loss weight      (global_weight: data only, cannot OOM)
     forward/backward of each micro-batch           (no collectives: do not let DDP sync here)
     all_reduce(MIN) of an ok flag                  (did every rank get through?)
-    either  all_reduce(SUM) of the gradients + optimizer.step
+    either  the gradient sum (all_reduce SUM, bucket by bucket) + optimizer.step
     or      every rank drops its gradients, halves the micro-batch and redoes the step
 
 so a rank that runs out of memory can never leave the others waiting in a different collective.
-Gradients are synchronised by `sync_gradients` (not by DDP hooks, which would fire inside the
-backward of whichever rank got furthest). Because the loss of each micro-batch is divided by the
+Gradients are summed by `dflash.train.dist.prepare_gradient_sum` + `GradientSum.run` (not by DDP
+hooks, which would fire inside the backward of whichever rank got furthest). The sum's one
+allocation (its bucket-sized staging buffer) is made inside the guarded region, after the
+backward and before the ok flag; its collectives run after every rank said ok and allocate
+nothing. So an OOM of the sum is agreed on and recovered from like an OOM of the backward. Because the loss of each micro-batch is divided by the
 GLOBAL weight of the step, the summed gradient does not depend on how the batch was split.
 
 Fault injection (off by default), for CPU tests and drills on real nodes:
@@ -20,6 +23,7 @@ Fault injection (off by default), for CPU tests and drills on real nodes:
                                            point of step 3 (once; not again after a torchrun restart)
     DFLASH_INJECT_OOM="rank=1,above=2"     rank 1 raises it in every forward with micro-batch > 2
     DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside optimizer.step (fatal by design)
+    DFLASH_INJECT_OOM="rank=1,step=3,phase=sync"        ... inside the gradient sum (as it allocates its bucket)
 
 `rank` may be omitted (every rank); the trainer calls `injector.check(step, micro_batch, phase)`.
 """
@@ -32,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash.train.dist import agree_micro_batch, count_failed, sync_gradients
+from dflash.train.dist import DEFAULT_GRAD_BUCKET_MIB, GradientSum, agree_micro_batch, count_failed, prepare_gradient_sum
 from launcher_core.errors import ConfigError, RunFailed
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
+PHASES = ("forward", "backward", "sync", "optimizer")     # where an injected OOM can fire
 
 
 # --- fault injection ----------------------------------------------------------------------
@@ -77,7 +82,7 @@ def parse_injection(text: str) -> OomInjector | None:
         key, sep, value = item.partition("=")
         if not sep or key.strip() not in ("rank", "step", "above", "phase"):
             raise ConfigError(f"{INJECT_ENV}={text!r}: {item!r} is not one of rank=N, step=N, above=N, "
-                              f"phase=forward|backward|optimizer")
+                              f"phase=forward|backward|sync|optimizer")
         fields[key.strip()] = value.strip()
     return _injector_from_fields(fields, text)
 
@@ -88,8 +93,8 @@ def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
                                phase=fields.get("phase", "forward"))
     except ValueError:
         raise ConfigError(f"{INJECT_ENV}={text!r}: rank, step and above take integers") from None
-    if injector.phase not in ("forward", "backward", "optimizer"):
-        raise ConfigError(f"{INJECT_ENV}={text!r}: phase must be forward, backward or optimizer")
+    if injector.phase not in PHASES:
+        raise ConfigError(f"{INJECT_ENV}={text!r}: phase must be forward, backward, sync or optimizer")
     if injector.step is None and injector.above is None:
         raise ConfigError(f"{INJECT_ENV}={text!r}: say when: step=N or above=N")
     return injector
@@ -180,11 +185,15 @@ class AutoBatch:
         # accumulate(micro_batch): all forward/backward calls of the step (share split into
         # micro-batches), each loss divided by global_weight(...); calls auto.inject("forward")
         # update(): clip + optimizer.step + scheduler.step (default optimizer.step)
+        # the gradients of the optimizer's parameters are summed over the ranks in between
+        # (buckets of grad_bucket_mib, train.grad_bucket_mib)
     """
 
     def __init__(self, micro_batch: int, rank: int, state_path: str | Path | None = None, group: Any = None,
-                 injector: OomInjector | None = None, log: Callable[[str], None] | None = None):
+                 injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
+                 grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB):
         self.micro_batch = micro_batch
+        self.grad_bucket_mib = grad_bucket_mib
         self.rank = rank
         self.state_path = Path(state_path) if state_path else None
         self.group = group
@@ -195,12 +204,13 @@ class AutoBatch:
 
     @classmethod
     def start(cls, planned_micro_batch: int, state_path: str | Path | None, rank: int, group: Any = None,
-              injector: OomInjector | None = None, log: Callable[[str], None] | None = None) -> "AutoBatch":
+              injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
+              grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> "AutoBatch":
         """Resume from the persisted micro-batch (never above it), agree on the minimum, persist."""
         local = resume_micro_batch(planned_micro_batch, state_path) if state_path else planned_micro_batch
         previous = load_run_state(state_path) if state_path else None
         auto = cls(agree_micro_batch(local, group), rank, state_path, group,
-                   injector if injector is not None else injector_from_env(), log)
+                   injector if injector is not None else injector_from_env(), log, grad_bucket_mib)
         auto.reductions = previous.reductions if previous else []
         auto.persist()
         auto.log(f"[autobatch] rank {rank}: planned micro-batch {planned_micro_batch}, "
@@ -218,27 +228,43 @@ class AutoBatch:
 
     def run_step(self, step: int, accumulate: Callable[[int], None], optimizer,
                  update: Callable[[], None] | None = None) -> StepOutcome:
-        """Forward/backward at the agreed micro-batch, halving on all ranks until every rank gets
-        through; then sum the gradients and update once."""
+        """Forward/backward and the gradient sum at the agreed micro-batch, halving on all ranks
+        until every rank gets through; then update once."""
         self.step = step
         attempts = 1
         while not self._all_got_through(accumulate, optimizer):
             self._halve(step)
             attempts += 1
-        sync_gradients([p for g in optimizer.param_groups for p in g["params"]], self.group)
         self._update(step, optimizer, update or optimizer.step)
         optimizer.zero_grad(set_to_none=True)
         return StepOutcome(self.micro_batch, attempts)
 
     def _all_got_through(self, accumulate: Callable[[int], None], optimizer) -> bool:
-        ok = _attempt(lambda: accumulate(self.micro_batch))
+        """Guarded: the forward/backward calls and the gradient sum's allocation; then one ok flag
+        (all_reduce); only when every rank got through, the sum's collectives (no allocation)."""
+        prepared: list[GradientSum] = []
+
+        def work() -> None:
+            accumulate(self.micro_batch)
+            prepared.append(self.prepare_sum(optimizer))
+
+        ok = _attempt(work)
         if not ok:
             self.log(f"[autobatch] rank {self.rank}: out of memory at step {self.step}, micro-batch {self.micro_batch}")
         failed = count_failed(ok, self.group)
-        if failed:
-            release_memory(optimizer)
         self._last_failed = failed
-        return failed == 0
+        if failed:
+            prepared.clear()                    # the staging buffer of a rank that got through
+            release_memory(optimizer)
+            return False
+        prepared[0].run()
+        return True
+
+    def prepare_sum(self, optimizer) -> GradientSum:
+        """The gradient sum of the optimizer's parameters, its staging buffer allocated (the
+        fault-injection point `sync` fires just before that allocation)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return prepare_gradient_sum(params, self.group, self.grad_bucket_mib, lambda: self.inject("sync"))
 
     def _halve(self, step: int) -> None:
         if self.micro_batch <= 1:

@@ -2,19 +2,18 @@
 only after loading the target (exit 5, minutes and ~54 GB per rank in) is found before torchrun
 starts (ConfigError, exit 2), naming the profile file and the key to change.
 
-Reads the target's config.json and tokenizer files, never its weights. What it checks, and
-where a rank would otherwise fail:
+Reads the target's config.json and tokenizer files, never its weights. The rules that need no
+target (ranges, divisibility, heads) are the schema's (launcher_core.schema RANGES and
+cross_field_problems), checked when the profile loads; these are the ones that need the target,
+and where a rank would otherwise fail:
 
 | key | rule | a rank's failure |
 |---|---|---|
-| train.global_batch | divisible by the ranks (nproc_per_node x nnodes) | TrainData |
-| drafter.num_layers, drafter.block_size | at least 1 layer; a block of at least 2 | drafter config |
 | train.decay_gamma | > 0 unless the block size has a default (8, 10, 16) | decay.default_gamma |
 | drafter.target_layer_ids | inside the target's layers; or the default spacing fits the target | resolve_layer_ids |
 | drafter.mask_token_id | set, or the tokenizer has a mask token; a row of the target's embedding | resolve_mask_token_id |
 | drafter.init | "target": the source layers are plain softmax attention | init_from_target |
 | drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
-| train.epochs / max_steps, max_micro_batch, num_anchors | positive | the training loop |
 """
 from __future__ import annotations
 
@@ -106,22 +105,8 @@ class _KeyFiles:
 def _check_sizes(profile: Profile, where: _KeyFiles, problems: list[str]) -> float:
     from dflash.drafter.decay import default_gamma
 
-    drafter, train, machine = profile.drafter, profile.train, profile.machine
-    ranks = machine.nproc_per_node * machine.nnodes
-    if train.global_batch < 1 or train.global_batch % ranks:
-        problems.append(where("train.global_batch", f"{train.global_batch} is not a positive multiple of the "
-                              f"{ranks} ranks (machine.nproc_per_node x machine.nnodes)"))
-    for key, value in (("drafter.num_layers", drafter.num_layers), ("train.max_micro_batch", train.max_micro_batch),
-                       ("train.num_anchors", train.num_anchors)):
-        if value < 1:
-            problems.append(where(key, f"{value}; must be at least 1"))
-    if train.epochs < 1 and train.max_steps < 1:
-        problems.append(where("train.epochs", f"{train.epochs} with train.max_steps {train.max_steps}: nothing to train"))
-    if drafter.block_size < 2:
-        problems.append(where("drafter.block_size", f"{drafter.block_size}; a block is the anchor and at least one "
-                              f"draft slot, so at least 2"))
     try:
-        return default_gamma(drafter.block_size, train.decay_gamma)
+        return default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     except ValueError as error:
         problems.append(where("train.decay_gamma", f"unset, and {error}"))
         return 0.0

@@ -1,6 +1,7 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
 dataset, frozen target (truncated after the deepest tap), drafter, optimizer and schedule,
-feature cache, resume from the latest checkpoint, DDP wrapper and the agreed micro-batch.
+feature cache, resume from the latest checkpoint, the initial weights broadcast from rank 0 and
+the agreed micro-batch.
 
 Tests, benchmarks and the GPU checks build their state through `build_state` too.
 """
@@ -14,7 +15,7 @@ import torch
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.train.data import TrainData
-from dflash.train.dist import WorkerEnv, distributed
+from dflash.train.dist import WorkerEnv, broadcast_module
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -24,13 +25,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainState:
-    """Everything a step needs. `model` is the DDP wrapper (or the drafter on one rank)."""
+    """Everything a step needs (no DistributedDataParallel wrapper: the step sums the gradients itself)."""
 
     env: WorkerEnv
     device: torch.device
     target: Any
     drafter: DFlashDrafter
-    model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: TrainData
@@ -48,6 +48,7 @@ class TrainState:
     last_loss: float | None = None                  # of the last step (for the run manifest)
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
+    grad_bucket_mib: float = 64.0                   # train.grad_bucket_mib (dflash.train.dist.prepare_gradient_sum)
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
@@ -137,7 +138,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if resume:
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)
-    state.model = wrap_ddp(drafter, device)
+    broadcast_module(drafter, bucket_mib=state.grad_bucket_mib)      # every rank starts from rank 0's weights
     state.autobatch = start_autobatch(state, run_dir)
     state.micro_batch = state.autobatch.micro_batch
     return state
@@ -161,7 +162,8 @@ def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
     from dflash.train.autobatch import AutoBatch, run_state_path
 
     log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
-    return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log)
+    return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log,
+                           grad_bucket_mib=state.grad_bucket_mib)
 
 
 def dataset_path(profile: Profile) -> Path:
@@ -177,12 +179,13 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
 
     optimizer = build_optimizer(profile, [p for p in drafter.parameters() if p.requires_grad])
     steps = total_steps(profile, data.steps_per_epoch)
-    return TrainState(env=env, device=device, target=target, drafter=drafter, model=drafter, optimizer=optimizer,
+    return TrainState(env=env, device=device, target=target, drafter=drafter, optimizer=optimizer,
                       scheduler=cosine_schedule(optimizer, steps, profile.train.warmup_ratio), data=data,
                       layer_ids=layer_ids, decay=decay.to(device),
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
-                      micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast)
+                      micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast,
+                      grad_bucket_mib=profile.train.grad_bucket_mib)
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:
@@ -213,17 +216,3 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
     state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
     if state.env.is_main:
         print(f"resumed from {checkpoint} (step {state.step})", flush=True)
-
-
-def wrap_ddp(drafter: DFlashDrafter, device: torch.device) -> torch.nn.Module:
-    if not distributed():
-        return drafter
-    import warnings
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
-    # DDP broadcasts the initial weights; gradients are summed explicitly after the micro-batches
-    # (run_step), so no collective ever runs inside a forward or backward.
-    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)

@@ -62,7 +62,7 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     else:
         features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
     with autocast_context(state.device, state.autocast):
-        hidden = forward_blocks(state.model, batch.input_ids, batch.anchors, features, state.backend)
+        hidden = forward_blocks(state.drafter, batch.input_ids, batch.anchors, features, state.backend)
         parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
                            state.chunk_rows)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
@@ -80,8 +80,8 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable from the same rows.
 
     Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; the
-    micro-batches' forward/backward (no collective: DDP's hooks are off); one all_reduce(SUM) of
-    the gradients; the update. With `state.autobatch` (dflash.train.autobatch.AutoBatch) the
+    micro-batches' forward/backward (no collective); the gradient sum (in place, in buckets of
+    `state.grad_bucket_mib`: dflash.train.dist.GradientSum); the update. With `state.autobatch` (dflash.train.autobatch.AutoBatch) the
     micro-batch is agreed across ranks and halved on all of them after an out-of-memory error.
     """
     started = time.perf_counter()
@@ -99,7 +99,7 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
                                                      lambda: update(state)).micro_batch
     else:
         accumulate(plan.micro_batch)
-        dist.sync_gradients(p for p in state.drafter.parameters() if p.requires_grad)
+        dist.sync_gradients(state.drafter.parameters(), bucket_mib=state.grad_bucket_mib)
         update(state)
     return step_stats(state, totals["sums"], totals["tokens"], time.perf_counter() - started)
 
@@ -114,13 +114,11 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
     """Forward/backward of each micro-batch, loss / GLOBAL weight; gradients stay local (summed later)."""
     slots = state.drafter.block_size - 1
     totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
-    no_sync = state.model.no_sync if hasattr(state.model, "no_sync") else contextlib.nullcontext
     for batch in batches:
         if state.autobatch is not None:
             state.autobatch.inject("forward")
-        with no_sync():
-            parts = forward_micro(state, batch)
-            (parts.weighted_ce / global_weight).backward()
+        parts = forward_micro(state, batch)
+        (parts.weighted_ce / global_weight).backward()
         totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
                              parts.weight_sum.detach().double().cpu().view(1),
                              parts.correct.double().cpu(), parts.counted.double().cpu()])

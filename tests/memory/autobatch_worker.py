@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--planned-by-rank", default="", help="each rank's planned micro-batch, e.g. 4,2")
     parser.add_argument("--state", default="")
+    parser.add_argument("--grad-bucket-mib", type=float, default=autobatch.DEFAULT_GRAD_BUCKET_MIB,
+                        help="the gradient sum's bucket (tiny values split the model into several buckets)")
     parser.add_argument("--crash-after-first-attempt", action="store_true",
                         help="attempt 0 exits(1) after its last step, so torchrun --max-restarts restarts the ranks")
     args = parser.parse_args()
@@ -103,7 +105,8 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     planned = planned_micro_batch(args, rank)
     lines: list[str] = []
-    auto = autobatch.AutoBatch.start(planned, args.state or None, rank, log=lines.append)
+    auto = autobatch.AutoBatch.start(planned, args.state or None, rank, log=lines.append,
+                                     grad_bucket_mib=args.grad_bucket_mib)
     record = {"rank": rank, "attempt": attempt, "planned": planned, "agreed": auto.micro_batch, "steps": []}
     model = build_model()
     optimizer = build_optimizer(model)

@@ -26,6 +26,7 @@ def test_injection_switch_is_off_by_default_and_parses_its_forms():
     assert autobatch.injector_from_env({}) is None
     assert autobatch.parse_injection("rank=1,step=3") == autobatch.OomInjector(rank=1, step=3)
     assert autobatch.parse_injection("above=2, phase=backward") == autobatch.OomInjector(above=2, phase="backward")
+    assert autobatch.parse_injection("rank=1,step=3,phase=sync") == autobatch.OomInjector(rank=1, step=3, phase="sync")
     for bad, message in [("rank=1", "say when"), ("rank=x,step=1", "integers"), ("when=3", "not one of"),
                          ("step=1,phase=loss", "phase must be")]:
         with pytest.raises(ConfigError, match=message):
@@ -74,6 +75,12 @@ def test_oom_halves_redoes_the_step_without_an_update_and_persists(tmp_path):
     state = autobatch.load_run_state(tmp_path / "state.json")
     assert state.micro_batch == 2 and state.reductions[0]["from"] == 4
     assert autobatch.resume_micro_batch(4, tmp_path / "state.json") == 2
+
+
+def test_oom_inside_the_gradient_sum_is_recovered_like_one_of_the_backward(tmp_path):
+    auto, outcomes, params = single_rank_run(tmp_path, autobatch.OomInjector(step=1, phase="sync"))
+    assert [(o.micro_batch, o.attempts) for o in outcomes] == [(4, 1), (2, 2), (2, 1)]
+    assert params == pytest.approx(worker.reference_run(3, 8, 4), rel=1e-5)    # the failed sum left no update
 
 
 def test_oom_at_micro_batch_one_stops_with_advice(tmp_path):
@@ -167,3 +174,20 @@ def test_injected_oom_on_rank_1_at_step_3_halves_both_ranks_and_a_restart_resume
     assert retry0["planned"] == retry1["planned"] == 4
     assert retry0["agreed"] == retry1["agreed"] == 2
     assert [(s["micro_batch"], s["attempts"]) for s in retry1["steps"]] == [(2, 1)] * 5
+
+
+@pytest.mark.slow
+def test_injected_oom_inside_the_gradient_sum_on_rank_1_halves_both_ranks_and_redoes_the_step(tmp_path):
+    """The sum runs in buckets of 100 bytes here (the model's weights in place, its biases packed
+    into the staging buffer); rank 1 runs out of memory as it allocates that buffer at step 2.
+    Both ranks halve and redo the step (no hang: torchrun's timeout is not reached), and the
+    parameters are those of the whole global batch at every step."""
+    ranks = torchrun(tmp_path, "--steps", "4", "--grad-bucket-mib", str(100 / 2**20), inject="rank=1,step=2,phase=sync")
+    r0, r1 = ranks["rank0-last"], ranks["rank1-last"]
+    for record in (r0, r1):
+        assert [(s["micro_batch"], s["attempts"]) for s in record["steps"]] == [(4, 1), (4, 1), (2, 2), (2, 1)]
+        assert record["reductions"][0]["step"] == 2 and record["reductions"][0]["failed_ranks"] == 1
+    assert any("out of memory at step 2" in line for line in r1["log"])
+    assert not any("out of memory at step" in line for line in r0["log"])      # rank 0 halved because rank 1 failed
+    assert r0["params"] == r1["params"]
+    assert relative_difference(r0["params"], worker.reference_run(4, 16, 4)) <= 1e-5

@@ -114,11 +114,11 @@ def test_init_target_on_a_gated_full_attention_source_is_refused(profiles_dir, f
 
 
 def test_every_problem_is_listed_at_once(profiles_dir, flagship_twin_target):
-    path = variant(profiles_dir, "[drafter]\ndraft_vocab_size = 300000\nblock_size = 1\n[train]\nglobal_batch = 3",
+    path = variant(profiles_dir, "[drafter]\ndraft_vocab_size = 300000\nblock_size = 12",
                    target=str(flagship_twin_target))
     message = problems_of(path)
-    assert "(4 problem(s))" in message
-    for key in ("train.global_batch", "drafter.block_size", "train.decay_gamma", "drafter.draft_vocab_size"):
+    assert "(2 problem(s))" in message
+    for key in ("train.decay_gamma", "drafter.draft_vocab_size"):
         assert f"{path}: key '{key}'" in message
 
 
@@ -136,3 +136,13 @@ def test_tokenizer_mask_token_from_its_files(tmp_path, qwen3_tokenizer_dir):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"mask_token": "<mask>"}))
     (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [], "model": {"vocab": {"<mask>": 7}}}))
     assert tokenizer_mask_token_id(tmp_path) == 7
+
+
+def test_a_gradient_bucket_outside_its_range_names_train_grad_bucket_mib(profiles_dir, flagship_twin_target):
+    for bad in ("0", "-8", "2048"):
+        path = variant(profiles_dir, f"[train]\ngrad_bucket_mib = {bad}", target=str(flagship_twin_target))
+        with pytest.raises(ConfigError) as caught:
+            load_profile(str(path))
+        assert caught.value.exit_code == EXIT_USAGE
+        assert "train.grad_bucket_mib" in str(caught.value) and "<= 1024" in str(caught.value)
+    assert check(variant(profiles_dir, "[train]\ngrad_bucket_mib = 25", target=str(flagship_twin_target)))

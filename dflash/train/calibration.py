@@ -1,0 +1,390 @@
+"""The memory calibration of a profile, measured on GPUs (`launcher.py calibrate --profile P`).
+
+A client of the trainer, so it lives with it (dflash.memory, below, never imports dflash.train).
+The worst case the memory model describes (`dflash.memory.model`): every sequence at
+`data.max_length` with a loss on every token, so each has the full `train.num_anchors` anchors.
+`worst_case_bench` writes that workload as a small Arrow dataset in a scratch directory, points
+a copy of the profile at it (`dataclasses.replace`) and builds the training state through the
+trainer's own entry point, `dflash.train.setup.build_state`: the profile's target, dtype,
+drafter, attention backend, loss chunking and optimizer. Every measured step is the trainer's
+`run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
+steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
+first update), measures the peak allocated memory of one step at each size
+(`memory.measure_peaks`) and fits the line (`memory.fit_calibration`). Optionally the calibrated
+line is held against measured peaks at larger micro-batches (`check_micro_batches`).
+
+Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
+(one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
+more GPUs, so the real gradient sum runs between them and its staging buffer is in the measured
+peak (`Calibration.gradient_sum = "measured"`); otherwise in one process, where the sum is the
+identity, and the sum's buffer comes from the memory model (between steps, `gradient_sum =
+"model"`). With `train.optimizer_sharding = "zero1"` over several ranks, the optimizer of the
+measured state keeps only the parameters of the fullest rank's shard at the profile's world size
+(the partition ZeroRedundancyOptimizer makes: largest tensor first, to the least-loaded rank), so
+the measurement holds what one rank of the real run holds: all weights and gradients, one shard
+of AdamW states. The calibration's workload key then carries the profile's world size, as the
+plan's does.
+
+Runs on CUDA only: a CPU profile is a ConfigError (exit 2: nothing to calibrate); a CUDA
+profile on a machine without a CUDA device is CannotTest (exit 125: this machine cannot
+measure it, the same meaning as `launcher.py probe`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from dflash.memory import model as memory
+from launcher_core.errors import CannotTest, ConfigError, RunFailed
+from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.train.dist import WorkerEnv
+    from dflash.train.setup import TrainState
+    from dflash.train.step import StepStats
+
+CALIBRATION_MICRO_BATCHES = (1, 2)
+
+
+@dataclass(frozen=True)
+class PredictionCheck:
+    """The calibrated line and the analytic estimate against a measured peak at one micro-batch."""
+
+    micro_batch: int
+    measured_mib: float
+    calibrated_mib: float
+    estimate_mib: float
+
+    @property
+    def calibrated_error(self) -> float:
+        return (self.calibrated_mib - self.measured_mib) / self.measured_mib
+
+    @property
+    def estimate_error(self) -> float:
+        return (self.estimate_mib - self.measured_mib) / self.measured_mib
+
+
+@dataclass
+class CalibrationBench:
+    """The worst-case workload of a profile, its training state and the memory model's view of it."""
+
+    profile: Profile                    # the copy pointed at the worst-case dataset
+    state: TrainState
+    workload: memory.Workload
+    world_size: int
+    optimizer_shards: int
+    ranks: int = 1                      # processes the bench runs on (2: the gradient sum is real)
+
+
+@dataclass
+class MeasuredPeaks:
+    """What the measuring process(es) found (rank 0's, or the larger of the ranks')."""
+
+    peaks_mib: dict[int, float]
+    check_peaks_mib: dict[int, float]
+    backend: str
+    flex_error: str
+    warmup_s: float
+    device_name: str
+
+
+@dataclass
+class CalibrationRun:
+    calibration: memory.Calibration
+    workload: memory.Workload
+    peaks_mib: dict[int, float]
+    backend: str
+    flex_error: str                     # why flex_attention was given up for SDPA ('' when it ran)
+    warmup_s: float
+    predictions: list[PredictionCheck] = field(default_factory=list)
+
+
+# --- preconditions ------------------------------------------------------------------------
+
+def require_cuda(profile: Profile) -> None:
+    """A CPU profile has no GPU memory to calibrate; a CUDA profile needs a CUDA device here."""
+    if profile.machine.device != "cuda":
+        raise ConfigError(f"profile {profile.name}: machine.device is {profile.machine.device!r}; the memory "
+                          f"calibration measures GPU memory and needs a profile with machine.device = \"cuda\"")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CannotTest(f"profile {profile.name}: no CUDA device here (torch {torch.__version__}, "
+                         f"torch.cuda.is_available() is False); run `launcher.py calibrate` on the GPU node")
+
+
+# --- the worst-case workload --------------------------------------------------------------
+
+def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int, seed: int = 0) -> Path:
+    """`rows` sequences of exactly max_length random token ids (the lower half of the vocabulary,
+    so never a mask row), loss on every token: the memory model's worst micro-batch."""
+    import numpy as np
+
+    from dflash.data.dataset_io import save_token_rows
+
+    ids = np.random.default_rng(seed).integers(0, max(2, vocab // 2), size=(rows, max_length))
+    return save_token_rows(path, [(row.tolist(), [1] * max_length) for row in ids], id_prefix="worst-case")
+
+
+def worst_case_profile(profile: Profile, dataset: Path, rows: int, ranks: int = 1) -> Profile:
+    """The profile on the worst-case dataset: `rows` sequences per rank and step at most, `ranks`
+    ranks, no feature cache. Nothing that enters the workload key (shape, lengths, anchors, block,
+    taps, chunk) changes."""
+    train = dataclasses.replace(profile.train, global_batch=rows * ranks, max_micro_batch=rows, feature_cache=False,
+                                max_steps=max(profile.train.max_steps, 1000), warmup_ratio=0.0)
+    machine = dataclasses.replace(profile.machine, nproc_per_node=ranks, nnodes=1)
+    return dataclasses.replace(profile, machine=machine, train=train,
+                               paths=dataclasses.replace(profile.paths, dataset=str(dataset)))
+
+
+def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: WorkerEnv | None = None) -> CalibrationBench:
+    """Dataset + state through `build_state` (no OOM recovery: an OOM must surface). `env`: this
+    rank of a multi-rank calibration (joined to its process group), default one process."""
+    from dflash.memory.plan import world_size_of
+    from dflash.train.dist import WorkerEnv, barrier
+    from dflash.train.setup import build_state
+
+    env = env or WorkerEnv(0, 1, 0)
+    world = world_size_of(profile)
+    shape = memory.target_shape(profile)
+    dataset = scratch / "worst-case-dataset"
+    if env.is_main:
+        for stale in (dataset, scratch / "run"):        # a kept scratch from an earlier run
+            shutil.rmtree(stale, ignore_errors=True)
+        write_worst_case_dataset(dataset, rows * env.world_size, profile.data.max_length, shape.vocab)
+    barrier()
+    copy = worst_case_profile(profile, dataset, rows, env.world_size)
+    state = build_state(copy, scratch / "run", env, resume=False, planned_micro_batch=rows)
+    state.autobatch = None
+    shards = memory.optimizer_shards(profile, world)
+    if shards > 1:
+        keep_one_optimizer_shard(state, copy, shards)
+    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, shards,
+                            env.world_size)
+
+
+def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
+    """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (the real gradient sum runs
+    between them), else 1 (the sum's buffer then comes from the memory model)."""
+    from dflash.memory.plan import world_size_of
+
+    return 2 if world_size_of(profile) >= 2 and cuda_devices >= 2 else 1
+
+
+def keep_one_optimizer_shard(state: TrainState, profile: Profile, shards: int) -> int:
+    """zero1 in one process: the optimizer holds only the fullest rank's parameters. Returns their count."""
+    import torch
+
+    from dflash.train.optim import cosine_schedule
+
+    owned = memory.fullest_zero1_shard([p for p in state.drafter.parameters() if p.requires_grad], shards)
+    state.optimizer = torch.optim.AdamW(owned, lr=profile.train.lr, weight_decay=profile.train.weight_decay)
+    state.scheduler = cosine_schedule(state.optimizer, state.total_steps, profile.train.warmup_ratio)
+    return sum(p.numel() for p in owned)
+
+
+# --- steps and measurements ---------------------------------------------------------------
+
+def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
+    """One optimizer step over `micro_batch` worst-case sequences in one forward/backward."""
+    from dflash.memory.plan import batch_plan
+    from dflash.train.step import run_step
+
+    return run_step(bench.state, list(range(micro_batch)), 0, batch_plan(micro_batch, 1, micro_batch))
+
+
+def warm_up(bench: CalibrationBench, micro_batches: Sequence[int] = CALIBRATION_MICRO_BATCHES) -> str:
+    """A step at every measured size first (flex compiles per size; AdamW states are allocated
+    lazily). If flex_attention fails (not an OOM), the state goes on with SDPA: returns the error."""
+    import torch
+
+    try:
+        for micro_batch in micro_batches:
+            step_at(bench, micro_batch)
+        return ""
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        if bench.state.backend != "flex":
+            raise
+        failure = f"{type(error).__name__}: {str(error)[:300]}"
+    bench.state.backend = "sdpa"
+    for micro_batch in micro_batches:
+        step_at(bench, micro_batch)
+    return failure
+
+
+def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, float]:
+    """Peak allocated MiB of one step per size; an OOM says which size did not fit."""
+    import torch
+
+    peaks: dict[int, float] = {}
+    for micro_batch in micro_batches:
+        try:
+            peaks.update(memory.measure_peaks(lambda m: step_at(bench, m), (micro_batch,)))
+        except torch.OutOfMemoryError:
+            peaks = {}
+            break
+    if len(peaks) != len(micro_batches):
+        raise RunFailed(f"a worst-case step at micro-batch {micro_batch} ({bench.workload.max_length} tokens, "
+                        f"{bench.workload.anchors} anchors per sequence) ran out of GPU memory; the calibration "
+                        f"needs micro-batch {', '.join(map(str, micro_batches))} to fit one GPU")
+    return peaks
+
+
+def fit(bench: CalibrationBench, peaks: dict[int, float], device_name: str = "") -> memory.Calibration:
+    import torch
+
+    return memory.fit_calibration(peaks, bench.workload, torch_version=torch.__version__,
+                                  device_name=device_name or torch.cuda.get_device_name(bench.state.device),
+                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  gradient_sum=gradient_sum_source(bench.world_size, bench.ranks))
+
+
+def gradient_sum_source(world_size: int, ranks: int) -> str:
+    """What the calibration says of the gradient sum's buffer: measured on 2+ ranks, from the
+    model in one process (of a multi-rank profile), or none (a one-rank profile has no sum)."""
+    if world_size <= 1:
+        return "none"
+    return "measured" if ranks > 1 else "model"
+
+
+def check_predictions(bench: CalibrationBench, calibration: memory.Calibration,
+                      micro_batches: Sequence[int]) -> list[PredictionCheck]:
+    """The calibrated line and the analytic estimate against measured peaks at `micro_batches`."""
+    return predictions_of(bench.workload, calibration, measure(bench, micro_batches))
+
+
+def predictions_of(workload: memory.Workload, calibration: memory.Calibration,
+                   measured: dict[int, float]) -> list[PredictionCheck]:
+    calibrated = memory.peak_model(workload, calibration)
+    estimated = memory.estimated_peak_model(workload)
+    return [PredictionCheck(m, peak, calibrated.peak_mib(m), estimated.peak_mib(m)) for m, peak in measured.items()]
+
+
+# --- the whole procedure ------------------------------------------------------------------
+
+def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = ()) -> MeasuredPeaks:
+    """Warm up, measure at micro-batch 1 and 2, then at the check sizes (every rank the same steps)."""
+    import torch
+
+    started = time.perf_counter()
+    flex_error = warm_up(bench)
+    warmup_s = time.perf_counter() - started
+    peaks = measure(bench, CALIBRATION_MICRO_BATCHES)
+    checks = measure(bench, check_micro_batches) if check_micro_batches else {}
+    return MeasuredPeaks(peaks, checks, bench.state.backend, flex_error, warmup_s,
+                         torch.cuda.get_device_name(bench.state.device))
+
+
+def calibrate(profile: Profile, scratch: Path | None = None,
+              check_micro_batches: Sequence[int] = ()) -> CalibrationRun:
+    """Measure the worst case on 1 or 2 ranks (`calibration_ranks`), fit; check the line if asked."""
+    import torch
+
+    require_cuda(profile)
+    rows = max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
+    ranks = calibration_ranks(profile, torch.cuda.device_count())
+    with scratch_directory(scratch) as work:
+        if ranks == 1:
+            bench = worst_case_bench(profile, Path(work), rows)
+            measured = measure_bench(bench, check_micro_batches)
+            workload, world = bench.workload, bench.world_size
+        else:
+            from dflash.memory.plan import world_size_of
+
+            measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
+            world = world_size_of(profile)
+            workload = memory.workload_from_profile(profile, memory.target_shape(profile), world)
+    calibration = memory.fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
+                                         torch_version=torch.__version__,
+                                         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                         gradient_sum=gradient_sum_source(world, ranks))
+    return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
+                          measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
+
+
+# --- 2 ranks, one per GPU -----------------------------------------------------------------
+
+def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batches: Sequence[int],
+                     ranks: int) -> MeasuredPeaks:
+    """The bench on `ranks` processes (GPU r for rank r, the profile's backend), every step the
+    trainer's with the real gradient sum between them; each rank's peaks, the larger kept."""
+    import torch.multiprocessing as mp
+
+    from launcher_core.fileio import read_json
+
+    mp.spawn(calibration_rank, args=(ranks, free_port(), profile, str(work), rows, tuple(check_micro_batches)),
+             nprocs=ranks, join=True)
+    found = [read_json(work / f"calibration-rank-{rank}.json") for rank in range(ranks)]
+    failed = [document["error"] for document in found if "error" in document]
+    if failed:
+        raise RunFailed(failed[0])
+    return MeasuredPeaks(*(_larger_peaks([d[key] for d in found]) for key in ("peaks_mib", "check_peaks_mib")),
+                         found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"], found[0]["device_name"])
+
+
+def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
+    return {int(m): max(float(peaks[m]) for peaks in by_rank) for m in by_rank[0]}
+
+
+def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: str, rows: int,
+                     check_micro_batches: tuple[int, ...], measure_step: Any = None) -> None:
+    """One rank of a multi-rank calibration: join the group, build the bench, measure, write
+    `calibration-rank-R.json` (or the RunFailed message). `measure_step(bench)`: what to run
+    instead of the GPU measurement (returns a JSON-able dict; the CPU tests' hook)."""
+    import os
+
+    import torch.distributed as torch_dist
+
+    from dflash.train.dist import WorkerEnv, close_process_group, rank_device
+    from launcher_core.fileio import write_json_atomic
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_RANK=str(rank))
+    env = WorkerEnv.from_env()
+    device = rank_device(profile.machine.device, env)
+    torch_dist.init_process_group(profile.machine.backend, rank=rank, world_size=ranks,
+                                  device_id=device if device.type == "cuda" else None)
+    try:
+        bench = worst_case_bench(profile, Path(work), rows, env)
+        result = measure_step(bench) if measure_step else dataclasses.asdict(measure_bench(bench, check_micro_batches))
+    except RunFailed as error:              # an OOM of the worst case, said in the parent's words
+        result = {"error": str(error)}
+    write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
+    close_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scratch_directory(scratch: Path | None) -> Any:
+    """The given directory (kept), else a temporary one (removed afterwards)."""
+    import contextlib
+
+    if scratch is None:
+        return tempfile.TemporaryDirectory(prefix="dflash-calibrate-")  # yields a str
+    scratch.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(scratch)
+
+
+def store_calibration(baseline: Path, calibration: memory.Calibration) -> Path:
+    """Write the calibration into the baseline document (atomically; its other keys are kept)."""
+    return memory.save_calibration(baseline, calibration)
+
+
+def iter_prediction_rows(run: CalibrationRun) -> Iterator[dict[str, float]]:
+    for check in run.predictions:
+        yield {"micro_batch": check.micro_batch, "measured_mib": round(check.measured_mib, 1),
+               "calibrated_mib": round(check.calibrated_mib, 1), "calibrated_error": round(check.calibrated_error, 4),
+               "estimate_mib": round(check.estimate_mib, 1), "estimate_error": round(check.estimate_error, 4)}
