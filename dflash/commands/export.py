@@ -28,14 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
-    from launcher_core.outputs import EXPORT, prepare_output
 
     checkpoint = resolve_checkpoint_dir(Path(args.checkpoint))
     output = Path(args.output) if args.output else checkpoint.with_name(f"{checkpoint.name}-{args.engine}")
-    inputs = [checkpoint, Path(args.checkpoint)] + ([Path(args.target)] if args.target else [])
-    prepare_output(output, EXPORT, inputs=inputs, force=args.force, flag="-o")
-    result = export_drafter(checkpoint, args.engine, output, full_vocab=args.full_vocab,
-                            target=Path(args.target) if args.target else None)
+    result = export_drafter(Path(args.checkpoint), args.engine, output, full_vocab=args.full_vocab,   # refusals: there
+                            target=Path(args.target) if args.target else None, force=args.force, flag="-o")
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.directory} (for {args.engine})")

@@ -77,8 +77,13 @@ def _has(document: dict[str, Any], dotted: str) -> bool:
 
 
 def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: bool = False,
-                   target: Optional[Path] = None) -> ExportResult:
-    """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring."""
+                   target: Optional[Path] = None, force: bool = False, flag: str = "-o") -> ExportResult:
+    """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring.
+
+    `output` obeys launcher_core.outputs' rules (ConfigError, exit 2, naming it, before anything
+    is read): never the checkpoint, the target or a folder holding them, never a path that is not
+    a drafter export; an existing export is replaced only with `force`. `flag` names the output
+    in those messages."""
     from safetensors.torch import save_file
 
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
@@ -86,7 +91,8 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
 
     if engine not in ENGINES:
         raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")
-    checkpoint = resolve_checkpoint_dir(Path(checkpoint))
+    given, checkpoint = Path(checkpoint), resolve_checkpoint_dir(Path(checkpoint))
+    _check_output(output, [given, checkpoint, *([Path(target)] if target else [])], force, flag)
     document = config_document(read_drafter_config(checkpoint))
     weights = read_weights(checkpoint)
     notes = _convert_vocab(document, weights, engine, full_vocab, target)
@@ -98,6 +104,13 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
                   metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     return ExportResult(output, notes)
+
+
+def _check_output(output: Path, inputs: list[Path], force: bool, flag: str) -> None:
+    """The only writer of exports applies the output rules itself, so no caller can skip them."""
+    from launcher_core.outputs import EXPORT, prepare_output
+
+    prepare_output(output, EXPORT, inputs=inputs, force=force, flag=flag)
 
 
 def _engine_keys(document: dict[str, Any], engine: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dflash.generate.client import EndpointPool, RequestFailure, fetch_model_nam
 from dflash.generate.prompts import PromptRecord, load_prompts
 from dflash.generate.records import SamplingParams, build_request_body, completion_record, rejected_optional_field
 from dflash.generate.servers import ServerSupervisor
-from dflash.generate.store import CompletionStore
+from dflash.generate.store import CompletionStore, check_output
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.manifest import update_stage
 from launcher_core.schema import Profile
@@ -296,6 +296,7 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
     audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage.
     """
     paths = resolve_paths(profile, input_path, output_path, run_dir)
+    check_output(paths.output, paths.prompts, paths.run_dir)
     if limit is None and profile.generate.max_prompts > 0:
         limit = profile.generate.max_prompts
     if preflight:

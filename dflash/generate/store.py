@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from launcher_core.errors import InputError
+from launcher_core.errors import ConfigError, InputError
 from launcher_core.fileio import write_text_atomic
 
 INDEX_NAME = "done.index"
 FAILURES_NAME = "failures.jsonl"
 FSYNC_INTERVAL_S = 1.0
+RECORD_KEYS = frozenset({"id", "messages", "finish_reason", "completion_tokens", "sampling"})   # records.completion_record
+FIRST_LINE_LIMIT = 64 << 20      # bytes read to find the first line of an existing output
 
 
 @dataclass
@@ -240,3 +242,56 @@ def read_failures(path: Path, exclude: set[str] = frozenset()) -> dict[str, dict
         except (ValueError, KeyError, TypeError):
             print(f"warning: {path}: line {number}: unreadable failure entry skipped", file=sys.stderr)
     return {prompt_id: entry for prompt_id, entry in failures.items() if prompt_id not in exclude}
+
+
+def check_output(output: Path, prompts: Path, run_dir: Path) -> None:
+    """`generate --output` rules (ConfigError, exit 2, naming it), checked before anything is read
+    or written: never the prompts file, never a directory or a path under a file, never an existing
+    file that is not this command's completions JSONL. An empty file or our own output (to resume,
+    also one whose only line a kill tore) is fine."""
+    if _same_file(output, prompts):
+        raise ConfigError(f"--output {output} is the prompts file {prompts} itself; completions would be appended "
+                          "to it. Choose a new path")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--output {output}: {parent} is a file, not a directory; choose another path")
+            break
+    if output.is_dir():
+        raise ConfigError(f"--output {output} is a directory; name a file to write (e.g. {output / 'completions.jsonl'})")
+    if output.exists() and not _is_own_output(output, run_dir):
+        raise ConfigError(f"--output {output} is an existing file that is not a completions JSONL of generate "
+                          f"(its first line is not a completion record); nothing was touched. Choose a new path")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    return a.exists() and b.exists() and os.path.samefile(a, b)
+
+
+def _is_own_output(output: Path, run_dir: Path) -> bool:
+    with output.open("rb") as handle:
+        first = handle.readline(FIRST_LINE_LIMIT)
+    if not first:
+        return True                                # empty: nothing to lose
+    if first.endswith(b"\n"):
+        return is_completion_line(first)
+    return _manifest_names(run_dir, output)        # no whole line: ours only if this run wrote it (torn by a kill)
+
+
+def is_completion_line(line: bytes) -> bool:
+    """A line `records.completion_record` wrote (its keys; tokenize reads the same)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and RECORD_KEYS <= set(record) and isinstance(record["messages"], list)
+
+
+def _manifest_names(run_dir: Path, output: Path) -> bool:
+    from launcher_core.manifest import read_manifest
+
+    stage = read_manifest(run_dir)["stages"].get("generate") or {}
+    named = stage.get("output") if isinstance(stage, dict) else None
+    return isinstance(named, str) and Path(named).resolve() == output.resolve()

@@ -60,7 +60,8 @@ def init_process_group(backend: str, device: "torch.device | None" = None,
 
     The rendezvous keys get a per-attempt prefix, so a rank restarted by torchrun
     (--max-restarts) never connects to an address a dead rank of the previous attempt published
-    (gloo then fails with 'Connection refused').
+    (gloo then fails with 'Connection refused'). The store is the launcher's loopback store on
+    one node (dflash.train.rendezvous), the torchrun agent's otherwise.
     """
     import torch.distributed as dist
 
@@ -69,11 +70,22 @@ def init_process_group(backend: str, device: "torch.device | None" = None,
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=timeout)
+    host, port = _store_address()
+    store = dist.TCPStore(host, port, world_size=world, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=world, timeout=timeout,
                             device_id=device if device is not None and device.type == "cuda" else None)
+
+
+def _store_address() -> tuple[str, int]:
+    """The launcher's store (one node: DFLASH_RDZV_STORE), else torchrun's (MASTER_ADDR/MASTER_PORT)."""
+    from dflash.train.rendezvous import STORE_ENV
+
+    endpoint = os.environ.get(STORE_ENV)
+    if endpoint:
+        host, port = endpoint.rsplit(":", 1)
+        return host, int(port)
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
 def close_process_group() -> None:

@@ -1,13 +1,14 @@
 """Launching training: a pure builder of the torchrun (argv, env), and `run_training`.
 
-`build_torchrun_command` starts nothing: one node -> a c10d rendezvous at 127.0.0.1:0 (a free
-loopback port; `--standalone` would name `localhost`), `--nproc-per-node P`;
-several nodes (machine.nnodes > 1) -> a c10d rendezvous at machine.rdzv_endpoint, the same
-command on every node. Workers get the resolved profile as JSON in the run directory, so every
+`build_torchrun_command` starts nothing: one node -> a c10d rendezvous on the store the launcher
+hosts on 127.0.0.1 (dflash.train.rendezvous: the agent joins it as a client, nothing listens on
+another interface), `--nproc-per-node P`; several nodes (machine.nnodes > 1) -> a c10d
+rendezvous at machine.rdzv_endpoint, the same command on every node. Workers get the resolved profile as JSON in the run directory, so every
 rank and node trains exactly the same configuration.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.profile import profile_to_json
@@ -57,25 +59,32 @@ def worker_threads(profile: Profile) -> int:
 
 def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = False, python: str | None = None,
                            base_env: Mapping[str, str] | None = None,
-                           extra_env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of the torchrun that trains `profile` into `run_dir`; starts nothing."""
+                           extra_env: Mapping[str, str] | None = None,
+                           store: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of the torchrun that trains `profile` into `run_dir`; starts nothing.
+
+    One node: `store` is the host:port of the launcher's loopback store (`LoopbackStore`);
+    None names it `127.0.0.1:PORT` (what `train --print-command` shows)."""
     machine, paths = profile.machine, TrainPaths(Path(run_dir))
-    argv = [python or sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(profile),
+    store = store or SINGLE_NODE_STORE_PLACEHOLDER
+    argv = [python or sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(profile, store),
             "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
             "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
             "-m", "dflash.train.worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
     if resume:
         argv.append("--resume")
-    return argv, _worker_env(profile, base_env, extra_env)
+    single_node = {} if machine.nnodes > 1 else single_node_env(store)
+    return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})})
 
 
-SINGLE_NODE_ENDPOINT = "127.0.0.1:0"   # port 0: the agent's store takes a free port
+SINGLE_NODE_STORE_PLACEHOLDER = "127.0.0.1:PORT"   # the port LoopbackStore takes, known only at launch
 
 
-def _rendezvous_args(profile: Profile) -> list[str]:
+def _rendezvous_args(profile: Profile, store: str) -> list[str]:
     machine = profile.machine
-    if machine.nnodes <= 1:  # clients reach the store over loopback only (docs/train.md, "Rendezvous")
-        return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", SINGLE_NODE_ENDPOINT,
+    if machine.nnodes <= 1:  # the launcher's store, loopback only (docs/train.md, "Rendezvous")
+        return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store,
+                "--rdzv-conf", "is_host=false", "--local-addr", LOOPBACK_HOST,
                 "--rdzv-id", f"dflash-{profile.name}"]
     if not machine.rdzv_endpoint:
         raise ConfigError(f"profile {profile.name}: machine.nnodes = {machine.nnodes} needs machine.rdzv_endpoint "
@@ -95,7 +104,11 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     return env
 
 
-def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, ...] = ("PYTHONPATH", "OMP_NUM_THREADS")) -> str:
+SHOWN_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", STORE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME",
+             "NCCL_SOCKET_IFNAME")
+
+
+def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, ...] = SHOWN_ENV) -> str:
     """A paste-ready line for the per-node command (only the env we set; secrets never printed)."""
     import shlex
 
@@ -141,12 +154,19 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     paths = TrainPaths(Path(run_dir).resolve())
     prepare_run_dir(profile, paths, resume=resume, force=force)
     write_plan(paths.run_dir, *plan)
-    argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env)
-    if profile.machine.nnodes > 1:
-        print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
-    update_stage(paths.run_dir, "train", "running", resumed=resume)
-    code, signalled = _run_forwarding_sigterm(argv, env)
+    with _rendezvous_store(profile) as store:
+        argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env, store=store)
+        if profile.machine.nnodes > 1:
+            print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
+        update_stage(paths.run_dir, "train", "running", resumed=resume)
+        code, signalled = _run_forwarding_sigterm(argv, env)
     return _conclude(paths, code, signalled)
+
+
+def _rendezvous_store(profile: Profile) -> "contextlib.AbstractContextManager[str | None]":
+    """One node: the launcher's loopback store, open until torchrun has exited (also on an error,
+    SIGINT or SIGTERM); several nodes: none (torchrun's own store at machine.rdzv_endpoint)."""
+    return LoopbackStore() if profile.machine.nnodes <= 1 else contextlib.nullcontext(None)
 
 
 def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, bool]:

@@ -136,7 +136,9 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
 
 
 def maybe_inject_failure(rank: int, step: int) -> None:
-    """Fault injection (tests, docs/train.md): DFLASH_FAIL_RANK=RANK:STEP raises on that rank."""
+    """Fault injection (tests, docs/train.md): DFLASH_FAIL_RANK=RANK:STEP raises on that rank;
+    RANK:STEP:ATTEMPT only in that torchrun attempt (TORCHELASTIC_RESTART_COUNT), so a restart runs through."""
     spec = os.environ.get(FAIL_RANK_ENV, "")
-    if spec and spec.split(":") == [str(rank), str(step)]:
+    here = [str(rank), str(step), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
+    if spec and spec.split(":") in (here[:2], here):
         raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV}={spec})")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -86,3 +88,73 @@ def test_failures_are_kept_until_done_then_compacted(tmp_path):
     store.close()
     lines = (tmp_path / "generate" / "failures.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["q"]
+
+
+def completion_line(prompt_id: str) -> str:
+    from dflash.generate.prompts import PromptRecord
+    from dflash.generate.records import completion_record
+
+    response = {"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    prompt = PromptRecord(id=prompt_id, messages=({"role": "user", "content": "2+2?"},))
+    return json.dumps(completion_record(prompt, response, {"temperature": 0.0}, 0.0, 1.0, "m")) + "\n"
+
+
+def test_output_rules_refuse_the_prompts_file_a_folder_and_a_foreign_file(tmp_path):
+    from dflash.generate.store import check_output
+    from launcher_core.errors import ConfigError
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    os.link(prompts, tmp_path / "hard.jsonl")
+    for same in (prompts, tmp_path / "link.jsonl", tmp_path / "hard.jsonl", tmp_path / "." / "prompts.jsonl"):
+        with pytest.raises(ConfigError, match=f"--output {re.escape(str(same))} is the prompts file"):
+            check_output(same, prompts, tmp_path / "run")
+    other_prompts = tmp_path / "more-prompts.jsonl"
+    other_prompts.write_text(prompts.read_text())
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, no newline")          # would look torn: cut to nothing on open
+    for foreign in (other_prompts, notes):
+        with pytest.raises(ConfigError, match="is an existing file that is not a completions JSONL"):
+            check_output(foreign, prompts, tmp_path / "run")
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_output(tmp_path, prompts, tmp_path / "run")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_output(notes / "out.jsonl", prompts, tmp_path / "run")
+    assert notes.read_text() == "my notes, no newline" and other_prompts.read_text() == prompts.read_text()
+
+
+def test_output_rules_let_generate_resume_its_own_output(tmp_path):
+    from dflash.generate.store import check_output
+    from launcher_core.errors import ConfigError
+    from launcher_core.manifest import update_stage
+
+    prompts, run_dir = tmp_path / "prompts.jsonl", tmp_path / "run"
+    prompts.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    output = tmp_path / "completions.jsonl"
+    check_output(output, prompts, run_dir)                       # new
+    output.write_text("")
+    check_output(output, prompts, run_dir)                       # empty
+    output.write_text(completion_line("a") + completion_line("b")[:40])
+    check_output(output, prompts, run_dir)                       # ours, its last line torn
+    output.write_text(completion_line("a")[:40])                 # a kill tore the first batch
+    with pytest.raises(ConfigError, match="not a completions JSONL"):
+        check_output(output, prompts, run_dir)
+    update_stage(run_dir, "generate", "running", output=str(output))
+    check_output(output, prompts, run_dir)                       # this run's manifest names it
+
+
+def test_generate_command_refuses_its_prompts_as_output_with_exit_2(tmp_path, capsys):
+    from gen_helpers import write_profile, write_prompts
+
+    import launcher
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3)
+    before = prompts.read_bytes()
+    profile = write_profile(tmp_path / "p.toml", tmp_path / "no-model", tmp_path / "run", prompts)
+    code = launcher.main(["generate", "--profile", str(profile), "--output", str(prompts), "--skip-preflight",
+                          "--endpoint", "http://127.0.0.1:9", "--no-progress"])
+    assert code == 2 and f"--output {prompts} is the prompts file" in capsys.readouterr().err
+    assert prompts.read_bytes() == before

@@ -97,6 +97,28 @@ def test_vllm_export_converts_the_draft_vocabulary_to_lm_head_rows_and_d2t(vocab
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 4
 
 
+def test_the_writer_itself_refuses_what_it_did_not_write(checkpoint, tiny_qwen3_target, tmp_path):
+    """Any caller of export_drafter (the export command, the eval engines) gets the output rules."""
+    from launcher_core.errors import ConfigError
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="is an existing folder that is not a drafter export"):
+        export_drafter(checkpoint, "vllm", folder, force=True)
+    assert [p.name for p in folder.iterdir()] == ["mine.txt"]
+    before = sorted(p.name for p in checkpoint.iterdir())
+    for output in (checkpoint, checkpoint.parent, Path(tiny_qwen3_target)):
+        with pytest.raises(ConfigError, match="(is the input|contains the input)"):
+            export_drafter(checkpoint, "vllm", output, force=True, target=Path(tiny_qwen3_target))
+    assert sorted(p.name for p in checkpoint.iterdir()) == before and "training_state.pt" in before
+    out = export_drafter(checkpoint, "vllm", tmp_path / "exported").directory
+    with pytest.raises(ConfigError, match="is an existing drafter export; pass --force"):
+        export_drafter(checkpoint, "sglang", out)
+    export_drafter(checkpoint, "sglang", out, force=True)
+    assert json.loads((out / "config.json").read_text())["block_size"] == 4
+
+
 def test_export_command(checkpoint, tmp_path, capsys):
     from launcher import main
 

@@ -15,17 +15,30 @@ def test_single_node_rendezvous_is_on_loopback_with_the_profile_nproc(tmp_path):
     argv, env = build_torchrun_command(profile, tmp_path, resume=True, python="py", base_env={"PATH": "/bin"})
     assert argv[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" not in argv
     assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
-    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:PORT"      # filled in at launch
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and argv[-1] == "--resume"
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
 
 
+def test_single_node_joins_the_launchers_loopback_store_and_keeps_the_ranks_on_loopback(tmp_path):
+    from dflash.train.rendezvous import STORE_ENV, loopback_interface
+
+    argv, env = build_torchrun_command(load_profile("cpu-demo"), tmp_path, python="py", base_env={}, store="127.0.0.1:4242")
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:4242"
+    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=false"             # the agent is a client, it hosts nothing
+    assert argv[argv.index("--local-addr") + 1] == "127.0.0.1"
+    assert env[STORE_ENV] == "127.0.0.1:4242" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == loopback_interface()
+    assert "DFLASH_RDZV_STORE=127.0.0.1:4242" in describe_command(argv, env)
+
+
 def test_multi_node_uses_a_c10d_rendezvous(tmp_path):
     base = load_profile("cpu-demo")
     profile = dataclasses.replace(base, machine=dataclasses.replace(base.machine, nnodes=2, rdzv_endpoint="10.0.0.1:29400"))
-    argv, _ = build_torchrun_command(profile, tmp_path, python="py", base_env={})
-    assert "--standalone" not in argv
+    argv, env = build_torchrun_command(profile, tmp_path, python="py", base_env={})
+    assert "--standalone" not in argv and "--rdzv-conf" not in argv         # torchrun's own store on the profile's host
+    assert not {"DFLASH_RDZV_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME"} & set(env)
     assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
 
@@ -59,5 +72,5 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
             "assert 'torch' not in sys.modules, 'train --print-command imported torch'; sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "torch.distributed.run --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0" in result.stdout
+    assert "torch.distributed.run --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
     assert "dflash.train.worker" in result.stdout

@@ -1,8 +1,10 @@
 """Real torchrun runs on CPU (gloo, 2 ranks) with the tiny random Qwen3 target."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -178,6 +180,50 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_da
     assert stopped["step"] >= 2
     assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == f"step-{stopped['step']}"
     assert (run_dir / "train" / "checkpoints" / f"step-{stopped['step']}" / "model.safetensors").exists()
+
+
+def listeners_by_role(root, seen: dict[str, set], rank_pids: set[int]) -> None:
+    """Every listening TCP socket of the launcher (`root`), its torchrun agent and the ranks."""
+    import psutil
+
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            command = " ".join(process.cmdline())
+            role = ("launcher" if process.pid == root.pid else "rank" if "dflash.train.worker" in command
+                    else "agent" if "torch.distributed.run" in command else "other")
+            rank_pids.update([process.pid] if role == "rank" else [])
+            seen.setdefault(role, set()).update((process.pid, c.laddr.ip, c.laddr.port)
+                                                for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+
+
+def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny_qwen3_target, tiny_dataset, tmp_path):
+    """The launcher hosts the rendezvous store on 127.0.0.1, torchrun joins it, the ranks' store
+    and gloo stay on loopback; rank 1 fails at step 3 of attempt 0, torchrun --max-restarts 1
+    restarts both ranks, they meet again on the same store and finish."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=6, max_restarts=1)
+    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.launch import run_training; "
+            f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
+    env = {**os.environ, "DFLASH_FAIL_RANK": "1:3:0"}
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: dict[str, set] = {}
+    rank_pids: set[int] = set()
+    deadline = time.time() + 240
+    while process.poll() is None and time.time() < deadline:
+        listeners_by_role(psutil.Process(process.pid), seen, rank_pids)
+        time.sleep(0.2)
+    assert process.wait(timeout=10) == 0
+    addresses = {ip for sockets in seen.values() for _, ip, _ in sockets}
+    assert addresses <= {"127.0.0.1", "::1"}, seen                   # never 0.0.0.0 or ::
+    assert len(seen["launcher"]) == 1, seen                            # the store, in the launcher
+    assert len({pid for pid, _, _ in seen["rank"]}) >= 2, seen        # gloo's pairs, on loopback too
+    assert len(rank_pids) >= 4, rank_pids                              # two attempts of two ranks
+    failure = json.loads((run_dir / "train" / "failures" / "rank-1.json").read_text())
+    assert "injected failure on rank 1 at step 3" in failure["error"]
+    assert metrics(run_dir)[-1]["step"] == 6
+    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-6"
 
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
