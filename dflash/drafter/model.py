@@ -240,6 +240,22 @@ class DFlashDrafter(nn.Module):
         return self.logits(hidden)[0]
 
 
+@torch.no_grad()
+def draft_logits_cached(drafter: DFlashDrafter, cache: Any, anchor_id: int) -> torch.Tensor:
+    """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
+    (anchor position = cache.length): only the block's own tokens go through the projections."""
+    device = drafter.fc.weight.device
+    block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
+    block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
+    hidden = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)
+    rope = drafter.rotary_emb(hidden, block_positions)
+    for layer, rule, kv in zip(drafter.layers, drafter.layer_rules, cache.layers):
+        key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
+        attend = _attend_by_rule(block_positions, key_positions, rule)
+        hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
+    return drafter.logits(drafter.norm(hidden))[0]
+
+
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
                    context_features: torch.Tensor, backend: str) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
