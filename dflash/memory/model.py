@@ -135,6 +135,8 @@ class Workload:
     tap_layers: tuple[int, ...]
     logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS
     optimizer_shards: int = 1           # ranks the AdamW states are sharded over (1: replicated)
+    sliding_layers: int = 0             # drafter layers with a sliding window (memory.attention_masks)
+    sliding_window: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -161,6 +163,9 @@ class Workload:
         """Identifies the workload a calibration was measured on."""
         facts = dataclasses.asdict(self)
         facts["target"].pop("source")               # the same shape read from another path is the same workload
+        for key in ("sliding_layers", "sliding_window"):   # all-full drafters keep the keys they had
+            if not facts[key]:
+                facts.pop(key)
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -330,7 +335,9 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                     drafter_shape=derive_shape(shape.attention_config(), profile_shape(profile.drafter)),
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
                     max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
-                    optimizer_shards=optimizer_shards(profile, world_size))
+                    optimizer_shards=optimizer_shards(profile, world_size),
+                    sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
+                    sliding_window=profile.drafter.sliding_window)
 
 
 # --- the analytic estimate ----------------------------------------------------------------
@@ -447,8 +454,10 @@ def _drafter_activations_mib(workload: Workload) -> float:
     bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
     residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
     (autocast casts the float32 input again for every Linear)."""
+    from dflash.memory.attention_masks import extra_block_mask_mib
+
     return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
-            + _final_bytes(workload)) / MIB
+            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
 
 
 def _low_bytes(workload: Workload) -> int:
