@@ -180,3 +180,29 @@ def test_the_draft_cache_crops_and_rebuilds_when_the_context_goes_back(tiny_qwen
                                    drafter.draft_logits(features[None, :length], 42, length), rtol=1e-5, atol=1e-5)
         assert draft._cache.length == length
     assert draft._cache.crop(1) and draft._cache.layers[1].keys.shape[2] == 1
+
+
+def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_qwen3_model, tmp_path):
+    """z-lab's format as published: auto_map, top-level rope_theta and legacy rope_scaling (YaRN,
+    `type`), layer_types with sliding_window but no use_sliding_window, bf16 weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash.drafter.checkpoint import config_document
+
+    drafter = sliding_drafter(tiny_qwen3_model)
+    document = config_document(drafter.config)
+    for key in ("rope_parameters", "use_sliding_window", "dtype", "torch_dtype"):
+        document.pop(key, None)
+    document.update(auto_map={"AutoModel": "dflash.DFlashDraftModel"}, rope_theta=1e6,
+                    rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
+    (tmp_path / "config.json").write_text(json.dumps(document))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    draft = load_dflash_draft(str(tmp_path), tiny_qwen3_model)
+    assert [(r.window, r.causal) for r in draft.model.layer_rules] == [(3, True), (None, False)]
+    assert draft.model.config.rope_parameters["rope_type"] == "yarn" and draft.model.rotary_emb.attention_scaling > 1
+    settings = DecodeSettings(block_size=4, max_new_tokens=12)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, draft.layer_ids), draft, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 12)
