@@ -109,7 +109,7 @@ class DrafterSection:
     target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
     mask_token_id: Optional[int] = None      # None: the tokenizer's mask token, else an error
     norm_init: float = 1.0                   # final norm's start: its weight (random init), a factor on the target's (target init)
-    init: Literal["random", "target"] = "random"  # target: layers start as the target's layers after the deepest tap
+    init: Literal["random", "target", "drafter"] = "random"  # target: layers start as the target's layers after the deepest tap; drafter: from init_from
     draft_vocab_size: int = 0                # 0: the target's vocabulary; N: only the N most frequent training tokens
     # The drafter's own attention shape and RoPE (docs/train.md, "Drafter shape"); 0 derives from the
     # target: head dim min(target's, 128), the target's query/KV widths, plain RoPE at the target's theta.
@@ -117,6 +117,14 @@ class DrafterSection:
     num_key_value_heads: int = 0
     head_dim: int = 0                        # <= 128 on SM12x: flex_attention's bf16 backward runs out of shared memory above
     rope_theta: float = 0.0                  # plain RoPE base, written as top-level `rope_theta` in config.json
+    # Per-layer attention and RoPE scaling (docs/train.md, "Drafter layers"): empty layer_types = every
+    # layer full_attention; sliding_attention layers see `sliding_window` positions back (causal, as published).
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] = ()
+    sliding_window: int = 0
+    rope_scaling: Literal["none", "linear", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 0   # yarn: the context the RoPE was made for (0: max_position_embeddings)
+    init_from: str = ""                      # init = "drafter": a DFlash drafter directory (z-lab format) or our checkpoint
 
 
 @dataclass(frozen=True)
@@ -261,6 +269,9 @@ RANGES: dict[str, Range] = {
     "generate.context_length": AT_LEAST_0,
     "drafter.num_layers": AT_LEAST_1,
     "drafter.block_size": Range(2),
+    "drafter.sliding_window": AT_LEAST_0,            # 0: no window (>= 1 needed with a sliding layer: launch checks)
+    "drafter.rope_scaling_factor": Range(1),         # > 1 with rope_scaling: launch checks
+    "drafter.rope_original_max_position_embeddings": AT_LEAST_0,   # 0: max_position_embeddings
     "drafter.target_layer_ids": AT_LEAST_0,
     "drafter.mask_token_id": AT_LEAST_0,
     "drafter.norm_init": POSITIVE,

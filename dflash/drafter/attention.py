@@ -7,11 +7,18 @@ tokens of its own block (bidirectional), nothing of any other block.
 
 `flex`: torch flex_attention with a BlockMask (compiled on GPU; on CPU it runs forward only).
 `sdpa`: scaled_dot_product_attention with the same visibility as a dense boolean mask.
+
+A layer's own rule (`dflash.drafter.layers.LayerAttention`: a sliding window, causal) narrows that
+visibility further by position: a query at position p sees a key at position j only where
+`p - j < window` (and `j - p < window` when not causal) and, when causal, `j <= p`
+(`position_rule_mask`, the same in both backends and in the in-process decoder).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
+
+from dflash.drafter.layers import LayerAttention
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +55,8 @@ class BlockLayout:
         context = torch.arange(self.context_len, device=self.anchors.device).expand(batch, -1)
         return torch.cat([context, self.query_positions()], dim=1)
 
-    def dense_mask(self) -> "torch.Tensor":
-        """Boolean visibility [b, 1, N*B, S + N*B] (True = may attend)."""
+    def dense_mask(self, rule: LayerAttention = LayerAttention()) -> "torch.Tensor":
+        """Boolean visibility [b, 1, N*B, S + N*B] (True = may attend), narrowed by the layer's `rule`."""
         import torch
 
         device = self.anchors.device
@@ -58,9 +65,12 @@ class BlockLayout:
         context_visible = torch.arange(self.context_len, device=device) < query_anchor[:, :, None]
         own_block = query_block[:, None] == query_block[None, :]                      # [NB, NB]
         own_block = own_block.expand(self.anchors.shape[0], -1, -1)
-        return torch.cat([context_visible, own_block], dim=2)[:, None]
+        layout = torch.cat([context_visible, own_block], dim=2)[:, None]
+        if not rule.restricts:
+            return layout
+        return layout & position_rule_mask(self.query_positions(), self.key_positions(), rule)
 
-    def mask_mod(self) -> Callable:
+    def mask_mod(self, rule: LayerAttention = LayerAttention()) -> Callable:
         """The same visibility as a flex_attention mask_mod."""
         import torch
 
@@ -70,10 +80,33 @@ class BlockLayout:
             query_block = q_idx // block_size
             in_context = kv_idx < context_len
             sees_context = kv_idx < anchors[b, query_block]
-            same_block = (kv_idx - context_len) // block_size == query_block
-            return torch.where(in_context, sees_context, same_block)
+            key_block = (kv_idx - context_len) // block_size
+            same_block = key_block == query_block
+            seen = torch.where(in_context, sees_context, same_block)
+            if not rule.restricts:
+                return seen
+            query_pos = anchors[b, query_block] + q_idx % block_size
+            key_in_block = anchors[b, key_block.clamp(min=0)] + (kv_idx - context_len) % block_size
+            key_pos = torch.where(in_context, kv_idx, key_in_block)
+            return seen & _rule_visible(query_pos, key_pos, rule)
 
         return visible
+
+
+def _rule_visible(query_pos: "torch.Tensor", key_pos: "torch.Tensor", rule: LayerAttention) -> "torch.Tensor":
+    """query/key positions (broadcastable) -> may attend under the layer's window / causal rule."""
+    visible = key_pos <= query_pos if rule.causal else (key_pos == key_pos)
+    if rule.window is not None:
+        visible = visible & (query_pos - key_pos < rule.window)
+        if not rule.causal:
+            visible = visible & (key_pos - query_pos < rule.window)
+    return visible
+
+
+def position_rule_mask(query_positions: "torch.Tensor", key_positions: "torch.Tensor",
+                       rule: LayerAttention) -> "torch.Tensor":
+    """[b, Q] query and [b, K] key position ids -> boolean [b, 1, Q, K] of the layer's rule."""
+    return _rule_visible(query_positions[:, :, None], key_positions[:, None, :], rule)[:, None]
 
 
 def resolve_backend(choice: str, device_type: str) -> Backend:
@@ -85,9 +118,19 @@ def resolve_backend(choice: str, device_type: str) -> Backend:
     return "flex" if device_type == "cuda" else "sdpa"
 
 
-def make_attend(layout: BlockLayout, backend: Backend) -> Attend:
-    """A function (q [b,hq,Q,d], k, v [b,hkv,K,d]) -> [b,hq,Q,d] with the layout's visibility."""
-    return _flex_attend(layout) if backend == "flex" else _sdpa_attend(layout.dense_mask())
+def make_attend(layout: BlockLayout, backend: Backend, rule: LayerAttention = LayerAttention()) -> Attend:
+    """A function (q [b,hq,Q,d], k, v [b,hkv,K,d]) -> [b,hq,Q,d] with the layout's visibility
+    narrowed by the layer's `rule`."""
+    return _flex_attend(layout, rule) if backend == "flex" else _sdpa_attend(layout.dense_mask(rule))
+
+
+def make_layer_attends(layout: BlockLayout, backend: Backend, rules: "list[LayerAttention]") -> "list[Attend]":
+    """One attend per draft layer; layers with the same rule share one mask."""
+    made: dict[LayerAttention, Attend] = {}
+    for rule in rules:
+        if rule not in made:
+            made[rule] = make_attend(layout, backend, rule)
+    return [made[rule] for rule in rules]
 
 
 def _sdpa_attend(mask: "torch.Tensor") -> Attend:
@@ -99,12 +142,12 @@ def _sdpa_attend(mask: "torch.Tensor") -> Attend:
     return attend
 
 
-def _flex_attend(layout: BlockLayout) -> Attend:
+def _flex_attend(layout: BlockLayout, rule: LayerAttention = LayerAttention()) -> Attend:
     from torch.nn.attention.flex_attention import create_block_mask
 
     device = layout.anchors.device
     keys = layout.context_len + layout.num_queries
-    block_mask = create_block_mask(layout.mask_mod(), layout.anchors.shape[0], None,
+    block_mask = create_block_mask(layout.mask_mod(rule), layout.anchors.shape[0], None,
                                    layout.num_queries, keys, device=str(device))
     flex = _flex_function(device.type)
 

@@ -26,6 +26,9 @@ LATEST = "latest"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 STATE = "training_state.pt"
+# RoPE types a drafter may use: transformers' Qwen3RotaryEmbedding computes them for us and for
+# the reference, and SGLang / vLLM implement them (dynamic NTK, longrope, llama3 are refused).
+ROPE_TYPES = ("default", "linear", "yarn")
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -61,15 +64,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def config_document(config: Any) -> dict[str, Any]:
     """config.json of a drafter: the Qwen3Config's keys plus what loaders outside transformers 5
-    read: a top-level `rope_theta` (and `rope_scaling: null`: plain RoPE), `block_size` at both
-    levels. Loaders that read `rope_theta` (SGLang, transformers 4.x, MLX) otherwise fall back to
-    their own default base and run the drafter with a RoPE it was not trained with."""
+    read: a top-level `rope_theta` and `rope_scaling` (null for plain RoPE, else the scaling
+    parameters with both `type` and `rope_type`), `block_size` at both levels, and the layer keys
+    (`layers.config_layer_keys`: `layer_types`, `sliding_window`, `use_sliding_window`, and
+    `is_causal` only where the config sets it). Loaders that read `rope_theta` (SGLang, transformers 4.x, MLX) otherwise
+    fall back to their own default base and run the drafter with a RoPE it was not trained with."""
+    from dflash.drafter.layers import SLIDING, config_layer_keys
+
     document = json.loads(config.to_json_string(use_diff=False))
-    rope = document.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"the drafter uses plain RoPE only, got rope_parameters {rope}")
+    rope = dict(document.get("rope_parameters") or {})
+    kind = rope.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"drafter RoPE type {kind!r} is not supported; valid: {', '.join(ROPE_TYPES)}")
     document["rope_theta"] = float(rope.get("rope_theta", 10000.0))
-    document["rope_scaling"] = None
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    document["rope_scaling"] = None if kind == "default" else {**scaling, "type": kind, "rope_type": kind}
+    types = list(document.get("layer_types") or [])
+    window = int(document.get("sliding_window") or 0) if SLIDING in types else 0
+    causal = document.pop("is_causal", None)
+    document.update(config_layer_keys(types, int(document["num_hidden_layers"]), window, causal))
     document["model_type"] = "qwen3"
     document.setdefault("dflash_config", {})["block_size"] = int(document["block_size"])
     return document
@@ -90,8 +103,10 @@ def read_drafter_config(checkpoint_dir: str | Path) -> Any:
     _check_supported(path, document)
     dflash = document["dflash_config"]
     document["block_size"] = int(dflash.get("block_size", document.get("block_size", 16)))
-    for key in ("auto_map", "torch_dtype", "dtype", "layer_types", "use_sliding_window", "sliding_window"):
+    for key in ("auto_map", "torch_dtype", "dtype"):
         document.pop(key, None)
+    if "sliding_attention" in (document.get("layer_types") or []):
+        document["use_sliding_window"] = True    # Qwen3Config drops sliding_window without it
     return Qwen3Config.from_dict(document)
 
 
@@ -105,14 +120,20 @@ def _check_supported(path: Path, document: dict[str, Any]) -> None:
         raise InputError(f"{path}: not a DFlash drafter config (needs architectures DFlashDraftModel and dflash_config)")
     if "target_layer_ids" not in document["dflash_config"] or "mask_token_id" not in document["dflash_config"]:
         raise InputError(f"{path}: dflash_config needs target_layer_ids and mask_token_id")
-    layer_types = set(document.get("layer_types") or ["full_attention"])
-    causal = document.get("is_causal") or document["dflash_config"].get("causal")
-    if layer_types != {"full_attention"} or causal:
-        raise InputError(f"{path}: layer_types {sorted(layer_types)} / is_causal {causal}: only full, "
-                         "bidirectional block attention is supported")
+    from dflash.drafter.layers import layer_type_problems
+
+    if document["dflash_config"].get("causal"):
+        raise InputError(f"{path}: dflash_config.causal is set; the reference ignores it and the engines do not: "
+                         "state the attention with layer_types / is_causal instead")
+    layer_types = list(document.get("layer_types") or [])
+    window = int(document.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0
+    problems = layer_type_problems(layer_types, int(document.get("num_hidden_layers") or 0), window)
+    if problems:
+        raise InputError(f"{path}: " + "; ".join(problems))
     rope = document.get("rope_parameters") or document.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InputError(f"{path}: RoPE scaling {rope} is not supported (plain RoPE only)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise InputError(f"{path}: RoPE type {kind!r} ({rope}) is not supported; valid: {', '.join(ROPE_TYPES)}")
 
 
 def read_weights(checkpoint_dir: Path) -> dict[str, Any]:
@@ -202,3 +223,50 @@ def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise InputError(f"{path}: expected a dict of training state, found {type(state).__name__}")
     return state
+
+
+def init_source_problem(path: Path) -> str:
+    """What stops `path` from being a `drafter.init_from` directory ("" when it can be one); torch-free."""
+    try:
+        directory = resolve_checkpoint_dir(Path(path))
+        config_path = directory / CONFIG
+        if not config_path.exists():
+            return f"{directory}: no {CONFIG}; expected a DFlash drafter directory (config.json + *.safetensors)"
+        _check_supported(config_path, json.loads(config_path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, InputError) as error:
+        return str(error)
+    if not (directory / WEIGHTS).exists() and not (directory / "model.safetensors.index.json").exists():
+        return f"{directory}: no {WEIGHTS} (or model.safetensors.index.json)"
+    return ""
+
+
+def weight_differences(own: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
+    """Every name missing from `loaded`, every name `own` lacks, every shape that differs."""
+    missing = [f"{name}: missing (profile's drafter has {tuple(own[name].shape)})" for name in own if name not in loaded]
+    extra = [f"{name}: not in the profile's drafter ({tuple(loaded[name].shape)})" for name in loaded if name not in own]
+    shapes = [f"{name}: {tuple(loaded[name].shape)} there, {tuple(own[name].shape)} in the profile's drafter"
+              for name in own if name in loaded and tuple(loaded[name].shape) != tuple(own[name].shape)]
+    return missing + extra + shapes
+
+
+def init_from_drafter(drafter: "DFlashDrafter", path: str | Path) -> Path:
+    """Start `drafter` (built from the profile) from a DFlash drafter directory's weights
+    (`drafter.init = "drafter"`): names and shapes must match exactly, and so must the tap layers
+    (the features fc reads); InputError listing every difference otherwise. Returns the directory."""
+    import torch
+
+    directory = resolve_checkpoint_dir(Path(path))
+    source = read_drafter_config(directory)
+    own = drafter.state_dict()
+    loaded = read_weights(directory)
+    differences = weight_differences(own, loaded)
+    taps = list(source.dflash_config["target_layer_ids"])
+    if taps != list(drafter.target_layer_ids):
+        differences.append(f"dflash_config.target_layer_ids: {taps} there, {list(drafter.target_layer_ids)} in the profile")
+    if differences:
+        raise InputError(f"drafter.init_from {directory}: does not fit the profile's drafter "
+                         f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences))
+    with torch.no_grad():
+        for name, value in own.items():
+            value.copy_(loaded[name].to(value.dtype))
+    return directory

@@ -35,7 +35,10 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
         "dflash_config.mask_token_id"],
         "optional": ["attention_bias", "rope_scaling", "rope_is_neox_style", "dflash_config.block_size",
                      "dflash_config.num_target_layers", "dflash_config.mask_token"],
-        "defaults_that_bite": {"rope_theta": 1000000.0}},
+        "defaults_that_bite": {"rope_theta": 1000000.0},
+        # speculative/dflash_utils.py get_dflash_layer_types / get_dflash_attention_sliding_window_size
+        # (window_left = sliding_window - 1); sliding layers always causal (DECODER), full ones ENCODER_ONLY
+        "sliding": ["layer_types", "sliding_window"]},
     "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
@@ -45,7 +48,10 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
                      "sliding_window", "target_hidden_size", "logit_scale", "dflash_config.use_aux_hidden_state",
                      "dflash_config.causal", "dflash_config.use_swa", "dflash_config.swa_window_size",
                      "dflash_config.attention_sink_bias"],
-        "defaults_that_bite": {"rope_theta": 1000000.0}},
+        "defaults_that_bite": {"rope_theta": 1000000.0},
+        # _resolve_layer_attention: layer_types, sliding_window (or dflash_config.swa_window_size), causal
+        # from is_causal / dflash_config.causal / sliding; mixed sliding + full needs the V2 model runner
+        "sliding": ["layer_types", "sliding_window"]},
     "reference": {"version": "dflash 0.1.0 (transformers 5.15)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
@@ -54,7 +60,9 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
         "optional": ["attention_bias", "attention_dropout", "layer_types", "is_causal", "sliding_window",
                      "dflash_config.input_embedding_scale", "dflash_config.output_multiplier",
                      "dflash_config.final_logit_softcapping"],
-        "defaults_that_bite": {}},
+        "defaults_that_bite": {},
+        # Qwen3DFlashAttention; transformers' Qwen3Config nulls sliding_window without use_sliding_window
+        "sliding": ["layer_types", "sliding_window", "use_sliding_window"]},
 }
 
 
@@ -65,8 +73,11 @@ class ExportResult:
 
 
 def missing_fields(document: dict[str, Any], engine: str) -> list[str]:
-    """Required keys of ENGINE_READS[engine] that `document` lacks."""
-    return [key for key in ENGINE_READS[engine]["required"] if not _has(document, key)]
+    """Required keys of ENGINE_READS[engine] that `document` lacks (with its `sliding` keys when a layer slides)."""
+    required = list(ENGINE_READS[engine]["required"])
+    if "sliding_attention" in (document.get("layer_types") or []):
+        required += ENGINE_READS[engine]["sliding"]
+    return [key for key in required if not _has(document, key)]
 
 
 def _has(document: dict[str, Any], dotted: str) -> bool:
@@ -95,7 +106,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     _check_output(output, [given, checkpoint, *([Path(target)] if target else [])], force, flag)
     document = config_document(read_drafter_config(checkpoint))
     weights = read_weights(checkpoint)
-    notes = _convert_vocab(document, weights, engine, full_vocab, target)
+    notes = _convert_vocab(document, weights, engine, full_vocab, target) + _layer_notes(document, engine)
     document = _engine_keys(document, engine)
     missing = missing_fields(document, engine)
     assert not missing, f"export for {engine} lacks {missing}"
@@ -121,6 +132,20 @@ def _engine_keys(document: dict[str, Any], engine: str) -> dict[str, Any]:
     if engine == "vllm":    # vLLM's aux layer ids count from the embedding: DFlash layer k is id k + 1
         document["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in dflash["target_layer_ids"]]
     return document
+
+
+def _layer_notes(document: dict[str, Any], engine: str) -> list[str]:
+    """Sliding layers as the engine runs them: refused where it would run them differently."""
+    types = document.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return []
+    if engine == "sglang" and document.get("is_causal") is False:
+        raise InputError("this drafter's sliding layers are bidirectional (is_causal: false); SGLang runs every "
+                         "sliding_attention layer causally, so it would draft with attention it was not trained with")
+    if engine == "vllm" and "full_attention" in types:
+        return ["mixed sliding_attention / full_attention layers: vLLM serves them with the V2 model runner only "
+                "(VLLM_USE_V2_MODEL_RUNNER=1)"]
+    return []
 
 
 def _convert_vocab(document: dict[str, Any], weights: dict[str, Any], engine: str, full_vocab: bool,

@@ -18,7 +18,7 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.drafter.attention import Attend, BlockLayout, make_attend
+from dflash.drafter.attention import Attend, BlockLayout, make_layer_attends, position_rule_mask
+from dflash.drafter.layers import LayerAttention, config_layer_keys, layer_attention
 from dflash.drafter.shape import DrafterShape, derive_shape
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -34,18 +35,23 @@ ARCHITECTURE = "DFlashDraftModel"
 
 def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
                    target_layer_ids: Sequence[int], mask_token_id: int, draft_vocab_size: int = 0,
-                   shape: DrafterShape = DrafterShape()) -> Qwen3Config:
+                   shape: DrafterShape = DrafterShape(), layer_types: Sequence[str] = (), sliding_window: int = 0,
+                   rope_scaling: Optional[Mapping[str, Any]] = None) -> Qwen3Config:
     """The drafter's config (reference format): the target's hidden size, vocabulary and MLP width,
-    the drafter's own attention shape and plain RoPE (`shape`, derived from the target where 0),
-    L layers, DFlash keys."""
+    the drafter's own attention shape and RoPE (`shape`, derived from the target where 0; scaled by
+    `rope_scaling`, e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    L layers of `layer_types` (empty: all full attention; `sliding_window` for the sliding ones,
+    `dflash.drafter.layers`), DFlash keys."""
     own = derive_shape(target_config, shape)
+    rope = {"rope_type": "default", **dict(rope_scaling or {}), "rope_theta": own.rope_theta}
     return Qwen3Config(
+        **config_layer_keys(layer_types, num_layers, sliding_window),
         vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
         intermediate_size=target_config.intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=own.num_attention_heads, num_key_value_heads=own.num_key_value_heads,
         head_dim=own.head_dim, hidden_act=getattr(target_config, "hidden_act", "silu"),
         rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": own.rope_theta},
+        rope_parameters=rope,
         max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
         architectures=[ARCHITECTURE], block_size=block_size,
         num_target_layers=target_config.num_hidden_layers,
@@ -81,18 +87,24 @@ class DraftAttention(nn.Module):
     def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
         return x.view(*x.shape[:2], count, self.head_dim)
 
-    def forward(self, block: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend) -> torch.Tensor:
-        """block [b, Q, H] (normed), context [b, C, H]; rope covers the C + Q key positions."""
-        cos, sin = rope
-        queries = block.shape[1]
-        keys_in = torch.cat([context, block], dim=1)
-        q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
+    def project_kv(self, keys_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys_in [b, K, H] -> keys (k_norm, RoPE at cos/sin [b, K, d]) and values, [b, kv heads, K, d]."""
         k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
-        dtype = v.dtype     # the projections' dtype: bf16 under autocast, where norms and RoPE give fp32
-        q = apply_rope(q, cos[:, -queries:], sin[:, -queries:]).to(dtype)
-        k = apply_rope(k, cos, sin).to(dtype)
+        return apply_rope(k, cos, sin).to(v.dtype), v
+
+    def forward(self, block: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """block [b, Q, H] (normed), context [b, C, H]; rope covers the C + Q key positions. With
+        `context_kv` (the context's keys and values, cached) context is None and rope covers the block."""
+        cos, sin = rope
+        queries = block.shape[1]
+        keys_in = block if context is None else torch.cat([context, block], dim=1)
+        q = self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2)
+        k, v = self.project_kv(keys_in, cos, sin)
+        if context_kv is not None:
+            k, v = torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2)
+        q = apply_rope(q, cos[:, -queries:], sin[:, -queries:]).to(v.dtype)   # norms and RoPE give fp32 under autocast
         out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
 
@@ -105,9 +117,9 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, attend)
+    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, attend, context_kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -126,6 +138,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.layer_rules: list[LayerAttention] = layer_attention(config)
         self._frozen: tuple[nn.Module, nn.Module] | None = None
         vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
         if vocab_size:      # the target token id of each draft row (saved with the weights)
@@ -160,15 +173,21 @@ class DFlashDrafter(nn.Module):
         return blocks
 
     def forward(self, block_ids: torch.Tensor, context_features: torch.Tensor,
-                key_positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """block_ids [b, Q], context_features [b, C, L*H], key positions [b, C+Q] -> normed hidden [b, Q, H]."""
+                key_positions: torch.Tensor, attend: Union[Attend, Sequence[Attend]]) -> torch.Tensor:
+        """block_ids [b, Q], context_features [b, C, L*H], key positions [b, C+Q] -> normed hidden [b, Q, H].
+        `attend`: one function for every layer, or one per layer (`layer_rules`)."""
         dtype = self.fc.weight.dtype
         hidden = self.embed_tokens(block_ids).to(dtype)
-        context = self.hidden_norm(self.fc(context_features.to(dtype)))
+        context = self.project_context(context_features)
         rope = self.rotary_emb(hidden, key_positions)
-        for layer in self.layers:
-            hidden = layer(hidden, context, rope, attend)
+        attends = list(attend) if isinstance(attend, (list, tuple)) else [attend] * len(self.layers)
+        for layer, layer_attend in zip(self.layers, attends):
+            hidden = layer(hidden, context, rope, layer_attend)
         return self.norm(hidden)
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """Tap features [b, C, L*H] -> the context every layer's keys and values come from, [b, C, H]."""
+        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
 
     @property
     def has_draft_vocab(self) -> bool:
@@ -216,8 +235,25 @@ class DFlashDrafter(nn.Module):
         context_positions = torch.arange(context_features.shape[1], device=device)
         block_positions = anchor_pos + torch.arange(self.block_size, device=device)
         key_positions = torch.cat([context_positions, block_positions])[None]
-        hidden = self(block, context_features, key_positions, _attend_all)
+        attends = [_attend_by_rule(block_positions[None], key_positions, rule) for rule in self.layer_rules]
+        hidden = self(block, context_features, key_positions, attends)
         return self.logits(hidden)[0]
+
+
+@torch.no_grad()
+def draft_logits_cached(drafter: DFlashDrafter, cache: Any, anchor_id: int) -> torch.Tensor:
+    """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
+    (anchor position = cache.length): only the block's own tokens go through the projections."""
+    device = drafter.fc.weight.device
+    block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
+    block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
+    hidden = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)
+    rope = drafter.rotary_emb(hidden, block_positions)
+    for layer, rule, kv in zip(drafter.layers, drafter.layer_rules, cache.layers):
+        key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
+        attend = _attend_by_rule(block_positions, key_positions, rule)
+        hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
+    return drafter.logits(drafter.norm(hidden))[0]
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
@@ -228,12 +264,25 @@ def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Ten
     drafter = getattr(model, "module", model)
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)
     block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
-    hidden = model(block_ids, context_features, layout.key_positions(), make_attend(layout, backend))
+    attends = make_layer_attends(layout, backend, drafter.layer_rules)
+    hidden = model(block_ids, context_features, layout.key_positions(), attends)
     return hidden.view(*anchors.shape, drafter.block_size, -1)
 
 
 def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attend_by_rule(query_positions: torch.Tensor, key_positions: torch.Tensor, rule: LayerAttention) -> Attend:
+    """Inference attention of one block: every key visible, unless the layer's rule narrows it."""
+    if not rule.restricts:
+        return _attend_all
+    mask = position_rule_mask(query_positions, key_positions, rule)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
 
 
 def target_source_layers(drafter: DFlashDrafter, num_target_layers: int, target_config: Any = None) -> list[int]:

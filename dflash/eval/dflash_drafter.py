@@ -3,6 +3,10 @@
 Each step: context = the target's tap features of every committed position before the anchor
 (extended by the decoding loop after each verify forward), block = `[anchor, MASK x (B-1)]` at
 positions anchor..anchor+B-1; rows 1..B-1 of the drafter's logits are the draft tokens.
+
+With `use_cache` (the default) the drafter keeps each layer's context K/V
+(`dflash.drafter.draft_cache`) and projects only the positions committed since the last step,
+instead of the whole context every step; the drafts are the same (benchmarks/bench_draft_cache.py).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ class DFlashDraft:
     name: str = "dflash"
     uses_features: bool = True
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
+    use_cache: bool = True                          # keep the context K/V per draft layer between steps
+    _cache: Any = None
 
     @property
     def block_size(self) -> int:
@@ -31,7 +37,23 @@ class DFlashDraft:
         return list(self.model.target_layer_ids)
 
     def reset(self) -> None:
-        pass
+        self._cache = None
+
+    def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
+        """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
+        import torch
+
+        from dflash.drafter.draft_cache import DraftContextCache, extend_cache
+        from dflash.drafter.model import draft_logits_cached
+
+        if not self.use_cache:
+            return self.model.draft_logits(features[None], anchor_id, features.shape[0])
+        length = features.shape[0]
+        if self._cache is None or not self._cache.crop(length):
+            self._cache = DraftContextCache()
+        with torch.no_grad():
+            extend_cache(self.model, self._cache, features[None, self._cache.length:length])
+        return draft_logits_cached(self.model, self._cache, anchor_id)
 
     def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,
                 temperature: float) -> Proposal:
@@ -39,7 +61,7 @@ class DFlashDraft:
 
         anchor_pos = len(committed) - 1
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
-        logits = self.model.draft_logits(features[None], int(committed[-1]), anchor_pos)[1:1 + k].float()
+        logits = self._block_logits(features, int(committed[-1]))[1:1 + k].float()
         if temperature <= 0:
             return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist())
         probs = torch.softmax(logits / temperature, dim=-1)

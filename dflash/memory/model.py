@@ -140,6 +140,8 @@ class Workload:
     optimizer_shards: int = 1           # ranks the AdamW states are sharded over (1: replicated)
     world_size: int = 1                 # ranks summing gradients (1: no gradient sum)
     grad_bucket_mib: float = GRAD_BUCKET_MIB   # train.grad_bucket_mib
+    sliding_layers: int = 0             # drafter layers with a sliding window (memory.attention_masks)
+    sliding_window: int = 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -168,6 +170,9 @@ class Workload:
         facts["target"].pop("source")               # the same shape read from another path is the same workload
         for between_steps_only in ("world_size", "grad_bucket_mib"):   # the sum's buffer: a calibrated model
             facts.pop(between_steps_only)                              # takes between-steps from the estimate
+        for key in ("sliding_layers", "sliding_window"):   # all-full drafters keep the keys they had
+            if not facts[key]:
+                facts.pop(key)
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -346,7 +351,9 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                     max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
                     optimizer_shards=optimizer_shards(profile, world_size),
                     world_size=world_size or profile.machine.nproc_per_node * profile.machine.nnodes,
-                    grad_bucket_mib=getattr(profile.train, "grad_bucket_mib", GRAD_BUCKET_MIB))
+                    grad_bucket_mib=getattr(profile.train, "grad_bucket_mib", GRAD_BUCKET_MIB),
+                    sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
+                    sliding_window=profile.drafter.sliding_window)
 
 
 # --- the analytic estimate ----------------------------------------------------------------
@@ -475,8 +482,10 @@ def _drafter_activations_mib(workload: Workload) -> float:
     bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
     residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
     (autocast casts the float32 input again for every Linear)."""
+    from dflash.memory.attention_masks import extra_block_mask_mib
+
     return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
-            + _final_bytes(workload)) / MIB
+            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
 
 
 def _low_bytes(workload: Workload) -> int:

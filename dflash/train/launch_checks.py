@@ -14,6 +14,8 @@ and where a rank would otherwise fail:
 | drafter.mask_token_id | set, or the tokenizer has a mask token; a row of the target's embedding | resolve_mask_token_id |
 | drafter.init | "target": the source layers are plain softmax attention | init_from_target |
 | drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
+| drafter.layer_types, sliding_window, rope_scaling* | one known type per layer; a window >= 1 for sliding layers; a scaling factor > 1 | drafter config |
+| drafter.init_from | init = "drafter": a DFlash drafter directory (config.json + weights) | init_from_drafter |
 """
 from __future__ import annotations
 
@@ -80,6 +82,8 @@ def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) 
     if layer_ids and profile.drafter.init == "target":
         _check_target_init(profile, target, layer_ids, where, problems)
     _check_draft_vocab(profile, target, where, problems)
+    _check_drafter_layers(profile, where, problems)
+    _check_drafter_init(profile, where, problems)
     if problems:
         raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
                           f"({len(problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in problems))
@@ -163,6 +167,31 @@ def _check_draft_vocab(profile: Profile, target: TargetFacts, where: _KeyFiles, 
     if not 0 <= size <= target.vocab_rows:
         problems.append(where("drafter.draft_vocab_size", f"{size}; must be 0 (the whole vocabulary) or "
                               f"1..{target.vocab_rows} (the target's vocabulary)"))
+
+
+def _check_drafter_layers(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+    from dflash.drafter.layers import profile_layer_problems
+
+    problems.extend(where(key, problem) for key, problem in profile_layer_problems(profile.drafter))
+
+
+def _check_drafter_init(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+    """init = "drafter" needs init_from naming a DFlash drafter directory; init_from alone does nothing."""
+    from dflash.drafter.checkpoint import init_source_problem
+
+    drafter = profile.drafter
+    if drafter.init != "drafter":
+        if drafter.init_from:
+            problems.append(where("drafter.init_from", f"{drafter.init_from!r} is set but drafter.init is "
+                                  f"{drafter.init!r}; set drafter.init = \"drafter\" to start from it"))
+        return
+    if not drafter.init_from:
+        problems.append(where("drafter.init_from", "unset; drafter.init = \"drafter\" needs the directory of a DFlash "
+                              "drafter (a published z-lab-format one, or a checkpoint step-N/)"))
+        return
+    problem = init_source_problem(Path(drafter.init_from))
+    if problem:
+        problems.append(where("drafter.init_from", problem))
 
 
 def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:

@@ -86,6 +86,8 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
 def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
+    from dflash.drafter.checkpoint import init_from_drafter
+    from dflash.drafter.layers import profile_layer_options
     from dflash.drafter.model import drafter_config, init_from_target
     from dflash.drafter.shape import profile_shape
 
@@ -95,7 +97,7 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
     mask_id = resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings)
     config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
                             target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
-                            shape=profile_shape(profile.drafter))
+                            shape=profile_shape(profile.drafter), **profile_layer_options(profile.drafter))
     config.num_target_layers = num_target_layers
     torch.manual_seed(profile.train.seed)
     drafter = DFlashDrafter(config).attach_target(target)
@@ -103,6 +105,8 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
         drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
     if profile.drafter.init == "target":
         init_from_target(drafter, target, norm_scale=profile.drafter.norm_init)
+    elif profile.drafter.init == "drafter":
+        init_from_drafter(drafter, profile.drafter.init_from)
     else:
         with torch.no_grad():
             drafter.norm.weight.fill_(profile.drafter.norm_init)

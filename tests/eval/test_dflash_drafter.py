@@ -133,3 +133,76 @@ def test_sampled_drafts_from_a_draft_vocabulary_put_no_mass_outside_it(tiny_qwen
     outside[vocabulary] = False
     assert float(proposal.probs[:, outside].sum()) == 0.0
     assert all(proposal.probs[i, token] > 0 for i, token in enumerate(proposal.tokens))
+
+
+def sliding_drafter(target, window: int = 3):
+    """Two layers, the first sliding with a window shorter than any prompt here, the second full."""
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+
+    config = drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=151669,
+                            layer_types=("sliding_attention", "full_attention"), sliding_window=window)
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(config).attach_target(target).eval()
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return drafter
+
+
+class ComparingDraft(DFlashDraft):
+    """Drafts with the context cache and checks each block against the uncached computation."""
+
+    def propose(self, committed, features, k, temperature):
+        fresh = self.model.draft_logits(features[None], int(committed[-1]), features.shape[0])
+        torch.testing.assert_close(self._block_logits(features, int(committed[-1])), fresh, rtol=1e-5, atol=1e-5)
+        self.bounded = [layer.keys.shape[2] for layer in self._cache.layers]
+        return super().propose(committed, features, k, temperature)
+
+
+def test_the_draft_cache_gives_the_uncached_drafts_and_is_lossless(tiny_qwen3_model):
+    drafter = sliding_drafter(tiny_qwen3_model)
+    settings = DecodeSettings(block_size=4, max_new_tokens=16)
+    draft = ComparingDraft(model=drafter)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, drafter.target_layer_ids), draft, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 16)
+    assert draft._cache.length == len(PROMPT) + len(result.tokens) - 1 or len(result.tokens) == 16
+    assert draft.bounded[0] == 3 and draft.bounded[1] == draft._cache.length     # the window bounds layer 0
+
+
+def test_the_draft_cache_crops_and_rebuilds_when_the_context_goes_back(tiny_qwen3_model):
+    drafter = sliding_drafter(tiny_qwen3_model, window=4)
+    features = extract_taps(tiny_qwen3_model, torch.tensor([PROMPT + [11, 12, 13]]), drafter.target_layer_ids)[0]
+    draft = DFlashDraft(model=drafter)
+    draft._block_logits(features[:9], 42)
+    assert draft._cache.length == 9 and draft._cache.layers[0].start == 5
+    for length in (8, 3, 2):     # 8, 3: the sliding layer dropped positions they see, rebuilt; 2: cropped
+        torch.testing.assert_close(draft._block_logits(features[:length], 42),
+                                   drafter.draft_logits(features[None, :length], 42, length), rtol=1e-5, atol=1e-5)
+        assert draft._cache.length == length
+    assert draft._cache.crop(1) and draft._cache.layers[1].keys.shape[2] == 1
+
+
+def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_qwen3_model, tmp_path):
+    """z-lab's format as published: auto_map, top-level rope_theta and legacy rope_scaling (YaRN,
+    `type`), layer_types with sliding_window but no use_sliding_window, bf16 weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash.drafter.checkpoint import config_document
+
+    drafter = sliding_drafter(tiny_qwen3_model)
+    document = config_document(drafter.config)
+    for key in ("rope_parameters", "use_sliding_window", "dtype", "torch_dtype"):
+        document.pop(key, None)
+    document.update(auto_map={"AutoModel": "dflash.DFlashDraftModel"}, rope_theta=1e6,
+                    rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
+    (tmp_path / "config.json").write_text(json.dumps(document))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    draft = load_dflash_draft(str(tmp_path), tiny_qwen3_model)
+    assert [(r.window, r.causal) for r in draft.model.layer_rules] == [(3, True), (None, False)]
+    assert draft.model.config.rope_parameters["rope_type"] == "yarn" and draft.model.rotary_emb.attention_scaling > 1
+    settings = DecodeSettings(block_size=4, max_new_tokens=12)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, draft.layer_ids), draft, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 12)

@@ -1,9 +1,12 @@
 """The flagship workflow on its CPU twin, through the CLI a user runs: `launcher.py tokenize`,
 `train`, `eval` with the `flagship-twin` profile (rtx6000-x8's drafter and loss policies on a tiny
-random Qwen3.5/3.6-architecture target), then the checkpoint reloaded onto the target.
+random Qwen3.5/3.6-architecture target), then the checkpoint reloaded onto the target, and a
+second training run continued from it (`drafter.init = "drafter"`).
 
-Only the run directory differs from the shipped profile: the test's variant extends a copy of
-flagship-twin (and of rtx6000-x8, which it extends) and sets paths.run_dir.
+Only the run directory and the sliding window differ from the shipped profile: the test's
+variant extends a copy of flagship-twin (and of rtx6000-x8, which it extends), sets paths.run_dir
+and shrinks rtx6000-x8's 2048-position window (SpecForge's Qwen3.6-27B recipe: four sliding layers,
+then a full one) to 8, shorter than the twin's sequences, so that the window matters here.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+WINDOW = 8
 LAUNCHER = Path(__file__).resolve().parents[2] / "launcher.py"
 
 
@@ -46,13 +50,19 @@ def twin_run(tmp_path_factory):
     for name in ("rtx6000-x8", "flagship-twin"):
         shutil.copy(PROFILES / f"{name}.toml", profiles / f"{name}.toml")
     profile = profiles / "twin-run.toml"
-    profile.write_text(f'extends = "flagship-twin"\n[paths]\nrun_dir = "{run_dir}"\n', encoding="utf-8")
+    profile.write_text(f'extends = "flagship-twin"\n[paths]\nrun_dir = "{run_dir}"\n[drafter]\nsliding_window = {WINDOW}\n',
+                       encoding="utf-8")
     (run_dir / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in completions()), encoding="utf-8")
     steps = {}
     for stage, args in (("tokenize", ["--no-progress"]), ("train", []), ("eval", [])):
         steps[stage] = launcher(stage, "--profile", str(profile), *args)
         if steps[stage].returncode != 0:
-            break
+            return run_dir, profile, steps
+    continued = profiles / "twin-continued.toml"
+    continued.write_text(f'extends = "twin-run"\n[paths]\nrun_dir = "{root / "continued"}"\ndataset = "{run_dir / "dataset"}"\n'
+                         f'[drafter]\ninit = "drafter"\ninit_from = "{run_dir / "train" / "checkpoints"}"\n'
+                         f'[train]\nmax_steps = 2\nsave_every_steps = 2\n', encoding="utf-8")
+    steps["continue"] = launcher("train", "--profile", str(continued))
     return run_dir, profile, steps
 
 
@@ -103,6 +113,7 @@ def test_the_checkpoint_reloads_with_the_flagship_policies(twin_run):
     drafter = load_drafter(str(checkpoint), target)
     assert drafter.block_size == 16 and drafter.mask_token_id == 248070
     assert drafter.target_layer_ids == [1, 2, 3, 4, 5] and len(drafter.layers) == 5
+    assert [(r.window, r.causal) for r in drafter.layer_rules] == [(WINDOW, True)] * 4 + [(None, False)]
     saved = load_file(str(checkpoint / WEIGHTS))
     for name, value in drafter.state_dict().items():
         torch.testing.assert_close(value, saved[name].to(value.dtype), rtol=0, atol=0)
@@ -122,4 +133,15 @@ def test_the_flagship_checkpoint_loads_strictly_into_the_reference_with_the_same
     run_dir, profile_path, steps = twin_run
     _ok(steps["train"])
     target = load_target(resolve_model_path(load_profile(str(profile_path)).model.target))
-    compare_with_reference(latest_checkpoint(run_dir), target, tmp_path, context=7, first_token=785)
+    result = compare_with_reference(latest_checkpoint(run_dir), target, tmp_path, context=20, first_token=785)
+    assert result.drafter.layer_rules[0].window == WINDOW < 20
+
+
+def test_training_continues_from_the_twins_checkpoint(twin_run):
+    """`drafter.init = "drafter"` from the first run's checkpoints: the second run trains on."""
+    run_dir, _, steps = twin_run
+    _ok(steps["continue"])
+    continued = run_dir.parent / "continued"
+    metrics = [json.loads(line) for line in (continued / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+    assert (continued / "train" / "checkpoints" / "step-2" / "model.safetensors").exists()

@@ -31,6 +31,9 @@ def main() -> None:
         "target_layer_ids": list(model.target_layer_ids),
         "rope_theta": float(model.config.rope_parameters["rope_theta"]),
         "inv_freq": model.rotary_emb.inv_freq.tolist(),
+        "attention_scaling": float(model.rotary_emb.attention_scaling),
+        "rope_type": model.config.rope_parameters.get("rope_type", "default"),
+        "layers": [[layer.self_attn.sliding_window, layer.self_attn.is_causal] for layer in model.layers],
     }))
 
 

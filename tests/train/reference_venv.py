@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,11 +51,22 @@ def _require_index() -> None:
         pytest.skip(f"the package index is unreachable, cannot build the reference venv ({REFERENCE_PINS[0]}): {reason}")
 
 
-def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 11, first_token: int = 1000) -> None:
+@dataclass
+class Comparison:
+    """What a comparison ran: our drafter, its draft_logits arguments, the reference's logits [B, V]."""
+
+    drafter: Any
+    inputs: tuple
+    reference: Any
+
+
+def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 11, first_token: int = 1000) -> Comparison:
     """Load `checkpoint` into our drafter and into the reference `DFlashDraftModel` (strictly: no
     missing, unexpected or mismatched keys), feed both the same target features and block, and
-    hold the reference's config reading and draft logits equal to ours."""
+    hold the reference's config reading (RoPE, per-layer window and causality) and draft logits
+    equal to ours (within 1e-4)."""
     import json
+    import math
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -81,5 +94,9 @@ def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 
         drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids)
     assert seen["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
     torch.testing.assert_close(torch.tensor(seen["inv_freq"]), drafter.rotary_emb.inv_freq.float())
+    assert math.isclose(seen["attention_scaling"], drafter.rotary_emb.attention_scaling, rel_tol=1e-6)
+    assert seen["rope_type"] == drafter.config.rope_parameters.get("rope_type", "default")
+    assert seen["layers"] == [[rule.window, rule.causal] for rule in drafter.layer_rules]
     reference = load_file(str(work / "logits.safetensors"))["logits"][0]
     torch.testing.assert_close(reference, ours.float(), rtol=1e-4, atol=1e-4)
+    return Comparison(drafter, (features, int(input_ids[0, context]), context), reference)

@@ -67,6 +67,8 @@ def test_docs_list_the_same_fields_per_engine():
         assert row is not None, f"docs/train.md has no row for {engine}"
         listed = set(re.findall(r"`([\w.]+)`", row.split("|")[3]))
         assert listed == set(reads["required"]), (engine, listed ^ set(reads["required"]))
+        sliding = set(re.findall(r"`([\w.]+)`", row.split("|")[5]))
+        assert sliding == set(reads["sliding"]), (engine, sliding ^ set(reads["sliding"]))
         assert reads["version"] in row
 
 
@@ -171,3 +173,38 @@ def test_unsupported_published_drafters_are_refused_by_name(tiny_target_model, t
     (tmp_path / "d2" / "config.json").write_text(json.dumps({**document, "layer_types": ["sliding_attention"] * 2}))
     with pytest.raises(InputError, match="sliding_attention"):
         load_drafter(tmp_path / "d2", tiny_target_model)
+
+
+@pytest.fixture(scope="module")
+def sliding_checkpoint(tmp_path_factory, tiny_target_model) -> Path:
+    torch.manual_seed(0)
+    config = drafter_config(tiny_target_model.config, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+                            mask_token_id=MASK_ID, layer_types=("sliding_attention", "full_attention"), sliding_window=6,
+                            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    return save_checkpoint(tmp_path_factory.mktemp("swa"), DFlashDrafter(config).attach_target(tiny_target_model), 1, {})
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_READS))
+def test_sliding_layers_and_yarn_reach_every_export(sliding_checkpoint, engine, tmp_path):
+    result = export_drafter(sliding_checkpoint, engine, tmp_path / engine)
+    document = json.loads((result.directory / "config.json").read_text())
+    assert missing_fields(document, engine) == []
+    assert set(ENGINE_READS[engine]["sliding"]) <= set(document)
+    assert document["layer_types"] == ["sliding_attention", "full_attention"] and document["sliding_window"] == 6
+    assert document["use_sliding_window"] is True and "is_causal" not in document   # causal sliding layers everywhere
+    assert document["rope_scaling"] == {"type": "yarn", "rope_type": "yarn", "factor": 2.0,
+                                        "original_max_position_embeddings": 128}
+    assert document["rope_parameters"]["rope_type"] == "yarn" and document["rope_theta"] > 0
+    assert any("VLLM_USE_V2_MODEL_RUNNER=1" in note for note in result.notes) == (engine == "vllm")
+
+
+def test_sglang_export_refuses_bidirectional_sliding_layers(sliding_checkpoint, tmp_path):
+    import shutil
+
+    copy = tmp_path / "bidirectional"
+    shutil.copytree(sliding_checkpoint, copy)
+    document = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**document, "is_causal": False}))
+    with pytest.raises(InputError, match="SGLang runs every sliding_attention layer causally"):
+        export_drafter(copy, "sglang", tmp_path / "out")
+    assert json.loads((export_drafter(copy, "vllm", tmp_path / "v").directory / "config.json").read_text())["is_causal"] is False

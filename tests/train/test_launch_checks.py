@@ -146,3 +146,27 @@ def test_a_gradient_bucket_outside_its_range_names_train_grad_bucket_mib(profile
         assert caught.value.exit_code == EXIT_USAGE
         assert "train.grad_bucket_mib" in str(caught.value) and "<= 1024" in str(caught.value)
     assert check(variant(profiles_dir, "[train]\ngrad_bucket_mib = 25", target=str(flagship_twin_target)))
+
+
+def test_drafter_layer_and_rope_keys_are_checked_at_launch(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, '[drafter]\nlayer_types = ["sliding_attention", "full_attention"]\nsliding_window = 0\n'
+                   'rope_scaling = "yarn"\nrope_scaling_factor = 1.0', target=str(flagship_twin_target))
+    message = problems_of(path)
+    assert f"{path}: key 'drafter.layer_types': layer_types has 2 entries for 5 layers" in message
+    assert f"{path}: key 'drafter.layer_types': sliding_attention layers need sliding_window >= 1" in message
+    assert f"{path}: key 'drafter.rope_scaling_factor': 1.0 with rope_scaling 'yarn'" in message
+
+
+def test_an_unknown_layer_type_is_refused_by_the_schema(profiles_dir, flagship_twin_target):
+    path = variant(profiles_dir, '[drafter]\nlayer_types = ["chunked_attention"]', target=str(flagship_twin_target))
+    with pytest.raises(ConfigError, match="drafter.layer_types.*'sliding_attention'"):
+        load_profile(str(path))
+
+
+def test_init_drafter_needs_a_drafter_directory(profiles_dir, flagship_twin_target, tmp_path):
+    path = variant(profiles_dir, '[drafter]\ninit = "drafter"', target=str(flagship_twin_target))
+    assert f"{path}: key 'drafter.init_from': unset; drafter.init = \"drafter\" needs" in problems_of(path)
+    path = variant(profiles_dir, f'[drafter]\ninit = "drafter"\ninit_from = "{tmp_path}"', target=str(flagship_twin_target))
+    assert f"key 'drafter.init_from': {tmp_path}: no config.json" in problems_of(path)
+    path = variant(profiles_dir, f'[drafter]\ninit_from = "{tmp_path}"', target=str(flagship_twin_target))
+    assert "is set but drafter.init is 'random'" in problems_of(path)

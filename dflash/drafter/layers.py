@@ -1,0 +1,121 @@
+"""Per-layer attention of the drafter: `layer_types` (`full_attention`, `sliding_attention`),
+`sliding_window`, `is_causal`, resolved as the reference `DFlashDraftModel` resolves them.
+
+The reference (PyPI `dflash` 0.1.0, `Qwen3DFlashAttention`) gives layer i the window
+`sliding_window` when `layer_types[i] == "sliding_attention"`, else none; and makes the layer causal
+when `is_causal` says so, or, when `is_causal` is absent, when the layer is a sliding one. vLLM
+(`qwen3_dflash.py`, `_resolve_layer_attention`) resolves the same way, and SGLang 0.5.11
+(`models/dflash.py`) runs every sliding layer causally (attention type DECODER) and every full
+layer bidirectionally (ENCODER_ONLY), whatever `is_causal` says. So the published convention, the
+one every loader agrees on, is: sliding layers causal with a window, full layers bidirectional.
+Our drafters follow it and leave `is_causal` out of config.json.
+
+Visibility between a query at position p and a key at position j (positions, not indices):
+
+* window w: `p - j < w` (and, in a non-causal layer, `j - p < w`);
+* causal: `j <= p` (inside the block: slot k sees slots 0..k only).
+
+So a block anchored at a, in a sliding layer, sees the context positions in (a + k - w, a) from
+slot k (slot 0: [a - w + 1, a)), and slots 0..k of its own block. transformers' Qwen3Config keeps
+`sliding_window` only with `use_sliding_window: true` (else it becomes null), so a config with
+sliding layers carries both. No torch here: the launcher validates profiles with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One draft layer's visibility rule beyond the block layout: a window (None: unbounded), causal."""
+
+    window: Optional[int] = None
+    causal: bool = False
+
+    @property
+    def restricts(self) -> bool:
+        """False for plain full, bidirectional attention (no extra mask needed)."""
+        return self.window is not None or self.causal
+
+
+def _value(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def layer_attention(config: Any) -> list[LayerAttention]:
+    """The rule of each of the config's `num_hidden_layers` layers (a config object or a mapping)."""
+    count = int(_value(config, "num_hidden_layers"))
+    types = list(_value(config, "layer_types") or [FULL] * count)
+    window = _value(config, "sliding_window")
+    explicit = _value(config, "is_causal")
+    rules = []
+    for kind in types:
+        sliding = kind == SLIDING
+        causal = sliding if explicit is None else bool(explicit)
+        rules.append(LayerAttention(window=int(window) if sliding and window else None, causal=causal))
+    return rules
+
+
+def layer_type_problems(layer_types: Sequence[str], num_layers: int, sliding_window: int) -> list[str]:
+    """What is wrong with a `layer_types` / `sliding_window` pair for `num_layers` layers ([] if fine)."""
+    problems = []
+    if layer_types and len(layer_types) != num_layers:
+        problems.append(f"layer_types has {len(layer_types)} entries for {num_layers} layers (one per layer)")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        problems.append(f"layer_types {unknown} unknown; valid: {', '.join(LAYER_TYPES)}")
+    if SLIDING in layer_types and sliding_window < 1:
+        problems.append(f"sliding_attention layers need sliding_window >= 1, got {sliding_window}")
+    if sliding_window and SLIDING not in layer_types:
+        problems.append(f"sliding_window {sliding_window} is set but no layer is sliding_attention")
+    return problems
+
+
+def config_layer_keys(layer_types: Sequence[str], num_layers: int, sliding_window: int,
+                      is_causal: Optional[bool] = None) -> dict[str, Any]:
+    """The config.json keys for the layers: `layer_types` always (vLLM and SGLang want the list),
+    `sliding_window` + `use_sliding_window` when a layer slides, and `is_causal` only when given
+    (None, our drafters: left out, the convention of the module doc)."""
+    types = list(layer_types) or [FULL] * num_layers
+    sliding = SLIDING in types
+    keys: dict[str, Any] = {"layer_types": types, "use_sliding_window": sliding,
+                            "sliding_window": int(sliding_window) if sliding else None}
+    if is_causal is not None:
+        keys["is_causal"] = bool(is_causal)
+    return keys
+
+
+def profile_rope_scaling(drafter_section: Any) -> Optional[dict[str, Any]]:
+    """`[drafter]` rope_scaling keys -> transformers' rope_parameters entries (None: plain RoPE)."""
+    kind = drafter_section.rope_scaling
+    if kind == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(drafter_section.rope_scaling_factor)}
+    if kind == "yarn" and drafter_section.rope_original_max_position_embeddings:
+        scaling["original_max_position_embeddings"] = int(drafter_section.rope_original_max_position_embeddings)
+    return scaling
+
+
+def profile_layer_options(drafter_section: Any) -> dict[str, Any]:
+    """The `drafter_config` keywords of the profile's `[drafter]` layer and RoPE-scaling keys."""
+    return {"layer_types": tuple(drafter_section.layer_types), "sliding_window": int(drafter_section.sliding_window),
+            "rope_scaling": profile_rope_scaling(drafter_section)}
+
+
+def profile_layer_problems(drafter_section: Any) -> list[tuple[str, str]]:
+    """(key, problem) for the `[drafter]` layer and RoPE-scaling keys; [] when they are usable."""
+    problems = [("drafter.layer_types", problem) for problem in layer_type_problems(
+        list(drafter_section.layer_types), drafter_section.num_layers, drafter_section.sliding_window)]
+    if drafter_section.sliding_window < 0:
+        problems.append(("drafter.sliding_window", f"{drafter_section.sliding_window}; must be >= 1 (or 0: none)"))
+    if drafter_section.rope_scaling != "none" and drafter_section.rope_scaling_factor <= 1.0:
+        problems.append(("drafter.rope_scaling_factor", f"{drafter_section.rope_scaling_factor} with rope_scaling "
+                         f"{drafter_section.rope_scaling!r}; a scaling factor must be > 1"))
+    if drafter_section.rope_scaling == "none" and drafter_section.rope_original_max_position_embeddings:
+        problems.append(("drafter.rope_original_max_position_embeddings", "set without rope_scaling = \"yarn\""))
+    return problems
