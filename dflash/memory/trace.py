@@ -196,7 +196,17 @@ def phase_tracker() -> Any:
     class PhaseTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
-            self.phase, self.phase_peaks = "setup", {}
+            self._phase, self.phase_peaks = "setup", {}
+
+        @property
+        def phase(self) -> str:
+            return self._phase
+
+        @phase.setter
+        def phase(self, name: str) -> None:
+            # a phase that allocates nothing (the gradient sum on one rank) peaks at what is live when it starts
+            self._phase = name
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, -1), self.live_bytes())
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             super()._update_peak_stats(peak_state)
