@@ -2,14 +2,15 @@
 (`dflash.train.dist.sync_gradients`), on 2 real gloo ranks (CPU).
 
 Each rank builds a model shaped like a small drafter (large q/k/v/o and MLP matrices, small norms),
-gives every parameter a gradient, then sums them with each method several times and reports, for
-rank 0:
+gives every parameter a gradient, then sums them several times, each method in its own pair of
+fresh processes, and reports, for rank 0:
 
 * tensor-level peak above parameters + gradients during the sum (torch's MemTracker on the real
   CPU tensors: what the sum allocates),
 * resident memory added by the sum (VmHWM after the sum minus VmRSS before, the high-water mark
   reset through /proc/self/clear_refs),
-* the sum's wall time (median of --repeats).
+* the sum's wall time and a whole step's (forward/backward of 8 rows, the sum, foreach AdamW),
+  medians of --repeats.
 
     .venv/bin/python benchmarks/bench_grad_sync.py [--hidden 1024] [--layers 4] [--bucket-mib 64] [--repeats 5]
 """
@@ -78,10 +79,27 @@ def measure(method, model, repeats: int) -> dict[str, float]:
         method(model.parameters())
         seconds.append(time.perf_counter() - started)
     return {"tensor_peak_mib": tensor_peak / MIB, "rss_added_mib": (rss_kib("VmHWM") - before) / 1024,
-            "seconds": statistics.median(seconds)}
+            "seconds": statistics.median(seconds), "step_seconds": step_seconds(method, model, repeats)}
 
 
-def rank_main(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
+def step_seconds(method, model, repeats: int) -> float:
+    """Median time of a whole step with this sum: forward/backward of 8 rows, the sum, AdamW (foreach)."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    inputs = torch.randn(8, model[0].in_features, generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        sum(module(inputs).pow(2).mean() for module in model).backward()     # every module reads the input
+        method(model.parameters())
+        optimizer.step()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def rank_main(rank: int, port: int, out: str, args: argparse.Namespace, method_name: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -93,9 +111,9 @@ def rank_main(rank: int, port: int, out: str, args: argparse.Namespace) -> None:
     model = drafter_like(args.hidden, args.layers)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
+    methods = {"cat": cat_sum, "bucketed": lambda ps: sync_gradients(ps, bucket_mib=args.bucket_mib)}
     results = {"grads_mib": sum(p.numel() * 4 for p in model.parameters()) / MIB,
-               "cat": measure(cat_sum, model, args.repeats),
-               "bucketed": measure(lambda ps: sync_gradients(ps, bucket_mib=args.bucket_mib), model, args.repeats)}
+               method_name: measure(methods[method_name], model, args.repeats)}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -116,17 +134,19 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    results: dict = {}
     with tempfile.TemporaryDirectory() as work:
-        out = str(Path(work) / "rank0.json")
-        mp.spawn(rank_main, args=(free_port(), out, args), nprocs=2, join=True)
-        results = json.loads(Path(out).read_text())
+        for method in ("cat", "bucketed"):           # each in fresh processes: no heap reused between them
+            out = str(Path(work) / f"{method}.json")
+            mp.spawn(rank_main, args=(free_port(), out, args, method), nprocs=2, join=True)
+            results.update(json.loads(Path(out).read_text()))
     print(f"gradients: {results['grads_mib']:.1f} MiB per rank (hidden {args.hidden}, {args.layers} layers), "
           f"2 gloo ranks, bucket {args.bucket_mib:g} MiB")
-    print(f"{'sum':<10} {'tensor peak above params+grads':>31} {'RSS added':>10} {'time':>9}")
+    print(f"{'sum':<10} {'tensor peak above params+grads':>31} {'RSS added':>10} {'sum':>9} {'step':>9}")
     for name in ("cat", "bucketed"):
         figures = results[name]
         print(f"{name:<10} {figures['tensor_peak_mib']:>27.1f} MiB {figures['rss_added_mib']:>6.1f} MiB "
-              f"{1000 * figures['seconds']:>6.0f} ms")
+              f"{1000 * figures['seconds']:>6.0f} ms {1000 * figures['step_seconds']:>6.0f} ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The layout is the architecture: launcher_core/ imports nothing of the floors above it, envcheck/ (the
-machine) never imports dflash/ (the workload), and no module imports itself back through a
-chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."""
+machine) never imports dflash/ (the workload), inside dflash/ the declared package edges hold
+(`PACKAGE_RULES`: the memory model never imports the trainer), and no module imports itself back
+through a chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +9,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = {"launcher_core": 0, "envcheck": 1, "dflash": 2}
+TOP = ("dflash.train", "dflash.eval", "dflash.pipeline", "dflash.commands")
+# Inside dflash: (package, packages it must not import, why).
+PACKAGE_RULES = (
+    ("dflash.memory", TOP, "the memory model and plan run in the launcher process, below the trainer; what runs "
+                           "the trainer's step (calibration) lives in dflash.train"),
+    ("dflash.drafter", ("dflash.memory", *TOP), "the drafter model is used by training, memory and eval, and uses "
+                                                "none of them"),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -80,6 +89,30 @@ def test_no_import_runs_up_a_floor():
     upward = sorted((module, target) for module, targets in graph.items() for target in targets
                     if floor(target) > floor(module))
     assert upward == []
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def forbidden_edges(graph: dict[str, set[str]], rules=PACKAGE_RULES) -> list[tuple[str, str, str]]:
+    """(module, imported module, the rule's reason) for every import a package rule forbids."""
+    return sorted((module, target, why) for module, targets in graph.items() for target in targets
+                  for package, banned, why in rules
+                  if in_package(module, package) and any(in_package(target, b) for b in banned))
+
+
+def test_no_import_crosses_a_declared_package_edge():
+    assert forbidden_edges(import_graph()) == []
+
+
+def test_the_edge_checker_sees_memory_importing_train():
+    graph = {"dflash.memory.calibration": {"dflash.train.setup", "dflash.memory.model"},
+             "dflash.memory.model": {"dflash.drafter.shape"}, "dflash.memoryless": {"dflash.train.step"},
+             "dflash.train.calibration": {"dflash.memory.model", "dflash.train.setup"}}
+    assert [(m, t) for m, t, _ in forbidden_edges(graph)] == [("dflash.memory.calibration", "dflash.train.setup")]
+    assert forbidden_edges(graph, (("dflash.train", ("dflash.memory",), "test"),)) == [
+        ("dflash.train.calibration", "dflash.memory.model", "test")]
 
 
 def test_no_import_cycle():

@@ -4,7 +4,7 @@ fitted line in the profile's baseline (key `memory_calibration`), where `plan` r
 
 The baseline is the file `launcher.py baseline save --profile P` writes for this host; when
 there is none yet, this machine's snapshot is saved there first (as `baseline save` would).
-Exit 2 for a CPU profile, 125 where there is no CUDA device (see dflash.memory.calibration).
+Exit 2 for a CPU profile, 125 where there is no CUDA device (see dflash.train.calibration).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.memory.calibration import calibrate, require_cuda, store_calibration
+    from dflash.train.calibration import calibrate, require_cuda, store_calibration
 
     profile = with_target_override(load_profile_arg(args), args.target_override)
     require_cuda(profile)
@@ -79,9 +79,14 @@ def default_baseline(profile) -> Path:
     return path
 
 
+GRADIENT_SUM_WORDS = {"measured": "measured (2 ranks, the real sum between them)",
+                      "model": "its staging buffer from the memory model (one process; 2 GPUs measure it)",
+                      "none": "none (one rank)"}
+
+
 def result_document(run_result, baseline: Path) -> dict:
-    from dflash.memory.calibration import iter_prediction_rows
     from dflash.memory.model import calibration_as_dict
+    from dflash.train.calibration import iter_prediction_rows
 
     return {"baseline": str(baseline), "calibration": calibration_as_dict(run_result.calibration),
             "peaks_mib": {str(m): round(p, 1) for m, p in run_result.peaks_mib.items()},
@@ -97,7 +102,8 @@ def describe(run_result, baseline: Path) -> list[str]:
              "measured peak allocated: " + ", ".join(f"micro-batch {m}: {p:,.0f} MiB"
                                                       for m, p in run_result.peaks_mib.items()),
              f"calibration: peak = {cal.intercept_mib:,.0f} + {cal.slope_mib:,.0f} x micro-batch MiB "
-             f"({cal.device_name}, torch {cal.torch_version}; workload key {cal.workload_key})"]
+             f"({cal.device_name}, torch {cal.torch_version}; workload key {cal.workload_key})",
+             f"gradient sum: {GRADIENT_SUM_WORDS.get(cal.gradient_sum, cal.gradient_sum)}"]
     for check in run_result.predictions:
         lines.append(f"micro-batch {check.micro_batch}: measured {check.measured_mib:,.0f} MiB, calibrated "
                      f"{check.calibrated_mib:,.0f} ({check.calibrated_error:+.1%}), analytic estimate "

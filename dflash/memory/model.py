@@ -27,7 +27,9 @@ Between steps two more moments can be the peak of a rank (`MemoryEstimate.betwee
 optimizer update (static + one float32 temporary over this rank's parameters: foreach AdamW's
 sqrt(exp_avg_sq)), and a checkpoint save (gradients already dropped; under zero1 every rank's
 shard is gathered to rank 0 by broadcasts: the serialized shard and its deserialized copy are on
-the device of every rank at once before rank 0 moves them to host memory). `PeakModel.peak_mib(m)`
+the device of every rank at once before rank 0 moves them to host memory); and on several ranks the
+gradient sum (all gradients plus its one staging buffer of at most `train.grad_bucket_mib`: float32
+gradients below the bucket, packed; larger ones are summed in place). `PeakModel.peak_mib(m)`
 is the larger of the step's line and that figure.
 
 The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
@@ -65,6 +67,7 @@ LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
 ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
 GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
+GRAD_BUCKET_MIB = 64.0              # train.grad_bucket_mib default: the gradient sum's staging buffer cap
 CALIBRATION_KEY = "memory_calibration"
 
 
@@ -135,9 +138,9 @@ class Workload:
     tap_layers: tuple[int, ...]
     logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS
     optimizer_shards: int = 1           # ranks the AdamW states are sharded over (1: replicated)
-    world_size: int = 1                 # ranks whose gradients are summed (1: no sum)
+    world_size: int = 1                 # ranks summing gradients (1: no gradient sum)
+    grad_bucket_mib: float = GRAD_BUCKET_MIB   # train.grad_bucket_mib
     rank_share: int = 1                 # sequences per rank per optimizer step (train.global_batch / world)
-    grad_bucket_mib: float = 64.0       # train.grad_bucket_mib: the gradient sum's bucket
     compute_dtype: str = "float32"      # train.compute_dtype: the drafter's residual stream and norms
 
     @property
@@ -165,8 +168,8 @@ class Workload:
         """Identifies the workload a calibration was measured on."""
         facts = dataclasses.asdict(self)
         facts["target"].pop("source")               # the same shape read from another path is the same workload
-        for name in ("world_size", "rank_share", "grad_bucket_mib"):    # not in a one-rank calibration's step
-            facts.pop(name)
+        for between_steps_only in ("world_size", "grad_bucket_mib", "rank_share"):   # the sum's buffer and the
+            facts.pop(between_steps_only)               # accumulated gradients: a calibrated model takes them from the estimate
         if facts["compute_dtype"] == "float32":     # the key of every workload before the setting existed
             facts.pop("compute_dtype")
         text = json.dumps(facts, sort_keys=True, default=str)
@@ -190,7 +193,7 @@ class MemoryEstimate:
     update_temporaries: float = 0.0     # during optimizer.step, on top of static
     checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
     logits_per_sequence: float = 0.0    # a loss chunk holds rows of several sequences when one has fewer
-    gradient_sum: float = 0.0           # the gradient sum's buffer over the ranks, on top of static
+    grad_sum_staging: float = 0.0       # the gradient sum's staging buffer, on top of static (dflash.train.dist)
     rank_share: int = 1                 # sequences per rank per step: below it, micro-batches accumulate
 
     @property
@@ -218,14 +221,14 @@ class MemoryEstimate:
         return self.static - self.autocast_weights - self.drafter_grads + self.checkpoint_gather
 
     @property
-    def sum_peak(self) -> float:
-        """The gradient sum: every gradient, and the sum's buffer."""
-        return self.static - self.autocast_weights + self.gradient_sum
+    def grad_sum_peak(self) -> float:
+        """The gradient sum, after backward: all gradients and the sum's one staging buffer."""
+        return self.static - self.autocast_weights + self.grad_sum_staging
 
     @property
     def between_steps(self) -> float:
         """The peak outside forward/backward: the gradient sum, the optimizer update or a checkpoint save."""
-        return max(self.sum_peak, self.update_peak, self.checkpoint_peak)
+        return max(self.update_peak, self.checkpoint_peak, self.grad_sum_peak)
 
     def accumulated_gradients(self, micro_batch: int) -> float:
         """Gradients alive in a forward/backward: those of the step's earlier micro-batches (none
@@ -273,6 +276,7 @@ class Calibration:
     device_name: str = ""
     torch_version: str = ""
     measured_at: str = ""
+    gradient_sum: str = ""          # "measured": 2+ ranks summed for real; "model": one process ("" before it was recorded)
 
     @property
     def slope_mib(self) -> float:
@@ -359,8 +363,8 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
                     max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
                     optimizer_shards=optimizer_shards(profile, world_size), world_size=world,
-                    rank_share=max(1, profile.train.global_batch // world),
-                    grad_bucket_mib=float(profile.train.grad_bucket_mib), compute_dtype=profile.train.compute_dtype)
+                    grad_bucket_mib=getattr(profile.train, "grad_bucket_mib", GRAD_BUCKET_MIB),
+                    rank_share=max(1, profile.train.global_batch // world), compute_dtype=profile.train.compute_dtype)
 
 
 # --- the analytic estimate ----------------------------------------------------------------
@@ -433,18 +437,17 @@ def estimate(workload: Workload) -> MemoryEstimate:
         tap_features=_tap_features_mib(workload),
         target_activations=_target_activations_mib(workload),
         drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
-        update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard,
-        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0,
-        gradient_sum=_gradient_sum_mib(workload, drafter), rank_share=workload.rank_share)
+        update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard, grad_sum_staging=_grad_sum_staging_mib(workload),
+        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0, rank_share=workload.rank_share)
 
 
-def _gradient_sum_mib(workload: Workload, grads_mib: float) -> float:
-    """The sum's one allocation (dflash.train.dist.GradientSum): a gradient of a bucket or more is
-    all-reduced in place in .grad; the smaller ones go through one staging buffer of min(bucket, their
-    bytes). None on one rank."""
+def _grad_sum_staging_mib(workload: Workload) -> float:
+    """The sum's staging buffer (dflash.train.dist.staging_bytes): float32 gradients below the
+    bucket are packed through one buffer of min(bucket, their bytes); larger ones are summed in
+    place. None on one rank (nothing to sum)."""
     if workload.world_size <= 1:
         return 0.0
-    bucket = workload.grad_bucket_mib * MIB
+    bucket = int(workload.grad_bucket_mib * MIB)
     packed = sum(size * DRAFTER_MASTER_BYTES for size in drafter_param_sizes(workload)
                  if size * DRAFTER_MASTER_BYTES < bucket)
     return min(bucket, packed) / MIB
@@ -611,7 +614,8 @@ def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibratio
                            workload_key=str(document["workload_key"]),
                            device_name=str(document.get("device_name", "")),
                            torch_version=str(document.get("torch_version", "")),
-                           measured_at=str(document.get("measured_at", "")))
+                           measured_at=str(document.get("measured_at", "")),
+                           gradient_sum=str(document.get("gradient_sum", "")))
     except (KeyError, TypeError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
 

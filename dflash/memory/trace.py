@@ -340,7 +340,7 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
              ("tap features", traced.tap_features, m * e.tap_features),
              ("target forward working set", traced.target_forward, m * e.target_activations),
              ("micro-batches' peak (forward/backward)", traced.step_peak, line.step_mib(m)),
-             ("gradient sum's peak", traced.sum_peak, e.sum_peak),
+             ("gradient sum's peak", traced.sum_peak, e.grad_sum_peak),
              ("optimizer update's peak", traced.update_peak, e.update_peak),
              ("at the peak: parameters", at_peak.get("Parameter", 0.0), e.target_weights + e.drafter_weights),
              ("at the peak: gradients", at_peak.get("Gradient", 0.0), e.accumulated_gradients(m)),

@@ -1,19 +1,26 @@
-"""The memory calibration of a profile, measured on one GPU (`launcher.py calibrate --profile P`).
+"""The memory calibration of a profile, measured on GPUs (`launcher.py calibrate --profile P`).
 
+A client of the trainer, so it lives with it (dflash.memory, below, never imports dflash.train).
 The worst case the memory model describes (`dflash.memory.model`): every sequence at
 `data.max_length` with a loss on every token, so each has the full `train.num_anchors` anchors.
 `worst_case_bench` writes that workload as a small Arrow dataset in a scratch directory, points
 a copy of the profile at it (`dataclasses.replace`) and builds the training state through the
 trainer's own entry point, `dflash.train.setup.build_state`: the profile's target, dtype,
-drafter, attention backend, loss chunking and optimizer. `calibrate` then runs warm-up steps at
-micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a first
-update), measures the peak allocated memory of one step at each size (`memory.measure_peaks`)
-and fits the line (`memory.fit_calibration`). Optionally the calibrated line is held against
-measured peaks at larger micro-batches (`check_micro_batches`).
+drafter, attention backend, loss chunking and optimizer. Every measured step is the trainer's
+`run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
+steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
+first update), measures the peak allocated memory of one step at each size
+(`memory.measure_peaks`) and fits the line (`memory.fit_calibration`). Optionally the calibrated
+line is held against measured peaks at larger micro-batches (`check_micro_batches`).
 
-One process, one GPU. With `train.optimizer_sharding = "zero1"` over several ranks, the
-optimizer of the measured state keeps only the parameters of the fullest rank's shard (the
-partition ZeroRedundancyOptimizer makes: largest tensor first, to the least-loaded rank), so
+Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
+(one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
+more GPUs, so the real gradient sum runs between them and its staging buffer is in the measured
+peak (`Calibration.gradient_sum = "measured"`); otherwise in one process, where the sum is the
+identity, and the sum's buffer comes from the memory model (between steps, `gradient_sum =
+"model"`). With `train.optimizer_sharding = "zero1"` over several ranks, the optimizer of the
+measured state keeps only the parameters of the fullest rank's shard at the profile's world size
+(the partition ZeroRedundancyOptimizer makes: largest tensor first, to the least-loaded rank), so
 the measurement holds what one rank of the real run holds: all weights and gradients, one shard
 of AdamW states. The calibration's workload key then carries the profile's world size, as the
 plan's does.
@@ -37,6 +44,7 @@ from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
+    from dflash.train.dist import WorkerEnv
     from dflash.train.setup import TrainState
     from dflash.train.step import StepStats
 
@@ -70,6 +78,19 @@ class CalibrationBench:
     workload: memory.Workload
     world_size: int
     optimizer_shards: int
+    ranks: int = 1                      # processes the bench runs on (2: the gradient sum is real)
+
+
+@dataclass
+class MeasuredPeaks:
+    """What the measuring process(es) found (rank 0's, or the larger of the ranks')."""
+
+    peaks_mib: dict[int, float]
+    check_peaks_mib: dict[int, float]
+    backend: str
+    flex_error: str
+    warmup_s: float
+    device_name: str
 
 
 @dataclass
@@ -110,34 +131,49 @@ def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int,
     return save_token_rows(path, [(row.tolist(), [1] * max_length) for row in ids], id_prefix="worst-case")
 
 
-def worst_case_profile(profile: Profile, dataset: Path, rows: int) -> Profile:
-    """The profile on the worst-case dataset: `rows` sequences per step at most, no feature cache.
-    Nothing that enters the workload key (shape, lengths, anchors, block, taps, chunk) changes."""
-    train = dataclasses.replace(profile.train, global_batch=rows, max_micro_batch=rows, feature_cache=False,
+def worst_case_profile(profile: Profile, dataset: Path, rows: int, ranks: int = 1) -> Profile:
+    """The profile on the worst-case dataset: `rows` sequences per rank and step at most, `ranks`
+    ranks, no feature cache. Nothing that enters the workload key (shape, lengths, anchors, block,
+    taps, chunk) changes."""
+    train = dataclasses.replace(profile.train, global_batch=rows * ranks, max_micro_batch=rows, feature_cache=False,
                                 max_steps=max(profile.train.max_steps, 1000), warmup_ratio=0.0)
-    machine = dataclasses.replace(profile.machine, nproc_per_node=1, nnodes=1)
+    machine = dataclasses.replace(profile.machine, nproc_per_node=ranks, nnodes=1)
     return dataclasses.replace(profile, machine=machine, train=train,
                                paths=dataclasses.replace(profile.paths, dataset=str(dataset)))
 
 
-def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2) -> CalibrationBench:
-    """Dataset + state through `build_state` (one rank, no OOM recovery: an OOM must surface)."""
+def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: WorkerEnv | None = None) -> CalibrationBench:
+    """Dataset + state through `build_state` (no OOM recovery: an OOM must surface). `env`: this
+    rank of a multi-rank calibration (joined to its process group), default one process."""
     from dflash.memory.plan import world_size_of
-    from dflash.train.dist import WorkerEnv
+    from dflash.train.dist import WorkerEnv, barrier
     from dflash.train.setup import build_state
 
+    env = env or WorkerEnv(0, 1, 0)
     world = world_size_of(profile)
     shape = memory.target_shape(profile)
-    for stale in (scratch / "worst-case-dataset", scratch / "run"):        # a kept scratch from an earlier run
-        shutil.rmtree(stale, ignore_errors=True)
-    dataset = write_worst_case_dataset(scratch / "worst-case-dataset", rows, profile.data.max_length, shape.vocab)
-    copy = worst_case_profile(profile, dataset, rows)
-    state = build_state(copy, scratch / "run", WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=rows)
+    dataset = scratch / "worst-case-dataset"
+    if env.is_main:
+        for stale in (dataset, scratch / "run"):        # a kept scratch from an earlier run
+            shutil.rmtree(stale, ignore_errors=True)
+        write_worst_case_dataset(dataset, rows * env.world_size, profile.data.max_length, shape.vocab)
+    barrier()
+    copy = worst_case_profile(profile, dataset, rows, env.world_size)
+    state = build_state(copy, scratch / "run", env, resume=False, planned_micro_batch=rows)
     state.autobatch = None
     shards = memory.optimizer_shards(profile, world)
     if shards > 1:
         keep_one_optimizer_shard(state, copy, shards)
-    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, shards)
+    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, shards,
+                            env.world_size)
+
+
+def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
+    """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (the real gradient sum runs
+    between them), else 1 (the sum's buffer then comes from the memory model)."""
+    from dflash.memory.plan import world_size_of
+
+    return 2 if world_size_of(profile) >= 2 and cuda_devices >= 2 else 1
 
 
 def keep_one_optimizer_shard(state: TrainState, profile: Profile, shards: int) -> int:
@@ -201,39 +237,135 @@ def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, 
     return peaks
 
 
-def fit(bench: CalibrationBench, peaks: dict[int, float]) -> memory.Calibration:
+def fit(bench: CalibrationBench, peaks: dict[int, float], device_name: str = "") -> memory.Calibration:
     import torch
 
-    return memory.fit_calibration(peaks, bench.workload, device_name=torch.cuda.get_device_name(bench.state.device),
-                                  torch_version=torch.__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return memory.fit_calibration(peaks, bench.workload, torch_version=torch.__version__,
+                                  device_name=device_name or torch.cuda.get_device_name(bench.state.device),
+                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  gradient_sum=gradient_sum_source(bench.world_size, bench.ranks))
+
+
+def gradient_sum_source(world_size: int, ranks: int) -> str:
+    """What the calibration says of the gradient sum's buffer: measured on 2+ ranks, from the
+    model in one process (of a multi-rank profile), or none (a one-rank profile has no sum)."""
+    if world_size <= 1:
+        return "none"
+    return "measured" if ranks > 1 else "model"
 
 
 def check_predictions(bench: CalibrationBench, calibration: memory.Calibration,
                       micro_batches: Sequence[int]) -> list[PredictionCheck]:
     """The calibrated line and the analytic estimate against measured peaks at `micro_batches`."""
-    calibrated = memory.peak_model(bench.workload, calibration)
-    estimated = memory.estimated_peak_model(bench.workload)
-    measured = measure(bench, micro_batches)
+    return predictions_of(bench.workload, calibration, measure(bench, micro_batches))
+
+
+def predictions_of(workload: memory.Workload, calibration: memory.Calibration,
+                   measured: dict[int, float]) -> list[PredictionCheck]:
+    calibrated = memory.peak_model(workload, calibration)
+    estimated = memory.estimated_peak_model(workload)
     return [PredictionCheck(m, peak, calibrated.peak_mib(m), estimated.peak_mib(m)) for m, peak in measured.items()]
 
 
 # --- the whole procedure ------------------------------------------------------------------
 
+def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = ()) -> MeasuredPeaks:
+    """Warm up, measure at micro-batch 1 and 2, then at the check sizes (every rank the same steps)."""
+    import torch
+
+    started = time.perf_counter()
+    flex_error = warm_up(bench)
+    warmup_s = time.perf_counter() - started
+    peaks = measure(bench, CALIBRATION_MICRO_BATCHES)
+    checks = measure(bench, check_micro_batches) if check_micro_batches else {}
+    return MeasuredPeaks(peaks, checks, bench.state.backend, flex_error, warmup_s,
+                         torch.cuda.get_device_name(bench.state.device))
+
+
 def calibrate(profile: Profile, scratch: Path | None = None,
               check_micro_batches: Sequence[int] = ()) -> CalibrationRun:
-    """Warm up, measure at micro-batch 1 and 2, fit; then, if asked, check the line at larger sizes."""
+    """Measure the worst case on 1 or 2 ranks (`calibration_ranks`), fit; check the line if asked."""
+    import torch
+
     require_cuda(profile)
     rows = max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
+    ranks = calibration_ranks(profile, torch.cuda.device_count())
     with scratch_directory(scratch) as work:
-        bench = worst_case_bench(profile, Path(work), rows)
-        started = time.perf_counter()
-        flex_error = warm_up(bench)
-        warmup_s = time.perf_counter() - started
-        peaks = measure(bench, CALIBRATION_MICRO_BATCHES)
-        calibration = fit(bench, peaks)
-        predictions = check_predictions(bench, calibration, check_micro_batches) if check_micro_batches else []
-        return CalibrationRun(calibration, bench.workload, peaks, bench.state.backend, flex_error, warmup_s,
-                              predictions)
+        if ranks == 1:
+            bench = worst_case_bench(profile, Path(work), rows)
+            measured = measure_bench(bench, check_micro_batches)
+            workload, world = bench.workload, bench.world_size
+        else:
+            from dflash.memory.plan import world_size_of
+
+            measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
+            world = world_size_of(profile)
+            workload = memory.workload_from_profile(profile, memory.target_shape(profile), world)
+    calibration = memory.fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
+                                         torch_version=torch.__version__,
+                                         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                         gradient_sum=gradient_sum_source(world, ranks))
+    return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
+                          measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
+
+
+# --- 2 ranks, one per GPU -----------------------------------------------------------------
+
+def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batches: Sequence[int],
+                     ranks: int) -> MeasuredPeaks:
+    """The bench on `ranks` processes (GPU r for rank r, the profile's backend), every step the
+    trainer's with the real gradient sum between them; each rank's peaks, the larger kept."""
+    import torch.multiprocessing as mp
+
+    from launcher_core.fileio import read_json
+
+    mp.spawn(calibration_rank, args=(ranks, free_port(), profile, str(work), rows, tuple(check_micro_batches)),
+             nprocs=ranks, join=True)
+    found = [read_json(work / f"calibration-rank-{rank}.json") for rank in range(ranks)]
+    failed = [document["error"] for document in found if "error" in document]
+    if failed:
+        raise RunFailed(failed[0])
+    return MeasuredPeaks(*(_larger_peaks([d[key] for d in found]) for key in ("peaks_mib", "check_peaks_mib")),
+                         found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"], found[0]["device_name"])
+
+
+def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
+    return {int(m): max(float(peaks[m]) for peaks in by_rank) for m in by_rank[0]}
+
+
+def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: str, rows: int,
+                     check_micro_batches: tuple[int, ...], measure_step: Any = None) -> None:
+    """One rank of a multi-rank calibration: join the group, build the bench, measure, write
+    `calibration-rank-R.json` (or the RunFailed message). `measure_step(bench)`: what to run
+    instead of the GPU measurement (returns a JSON-able dict; the CPU tests' hook)."""
+    import os
+
+    import torch.distributed as torch_dist
+
+    from dflash.train.dist import WorkerEnv, close_process_group, rank_device
+    from launcher_core.fileio import write_json_atomic
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_RANK=str(rank))
+    env = WorkerEnv.from_env()
+    device = rank_device(profile.machine.device, env)
+    torch_dist.init_process_group(profile.machine.backend, rank=rank, world_size=ranks,
+                                  device_id=device if device.type == "cuda" else None)
+    try:
+        bench = worst_case_bench(profile, Path(work), rows, env)
+        result = measure_step(bench) if measure_step else dataclasses.asdict(measure_bench(bench, check_micro_batches))
+    except RunFailed as error:              # an OOM of the worst case, said in the parent's words
+        result = {"error": str(error)}
+    write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
+    close_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def scratch_directory(scratch: Path | None) -> Any:

@@ -141,7 +141,7 @@ DEFAULT_GRAD_BUCKET_MIB = 64      # train.grad_bucket_mib: the gradient sum's bu
 MIB = 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)          # tensors do not compare as values
 class Bucket:
     """Tensors summed by one all_reduce: one large tensor in place, or small ones packed."""
 

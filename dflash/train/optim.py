@@ -30,7 +30,9 @@ def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch
     """AdamW; with train.optimizer_sharding = "zero1" on several ranks its states are sharded
     (ZeroRedundancyOptimizer: each rank updates its parameters, then broadcasts them). The caller
     sums the gradients over the ranks before `step`, so every rank holds the full gradient."""
-    settings = {"lr": profile.train.lr, "weight_decay": profile.train.weight_decay}
+    # foreach on every device: torch picks it by default on CUDA only, and the memory model and the
+    # CPU tests count its one temporary over the parameters (the update's peak) as on the GPU
+    settings = {"lr": profile.train.lr, "weight_decay": profile.train.weight_decay, "foreach": True}
     if not sharded_optimizer_wanted(profile):
         return torch.optim.AdamW(params, **settings)
     from torch.distributed.optim import ZeroRedundancyOptimizer

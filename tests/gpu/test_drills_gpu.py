@@ -53,7 +53,7 @@ def drills(workload_profile, scratch, record) -> Drills:
     import torch
 
     from dflash.memory import model as memory
-    from dflash.memory.calibration import CALIBRATION_MICRO_BATCHES, fit, measure, warm_up, worst_case_bench
+    from dflash.train.calibration import CALIBRATION_MICRO_BATCHES, fit, measure, warm_up, worst_case_bench
 
     bench = worst_case_bench(workload_profile, scratch / "drills", rows=GLOBAL_BATCH)
     record.figure(flex_error=warm_up(bench), backend=bench.state.backend)

@@ -34,7 +34,7 @@ def fixture_calibration():
 @pytest.fixture
 def calibrated_baseline(tmp_path) -> Path:
     """`baseline save --from` the recorded node, then the calibration written into it."""
-    from dflash.memory.calibration import store_calibration
+    from dflash.train.calibration import store_calibration
 
     saved = run_launcher("baseline", "save", "--profile", "rtx6000-x8", "--from", str(SNAPSHOT), baselines=tmp_path)
     assert saved.returncode == 0, saved.stderr
@@ -125,7 +125,7 @@ def test_worst_case_bench_builds_through_build_state_and_steps(tmp_path, tiny_qw
     step at micro-batch 2; zero1 over 4 ranks keeps one shard of AdamW states."""
     import dataclasses
 
-    from dflash.memory.calibration import step_at, worst_case_bench
+    from dflash.train.calibration import step_at, worst_case_bench
     from launcher_core.profile import load_profile
 
     base = load_profile("cpu-demo")
@@ -146,3 +146,74 @@ def test_worst_case_bench_builds_through_build_state_and_steps(tmp_path, tiny_qw
     assert 0 < optimized < trainable
     stats = step_at(bench, 2)
     assert stats.tokens == 96 and stats.loss > 0
+
+
+def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist():
+    from dflash.train.calibration import calibration_ranks, gradient_sum_source
+    from launcher_core.profile import load_profile
+
+    rtx, h200 = load_profile("rtx6000-x8"), load_profile("h200-x1")
+    assert [calibration_ranks(rtx, gpus) for gpus in (0, 1, 2, 8)] == [1, 1, 2, 2]
+    assert calibration_ranks(h200, 8) == 1
+    assert [gradient_sum_source(8, 2), gradient_sum_source(8, 1), gradient_sum_source(1, 1)] == \
+        ["measured", "model", "none"]
+
+
+def test_the_stored_calibration_says_where_the_sums_buffer_came_from(tmp_path):
+    import dataclasses
+
+    from dflash.memory import model as memory
+
+    calibration = dataclasses.replace(fixture_calibration(), gradient_sum="model")
+    path = memory.save_calibration(tmp_path / "baseline.json", calibration)
+    document = json.loads(path.read_text())
+    assert document["memory_calibration"]["gradient_sum"] == "model"
+    assert memory.load_calibration(document, str(path)) == calibration
+    assert fixture_calibration().gradient_sum == ""              # recorded before the field existed
+
+
+def tiny_worst_case_profile(tiny_qwen3_target, nproc: int, backend: str = "gloo"):
+    import dataclasses
+
+    from launcher_core.profile import load_profile
+
+    base = load_profile("cpu-demo")
+    return dataclasses.replace(
+        base, model=dataclasses.replace(base.model, target=str(tiny_qwen3_target), dtype="float32"),
+        machine=dataclasses.replace(base.machine, nproc_per_node=nproc, backend=backend),
+        data=dataclasses.replace(base.data, max_length=48),
+        drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=4, mask_token_id=151669, init="random",
+                                    target_layer_ids=(), draft_vocab_size=0),
+        train=dataclasses.replace(base.train, num_anchors=8, decay_gamma=3.0, optimizer_sharding="zero1",
+                                  feature_cache=False))
+
+
+def step_and_report(bench) -> dict:
+    """A calibration rank's hook on the CPU: one real step at micro-batch 2, its gradients and weights."""
+    from dflash.train.calibration import step_at
+
+    stats = step_at(bench, 2)
+    grads = [p.grad.double().norm().item() for p in bench.state.drafter.parameters() if p.grad is not None]
+    return {"loss": stats.loss, "grad_norms": grads, "ranks": bench.ranks,
+            "weights": sum(p.double().sum().item() for p in bench.state.drafter.parameters())}
+
+
+@pytest.mark.slow
+def test_on_2_ranks_the_calibration_step_is_the_trainers_with_the_real_gradient_sum(tmp_path, tiny_qwen3_target):
+    """2 gloo ranks (CPU) through the calibration's own rank entry point: the bench at world size 2,
+    both ranks on the same worst-case rows. Each rank's loss is divided by the global weight (twice
+    its own), so only the real sum gives each rank the one-process gradient; weights stay equal."""
+    import torch.multiprocessing as mp
+
+    from dflash.train.calibration import calibration_rank, free_port, worst_case_bench
+
+    profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
+    alone = step_and_report(worst_case_bench(profile, tmp_path / "one", rows=2))
+    work = tmp_path / "two"
+    work.mkdir()
+    mp.spawn(calibration_rank, args=(2, free_port(), profile, str(work), 2, (), step_and_report), nprocs=2, join=True)
+    r0, r1 = (json.loads((work / f"calibration-rank-{r}.json").read_text()) for r in (0, 1))
+    assert r0["ranks"] == r1["ranks"] == 2 and alone["ranks"] == 1
+    assert r0["grad_norms"] == pytest.approx(alone["grad_norms"], rel=1e-5)     # without the sum: half of it
+    assert r0["grad_norms"] == r1["grad_norms"] and r0["weights"] == r1["weights"]
+    assert r0["loss"] == pytest.approx(alone["loss"], rel=1e-5)
