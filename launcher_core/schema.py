@@ -147,6 +147,7 @@ class TrainSection:
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
     optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # drafter's residual stream and norms (bf16: on bf16 weight copies)
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
     grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
 

@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--avg-tokens", type=int, default=None,
                         help="average tokens per sample for that comparison (default: 2000)")
     parser.add_argument("--trace", action="store_true",
-                        help="also trace one training step on fake tensors (imports torch; about a minute or "
-                             "two per micro-batch at the flagship's shapes) and print it against the model, "
-                             "at micro-batch 1 and 2")
+                        help="also trace the trainer's own step on fake tensors at the profile's world size (imports "
+                             "torch; a few minutes per micro-batch at the flagship's shapes) and print it against "
+                             "the model, at micro-batch 1 and 2")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,14 +62,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def traced_vs_modelled(profile, micro_batches: tuple[int, ...] = (1, 2)) -> list[str]:
-    """`plan --trace`: one traced step per micro-batch (dflash.memory.trace) against the model."""
-    from dflash.memory import trace
+    """`plan --trace`: the trainer's own step (dflash.train.trace) traced per micro-batch against the model."""
+    from dflash.memory import trace as fake
+    from dflash.train import trace
 
-    traced_workload = trace.workload_for_config(profile, trace.target_config(profile))
-    lines = ["", "traced vs modelled (one step on fake tensors; the plan above uses the model):"]
+    lines = ["", "traced vs modelled (the trainer's step on fake tensors at the profile's world size; "
+                 "the plan above uses the model):"]
     for micro_batch in micro_batches:
         traced = trace.trace_step(profile, micro_batch)
-        lines += trace.format_comparison(profile.name, traced, trace.compare(traced, traced_workload))
+        workload = fake.workload_for_config(profile, fake.target_config(profile), traced.world_size)
+        lines += fake.format_comparison(profile.name, traced, fake.compare(traced, workload))
     return lines
 
 
@@ -98,13 +100,21 @@ def format_plan(plan, storage) -> list[str]:
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
-                 f"{plan.peak_model.slope_mib:.0f} x micro-batch MiB, from the {plan.peak_model.source}; "
+                 f"{plan.peak_model.slope_mib:.0f} x micro-batch MiB{_accumulation(plan)}, from the {plan.peak_model.source}; "
                  f"worst case: {plan.workload.max_length} tokens, {plan.workload.anchors} anchors x "
                  f"{plan.workload.block_size} block tokens per sequence)"]
     lines.append(_optimizer_line(plan))
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
     return lines
+
+
+def _accumulation(plan) -> str:
+    """The gradients alive from the second micro-batch of a step on (when micro-batches accumulate)."""
+    model = plan.peak_model
+    if not model.accumulation_mib or plan.batch.micro_batch >= model.rank_share:
+        return ""
+    return f" + {model.accumulation_mib:.0f} of gradients while micro-batches accumulate"
 
 
 def _optimizer_line(plan) -> str:

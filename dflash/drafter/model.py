@@ -256,6 +256,23 @@ def draft_logits_cached(drafter: DFlashDrafter, cache: Any, anchor_id: int) -> t
     return drafter.logits(drafter.norm(hidden))[0]
 
 
+class ComputeIn(nn.Module):
+    """The drafter computing on `dtype` copies of its parameters (train.compute_dtype = "bfloat16",
+    as FSDP's mixed precision with a bf16 param_dtype): the residual stream, norms, projections and
+    attention all in `dtype`; the casts are differentiable, so float32 gradients reach the float32
+    parameters, which the optimizer updates. Called like the drafter; `.module` is the drafter."""
+
+    def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.dtype = drafter, dtype
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        from torch.func import functional_call
+
+        copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters()}
+        return functional_call(self.module, copies, args)
+
+
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
                    context_features: torch.Tensor, backend: str) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the

@@ -142,6 +142,8 @@ class Workload:
     grad_bucket_mib: float = GRAD_BUCKET_MIB   # train.grad_bucket_mib
     sliding_layers: int = 0             # drafter layers with a sliding window (memory.attention_masks)
     sliding_window: int = 0
+    rank_share: int = 1                 # sequences per rank per optimizer step (train.global_batch / world)
+    compute_dtype: str = "float32"      # train.compute_dtype: the drafter's residual stream and norms
 
     @property
     def dtype_bytes(self) -> int:
@@ -168,8 +170,10 @@ class Workload:
         """Identifies the workload a calibration was measured on."""
         facts = dataclasses.asdict(self)
         facts["target"].pop("source")               # the same shape read from another path is the same workload
-        for between_steps_only in ("world_size", "grad_bucket_mib"):   # the sum's buffer: a calibrated model
-            facts.pop(between_steps_only)                              # takes between-steps from the estimate
+        for between_steps_only in ("world_size", "grad_bucket_mib", "rank_share"):   # the sum's buffer and the
+            facts.pop(between_steps_only)               # accumulated gradients: a calibrated model takes them from the estimate
+        if facts["compute_dtype"] == "float32":     # the key of every workload before the setting existed
+            facts.pop("compute_dtype")
         for key in ("sliding_layers", "sliding_window"):   # all-full drafters keep the keys they had
             if not facts[key]:
                 facts.pop(key)
@@ -195,6 +199,7 @@ class MemoryEstimate:
     checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
     logits_per_sequence: float = 0.0    # a loss chunk holds rows of several sequences when one has fewer
     grad_sum_staging: float = 0.0       # the gradient sum's staging buffer, on top of static (dflash.train.dist)
+    rank_share: int = 1                 # sequences per rank per step: below it, micro-batches accumulate
 
     @property
     def static(self) -> float:
@@ -230,6 +235,11 @@ class MemoryEstimate:
         """The peak outside forward/backward: the gradient sum, the optimizer update or a checkpoint save."""
         return max(self.update_peak, self.checkpoint_peak, self.grad_sum_peak)
 
+    def accumulated_gradients(self, micro_batch: int) -> float:
+        """Gradients alive in a forward/backward: those of the step's earlier micro-batches (none
+        when one micro-batch is the whole step: zero_grad(set_to_none=True) dropped them)."""
+        return self.drafter_grads if micro_batch < self.rank_share else 0.0
+
 
 @dataclass(frozen=True)
 class PeakModel:
@@ -239,19 +249,26 @@ class PeakModel:
     slope_mib: float
     static_mib: float
     source: str                     # "estimate" or "calibration"
-    between_steps_mib: float = 0.0  # optimizer update / checkpoint save (independent of m)
+    between_steps_mib: float = 0.0  # gradient sum / optimizer update / checkpoint save (independent of m)
+    accumulation_mib: float = 0.0   # gradients alive from earlier micro-batches when m < rank_share
+    rank_share: int = 1
+
+    def step_mib(self, micro_batch: int) -> float:
+        """The forward/backward's peak at `micro_batch` (from the second micro-batch of a step on, the
+        gradients of the earlier ones are alive)."""
+        accumulated = self.accumulation_mib if micro_batch < self.rank_share else 0.0
+        return self.intercept_mib + self.slope_mib * micro_batch + accumulated
 
     def peak_mib(self, micro_batch: int) -> float:
-        return max(self.intercept_mib + self.slope_mib * micro_batch, self.between_steps_mib)
+        return max(self.step_mib(micro_batch), self.between_steps_mib)
 
     def largest_fitting(self, budget_mib: float, ceiling: int) -> int:
         """The largest micro-batch in 0..ceiling whose peak fits the budget (0: not even one)."""
         if self.between_steps_mib > budget_mib:
             return 0
-        if self.slope_mib <= 0 or budget_mib == float("inf"):
-            return ceiling if self.intercept_mib <= budget_mib else 0
-        fitting = int((budget_mib - self.intercept_mib) // self.slope_mib)
-        return max(0, min(ceiling, fitting))
+        if budget_mib == float("inf"):
+            return ceiling
+        return max([0] + [m for m in range(1, ceiling + 1) if self.peak_mib(m) <= budget_mib])
 
 
 @dataclass(frozen=True)
@@ -343,15 +360,16 @@ def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
 def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                           world_size: int | None = None) -> Workload:
     shape = shape or target_shape(profile)
+    world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
     taps = profile.drafter.target_layer_ids or tuple(default_target_layer_ids(shape.num_layers, profile.drafter.num_layers))
     chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
                     drafter_shape=derive_shape(shape.attention_config(), profile_shape(profile.drafter)),
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
                     max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
-                    optimizer_shards=optimizer_shards(profile, world_size),
-                    world_size=world_size or profile.machine.nproc_per_node * profile.machine.nnodes,
+                    optimizer_shards=optimizer_shards(profile, world_size), world_size=world,
                     grad_bucket_mib=getattr(profile.train, "grad_bucket_mib", GRAD_BUCKET_MIB),
+                    rank_share=max(1, profile.train.global_batch // world), compute_dtype=profile.train.compute_dtype,
                     sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
                     sliding_window=profile.drafter.sliding_window)
 
@@ -427,7 +445,7 @@ def estimate(workload: Workload) -> MemoryEstimate:
         target_activations=_target_activations_mib(workload),
         drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
         update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard, grad_sum_staging=_grad_sum_staging_mib(workload),
-        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0)
+        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0, rank_share=workload.rank_share)
 
 
 def _grad_sum_staging_mib(workload: Workload) -> float:
@@ -481,7 +499,10 @@ def _drafter_activations_mib(workload: Workload) -> float:
     """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
     bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
     residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
-    (autocast casts the float32 input again for every Linear)."""
+    (autocast casts the float32 input again for every Linear). With train.compute_dtype = "bfloat16"
+    the residual stream is bf16 and every projection reads one shared bf16 input, but each RMSNorm
+    (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
+    copy and a bf16 output."""
     from dflash.memory.attention_masks import extra_block_mask_mib
 
     return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
@@ -489,38 +510,58 @@ def _drafter_activations_mib(workload: Workload) -> float:
 
 
 def _low_bytes(workload: Workload) -> int:
-    return workload.dtype_bytes if workload.autocast else FP32_BYTES
+    return workload.dtype_bytes if workload.autocast or _bf16_compute(workload) else FP32_BYTES
+
+
+def _bf16_compute(workload: Workload) -> bool:
+    return workload.compute_dtype == "bfloat16"
+
+
+def _norm_bytes(workload: Workload) -> int:
+    """One RMSNorm per element: float32 normalised + the projection's bf16 copy (float32 compute), or
+    float32 upcast + bf16 normalised + bf16 output (bf16 compute)."""
+    lo, f = _low_bytes(workload), FP32_BYTES
+    return f + lo + lo if _bf16_compute(workload) else f + lo
+
+
+def _projection_input_copies(workload: Workload, projections: int) -> int:
+    """Autocast's bf16 copies of a float32 input, one per projection reading it (none in bf16 compute)."""
+    return 0 if _bf16_compute(workload) else projections
 
 
 def _context_bytes(workload: Workload) -> int:
-    """Once: the taps' bf16 copy for fc, hidden_norm's float32 input, bf16 copy and float32 output."""
+    """Once: the taps' bf16 copy for fc (bf16 compute: fc reads the taps themselves), hidden_norm."""
     s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
-    return workload.max_length * (len(workload.tap_layers) * s.hidden * lo + s.hidden * (f + lo + f))
+    taps = len(workload.tap_layers) * s.hidden * lo * _projection_input_copies(workload, 1)
+    norm = s.hidden * (f + _norm_bytes(workload)) if not _bf16_compute(workload) else s.hidden * _norm_bytes(workload)
+    return workload.max_length * (taps + norm)
 
 
 def _layer_key_bytes(workload: Workload) -> int:
-    """Per layer over context + block keys: k/v projections' input copies, k_norm, k and v for attention
-    (the drafter's KV width)."""
+    """Per layer over context + block keys: k/v projections' input copies (bf16 compute: one shared input),
+    k_norm, k and v for attention (the drafter's KV width)."""
     s, kv_dim, lo, f = workload.target, workload.drafter_shape.kv_dim, _low_bytes(workload), FP32_BYTES
     keys = workload.max_length + workload.block_tokens
-    return keys * (2 * s.hidden * lo + kv_dim * (f + lo) + 2 * kv_dim * lo)
+    inputs = _projection_input_copies(workload, 2) or 1
+    return keys * (inputs * s.hidden * lo + kv_dim * (f + lo) + 2 * kv_dim * lo)
 
 
 def _layer_block_bytes(workload: Workload) -> int:
     """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
-    post-attention norm, the MLP's two input copies and four intermediates (the drafter's query width)."""
+    post-attention norm, the MLP's input copies and four intermediates (the drafter's query width)."""
     s, q_dim, lo, f = workload.target, workload.drafter_shape.q_dim, _low_bytes(workload), FP32_BYTES
-    norms = 2 * s.hidden * (f + lo)
-    attention = s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
-    mlp = 2 * s.hidden * lo + 4 * s.intermediate * lo
+    norms = 2 * s.hidden * _norm_bytes(workload)
+    attention = _projection_input_copies(workload, 1) * s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
+    mlp = _projection_input_copies(workload, 2) * s.hidden * lo + 4 * s.intermediate * lo
     return workload.block_tokens * (norms + attention + mlp)
 
 
 def _final_bytes(workload: Workload) -> int:
-    """The final norm (float32 input, bf16 copy) and the loss's float32 copy of the labelled rows."""
-    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    """The final norm and the loss's copy of the labelled rows (float32; bf16 in bf16 compute)."""
+    s, f = workload.target, FP32_BYTES
     rows = workload.anchors * (workload.block_size - 1)
-    return workload.block_tokens * s.hidden * (f + lo) + rows * s.hidden * f
+    row_bytes = _low_bytes(workload) if _bf16_compute(workload) else f
+    return workload.block_tokens * s.hidden * _norm_bytes(workload) + rows * s.hidden * row_bytes
 
 
 # --- peak model and calibration -----------------------------------------------------------
@@ -528,7 +569,8 @@ def _final_bytes(workload: Workload) -> int:
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
     return PeakModel(intercept_mib=figures.step_static + figures.logits_chunk, slope_mib=figures.per_sequence,
-                     static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps)
+                     static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps,
+                     accumulation_mib=figures.drafter_grads, rank_share=figures.rank_share)
 
 
 def peak_model(workload: Workload, calibration: Calibration | None = None) -> PeakModel:

@@ -40,9 +40,9 @@ Heavy imports happen inside the functions: `launcher.py plan` without `--trace` 
 """
 from __future__ import annotations
 
-import time
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from dflash.memory import model as memory
 from launcher_core.schema import Profile
@@ -65,23 +65,25 @@ CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate
 
 @dataclass(frozen=True)
 class TracedStep:
-    """What one traced step allocated, in MiB (one rank)."""
+    """What one traced step (dflash.train.trace) allocated, in MiB (one rank)."""
 
     micro_batch: int
     target_weights: float
     drafter_weights: float
     drafter_grads: float
     optimizer_states: float
-    tap_features: float             # the captured taps of the micro-batch, kept for the drafter
+    tap_features: float             # the captured taps of one micro-batch
     target_forward: float           # the target forward's peak above what was live before it, minus the taps
-    drafter_forward: float          # live after the drafter forward + loss, minus what was live before it
-    step_peak: float                # peak of taps + drafter forward + backward
-    update_peak: float              # peak of gradient clipping + optimizer.step
+    target_peak: float              # the target forward, with the step's state and gradients alive
+    step_peak: float                # peak of the micro-batches' forward/backward (the second one: gradients alive)
+    sum_peak: float                 # peak of the gradient sum over the ranks
+    update_peak: float              # peak of clipping + optimizer.step
     peak: float
     peak_categories: dict[str, float] = field(default_factory=dict)
     target_layers_run: int = 0
     target_layers_loaded: int = 0
     seconds: float = 0.0
+    world_size: int = 1
     attention: str = "sdpa"
 
 
@@ -194,7 +196,17 @@ def phase_tracker() -> Any:
     class PhaseTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
-            self.phase, self.phase_peaks = "setup", {}
+            self._phase, self.phase_peaks = "setup", {}
+
+        @property
+        def phase(self) -> str:
+            return self._phase
+
+        @phase.setter
+        def phase(self, name: str) -> None:
+            # a phase that allocates nothing (the gradient sum on one rank) peaks at what is live when it starts
+            self._phase = name
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, -1), self.live_bytes())
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             super()._update_peak_stats(peak_state)
@@ -202,21 +214,31 @@ def phase_tracker() -> Any:
             if live > self.phase_peaks.get(self.phase, -1):
                 self.phase_peaks[self.phase] = live
 
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # a module called again at the top level (the drafter's next micro-batch, the lm_head's next loss
+            # chunk) starts its per-module stats afresh; the global figures (all the trace reads) go on
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                    set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             # grad hooks only where every parameter trains: frozen ones (the target) cannot take hooks
-            trainable = all(p.requires_grad for p in module.parameters())
+            # (and on leaves: under train.compute_dtype = "bfloat16" the drafter runs on cast copies)
+            trainable = all(p.requires_grad and p.is_leaf for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)
 
         def live_bytes(self) -> int:
             return sum(snap["Total"] for snap in self._curr_mem_snap.values())
 
         def live_by_category(self) -> dict[str, int]:
-            return _by_category(self._curr_mem_snap)
+            return by_category(self._curr_mem_snap)
 
     return PhaseTracker()
 
 
-def _by_category(snapshot: dict) -> dict[str, int]:
+def by_category(snapshot: dict) -> dict[str, int]:
     totals = dict.fromkeys(CATEGORIES, 0)
     for device_snap in snapshot.values():
         for key, value in device_snap.items():
@@ -226,156 +248,54 @@ def _by_category(snapshot: dict) -> dict[str, int]:
     return totals
 
 
-# --- one step -----------------------------------------------------------------------------
+# --- flex's memory on CPU ------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class StepInputs:
-    """A worst-case micro-batch: full-length sequences, every anchor valid, every label counted."""
+class FlexMemoryAttention:
+    """The trainer's block attention with flex's memory, for the trace: flex_attention has no
+    backward on CPU, so the drafter attends through SDPA over the layout's mask, made here before
+    tracking (flex's BlockMask is a few KiB) as an additive mask in the attention's dtype (a boolean
+    one would be converted, and saved, inside every call), query heads grouped per KV head instead of
+    K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not).
+    `installed()` puts it in place of `dflash.drafter.model.make_attend` (what `forward_blocks` calls)."""
 
-    input_ids: Any
-    anchors: Any
-    labels: Any
-    weights: Any
+    def __init__(self, drafter: Any, anchors_by_size: dict[int, Any], context_len: int, bf16: bool):
+        import torch
 
+        from dflash.drafter.attention import BlockLayout
 
-def worst_case_inputs(workload: memory.Workload, micro_batch: int, vocab: int) -> StepInputs:
-    import torch
+        self.groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        self.masks = {}
+        for size, anchors in anchors_by_size.items():
+            visible = BlockLayout(anchors, context_len, drafter.block_size).dense_mask().repeat(1, 1, self.groups, 1)
+            self.masks[size] = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
-    seq, anchors = workload.max_length, workload.anchors
-    positions = torch.linspace(0, seq - workload.block_size - 1, anchors).long()
-    rows = micro_batch * anchors * (workload.block_size - 1)
-    return StepInputs(input_ids=torch.randint(0, vocab, (micro_batch, seq)),
-                      anchors=positions.expand(micro_batch, -1).contiguous(),
-                      labels=torch.randint(0, vocab, (rows,)), weights=torch.ones(rows))
+    def make_attend(self, layout: Any, backend: str) -> Any:
+        import torch.nn.functional as F
 
+        mask, groups = self.masks[layout.anchors.shape[0]], self.groups
 
-def drafter_for(target: Any, workload: memory.Workload, profile: Profile, mask_token_id: int = 0) -> Any:
-    """The profile's drafter (float32 parameters, its own attention shape from the profile, derived
-    from the target config where 0: as the trainer builds it), attached to the target."""
-    import torch
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            batch, heads, queries, dim = q.shape
+            grouped = q.reshape(batch, k.shape[1], groups * queries, dim)
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+            return out.reshape(batch, heads, queries, dim)
 
-    from dflash.drafter.model import DFlashDrafter, drafter_config
-    from dflash.drafter.shape import profile_shape
+        return attend
 
-    config = drafter_config(target.config, num_layers=workload.drafter_layers, block_size=workload.block_size,
-                            target_layer_ids=list(workload.tap_layers), mask_token_id=mask_token_id,
-                            shape=profile_shape(profile.drafter))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)          # fake tensors cannot be converted after construction
-    try:
-        return DFlashDrafter(config).attach_target(target)
-    finally:
-        torch.set_default_dtype(previous)
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from dflash.drafter import model as drafter_model
 
-
-def sharded_optimizer(drafter: Any, workload: memory.Workload) -> Any:
-    """AdamW (foreach, as on CUDA) over this rank's shard, its states allocated as after a first step."""
-    import torch
-
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    shard = memory.fullest_zero1_shard(params, workload.optimizer_shards) if workload.optimizer_shards > 1 else params
-    optimizer = torch.optim.AdamW(shard, lr=1e-4, foreach=True)
-    for param in shard:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return optimizer
+        original = drafter_model.make_attend
+        drafter_model.make_attend = self.make_attend
+        try:
+            yield
+        finally:
+            drafter_model.make_attend = original
 
 
-def trace_attend(workload: memory.Workload, drafter: Any, anchors: Any, dtype: Any) -> Any:
-    """The block attention with flex's memory: SDPA over the layout's mask, made here (outside the
-    tracker: flex's BlockMask is a few KiB) as an additive mask in the attention's `dtype` (a boolean
-    one would be converted, and saved, inside every call), query heads grouped per KV head instead
-    of K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not).
-    The groups are those of the built drafter's attention (`drafter.config`), not the model's."""
-    import torch
-    import torch.nn.functional as F
-
-    from dflash.drafter.attention import BlockLayout
-
-    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
-    visible = BlockLayout(anchors, workload.max_length, workload.block_size).dense_mask().repeat(1, 1, groups, 1)
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
-
-    def attend(q: Any, k: Any, v: Any) -> Any:
-        batch, heads, queries, dim = q.shape
-        grouped = q.reshape(batch, k.shape[1], groups * queries, dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
-        return out.reshape(batch, heads, queries, dim)
-
-    return attend
-
-
-def drafter_hidden(drafter: Any, inputs: StepInputs, features: Any, attend: Any) -> Any:
-    """`forward_blocks` with a prepared attend: every block of every sequence -> [b, N, B, H]."""
-    import torch
-
-    from dflash.drafter.attention import BlockLayout
-
-    layout = BlockLayout(inputs.anchors, inputs.input_ids.shape[1], drafter.block_size)
-    block_ids = drafter.block_input_ids(torch.gather(inputs.input_ids, 1, inputs.anchors)).flatten(1)
-    hidden = drafter(block_ids, features, layout.key_positions(), attend)
-    return hidden.view(*inputs.anchors.shape, drafter.block_size, -1)
-
-
-def loss_of(drafter: Any, hidden: Any, inputs: StepInputs, chunk_rows: int) -> Any:
-    """`block_loss` over every label: rows of slots 1..B-1, the kept copy, the chunked CE."""
-    return _loss_module(drafter, inputs, chunk_rows)(hidden)
-
-
-def _loss_module(drafter: Any, inputs: StepInputs, chunk_rows: int) -> Any:
-    """The loss as one module: MemTracker takes a second top-level call of a module (the lm_head,
-    once per loss chunk) for a second iteration; inside a parent module it is a reuse."""
-    import torch
-
-    from dflash.drafter.loss import _chunked_ce
-
-    class ChunkedLoss(torch.nn.Module):
-        def forward(self, hidden: Any) -> Any:
-            rows = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
-            rows = rows.index_select(0, torch.arange(rows.shape[0]))      # block_loss's rows[keep], all kept
-            weighted_ce, _ = _chunked_ce(rows, inputs.labels, inputs.weights, drafter.logits, chunk_rows)
-            return weighted_ce + 0.0 * hidden.sum()
-
-    return ChunkedLoss()
-
-
-def autocast_wanted(profile: Profile) -> bool:
-    """The trainer's rule: bf16 autocast on CUDA ("auto"), anywhere with train.autocast = "bfloat16"."""
-    setting = profile.train.autocast
-    return setting == "bfloat16" or (setting == "auto" and profile.machine.device == "cuda")
-
-
-@dataclass
-class _Model:
-    """What one traced step runs on (all fake)."""
-
-    target: Any
-    drafter: Any
-    optimizer: Any
-    inputs: StepInputs
-    attend: Any
-
-
-def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_target: bool = False) -> TracedStep:
-    """One training step of `profile` at `micro_batch` sequences, traced on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    started = time.perf_counter()
-    config = config if config is not None else target_config(profile)
-    workload = workload_for_config(profile, config)
-    with FakeTensorMode():
-        parts = _build(config, workload, profile, micro_batch)
-        tracker = phase_tracker()
-        tracker.track_external(parts.target, parts.drafter, parts.optimizer)
-        with tracker:
-            figures = _run_step(tracker, parts, workload, profile, full_target)
-    peak = _by_category(tracker.get_tracker_snapshot("peak"))
-    return TracedStep(micro_batch=micro_batch, peak_categories={k: v / MIB for k, v in peak.items() if v},
-                      seconds=time.perf_counter() - started, **figures)
-
-
-def workload_for_config(profile: Profile, config: Any) -> memory.Workload:
+def workload_for_config(profile: Profile, config: Any, world_size: int | None = None) -> memory.Workload:
     """The memory model's workload of `profile` with the target shape of `config`; the profile's own
     shape (and its parameter count) when the dimensions are the same."""
     import dataclasses
@@ -384,83 +304,7 @@ def workload_for_config(profile: Profile, config: Any) -> memory.Workload:
     known = memory.target_shape(profile)
     if dataclasses.replace(shape, param_count=known.param_count, source=known.source) == known:
         shape = known
-    return memory.workload_from_profile(profile, shape)
-
-
-def _build(config: Any, workload: memory.Workload, profile: Profile, micro_batch: int) -> _Model:
-    import torch
-
-    autocast = autocast_wanted(profile)
-    target = build_target(truncated_config(config, workload.loaded_target_layers), getattr(torch, workload.dtype))
-    drafter = drafter_for(target, workload, profile)
-    inputs = worst_case_inputs(workload, micro_batch, config.vocab_size)
-    attention_dtype = torch.bfloat16 if autocast else torch.float32
-    return _Model(target=target, drafter=drafter, optimizer=sharded_optimizer(drafter, workload), inputs=inputs,
-                  attend=trace_attend(workload, drafter, inputs.anchors, attention_dtype))
-
-
-def _run_step(tracker: Any, parts: _Model, workload: memory.Workload, profile: Profile,
-              full_target: bool) -> dict[str, Any]:
-    import torch
-
-    tracker.phase = "target"
-    before = tracker.live_bytes()
-    features, layers_run = _target_taps(parts.target, parts.inputs, workload, full_target)
-    after_target = tracker.live_bytes()
-    tracker.phase = "drafter"
-    loss = _drafter_loss(parts, features, workload, autocast_wanted(profile))
-    after_forward = tracker.live_bytes()
-    tracker.phase = "backward"
-    loss.backward()
-    tap_bytes = features.numel() * features.element_size()
-    del loss, features
-    grads = tracker.live_by_category()["Gradient"]
-    tracker.phase = "update"
-    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0, foreach=True)
-    parts.optimizer.step()
-    phases = tracker.phase_peaks
-    return {"target_weights": _bytes(parts.target.parameters()) / MIB,
-            "drafter_weights": _bytes(p for p in parts.drafter.parameters() if p.requires_grad) / MIB,
-            "drafter_grads": grads / MIB, "optimizer_states": tracker.live_by_category()["Optstate"] / MIB,
-            "tap_features": tap_bytes / MIB, "target_forward": (phases["target"] - before - tap_bytes) / MIB,
-            "drafter_forward": (after_forward - after_target) / MIB,
-            "step_peak": max(phases[p] for p in ("target", "drafter", "backward")) / MIB,
-            "update_peak": phases["update"] / MIB, "peak": max(phases.values()) / MIB,
-            "target_layers_run": layers_run, "target_layers_loaded": workload.loaded_target_layers}
-
-
-def _drafter_loss(parts: _Model, features: Any, workload: memory.Workload, autocast: bool) -> Any:
-    """forward_micro's drafter part: only the loss outlives it (the hidden states die with it)."""
-    with _autocast(autocast):
-        hidden = drafter_hidden(parts.drafter, parts.inputs, features, parts.attend)
-        return loss_of(parts.drafter, hidden, parts.inputs, workload.logits_chunk_tokens)
-
-
-def _target_taps(target: Any, inputs: StepInputs, workload: memory.Workload, full_target: bool) -> tuple[Any, int]:
-    """extract_taps over every loaded layer, or over the layers that decide the forward's peak."""
-    import contextlib
-
-    from dflash.drafter.taps import extract_taps
-
-    taps = list(workload.tap_layers)
-    indices = (list(range(workload.loaded_target_layers)) if full_target
-               else peak_deciding_layers(layer_types(target), taps))
-    subset = contextlib.nullcontext() if full_target else LayerSubset(target, indices)
-    with subset:
-        features = extract_taps(target, inputs.input_ids, [indices.index(k) for k in taps])
-    return features, len(indices)
-
-
-def _autocast(enabled: bool) -> Any:
-    import contextlib
-
-    import torch
-
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def _bytes(params: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+    return memory.workload_from_profile(profile, shape, world_size)
 
 
 # --- traced vs modelled -------------------------------------------------------------------
@@ -480,26 +324,37 @@ class ComparedFigure:
 
 
 def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigure]:
-    """Each traced figure next to the analytic model's figure for the same thing."""
+    """Each traced figure next to the analytic model's figure for the same thing: the static parts,
+    the step's moments (forward/backward, gradient sum, update) and, at the traced peak, each
+    category (parameters, gradients, optimizer states, activations with the loss's temporaries)."""
     e, m = memory.estimate(workload), traced.micro_batch
     line = memory.estimated_peak_model(workload)
+    at_peak = traced.peak_categories
+    working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Other", "Buffer"))
+    modelled_working = line.peak_mib(m) - e.target_weights - e.drafter_weights - e.optimizer_states - \
+        e.accumulated_gradients(m)
     pairs = [("target weights", traced.target_weights, e.target_weights),
              ("drafter weights (fp32)", traced.drafter_weights, e.drafter_weights),
              ("drafter gradients", traced.drafter_grads, e.drafter_grads),
              ("AdamW states (this rank)", traced.optimizer_states, e.optimizer_states),
              ("tap features", traced.tap_features, m * e.tap_features),
              ("target forward working set", traced.target_forward, m * e.target_activations),
-             ("drafter forward (+ autocast copies)", traced.drafter_forward, e.autocast_weights + m * e.drafter_activations),
-             ("step peak (forward/backward)", traced.step_peak, line.intercept_mib + line.slope_mib * m),
-             ("optimizer update peak", traced.update_peak, e.update_peak),
+             ("micro-batches' peak (forward/backward)", traced.step_peak, line.step_mib(m)),
+             ("gradient sum's peak", traced.sum_peak, e.grad_sum_peak),
+             ("optimizer update's peak", traced.update_peak, e.update_peak),
+             ("at the peak: parameters", at_peak.get("Parameter", 0.0), e.target_weights + e.drafter_weights),
+             ("at the peak: gradients", at_peak.get("Gradient", 0.0), e.accumulated_gradients(m)),
+             ("at the peak: optimizer states", at_peak.get("Optstate", 0.0), e.optimizer_states),
+             ("at the peak: activations + loss", working, modelled_working),
              ("peak", traced.peak, line.peak_mib(m))]
     return [ComparedFigure(name, traced_mib, modelled) for name, traced_mib, modelled in pairs]
 
 
 def format_comparison(profile_name: str, traced: TracedStep, figures: list[ComparedFigure]) -> list[str]:
     width = max(len(f.name) for f in figures)
-    lines = [f"{profile_name}, micro-batch {traced.micro_batch}: traced in {traced.seconds:.0f} s "
-             f"(target: {traced.target_layers_run} of {traced.target_layers_loaded} loaded layers run; "
+    lines = [f"{profile_name}, micro-batch {traced.micro_batch}, rank of {traced.world_size} (fake process group): "
+             f"traced in {traced.seconds:.0f} s (target: {traced.target_layers_run} of {traced.target_layers_loaded} "
+             f"loaded layers run; "
              f"drafter attention: {traced.attention} with flex's memory)",
              f"  {'component':<{width}}  {'traced MiB':>11}  {'model MiB':>11}  {'model vs trace':>14}"]
     lines += [f"  {f.name:<{width}}  {f.traced:>11,.0f}  {f.modelled:>11,.0f}  {100 * f.error:>+13.1f}%" for f in figures]

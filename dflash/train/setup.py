@@ -43,6 +43,7 @@ class TrainState:
     step: int = 0
     micro_batch: int = 1
     autocast: str = "auto"
+    compute_dtype: str = "float32"                  # train.compute_dtype (the drafter's forward)
     autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
     feature_cache: FeatureCache | None = None       # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
@@ -124,28 +125,36 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
                 planned_micro_batch: int | None = None) -> TrainState:
     """The rank's whole training state. The micro-batch starts from `planned_micro_batch` (the
     memory plan's), else train.max_micro_batch; the ranks then agree on the smallest."""
-    from dflash.drafter.decay import default_gamma
-    from dflash.drafter.loss import decay_weights
-
     device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
     data = TrainData(dataset_path(profile), profile, env)
-    target = load_rank_target(profile, device)
-    num_target_layers = target.config.num_hidden_layers
-    layer_ids = resolve_layer_ids(profile, num_target_layers)
-    vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None
-    drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab).to(device)
-    target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
-    gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
-    state = assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
+    state = state_from_target(profile, env, device, load_rank_target(profile, device), data)
     if profile.train.feature_cache:
-        state.feature_cache = start_feature_cache(profile, run_dir, data, layer_ids)
+        state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)
-    broadcast_module(drafter, bucket_mib=state.grad_bucket_mib)      # every rank starts from rank 0's weights
+    broadcast_module(state.drafter, bucket_mib=state.grad_bucket_mib)      # every rank starts from rank 0's weights
     state.autobatch = start_autobatch(state, run_dir)
     state.micro_batch = state.autobatch.micro_batch
     return state
+
+
+def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, data: Any) -> TrainState:
+    """The state around a loaded target: tap layers, draft vocabulary, the drafter (target init),
+    the truncated target, loss decay, optimizer and schedule. `build_state` calls it with the real
+    target and dataset; the memory trace (dflash.train.trace) with fake ones."""
+    from dflash.drafter.decay import default_gamma
+    from dflash.drafter.loss import decay_weights
+
+    num_target_layers = target.config.num_hidden_layers
+    layer_ids = resolve_layer_ids(profile, num_target_layers)
+    vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None
+    drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab)
+    if next(drafter.parameters()).device != device:     # (a no-op move would fail on the trace's fake tensors)
+        drafter = drafter.to(device)
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
+    gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
+    return assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
 
 
 def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> list[int]:
@@ -189,7 +198,7 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
                       micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast,
-                      grad_bucket_mib=profile.train.grad_bucket_mib)
+                      grad_bucket_mib=profile.train.grad_bucket_mib, compute_dtype=profile.train.compute_dtype)
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:

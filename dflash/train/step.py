@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -62,18 +62,32 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     else:
         features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
     with autocast_context(state.device, state.autocast):
-        hidden = forward_blocks(state.drafter, batch.input_ids, batch.anchors, features, state.backend)
+        hidden = forward_blocks(compute_model(state), batch.input_ids, batch.anchors, features, state.backend)
         parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
                            state.chunk_rows)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
 
 
+def compute_model(state: TrainState) -> torch.nn.Module:
+    """What the forward calls: the drafter (or its wrapper), or with train.compute_dtype = "bfloat16"
+    the drafter on bf16 copies of its parameters (dflash.drafter.model.ComputeIn)."""
+    if state.compute_dtype == "float32":
+        return state.drafter
+    from dflash.drafter.model import ComputeIn
+
+    return ComputeIn(state.drafter, getattr(torch, state.compute_dtype))
+
+
 def autocast_context(device: torch.device, setting: str = "auto") -> Any:
     """The drafter's forward: bf16 autocast on CUDA ("auto"), on CPU only with train.autocast = "bfloat16"."""
-    if setting == "bfloat16" or (setting == "auto" and device.type == "cuda"):
+    if autocast_wanted(device.type, setting):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def autocast_wanted(device_type: str, setting: str = "auto") -> bool:
+    return setting == "bfloat16" or (setting == "auto" and device_type == "cuda")
 
 
 def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
@@ -90,18 +104,40 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     totals: dict[str, Any] = {}
 
     def accumulate(micro_batch: int) -> None:
-        state.optimizer.zero_grad(set_to_none=True)
-        batches = [state.data.collate(rows[i:i + micro_batch], epoch) for i in range(0, len(rows), micro_batch)]
-        totals["sums"], totals["tokens"] = accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
+        totals["sums"], totals["tokens"] = accumulate_step(state, rows, epoch, micro_batch, global_weight)
 
     if state.autobatch is not None:
         state.micro_batch = state.autobatch.run_step(state.step + 1, accumulate, state.optimizer,
                                                      lambda: update(state)).micro_batch
     else:
-        accumulate(plan.micro_batch)
-        dist.sync_gradients(state.drafter.parameters(), bucket_mib=state.grad_bucket_mib)
-        update(state)
+        totals["sums"], totals["tokens"] = plain_step(state, rows, epoch, plan.micro_batch, global_weight)
     return step_stats(state, totals["sums"], totals["tokens"], time.perf_counter() - started)
+
+
+def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int, global_weight: float,
+               mark: Callable[[str], None] = lambda phase: None) -> tuple[torch.Tensor, int]:
+    """The step without AutoBatch: micro-batches, gradient sum, update. `mark` names each phase as
+    it starts (the memory trace, dflash.train.trace, keeps a peak per phase)."""
+    mark("micro-batches")
+    sums = accumulate_step(state, rows, epoch, micro_batch, global_weight)
+    mark("gradient sum")
+    sum_gradients(state)
+    mark("update")
+    update(state)
+    return sums
+
+
+def accumulate_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int,
+                    global_weight: float) -> tuple[torch.Tensor, int]:
+    """Fresh gradients from every micro-batch of `rows` -> (loss sums, tokens)."""
+    state.optimizer.zero_grad(set_to_none=True)
+    batches = [state.data.collate(rows[i:i + micro_batch], epoch) for i in range(0, len(rows), micro_batch)]
+    return accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
+
+
+def sum_gradients(state: TrainState) -> None:
+    """The gradient sum over the ranks (identity on one process)."""
+    dist.sync_gradients(state.drafter.parameters(), bucket_mib=state.grad_bucket_mib)
 
 
 def update(state: TrainState) -> None:

@@ -1,5 +1,6 @@
-"""The traced step (dflash.memory.trace): exact byte counts, the shortened target forward, and the
-analytic model held to the trace on a small Qwen3.5-shaped workload."""
+"""The traced step (dflash.train.trace): the trainer's own state and step on fake tensors under the
+fake process group, its exact byte counts, a buffer added to the trainer's step showing in it, the
+shortened target forward, and the analytic model held to the trace on small Qwen3.5-shaped workloads."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,8 @@ import dataclasses
 import pytest
 
 from dflash.memory import model as memory
-from dflash.memory import trace
+from dflash.memory import trace as fake
+from dflash.train import trace
 from launcher_core.profile import load_profile
 
 # Qwen3.6-27B's proportions at 1/32 of its width: q 1.2 x hidden, MLP 3.4 x, GQA 6:1, 12 layers.
@@ -16,16 +18,22 @@ SMALL = dict(hidden_size=160, intermediate_size=544, num_hidden_layers=12, num_a
              linear_num_value_heads=12, linear_key_head_dim=16, linear_value_head_dim=16)
 # The drafter's own attention, as rtx6000-x8's 32 x 128 / 8 KV is its own beside the target's 24 x 256 / 4:
 # query width, KV width, head dim and query groups all differ from the small target's (192, 32, 32, 6).
-SMALL_DRAFTER = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+SMALL_DRAFTER = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, mask_token_id=4000)
+# Smaller still, for the tests that only need a real step to run: 8 target layers, 2 draft layers.
+TINY = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8}
 
 
-def small_profile(max_length: int = 512, anchors: int = 32):
-    """rtx6000-x8 (zero1 over 8 ranks, bf16 autocast) at a CPU-sized sequence, its drafter's own
-    attention shape scaled down with the target (SMALL_DRAFTER)."""
-    profile = load_profile("rtx6000-x8")
+def small_profile(max_length: int = 512, anchors: int = 32, name: str = "rtx6000-x8", **drafter):
+    """A GPU profile (rtx6000-x8: zero1 over 8 ranks, bf16 autocast) at a CPU-sized sequence, its
+    drafter's own attention shape scaled down with the target (SMALL_DRAFTER)."""
+    profile = load_profile(name)
     return dataclasses.replace(profile, data=dataclasses.replace(profile.data, max_length=max_length),
                                train=dataclasses.replace(profile.train, num_anchors=anchors),
-                               drafter=dataclasses.replace(profile.drafter, **SMALL_DRAFTER))
+                               drafter=dataclasses.replace(profile.drafter, **{**SMALL_DRAFTER, **drafter}))
+
+
+def tiny_profile():
+    return small_profile(max_length=64, anchors=4, num_layers=2, target_layer_ids=(1, 5))
 
 
 def assert_drafter_has_its_own_shape(workload: memory.Workload) -> None:
@@ -35,7 +43,7 @@ def assert_drafter_has_its_own_shape(workload: memory.Workload) -> None:
     assert (own.q_dim, own.kv_dim, own.head_dim) != (target.q_dim, target.kv_dim, target.head_dim)
 
 
-def small_workload(profile, config) -> memory.Workload:
+def exact_workload(profile, config, world_size: int) -> memory.Workload:
     """The model's workload with the small target's exact parameter count (hybrid layers)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -43,13 +51,13 @@ def small_workload(profile, config) -> memory.Workload:
     with torch.device("meta"):
         count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     shape = memory.shape_from_config(config.to_dict(), "small Qwen3.5", param_count=count)
-    return memory.workload_from_profile(profile, shape)
+    return memory.workload_from_profile(profile, shape, world_size)
 
 
 def test_peak_deciding_layers_keep_taps_and_the_last_layer_of_each_type_with_its_input():
-    types = trace.hybrid_layer_types(64, 4)
+    types = fake.hybrid_layer_types(64, 4)
     assert types[:4] == ["linear_attention"] * 3 + ["full_attention"]
-    layers = trace.peak_deciding_layers(types, [1, 16, 31, 46, 61])
+    layers = fake.peak_deciding_layers(types, [1, 16, 31, 46, 61])
     assert layers == [1, 16, 31, 46, 58, 59, 60, 61]      # full: 59 (input 58); linear: 61 (input 60)
 
 
@@ -62,46 +70,101 @@ def test_fullest_zero1_shard_is_the_fullest_rank_of_the_greedy_partition():
     assert sum(p.numel() for p in shard) == max(memory.zero_shard_sizes([10, 7, 5, 4, 1], 2))
 
 
+def test_the_traced_state_is_the_trainers_at_the_profiles_world_size():
+    """state_from_target under the fake process group: ZeroRedundancyOptimizer over 8 ranks holding
+    the fullest shard's parameters, the trainer's decay and tap layers, the truncated target."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    config, profile = fake.qwen36_27b_config(**TINY), tiny_profile()
+    workload = fake.workload_for_config(profile, config, 8)
+    data = trace.WorstCaseData(profile, config.vocab_size)
+    with trace.fake_process_group(8, trace.traced_rank(profile, workload)), FakeTensorMode(allow_non_fake_inputs=True):
+        state = trace.traced_state(profile, config, data, 8)
+        assert isinstance(state.optimizer, ZeroRedundancyOptimizer) and state.optimizer.world_size == 8
+        owned = sum(p.numel() for p in state.optimizer.optim.param_groups[0]["params"])
+        assert owned == memory.largest_shard_params(workload)
+        assert state.layer_ids == [1, 5] and len(state.target.model.layers) == 6
+        assert state.autocast == "bfloat16"                 # a CUDA profile: the trainer's bf16 autocast rule
+
+
 def test_trace_counts_the_exact_bytes_of_weights_gradients_and_optimizer_shard():
-    config = trace.qwen36_27b_config(**SMALL)
-    profile = small_profile(max_length=128, anchors=8)
-    workload = trace.workload_for_config(profile, config)
-    assert_drafter_has_its_own_shape(workload)
+    config, profile = fake.qwen36_27b_config(**TINY), tiny_profile()
+    workload = exact_workload(profile, config, 8)
     traced = trace.trace_step(profile, 1, config=config)
+    assert traced.world_size == 8
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        truncated = AutoModelForCausalLM.from_config(trace.truncated_config(config, workload.loaded_target_layers))
-    target_bytes = 2 * sum(p.numel() for p in truncated.parameters())               # bf16
-    assert traced.target_weights * memory.MIB == target_bytes
+        truncated = AutoModelForCausalLM.from_config(fake.truncated_config(config, workload.loaded_target_layers))
+    assert traced.target_weights * memory.MIB == 2 * sum(p.numel() for p in truncated.parameters())   # bf16
     assert traced.drafter_weights * memory.MIB == 4 * memory.drafter_params(workload)
     assert traced.drafter_grads == traced.drafter_weights
     states = 2 * 4 * memory.largest_shard_params(workload) / memory.MIB               # exp_avg, exp_avg_sq
     assert states <= traced.optimizer_states <= states + 4 * 64 / memory.MIB            # + a float32 step per tensor
-    assert traced.tap_features * memory.MIB == 2 * 128 * len(workload.tap_layers) * SMALL["hidden_size"]
-    assert traced.peak >= traced.step_peak > traced.target_weights + traced.drafter_weights
+    assert traced.tap_features * memory.MIB == 2 * 64 * len(workload.tap_layers) * TINY["hidden_size"]
+    assert traced.peak_categories["Gradient"] == traced.drafter_grads    # the second micro-batch: gradients alive
+    static = traced.target_weights + traced.drafter_weights + traced.drafter_grads + traced.optimizer_states
+    assert traced.sum_peak - static == pytest.approx(memory.estimate(workload).grad_sum_staging, rel=0.05)  # the sum's buffer
+
+
+def test_a_buffer_added_to_the_trainers_step_appears_in_the_trace(monkeypatch):
+    """The trace runs the trainer's functions, not a copy: a buffer held inside the real
+    `accumulate_micro_batches` raises the micro-batches' peak, one inside `update` the update's."""
+    import torch
+
+    from dflash.train import step
+
+    config, profile = fake.qwen36_27b_config(**TINY), tiny_profile()
+    before = trace.trace_step(profile, 1, config=config)
+    forward_extra, update_extra = 3 * memory.MIB, 5 * memory.MIB
+    real_accumulate, real_update = step.accumulate_micro_batches, step.update
+
+    def accumulate_holding(*args, **kwargs):
+        held = torch.empty(forward_extra, dtype=torch.uint8)
+        result = real_accumulate(*args, **kwargs)
+        del held
+        return result
+
+    def update_holding(state):
+        held = torch.empty(update_extra, dtype=torch.uint8)
+        real_update(state)
+        del held
+
+    monkeypatch.setattr(step, "accumulate_micro_batches", accumulate_holding)
+    monkeypatch.setattr(step, "update", update_holding)
+    after = trace.trace_step(profile, 1, config=config)
+    assert after.step_peak - before.step_peak == pytest.approx(forward_extra / memory.MIB, abs=1e-6)
+    assert after.update_peak - before.update_peak == pytest.approx(update_extra / memory.MIB, abs=1e-6)
 
 
 @pytest.mark.slow
 def test_shortened_target_forward_has_the_full_forwards_peak():
-    config = trace.qwen36_27b_config(**SMALL)
-    profile = small_profile(max_length=128, anchors=8)
+    config, profile = fake.qwen36_27b_config(**SMALL), small_profile(max_length=128, anchors=8)
     short, full = (trace.trace_step(profile, 2, config=config, full_target=f) for f in (False, True))
     assert short.target_layers_run < full.target_layers_run == 10
-    assert (short.target_forward, short.step_peak, short.peak) == (full.target_forward, full.step_peak, full.peak)
+    assert (short.target_forward, short.target_peak, short.peak) == (full.target_forward, full.target_peak, full.peak)
 
 
 @pytest.mark.slow
-def test_analytic_model_is_within_ten_percent_of_the_trace_on_a_small_qwen35_workload():
-    config = trace.qwen36_27b_config(**SMALL)
-    profile = small_profile()
-    workload = small_workload(profile, config)
+@pytest.mark.parametrize("name, world, compute", [("rtx6000-x8", 8, "float32"), ("h200-x1", 1, "float32"),
+                                                   ("rtx6000-x8", 8, "bfloat16")])
+def test_analytic_model_is_within_three_percent_of_the_trace_on_a_small_qwen35_workload(name, world, compute):
+    """Every component within 5 % (those of at least 1 MiB) and the peak within 3 %, at micro-batch 1
+    and 2: zero1 over 8 fake ranks (with the gradient sum), one rank (no sum, replicated AdamW), and
+    bf16 drafter compute (train.compute_dtype)."""
+    config = fake.qwen36_27b_config(**SMALL)
+    profile = small_profile(name=name)
+    profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train, compute_dtype=compute))
+    workload = exact_workload(profile, config, world)
     assert_drafter_has_its_own_shape(workload)
     for micro_batch in (1, 2):
-        figures = {f.name: f for f in trace.compare(trace.trace_step(profile, micro_batch, config=config), workload)}
-        assert abs(figures["peak"].error) < 0.10, figures["peak"]
-        assert figures["drafter weights (fp32)"].error == 0.0, figures["drafter weights (fp32)"]
-        assert abs(figures["AdamW states (this rank)"].error) < 0.01, figures["AdamW states (this rank)"]
-        assert abs(figures["drafter forward (+ autocast copies)"].error) < 0.10, figures["drafter forward (+ autocast copies)"]
-        assert abs(figures["step peak (forward/backward)"].error) < 0.10, figures["step peak (forward/backward)"]
+        traced = trace.trace_step(profile, micro_batch, config=config)
+        assert traced.world_size == world
+        figures = fake.compare(traced, workload)
+        assert abs(figures[-1].error) < 0.03, figures[-1]
+        # the target forward's working set is held at the flagship's shape (benchmarks/bench_memory_trace.py:
+        # -0.5 %); at 1/32 of its width the Gated DeltaNet fallback's per-chunk matrices dominate it
+        off = [f for f in figures[:-1] if f.traced >= 1 and abs(f.error) >= 0.05 and f.name != "target forward working set"]
+        assert off == [], off
