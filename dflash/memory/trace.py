@@ -256,7 +256,9 @@ class FlexMemoryAttention:
     tracking (flex's BlockMask is a few KiB) as an additive mask in the attention's dtype (a boolean
     one would be converted, and saved, inside every call), query heads grouped per KV head instead of
     K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not).
-    `installed()` puts it in place of `dflash.drafter.model.make_attend` (what `forward_blocks` calls)."""
+    One mask per distinct layer rule (`drafter.layer_rules`: full, or a sliding window), as flex
+    keeps one BlockMask per rule. `installed()` puts it in place of
+    `dflash.drafter.model.make_layer_attends` (what `forward_blocks` calls)."""
 
     def __init__(self, drafter: Any, anchors_by_size: dict[int, Any], context_len: int, bf16: bool):
         import torch
@@ -267,13 +269,18 @@ class FlexMemoryAttention:
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.masks = {}
         for size, anchors in anchors_by_size.items():
-            visible = BlockLayout(anchors, context_len, drafter.block_size).dense_mask().repeat(1, 1, self.groups, 1)
-            self.masks[size] = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+            layout = BlockLayout(anchors, context_len, drafter.block_size)
+            for rule in set(drafter.layer_rules):
+                visible = layout.dense_mask(rule).repeat(1, 1, self.groups, 1)
+                self.masks[size, rule] = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
-    def make_attend(self, layout: Any, backend: str) -> Any:
+    def make_layer_attends(self, layout: Any, backend: str, rules: list[Any]) -> list[Any]:
+        return [self.make_attend(self.masks[layout.anchors.shape[0], rule]) for rule in rules]
+
+    def make_attend(self, mask: Any) -> Any:
         import torch.nn.functional as F
 
-        mask, groups = self.masks[layout.anchors.shape[0]], self.groups
+        groups = self.groups
 
         def attend(q: Any, k: Any, v: Any) -> Any:
             batch, heads, queries, dim = q.shape
@@ -287,12 +294,12 @@ class FlexMemoryAttention:
     def installed(self) -> Iterator[None]:
         from dflash.drafter import model as drafter_model
 
-        original = drafter_model.make_attend
-        drafter_model.make_attend = self.make_attend
+        original = drafter_model.make_layer_attends
+        drafter_model.make_layer_attends = self.make_layer_attends
         try:
             yield
         finally:
-            drafter_model.make_attend = original
+            drafter_model.make_layer_attends = original
 
 
 def workload_for_config(profile: Profile, config: Any, world_size: int | None = None) -> memory.Workload:

@@ -65,17 +65,21 @@ def test_table_names_every_column_marks_rank_6_and_prints_the_storage_comparison
 
 
 def test_flagship_plan_counts_the_accumulated_gradients_and_zero1_decides_a_shorter_worst_case(tmp_path):
-    """rtx6000-x8 at its worst case (8192 tokens, 512 anchors): from the second of its 8 micro-batches
+    """rtx6000-x8 at the recipe's 512 anchors (8192 tokens): from the second of its 8 micro-batches
     on, the first ones' 6,600 MiB of float32 gradients are alive in the forward/backward (the traced
-    step shows it), so one sequence no longer fits a 96 GB card. At 256 anchors it fits with the AdamW
-    states sharded over 8 ranks (1,680 MiB a rank) and not with them replicated (13,200 MiB)."""
+    step shows it), so one sequence does not fit a 96 GB card; the profile's 384 anchors fit. At 256
+    anchors it fits with the AdamW states sharded over 8 ranks (1,680 MiB a rank) and not with them
+    replicated (13,200 MiB)."""
     node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
-    sharded = plan_json("--profile", "rtx6000-x8", "--snapshot", node)
-    assert sharded["workload"]["optimizer_shards"] == 8 and sharded["peak_model"]["source"] == "estimate"
-    assert sharded["peak_model"]["accumulation_mib"] == sharded["estimate_mib"]["drafter_grads"] == pytest.approx(6600, abs=1)
-    rank = sharded["ranks"][0]
-    assert rank["feasible_micro_batch"] == 0 and rank["peak_at_agreed_mib"] > rank["budget_mib"]
+    shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)
+    assert shipped["workload"]["optimizer_shards"] == 8 and shipped["peak_model"]["source"] == "estimate"
+    assert shipped["peak_model"]["accumulation_mib"] == shipped["estimate_mib"]["drafter_grads"] == pytest.approx(6600, abs=1)
+    assert [r["feasible_micro_batch"] for r in shipped["ranks"]] == [1] * 8
     (tmp_path / "rtx6000-x8.toml").write_text((REPO / "profiles" / "rtx6000-x8.toml").read_text())
+    recipe = tmp_path / "rtx-512.toml"
+    recipe.write_text('extends = "rtx6000-x8"\n[train]\nnum_anchors = 512\n')
+    rank = plan_json("--profile", str(recipe), "--snapshot", node)["ranks"][0]
+    assert rank["feasible_micro_batch"] == 0 and rank["peak_at_agreed_mib"] > rank["budget_mib"]
     for sharding, fits in (("zero1", [1] * 8), ("none", [0] * 8)):
         variant = tmp_path / f"rtx-{sharding}.toml"
         variant.write_text(f'extends = "rtx6000-x8"\n[train]\nnum_anchors = 256\noptimizer_sharding = "{sharding}"\n')

@@ -33,7 +33,9 @@ def small_profile(max_length: int = 512, anchors: int = 32, name: str = "rtx6000
 
 
 def tiny_profile():
-    return small_profile(max_length=64, anchors=4, num_layers=2, target_layer_ids=(1, 5))
+    """Two draft layers as the profile's shape: a sliding one (window shorter than the context) and a full one."""
+    return small_profile(max_length=64, anchors=4, num_layers=2, target_layer_ids=(1, 5),
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=16)
 
 
 def assert_drafter_has_its_own_shape(workload: memory.Workload) -> None:
