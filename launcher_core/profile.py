@@ -141,10 +141,7 @@ def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: s
             values[field.name] = _build(hints[field.name], {}, origin, f"{prefix}{field.name}.", name)
     if "name" in fields:
         values["name"] = name
-    try:
-        return cls(**values)
-    except ValueError as error:  # cross-field rules in __post_init__
-        _fail(origin, prefix.rstrip(".") or "(top level)", name, str(error))
+    return cls(**values)    # the cross-field rules run after the whole profile is built (schema.cross_field_problems)
 
 
 def _coerce(hint: Any, value: Any, origin: dict, dotted: str, name: str) -> Any:
