@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.paths import REPO_ROOT
@@ -159,7 +160,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
         if profile.machine.nnodes > 1:
             print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
         update_stage(paths.run_dir, "train", "running", resumed=resume)
-        code, signalled = _run_forwarding_sigterm(argv, env)
+        with ProgressBar(paths.train_dir):
+            code, signalled = _run_forwarding_sigterm(argv, env)
     return _conclude(paths, code, signalled)
 
 

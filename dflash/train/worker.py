@@ -165,23 +165,23 @@ def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final
 
 
 class MetricsLog:
-    """Rank 0: metrics.jsonl (one line per logged step), TensorBoard events, a progress bar."""
+    """Rank 0: metrics.jsonl (one line per logged step), TensorBoard events, and train/progress.json
+    after every step, from which the launcher draws the one progress bar (dflash.train.progress)."""
 
     def __init__(self, run_dir: Path, state: Any, profile: Any):
         from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
 
+        self.train_dir = run_dir / "train"
         self.path = run_dir / "train" / "metrics.jsonl"
         self.every = max(1, profile.train.log_every_steps)
         truncate_metrics(self.path, state.step)
         self.writer = SummaryWriter(str(run_dir / "train" / "tb"), purge_step=state.step + 1)
-        self.bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step",
-                        dynamic_ncols=True, mininterval=1.0)
 
     def record(self, state: Any, stats: Any, epoch: int) -> None:
+        from dflash.train.progress import TrainProgress, write_progress
+
         state.last_loss = stats.loss
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{stats.loss:.3f}", tau=f"{stats.sim_tau:.2f}", refresh=False)
+        write_progress(self.train_dir, TrainProgress(state.step, state.total_steps, stats.loss, stats.sim_tau))
         if state.step % self.every and state.step != state.total_steps:
             return
         line = metrics_line(state, stats)
@@ -193,7 +193,6 @@ class MetricsLog:
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
 
     def close(self) -> None:
-        self.bar.close()
         self.writer.close()
 
 
