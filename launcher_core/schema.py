@@ -77,7 +77,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class GenerateSection:
-    backend: Literal["sglang", "transformers", "endpoint"] = "sglang"
+    backend: Literal["sglang", "transformers", "endpoint", "vllm"] = "sglang"
     port: int = 30000
     concurrency: int = 256
     temperature: float = 0.6
