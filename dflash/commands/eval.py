@@ -62,4 +62,9 @@ def summary_lines(report: dict) -> str:
     for extra in report.get("also_sets", []):
         lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): "
                      f"{drafted_figures(extra['methods'])}  (report: {extra['report']})")
+    if "parity" in report:
+        from dflash.eval.parity import parity_summary
+
+        lines += parity_summary(report["parity"])
     return "\n".join(lines)
+

@@ -33,7 +33,7 @@ class EngineSpec:
     """What an engine's venv holds: its pinned requirements, what to remove after, what proves it works."""
 
     engine: str
-    requirements: str                  # file in the repository root
+    requirements: str                  # file in the repository root (or an absolute path)
     local_wheels: tuple[str, ...]      # pinned packages installed from a local wheel file of that version
     remove_after: tuple[str, ...]      # pulled by the engine, unusable here: uninstalled after the install
     import_check: str                  # module that must import in the finished venv
@@ -117,9 +117,10 @@ def _is_complete(path: Path) -> bool:
     return stamp.exists() and stamp.read_text(encoding="utf-8").strip() == path.name and (path / "bin" / "python").exists()
 
 
-def setup_engine_env(engine: str, echo: Callable[[str], None] = print) -> EngineEnv:
-    """Build the engine's venv unless an up-to-date one exists; see the module docstring."""
-    spec = engine_spec(engine)
+def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Optional[EngineSpec] = None) -> EngineEnv:
+    """Build the engine's venv unless an up-to-date one exists; see the module docstring.
+    `spec` replaces the engine's own (tests: a small venv built the same way)."""
+    spec = spec or engine_spec(engine)
     lines = install_lines(spec)
     final = cache_dir() / "engines" / f"{engine}-{env_key(spec, lines)}"
     if _is_complete(final):

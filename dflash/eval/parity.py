@@ -81,7 +81,25 @@ def check_parity(parity: dict[str, dict[str, Any]], report_path: str) -> None:
                 f"eval --engine: {name} served tau {_fmt(row['served_tau'])} vs in-process {_fmt(row['inprocess_tau'])}, "
                 f"per position {_fmt_list(row['served_position_acceptance'])} vs "
                 f"{_fmt_list(row['inprocess_position_acceptance'])}: beyond the tolerance (tau {TAU_TOLERANCE}, "
-                f"per position {POSITION_TOLERANCE}); first divergence: {where}. Report: {report_path}")
+                f"per position {POSITION_TOLERANCE}); first divergence: {where}. Report: {report_path}\n"
+                + "\n".join(parity_summary(parity)))
+
+
+def parity_summary(parity: dict[str, dict[str, Any]]) -> list[str]:
+    """Served vs in-process, one line per method (the gate: dflash within the tolerance)."""
+    lines = [f"served vs in-process, same token ids (gate: dflash tau within {TAU_TOLERANCE}, "
+             f"acceptance per position within {POSITION_TOLERANCE}):"]
+    for name, row in parity.items():
+        tau = f"tau {row['served_tau']:.3f} vs {row['inprocess_tau']:.3f}" if row["served_tau"] is not None else "tau -"
+        positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(row["served_position_acceptance"] or [],
+                                                                  row["inprocess_position_acceptance"] or []))
+        lossless = {True: "yes", False: "NO", None: "-"}
+        gate = {True: "  within tolerance", False: "  BEYOND TOLERANCE", None: ""}[row["within_tolerance"]]
+        lines.append(f"  {name:<14} {tau}  per position {positions or '-'}  lossless "
+                     f"{lossless[row['served_identical_to_target']]}/{lossless[row['inprocess_identical_to_target']]}  "
+                     f"same tokens {lossless[row['same_tokens_as_inprocess']]}"
+                     f"{'' if row['same_tokens_as_inprocess'] else ' (first divergence: ' + str(row['first_divergence']) + ')'}{gate}")
+    return lines
 
 
 def parity_lines(parity: dict[str, dict[str, Any]]) -> list[str]:
