@@ -17,7 +17,7 @@ from launcher_core.profile import load_profile
 from tests.generate.gen_helpers import free_port
 from tests.train.conftest import write_profile
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]   # the module's eval starts 3 engines
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]   # training, in-process eval, 3 engine starts: ~5 min idle, 30 min on a loaded machine
 NUM_PROMPTS = 6
 MAX_NEW_TOKENS = 32
 TRAIN_STEPS = 16
@@ -67,7 +67,7 @@ def smollm2_drafter(tmp_path_factory, smollm2_dir) -> Path:
     data = save_token_rows(root / "data", target_greedy_rows(smollm2_dir, NUM_PROMPTS, MAX_NEW_TOKENS))
     profile = write_profile(root / "p.toml", smollm2_dir, data, root / "run",
                             machine={"nproc_per_node": 1}, max_steps=TRAIN_STEPS, save_every_steps=TRAIN_STEPS,
-                            global_batch=2, num_anchors=16, lr=5e-3, decay_gamma=1.5,
+                            global_batch=2, num_anchors=16, lr=3e-3, decay_gamma=1.5,
                             drafter={"num_layers": 3, "block_size": 8, "mask_token_id": 16,
                                      "target_layer_ids": [26], "init": "target"})
     assert run_training(load_profile(str(profile)), run_dir=root / "run") == 0
