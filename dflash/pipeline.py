@@ -152,13 +152,33 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 
 
 def _eval(ctx: PipelineContext) -> str:
-    from dflash.eval.evaluate import run_eval
     from dflash.eval.options import drafted_figures
+    from dflash.eval.run import run_eval
 
     report = run_eval(ctx.profile, run_dir=ctx.run_dir).report
     sets = [report, *report.get("also_sets", [])]
-    return "; also ".join(f"{drafted_figures(entry['methods'])} on {entry['num_prompts']} prompts, "
+    line = "; also ".join(f"{drafted_figures(entry['methods'])} on {entry['num_prompts']} prompts, "
                           f"{entry.get('prompt_set', entry.get('prompts_file'))}" for entry in sets)
+    return f"{line}; {_served(ctx)}" if ctx.profile.eval.serve_engine else line
+
+
+def _served(ctx: PipelineContext) -> str:
+    """eval.serve_engine: the drafter served by the engine, its tau next to the in-process one (parity gate)."""
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.run import run_eval
+
+    engine = ctx.profile.eval.serve_engine
+    if engine == "vllm" and not ctx.profile.eval.engine_python:
+        from dflash.generate.engine_env import setup_engine_env
+
+        setup_engine_env(engine)            # `launcher.py engine setup vllm`: nothing to do once built
+    report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine)).report
+    dflash = report["methods"]["dflash"]
+    served = "-" if dflash["mean_tau"] is None else f"{dflash['mean_tau']:.2f}"
+    parity = report.get("parity", {}).get("dflash")
+    beside = f" vs in-process {parity['inprocess_tau']:.2f} on the same {report['num_prompts']} prompts" if parity else ""
+    lossless = {True: ", lossless", False: ", OUTPUT DIFFERS FROM TARGET", None: ""}[dflash["identical_to_target"]]
+    return f"served by {engine}: dflash tau {served}{beside}{lossless}"
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:

@@ -77,7 +77,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class GenerateSection:
-    backend: Literal["sglang", "transformers", "endpoint"] = "sglang"
+    backend: Literal["sglang", "transformers", "endpoint", "vllm"] = "sglang"
     port: int = 30000
     concurrency: int = 256
     temperature: float = 0.6
@@ -100,6 +100,10 @@ class GenerateSection:
     cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
     server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: 1, unless already set)
     context_length: int = 0                  # SGLang --context-length (prompt + completion); 0: the model's own
+    vllm_cpu_kvcache_gib: int = 2            # vLLM on CPU: VLLM_CPU_KVCACHE_SPACE, GiB of RAM for its KV cache
+                                             # (on CPU it takes no --gpu-memory-utilization share)
+    vllm_max_model_len: int = 0              # vLLM --max-model-len (0: generate.context_length, else the model's own)
+    vllm_enforce_eager: bool = False         # vLLM --enforce-eager: starts in ~30 s on CPU instead of 100-140 s of compile
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,8 @@ class EvalSection:
     engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
     also_prompts: tuple[str, ...] = ()       # more prompt sets measured beside the default one (not with --prompts),
                                              # each reported apart and labelled (eval/<file stem>/)
+    serve_engine: Literal["", "sglang", "vllm"] = ""  # the engine that will serve the drafter: the pipeline runs
+                                             # `eval --engine` with it after the in-process eval (served vs in-process tau)
 
 
 @dataclass(frozen=True)
@@ -262,6 +268,8 @@ RANGES: dict[str, Range] = {
     "generate.tp_size": AT_LEAST_1,
     "generate.dp_size": AT_LEAST_1,
     "generate.mem_fraction_static": Range(0, 1, low_open=True),
+    "generate.vllm_cpu_kvcache_gib": AT_LEAST_1,
+    "generate.vllm_max_model_len": AT_LEAST_0,       # 0: generate.context_length, else the model's own
     "generate.flush_every": AT_LEAST_1,
     "generate.server_startup_timeout_s": POSITIVE,
     "generate.max_prompts": AT_LEAST_0,

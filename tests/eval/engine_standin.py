@@ -1,7 +1,8 @@
-"""A stand-in for a serving engine (`python engine_standin.py sglang|vllm ARGV...`): the engines
-cannot run without a GPU, so the eval flow is tested against this process, which parses the
-engine argv it is given, answers the engine's HTTP API (health, OpenAI chat completions, SGLang's
-/server_info, vLLM's /metrics) and reports a fixed acceptance per speculative method.
+"""A stand-in for SGLang (`python engine_standin.py sglang ARGV...`): SGLang cannot run without CUDA,
+so its eval flow is tested against this process, which parses the engine argv it is given, answers
+the engine's HTTP API (health, OpenAI chat completions, SGLang's /server_info; vLLM's /metrics is
+kept for its argv only) and reports a fixed acceptance per speculative method. vLLM runs for real
+on CPU: tests/eval/test_engine_vllm.py starts its CPU build.
 Stand-in figures: DFLASH tau 3.5, NGRAM / ngram tau 1.5."""
 import argparse
 import json

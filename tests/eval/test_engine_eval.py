@@ -1,6 +1,7 @@
-"""`eval --engine sglang|vllm` as far as a CPU allows: the argv against the pinned SGLang's own
-option list (from its server_args.py, tests/fixtures/engines/), the flow against a stand-in that
-speaks the engine's API (tests/eval/engine_standin.py): the engine cannot run here."""
+"""`eval --engine sglang|vllm` without starting an engine: SGLang's argv against the pinned SGLang's
+own option list (from its server_args.py, tests/fixtures/engines/) and its flow against a stand-in
+that speaks its API (tests/eval/engine_standin.py; SGLang needs CUDA); vLLM's argv builders (the real
+vLLM CPU engine runs in tests/eval/test_engine_vllm.py), the install check and the parity gate."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,13 +72,71 @@ def test_generate_passes_context_length_and_the_hybrid_strategy_to_the_pinned_sg
 
 def test_vllm_argv_carries_the_dflash_speculative_config():
     profile = load_profile("rtx6000-x8")
-    argv = engine_command("vllm", profile, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    command = engine_command("vllm", profile, Path("/t"), "dflash", Path("/ckpt"), 16, 30100)
+    argv = command.argv
     config = json.loads(argv[argv.index("--speculative-config") + 1])
     assert config == {"method": "dflash", "model": "/ckpt", "num_speculative_tokens": 15}
+    assert argv[argv.index("--served-model-name") + 1] == "default"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85" and "VLLM_CPU_KVCACHE_SPACE" not in command.env
+
+
+def test_vllm_on_cpu_sizes_the_kv_cache_in_gib_instead_of_a_gpu_memory_share():
+    profile = load_profile("cpu-demo")
+    command = engine_command("vllm", profile, Path("/t"), "target", Path("/ckpt"), 8, 30100)
+    assert "--gpu-memory-utilization" not in command.argv
+    assert command.env["VLLM_CPU_KVCACHE_SPACE"] == str(profile.generate.vllm_cpu_kvcache_gib) == "2"
+    assert command.argv[command.argv.index("--max-model-len") + 1] == "1024"
+    assert "--enforce-eager" in command.argv and command.argv[command.argv.index("--host") + 1] == "127.0.0.1"
+    assert profile.eval.serve_engine == "vllm"
+
+
+@pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
+def test_the_install_check_accepts_either_vllm_distribution_name(distribution, tmp_path):
+    from dflash.eval.engines import check_engine_installed
+
+    site = tmp_path / "site"
+    (site / f"{distribution.replace('-', '_')}-0.32.0.dist-info").mkdir(parents=True)
+    (site / f"{distribution.replace('-', '_')}-0.32.0.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.32.0\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python=str(python)))
+    assert check_engine_installed("vllm", profile) == "0.32.0"
+
+
+def test_the_install_check_names_the_setup_command_when_vllm_is_absent(tmp_path):
+    from dflash.eval.engines import check_engine_installed
+    from launcher_core.errors import ConfigError
+
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python=sys.executable))
+    with pytest.raises(ConfigError, match="vllm / vllm-cpu is not installed.*engine setup vllm"):
+        check_engine_installed("vllm", profile)
+
+
+def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergence():
+    from dflash.eval.parity import check_parity, method_parity
+    from launcher_core.errors import EXIT_PARITY, ParityFailed
+
+    served = {"mean_tau": 1.60, "position_acceptance": [0.4, 0.1], "identical_to_target": True}
+    ours = {"mean_tau": 1.40, "position_acceptance": [0.3, 0.1], "identical_to_target": True}
+    row = method_parity("dflash", served, ours, ["a", "b"], [[1, 2, 3], [4, 5, 9]], [[1, 2, 3], [4, 5, 6]])
+    assert row["within_tolerance"] is False and not row["same_tokens_as_inprocess"]
+    with pytest.raises(ParityFailed, match=r"prompt 2 \(b\), new token 2: served 9, in-process 6") as failed:
+        check_parity({"dflash": row}, "report.json")
+    assert failed.value.exit_code == EXIT_PARITY == 6
+    close = method_parity("dflash", {**served, "mean_tau": 1.45, "position_acceptance": [0.35, 0.1]}, ours,
+                          ["a"], [[1]], [[1]])
+    assert close["within_tolerance"] is True and close["first_divergence"] is None
+    check_parity({"dflash": close}, "report.json")
+    lookup = method_parity("prompt_lookup", served, ours, ["a"], [[1]], [[1]])
+    assert lookup["within_tolerance"] is None        # shown, not gated
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang"])
 def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
     from dflash.eval.engines import evaluate_with_engine
     from dflash.eval.evaluate import EvalOptions

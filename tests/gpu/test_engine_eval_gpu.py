@@ -24,7 +24,8 @@ def test_engine_reports_tau_for_the_cpu_twins_checkpoint(engine, tmp_path, tiny_
     import dataclasses
 
     from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.eval.evaluate import EvalOptions, run_eval
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.run import run_eval
     from dflash.train.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile

@@ -1,0 +1,107 @@
+"""Generation backends on CPU: `transformers serve` (continuous batching) against vLLM's CPU build.
+
+For each backend, one real `generate` run of the cpu-demo profile (its prompts, sampling,
+concurrency and max_tokens; only `generate.backend` differs) into a scratch run dir. Prints per
+backend: setup (server start until /health answers), generation wall time, requests/s, completion
+tokens/s (both over the generation time), the end-to-end time (setup + generation) and the peak
+RSS of the server's process tree (sampled every 0.5 s). vLLM runs from the venv of
+`launcher.py engine setup vllm` (built first if needed; its build time is printed apart).
+
+    .venv/bin/python benchmarks/bench_gen_backends.py [--prompts 64] [--backends transformers,vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+@dataclasses.dataclass
+class BackendFigures:
+    backend: str
+    prompts: int
+    setup_s: float
+    generate_s: float
+    completion_tokens: int
+    peak_rss_mib: float
+
+    def line(self) -> str:
+        return (f"{self.backend:<13} {self.prompts} prompts: setup {self.setup_s:6.1f} s, generation "
+                f"{self.generate_s:6.1f} s, {self.prompts / self.generate_s:5.2f} requests/s, "
+                f"{self.completion_tokens / self.generate_s:6.1f} tokens/s, end to end {self.setup_s + self.generate_s:6.1f} s, "
+                f"peak RSS {self.peak_rss_mib:,.0f} MiB")
+
+
+class TreeRssSampler:
+    """Peak RSS of every process whose command line names the port (the server and its workers)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.peak_bytes, self._stop = str(port), 0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "TreeRssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            servers = [p for p in psutil.process_iter(["cmdline"]) if self.port in (p.info["cmdline"] or [])]
+            total = 0
+            for process in servers:
+                for member in [process, *process.children(recursive=True)]:
+                    try:
+                        total += member.memory_info().rss
+                    except psutil.Error:
+                        pass
+            self.peak_bytes = max(self.peak_bytes, total)
+
+
+def run_backend(backend: str, prompts: int, workdir: Path) -> BackendFigures:
+    from dflash.generate.run import generate_from_profile
+    from launcher_core.profile import load_profile
+
+    base = load_profile("cpu-demo")
+    port = 8765 + len(backend)
+    profile = dataclasses.replace(base, generate=dataclasses.replace(base.generate, backend=backend, port=port,
+                                                                     max_prompts=prompts))
+    run_dir = workdir / backend
+    with TreeRssSampler(port) as sampler:
+        started = time.monotonic()
+        summary = generate_from_profile(profile, run_dir=run_dir, progress=False)
+        total_s = time.monotonic() - started
+    return BackendFigures(backend, summary.selected, total_s - summary.wall_s, summary.wall_s, summary.output_tokens,
+                          sampler.peak_bytes / 2**20)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=526, help="the first N of the demo's 526 training prompts")
+    parser.add_argument("--backends", default="transformers,vllm")
+    args = parser.parse_args()
+    backends = args.backends.split(",")
+    if "vllm" in backends:
+        from dflash.generate.engine_env import setup_engine_env
+
+        env = setup_engine_env("vllm", echo=lambda line: print(line, file=sys.stderr))
+        print(f"engine setup vllm: {'built in %.0f s' % env.build_s if env.built else 'already built (0 s)'}")
+    with tempfile.TemporaryDirectory(prefix="bench-gen-") as scratch:
+        for backend in backends:
+            print(run_backend(backend, args.prompts, Path(scratch)).line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""How a vLLM server starts: its python (the engine venv `launcher.py engine setup vllm` built, or
+eval.engine_python), its flags without speculation and its environment. Shared by generation
+(`generate.backend = "vllm"`, dflash.generate.servers) and the engine eval (dflash.eval.engines)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from launcher_core.schema import Profile
+
+SERVED_MODEL_NAME = "default"      # the model name our requests carry (vLLM: --served-model-name)
+CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: prompt + completion of the eval
+LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm.entrypoints.openai.api_server"]}
+
+
+def engine_python(profile: Profile, engine: str = "") -> str:
+    """eval.engine_python, else the venv `launcher.py engine setup ENGINE` built, else this python."""
+    from dflash.generate.engine_env import built_engine_python
+
+    if profile.eval.engine_python:
+        return profile.eval.engine_python
+    built = built_engine_python(engine) if engine else None
+    return str(built) if built else sys.executable
+
+
+def vllm_env(profile: Profile) -> dict[str, str]:
+    """vLLM's environment: offline, no usage reports; on CPU the KV cache size in GiB."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if profile.machine.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.generate.vllm_cpu_kvcache_gib)
+    return env
+
+
+def vllm_base_args(profile: Profile, target: Path, port: int) -> list[str]:
+    """vLLM's server flags without speculation: model, 127.0.0.1, dtype, the served name, memory, length."""
+    args = ["--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", profile.model.dtype,
+            "--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size", str(profile.generate.tp_size)]
+    if profile.machine.device != "cpu":     # on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (vllm_env)
+        args += ["--gpu-memory-utilization", str(profile.generate.mem_fraction_static)]
+    length = profile.generate.vllm_max_model_len or profile.generate.context_length
+    length = length or (CPU_MAX_MODEL_LEN if profile.machine.device == "cpu" else 0)
+    if length > 0:
+        args += ["--max-model-len", str(length)]
+    if profile.generate.vllm_enforce_eager:
+        args.append("--enforce-eager")
+    return args

