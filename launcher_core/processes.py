@@ -17,6 +17,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (ours or another user's)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to process group `pgid`; False when the group is gone already."""
     try:

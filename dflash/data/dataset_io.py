@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 
 from launcher_core.errors import DataError, InputError
 from launcher_core.fileio import read_json_object, write_json_atomic
+from launcher_core.processes import process_alive
 
 META_NAME = "dflash_meta.json"
 META_FORMAT = "dflash-dataset/1"
@@ -355,7 +356,7 @@ def sweep_stale_staging(target: Path) -> list[Path]:
     removed = []
     for entry in target.parent.glob(f".{target.name}.*-*"):
         match = STAGING_RE.match(entry.name)
-        if match and match["name"] == target.name and not _process_alive(int(match["pid"])):
+        if match and match["name"] == target.name and not process_alive(int(match["pid"])):
             _restore_if_orphaned(entry, target, match["purpose"])
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
@@ -368,15 +369,6 @@ def _restore_if_orphaned(entry: Path, target: Path, purpose: str) -> None:
         os.replace(entry, target)
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

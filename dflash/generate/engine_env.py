@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.paths import REPO_ROOT, cache_dir
+from launcher_core.processes import process_alive
 
 STAMP = ".engine-key"
 
@@ -186,15 +187,8 @@ def _remove_abandoned_builds(folder: Path) -> None:
     """Temporary build folders of setups that were killed (their process is gone)."""
     for path in folder.glob(".*.build-*") if folder.is_dir() else []:
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
