@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -66,3 +68,32 @@ def flagship_twin_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     from dflash.models import build_flagship_twin
 
     return build_flagship_twin(tmp_path_factory.mktemp("targets") / "flagship-twin", qwen3_tokenizer_dir)
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """A per-test DFLASH_CACHE (crash reports, baselines), not the user's."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def cli(capsys) -> Callable[..., CliResult]:
+    """`launcher.main(argv)` in this process: its exit code, stdout and stderr."""
+    import launcher
+
+    def run(*argv: object) -> CliResult:
+        capsys.readouterr()
+        code = launcher.main([str(arg) for arg in argv])
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

@@ -1,4 +1,11 @@
-"""The bisect tests' shared fixture: the CLI run in process (the safety tests' helper)."""
+"""Every bisect test writes its crash reports and baselines to a per-test cache, not the user's."""
 from __future__ import annotations
 
-from tests.safety.conftest import cli, private_cache  # noqa: F401  (pytest fixtures)
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_for_every_test(private_cache: Path) -> Path:
+    return private_cache

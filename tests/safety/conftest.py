@@ -3,40 +3,15 @@ process, a profile for tokenize, and a digest of every file under a path to prov
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 
-@dataclass
-class CliResult:
-    code: int
-    out: str
-    err: str
-
-
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch) -> Path:
+def _private_cache_for_every_test(private_cache: Path) -> Path:
     """Crash reports and baselines go to a per-test cache, not the user's."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("DFLASH_CACHE", str(cache))
-    return cache
-
-
-@pytest.fixture
-def cli(capsys) -> Callable[..., CliResult]:
-    """`launcher.main(argv)` in this process: its exit code, stdout and stderr."""
-    import launcher
-
-    def run(*argv: str) -> CliResult:
-        capsys.readouterr()
-        code = launcher.main([str(arg) for arg in argv])
-        captured = capsys.readouterr()
-        return CliResult(code, captured.out, captured.err)
-
-    return run
+    return private_cache
 
 
 def tree_digest(path: Path) -> dict[str, str]:

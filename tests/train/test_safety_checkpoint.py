@@ -11,23 +11,10 @@ import torch
 
 from dflash.drafter.checkpoint import STATE, load_training_state, save_checkpoint
 from launcher_core.errors import InputError
-from tests.safety.conftest import CliResult, tree_digest
+from tests.safety.conftest import tree_digest
 from tests.train.test_export import make_drafter
 
-
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    import launcher
-
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
-
-    def run(*argv: object) -> CliResult:
-        capsys.readouterr()
-        code = launcher.main([str(arg) for arg in argv])
-        captured = capsys.readouterr()
-        return CliResult(code, captured.out, captured.err)
-
-    return run
+pytestmark = pytest.mark.usefixtures("private_cache")  # crash reports go to a per-test cache
 
 
 @pytest.fixture
