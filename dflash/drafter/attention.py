@@ -109,12 +109,11 @@ def position_rule_mask(query_positions: "torch.Tensor", key_positions: "torch.Te
     return _rule_visible(query_positions[:, :, None], key_positions[:, None, :], rule)[:, None]
 
 
-def resolve_backend(choice: str, device_type: str) -> Backend:
-    """`auto` -> flex on CUDA (compiled, trains), sdpa elsewhere (flex has no CPU backward)."""
-    if choice in ("flex", "sdpa"):
-        return choice  # type: ignore[return-value]
+def resolve_backend(choice: Literal["auto", "flex", "sdpa"], device_type: str) -> Backend:
+    """train.attention (its choices are the profile schema's): `auto` -> flex on CUDA (compiled,
+    trains), sdpa elsewhere (flex has no CPU backward)."""
     if choice != "auto":
-        raise ValueError(f"train.attention must be auto, flex or sdpa, got {choice!r}")
+        return choice
     return "flex" if device_type == "cuda" else "sdpa"
 
 
