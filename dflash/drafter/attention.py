@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 Backend = Literal["flex", "sdpa"]
 Attend = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
-_COMPILED_FLEX: dict[str, Callable] = {}
+MaskMod = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+_COMPILED_FLEX: dict[str, Callable[..., "torch.Tensor"]] = {}
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class BlockLayout:
             return layout
         return layout & position_rule_mask(self.query_positions(), self.key_positions(), rule)
 
-    def mask_mod(self, rule: LayerAttention = LayerAttention()) -> Callable:
+    def mask_mod(self, rule: LayerAttention = LayerAttention()) -> MaskMod:
         """The same visibility as a flex_attention mask_mod."""
         import torch
 
         anchors, context_len, block_size = self.anchors, self.context_len, self.block_size
 
-        def visible(b, _h, q_idx, kv_idx):
+        def visible(b: torch.Tensor, _h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             query_block = q_idx // block_size
             in_context = kv_idx < context_len
             sees_context = kv_idx < anchors[b, query_block]
@@ -135,7 +136,7 @@ def make_layer_attends(layout: BlockLayout, backend: Backend, rules: "list[Layer
 def _sdpa_attend(mask: "torch.Tensor") -> Attend:
     import torch.nn.functional as F
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
@@ -150,13 +151,13 @@ def _flex_attend(layout: BlockLayout, rule: LayerAttention = LayerAttention()) -
                                    layout.num_queries, keys, device=str(device))
     flex = _flex_function(device.type)
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
 
 
-def _flex_function(device_type: str) -> Callable:
+def _flex_function(device_type: str) -> Callable[..., torch.Tensor]:
     """flex_attention, compiled once per process on CUDA (eager materialises all scores)."""
     import warnings
 

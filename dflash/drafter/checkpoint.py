@@ -195,8 +195,12 @@ def load_drafter(checkpoint_dir: str | Path, target_model: PreTrainedModel) -> D
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as error:
         raise InputError(f"{checkpoint_dir}: the weights do not fit its config.json: {error}") from error
-    device = cast("nn.Embedding", target_model.get_input_embeddings()).weight.device
-    return drafter.to(device).attach_target(target_model).eval()
+    embedding = cast("nn.Embedding", target_model.get_input_embeddings())
+    if not 0 <= drafter.mask_token_id < embedding.num_embeddings:
+        raise InputError(f"{checkpoint_dir / CONFIG}: dflash_config.mask_token_id {drafter.mask_token_id} is not a row "
+                         f"of the target's embedding (0..{embedding.num_embeddings - 1}); the drafter was trained "
+                         f"for another target")
+    return drafter.to(embedding.weight.device).attach_target(target_model).eval()
 
 
 def resolve_checkpoint_dir(path: Path) -> Path:

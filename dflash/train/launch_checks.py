@@ -4,10 +4,10 @@ starts (ConfigError, exit 2), naming the profile file and the key to change.
 
 Reads the target's config.json and tokenizer files, never its weights. The rules that need no
 target (ranges, divisibility, heads) are the schema's (launcher_core.schema RANGES and
-cross_field_problems), checked when the profile loads; these are the ones that need the target,
-and where a rank would otherwise fail:
+cross_field_problems), checked when the profile loads; these are the ones that need the target.
+Each is checked here only: the rank-side code that relies on it keeps at most an internal assert.
 
-| key | rule | a rank's failure |
+| key | rule | relied on by |
 |---|---|---|
 | train.decay_gamma | > 0 unless the block size has a default (8, 10, 16) | decay.default_gamma |
 | drafter.target_layer_ids | inside the target's layers; or the default spacing fits the target | resolve_layer_ids |
