@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 Backend = Literal["flex", "sdpa"]
 Attend = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
-_COMPILED_FLEX: dict[str, Callable] = {}
+MaskMod = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+_COMPILED_FLEX: dict[str, Callable[..., "torch.Tensor"]] = {}
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class BlockLayout:
             return layout
         return layout & position_rule_mask(self.query_positions(), self.key_positions(), rule)
 
-    def mask_mod(self, rule: LayerAttention = LayerAttention()) -> Callable:
+    def mask_mod(self, rule: LayerAttention = LayerAttention()) -> MaskMod:
         """The same visibility as a flex_attention mask_mod."""
         import torch
 
         anchors, context_len, block_size = self.anchors, self.context_len, self.block_size
 
-        def visible(b, _h, q_idx, kv_idx):
+        def visible(b: torch.Tensor, _h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             query_block = q_idx // block_size
             in_context = kv_idx < context_len
             sees_context = kv_idx < anchors[b, query_block]
@@ -109,12 +110,11 @@ def position_rule_mask(query_positions: "torch.Tensor", key_positions: "torch.Te
     return _rule_visible(query_positions[:, :, None], key_positions[:, None, :], rule)[:, None]
 
 
-def resolve_backend(choice: str, device_type: str) -> Backend:
-    """`auto` -> flex on CUDA (compiled, trains), sdpa elsewhere (flex has no CPU backward)."""
-    if choice in ("flex", "sdpa"):
-        return choice  # type: ignore[return-value]
+def resolve_backend(choice: Literal["auto", "flex", "sdpa"], device_type: str) -> Backend:
+    """train.attention (its choices are the profile schema's): `auto` -> flex on CUDA (compiled,
+    trains), sdpa elsewhere (flex has no CPU backward)."""
     if choice != "auto":
-        raise ValueError(f"train.attention must be auto, flex or sdpa, got {choice!r}")
+        return choice
     return "flex" if device_type == "cuda" else "sdpa"
 
 
@@ -136,7 +136,7 @@ def make_layer_attends(layout: BlockLayout, backend: Backend, rules: "list[Layer
 def _sdpa_attend(mask: "torch.Tensor") -> Attend:
     import torch.nn.functional as F
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
@@ -151,13 +151,13 @@ def _flex_attend(layout: BlockLayout, rule: LayerAttention = LayerAttention()) -
                                    layout.num_queries, keys, device=str(device))
     flex = _flex_function(device.type)
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
 
 
-def _flex_function(device_type: str) -> Callable:
+def _flex_function(device_type: str) -> Callable[..., torch.Tensor]:
     """flex_attention, compiled once per process on CUDA (eager materialises all scores)."""
     import warnings
 

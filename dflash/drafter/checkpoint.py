@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 from launcher_core.errors import InputError
 from launcher_core.fileio import atomic_directory, write_text_atomic
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
+
     from dflash.drafter.model import DFlashDrafter
 
 LATEST = "latest"
@@ -35,7 +39,7 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "train" / "checkpoints"
 
 
-def save_checkpoint(run_dir: str | Path, drafter: "DFlashDrafter", step: int, state: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:
     """Write step-N atomically, then point `latest` at it. Returns the checkpoint directory."""
     import torch
     from safetensors.torch import save_file
@@ -62,7 +66,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return target
 
 
-def config_document(config: Any) -> dict[str, Any]:
+def config_document(config: PretrainedConfig) -> dict[str, Any]:
     """config.json of a drafter: the Qwen3Config's keys plus what loaders outside transformers 5
     read: a top-level `rope_theta` and `rope_scaling` (null for plain RoPE, else the scaling
     parameters with both `type` and `rope_type`), `block_size` at both levels, and the layer keys
@@ -88,7 +92,7 @@ def config_document(config: Any) -> dict[str, Any]:
     return document
 
 
-def read_drafter_config(checkpoint_dir: str | Path) -> Any:
+def read_drafter_config(checkpoint_dir: str | Path) -> Qwen3Config:
     """The drafter config of our checkpoints or of a published DFlash drafter (z-lab format:
     `auto_map`, top-level `rope_theta`, block size at the top level or in dflash_config)."""
     from transformers import Qwen3Config
@@ -136,7 +140,7 @@ def _check_supported(path: Path, document: dict[str, Any]) -> None:
         raise InputError(f"{path}: RoPE type {kind!r} ({rope}) is not supported; valid: {', '.join(ROPE_TYPES)}")
 
 
-def read_weights(checkpoint_dir: Path) -> dict[str, Any]:
+def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The drafter's tensors: `model.safetensors`, or every shard an index names; a `model.`
     prefix (some published exports) is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
@@ -148,7 +152,7 @@ def read_weights(checkpoint_dir: Path) -> dict[str, Any]:
         shards = [WEIGHTS]
     else:
         raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
-    weights: dict[str, Any] = {}
+    weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, tensor in _load_safetensors(checkpoint_dir / shard, load_file).items():
             if "rotary_emb." not in name:
@@ -165,7 +169,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _load_safetensors(path: Path, load_file: Any) -> dict[str, Any]:
+def _load_safetensors(path: Path, load_file: Callable[[str], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors; a truncated or foreign file is an InputError naming it."""
     from safetensors import SafetensorError
 
@@ -178,7 +182,7 @@ def _load_safetensors(path: Path, load_file: Any) -> dict[str, Any]:
                          "copy it again, or use another checkpoint") from None
 
 
-def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafter":
+def load_drafter(checkpoint_dir: str | Path, target_model: PreTrainedModel) -> DFlashDrafter:
     """A drafter from `step-N/` (or a run's `checkpoints/` dir: its latest) or a published DFlash
     drafter directory, attached to the target. Weights load strictly (names and shapes)."""
     from dflash.drafter.model import DFlashDrafter
@@ -191,8 +195,12 @@ def load_drafter(checkpoint_dir: str | Path, target_model: Any) -> "DFlashDrafte
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as error:
         raise InputError(f"{checkpoint_dir}: the weights do not fit its config.json: {error}") from error
-    device = target_model.get_input_embeddings().weight.device
-    return drafter.to(device).attach_target(target_model).eval()
+    embedding = cast("nn.Embedding", target_model.get_input_embeddings())
+    if not 0 <= drafter.mask_token_id < embedding.num_embeddings:
+        raise InputError(f"{checkpoint_dir / CONFIG}: dflash_config.mask_token_id {drafter.mask_token_id} is not a row "
+                         f"of the target's embedding (0..{embedding.num_embeddings - 1}); the drafter was trained "
+                         f"for another target")
+    return drafter.to(embedding.weight.device).attach_target(target_model).eval()
 
 
 def resolve_checkpoint_dir(path: Path) -> Path:
@@ -202,7 +210,7 @@ def resolve_checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:
+def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:     # torch.load's values (untyped)
     """The optimizer/scheduler state of a checkpoint, loaded with `weights_only=True`: tensors,
     numbers, strings and containers only, never arbitrary pickled objects from the checkpoint
     directory. A state holding anything else (not written by this trainer) is refused."""
@@ -240,7 +248,7 @@ def init_source_problem(path: Path) -> str:
     return ""
 
 
-def weight_differences(own: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
+def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
     """Every name missing from `loaded`, every name `own` lacks, every shape that differs."""
     missing = [f"{name}: missing (profile's drafter has {tuple(own[name].shape)})" for name in own if name not in loaded]
     extra = [f"{name}: not in the profile's drafter ({tuple(loaded[name].shape)})" for name in loaded if name not in own]
@@ -249,7 +257,7 @@ def weight_differences(own: dict[str, Any], loaded: dict[str, Any]) -> list[str]
     return missing + extra + shapes
 
 
-def init_from_drafter(drafter: "DFlashDrafter", path: str | Path) -> Path:
+def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     """Start `drafter` (built from the profile) from a DFlash drafter directory's weights
     (`drafter.init = "drafter"`): names and shapes must match exactly, and so must the tap layers
     (the features fc reads); InputError listing every difference otherwise. Returns the directory."""

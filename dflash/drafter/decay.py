@@ -5,11 +5,15 @@ from __future__ import annotations
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
+def has_default_gamma(block_size: int) -> bool:
+    """Whether the paper gives a gamma for this block size (otherwise train.decay_gamma must be set:
+    the launch checks, dflash.train.launch_checks, say so)."""
+    return block_size in DEFAULT_GAMMA
+
+
 def default_gamma(block_size: int, configured: float = 0.0) -> float:
-    """gamma = 7 / 5 / 4 for B = 16 / 10 / 8; other block sizes need train.decay_gamma."""
+    """`configured` when set (> 0), else gamma = 7 / 5 / 4 for B = 16 / 10 / 8."""
     if configured > 0:
         return configured
-    if block_size not in DEFAULT_GAMMA:
-        raise ValueError(f"no default loss decay for block size {block_size} (defaults exist for "
-                         f"{sorted(DEFAULT_GAMMA)}); set train.decay_gamma in the profile")
+    assert has_default_gamma(block_size), "the launch checks hold train.decay_gamma"
     return DEFAULT_GAMMA[block_size]

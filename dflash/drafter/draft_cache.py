@@ -65,7 +65,7 @@ def extend_cache(drafter: "DFlashDrafter", cache: DraftContextCache, features: "
     context = drafter.project_context(features)
     positions = torch.arange(cache.length, cache.length + features.shape[1], device=features.device)[None]
     cos, sin = drafter.rotary_emb(context, positions)
-    for index, (layer, rule) in enumerate(zip(drafter.layers, drafter.layer_rules)):
+    for index, (layer, rule) in enumerate(zip(drafter.decoder_layers, drafter.layer_rules)):
         keys, values = layer.self_attn.project_kv(context, cos, sin)
         if index < len(cache.layers):
             old = cache.layers[index]

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 
-def count_loss_tokens(dataset: Any, max_length: int, batch_rows: int = 1024) -> Counter:
-    """How often each token id is a trained (loss_mask = 1) token, over the whole dataset."""
-    counts: Counter = Counter()
+def count_loss_tokens(dataset: Any, max_length: int, batch_rows: int = 1024) -> Counter[int]:
+    """How often each token id is a trained (loss_mask = 1) token, over the whole dataset (a
+    datasets.Dataset with input_ids and loss_mask: an untyped third-party object)."""
+    counts: Counter[int] = Counter()
     for start in range(0, len(dataset), batch_rows):
         part = dataset[start:start + batch_rows]
         for ids, mask in zip(part["input_ids"], part["loss_mask"]):
@@ -25,7 +26,7 @@ def count_loss_tokens(dataset: Any, max_length: int, batch_rows: int = 1024) -> 
     return counts
 
 
-def draft_vocabulary(counts: Counter, size: int) -> list[int]:
+def draft_vocabulary(counts: Counter[int], size: int) -> list[int]:
     """The `size` most frequent ids (fewer if the data has fewer), ties to the lower id; sorted."""
     if size < 1:
         raise ValueError(f"drafter.draft_vocab_size must be positive here, got {size}")
@@ -35,7 +36,7 @@ def draft_vocabulary(counts: Counter, size: int) -> list[int]:
     return sorted(token for token, _ in ranked[:size])
 
 
-def coverage(counts: Counter, vocabulary: list[int]) -> float:
+def coverage(counts: Counter[int], vocabulary: list[int]) -> float:
     """Share of the counted loss tokens inside `vocabulary`."""
     chosen = set(vocabulary)
     total = sum(counts.values())

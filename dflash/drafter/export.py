@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from launcher_core.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINES = ("sglang", "vllm", "reference")
 
@@ -148,7 +151,7 @@ def _layer_notes(document: dict[str, Any], engine: str) -> list[str]:
     return []
 
 
-def _convert_vocab(document: dict[str, Any], weights: dict[str, Any], engine: str, full_vocab: bool,
+def _convert_vocab(document: dict[str, Any], weights: dict[str, torch.Tensor], engine: str, full_vocab: bool,
                    target: Optional[Path]) -> list[str]:
     """The draft vocabulary as the engine can hold it (or refused); the notes say what was done."""
     import torch
@@ -173,7 +176,7 @@ def _convert_vocab(document: dict[str, Any], weights: dict[str, Any], engine: st
             "whole vocabulary, including tokens it never trained on; acceptance can be lower than eval measured"]
 
 
-def target_lm_head(target: Path) -> Any:
+def target_lm_head(target: Path) -> torch.Tensor:
     """The target's lm_head weight [V, H] read from its safetensors (the embedding when tied)."""
     from safetensors import safe_open
 
@@ -186,5 +189,6 @@ def target_lm_head(target: Path) -> Any:
         with safe_open(str(shard), framework="pt") as handle:
             for name in wanted:
                 if name in handle.keys():
-                    return handle.get_tensor(name).float()
+                    weight: torch.Tensor = handle.get_tensor(name).float()
+                    return weight
     raise InputError(f"{target}: no {' / '.join(wanted)} in its *.safetensors")

@@ -23,7 +23,12 @@ sliding layers carries both. No torch here: the launcher validates profiles with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from launcher_core.schema import DrafterSection
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -43,11 +48,12 @@ class LayerAttention:
         return self.window is not None or self.causal
 
 
-def _value(config: Any, key: str) -> Any:
+def _value(config: PretrainedConfig | Mapping[str, object], key: str) -> Any:
+    """A config key's value (a parsed config.json value or a config attribute: untyped)."""
     return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
-def layer_attention(config: Any) -> list[LayerAttention]:
+def layer_attention(config: PretrainedConfig | Mapping[str, object]) -> list[LayerAttention]:
     """The rule of each of the config's `num_hidden_layers` layers (a config object or a mapping)."""
     count = int(_value(config, "num_hidden_layers"))
     types = list(_value(config, "layer_types") or [FULL] * count)
@@ -90,29 +96,36 @@ def config_layer_keys(layer_types: Sequence[str], num_layers: int, sliding_windo
     return keys
 
 
-def profile_rope_scaling(drafter_section: Any) -> Optional[dict[str, Any]]:
+def profile_rope_scaling(drafter_section: DrafterSection) -> Optional[dict[str, object]]:
     """`[drafter]` rope_scaling keys -> transformers' rope_parameters entries (None: plain RoPE)."""
     kind = drafter_section.rope_scaling
     if kind == "none":
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(drafter_section.rope_scaling_factor)}
+    scaling: dict[str, object] = {"rope_type": kind, "factor": float(drafter_section.rope_scaling_factor)}
     if kind == "yarn" and drafter_section.rope_original_max_position_embeddings:
         scaling["original_max_position_embeddings"] = int(drafter_section.rope_original_max_position_embeddings)
     return scaling
 
 
-def profile_layer_options(drafter_section: Any) -> dict[str, Any]:
+class LayerOptions(TypedDict):
+    """The `drafter_config` keywords of the layer and RoPE-scaling keys."""
+
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rope_scaling: Optional[dict[str, object]]
+
+
+def profile_layer_options(drafter_section: DrafterSection) -> LayerOptions:
     """The `drafter_config` keywords of the profile's `[drafter]` layer and RoPE-scaling keys."""
     return {"layer_types": tuple(drafter_section.layer_types), "sliding_window": int(drafter_section.sliding_window),
             "rope_scaling": profile_rope_scaling(drafter_section)}
 
 
-def profile_layer_problems(drafter_section: Any) -> list[tuple[str, str]]:
-    """(key, problem) for the `[drafter]` layer and RoPE-scaling keys; [] when they are usable."""
+def profile_layer_problems(drafter_section: DrafterSection) -> list[tuple[str, str]]:
+    """(key, problem) for the `[drafter]` layer and RoPE-scaling keys; [] when they are usable
+    (the schema's own rules, such as sliding_window >= 0, are checked when the profile loads)."""
     problems = [("drafter.layer_types", problem) for problem in layer_type_problems(
         list(drafter_section.layer_types), drafter_section.num_layers, drafter_section.sliding_window)]
-    if drafter_section.sliding_window < 0:
-        problems.append(("drafter.sliding_window", f"{drafter_section.sliding_window}; must be >= 1 (or 0: none)"))
     if drafter_section.rope_scaling != "none" and drafter_section.rope_scaling_factor <= 1.0:
         problems.append(("drafter.rope_scaling_factor", f"{drafter_section.rope_scaling_factor} with rope_scaling "
                          f"{drafter_section.rope_scaling!r}; a scaling factor must be > 1"))

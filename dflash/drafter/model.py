@@ -18,7 +18,7 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +30,16 @@ from dflash.drafter.attention import Attend, BlockLayout, make_layer_attends, po
 from dflash.drafter.layers import LayerAttention, config_layer_keys, layer_attention
 from dflash.drafter.shape import DrafterShape, derive_shape
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from dflash.drafter.attention import Backend
+    from dflash.drafter.draft_cache import DraftContextCache
+
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
+def drafter_config(target_config: PretrainedConfig, *, num_layers: int, block_size: int,
                    target_layer_ids: Sequence[int], mask_token_id: int, draft_vocab_size: int = 0,
                    shape: DrafterShape = DrafterShape(), layer_types: Sequence[str] = (), sliding_window: int = 0,
                    rope_scaling: Optional[Mapping[str, Any]] = None) -> Qwen3Config:
@@ -44,6 +50,11 @@ def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
     `dflash.drafter.layers`), DFlash keys."""
     own = derive_shape(target_config, shape)
     rope = {"rope_type": "default", **dict(rope_scaling or {}), "rope_theta": own.rope_theta}
+    dflash_keys: dict[str, Any] = {         # config.json values the config keeps as extra attributes
+        "block_size": block_size, "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids),
+                          "block_size": int(block_size),
+                          **({"draft_vocab_size": int(draft_vocab_size)} if draft_vocab_size else {})}}
     return Qwen3Config(
         **config_layer_keys(layer_types, num_layers, sliding_window),
         vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
@@ -53,11 +64,7 @@ def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
         rms_norm_eps=target_config.rms_norm_eps,
         rope_parameters=rope,
         max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
-        architectures=[ARCHITECTURE], block_size=block_size,
-        num_target_layers=target_config.num_hidden_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids),
-                       "block_size": int(block_size),
-                       **({"draft_vocab_size": int(draft_vocab_size)} if draft_vocab_size else {})},
+        architectures=[ARCHITECTURE], **dflash_keys,
     )
 
 
@@ -74,8 +81,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DraftAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        assert config.head_dim is not None and config.num_key_value_heads is not None, "drafter_config sets both"
+        self.head_dim: int = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, int(config.num_key_value_heads)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
@@ -126,6 +134,8 @@ class DraftDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Attached (frozen): the target's embedding, lm_head."""
 
+    draft_vocab: torch.Tensor           # a buffer, registered only with a draft vocabulary
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
@@ -139,29 +149,29 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.layer_rules: list[LayerAttention] = layer_attention(config)
-        self._frozen: tuple[nn.Module, nn.Module] | None = None
+        self._frozen: tuple[nn.Embedding, nn.Linear] | None = None
         vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
         if vocab_size:      # the target token id of each draft row (saved with the weights)
             self.register_buffer("draft_vocab", torch.zeros(vocab_size, dtype=torch.long))
 
-    def attach_target(self, target: nn.Module) -> "DFlashDrafter":
-        """Use the target's embedding and lm_head (frozen, not registered here)."""
-        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        if self.mask_token_id >= embed.num_embeddings or self.mask_token_id < 0:
-            raise ValueError(f"mask token id {self.mask_token_id} is not a row of the target's embedding "
-                             f"(0..{embed.num_embeddings - 1}); set drafter.mask_token_id in the profile")
+    def attach_target(self, target: PreTrainedModel) -> "DFlashDrafter":
+        """Use the target's embedding and lm_head (frozen, not registered here). The mask token is
+        a row of that embedding (the launch checks refuse a profile where it is not)."""
+        embed = cast(nn.Embedding, target.get_input_embeddings())
+        lm_head = cast(nn.Linear, target.get_output_embeddings())
+        assert 0 <= self.mask_token_id < embed.num_embeddings, "the mask token is a row of the target's embedding"
         for parameter in (*embed.parameters(), *lm_head.parameters()):
             parameter.requires_grad_(False)
         self._frozen = (embed, lm_head)
         return self
 
     @property
-    def embed_tokens(self) -> nn.Module:
+    def embed_tokens(self) -> nn.Embedding:
         assert self._frozen is not None, "call attach_target(target) first"
         return self._frozen[0]
 
     @property
-    def lm_head(self) -> nn.Module:
+    def lm_head(self) -> nn.Linear:
         assert self._frozen is not None, "call attach_target(target) first"
         return self._frozen[1]
 
@@ -171,6 +181,11 @@ class DFlashDrafter(nn.Module):
                             dtype=anchor_ids.dtype, device=anchor_ids.device)
         blocks[..., 0] = anchor_ids
         return blocks
+
+    @property
+    def decoder_layers(self) -> list[DraftDecoderLayer]:
+        """The draft layers, typed (an nn.ModuleList yields plain modules)."""
+        return [cast(DraftDecoderLayer, layer) for layer in self.layers]
 
     def forward(self, block_ids: torch.Tensor, context_features: torch.Tensor,
                 key_positions: torch.Tensor, attend: Union[Attend, Sequence[Attend]]) -> torch.Tensor:
@@ -241,7 +256,7 @@ class DFlashDrafter(nn.Module):
 
 
 @torch.no_grad()
-def draft_logits_cached(drafter: DFlashDrafter, cache: Any, anchor_id: int) -> torch.Tensor:
+def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
     """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
     (anchor position = cache.length): only the block's own tokens go through the projections."""
     device = drafter.fc.weight.device
@@ -266,19 +281,19 @@ class ComputeIn(nn.Module):
         super().__init__()
         self.module, self.dtype = drafter, dtype
 
-    def forward(self, *args: Any) -> torch.Tensor:
+    def forward(self, *args: object) -> torch.Tensor:
         from torch.func import functional_call
 
         copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters()}
-        return functional_call(self.module, copies, args)
+        return cast(torch.Tensor, functional_call(self.module, copies, args))
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
-                   context_features: torch.Tensor, backend: str) -> torch.Tensor:
+                   context_features: torch.Tensor, backend: Backend) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
     block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
-    reached through `.module`), called itself so the wrapper's hooks run."""
-    drafter = getattr(model, "module", model)
+    ComputeIn: reached through `.module`), called itself so the wrapper's hooks run."""
+    drafter = cast(DFlashDrafter, getattr(model, "module", model))
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)
     block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
     attends = make_layer_attends(layout, backend, drafter.layer_rules)
@@ -302,24 +317,24 @@ def _attend_by_rule(query_positions: torch.Tensor, key_positions: torch.Tensor, 
     return attend
 
 
-def target_source_layers(drafter: DFlashDrafter, num_target_layers: int, target_config: Any = None) -> list[int]:
+def target_source_layers(drafter: DFlashDrafter, num_target_layers: int,
+                         target_config: PretrainedConfig | None = None) -> list[int]:
     """The target layers the drafter's layers start from: those right after the deepest tap.
 
-    With `target_config`, every source must be a plain softmax-attention layer a draft layer can
-    hold (`taps.unholdable_sources`: not the Gated DeltaNet or gated attention layers of a
-    Qwen3.5/3.6 target); otherwise ValueError rather than a half-copied drafter.
+    With `target_config`, every source is a plain softmax-attention layer a draft layer can hold
+    (`taps.unholdable_sources`: not the Gated DeltaNet or gated attention layers of a Qwen3.5/3.6
+    target; the launch checks refuse drafter.init = "target" otherwise), never a half-copied drafter.
     """
     from dflash.drafter.taps import source_layer_ids, unholdable_sources
 
     sources = source_layer_ids(drafter.target_layer_ids, len(drafter.layers), num_target_layers)
-    problem = unholdable_sources(sources, target_config) if target_config is not None else ""
-    if problem:
-        raise ValueError(f"drafter.init = \"target\": {problem}")
+    assert target_config is None or not unholdable_sources(sources, target_config), \
+        "the launch checks hold drafter.init = \"target\""
     return sources
 
 
 @torch.no_grad()
-def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: float = 1.0) -> list[int]:
+def init_from_target(drafter: DFlashDrafter, target: PreTrainedModel, norm_scale: float = 1.0) -> list[int]:
     """Start the drafter from the target's own weights (`drafter.init = "target"`); returns the source layers.
 
     Draft layer i copies target layer (deepest tap + 1 + i): every parameter whose name and shape
@@ -349,7 +364,7 @@ def init_from_target(drafter: DFlashDrafter, target: nn.Module, norm_scale: floa
     hidden, taps = drafter.config.hidden_size, len(drafter.target_layer_ids)
     identity = torch.eye(hidden, dtype=drafter.fc.weight.dtype) / taps
     drafter.fc.weight.copy_(identity.repeat(1, taps))
-    drafter.hidden_norm.weight.copy_(target_layers[sources[0]].input_layernorm.weight)
+    drafter.hidden_norm.weight.copy_(getattr(target_layers[sources[0]], "input_layernorm").weight)
     final_norm = getattr(getattr(target, "model", target), "norm")
     drafter.norm.weight.copy_(final_norm.weight * norm_scale)
     return sources

@@ -10,9 +10,16 @@ multimodal checkpoints, is used when there is one). No torch or transformers imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from launcher_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from launcher_core.schema import DrafterSection
+
+    TargetConfig = PretrainedConfig | Mapping[str, Any]     # a config object, or config.json parsed
 
 MAX_HEAD_DIM = 128          # flex_attention's bf16 backward on SM12x needs head dim <= 128 (shared memory)
 DEFAULT_ROPE_THETA = 10000.0
@@ -43,7 +50,7 @@ class DrafterShape:
         return self.num_key_value_heads * self.head_dim
 
 
-def text_config(target_config: Any) -> Any:
+def text_config(target_config: TargetConfig) -> TargetConfig:
     """The language model's part of a config (object or mapping): `text_config` when nested."""
     if isinstance(target_config, Mapping):
         return target_config.get("text_config") or target_config
@@ -52,13 +59,13 @@ def text_config(target_config: Any) -> Any:
     return getattr(target_config, "text_config", None) or target_config
 
 
-def config_value(config: Any, key: str, default: Any = None) -> Any:
+def config_value(config: TargetConfig, key: str, default: Any = None) -> Any:
     """`config[key]` of a mapping or `config.key` of a config object; `default` when absent or None."""
     value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
     return default if value is None else value
 
 
-def target_rope_theta(target_config: Any) -> float:
+def target_rope_theta(target_config: TargetConfig) -> float:
     """The target's RoPE base frequency (transformers 5 `rope_parameters` or a top-level `rope_theta`)."""
     text = text_config(target_config)
     rope = config_value(text, "rope_parameters", {})
@@ -66,14 +73,14 @@ def target_rope_theta(target_config: Any) -> float:
     return float(theta or config_value(text, "rope_theta") or DEFAULT_ROPE_THETA)
 
 
-def target_head_dim(target_config: Any) -> int:
+def target_head_dim(target_config: TargetConfig) -> int:
     """The target's attention head dim: `head_dim`, else hidden size / heads."""
     text = text_config(target_config)
     heads = int(config_value(text, "num_attention_heads"))
     return int(config_value(text, "head_dim") or int(config_value(text, "hidden_size")) // heads)
 
 
-def derive_shape(target_config: Any, wanted: DrafterShape = DrafterShape()) -> DrafterShape:
+def derive_shape(target_config: TargetConfig, wanted: DrafterShape = DrafterShape()) -> DrafterShape:
     """Fill the zero fields of `wanted` from the target (see DrafterShape); checks the result."""
     text = text_config(target_config)
     heads = int(config_value(text, "num_attention_heads"))
@@ -98,7 +105,7 @@ def check_shape(shape: DrafterShape) -> None:
         raise ConfigError(f"drafter.head_dim must be even (RoPE rotates pairs), got {shape.head_dim}")
 
 
-def profile_shape(drafter_section: Any) -> DrafterShape:
+def profile_shape(drafter_section: DrafterSection) -> DrafterShape:
     """The profile's `[drafter]` shape keys (0 = derive from the target)."""
     return DrafterShape(num_attention_heads=drafter_section.num_attention_heads,
                         num_key_value_heads=drafter_section.num_key_value_heads,

@@ -8,21 +8,28 @@ forward.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+    from transformers import PreTrainedModel
+
+    from dflash.drafter.shape import TargetConfig
+
+
+MIN_SPACED_TARGET_LAYERS = 5     # the spacing from layer 1 to N-3 needs N >= 5 for two or more taps
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Tap layer ids spaced from layer 1 to N-3: `[N // 2]` for one draft layer."""
+    """Tap layer ids spaced from layer 1 to N-3: `[N // 2]` for one draft layer. (A target too
+    shallow for the spacing is the launch checks' to refuse, dflash.train.launch_checks.)"""
     n, count = num_target_layers, num_draft_layers
-    if count < 1:
-        raise ValueError(f"the drafter needs at least one layer, got {count}")
+    assert count >= 1, "the profile schema holds drafter.num_layers >= 1"
     if count == 1:
         return [n // 2]
-    if n < 5:
-        raise ValueError(f"a target with {n} layers is too shallow for {count} tap layers")
+    assert n >= MIN_SPACED_TARGET_LAYERS, f"a target with {n} layers is too shallow for {count} tap layers"
     return [round(1 + i * (n - 4) / (count - 1)) for i in range(count)]
 
 
@@ -32,7 +39,7 @@ def source_layer_ids(layer_ids: Sequence[int], num_draft_layers: int, num_target
     return [min(first + i, num_target_layers - 1) for i in range(num_draft_layers)]
 
 
-def unholdable_sources(sources: Sequence[int], target_config: Any) -> str:
+def unholdable_sources(sources: Sequence[int], target_config: TargetConfig) -> str:
     """Why the draft layers cannot start as these target layers ("" when they can).
 
     A draft layer holds plain softmax attention. A linear-attention (Gated DeltaNet) layer of a
@@ -55,7 +62,7 @@ def unholdable_sources(sources: Sequence[int], target_config: Any) -> str:
     return ""
 
 
-def decoder_layers(model: Any) -> Sequence[Any]:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of a transformers causal LM (`model.model.layers`)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
@@ -75,7 +82,7 @@ class TapCapture:
     With `stop_after_deepest`, the deepest tap's hook raises `StopForward`.
     """
 
-    def __init__(self, model: Any, layer_ids: Sequence[int], stop_after_deepest: bool = False):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stop_after_deepest: bool = False):
         layers = decoder_layers(model)
         bad = [k for k in layer_ids if not 0 <= k < len(layers)]
         if bad or not layer_ids:
@@ -84,7 +91,7 @@ class TapCapture:
         self.stop_after_deepest = stop_after_deepest
         self._layers = layers
         self._captured: dict[int, "torch.Tensor"] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> "TapCapture":
         deepest = max(self.layer_ids)
@@ -92,15 +99,16 @@ class TapCapture:
             self._handles.append(self._layers[k].register_forward_hook(self._hook(k, k == deepest)))
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         return exc[0] is StopForward
 
-    def _hook(self, layer_id: int, is_deepest: bool):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+    def _hook(self, layer_id: int, is_deepest: bool) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(_module: nn.Module, _inputs: tuple[object, ...], output: object) -> None:
+            captured = output[0] if isinstance(output, tuple) else output
+            self._captured[layer_id] = cast("torch.Tensor", captured)
             if is_deepest and self.stop_after_deepest:
                 raise StopForward()
         return hook
@@ -113,7 +121,7 @@ class TapCapture:
         return torch.cat([self._captured[k] for k in self.layer_ids], dim=-1)
 
 
-def extract_taps(model: Any, input_ids: "torch.Tensor", layer_ids: Sequence[int]) -> "torch.Tensor":
+def extract_taps(model: PreTrainedModel, input_ids: "torch.Tensor", layer_ids: Sequence[int]) -> "torch.Tensor":
     """Tap features [B, S, L*H] of a frozen target; layers past the deepest tap never run."""
     import torch
 

@@ -596,7 +596,7 @@ def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workloa
                        workload_key=workload.key(), **facts)
 
 
-def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, int] = (1, 2)) -> dict[int, float]:
+def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, float]:
     """Run one worst-case training step per micro-batch size on the current CUDA device and
     return torch's peak allocated memory (MiB) for each. GPU only."""
     import torch

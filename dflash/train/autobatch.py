@@ -34,10 +34,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from dflash.train.dist import DEFAULT_GRAD_BUCKET_MIB, GradientSum, agree_micro_batch, count_failed, prepare_gradient_sum
 from launcher_core.errors import ConfigError, RunFailed
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+Reduction = dict[str, int | str]      # one halving, as autobatch.json keeps it: step, from, to, failed_ranks, at
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
@@ -89,10 +95,11 @@ def parse_injection(text: str) -> OomInjector | None:
 
 def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
     try:
-        injector = OomInjector(**{k: int(v) for k, v in fields.items() if k != "phase"},
-                               phase=fields.get("phase", "forward"))
+        numbers = {key: int(value) for key, value in fields.items() if key != "phase"}
     except ValueError:
         raise ConfigError(f"{INJECT_ENV}={text!r}: rank, step and above take integers") from None
+    injector = OomInjector(rank=numbers.get("rank"), step=numbers.get("step"), above=numbers.get("above"),
+                           phase=fields.get("phase", "forward"))
     if injector.phase not in PHASES:
         raise ConfigError(f"{INJECT_ENV}={text!r}: phase must be forward, backward, sync or optimizer")
     if injector.step is None and injector.above is None:
@@ -100,12 +107,12 @@ def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
     return injector
 
 
-def injector_from_env(environ: dict[str, str] | None = None) -> OomInjector | None:
+def injector_from_env(environ: Mapping[str, str] | None = None) -> OomInjector | None:
     """The switch from the environment; a `step=` injection does not fire again after a torchrun
     restart (TORCHELASTIC_RESTART_COUNT > 0), so a drill shows the restart resuming cleanly."""
-    environ = environ if environ is not None else os.environ
-    injector = parse_injection(environ.get(INJECT_ENV, ""))
-    if injector is not None and int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    variables = environ if environ is not None else os.environ
+    injector = parse_injection(variables.get(INJECT_ENV, ""))
+    if injector is not None and int(variables.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         injector.fired = True
     return injector
 
@@ -115,7 +122,7 @@ def injector_from_env(environ: dict[str, str] | None = None) -> OomInjector | No
 @dataclass
 class RunState:
     micro_batch: int
-    reductions: list[dict[str, Any]] = field(default_factory=list)
+    reductions: list[Reduction] = field(default_factory=list)
 
 
 def run_state_path(run_dir: str | Path) -> Path:
@@ -164,7 +171,7 @@ def _attempt(work: Callable[[], None]) -> bool:
     return False
 
 
-def release_memory(optimizer) -> None:
+def release_memory(optimizer: torch.optim.Optimizer) -> None:
     """Drop every gradient and hand cached blocks back (after leaving the except block)."""
     import torch
 
@@ -189,7 +196,8 @@ class AutoBatch:
         # (buckets of grad_bucket_mib, train.grad_bucket_mib)
     """
 
-    def __init__(self, micro_batch: int, rank: int, state_path: str | Path | None = None, group: Any = None,
+    def __init__(self, micro_batch: int, rank: int, state_path: str | Path | None = None,
+                 group: ProcessGroup | None = None,
                  injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
                  grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB):
         self.micro_batch = micro_batch
@@ -199,11 +207,12 @@ class AutoBatch:
         self.group = group
         self.injector = injector
         self.log = log or (lambda line: print(line, flush=True))
-        self.reductions: list[dict[str, Any]] = []
+        self.reductions: list[Reduction] = []
         self.step = 0
 
     @classmethod
-    def start(cls, planned_micro_batch: int, state_path: str | Path | None, rank: int, group: Any = None,
+    def start(cls, planned_micro_batch: int, state_path: str | Path | None, rank: int,
+              group: ProcessGroup | None = None,
               injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
               grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> "AutoBatch":
         """Resume from the persisted micro-batch (never above it), agree on the minimum, persist."""
@@ -226,7 +235,7 @@ class AutoBatch:
         if self.state_path is not None and self.rank == 0:
             save_run_state(self.state_path, RunState(self.micro_batch, self.reductions))
 
-    def run_step(self, step: int, accumulate: Callable[[int], None], optimizer,
+    def run_step(self, step: int, accumulate: Callable[[int], None], optimizer: torch.optim.Optimizer,
                  update: Callable[[], None] | None = None) -> StepOutcome:
         """Forward/backward and the gradient sum at the agreed micro-batch, halving on all ranks
         until every rank gets through; then update once."""
@@ -239,7 +248,7 @@ class AutoBatch:
         optimizer.zero_grad(set_to_none=True)
         return StepOutcome(self.micro_batch, attempts)
 
-    def _all_got_through(self, accumulate: Callable[[int], None], optimizer) -> bool:
+    def _all_got_through(self, accumulate: Callable[[int], None], optimizer: torch.optim.Optimizer) -> bool:
         """Guarded: the forward/backward calls and the gradient sum's allocation; then one ok flag
         (all_reduce); only when every rank got through, the sum's collectives (no allocation)."""
         prepared: list[GradientSum] = []
@@ -260,7 +269,7 @@ class AutoBatch:
         prepared[0].run()
         return True
 
-    def prepare_sum(self, optimizer) -> GradientSum:
+    def prepare_sum(self, optimizer: torch.optim.Optimizer) -> GradientSum:
         """The gradient sum of the optimizer's parameters, its staging buffer allocated (the
         fault-injection point `sync` fires just before that allocation)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -277,7 +286,7 @@ class AutoBatch:
         self.log(f"[autobatch] rank {self.rank}: step {step}: {self._last_failed} rank(s) out of memory -> "
                  f"micro-batch {before} -> {self.micro_batch} on every rank; gradients dropped, step redone")
 
-    def _update(self, step: int, optimizer, update: Callable[[], None]) -> None:
+    def _update(self, step: int, optimizer: torch.optim.Optimizer, update: Callable[[], None]) -> None:
         def guarded() -> None:
             self.inject("optimizer")
             update()

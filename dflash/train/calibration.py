@@ -31,13 +31,14 @@ measure it, the same meaning as `launcher.py probe`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.memory import model as memory
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
@@ -223,10 +224,13 @@ def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, 
     """Peak allocated MiB of one step per size; an OOM says which size did not fit."""
     import torch
 
+    def one_step(size: int) -> None:
+        step_at(bench, size)
+
     peaks: dict[int, float] = {}
     for micro_batch in micro_batches:
         try:
-            peaks.update(memory.measure_peaks(lambda m: step_at(bench, m), (micro_batch,)))
+            peaks.update(memory.measure_peaks(one_step, (micro_batch,)))
         except torch.OutOfMemoryError:
             peaks = {}
             break
@@ -287,7 +291,10 @@ def calibrate(profile: Profile, scratch: Path | None = None,
     """Measure the worst case on 1 or 2 ranks (`calibration_ranks`), fit; check the line if asked."""
     import torch
 
+    from dflash.train.launch_checks import validate_profile_for_launch
+
     require_cuda(profile)
+    validate_profile_for_launch(profile)        # the profile against its target, as `train` checks it
     rows = max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
     ranks = calibration_ranks(profile, torch.cuda.device_count())
     with scratch_directory(scratch) as work:
@@ -325,8 +332,8 @@ def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batche
     failed = [document["error"] for document in found if "error" in document]
     if failed:
         raise RunFailed(failed[0])
-    return MeasuredPeaks(*(_larger_peaks([d[key] for d in found]) for key in ("peaks_mib", "check_peaks_mib")),
-                         found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"], found[0]["device_name"])
+    peaks, checks = (_larger_peaks([d[key] for d in found]) for key in ("peaks_mib", "check_peaks_mib"))
+    return MeasuredPeaks(peaks, checks, found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"], found[0]["device_name"])
 
 
 def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
@@ -334,7 +341,8 @@ def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
 
 
 def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: str, rows: int,
-                     check_micro_batches: tuple[int, ...], measure_step: Any = None) -> None:
+                     check_micro_batches: tuple[int, ...],
+                     measure_step: Callable[[CalibrationBench], dict[str, object]] | None = None) -> None:
     """One rank of a multi-rank calibration: join the group, build the bench, measure, write
     `calibration-rank-R.json` (or the RunFailed message). `measure_step(bench)`: what to run
     instead of the GPU measurement (returns a JSON-able dict; the CPU tests' hook)."""
@@ -353,7 +361,8 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
                                   device_id=device if device.type == "cuda" else None)
     try:
         bench = worst_case_bench(profile, Path(work), rows, env)
-        result = measure_step(bench) if measure_step else dataclasses.asdict(measure_bench(bench, check_micro_batches))
+        result: dict[str, object] = (measure_step(bench) if measure_step
+                                     else dataclasses.asdict(measure_bench(bench, check_micro_batches)))
     except RunFailed as error:              # an OOM of the worst case, said in the parent's words
         result = {"error": str(error)}
     write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
@@ -368,10 +377,8 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def scratch_directory(scratch: Path | None) -> Any:
+def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:
     """The given directory (kept), else a temporary one (removed afterwards)."""
-    import contextlib
-
     if scratch is None:
         return tempfile.TemporaryDirectory(prefix="dflash-calibrate-")  # yields a str
     scratch.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,19 @@ class MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
                           self.anchor_valid.to(device), self.tokens, self.rows, self.lengths)
 
+class StepData(Protocol):
+    """What a training state reads its batches from: the rank's dataset (`TrainData`), or the
+    memory trace's worst case (dflash.train.trace.WorstCaseData)."""
+
+    dataset: Any                # a datasets.Dataset (untyped third-party object) with input_ids, loss_mask
+    max_length: int
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def collate(self, rows: list[int], epoch: int) -> MicroBatch: ...
+
+
 class TrainData:
     """The Arrow dataset, the per-epoch order, each rank's rows of a step, and collation."""
 
@@ -48,8 +62,7 @@ class TrainData:
         self._check_sizes(path)
 
     def _check_sizes(self, path: Path) -> None:
-        if self.global_batch % self.env.world_size:
-            raise DataError(f"train.global_batch {self.global_batch} is not divisible by {self.env.world_size} ranks")
+        assert self.global_batch % self.env.world_size == 0, "the profile schema divides train.global_batch over the ranks"
         if len(self.dataset) < self.global_batch:
             raise DataError(f"{path}: {len(self.dataset)} rows, fewer than train.global_batch {self.global_batch}")
 

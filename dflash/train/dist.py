@@ -12,10 +12,11 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -95,7 +96,7 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def collective_device(group: Any = None) -> "torch.device":
+def collective_device(group: ProcessGroup | None = None) -> "torch.device":
     """Where a collective's tensor must live: the current CUDA device for NCCL, else the CPU."""
     import torch
     import torch.distributed as dist
@@ -105,7 +106,7 @@ def collective_device(group: Any = None) -> "torch.device":
     return torch.device("cpu")
 
 
-def all_reduce_tensor(values: "torch.Tensor", op_name: str = "SUM", group: Any = None) -> "torch.Tensor":
+def all_reduce_tensor(values: "torch.Tensor", op_name: str = "SUM", group: ProcessGroup | None = None) -> "torch.Tensor":
     """All-reduce `values` in place (on the collective device) and return them on their own device."""
     if not distributed():
         return values
@@ -116,7 +117,7 @@ def all_reduce_tensor(values: "torch.Tensor", op_name: str = "SUM", group: Any =
     return moved.to(values.device)
 
 
-def all_reduce_scalar(value: float, op_name: str, group: Any = None, dtype: str = "float64") -> float:
+def all_reduce_scalar(value: float, op_name: str, group: ProcessGroup | None = None, dtype: str = "float64") -> float:
     if not distributed():
         return value
     import torch
@@ -125,26 +126,26 @@ def all_reduce_scalar(value: float, op_name: str, group: Any = None, dtype: str 
     return all_reduce_tensor(tensor, op_name, group).item()
 
 
-def agree_micro_batch(local: int, group: Any = None) -> int:
+def agree_micro_batch(local: int, group: ProcessGroup | None = None) -> int:
     """Every rank's feasible micro-batch -> the smallest (all_reduce MIN), the same on all ranks."""
     return int(all_reduce_scalar(local, "MIN", group, dtype="int64"))
 
 
-def global_weight(local_weight: float, group: Any = None) -> float:
+def global_weight(local_weight: float, group: ProcessGroup | None = None) -> float:
     """The step's total loss weight over all ranks (all_reduce SUM): the loss normaliser."""
     return all_reduce_scalar(float(local_weight), "SUM", group)
 
 
-def all_ranks_ok(ok: bool, group: Any = None) -> bool:
+def all_ranks_ok(ok: bool, group: ProcessGroup | None = None) -> bool:
     return all_reduce_scalar(1 if ok else 0, "MIN", group, dtype="int64") == 1
 
 
-def any_rank(flag: bool, group: Any = None) -> bool:
+def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     """True on every rank when at least one rank's flag is set (all_reduce MAX)."""
     return all_reduce_scalar(1 if flag else 0, "MAX", group, dtype="int64") == 1
 
 
-def count_failed(ok: bool, group: Any = None) -> int:
+def count_failed(ok: bool, group: ProcessGroup | None = None) -> int:
     """How many ranks report a failure (all_reduce SUM of 0/1)."""
     return int(all_reduce_scalar(0 if ok else 1, "SUM", group, dtype="int64"))
 
@@ -183,7 +184,7 @@ class GradientSum:
 
     buckets: list[Bucket]
     staging: "torch.Tensor | None"          # uint8, min(bucket, all packed bytes): `staging_bytes`
-    group: Any = None
+    group: ProcessGroup | None = None
 
     @property
     def staging_bytes(self) -> int:
@@ -200,7 +201,7 @@ class GradientSum:
                 _through_staging(bucket, self.staging, lambda flat: dist.all_reduce(flat, group=self.group))
 
 
-def _through_staging(bucket: Bucket, staging: "torch.Tensor", collective: Callable[["torch.Tensor"], Any]) -> None:
+def _through_staging(bucket: Bucket, staging: "torch.Tensor", collective: Callable[["torch.Tensor"], object]) -> None:
     """Copy the bucket into the front of `staging`, run the collective on it, copy it back."""
     flat = staging[:bucket.nbytes].view(bucket.tensors[0].dtype)
     offset = 0
@@ -215,8 +216,7 @@ def _through_staging(bucket: Bucket, staging: "torch.Tensor", collective: Callab
 
 
 def grad_bucket_bytes(bucket_mib: float) -> int:
-    if not bucket_mib > 0:
-        raise ValueError(f"train.grad_bucket_mib = {bucket_mib}: the gradient sum's bucket must be above 0 MiB")
+    assert bucket_mib > 0, "the profile schema holds train.grad_bucket_mib > 0"
     return max(1, int(bucket_mib * MIB))
 
 
@@ -252,7 +252,7 @@ def plan_buckets(tensors: list["torch.Tensor"], bucket_bytes: int, device: "torc
     return buckets + ([Bucket(tuple(packing), in_place=False)] if packing else [])
 
 
-def prepare_gradient_sum(parameters: Iterable["torch.nn.Parameter"], group: Any = None,
+def prepare_gradient_sum(parameters: Iterable["torch.nn.Parameter"], group: ProcessGroup | None = None,
                          bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB,
                          before_staging: Callable[[], None] | None = None) -> GradientSum:
     """The buckets of this step's gradients and the one staging buffer (the sum's only allocation,
@@ -277,7 +277,7 @@ def staging_bytes(buckets: list[Bucket], bucket_bytes: int) -> int:
     return max(min(bucket_bytes, sum(packed)), max(packed, default=0))
 
 
-def sync_gradients(parameters: Iterable["torch.nn.Parameter"], group: Any = None,
+def sync_gradients(parameters: Iterable["torch.nn.Parameter"], group: ProcessGroup | None = None,
                    bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> None:
     """Sum every trainable parameter's gradient over the ranks, in place, bucket by bucket
     (`GradientSum`); the identity without a process group."""
@@ -285,7 +285,7 @@ def sync_gradients(parameters: Iterable["torch.nn.Parameter"], group: Any = None
         prepare_gradient_sum(parameters, group, bucket_mib).run()
 
 
-def broadcast_module(module: "torch.nn.Module", src: int = 0, group: Any = None,
+def broadcast_module(module: "torch.nn.Module", src: int = 0, group: ProcessGroup | None = None,
                      bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> None:
     """Every rank takes rank `src`'s parameters and buffers (the initial weights), in place, in
     buckets like the gradient sum: no DistributedDataParallel wrapper, no gradient buckets."""
@@ -301,7 +301,7 @@ def broadcast_module(module: "torch.nn.Module", src: int = 0, group: Any = None,
             _broadcast_bucket(bucket, src, group, device)
 
 
-def _broadcast_bucket(bucket: Bucket, src: int, group: Any, device: "torch.device") -> None:
+def _broadcast_bucket(bucket: Bucket, src: int, group: ProcessGroup | None, device: "torch.device") -> None:
     import torch
     import torch.distributed as dist
 
@@ -312,7 +312,7 @@ def _broadcast_bucket(bucket: Bucket, src: int, group: Any, device: "torch.devic
     _through_staging(bucket, staging, lambda flat: dist.broadcast(flat, src=src, group=group))
 
 
-def gather_floats(value: float, group: Any = None) -> list[float]:
+def gather_floats(value: float, group: ProcessGroup | None = None) -> list[float]:
     """`value` of every rank, in rank order (all_gather)."""
     if not distributed():
         return [value]

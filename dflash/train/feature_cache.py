@@ -17,15 +17,24 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     import torch
 
+    from dflash.train.data import MicroBatch
+
 CACHE_DIR = "feature_cache"
 
 
-def cache_directory(run_dir: Path, key: dict[str, Any]) -> Path:
+class FeatureSource(Protocol):
+    """Where a step reads a micro-batch's tap features instead of the online forward: the
+    feature cache, or the memory trace's fake features (dflash.train.trace.FakeFeatures)."""
+
+    def features(self, batch: MicroBatch, extract: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+
+def cache_directory(run_dir: Path, key: dict[str, object]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(run_dir) / "train" / CACHE_DIR / digest
 
@@ -38,20 +47,21 @@ class FeatureCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, float]:
         files = list(self.directory.glob("*.pt"))
         return {"rows": len(files), "mib": round(sum(f.stat().st_size for f in files) / 2**20, 1),
                 "hits": self.hits, "misses": self.misses}
 
-    def features(self, batch: Any, extract: Callable[["torch.Tensor"], "torch.Tensor"]) -> "torch.Tensor":
+    def features(self, batch: MicroBatch, extract: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """[b, S, L*H] for a MicroBatch: stored rows are read, the others extracted and stored."""
         import torch
 
         if not batch.rows or len(batch.rows) != batch.input_ids.shape[0]:
             raise ValueError("the feature cache needs the batch's dataset rows (collate_rows sets them)")
-        found = {i: self._read(row) for i, row in enumerate(batch.rows)}
-        missing = [i for i, value in found.items() if value is None]
-        self.hits, self.misses = self.hits + len(found) - len(missing), self.misses + len(missing)
+        stored = {i: self._read(row) for i, row in enumerate(batch.rows)}
+        found = {i: value for i, value in stored.items() if value is not None}
+        missing = [i for i in stored if i not in found]
+        self.hits, self.misses = self.hits + len(found), self.misses + len(missing)
         if missing:
             fresh = extract(batch.input_ids[missing])
             for j, i in enumerate(missing):
@@ -66,15 +76,16 @@ class FeatureCache:
     def _path(self, row: int) -> Path:
         return self.directory / f"{row}.pt"
 
-    def _read(self, row: int) -> "torch.Tensor | None":
+    def _read(self, row: int) -> torch.Tensor | None:
         import torch
 
         path = self._path(row)
         if not path.exists():
             return None
-        return torch.load(path, map_location="cpu", weights_only=True)
+        value: torch.Tensor = torch.load(path, map_location="cpu", weights_only=True)
+        return value
 
-    def _write(self, row: int, value: "torch.Tensor") -> None:
+    def _write(self, row: int, value: torch.Tensor) -> None:
         import io
 
         import torch

@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Mapping, TypedDict
 
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
@@ -27,6 +28,10 @@ from launcher_core.paths import REPO_ROOT
 from launcher_core.profile import profile_to_json
 from launcher_core.redact import redact_env
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.memory.launch_plan import PlanInputs
+    from dflash.memory.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,7 @@ def _rendezvous_args(profile: Profile, store: str) -> list[str]:
         return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store,
                 "--rdzv-conf", "is_host=false", "--local-addr", LOOPBACK_HOST,
                 "--rdzv-id", f"dflash-{profile.name}"]
-    if not machine.rdzv_endpoint:
-        raise ConfigError(f"profile {profile.name}: machine.nnodes = {machine.nnodes} needs machine.rdzv_endpoint "
-                          f"(host:port of the c10d rendezvous, reachable from every node)")
+    assert machine.rdzv_endpoint, "the profile schema holds machine.rdzv_endpoint for several nodes"
     return ["--nnodes", str(machine.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", machine.rdzv_endpoint,
             "--rdzv-id", f"dflash-{profile.name}"]
 
@@ -135,7 +138,7 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
 
 
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
-                 extra_env: Mapping[str, str] | None = None, plan: tuple[Any, Any] | None = None) -> int:
+                 extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank.
 
     Without `plan`, the profile is first checked against its target's config.json and tokenizer
@@ -176,7 +179,7 @@ def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, 
     process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT))
     received: list[int] = []
 
-    def forward(signum: int, _frame: Any) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
         process.send_signal(signum)
 
@@ -209,13 +212,22 @@ def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
     raise RunFailed(failure_message(failure, code, paths))
 
 
-def first_failure(failures_dir: Path) -> dict[str, Any] | None:
+class RankFailure(TypedDict):
+    """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
+
+    rank: int
+    time: float
+    error: str
+    traceback: str
+
+
+def first_failure(failures_dir: Path) -> RankFailure | None:
     """The earliest failure a rank recorded (the root cause; later ones are its echoes)."""
-    records = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(failures_dir.glob("rank-*.json"))]
+    records: list[RankFailure] = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(failures_dir.glob("rank-*.json"))]
     return min(records, key=lambda r: r["time"]) if records else None
 
 
-def failure_message(failure: dict[str, Any] | None, code: int, paths: TrainPaths) -> str:
+def failure_message(failure: RankFailure | None, code: int, paths: TrainPaths) -> str:
     if failure is None:
         return f"torchrun exited with code {code} and no rank recorded an error; see the logs in {paths.logs}"
     tail = "\n".join(failure["traceback"].rstrip().splitlines()[-15:])

@@ -4,10 +4,10 @@ starts (ConfigError, exit 2), naming the profile file and the key to change.
 
 Reads the target's config.json and tokenizer files, never its weights. The rules that need no
 target (ranges, divisibility, heads) are the schema's (launcher_core.schema RANGES and
-cross_field_problems), checked when the profile loads; these are the ones that need the target,
-and where a rank would otherwise fail:
+cross_field_problems), checked when the profile loads; these are the ones that need the target.
+Each is checked here only: the rank-side code that relies on it keeps at most an internal assert.
 
-| key | rule | a rank's failure |
+| key | rule | relied on by |
 |---|---|---|
 | train.decay_gamma | > 0 unless the block size has a default (8, 10, 16) | decay.default_gamma |
 | drafter.target_layer_ids | inside the target's layers; or the default spacing fits the target | resolve_layer_ids |
@@ -38,7 +38,7 @@ class TargetFacts:
     path: Path
     vocab_rows: int
     num_layers: int
-    config: dict
+    config: dict[str, object]       # config.json, parsed
 
 
 @dataclass(frozen=True)
@@ -107,19 +107,20 @@ class _KeyFiles:
 
 
 def _check_sizes(profile: Profile, where: _KeyFiles, problems: list[str]) -> float:
-    from dflash.drafter.decay import default_gamma
+    from dflash.drafter.decay import DEFAULT_GAMMA, default_gamma, has_default_gamma
 
-    try:
-        return default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
-    except ValueError as error:
-        problems.append(where("train.decay_gamma", f"unset, and {error}"))
-        return 0.0
+    block_size = profile.drafter.block_size
+    if profile.train.decay_gamma > 0 or has_default_gamma(block_size):
+        return default_gamma(block_size, profile.train.decay_gamma)
+    problems.append(where("train.decay_gamma", f"unset, and no default loss decay for block size {block_size} "
+                          f"(defaults exist for {sorted(DEFAULT_GAMMA)}); set train.decay_gamma in the profile"))
+    return 0.0
 
 
 def _check_layer_ids(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> list[int]:
-    from dflash.drafter.taps import default_target_layer_ids
+    from dflash.drafter.taps import MIN_SPACED_TARGET_LAYERS, default_target_layer_ids
 
-    count = target.num_layers
+    count, taps = target.num_layers, profile.drafter.num_layers
     if profile.drafter.target_layer_ids:
         ids = list(profile.drafter.target_layer_ids)
         bad = [k for k in ids if not 0 <= k < count]
@@ -128,11 +129,11 @@ def _check_layer_ids(profile: Profile, target: TargetFacts, where: _KeyFiles, pr
                                   f"({target.path.name}: {count} layers)"))
             return []
         return ids
-    try:
-        return default_target_layer_ids(count, profile.drafter.num_layers)
-    except ValueError as error:
-        problems.append(where("drafter.num_layers", f"{error}; set drafter.target_layer_ids or fewer draft layers"))
+    if taps > 1 and count < MIN_SPACED_TARGET_LAYERS:
+        problems.append(where("drafter.num_layers", f"a target with {count} layers is too shallow for {taps} tap "
+                              f"layers; set drafter.target_layer_ids or fewer draft layers"))
         return []
+    return default_target_layer_ids(count, taps)
 
 
 def _check_mask_token(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> int:
@@ -219,13 +220,13 @@ def tokenizer_mask_token_id(directory: Path) -> Optional[int]:
     return int(vocab[content]) if isinstance(vocab, dict) and content in vocab else None
 
 
-def _token_content(value: Any) -> str:
+def _token_content(value: object) -> str:
     if isinstance(value, dict):
         return str(value.get("content") or "")
     return value if isinstance(value, str) else ""
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

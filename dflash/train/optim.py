@@ -3,15 +3,18 @@ then cosine, and the helpers that gather a sharded optimizer's state for a check
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash.train.dist import distributed, rank_of_process
 from launcher_core.schema import Profile
 
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
 
-def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> Any:
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> LRScheduler:
     """Linear warmup over ceil(ratio * total) steps, then cosine to 0."""
     warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
 
@@ -32,19 +35,20 @@ def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch
     sums the gradients over the ranks before `step`, so every rank holds the full gradient."""
     # foreach on every device: torch picks it by default on CUDA only, and the memory model and the
     # CPU tests count its one temporary over the parameters (the update's peak) as on the GPU
-    settings = {"lr": profile.train.lr, "weight_decay": profile.train.weight_decay, "foreach": True}
+    lr, weight_decay = profile.train.lr, profile.train.weight_decay
     if not sharded_optimizer_wanted(profile):
-        return torch.optim.AdamW(params, **settings)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **settings)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay,
+                                   foreach=True)
 
 def sharded_optimizer_wanted(profile: Profile) -> bool:
     import torch.distributed as dist
 
     return profile.train.optimizer_sharding == "zero1" and distributed() and dist.get_world_size() > 1
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, to_rank: int = 0) -> dict[str, Any] | None:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, to_rank: int = 0) -> dict[str, object] | None:
     """The complete optimizer state on `to_rank` (None elsewhere). A sharded optimizer first gathers
     every rank's shard to `to_rank`: a collective, so EVERY rank must call this."""
     from torch.distributed.optim import ZeroRedundancyOptimizer

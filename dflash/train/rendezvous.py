@@ -22,7 +22,10 @@ import datetime
 import os
 import socket
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 LOOPBACK_HOST = "127.0.0.1"
 STORE_ENV = "DFLASH_RDZV_STORE"            # host:port of the launcher's store, for the ranks
@@ -55,7 +58,7 @@ class LoopbackStore:
 
     def __init__(self, timeout_s: float = STORE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self._store: Any = None
+        self._store: TCPStore | None = None
         self.endpoint = ""
 
     def __enter__(self) -> str:

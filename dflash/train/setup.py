@@ -9,18 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from dflash.drafter.model import DFlashDrafter
-from dflash.train.data import TrainData
+from dflash.train.data import StepData, TrainData
 from dflash.train.dist import WorkerEnv, broadcast_module
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedModel
+
+    from dflash.drafter.attention import Backend
     from dflash.train.autobatch import AutoBatch
-    from dflash.train.feature_cache import FeatureCache
+    from dflash.train.feature_cache import FeatureCache, FeatureSource
 
 
 @dataclass
@@ -29,14 +34,14 @@ class TrainState:
 
     env: WorkerEnv
     device: torch.device
-    target: Any
+    target: PreTrainedModel
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
-    scheduler: Any
-    data: TrainData
+    scheduler: LRScheduler
+    data: StepData
     layer_ids: list[int]
     decay: torch.Tensor
-    backend: str
+    backend: Backend
     grad_clip: float
     chunk_rows: int
     total_steps: int
@@ -45,7 +50,7 @@ class TrainState:
     autocast: str = "auto"
     compute_dtype: str = "float32"                  # train.compute_dtype (the drafter's forward)
     autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
-    feature_cache: FeatureCache | None = None       # train.feature_cache
+    feature_cache: FeatureSource | None = None      # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
@@ -53,16 +58,12 @@ class TrainState:
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
-    """drafter.mask_token_id, else the tokenizer's mask token; it must be a row of the embedding."""
+    """drafter.mask_token_id, else the tokenizer's mask token (a row of the embedding: the launch
+    checks, dflash.train.launch_checks, refuse a profile where it is missing or out of range)."""
     mask_id = profile.drafter.mask_token_id
     if mask_id is None:
         mask_id = _tokenizer_mask_id(profile)
-    if mask_id is None:
-        raise ValueError(f"profile {profile.name}: the tokenizer has no mask token; set [drafter] mask_token_id "
-                         f"to an embedding row the data never uses (Qwen3: 151669, a padding row)")
-    if not 0 <= mask_id < vocab_rows:
-        raise ValueError(f"profile {profile.name}: drafter.mask_token_id {mask_id} is not a row of the "
-                         f"target's embedding (0..{vocab_rows - 1})")
+    assert mask_id is not None and 0 <= mask_id < vocab_rows, "the launch checks hold drafter.mask_token_id"
     return int(mask_id)
 
 
@@ -75,16 +76,15 @@ def _tokenizer_mask_id(profile: Profile) -> int | None:
 
 
 def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
+    """drafter.target_layer_ids, else the default spacing (inside the target: the launch checks)."""
     from dflash.drafter.taps import default_target_layer_ids
 
     ids = list(profile.drafter.target_layer_ids) or default_target_layer_ids(num_target_layers, profile.drafter.num_layers)
-    bad = [k for k in ids if not 0 <= k < num_target_layers]
-    if bad:
-        raise ValueError(f"profile {profile.name}: drafter.target_layer_ids {bad} outside 0..{num_target_layers - 1}")
+    assert all(0 <= k < num_target_layers for k in ids), "the launch checks hold drafter.target_layer_ids"
     return ids
 
 
-def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_target_layers: int,
+def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
     from dflash.drafter.checkpoint import init_from_drafter
@@ -95,7 +95,7 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
     if profile.drafter.draft_vocab_size and not draft_vocab:
         raise ValueError(f"profile {profile.name}: drafter.draft_vocab_size is set; the drafter needs the "
                          f"draft vocabulary chosen from the dataset (choose_draft_vocab)")
-    mask_id = resolve_mask_token_id(profile, target.get_input_embeddings().num_embeddings)
+    mask_id = resolve_mask_token_id(profile, embedding_rows(target))
     config = drafter_config(target.config, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
                             target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
                             shape=profile_shape(profile.drafter), **profile_layer_options(profile.drafter))
@@ -114,11 +114,16 @@ def build_drafter(profile: Profile, target: Any, layer_ids: list[int], num_targe
     return drafter
 
 
-def load_rank_target(profile: Profile, device: torch.device) -> Any:
+def embedding_rows(target: PreTrainedModel) -> int:
+    """Rows of the target's input embedding (transformers types it as any module)."""
+    return cast("nn.Embedding", target.get_input_embeddings()).num_embeddings
+
+
+def load_rank_target(profile: Profile, device: torch.device) -> PreTrainedModel:
     """The profile's frozen target, straight onto this rank's device (dflash.models.load_target)."""
     from dflash.models import load_target, resolve_model_path
 
-    return load_target(resolve_model_path(profile.model.target), device, profile.model.dtype)
+    return cast("PreTrainedModel", load_target(resolve_model_path(profile.model.target), device, profile.model.dtype))
 
 
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,
@@ -139,7 +144,8 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     return state
 
 
-def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, data: Any) -> TrainState:
+def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, target: PreTrainedModel,
+                      data: StepData) -> TrainState:
     """The state around a loaded target: tap layers, draft vocabulary, the drafter (target init),
     the truncated target, loss decay, optimizer and schedule. `build_state` calls it with the real
     target and dataset; the memory trace (dflash.train.trace) with fake ones."""
@@ -157,7 +163,7 @@ def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, ta
     return assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
 
 
-def choose_draft_vocab(profile: Profile, data: TrainData, env: WorkerEnv) -> list[int]:
+def choose_draft_vocab(profile: Profile, data: StepData, env: WorkerEnv) -> list[int]:
     """drafter.draft_vocab_size most frequent loss tokens of the dataset (the same on every rank)."""
     from dflash.drafter.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
 
@@ -185,8 +191,8 @@ def dataset_path(profile: Profile) -> Path:
     return expand_path(profile, profile.paths.dataset)
 
 
-def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: Any, drafter: DFlashDrafter,
-                   data: TrainData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
+def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: PreTrainedModel,
+                   drafter: DFlashDrafter, data: StepData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
     from dflash.drafter.attention import resolve_backend
     from dflash.train.optim import build_optimizer, cosine_schedule, total_steps
 

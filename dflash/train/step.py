@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -79,7 +79,7 @@ def compute_model(state: TrainState) -> torch.nn.Module:
     return ComputeIn(state.drafter, getattr(torch, state.compute_dtype))
 
 
-def autocast_context(device: torch.device, setting: str = "auto") -> Any:
+def autocast_context(device: torch.device, setting: str = "auto") -> contextlib.AbstractContextManager[object]:
     """The drafter's forward: bf16 autocast on CUDA ("auto"), on CPU only with train.autocast = "bfloat16"."""
     if autocast_wanted(device.type, setting):
         return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -101,17 +101,18 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     started = time.perf_counter()
     local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
     global_weight = max(dist.global_weight(local_weight), 1e-12)
-    totals: dict[str, Any] = {}
+    finished: list[tuple[torch.Tensor, int]] = []      # (loss sums, tokens) of the pass that got through
 
     def accumulate(micro_batch: int) -> None:
-        totals["sums"], totals["tokens"] = accumulate_step(state, rows, epoch, micro_batch, global_weight)
+        finished.append(accumulate_step(state, rows, epoch, micro_batch, global_weight))
 
     if state.autobatch is not None:
         state.micro_batch = state.autobatch.run_step(state.step + 1, accumulate, state.optimizer,
                                                      lambda: update(state)).micro_batch
     else:
-        totals["sums"], totals["tokens"] = plain_step(state, rows, epoch, plan.micro_batch, global_weight)
-    return step_stats(state, totals["sums"], totals["tokens"], time.perf_counter() - started)
+        finished.append(plain_step(state, rows, epoch, plan.micro_batch, global_weight))
+    sums, tokens = finished[-1]
+    return step_stats(state, sums, tokens, time.perf_counter() - started)
 
 
 def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int, global_weight: float,

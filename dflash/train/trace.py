@@ -30,11 +30,19 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, TypedDict, cast
 
 from dflash.memory import model as memory
 from dflash.memory import trace as fake
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import PretrainedConfig
+
+    from dflash.train.data import MicroBatch
+    from dflash.train.setup import TrainState
 
 MIB = memory.MIB
 
@@ -49,12 +57,13 @@ class WorstCaseData:
     vocab: int
 
     def __post_init__(self) -> None:
-        self.max_length, self._batches = self.profile.data.max_length, {}
+        self.max_length = self.profile.data.max_length
+        self._batches: dict[int, MicroBatch] = {}
         self.dataset = {"input_ids": [[(7 * i + r) % self.vocab for i in range(self.max_length)] for r in range(2)],
                         "loss_mask": [[1] * self.max_length for _ in range(2)]}
         self.steps_per_epoch = 1
 
-    def collate(self, rows: list[int], epoch: int) -> Any:
+    def collate(self, rows: list[int], epoch: int) -> MicroBatch:
         return self._batches[len(rows)]
 
     def prepare(self, sizes: set[int]) -> None:
@@ -70,10 +79,10 @@ class WorstCaseData:
 class FakeFeatures:
     """The feature-cache path of `forward_micro`: a fresh fake tensor of the taps' shape per micro-batch."""
 
-    def __init__(self, width: int, dtype: Any):
+    def __init__(self, width: int, dtype: torch.dtype):
         self.width, self.dtype = width, dtype
 
-    def features(self, batch: Any, extract: Any) -> Any:
+    def features(self, batch: MicroBatch, extract: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         import torch
 
         return torch.empty(*batch.input_ids.shape, self.width, dtype=self.dtype)
@@ -105,7 +114,7 @@ def traced_rank(profile: Profile, workload: memory.Workload) -> int:
     return sizes.index(max(sizes))
 
 
-def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_target: bool = False,
+def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig | None = None, full_target: bool = False,
                world_size: int | None = None) -> fake.TracedStep:
     """One training step of `profile` at `micro_batch` sequences per forward, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -129,7 +138,7 @@ def trace_step(profile: Profile, micro_batch: int, *, config: Any = None, full_t
                            seconds=time.perf_counter() - started, world_size=world, **figures)
 
 
-def traced_state(profile: Profile, config: Any, data: WorstCaseData, world: int) -> Any:
+def traced_state(profile: Profile, config: PretrainedConfig, data: WorstCaseData, world: int) -> TrainState:
     """The trainer's state (`state_from_target`) around a fake target, its optimizer states allocated."""
     import torch
 
@@ -146,7 +155,7 @@ def traced_state(profile: Profile, config: Any, data: WorstCaseData, world: int)
     return state
 
 
-def allocate_optimizer_states(state: Any) -> None:
+def allocate_optimizer_states(state: TrainState) -> None:
     """One update on zero gradients (the trainer's `update`): AdamW allocates its states at its
     first step; the trace is of a later one."""
     import torch
@@ -160,11 +169,42 @@ def allocate_optimizer_states(state: Any) -> None:
     state.optimizer.zero_grad(set_to_none=True)
 
 
-def _traced(state: Any, profile: Profile, workload: memory.Workload, rows: list[int], micro_batch: int,
-            full_target: bool) -> tuple[dict[str, Any], Any]:
+class TracedFigures(TypedDict):
+    """The `fake.TracedStep` fields a traced step measures (MiB, and the target layers run / loaded)."""
+
+    target_weights: float
+    drafter_weights: float
+    drafter_grads: float
+    optimizer_states: float
+    tap_features: float
+    target_forward: float
+    target_peak: float
+    step_peak: float
+    sum_peak: float
+    update_peak: float
+    peak: float
+    target_layers_run: int
+    target_layers_loaded: int
+
+
+class PhaseTracking(Protocol):
+    """What the figures read of `fake.phase_tracker()` (a MemTracker with a peak per named phase)."""
+
+    phase: str
+    phase_peaks: dict[str, int]
+
+    def live_bytes(self) -> int: ...
+
+    def live_by_category(self) -> dict[str, int]: ...
+
+
+def _traced(state: TrainState, profile: Profile, workload: memory.Workload, rows: list[int], micro_batch: int,
+            full_target: bool) -> tuple[TracedFigures, MemTracker]:
     from dflash.train.step import plain_step
 
-    attend = fake.FlexMemoryAttention(state.drafter, {size: b.anchors for size, b in state.data._batches.items()},
+    data = state.data
+    assert isinstance(data, WorstCaseData), "the trace's state reads the worst case (traced_state)"
+    attend = fake.FlexMemoryAttention(state.drafter, {size: b.anchors for size, b in data._batches.items()},
                                       profile.data.max_length, state.autocast == "bfloat16")
     tracker = fake.phase_tracker()
     tracker.track_external(state.target, state.drafter, getattr(state.optimizer, "optim", state.optimizer))  # ZeRO: its local AdamW
@@ -177,24 +217,25 @@ def _traced(state: Any, profile: Profile, workload: memory.Workload, rows: list[
     return _figures(state, tracker, before, tap_bytes, layers_run), tracker
 
 
-def data_batch(state: Any, micro_batch: int) -> Any:
+def data_batch(state: TrainState, micro_batch: int) -> MicroBatch:
     return state.data.collate(list(range(micro_batch)), 0)
 
 
-def _target_taps(state: Any, batch: Any, full_target: bool) -> tuple[Any, int]:
+def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tuple[torch.Tensor, int]:
     """`extract_taps` over every loaded layer, or over the layers that decide the forward's peak."""
     from dflash.drafter.taps import decoder_layers, extract_taps
 
     loaded = len(decoder_layers(state.target))
     indices = (list(range(loaded)) if full_target
                else fake.peak_deciding_layers(fake.layer_types(state.target), state.layer_ids))
-    subset = contextlib.nullcontext() if full_target else fake.LayerSubset(state.target, indices)
+    subset: contextlib.AbstractContextManager[object] = (contextlib.nullcontext() if full_target
+                                                         else fake.LayerSubset(state.target, indices))
     with subset:
         features = extract_taps(state.target, batch.input_ids, [indices.index(k) for k in state.layer_ids])
     return features, len(indices)
 
 
-def _figures(state: Any, tracker: Any, before: int, tap_bytes: int, layers_run: int) -> dict[str, Any]:
+def _figures(state: TrainState, tracker: PhaseTracking, before: int, tap_bytes: int, layers_run: int) -> TracedFigures:
     from dflash.drafter.taps import decoder_layers
 
     phases, live = tracker.phase_peaks, tracker.live_by_category()
@@ -208,7 +249,7 @@ def _figures(state: Any, tracker: Any, before: int, tap_bytes: int, layers_run: 
             "target_layers_loaded": len(decoder_layers(state.target))}
 
 
-def _bytes(params: Any) -> int:
+def _bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
@@ -220,12 +261,13 @@ class KeepEveryRow:
         from torch.overrides import TorchFunctionMode
 
         class Mode(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            def __torch_function__(self, func: Callable[..., object], types: object, args: tuple[object, ...] = (),
+                                   kwargs: dict[str, object] | None = None) -> object:
                 import torch
 
                 kwargs = kwargs or {}
                 if func is torch.Tensor.__getitem__ and _boolean_rows(args):
-                    tensor = args[0]
+                    tensor = cast(torch.Tensor, args[0])
                     return tensor.index_select(0, torch.arange(tensor.shape[0], device=tensor.device))
                 return func(*args, **kwargs)
 
@@ -233,14 +275,15 @@ class KeepEveryRow:
         self.mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.mode.__exit__(*exc)
 
 
-def _boolean_rows(args: Any) -> bool:
+def _boolean_rows(args: tuple[object, ...]) -> bool:
     import torch
 
     if len(args) != 2 or not isinstance(args[1], torch.Tensor) or args[1].dtype != torch.bool:
         return False
     tensor, index = args
-    return index.dim() == 1 and tensor.dim() >= 1 and index.shape[0] == tensor.shape[0]
+    return (isinstance(tensor, torch.Tensor) and isinstance(index, torch.Tensor) and index.dim() == 1
+            and tensor.dim() >= 1 and index.shape[0] == tensor.shape[0])

@@ -16,9 +16,42 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Optional, TypedDict
+
+from dflash.train.feature_cache import FeatureCache
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash.memory.launch_plan import RankStart
+    from dflash.train.dist import WorkerEnv
+    from dflash.train.launch import RankFailure
+    from dflash.train.setup import TrainState
+    from dflash.train.step import StepStats
+    from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
+SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss", "sim_tau", "tokens_per_s", "lr")
+
+
+class _MetricsLineBase(TypedDict):
+    step: int
+    epoch: float
+    loss: float
+    acc: list[Optional[float]]
+    sim_tau: float
+    tokens_per_s: float
+    lr: float
+    mem_mib: list[float]
+    predicted_peak_mib: Optional[float]
+    micro_batch: int
+    time: float
+
+
+class MetricsLine(_MetricsLineBase, total=False):
+    """One line of train/metrics.jsonl (a logged step)."""
+
+    feature_cache: dict[str, float]         # train.feature_cache: rows, MiB, hits, misses (rank 0's)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,11 +79,11 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
-    write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json",
-                      {"rank": rank, "time": time.time(), "error": repr(error), "traceback": text})
+    record: RankFailure = {"rank": rank, "time": time.time(), "error": repr(error), "traceback": text}
+    write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
 
 
-def _train(args: argparse.Namespace, env: Any) -> int:
+def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
     from dflash.train.dist import close_process_group, init_process_group, rank_device
     from dflash.train.setup import build_state
     from launcher_core.profile import profile_from_json
@@ -70,14 +103,14 @@ def _train(args: argparse.Namespace, env: Any) -> int:
     return 0
 
 
-def apply_rank_plan(run_dir: Path, env: Any, device: Any) -> Any:
+def apply_rank_plan(run_dir: Path, env: WorkerEnv, device: torch.device) -> RankStart | None:
     """This rank's line of train/plan.json (None without one); on CUDA the allocator is capped to
     the rank's budget, so it cannot take memory another process on that GPU was promised."""
     from dflash.memory.launch_plan import allocator_fraction, read_rank_start
 
     start = read_rank_start(run_dir, env.rank)
     fraction = allocator_fraction(start) if start else None
-    if fraction is not None and device.type == "cuda":
+    if start is not None and fraction is not None and device.type == "cuda":
         import torch
 
         torch.cuda.set_per_process_memory_fraction(fraction, device)
@@ -103,19 +136,20 @@ class StopFlag:
         return any_rank(self.requested)
 
 
-def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
+def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
     from dflash.memory.plan import batch_plan
+    from dflash.train.data import TrainData
     from dflash.train.dist import gather_memory_mib
     from dflash.train.step import maybe_inject_failure, run_step
 
-    total = state.total_steps
+    data, total = state.data, state.total_steps
+    assert isinstance(data, TrainData), "a torchrun rank trains on its dataset (build_state)"
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     try:
         while state.step < total:
             maybe_inject_failure(state.env.rank, state.step + 1)
-            epoch, rows = state.data.step_rows(state.step)
-            stats = run_step(state, rows, epoch, batch_plan(state.data.global_batch, state.env.world_size,
-                                                            state.micro_batch))
+            epoch, rows = data.step_rows(state.step)
+            stats = run_step(state, rows, epoch, batch_plan(data.global_batch, state.env.world_size, state.micro_batch))
             state.step += 1
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
                 state.mem_mib = gather_memory_mib(state.device)
@@ -127,14 +161,14 @@ def train_loop(state: Any, profile: Any, run_dir: Path, stop: StopFlag) -> None:
             if state.step % profile.train.save_every_steps == 0 and state.step < total:
                 _save(state, run_dir, final=False)
         _save(state, run_dir, final=True)
-        if state.env.is_main and state.feature_cache is not None:
+        if state.env.is_main and isinstance(state.feature_cache, FeatureCache):
             state.feature_cache.remove()      # every rank is past the final barrier
     finally:
         if log:
             log.close()
 
 
-def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
+def _save(state: TrainState, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
     """Every rank: gather the optimizer state to rank 0 (a collective under zero1), rank 0 writes,
     then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
     from dflash.train.dist import barrier
@@ -143,11 +177,12 @@ def _save(state: Any, run_dir: Path, *, final: bool, stopped: bool = False) -> N
     state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
     optimizer_state = full_optimizer_state(state.optimizer)
     if state.env.is_main:
+        assert optimizer_state is not None, "rank 0 holds the gathered optimizer state"
         _write_checkpoint(state, run_dir, optimizer_state, final=final, stopped=stopped)
     barrier()
 
 
-def _write_checkpoint(state: Any, run_dir: Path, optimizer_state: dict, *, final: bool, stopped: bool) -> None:
+def _write_checkpoint(state: TrainState, run_dir: Path, optimizer_state: dict[str, object], *, final: bool, stopped: bool) -> None:
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.train.optim import optimizer_shard_count
     from launcher_core.fileio import write_json_atomic
@@ -168,7 +203,7 @@ class MetricsLog:
     """Rank 0: metrics.jsonl (one line per logged step), TensorBoard events, and train/progress.json
     after every step, from which the launcher draws the one progress bar (dflash.train.progress)."""
 
-    def __init__(self, run_dir: Path, state: Any, profile: Any):
+    def __init__(self, run_dir: Path, state: TrainState, profile: Profile):
         from torch.utils.tensorboard import SummaryWriter
 
         self.train_dir = run_dir / "train"
@@ -177,7 +212,7 @@ class MetricsLog:
         truncate_metrics(self.path, state.step)
         self.writer = SummaryWriter(str(run_dir / "train" / "tb"), purge_step=state.step + 1)
 
-    def record(self, state: Any, stats: Any, epoch: int) -> None:
+    def record(self, state: TrainState, stats: StepStats, epoch: int) -> None:
         from dflash.train.progress import TrainProgress, write_progress
 
         state.last_loss = stats.loss
@@ -187,7 +222,7 @@ class MetricsLog:
         line = metrics_line(state, stats)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
-        for key in ("loss", "sim_tau", "tokens_per_s", "lr"):
+        for key in SCALARS:
             self.writer.add_scalar(f"train/{key}", line[key], state.step)
         for k, value in enumerate(stats.acc, start=1):
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
@@ -196,8 +231,8 @@ class MetricsLog:
         self.writer.close()
 
 
-def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
-    line = {
+def metrics_line(state: TrainState, stats: StepStats) -> MetricsLine:
+    line: MetricsLine = {
         "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
         "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
         "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
@@ -205,7 +240,7 @@ def metrics_line(state: Any, stats: Any) -> dict[str, Any]:
         "predicted_peak_mib": state.predicted_peak_mib,
         "micro_batch": state.micro_batch, "time": time.time(),
     }
-    if state.feature_cache is not None:   # train.feature_cache: files on the node; hits and misses of rank 0
+    if isinstance(state.feature_cache, FeatureCache):   # train.feature_cache: files on the node; hits and misses of rank 0
         line["feature_cache"] = state.feature_cache.stats()
     return line
 
@@ -217,7 +252,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and _line_step(line) is not None and _line_step(line) <= step]
+            if line.strip() and (line_step := _line_step(line)) is not None and line_step <= step]
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 

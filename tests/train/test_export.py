@@ -175,6 +175,17 @@ def test_unsupported_published_drafters_are_refused_by_name(tiny_target_model, t
         load_drafter(tmp_path / "d2", tiny_target_model)
 
 
+def test_a_drafter_for_another_target_is_refused_naming_its_mask_token(checkpoint):
+    """The mask token of the checkpoint's config must be a row of the target it is loaded onto."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    small = Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(InputError, match=r"config.json: dflash_config.mask_token_id 151669 is not a row of the "
+                                         r"target's embedding \(0..999\)"):
+        load_drafter(checkpoint, small)
+
+
 @pytest.fixture(scope="module")
 def sliding_checkpoint(tmp_path_factory, tiny_target_model) -> Path:
     torch.manual_seed(0)

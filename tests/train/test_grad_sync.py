@@ -47,11 +47,6 @@ def test_without_a_process_group_the_sum_is_the_identity_and_allocates_nothing()
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
 
 
-def test_the_bucket_size_must_be_positive():
-    with pytest.raises(ValueError, match="train.grad_bucket_mib = 0"):
-        dist.grad_bucket_bytes(0)
-
-
 # --- 2 real gloo ranks ----------------------------------------------------------------------
 
 def _model(rank: int) -> torch.nn.Module:

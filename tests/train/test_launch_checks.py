@@ -70,6 +70,18 @@ def test_a_block_size_without_default_decay_names_train_decay_gamma(profiles_dir
     assert check(path).decay_gamma == 6.0
 
 
+def test_a_target_too_shallow_for_the_default_taps_names_drafter_num_layers(profiles_dir, tiny_qwen3_target):
+    """The default spacing (layer 1 to N-3) needs 5 target layers for 2 taps; the tiny Qwen3 has 4."""
+    path = variant(profiles_dir, "[drafter]\nnum_layers = 2\nlayer_types = []\nsliding_window = 0\nmask_token_id = 7",
+                   target=str(tiny_qwen3_target))
+    message = problems_of(path)
+    assert (f"{path}: key 'drafter.num_layers': a target with 4 layers is too shallow for 2 tap layers; "
+            f"set drafter.target_layer_ids or fewer draft layers") in message
+    fixed = variant(profiles_dir, "[drafter]\nnum_layers = 2\nlayer_types = []\nsliding_window = 0\nmask_token_id = 7\n"
+                    "target_layer_ids = [1, 3]", target=str(tiny_qwen3_target))
+    assert check(fixed).layer_ids == [1, 3]
+
+
 def test_no_mask_token_names_the_file_that_should_set_it_and_the_row_to_use(tmp_path, profiles_dir, flagship_twin_target):
     """rtx6000-x8 before this fix: no mask_token_id, a tokenizer without a mask token."""
     (profiles_dir / "rtx6000-x8.toml").write_text(
