@@ -18,7 +18,7 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,14 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.drafter.attention import Attend, BlockLayout, make_layer_attends, position_rule_mask
+from dflash.drafter.attention import Attend, Backend, BlockLayout, make_layer_attends, position_rule_mask
 from dflash.drafter.layers import LayerAttention, config_layer_keys, layer_attention
 from dflash.drafter.shape import DrafterShape, derive_shape
 
 ARCHITECTURE = "DFlashDraftModel"
+# What makes the training forward's per-layer attention: `make_layer_attends` (flex or SDPA under
+# the block mask); the memory trace passes its own (flex's memory on CPU, dflash.memory.trace).
+LayerAttendsFactory = Callable[[BlockLayout, Backend, "list[LayerAttention]"], "list[Attend]"]
 
 
 def drafter_config(target_config: Any, *, num_layers: int, block_size: int,
@@ -274,14 +277,16 @@ class ComputeIn(nn.Module):
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
-                   context_features: torch.Tensor, backend: str) -> torch.Tensor:
+                   context_features: torch.Tensor, backend: str,
+                   layer_attends: LayerAttendsFactory = make_layer_attends) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
     block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
-    reached through `.module`), called itself so the wrapper's hooks run."""
+    reached through `.module`), called itself so the wrapper's hooks run; `layer_attends` makes
+    each layer's attention from the layout, the backend and the layers' rules."""
     drafter = getattr(model, "module", model)
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)
     block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
-    attends = make_layer_attends(layout, backend, drafter.layer_rules)
+    attends = layer_attends(layout, backend, drafter.layer_rules)
     hidden = model(block_ids, context_features, layout.key_positions(), attends)
     return hidden.view(*anchors.shape, drafter.block_size, -1)
 

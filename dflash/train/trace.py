@@ -17,8 +17,8 @@ Where the trace differs from a GPU run, on purpose (each a stand-in for what can
   step reads the tap features through the trainer's feature-cache path (`state.feature_cache`),
   a fresh fake tensor of the taps' shape per micro-batch, as the cache does;
 * attention: flex_attention has no backward on CPU, so the drafter attends through SDPA with
-  flex's memory (dflash.memory.trace.trace_attend; its mask made before tracking, as flex's
-  BlockMask is a few KiB);
+  flex's memory (dflash.memory.trace.FlexMemoryAttention, the state's attention factory
+  `layer_attends`; its mask made before tracking, as flex's BlockMask is a few KiB);
 * the label selection `rows[keep]` has a data-dependent shape; the worst case keeps every label,
   so a boolean index of a fake tensor becomes the same copy through `index_select` of all rows;
 * two micro-batches stand for all of them: from the second on, each one's forward/backward runs
@@ -166,9 +166,10 @@ def _traced(state: Any, profile: Profile, workload: memory.Workload, rows: list[
 
     attend = fake.FlexMemoryAttention(state.drafter, {size: b.anchors for size, b in state.data._batches.items()},
                                       profile.data.max_length, state.autocast == "bfloat16")
+    state.layer_attends = attend.make_layer_attends
     tracker = fake.phase_tracker()
     tracker.track_external(state.target, state.drafter, getattr(state.optimizer, "optim", state.optimizer))  # ZeRO: its local AdamW
-    with attend.installed(), tracker:
+    with tracker:
         plain_step(state, rows, 0, micro_batch, 1.0, mark=lambda phase: setattr(tracker, "phase", phase))
         tracker.phase = "target"
         before = tracker.live_bytes()
@@ -187,7 +188,7 @@ def _target_taps(state: Any, batch: Any, full_target: bool) -> tuple[Any, int]:
 
     loaded = len(decoder_layers(state.target))
     indices = (list(range(loaded)) if full_target
-               else fake.peak_deciding_layers(fake.layer_types(state.target), state.layer_ids))
+               else fake.peak_deciding_layers(fake.module_layer_types(state.target), state.layer_ids))
     subset = contextlib.nullcontext() if full_target else fake.LayerSubset(state.target, indices)
     with subset:
         features = extract_taps(state.target, batch.input_ids, [indices.index(k) for k in state.layer_ids])
