@@ -79,7 +79,7 @@ def shape_from_config(config: Mapping[str, object], source: str, param_count: in
             rope_theta=target_rope_theta(text))
     except KeyError as error:
         raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
-    except (TypeError, ValueError) as error:
+    except TypeError as error:
         raise InputError(f"{source}: {error}") from None
 
 
@@ -88,7 +88,7 @@ def _int(text: Mapping[str, object], key: str, default: int | None = None) -> in
     value = text.get(key) if default is not None else text[key]
     if value is None and default is not None:
         return default
-    if not isinstance(value, (int, float, str)) or isinstance(value, bool):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"key {key!r} must be an integer, got {value!r}")
     return int(value)
 

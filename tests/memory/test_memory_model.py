@@ -43,6 +43,9 @@ def test_config_without_required_key_names_the_file_and_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(InputError, match=r"config\.json.*num_attention_heads"):
         shape_from_directory(tmp_path, dtype_bytes=2)
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B_CONFIG, "num_hidden_layers": "36"}))
+    with pytest.raises(InputError, match=r"config\.json: key 'num_hidden_layers' must be an integer, got '36'"):
+        shape_from_directory(tmp_path, dtype_bytes=2)
 
 
 def test_parameter_formula_matches_a_real_qwen3_model(tiny_qwen3_target):
