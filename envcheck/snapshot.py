@@ -138,7 +138,8 @@ class Snapshot:
 
 
 def _from_data(hint: Any, value: Any, where: str) -> Any:
-    """Rebuild dataclasses from JSON data, rejecting unknown keys (the error names the key)."""
+    """Rebuild dataclasses from JSON data, rejecting unknown and missing keys and values of the
+    wrong type (the error names the key, e.g. `snapshot.gpus[0].memory_free_mib`)."""
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected an object, got {value!r}")
@@ -146,6 +147,9 @@ def _from_data(hint: Any, value: Any, where: str) -> Any:
         unknown = sorted(set(value) - set(hints))
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(hints)}")
+        missing = [f.name for f in dataclasses.fields(hint) if f.name not in value and _required(f)]
+        if missing:
+            raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
         return hint(**{key: _from_data(hints[key], item, f"{where}.{key}") for key, item in value.items()})
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
@@ -153,7 +157,28 @@ def _from_data(hint: Any, value: Any, where: str) -> Any:
             return None
         return _from_data(next(a for a in get_args(hint) if a is not type(None)), value, where)
     if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
         return [_from_data(get_args(hint)[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict and not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object, got {value!r}")
+    return _checked_scalar(hint, value, where)
+
+
+def _required(field_: dataclasses.Field) -> bool:
+    return field_.default is dataclasses.MISSING and field_.default_factory is dataclasses.MISSING
+
+
+SCALARS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+
+
+def _checked_scalar(hint: Any, value: Any, where: str) -> Any:
+    """A JSON scalar of the field's type (a bool is not a number here)."""
+    allowed = SCALARS.get(hint)
+    if allowed is None:
+        return value
+    if not isinstance(value, allowed) or (hint is not bool and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value
 
 

@@ -85,7 +85,7 @@ GRADIENT_SUM_WORDS = {"measured": "measured (2 ranks, the real sum between them)
 
 
 def result_document(run_result, baseline: Path) -> dict:
-    from dflash.memory.model import calibration_as_dict
+    from dflash.memory.calibration import calibration_as_dict
     from dflash.train.calibration import iter_prediction_rows
 
     return {"baseline": str(baseline), "calibration": calibration_as_dict(run_result.calibration),

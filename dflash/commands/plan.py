@@ -85,7 +85,7 @@ def _finite(value: float) -> float | None:
 
 
 def _storage(plan, args: argparse.Namespace):
-    from dflash.memory.model import SEEDS_AVG_TOKENS, SEEDS_SAMPLES, offline_storage
+    from dflash.memory.offline import SEEDS_AVG_TOKENS, SEEDS_SAMPLES, offline_storage
 
     return offline_storage(plan.workload, samples=args.samples or SEEDS_SAMPLES,
                            avg_tokens=args.avg_tokens or SEEDS_AVG_TOKENS)

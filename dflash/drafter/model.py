@@ -18,7 +18,7 @@ the optimizer or DDP, and never into the checkpoint.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.drafter.attention import Attend, BlockLayout, make_layer_attends, position_rule_mask
+from dflash.drafter.attention import Attend, Backend, BlockLayout, make_layer_attends, position_rule_mask
 from dflash.drafter.layers import LayerAttention, config_layer_keys, layer_attention
 from dflash.drafter.shape import DrafterShape, derive_shape
 
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from dflash.drafter.draft_cache import DraftContextCache
 
 ARCHITECTURE = "DFlashDraftModel"
+# What makes the training forward's per-layer attention: `make_layer_attends` (flex or SDPA under
+# the block mask); the memory trace passes its own (flex's memory on CPU, dflash.memory.trace).
+LayerAttendsFactory = Callable[[BlockLayout, Backend, "list[LayerAttention]"], "list[Attend]"]
 
 
 def drafter_config(target_config: PretrainedConfig, *, num_layers: int, block_size: int,
@@ -289,14 +292,16 @@ class ComputeIn(nn.Module):
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
-                   context_features: torch.Tensor, backend: Backend) -> torch.Tensor:
+                   context_features: torch.Tensor, backend: Backend,
+                   layer_attends: LayerAttendsFactory = make_layer_attends) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
     block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
-    ComputeIn: reached through `.module`), called itself so the wrapper's hooks run."""
+    ComputeIn: reached through `.module`), called itself so the wrapper's hooks run; `layer_attends`
+    makes each layer's attention from the layout, the backend and the layers' rules."""
     drafter = cast(DFlashDrafter, getattr(model, "module", model))
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)
     block_ids = drafter.block_input_ids(torch.gather(input_ids, 1, anchors)).flatten(1)
-    attends = make_layer_attends(layout, backend, drafter.layer_rules)
+    attends = layer_attends(layout, backend, drafter.layer_rules)
     hidden = model(block_ids, context_features, layout.key_positions(), attends)
     return hidden.view(*anchors.shape, drafter.block_size, -1)
 

@@ -17,12 +17,15 @@ the draft cache keeps `window` positions per sliding layer (`dflash.drafter.draf
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash.memory.model import Workload
 
 FLEX_BLOCK = 128            # flex_attention's default BLOCK_SIZE (queries and keys)
 BLOCK_MASK_TABLES = 4       # partial and full blocks, for the query side and the transposed key side
 INT32_BYTES = 4
-MIB = 1024 * 1024
+MIB = 1024 * 1024           # the memory model's unit (dflash.memory.model.MIB)
 
 
 def block_mask_bytes(num_queries: int, num_keys: int) -> int:
@@ -38,9 +41,9 @@ def distinct_layer_rules(sliding_layers: int, drafter_layers: int) -> int:
     return 1 + (0 < sliding_layers < drafter_layers)
 
 
-def extra_block_mask_mib(workload: Any) -> float:
+def extra_block_mask_mib(workload: Workload) -> float:
     """Per sequence: the BlockMasks beyond the first (one more when sliding and full layers mix)."""
-    extra = distinct_layer_rules(getattr(workload, "sliding_layers", 0), workload.drafter_layers) - 1
+    extra = distinct_layer_rules(workload.sliding_layers, workload.drafter_layers) - 1
     if not extra:
         return 0.0
     queries = workload.block_tokens

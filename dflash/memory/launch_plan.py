@@ -2,9 +2,10 @@
 `<run_dir>/train/plan.json`, read back by every rank.
 
 Inputs: the node's GPUs (a recorded snapshot given with `--snapshot`, else this machine's GPUs
-through NVML, without a CUDA context), the profile's baseline (overheads of GPUs the snapshot did
-not probe, and the memory calibration `launcher.py calibrate` stored) and the profile. A rank
-whose budget cannot hold one sequence stops the launch before any model loads.
+through NVML, without a CUDA context: the same `envcheck.snapshot.Snapshot` either way), the
+profile's baseline (a saved snapshot: overheads of GPUs the snapshot did not probe, and the memory
+calibration `launcher.py calibrate` stored) and the profile. A rank whose budget cannot hold one
+sequence stops the launch before any model loads.
 
 Each rank starts from its own feasible micro-batch (`RankStart.micro_batch`); AutoBatch then
 agrees on the smallest over all ranks, persists it and halves it on a runtime OOM. On CUDA a
@@ -15,11 +16,16 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from launcher_core.errors import PreflightFailed
-from launcher_core.fileio import read_json, write_json_atomic
+from envcheck.snapshot import GpuFacts, NvmlFacts, Snapshot
+from launcher_core.errors import InputError, PreflightFailed
+from launcher_core.fileio import read_json_object, write_json_atomic
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.memory.calibration import Calibration
+    from dflash.memory.plan import Plan
 
 PLAN_FILE = "plan.json"
 
@@ -28,9 +34,9 @@ PLAN_FILE = "plan.json"
 class PlanInputs:
     """What a plan is computed from, and where each part came from (shown to the user)."""
 
-    snapshot: Any | None
-    baseline: Any | None
-    calibration: Any | None
+    snapshot: Snapshot | None           # None: a CPU profile without one
+    baseline: Snapshot | None
+    calibration: Calibration | None
     snapshot_source: str                # a file, "NVML", or "none (CPU profile)"
     calibration_file: Path | None = None    # where the calibration was read (baseline or snapshot)
     baseline_file: Path | None = None
@@ -53,39 +59,60 @@ def plan_path(run_dir: str | Path) -> Path:
 
 def read_inputs(profile: Profile, snapshot_file: Path | None = None, baseline_file: Path | None = None) -> PlanInputs:
     """The plan's inputs; the baseline defaults to the profile's saved one for the snapshot's host
-    (`launcher.py baseline save`, `launcher.py calibrate`)."""
-    from dflash.memory.model import load_calibration
+    (`launcher.py baseline save`, `launcher.py calibrate`). A malformed snapshot or baseline file is
+    an InputError naming the file and the key."""
+    from dflash.memory.calibration import stored_calibration
 
     snapshot, snapshot_source = _snapshot(profile, snapshot_file)
     baseline_file = baseline_file or saved_baseline(profile, snapshot)
-    baseline = read_json(baseline_file) if baseline_file else None
-    calibration, where = load_calibration(baseline, str(baseline_file)), baseline_file
+    baseline, calibration = read_baseline(baseline_file) if baseline_file else (None, None)
+    where = baseline_file
     if calibration is None and snapshot_file is not None:
-        calibration, where = load_calibration(snapshot, str(snapshot_file)), snapshot_file
+        calibration, where = stored_calibration(snapshot, str(snapshot_file)), snapshot_file
     return PlanInputs(snapshot, baseline, calibration, snapshot_source, where if calibration else None, baseline_file)
 
 
-def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Any | None, str]:
+def read_baseline(path: Path) -> tuple[Snapshot | None, Calibration | None]:
+    """A baseline file: a saved snapshot (`launcher.py baseline save`: its GPUs' overheads) with or
+    without the calibration `launcher.py calibrate` adds, or a calibration alone (`calibrate
+    --baseline FILE` of a new file)."""
+    from dflash.memory.calibration import CALIBRATION_KEY, load_calibration
+
+    document = read_json_object(path, "a baseline")
+    calibration = load_calibration(document, str(path))
+    if "schema_version" not in document and "gpus" not in document:
+        if calibration is None:
+            raise InputError(f"{path}: neither a snapshot (`launcher.py baseline save`) nor a {CALIBRATION_KEY!r} "
+                             f"(`launcher.py calibrate`); pass a baseline file")
+        return None, calibration
+    try:
+        return Snapshot.from_dict(document), calibration
+    except (ValueError, TypeError) as error:
+        raise InputError(f"{path}: not a valid snapshot: {error}") from None
+
+
+def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Snapshot | None, str]:
+    from envcheck.snapshot import load_snapshot
+
     if snapshot_file is not None:
-        return read_json(snapshot_file), str(snapshot_file)
+        return load_snapshot(snapshot_file), str(snapshot_file)
     if profile.machine.device == "cpu":
         return None, "none (CPU profile)"
     return live_snapshot(), "NVML"
 
 
-def saved_baseline(profile: Profile, snapshot: Any | None) -> Path | None:
+def saved_baseline(profile: Profile, snapshot: Snapshot | None) -> Path | None:
     """The profile's saved baseline for the snapshot's host (this host without one), if any."""
     from envcheck.baseline import baseline_path
 
-    hostname = snapshot.get("hostname") if isinstance(snapshot, dict) else None
-    path = baseline_path(profile.name, hostname or None)
+    path = baseline_path(profile.name, snapshot.hostname if snapshot is not None and snapshot.hostname else None)
     return path if path.exists() else None
 
 
-def model_source(plan: Any, inputs: PlanInputs) -> str:
+def model_source(plan: Plan, inputs: PlanInputs) -> str:
     """Which memory model the plan used, and why: a calibration from a file, or the analytic model."""
     calibration, where = inputs.calibration, inputs.calibration_file
-    if plan.peak_model.source == "calibration":
+    if calibration is not None and plan.peak_model.source == "calibration":
         return (f"calibration from {where} (measured {calibration.measured_at or 'at an unknown time'} on "
                 f"{calibration.device_name or 'an unnamed device'}, torch {calibration.torch_version or '?'})")
     if calibration is not None:
@@ -96,10 +123,9 @@ def model_source(plan: Any, inputs: PlanInputs) -> str:
     return f"analytic model ({looked}; `launcher.py calibrate --profile {plan.profile}` measures one on the GPU node)"
 
 
-def live_snapshot() -> dict[str, Any]:
-    """This machine's GPUs through NVML (no CUDA context), as envcheck collects them for snapshots."""
-    from dataclasses import asdict
-
+def live_snapshot() -> Snapshot:
+    """This machine's GPUs through NVML (no CUDA context), as the snapshot `launcher.py snapshot`
+    records (without the torch, toolkit, package and host facts a plan does not read)."""
     from envcheck.nvml_facts import collect
     from launcher_core.errors import ConfigError
 
@@ -107,10 +133,19 @@ def live_snapshot() -> dict[str, Any]:
     if nvml.error:
         raise ConfigError(f"cannot read this machine's GPUs through NVML ({nvml.error}); "
                           f"pass --snapshot FILE recorded on the node to plan for")
-    return {"gpus": [asdict(gpu) for gpu in gpus]}
+    return gpu_snapshot(nvml, gpus)
 
 
-def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Any:
+def gpu_snapshot(nvml: NvmlFacts, gpus: list[GpuFacts]) -> Snapshot:
+    """A snapshot of this host holding its NVML facts only."""
+    import socket
+    import time
+
+    return Snapshot(created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(), nvml=nvml,
+                    gpus=gpus)
+
+
+def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Plan:
     """The plan of this node's ranks; PreflightFailed (exit 1) when a rank cannot hold one sequence."""
     from dflash.memory.plan import does_not_fit, make_plan
 
@@ -125,7 +160,7 @@ def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: 
     return plan
 
 
-def rank_starts(plan: Any) -> list[RankStart]:
+def rank_starts(plan: Plan) -> list[RankStart]:
     peak = plan.peak_model.peak_mib(plan.batch.micro_batch)
     return [RankStart(rank=r.budget.rank, micro_batch=r.feasible_micro_batch, budget_mib=_finite(r.budget.budget_mib),
                       total_mib=r.budget.gpu.total_mib if r.budget.gpu else None, predicted_peak_mib=round(peak, 1))
@@ -136,7 +171,7 @@ def _finite(value: float) -> float | None:
     return None if value == float("inf") else round(value, 1)
 
 
-def write_plan(run_dir: Path, plan: Any, inputs: PlanInputs) -> Path:
+def write_plan(run_dir: Path, plan: Plan, inputs: PlanInputs) -> Path:
     document = {"profile": plan.profile, "world_size": plan.world_size, "micro_batch": plan.batch.micro_batch,
                 "accum_steps": plan.batch.accum_steps, "global_batch": plan.batch.global_batch,
                 "snapshot_source": inputs.snapshot_source, "memory_model": model_source(plan, inputs),
@@ -149,8 +184,13 @@ def read_rank_start(run_dir: Path, rank: int) -> RankStart | None:
     path = plan_path(run_dir)
     if not path.exists():
         return None
-    ranks = read_json(path)["ranks"]
-    return RankStart(**ranks[rank]) if rank < len(ranks) else None
+    ranks = read_json_object(path, "a memory plan").get("ranks")
+    if not isinstance(ranks, list) or not all(isinstance(line, dict) for line in ranks):
+        raise InputError(f"{path}: key 'ranks' must be a list of objects; re-run `launcher.py train`")
+    try:
+        return RankStart(**ranks[rank]) if rank < len(ranks) else None
+    except TypeError as error:
+        raise InputError(f"{path}: ranks[{rank}] is malformed ({error}); re-run `launcher.py train`") from None
 
 
 def allocator_fraction(start: RankStart) -> float | None:
@@ -160,7 +200,7 @@ def allocator_fraction(start: RankStart) -> float | None:
     return max(0.0, min(1.0, start.budget_mib / start.total_mib))
 
 
-def describe(plan: Any, inputs: PlanInputs) -> str:
+def describe(plan: Plan, inputs: PlanInputs) -> str:
     starts = ", ".join(f"rank {s.rank}: {s.micro_batch}" for s in rank_starts(plan))
     return (f"memory plan: micro-batch {plan.batch.micro_batch} x {plan.batch.accum_steps} accumulation steps on "
             f"{plan.world_size} ranks (GPUs from {inputs.snapshot_source}; memory model: "

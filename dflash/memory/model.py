@@ -33,15 +33,12 @@ gradients below the bucket, packed; larger ones are summed in place). `PeakModel
 is the larger of the step's line and that figure.
 
 The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
-micro-batch sizes) replaces intercept and slope with measured ones (`Calibration`), which are
-stored with the baseline under the key `memory_calibration`. Non-torch memory (CUDA context, NCCL,
+micro-batch sizes, `dflash.memory.measure`) replaces intercept and slope with measured ones
+(`dflash.memory.calibration`, stored with the baseline). Non-torch memory (CUDA context, NCCL,
 cuBLAS workspace) is not part of this model: `dflash.memory.plan` subtracts it from the free memory.
 
-Target shapes come from the target's `config.json` when the directory exists (a nested
-`text_config` is used for multimodal configs; the parameter count from the safetensors index when
-there is one), else from built-in shapes: SmolLM2-135M for the builtin target, and a
-Qwen3.6-27B-like shape (hidden 5120, 64 layers, 27B parameters) for anything else.
-No torch import here: `plan` runs in the launcher process.
+The target's shape comes from `dflash.memory.target`, the per-sequence activations byte by byte
+from `dflash.memory.activations`. No torch import here: `plan` runs in the launcher process.
 """
 from __future__ import annotations
 
@@ -49,79 +46,34 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
 
-from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape, target_rope_theta
+from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
 from dflash.drafter.taps import default_target_layer_ids
-from launcher_core.errors import InputError
+from dflash.memory.activations import drafter_activations_mib, tap_features_mib, target_activations_mib
+from dflash.memory.attention_masks import MIB
+from dflash.memory.target import DTYPE_BYTES, TargetShape, target_shape
 from launcher_core.schema import Profile
 
-MIB = 1024 * 1024
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+if TYPE_CHECKING:
+    from dflash.memory.calibration import Calibration
+
 LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)
 DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
 LOGITS_BYTES_PER_ELEMENT = 2 + 2 + 4 + 4  # bf16 logits and their gradient, fp32 upcast and its gradient
-FP32_BYTES = 4                      # the drafter's residual stream, RMSNorm inputs/outputs, q/k norms
-LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32 [tokens, value dim] copies (traced)
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
 ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
 GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
 GRAD_BUCKET_MIB = 64.0              # train.grad_bucket_mib default: the gradient sum's staging buffer cap
-CALIBRATION_KEY = "memory_calibration"
 
 
-@dataclass(frozen=True)
-class TargetShape:
-    """The target's dimensions (those that decide memory)."""
+class Sized(Protocol):
+    """A tensor (or parameter) as the ZeRO-1 partition sees it."""
 
-    hidden: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tie_embeddings: bool = False
-    param_count: int = 0            # 0: computed from the dimensions
-    source: str = "defaults"
-    linear_value_dim: int = 0       # Gated DeltaNet value heads x head dim (hybrid targets; 0: none)
-    rope_theta: float = 0.0         # RoPE base (a derived drafter shape takes it; 0: the default)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def layer_params(self) -> int:
-        attention = self.hidden * (2 * self.q_dim + 2 * self.kv_dim) + 2 * self.head_dim
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
-
-    def attention_config(self) -> dict[str, Any]:
-        """The attention keys of the target's config.json: what `derive_shape` reads."""
-        return {"hidden_size": self.hidden, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                **({"rope_theta": self.rope_theta} if self.rope_theta else {})}
-
-    def total_params(self) -> int:
-        if self.param_count:
-            return self.param_count
-        embeddings = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return embeddings + self.num_layers * self.layer_params() + self.hidden
+    def numel(self) -> int: ...
 
 
-# Qwen3.6-27B-like: hidden 5120, 64 layers, GQA 24/4 heads of 256, 248K vocabulary, 27B parameters.
-QWEN36_27B_LIKE = TargetShape(hidden=5120, num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256,
-                              intermediate=17408, vocab=248320, param_count=27_000_000_000,
-                              source="Qwen3.6-27B-like defaults", linear_value_dim=48 * 128,
-                              rope_theta=10_000_000.0)
-# SmolLM2-135M-Instruct (the builtin target) before its first conversion exists on disk.
-SMOLLM2_135M = TargetShape(hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                           intermediate=1536, vocab=49152, tie_embeddings=True,
-                           source="SmolLM2-135M defaults", rope_theta=100_000.0)
+SizedT = TypeVar("SizedT", bound=Sized)
 
 
 @dataclass(frozen=True)
@@ -271,85 +223,6 @@ class PeakModel:
         return max([0] + [m for m in range(1, ceiling + 1) if self.peak_mib(m) <= budget_mib])
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """Peak allocated memory measured at two micro-batch sizes on one workload."""
-
-    micro_batches: tuple[int, int]
-    peaks_mib: tuple[float, float]
-    workload_key: str
-    device_name: str = ""
-    torch_version: str = ""
-    measured_at: str = ""
-    gradient_sum: str = ""          # "measured": 2+ ranks summed for real; "model": one process ("" before it was recorded)
-
-    @property
-    def slope_mib(self) -> float:
-        (m1, m2), (p1, p2) = self.micro_batches, self.peaks_mib
-        return (p2 - p1) / (m2 - m1)
-
-    @property
-    def intercept_mib(self) -> float:
-        return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
-
-
-# --- target shape -------------------------------------------------------------------------
-
-def shape_from_config(config: Mapping[str, Any], source: str, param_count: int = 0) -> TargetShape:
-    """A HF config.json (dict) -> TargetShape; multimodal configs use their `text_config`."""
-    text = config.get("text_config") or config
-    try:
-        heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        return TargetShape(
-            hidden=hidden, num_layers=int(text["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
-            tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            param_count=param_count, source=source, linear_value_dim=_linear_value_dim(text),
-            rope_theta=target_rope_theta(text))
-    except KeyError as error:
-        raise InputError(f"{source}: config has no {error.args[0]!r}; is this a causal LM config?") from None
-
-
-def _linear_value_dim(text: Mapping[str, Any]) -> int:
-    """Gated DeltaNet's value width when the config has linear-attention layers (Qwen3.5), else 0."""
-    if "linear_attention" not in (text.get("layer_types") or []):
-        return 0
-    return int(text.get("linear_num_value_heads", 0)) * int(text.get("linear_value_head_dim", 0))
-
-
-def shape_from_directory(directory: Path, dtype_bytes: int) -> TargetShape:
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    return shape_from_config(config, str(config_path), _param_count_on_disk(directory, dtype_bytes))
-
-
-def _param_count_on_disk(directory: Path, dtype_bytes: int) -> int:
-    """Parameters from the safetensors index's total_size (0 when unknown)."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size", 0)
-        return int(total) // dtype_bytes
-    return 0
-
-
-def target_shape(profile: Profile) -> TargetShape:
-    """The profile's target shape, read from disk when possible (never converts or downloads)."""
-    from dflash.models import SMOLLM2
-    from launcher_core.paths import cache_dir
-
-    spec = profile.model.target
-    dtype_bytes = DTYPE_BYTES[profile.model.dtype]
-    if spec == SMOLLM2:
-        cached = cache_dir() / "smollm2-135m-instruct"
-        return shape_from_directory(cached, dtype_bytes) if (cached / "config.json").exists() else SMOLLM2_135M
-    directory = Path(spec).expanduser()
-    if (directory / "config.json").exists():
-        return shape_from_directory(directory, dtype_bytes)
-    return QWEN36_27B_LIKE
-
 
 def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
     """Ranks the AdamW states are spread over: the world size under zero1, else 1."""
@@ -362,13 +235,13 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
     shape = shape or target_shape(profile)
     world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
     taps = profile.drafter.target_layer_ids or tuple(default_target_layer_ids(shape.num_layers, profile.drafter.num_layers))
-    chunk = getattr(profile.train, "loss_chunk_rows", LOGITS_CHUNK_TOKENS) or LOGITS_CHUNK_TOKENS
     return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
                     drafter_shape=derive_shape(shape.attention_config(), profile_shape(profile.drafter)),
                     block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
-                    max_length=profile.data.max_length, tap_layers=tuple(taps), logits_chunk_tokens=chunk,
+                    max_length=profile.data.max_length, tap_layers=tuple(taps),
+                    logits_chunk_tokens=profile.train.loss_chunk_rows,
                     optimizer_shards=optimizer_shards(profile, world_size), world_size=world,
-                    grad_bucket_mib=getattr(profile.train, "grad_bucket_mib", GRAD_BUCKET_MIB),
+                    grad_bucket_mib=profile.train.grad_bucket_mib,
                     rank_share=max(1, profile.train.global_batch // world), compute_dtype=profile.train.compute_dtype,
                     sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
                     sliding_window=profile.drafter.sliding_window)
@@ -399,7 +272,8 @@ def drafter_param_sizes(workload: Workload) -> list[int]:
 def zero1_partition(sizes: Sequence[int], shards: int) -> list[list[int]]:
     """ZeroRedundancyOptimizer's partition: largest tensor first, each to the least-loaded rank
     (the first such rank on a tie). Returns the indices of `sizes` each rank holds."""
-    loads, owned = [0] * shards, [[] for _ in range(shards)]
+    loads = [0] * shards
+    owned: list[list[int]] = [[] for _ in range(shards)]
     for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
         rank = loads.index(min(loads))
         loads[rank] += sizes[index]
@@ -412,7 +286,7 @@ def zero_shard_sizes(sizes: Sequence[int], shards: int) -> list[int]:
     return [sum(sizes[i] for i in indices) for indices in zero1_partition(sizes, shards)]
 
 
-def fullest_zero1_shard(params: Sequence[Any], shards: int) -> list[Any]:
+def fullest_zero1_shard(params: Sequence[SizedT], shards: int) -> list[SizedT]:
     """The parameters (anything with `numel()`) that the ZeRO-1 partition gives its fullest rank."""
     sizes = [p.numel() for p in params]
     owned = zero1_partition(sizes, shards)
@@ -441,9 +315,9 @@ def estimate(workload: Workload) -> MemoryEstimate:
         drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * shard,
         autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
         logits_chunk=_logits_chunk_mib(workload), logits_per_sequence=_logits_per_sequence_mib(workload),
-        tap_features=_tap_features_mib(workload),
-        target_activations=_target_activations_mib(workload),
-        drafter_activations=_drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
+        tap_features=tap_features_mib(workload),
+        target_activations=target_activations_mib(workload),
+        drafter_activations=drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
         update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard, grad_sum_staging=_grad_sum_staging_mib(workload),
         checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0, rank_share=workload.rank_share)
 
@@ -480,91 +354,7 @@ def _logits_per_sequence_mib(workload: Workload) -> float:
     return _label_rows(workload) * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
 
 
-def _tap_features_mib(workload: Workload) -> float:
-    """Hidden states of the tap layers kept from the target forward, one sequence."""
-    return len(workload.tap_layers) * workload.max_length * workload.target.hidden * workload.dtype_bytes / MIB
-
-
-def _target_activations_mib(workload: Workload) -> float:
-    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence; on a
-    hybrid target the larger of that and a Gated DeltaNet layer's (PyTorch fallback, float32)."""
-    s = workload.target
-    elements = 2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
-    attention = workload.max_length * elements * workload.dtype_bytes
-    linear = workload.max_length * LINEAR_ATTENTION_FP32_COPIES * s.linear_value_dim * FP32_BYTES
-    return max(attention, linear) / MIB
-
-
-def _drafter_activations_mib(workload: Workload) -> float:
-    """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
-    bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
-    residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
-    (autocast casts the float32 input again for every Linear). With train.compute_dtype = "bfloat16"
-    the residual stream is bf16 and every projection reads one shared bf16 input, but each RMSNorm
-    (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
-    copy and a bf16 output."""
-    from dflash.memory.attention_masks import extra_block_mask_mib
-
-    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
-            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
-
-
-def _low_bytes(workload: Workload) -> int:
-    return workload.dtype_bytes if workload.autocast or _bf16_compute(workload) else FP32_BYTES
-
-
-def _bf16_compute(workload: Workload) -> bool:
-    return workload.compute_dtype == "bfloat16"
-
-
-def _norm_bytes(workload: Workload) -> int:
-    """One RMSNorm per element: float32 normalised + the projection's bf16 copy (float32 compute), or
-    float32 upcast + bf16 normalised + bf16 output (bf16 compute)."""
-    lo, f = _low_bytes(workload), FP32_BYTES
-    return f + lo + lo if _bf16_compute(workload) else f + lo
-
-
-def _projection_input_copies(workload: Workload, projections: int) -> int:
-    """Autocast's bf16 copies of a float32 input, one per projection reading it (none in bf16 compute)."""
-    return 0 if _bf16_compute(workload) else projections
-
-
-def _context_bytes(workload: Workload) -> int:
-    """Once: the taps' bf16 copy for fc (bf16 compute: fc reads the taps themselves), hidden_norm."""
-    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
-    taps = len(workload.tap_layers) * s.hidden * lo * _projection_input_copies(workload, 1)
-    norm = s.hidden * (f + _norm_bytes(workload)) if not _bf16_compute(workload) else s.hidden * _norm_bytes(workload)
-    return workload.max_length * (taps + norm)
-
-
-def _layer_key_bytes(workload: Workload) -> int:
-    """Per layer over context + block keys: k/v projections' input copies (bf16 compute: one shared input),
-    k_norm, k and v for attention (the drafter's KV width)."""
-    s, kv_dim, lo, f = workload.target, workload.drafter_shape.kv_dim, _low_bytes(workload), FP32_BYTES
-    keys = workload.max_length + workload.block_tokens
-    inputs = _projection_input_copies(workload, 2) or 1
-    return keys * (inputs * s.hidden * lo + kv_dim * (f + lo) + 2 * kv_dim * lo)
-
-
-def _layer_block_bytes(workload: Workload) -> int:
-    """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
-    post-attention norm, the MLP's input copies and four intermediates (the drafter's query width)."""
-    s, q_dim, lo, f = workload.target, workload.drafter_shape.q_dim, _low_bytes(workload), FP32_BYTES
-    norms = 2 * s.hidden * _norm_bytes(workload)
-    attention = _projection_input_copies(workload, 1) * s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
-    mlp = _projection_input_copies(workload, 2) * s.hidden * lo + 4 * s.intermediate * lo
-    return workload.block_tokens * (norms + attention + mlp)
-
-
-def _final_bytes(workload: Workload) -> int:
-    """The final norm and the loss's copy of the labelled rows (float32; bf16 in bf16 compute)."""
-    s, f = workload.target, FP32_BYTES
-    rows = workload.anchors * (workload.block_size - 1)
-    row_bytes = _low_bytes(workload) if _bf16_compute(workload) else f
-    return workload.block_tokens * s.hidden * _norm_bytes(workload) + rows * s.hidden * row_bytes
-
-
-# --- peak model and calibration -----------------------------------------------------------
+# --- the peak model --------------------------------------------------------------------
 
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
@@ -586,87 +376,3 @@ def peak_model(workload: Workload, calibration: Calibration | None = None) -> Pe
                      static_mib=max(0.0, calibration.intercept_mib - logits_chunk), source="calibration",
                      between_steps_mib=max(0.0, between))
 
-
-def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:
-    """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them)."""
-    if len(peaks_by_micro_batch) != 2:
-        raise ValueError(f"calibration needs exactly two micro-batch sizes, got {sorted(peaks_by_micro_batch)}")
-    (m1, p1), (m2, p2) = sorted(peaks_by_micro_batch.items())
-    return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)),
-                       workload_key=workload.key(), **facts)
-
-
-def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, float]:
-    """Run one worst-case training step per micro-batch size on the current CUDA device and
-    return torch's peak allocated memory (MiB) for each. GPU only."""
-    import torch
-
-    peaks = {}
-    for micro_batch in micro_batches:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        run_step(micro_batch)
-        torch.cuda.synchronize()
-        peaks[micro_batch] = torch.cuda.max_memory_allocated() / MIB
-    return peaks
-
-
-def calibration_as_dict(calibration: Calibration) -> dict[str, Any]:
-    return {**dataclasses.asdict(calibration), "slope_mib": calibration.slope_mib,
-            "intercept_mib": calibration.intercept_mib}
-
-
-def calibration_from_dict(document: Mapping[str, Any], where: str) -> Calibration:
-    try:
-        return Calibration(micro_batches=tuple(document["micro_batches"]), peaks_mib=tuple(document["peaks_mib"]),
-                           workload_key=str(document["workload_key"]),
-                           device_name=str(document.get("device_name", "")),
-                           torch_version=str(document.get("torch_version", "")),
-                           measured_at=str(document.get("measured_at", "")),
-                           gradient_sum=str(document.get("gradient_sum", "")))
-    except (KeyError, TypeError) as error:
-        raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
-
-
-def save_calibration(baseline_path: str | Path, calibration: Calibration) -> Path:
-    """Store the calibration inside the baseline JSON (atomically), next to the facts it was measured on."""
-    from launcher_core.fileio import read_json, write_json_atomic
-
-    path = Path(baseline_path)
-    document = read_json(path) if path.exists() else {}
-    document[CALIBRATION_KEY] = calibration_as_dict(calibration)
-    return write_json_atomic(path, document)
-
-
-def load_calibration(document: Mapping[str, Any] | None, where: str) -> Calibration | None:
-    """The calibration stored in a baseline (or snapshot) document, if any."""
-    if not document or CALIBRATION_KEY not in document:
-        return None
-    return calibration_from_dict(document[CALIBRATION_KEY], where)
-
-
-# --- offline storage, for comparison ------------------------------------------------------
-
-SEEDS_SAMPLES = 902_087             # the seeds' tokenized completions
-SEEDS_AVG_TOKENS = 2000             # their average length
-
-
-@dataclass(frozen=True)
-class OfflineStorage:
-    """What storing the tap hidden states on disk (the offline alternative) would take."""
-
-    samples: int
-    avg_tokens: int
-    layers: int
-    hidden: int
-    dtype_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        return self.samples * self.avg_tokens * self.layers * self.hidden * self.dtype_bytes
-
-
-def offline_storage(workload: Workload, samples: int = SEEDS_SAMPLES, avg_tokens: int = SEEDS_AVG_TOKENS) -> OfflineStorage:
-    return OfflineStorage(samples=samples, avg_tokens=avg_tokens, layers=len(workload.tap_layers),
-                          hidden=workload.target.hidden, dtype_bytes=workload.dtype_bytes)

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from dflash.memory import model as memory
-from launcher_core.errors import ConfigError, InputError
+from dflash.memory.calibration import Calibration
+from dflash.memory.target import TargetShape
+from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from envcheck.snapshot import Snapshot
 
 DEFAULT_OVERHEAD_MIB = 1024.0       # context ~500-600 MiB + NCCL buffers + cuBLAS workspace
 UNLIMITED_MIB = float("inf")
@@ -94,50 +99,13 @@ class Plan:
 
 # --- snapshots -> GPU facts ---------------------------------------------------------------
 
-def _get(record: Any, *names: str, default: Any = None) -> Any:
-    """The first present attribute/key of `names` in a dataclass-like object or a dict."""
-    for name in names:
-        value = record.get(name) if isinstance(record, Mapping) else getattr(record, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def gpus_from_snapshot(snapshot: Any, where: str = "snapshot") -> list[GpuView]:
-    """GPU facts from a Snapshot object or its JSON form (a dict with a `gpus` list)."""
-    gpus = _get(snapshot, "gpus", default=None)
-    if gpus is None:
-        raise InputError(f"{where}: no 'gpus' list; is this a snapshot from `launcher.py snapshot`?")
-    contexts = _probe_contexts(snapshot)
-    return [_gpu_view(gpu, contexts, f"{where}: gpus[{i}]") for i, gpu in enumerate(gpus)]
-
-
-def _gpu_view(gpu: Any, contexts: Mapping[str, float], where: str) -> GpuView:
-    try:
-        index = int(_get(gpu, "index"))
-        uuid = str(_get(gpu, "uuid", default=""))
-        context = _get(gpu, "context_mib", default=contexts.get(uuid, contexts.get(str(index))))
-        return GpuView(index=index, uuid=uuid, name=str(_get(gpu, "name", default="")),
-                       total_mib=float(_get(gpu, "memory_total_mib")),
-                       free_mib=float(_get(gpu, "memory_free_mib")),
-                       context_mib=None if context is None else float(context))
-    except (TypeError, ValueError):
-        raise InputError(f"{where}: needs index, memory_total_mib and memory_free_mib (numbers)") from None
-
-
-def _probe_contexts(snapshot: Any) -> dict[str, float]:
-    """Per-GPU context cost measured by the CUDA probe, keyed by UUID and by index."""
-    probe = _get(snapshot, "probe", "cuda_probe", default=None)
-    devices = _get(probe, "devices", "gpus", default=[]) if probe is not None else []
-    contexts: dict[str, float] = {}
-    for device in devices or []:
-        mib = _get(device, "context_mib")
-        if mib is None:
-            continue
-        for key in (_get(device, "uuid"), _get(device, "nvml_index", "index")):
-            if key is not None:
-                contexts[str(key)] = float(mib)
-    return contexts
+def gpus_from_snapshot(snapshot: Snapshot) -> list[GpuView]:
+    """The facts budgets need of each GPU of a snapshot (a file's, or this machine's through NVML);
+    `context_mib` is the CUDA probe's measured overhead where it ran."""
+    return [GpuView(index=gpu.index, uuid=gpu.uuid, name=gpu.name, total_mib=float(gpu.memory_total_mib),
+                    free_mib=float(gpu.memory_free_mib),
+                    context_mib=None if gpu.context_mib is None else float(gpu.context_mib))
+            for gpu in snapshot.gpus]
 
 
 def visible_gpus(gpus: Sequence[GpuView], cuda_visible_devices: str | None) -> list[GpuView]:
@@ -184,11 +152,9 @@ def rank_budget(rank: int, gpu: GpuView | None, profile: Profile, baseline: Mapp
                       margin_mib=margin, budget_mib=gpu.free_mib - overhead - margin)
 
 
-def baseline_index(baseline: Any | None) -> dict[str, GpuView]:
+def baseline_index(baseline: Snapshot | None) -> dict[str, GpuView]:
     """A baseline snapshot's GPUs keyed by UUID and by index (for overhead fallback)."""
-    if baseline is None or _get(baseline, "gpus") is None:
-        return {}
-    views = gpus_from_snapshot(baseline, "baseline")
+    views = gpus_from_snapshot(baseline) if baseline is not None else []
     return {**{str(gpu.index): gpu for gpu in views}, **{gpu.uuid: gpu for gpu in views if gpu.uuid}}
 
 
@@ -215,7 +181,7 @@ def world_size_of(profile: Profile) -> int:
     return profile.machine.nproc_per_node * profile.machine.nnodes
 
 
-def rank_gpus(profile: Profile, snapshot: Any | None, world_size: int,
+def rank_gpus(profile: Profile, snapshot: Snapshot | None, world_size: int,
               cuda_visible_devices: str | None) -> list[GpuView | None]:
     """The GPU of each local rank. A CPU profile has none (unlimited budgets) unless a snapshot is
     given: then its GPUs' budgets apply, which is how a dry run plans a CPU run as if on that node."""
@@ -231,9 +197,9 @@ def rank_gpus(profile: Profile, snapshot: Any | None, world_size: int,
     return [visible[rank % local] for rank in range(world_size)]
 
 
-def make_plan(profile: Profile, snapshot: Any | None = None, *, baseline: Any | None = None,
-              calibration: memory.Calibration | None = None, cuda_visible_devices: str | None = None,
-              world_size: int | None = None, shape: memory.TargetShape | None = None) -> Plan:
+def make_plan(profile: Profile, snapshot: Snapshot | None = None, *, baseline: Snapshot | None = None,
+              calibration: Calibration | None = None, cuda_visible_devices: str | None = None,
+              world_size: int | None = None, shape: TargetShape | None = None) -> Plan:
     """The whole per-rank plan; pure apart from reading the target's config.json."""
     world = world_size or world_size_of(profile)
     workload = memory.workload_from_profile(profile, shape, world)

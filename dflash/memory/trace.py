@@ -12,7 +12,8 @@ label counted):
 
 1. target taps: the frozen target in `model.dtype`, built from its config with transformers' own
    classes (the flagship is Qwen3.5's `Qwen3_5ForCausalLM`, hybrid Gated DeltaNet / gated full
-   attention), truncated after the deepest tap, `extract_taps` under no_grad;
+   attention, from `dflash.models.QWEN36_27B_TEXT` when its directory is not on this machine),
+   truncated after the deepest tap, `extract_taps` under no_grad;
 2. the drafter (`DFlashDrafter`, float32 parameters, the profile's own attention shape through
    `dflash.drafter.shape.profile_shape`, as the trainer builds it) over every block, under bf16
    autocast as on CUDA when `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`,
@@ -23,7 +24,8 @@ label counted):
 
 Where the trace differs from a GPU run, on purpose:
 * attention: flex_attention (the GPU backend) has no backward on CPU, not even on fake tensors, so
-  the drafter attends through SDPA with flex's memory (`trace_attend`): the dense block mask is
+  the drafter attends through SDPA with flex's memory (`FlexMemoryAttention`, passed to the
+  trainer's forward as its attention factory, `TrainState.layer_attends`): the dense block mask is
   built outside the tracker (flex's BlockMask is a few KiB), and the query heads are grouped per
   KV head instead of expanding K/V to every query head (sdpa's `enable_gqa` on CPU would add two
   K/V copies per layer that flex does not make);
@@ -40,27 +42,26 @@ Heavy imports happen inside the functions: `launcher.py plan` without `--trace` 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from dflash.memory import model as memory
+from dflash.memory.target import SMOLLM2_135M, shape_from_config, target_shape
+from dflash.models import QWEN36_27B_TEXT, hybrid_layer_types, local_model_dir
 from launcher_core.schema import Profile
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from dflash.drafter.attention import Attend, Backend, BlockLayout
+    from dflash.drafter.layers import LayerAttention
+    from dflash.drafter.model import DFlashDrafter
+
 MIB = memory.MIB
-# Qwen3.6-27B's text config (Qwen3.5 architecture), as published: what the flagship target is built
-# from when its directory is not on this machine. Hidden, layers, heads and vocabulary match
-# memory.QWEN36_27B_LIKE.
-QWEN36_27B_TEXT_CONFIG = {
-    "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "vocab_size": 248320,
-    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-}
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+MemorySnapshot = dict["torch.device", dict[str, int]]     # MemTracker's: device -> reference type -> bytes
 
 
 @dataclass(frozen=True)
@@ -89,45 +90,39 @@ class TracedStep:
 
 # --- the target ---------------------------------------------------------------------------
 
-def target_config(profile: Profile) -> Any:
+def target_config(profile: Profile) -> PretrainedConfig:
     """The profile's target config (transformers object): from its directory, the builtin
     SmolLM2's shape, or the published Qwen3.6-27B text config."""
-    from pathlib import Path
-
     from transformers import AutoConfig, LlamaConfig
 
     from dflash.models import SMOLLM2
-    from launcher_core.paths import cache_dir
 
-    spec = profile.model.target
-    directory = cache_dir() / "smollm2-135m-instruct" if spec == SMOLLM2 else Path(spec).expanduser()
+    directory = local_model_dir(profile.model.target)
     if (directory / "config.json").exists():
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        return getattr(config, "text_config", None) or config
-    if spec == SMOLLM2:
-        s = memory.SMOLLM2_135M
+        text: PretrainedConfig = getattr(config, "text_config", None) or config
+        return text
+    if profile.model.target == SMOLLM2:
+        s = SMOLLM2_135M
         return LlamaConfig(hidden_size=s.hidden, num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
                            num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
                            vocab_size=s.vocab, tie_word_embeddings=s.tie_embeddings)
     return qwen36_27b_config()
 
 
-def qwen36_27b_config(**changes: Any) -> Any:
+def qwen36_27b_config(**changes: object) -> PretrainedConfig:
     """Qwen3.6-27B's text config (`Qwen3_5TextConfig`); `changes` override fields (tests shrink it)."""
     from transformers import Qwen3_5TextConfig
 
-    values = {**QWEN36_27B_TEXT_CONFIG, **changes}
+    values = {**QWEN36_27B_TEXT, **changes}
     interval = values.pop("full_attention_interval")
-    values.setdefault("layer_types", hybrid_layer_types(values["num_hidden_layers"], interval))
-    return Qwen3_5TextConfig(**values)
+    layers = values["num_hidden_layers"]
+    assert isinstance(layers, int) and isinstance(interval, int)
+    values.setdefault("layer_types", hybrid_layer_types(layers, interval))
+    return Qwen3_5TextConfig.from_dict(values)
 
 
-def hybrid_layer_types(num_layers: int, interval: int) -> list[str]:
-    """Qwen3.5's layout: linear attention x (interval - 1), then full attention, repeated."""
-    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-
-
-def truncated_config(config: Any, keep_layers: int) -> Any:
+def truncated_config(config: PretrainedConfig, keep_layers: int) -> PretrainedConfig:
     """The config with only the first `keep_layers` layers (the trainer drops the rest)."""
     import copy
 
@@ -139,16 +134,18 @@ def truncated_config(config: Any, keep_layers: int) -> Any:
     return truncated
 
 
-def build_target(config: Any, dtype: Any) -> Any:
+def build_target(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
     """The frozen target from its config in `dtype` (under the caller's FakeTensorMode: no memory)."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    target: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     target.requires_grad_(False)
     return target
 
 
-def layer_types(target: Any) -> list[str]:
+def module_layer_types(target: nn.Module) -> list[str]:
+    """The kind of each decoder layer of a built target (its modules' `layer_type`; "decoder" when
+    the layer does not say). `dflash.models.layer_types` reads the same from a config."""
     from dflash.drafter.taps import decoder_layers
 
     return [getattr(layer, "block_type", None) or getattr(layer, "layer_type", None) or "decoder"
@@ -167,36 +164,58 @@ def peak_deciding_layers(types: Sequence[str], taps: Sequence[int]) -> list[int]
 class LayerSubset:
     """Context manager: the target's forward runs only `indices` of its layers (weights stay)."""
 
-    def __init__(self, target: Any, indices: Sequence[int]):
-        self.base, self.indices = target.model, list(indices)
+    def __init__(self, target: PreTrainedModel, indices: Sequence[int]):
+        base = target.get_submodule("model")
+        self.base, self.config, self.indices = base, target.config, list(indices)
 
-    def __enter__(self) -> "LayerSubset":
+    def __enter__(self) -> LayerSubset:
         import torch
 
-        config, layers = self.base.config, self.base.layers
-        self.saved = (layers, config.num_hidden_layers, getattr(config, "layer_types", None))
+        layers = self.base.get_submodule("layers")
+        assert isinstance(layers, torch.nn.ModuleList)
+        self.saved = (layers, self.config.num_hidden_layers, getattr(self.config, "layer_types", None))
         self.base.layers = torch.nn.ModuleList(layers[i] for i in self.indices)
-        config.num_hidden_layers = len(self.indices)
+        self.config.num_hidden_layers = len(self.indices)
         if self.saved[2] is not None:
-            config.layer_types = [self.saved[2][i] for i in self.indices]
+            self.config.layer_types = [self.saved[2][i] for i in self.indices]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.base.layers, self.base.config.num_hidden_layers, types = self.saved
+    def __exit__(self, *exc: object) -> None:
+        self.base.layers, self.config.num_hidden_layers, types = self.saved
         if types is not None:
-            self.base.config.layer_types = types
+            self.config.layer_types = types
 
 
 # --- the tracker --------------------------------------------------------------------------
 
-def phase_tracker() -> Any:
+class PhaseTracking(Protocol):
+    """What the trace reads of its tracker (`phase_tracker`: a torch MemTracker)."""
+
+    phase: str
+    phase_peaks: dict[str, int]
+
+    def live_bytes(self) -> int: ...
+
+    def live_by_category(self) -> dict[str, int]: ...
+
+    def track_external(self, *external: nn.Module | torch.optim.Optimizer) -> None: ...
+
+    def get_tracker_snapshot(self, type: str = "current") -> MemorySnapshot: ...
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *args: object) -> None: ...
+
+
+def phase_tracker() -> PhaseTracking:
     """A MemTracker that also keeps the peak (and its categories) of each named phase."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _State
 
     class PhaseTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
-            self._phase, self.phase_peaks = "setup", {}
+            self._phase = "setup"
+            self.phase_peaks: dict[str, int] = {}
 
         @property
         def phase(self) -> str:
@@ -208,13 +227,13 @@ def phase_tracker() -> Any:
             self._phase = name
             self.phase_peaks[name] = max(self.phase_peaks.get(name, -1), self.live_bytes())
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
+        def _update_peak_stats(self, peak_state: _State) -> None:
             super()._update_peak_stats(peak_state)
             live = self.live_bytes()
             if live > self.phase_peaks.get(self.phase, -1):
                 self.phase_peaks[self.phase] = live
 
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        def _pre_fw_hook(self, module: nn.Module, inputs: object) -> None:
             # a module called again at the top level (the drafter's next micro-batch, the lm_head's next loss
             # chunk) starts its per-module stats afresh; the global figures (all the trace reads) go on
             name = self._mod_tracker.get_known_fqn(module)
@@ -223,7 +242,7 @@ def phase_tracker() -> Any:
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
             # grad hooks only where every parameter trains: frozen ones (the target) cannot take hooks
             # (and on leaves: under train.compute_dtype = "bfloat16" the drafter runs on cast copies)
             trainable = all(p.requires_grad and p.is_leaf for p in module.parameters())
@@ -238,7 +257,8 @@ def phase_tracker() -> Any:
     return PhaseTracker()
 
 
-def by_category(snapshot: dict) -> dict[str, int]:
+def by_category(snapshot: MemorySnapshot) -> dict[str, int]:
+    """Bytes per category (MemTracker's reference types), summed over devices."""
     totals = dict.fromkeys(CATEGORIES, 0)
     for device_snap in snapshot.values():
         for key, value in device_snap.items():
@@ -257,32 +277,34 @@ class FlexMemoryAttention:
     one would be converted, and saved, inside every call), query heads grouped per KV head instead of
     K/V expanded to the query heads (what sdpa's `enable_gqa` does on CPU, and flex does not).
     One mask per distinct layer rule (`drafter.layer_rules`: full, or a sliding window), as flex
-    keeps one BlockMask per rule. `installed()` puts it in place of
-    `dflash.drafter.model.make_layer_attends` (what `forward_blocks` calls)."""
+    keeps one BlockMask per rule. `make_layer_attends` is the trainer's attention factory
+    (`TrainState.layer_attends`, what `forward_blocks` calls)."""
 
-    def __init__(self, drafter: Any, anchors_by_size: dict[int, Any], context_len: int, bf16: bool):
+    def __init__(self, drafter: DFlashDrafter, anchors_by_size: dict[int, torch.Tensor], context_len: int,
+                 bf16: bool):
         import torch
 
         from dflash.drafter.attention import BlockLayout
 
-        self.groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
+        config = drafter.config
+        self.groups = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
         dtype = torch.bfloat16 if bf16 else torch.float32
-        self.masks = {}
+        self.masks: dict[tuple[int, LayerAttention], torch.Tensor] = {}
         for size, anchors in anchors_by_size.items():
             layout = BlockLayout(anchors, context_len, drafter.block_size)
             for rule in set(drafter.layer_rules):
                 visible = layout.dense_mask(rule).repeat(1, 1, self.groups, 1)
                 self.masks[size, rule] = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
-    def make_layer_attends(self, layout: Any, backend: str, rules: list[Any]) -> list[Any]:
+    def make_layer_attends(self, layout: BlockLayout, backend: Backend, rules: list[LayerAttention]) -> list[Attend]:
         return [self.make_attend(self.masks[layout.anchors.shape[0], rule]) for rule in rules]
 
-    def make_attend(self, mask: Any) -> Any:
+    def make_attend(self, mask: torch.Tensor) -> Attend:
         import torch.nn.functional as F
 
         groups = self.groups
 
-        def attend(q: Any, k: Any, v: Any) -> Any:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             batch, heads, queries, dim = q.shape
             grouped = q.reshape(batch, k.shape[1], groups * queries, dim)
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
@@ -290,25 +312,14 @@ class FlexMemoryAttention:
 
         return attend
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        from dflash.drafter import model as drafter_model
 
-        original = drafter_model.make_layer_attends
-        drafter_model.make_layer_attends = self.make_layer_attends
-        try:
-            yield
-        finally:
-            drafter_model.make_layer_attends = original
-
-
-def workload_for_config(profile: Profile, config: Any, world_size: int | None = None) -> memory.Workload:
+def workload_for_config(profile: Profile, config: PretrainedConfig, world_size: int | None = None) -> memory.Workload:
     """The memory model's workload of `profile` with the target shape of `config`; the profile's own
     shape (and its parameter count) when the dimensions are the same."""
     import dataclasses
 
-    shape = memory.shape_from_config(config.to_dict(), type(config).__name__)
-    known = memory.target_shape(profile)
+    shape = shape_from_config(config.to_dict(), type(config).__name__)
+    known = target_shape(profile)
     if dataclasses.replace(shape, param_count=known.param_count, source=known.source) == known:
         shape = known
     return memory.workload_from_profile(profile, shape, world_size)

@@ -10,8 +10,9 @@ drafter, attention backend, loss chunking and optimizer. Every measured step is 
 `run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
 steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
 first update), measures the peak allocated memory of one step at each size
-(`memory.measure_peaks`) and fits the line (`memory.fit_calibration`). Optionally the calibrated
-line is held against measured peaks at larger micro-batches (`check_micro_batches`).
+(`dflash.memory.measure.measure_peaks`) and fits the line (`dflash.memory.calibration.fit_calibration`).
+Optionally the calibrated line is held against measured peaks at larger micro-batches
+(`check_micro_batches`).
 
 Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
 (one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
@@ -41,6 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.memory import model as memory
+from dflash.memory.calibration import Calibration, fit_calibration, save_calibration
+from dflash.memory.measure import measure_peaks
+from dflash.memory.target import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.schema import Profile
 
@@ -96,7 +100,7 @@ class MeasuredPeaks:
 
 @dataclass
 class CalibrationRun:
-    calibration: memory.Calibration
+    calibration: Calibration
     workload: memory.Workload
     peaks_mib: dict[int, float]
     backend: str
@@ -152,7 +156,7 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
 
     env = env or WorkerEnv(0, 1, 0)
     world = world_size_of(profile)
-    shape = memory.target_shape(profile)
+    shape = target_shape(profile)
     dataset = scratch / "worst-case-dataset"
     if env.is_main:
         for stale in (dataset, scratch / "run"):        # a kept scratch from an earlier run
@@ -230,7 +234,7 @@ def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, 
     peaks: dict[int, float] = {}
     for micro_batch in micro_batches:
         try:
-            peaks.update(memory.measure_peaks(one_step, (micro_batch,)))
+            peaks.update(measure_peaks(one_step, (micro_batch,)))
         except torch.OutOfMemoryError:
             peaks = {}
             break
@@ -241,13 +245,13 @@ def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, 
     return peaks
 
 
-def fit(bench: CalibrationBench, peaks: dict[int, float], device_name: str = "") -> memory.Calibration:
+def fit(bench: CalibrationBench, peaks: dict[int, float], device_name: str = "") -> Calibration:
     import torch
 
-    return memory.fit_calibration(peaks, bench.workload, torch_version=torch.__version__,
-                                  device_name=device_name or torch.cuda.get_device_name(bench.state.device),
-                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  gradient_sum=gradient_sum_source(bench.world_size, bench.ranks))
+    return fit_calibration(peaks, bench.workload, torch_version=torch.__version__,
+                           device_name=device_name or torch.cuda.get_device_name(bench.state.device),
+                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           gradient_sum=gradient_sum_source(bench.world_size, bench.ranks))
 
 
 def gradient_sum_source(world_size: int, ranks: int) -> str:
@@ -258,13 +262,13 @@ def gradient_sum_source(world_size: int, ranks: int) -> str:
     return "measured" if ranks > 1 else "model"
 
 
-def check_predictions(bench: CalibrationBench, calibration: memory.Calibration,
+def check_predictions(bench: CalibrationBench, calibration: Calibration,
                       micro_batches: Sequence[int]) -> list[PredictionCheck]:
     """The calibrated line and the analytic estimate against measured peaks at `micro_batches`."""
     return predictions_of(bench.workload, calibration, measure(bench, micro_batches))
 
 
-def predictions_of(workload: memory.Workload, calibration: memory.Calibration,
+def predictions_of(workload: memory.Workload, calibration: Calibration,
                    measured: dict[int, float]) -> list[PredictionCheck]:
     calibrated = memory.peak_model(workload, calibration)
     estimated = memory.estimated_peak_model(workload)
@@ -307,11 +311,11 @@ def calibrate(profile: Profile, scratch: Path | None = None,
 
             measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
             world = world_size_of(profile)
-            workload = memory.workload_from_profile(profile, memory.target_shape(profile), world)
-    calibration = memory.fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
-                                         torch_version=torch.__version__,
-                                         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                         gradient_sum=gradient_sum_source(world, ranks))
+            workload = memory.workload_from_profile(profile, target_shape(profile), world)
+    calibration = fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
+                                  torch_version=torch.__version__,
+                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  gradient_sum=gradient_sum_source(world, ranks))
     return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
                           measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
 
@@ -385,9 +389,9 @@ def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager
     return contextlib.nullcontext(scratch)
 
 
-def store_calibration(baseline: Path, calibration: memory.Calibration) -> Path:
+def store_calibration(baseline: Path, calibration: Calibration) -> Path:
     """Write the calibration into the baseline document (atomically; its other keys are kept)."""
-    return memory.save_calibration(baseline, calibration)
+    return save_calibration(baseline, calibration)
 
 
 def iter_prediction_rows(run: CalibrationRun) -> Iterator[dict[str, float]]:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.attention import make_layer_attends
+from dflash.drafter.model import DFlashDrafter, LayerAttendsFactory
 from dflash.train.data import StepData, TrainData
 from dflash.train.dist import WorkerEnv, broadcast_module
 from launcher_core.schema import Profile
@@ -55,6 +56,7 @@ class TrainState:
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     grad_bucket_mib: float = 64.0                   # train.grad_bucket_mib (dflash.train.dist.prepare_gradient_sum)
+    layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:

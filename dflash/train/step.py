@@ -62,7 +62,8 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     else:
         features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
     with autocast_context(state.device, state.autocast):
-        hidden = forward_blocks(compute_model(state), batch.input_ids, batch.anchors, features, state.backend)
+        hidden = forward_blocks(compute_model(state), batch.input_ids, batch.anchors, features, state.backend,
+                                state.layer_attends)
         parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
                            state.chunk_rows)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph

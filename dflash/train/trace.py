@@ -17,8 +17,8 @@ Where the trace differs from a GPU run, on purpose (each a stand-in for what can
   step reads the tap features through the trainer's feature-cache path (`state.feature_cache`),
   a fresh fake tensor of the taps' shape per micro-batch, as the cache does;
 * attention: flex_attention has no backward on CPU, so the drafter attends through SDPA with
-  flex's memory (dflash.memory.trace.trace_attend; its mask made before tracking, as flex's
-  BlockMask is a few KiB);
+  flex's memory (dflash.memory.trace.FlexMemoryAttention, the state's attention factory
+  `layer_attends`; its mask made before tracking, as flex's BlockMask is a few KiB);
 * the label selection `rows[keep]` has a data-dependent shape; the worst case keeps every label,
   so a boolean index of a fake tensor becomes the same copy through `index_select` of all rows;
 * two micro-batches stand for all of them: from the second on, each one's forward/backward runs
@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypedDict, cast
 
 from dflash.memory import model as memory
 from dflash.memory import trace as fake
@@ -38,7 +38,6 @@ from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import PretrainedConfig
 
     from dflash.train.data import MicroBatch
@@ -187,28 +186,18 @@ class TracedFigures(TypedDict):
     target_layers_loaded: int
 
 
-class PhaseTracking(Protocol):
-    """What the figures read of `fake.phase_tracker()` (a MemTracker with a peak per named phase)."""
-
-    phase: str
-    phase_peaks: dict[str, int]
-
-    def live_bytes(self) -> int: ...
-
-    def live_by_category(self) -> dict[str, int]: ...
-
-
 def _traced(state: TrainState, profile: Profile, workload: memory.Workload, rows: list[int], micro_batch: int,
-            full_target: bool) -> tuple[TracedFigures, MemTracker]:
+            full_target: bool) -> tuple[TracedFigures, fake.PhaseTracking]:
     from dflash.train.step import plain_step
 
     data = state.data
     assert isinstance(data, WorstCaseData), "the trace's state reads the worst case (traced_state)"
     attend = fake.FlexMemoryAttention(state.drafter, {size: b.anchors for size, b in data._batches.items()},
                                       profile.data.max_length, state.autocast == "bfloat16")
+    state.layer_attends = attend.make_layer_attends
     tracker = fake.phase_tracker()
     tracker.track_external(state.target, state.drafter, getattr(state.optimizer, "optim", state.optimizer))  # ZeRO: its local AdamW
-    with attend.installed(), tracker:
+    with tracker:
         plain_step(state, rows, 0, micro_batch, 1.0, mark=lambda phase: setattr(tracker, "phase", phase))
         tracker.phase = "target"
         before = tracker.live_bytes()
@@ -227,7 +216,7 @@ def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tup
 
     loaded = len(decoder_layers(state.target))
     indices = (list(range(loaded)) if full_target
-               else fake.peak_deciding_layers(fake.layer_types(state.target), state.layer_ids))
+               else fake.peak_deciding_layers(fake.module_layer_types(state.target), state.layer_ids))
     subset: contextlib.AbstractContextManager[object] = (contextlib.nullcontext() if full_target
                                                          else fake.LayerSubset(state.target, indices))
     with subset:
@@ -235,7 +224,7 @@ def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tup
     return features, len(indices)
 
 
-def _figures(state: TrainState, tracker: PhaseTracking, before: int, tap_bytes: int, layers_run: int) -> TracedFigures:
+def _figures(state: TrainState, tracker: fake.PhaseTracking, before: int, tap_bytes: int, layers_run: int) -> TracedFigures:
     from dflash.drafter.taps import decoder_layers
 
     phases, live = tracker.phase_peaks, tracker.live_by_category()

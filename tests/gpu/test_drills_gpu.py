@@ -14,9 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
+
+if TYPE_CHECKING:
+    from envcheck.snapshot import Snapshot
 
 pytestmark = pytest.mark.gpu
 
@@ -64,11 +67,14 @@ def drills(workload_profile, scratch, record) -> Drills:
     return Drills(bench, calibration, memory.peak_model(bench.workload, calibration), total)
 
 
-def emulated_snapshot(cap_mib: float) -> dict[str, Any]:
+def emulated_snapshot(cap_mib: float) -> Snapshot:
     """A one-GPU snapshot whose free memory is the cap; the cap is all torch may use, so the
     non-torch overhead is 0 (the allocator's fraction excludes the CUDA context)."""
-    return {"gpus": [{"index": 0, "uuid": "GPU-emulated-cap", "name": "emulated", "memory_total_mib": cap_mib,
-                      "memory_free_mib": cap_mib, "context_mib": 0}]}
+    from envcheck.snapshot import GpuFacts, Snapshot
+
+    cap = int(cap_mib)
+    return Snapshot(gpus=[GpuFacts(index=0, uuid="GPU-emulated-cap", name="emulated", compute_capability="",
+                                   memory_total_mib=cap, memory_free_mib=cap, memory_used_mib=0, context_mib=0)])
 
 
 def planned_micro_batch(drills: Drills, cap_mib: float) -> int:

@@ -137,13 +137,17 @@ def test_smaller_budget_on_rank_1_sets_both_ranks_and_matches_the_unreduced_run(
                        'target = "no-such-dir"\n[train]\nglobal_batch = 16\nmax_micro_batch = 4\n'
                        '[memory]\noverhead_mib = 500\n')
     from dflash.memory import model as memory
+    from dflash.memory.calibration import fit_calibration
     from launcher_core.profile import load_profile
 
     workload = memory.workload_from_profile(load_profile(str(profile)))
-    calibration = memory.fit_calibration({1: 3_500.0, 2: 5_000.0}, workload)   # 2000 + 1500 MiB per sequence
-    snapshot = {"gpus": [{"index": i, "uuid": f"GPU-{i}", "memory_total_mib": 12_000, "memory_free_mib": free}
-                         for i, free in enumerate([10_000, 6_500])]}           # budgets 8500, 5350 MiB
+    calibration = fit_calibration({1: 3_500.0, 2: 5_000.0}, workload)   # 2000 + 1500 MiB per sequence
     from dflash.memory.plan import make_plan
+    from envcheck.snapshot import GpuFacts, Snapshot
+
+    snapshot = Snapshot(gpus=[GpuFacts(index=i, uuid=f"GPU-{i}", name="test GPU", compute_capability="12.0",
+                                       memory_total_mib=12_000, memory_free_mib=free, memory_used_mib=12_000 - free)
+                              for i, free in enumerate([10_000, 6_500])])           # budgets 8500, 5350 MiB
 
     plan = make_plan(load_profile(str(profile)), snapshot, calibration=calibration)
     planned = ",".join(str(rank.feasible_micro_batch) for rank in plan.ranks)

@@ -1,20 +1,27 @@
 """Per-rank budgets: GPU mapping, overhead sources, margin, agreement on the minimum, exact global batch."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from dflash.memory import model as memory
 from dflash.memory import plan as budget
+from dflash.memory.calibration import fit_calibration
+from envcheck.snapshot import GpuFacts, Snapshot
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.profile import load_profile
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
 UUIDS = ["GPU-aaaa0000-1111", "GPU-bbbb0000-2222", "GPU-cccc0000-3333", "GPU-aaaa9999-4444"]
 
 
-def snapshot(free: list[float], context: list[float | None] | None = None) -> dict:
+def snapshot(free: list[int], context: list[int | None] | None = None) -> Snapshot:
     context = context or [None] * len(free)
-    return {"gpus": [{"index": i, "uuid": UUIDS[i], "name": "NVIDIA RTX PRO 6000", "memory_total_mib": 97_887,
-                      "memory_free_mib": f, "context_mib": c} for i, (f, c) in enumerate(zip(free, context))]}
+    return Snapshot(gpus=[GpuFacts(index=i, uuid=UUIDS[i], name="NVIDIA RTX PRO 6000", compute_capability="12.0",
+                                   memory_total_mib=97_887, memory_free_mib=f, memory_used_mib=97_887 - f, context_mib=c)
+                          for i, (f, c) in enumerate(zip(free, context))])
 
 
 def write_profile(tmp_path, body: str):
@@ -35,11 +42,53 @@ def test_cuda_visible_devices_maps_ordinals_to_nvml_indices_and_uuid_prefixes():
         budget.visible_gpus(gpus, "0,7")
 
 
-def test_snapshot_without_gpus_or_fields_is_an_input_error():
-    with pytest.raises(InputError, match="no 'gpus' list"):
-        budget.gpus_from_snapshot({"hostname": "x"})
-    with pytest.raises(InputError, match=r"gpus\[0\].*memory_free_mib"):
-        budget.gpus_from_snapshot({"gpus": [{"index": 0, "memory_total_mib": 1}]})
+def test_a_bad_snapshot_file_is_an_input_error_naming_the_file_and_the_key(tmp_path):
+    """The plan reads a snapshot file as `Snapshot` (envcheck.snapshot): a missing, unknown or mistyped
+    key stops it with the file and the key's path named, before any budget is computed."""
+    from dflash.memory.launch_plan import read_inputs
+    from envcheck.snapshot import save_snapshot
+
+    profile = write_profile(tmp_path, "")
+    good = save_snapshot(snapshot([10_000, 6_500]), tmp_path / "good.json").read_text()
+    cases = {"missing": good.replace('"memory_free_mib": 6500,', ""),
+             "mistyped": good.replace('"memory_free_mib": 6500', '"memory_free_mib": "6500 MiB"'),
+             "unknown": good.replace('"memory_free_mib": 6500', '"memory_free": 6500')}
+    expected = {"missing": r"snapshot\.gpus\[1\]: missing key\(s\) memory_free_mib",
+                "mistyped": r"snapshot\.gpus\[1\]\.memory_free_mib: expected int, got '6500 MiB'",
+                "unknown": r"snapshot\.gpus\[1\]: unknown key\(s\) memory_free;"}
+    for case, text in cases.items():
+        path = tmp_path / f"{case}.json"
+        path.write_text(text)
+        with pytest.raises(InputError, match=rf"^{re.escape(str(path))}: not a valid snapshot: {expected[case]}"):
+            read_inputs(profile, path)
+
+
+def test_a_live_snapshot_and_its_file_give_the_same_plan(tmp_path, monkeypatch):
+    """`plan` on the node (this machine's GPUs through NVML) and `plan --snapshot FILE` with that
+    snapshot saved read the same `Snapshot` and give the same plan, the host's saved baseline
+    supplying the overheads NVML does not measure. NVML cannot run without a GPU: its facts here are
+    the recorded node's, without the CUDA probe's figures (a stand-in for `nvml_facts.collect`)."""
+    import dataclasses
+    import socket
+
+    from dflash.memory import launch_plan
+    from envcheck import nvml_facts
+    from envcheck.baseline import baseline_path
+    from envcheck.snapshot import load_snapshot, save_snapshot
+
+    monkeypatch.setenv("DFLASH_BASELINE_DIR", str(tmp_path / "baselines"))
+    recorded = load_snapshot(FIXTURES / "rtx6000-x8-baseline.json")          # probed: 598 MiB of context per GPU
+    save_snapshot(recorded, baseline_path("rtx6000-x8", socket.gethostname()))
+    unprobed = [dataclasses.replace(gpu, context_mib=None, kernel_ok=None) for gpu in recorded.gpus]
+    monkeypatch.setattr(nvml_facts, "collect", lambda: (recorded.nvml, unprobed))
+    profile = load_profile("rtx6000-x8")
+    live = launch_plan.read_inputs(profile)
+    assert live.snapshot_source == "NVML" and isinstance(live.snapshot, Snapshot) and live.baseline == recorded
+    from_file = launch_plan.read_inputs(profile, save_snapshot(live.snapshot, tmp_path / "node.json"))
+    assert from_file.snapshot == live.snapshot and from_file.baseline == recorded
+    plans = [launch_plan.plan_for_launch(profile, inputs, cuda_visible_devices=None) for inputs in (live, from_file)]
+    assert plans[0] == plans[1]
+    assert {(r.budget.overhead_source, r.budget.overhead_mib) for r in plans[0].ranks} == {("baseline", 598)}
 
 
 def test_overhead_prefers_probe_then_baseline_then_profile_then_default(tmp_path):
@@ -76,7 +125,7 @@ CALIBRATION_POINTS = {1: 3_500.0, 2: 5_000.0}              # peak = 2000 + 1500 
 
 def calibrated_plan(profile, free: list[float], **kwargs) -> budget.Plan:
     workload = memory.workload_from_profile(profile)
-    calibration = memory.fit_calibration(CALIBRATION_POINTS, workload)
+    calibration = fit_calibration(CALIBRATION_POINTS, workload)
     return budget.make_plan(profile, snapshot(free, [500] * len(free)), calibration=calibration, **kwargs)
 
 
@@ -105,7 +154,7 @@ def test_launch_plan_gives_each_rank_its_start_and_refuses_when_one_sequence_can
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")
-    calibration = memory.fit_calibration(CALIBRATION_POINTS, memory.workload_from_profile(profile))
+    calibration = fit_calibration(CALIBRATION_POINTS, memory.workload_from_profile(profile))
     inputs = PlanInputs(snapshot([10_000, 6_500], [500, 500]), None, calibration, "test", "calibration")
     starts = rank_starts(plan_for_launch(profile, inputs))
     assert [start.micro_batch for start in starts] == [4, 2]

@@ -26,7 +26,7 @@ def run_launcher(*args: str, baselines: Path) -> subprocess.CompletedProcess:
 
 
 def fixture_calibration():
-    from dflash.memory.model import load_calibration
+    from dflash.memory.calibration import load_calibration
 
     return load_calibration(json.loads(CALIBRATION.read_text()), str(CALIBRATION))
 
@@ -162,13 +162,13 @@ def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist()
 def test_the_stored_calibration_says_where_the_sums_buffer_came_from(tmp_path):
     import dataclasses
 
-    from dflash.memory import model as memory
+    from dflash.memory.calibration import load_calibration, save_calibration
 
     calibration = dataclasses.replace(fixture_calibration(), gradient_sum="model")
-    path = memory.save_calibration(tmp_path / "baseline.json", calibration)
+    path = save_calibration(tmp_path / "baseline.json", calibration)
     document = json.loads(path.read_text())
     assert document["memory_calibration"]["gradient_sum"] == "model"
-    assert memory.load_calibration(document, str(path)) == calibration
+    assert load_calibration(document, str(path)) == calibration
     assert fixture_calibration().gradient_sum == ""              # recorded before the field existed
 
 

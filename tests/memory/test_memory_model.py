@@ -8,6 +8,9 @@ import pytest
 
 from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory import model as memory
+from dflash.memory.calibration import fit_calibration, load_calibration, save_calibration
+from dflash.memory.offline import offline_storage
+from dflash.memory.target import QWEN36_27B_LIKE, shape_from_config, shape_from_directory, target_shape
 from launcher_core.errors import InputError
 from launcher_core.profile import load_profile
 
@@ -30,7 +33,7 @@ def test_tap_layers_follow_the_dflash_spacing():
 def test_shape_is_read_from_config_json_with_nested_text_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": QWEN3_8B_CONFIG}))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_381_470_720}}))
-    shape = memory.shape_from_directory(tmp_path, dtype_bytes=2)
+    shape = shape_from_directory(tmp_path, dtype_bytes=2)
     assert (shape.hidden, shape.num_layers, shape.q_dim, shape.kv_dim) == (4096, 36, 4096, 1024)
     assert shape.total_params() == 8_190_735_360           # from the index, not the formula
     assert str(tmp_path) in shape.source
@@ -39,22 +42,65 @@ def test_shape_is_read_from_config_json_with_nested_text_config(tmp_path):
 def test_config_without_required_key_names_the_file_and_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(InputError, match=r"config\.json.*num_attention_heads"):
-        memory.shape_from_directory(tmp_path, dtype_bytes=2)
+        shape_from_directory(tmp_path, dtype_bytes=2)
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B_CONFIG, "num_hidden_layers": "36"}))
+    with pytest.raises(InputError, match=r"config\.json: key 'num_hidden_layers' must be an integer, got '36'"):
+        shape_from_directory(tmp_path, dtype_bytes=2)
 
 
 def test_parameter_formula_matches_a_real_qwen3_model(tiny_qwen3_target):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True)
-    shape = memory.shape_from_directory(tiny_qwen3_target, dtype_bytes=4)
+    shape = shape_from_directory(tiny_qwen3_target, dtype_bytes=4)
     assert shape.param_count == 0                           # single file: computed from the dimensions
     assert shape.total_params() == sum(p.numel() for p in model.parameters())
     assert shape.layer_params() == sum(p.numel() for p in model.model.layers[0].parameters())
 
 
 def test_profile_without_local_target_uses_the_27b_like_shape():
-    shape = memory.target_shape(load_profile("rtx6000-x8"))
-    assert shape == memory.QWEN36_27B_LIKE and shape.hidden == 5120 and shape.num_layers == 64
+    shape = target_shape(load_profile("rtx6000-x8"))
+    assert shape == QWEN36_27B_LIKE and shape.hidden == 5120 and shape.num_layers == 64
+
+
+def test_the_flagship_shape_is_its_published_config_and_the_trace_builds_the_same():
+    """One definition (dflash.models.QWEN36_27B_TEXT): the model's shape, the trace's transformers config
+    and the twin's architecture ratios all come from it."""
+    from dflash.memory import trace as fake
+    from dflash.models import FLAGSHIP_TEXT, QWEN36_27B_TEXT
+
+    s = QWEN36_27B_LIKE
+    assert (s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.vocab) == \
+        (5120, 64, 24, 4, 256, 17408, 248320)
+    assert s.linear_value_dim == 48 * 128 and s.rope_theta == 1e7 and not s.tie_embeddings
+    assert shape_from_config(fake.qwen36_27b_config().to_dict(), "trace") == \
+        dataclasses.replace(s, param_count=0, source="trace")
+    flagship, twin = QWEN36_27B_TEXT, FLAGSHIP_TEXT                  # the twin keeps what is architecture
+    ratio = lambda text, a, b: text[a] / text[b]  # noqa: E731
+    for a, b in (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads")):
+        assert ratio(twin, a, b) == ratio(flagship, a, b)
+    for key in ("vocab_size", "full_attention_interval", "linear_conv_kernel_dim", "attn_output_gate"):
+        assert twin[key] == flagship[key]
+    for key in ("rope_theta", "partial_rotary_factor", "mrope_interleaved"):
+        assert twin["rope_parameters"][key] == flagship["rope_parameters"][key]
+
+
+def test_builtin_targets_resolve_through_one_directory_function(tmp_path, monkeypatch, tiny_qwen3_target):
+    """The memory model (and its trace) look for a builtin target where the loader converts it
+    (dflash.models.local_model_dir): the SmolLM2 conversion's config.json, once there, gives the shape."""
+    import shutil
+
+    from dflash.memory import trace as fake
+    from dflash.models import SMOLLM2, local_model_dir
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    profile = load_profile("cpu-demo")
+    assert profile.model.target == SMOLLM2
+    assert target_shape(profile).source == "SmolLM2-135M defaults"       # nothing converted yet
+    shutil.copytree(tiny_qwen3_target, local_model_dir(SMOLLM2))
+    shape = target_shape(profile)
+    assert shape.source == str(local_model_dir(SMOLLM2) / "config.json") and shape.hidden == 64
+    assert fake.target_config(profile).hidden_size == 64
 
 
 def test_the_drafter_has_the_profiles_own_attention_shape_not_the_targets():
@@ -96,7 +142,7 @@ def test_static_memory_counts_target_to_deepest_tap_and_fp32_drafter_with_adamw(
     assert figures.drafter_grads == figures.drafter_weights
     dropped = 64 - (max(workload.tap_layers) + 1)
     assert figures.target_weights == pytest.approx(
-        (27_000_000_000 - dropped * memory.QWEN36_27B_LIKE.layer_params()) * 2 / memory.MIB)
+        (27_000_000_000 - dropped * QWEN36_27B_LIKE.layer_params()) * 2 / memory.MIB)
 
 
 def test_zero1_keeps_the_largest_shard_of_adamw_states_per_rank():
@@ -169,31 +215,31 @@ def test_peak_is_linear_in_the_micro_batch_and_largest_fitting_respects_the_budg
 
 def test_calibration_fits_the_line_through_two_measured_peaks_and_only_applies_to_its_workload():
     workload = rtx_workload()
-    calibration = memory.fit_calibration({2: 70_000.0, 1: 60_000.0}, workload, device_name="H200")
+    calibration = fit_calibration({2: 70_000.0, 1: 60_000.0}, workload, device_name="H200")
     assert (calibration.slope_mib, calibration.intercept_mib) == (10_000.0, 50_000.0)
     calibrated = memory.peak_model(workload, calibration)
     assert calibrated.source == "calibration" and calibrated.peak_mib(4) == 90_000.0
     other = rtx_workload(max_length=4096)
     assert memory.peak_model(other, calibration).source == "estimate"
     with pytest.raises(ValueError, match="exactly two"):
-        memory.fit_calibration({1: 1.0}, workload)
+        fit_calibration({1: 1.0}, workload)
 
 
 def test_calibration_is_stored_inside_the_baseline_and_read_back(tmp_path):
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps({"gpus": [{"index": 0}], "hostname": "node"}))
-    calibration = memory.fit_calibration({1: 100.0, 3: 160.0}, rtx_workload())
-    memory.save_calibration(baseline, calibration)
+    calibration = fit_calibration({1: 100.0, 3: 160.0}, rtx_workload())
+    save_calibration(baseline, calibration)
     document = json.loads(baseline.read_text())
     assert document["hostname"] == "node" and document["memory_calibration"]["slope_mib"] == 30.0
-    assert memory.load_calibration(document, str(baseline)) == calibration
-    assert memory.load_calibration({"gpus": []}, "x") is None
+    assert load_calibration(document, str(baseline)) == calibration
+    assert load_calibration({"gpus": []}, "x") is None
     with pytest.raises(InputError, match="memory_calibration"):
-        memory.load_calibration({"memory_calibration": {"peaks_mib": [1]}}, str(baseline))
+        load_calibration({"memory_calibration": {"peaks_mib": [1]}}, str(baseline))
 
 
 def test_offline_storage_reproduces_the_seeds_90_terabytes():
-    storage = memory.offline_storage(rtx_workload())
+    storage = offline_storage(rtx_workload())
     assert storage.layers == 5 and storage.hidden == 5120 and storage.dtype_bytes == 2
     assert storage.bytes == 902_087 * 2000 * 5 * 5120 * 2
     assert 85e12 < storage.bytes < 95e12

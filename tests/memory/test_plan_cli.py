@@ -93,9 +93,11 @@ def test_b200_and_h200_profiles_are_feasible(tmp_path):
     b200 = plan_json("--profile", "b200-x8", "--snapshot", f"{SNAPSHOTS}/b200-x8-nvcc128-cu130.json")
     assert 1 <= b200["micro_batch"] <= 8                      # 6 with the 32 x 128 drafter (5 with the target-shaped one)
     assert sum(b200["micro_batch_sizes"]) * b200["world_size"] == b200["global_batch"] == 64
-    h200_node = tmp_path / "h200.json"                       # one H200, 141 GB, as NVML reports it
-    h200_node.write_text(json.dumps({"gpus": [{"index": 0, "uuid": "GPU-0f3a", "name": "NVIDIA H200",
-                                               "memory_total_mib": 143_771, "memory_free_mib": 143_190}]}))
+    from envcheck.snapshot import GpuFacts, Snapshot, save_snapshot
+
+    h200_gpu = GpuFacts(index=0, uuid="GPU-0f3a", name="NVIDIA H200", compute_capability="9.0",      # as NVML reports it
+                    memory_total_mib=143_771, memory_free_mib=143_190, memory_used_mib=581)
+    h200_node = save_snapshot(Snapshot(gpus=[h200_gpu]), tmp_path / "h200.json")
     h200 = plan_json("--profile", "h200-x1", "--snapshot", str(h200_node))
     assert h200["workload"]["optimizer_shards"] == 1             # one rank: nothing to shard over
     assert h200["micro_batch"] >= 1 and sum(h200["micro_batch_sizes"]) == h200["global_batch"] == 8

@@ -9,6 +9,8 @@ import pytest
 
 from dflash.memory import model as memory
 from dflash.memory import trace as fake
+from dflash.memory.target import shape_from_config
+from dflash.models import hybrid_layer_types
 from dflash.train import trace
 from launcher_core.profile import load_profile
 
@@ -52,12 +54,12 @@ def exact_workload(profile, config, world_size: int) -> memory.Workload:
 
     with torch.device("meta"):
         count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    shape = memory.shape_from_config(config.to_dict(), "small Qwen3.5", param_count=count)
+    shape = shape_from_config(config.to_dict(), "small Qwen3.5", param_count=count)
     return memory.workload_from_profile(profile, shape, world_size)
 
 
 def test_peak_deciding_layers_keep_taps_and_the_last_layer_of_each_type_with_its_input():
-    types = fake.hybrid_layer_types(64, 4)
+    types = hybrid_layer_types(64, 4)
     assert types[:4] == ["linear_attention"] * 3 + ["full_attention"]
     layers = fake.peak_deciding_layers(types, [1, 16, 31, 46, 61])
     assert layers == [1, 16, 31, 46, 58, 59, 60, 61]      # full: 59 (input 58); linear: 61 (input 60)
@@ -166,7 +168,15 @@ def test_analytic_model_is_within_three_percent_of_the_trace_on_a_small_qwen35_w
         assert traced.world_size == world
         figures = fake.compare(traced, workload)
         assert abs(figures[-1].error) < 0.03, figures[-1]
-        # the target forward's working set is held at the flagship's shape (benchmarks/bench_memory_trace.py:
-        # -0.5 %); at 1/32 of its width the Gated DeltaNet fallback's per-chunk matrices dominate it
+        # Every component but one: the target forward's working set cannot be held to 5 % at this shape. At 1/32 of
+        # the flagship's width, transformers' PyTorch Gated DeltaNet keeps per-chunk [value heads, 64, 64] float32
+        # matrices that do not scale with the value width the model counts (LINEAR_ATTENTION_FP32_COPIES, fitted at
+        # the flagship, where they are under 1 % of it): the model is ~45 % under here. It is held at the flagship's
+        # shape instead (benchmarks/bench_memory_trace.py: -0.5 %). Checked here: it cannot reach the peak, in the
+        # trace (the target forward's moment is below the step's) nor in the model (the drafter's activations are
+        # the larger per-sequence term).
         off = [f for f in figures[:-1] if f.traced >= 1 and abs(f.error) >= 0.05 and f.name != "target forward working set"]
         assert off == [], off
+        assert traced.target_peak < traced.step_peak
+        estimate = memory.estimate(workload)
+        assert estimate.target_activations < estimate.drafter_activations

@@ -40,10 +40,13 @@ def free_for(profile, sequences: float) -> float:
 
 
 def write_snapshot(path: Path, free: list[float]) -> Path:
-    gpus = [{"index": i, "uuid": f"GPU-{i:04d}", "name": "test GPU", "memory_total_mib": 10 * f,
-             "memory_free_mib": f, "context_mib": CONTEXT_MIB} for i, f in enumerate(free)]
-    path.write_text(json.dumps({"gpus": gpus}))
-    return path
+    """A snapshot file as `launcher.py snapshot --cuda-probe` writes it (the probe's context figures)."""
+    from envcheck.snapshot import GpuFacts, Snapshot, save_snapshot
+
+    gpus = [GpuFacts(index=i, uuid=f"GPU-{i:04d}", name="test GPU", compute_capability="12.0",
+                     memory_total_mib=int(10 * f), memory_free_mib=int(f), memory_used_mib=int(9 * f),
+                     context_mib=int(CONTEXT_MIB)) for i, f in enumerate(free)]
+    return save_snapshot(Snapshot(gpus=gpus, cuda_probe_ran=True), path)
 
 
 def metrics(run_dir: Path) -> list[dict]:

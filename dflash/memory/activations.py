@@ -1,0 +1,99 @@
+"""What one sequence's activations take in a training step, byte by byte as the code keeps them:
+the tap features kept from the target, the target's no-grad working set (one layer's), and the
+drafter's saved activations under autocast or bf16 compute. `dflash.memory.model` adds them up
+(`MemoryEstimate.per_sequence`); `benchmarks/bench_memory_trace.py` holds them to a traced step.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dflash.memory.attention_masks import MIB, extra_block_mask_mib
+
+if TYPE_CHECKING:
+    from dflash.memory.model import Workload
+
+FP32_BYTES = 4                      # the drafter's residual stream, RMSNorm inputs/outputs, q/k norms
+LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32 [tokens, value dim] copies (traced)
+
+
+def tap_features_mib(workload: Workload) -> float:
+    """Hidden states of the tap layers kept from the target forward, one sequence."""
+    return len(workload.tap_layers) * workload.max_length * workload.target.hidden * workload.dtype_bytes / MIB
+
+
+def target_activations_mib(workload: Workload) -> float:
+    """One target layer's no-grad working set (residual, qkv, attention out, MLP), one sequence; on a
+    hybrid target the larger of that and a Gated DeltaNet layer's (PyTorch fallback, float32)."""
+    s = workload.target
+    elements = 2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.intermediate
+    attention = workload.max_length * elements * workload.dtype_bytes
+    linear = workload.max_length * LINEAR_ATTENTION_FP32_COPIES * s.linear_value_dim * FP32_BYTES
+    return max(attention, linear) / MIB
+
+
+def drafter_activations_mib(workload: Workload) -> float:
+    """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
+    bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
+    residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
+    (autocast casts the float32 input again for every Linear). With train.compute_dtype = "bfloat16"
+    the residual stream is bf16 and every projection reads one shared bf16 input, but each RMSNorm
+    (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
+    copy and a bf16 output."""
+    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
+            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
+
+
+def _low_bytes(workload: Workload) -> int:
+    return workload.dtype_bytes if workload.autocast or _bf16_compute(workload) else FP32_BYTES
+
+
+def _bf16_compute(workload: Workload) -> bool:
+    return workload.compute_dtype == "bfloat16"
+
+
+def _norm_bytes(workload: Workload) -> int:
+    """One RMSNorm per element: float32 normalised + the projection's bf16 copy (float32 compute), or
+    float32 upcast + bf16 normalised + bf16 output (bf16 compute)."""
+    lo, f = _low_bytes(workload), FP32_BYTES
+    return f + lo + lo if _bf16_compute(workload) else f + lo
+
+
+def _projection_input_copies(workload: Workload, projections: int) -> int:
+    """Autocast's bf16 copies of a float32 input, one per projection reading it (none in bf16 compute)."""
+    return 0 if _bf16_compute(workload) else projections
+
+
+def _context_bytes(workload: Workload) -> int:
+    """Once: the taps' bf16 copy for fc (bf16 compute: fc reads the taps themselves), hidden_norm."""
+    s, lo, f = workload.target, _low_bytes(workload), FP32_BYTES
+    taps = len(workload.tap_layers) * s.hidden * lo * _projection_input_copies(workload, 1)
+    norm = s.hidden * (f + _norm_bytes(workload)) if not _bf16_compute(workload) else s.hidden * _norm_bytes(workload)
+    return workload.max_length * (taps + norm)
+
+
+def _layer_key_bytes(workload: Workload) -> int:
+    """Per layer over context + block keys: k/v projections' input copies (bf16 compute: one shared input),
+    k_norm, k and v for attention (the drafter's KV width)."""
+    s, kv_dim, lo, f = workload.target, workload.drafter_shape.kv_dim, _low_bytes(workload), FP32_BYTES
+    keys = workload.max_length + workload.block_tokens
+    inputs = _projection_input_copies(workload, 2) or 1
+    return keys * (inputs * s.hidden * lo + kv_dim * (f + lo) + 2 * kv_dim * lo)
+
+
+def _layer_block_bytes(workload: Workload) -> int:
+    """Per layer over the block tokens: input norm, q projection + q_norm, attention out, o_proj input,
+    post-attention norm, the MLP's input copies and four intermediates (the drafter's query width)."""
+    s, q_dim, lo, f = workload.target, workload.drafter_shape.q_dim, _low_bytes(workload), FP32_BYTES
+    norms = 2 * s.hidden * _norm_bytes(workload)
+    attention = _projection_input_copies(workload, 1) * s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
+    mlp = _projection_input_copies(workload, 2) * s.hidden * lo + 4 * s.intermediate * lo
+    return workload.block_tokens * (norms + attention + mlp)
+
+
+def _final_bytes(workload: Workload) -> int:
+    """The final norm and the loss's copy of the labelled rows (float32; bf16 in bf16 compute)."""
+    s, f = workload.target, FP32_BYTES
+    rows = workload.anchors * (workload.block_size - 1)
+    row_bytes = _low_bytes(workload) if _bf16_compute(workload) else f
+    return workload.block_tokens * s.hidden * _norm_bytes(workload) + rows * s.hidden * row_bytes
+

@@ -1,0 +1,106 @@
+"""A measured memory model: peak allocated memory at two micro-batch sizes on one workload
+(`launcher.py calibrate` measures it on the GPU node, `dflash.train.calibration`), and its
+storage inside the baseline JSON under the key `memory_calibration`, next to the machine facts it
+was measured on. `dflash.memory.model.peak_model` uses it in place of the analytic line when its
+workload key is the profile's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from launcher_core.errors import InputError
+
+if TYPE_CHECKING:
+    from dflash.memory.model import Workload
+    from envcheck.snapshot import Snapshot
+
+CALIBRATION_KEY = "memory_calibration"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Peak allocated memory measured at two micro-batch sizes on one workload."""
+
+    micro_batches: tuple[int, int]
+    peaks_mib: tuple[float, float]
+    workload_key: str
+    device_name: str = ""
+    torch_version: str = ""
+    measured_at: str = ""
+    gradient_sum: str = ""          # "measured": 2+ ranks summed for real; "model": one process ("" before it was recorded)
+
+    @property
+    def slope_mib(self) -> float:
+        (m1, m2), (p1, p2) = self.micro_batches, self.peaks_mib
+        return (p2 - p1) / (m2 - m1)
+
+    @property
+    def intercept_mib(self) -> float:
+        return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
+
+
+def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:
+    """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them)."""
+    if len(peaks_by_micro_batch) != 2:
+        raise ValueError(f"calibration needs exactly two micro-batch sizes, got {sorted(peaks_by_micro_batch)}")
+    (m1, p1), (m2, p2) = sorted(peaks_by_micro_batch.items())
+    return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)),
+                       workload_key=workload.key(), **facts)
+
+
+def calibration_as_dict(calibration: Calibration) -> dict[str, object]:
+    return {**dataclasses.asdict(calibration), "slope_mib": calibration.slope_mib,
+            "intercept_mib": calibration.intercept_mib}
+
+
+def calibration_from_dict(document: Mapping[str, object], where: str) -> Calibration:
+    """The parsed JSON of a stored calibration -> Calibration; InputError naming the file and key."""
+    try:
+        micro_batches = _pair(document, "micro_batches")
+        peaks = _pair(document, "peaks_mib")
+        return Calibration(micro_batches=(int(micro_batches[0]), int(micro_batches[1])),
+                           peaks_mib=(float(peaks[0]), float(peaks[1])), workload_key=str(document["workload_key"]),
+                           device_name=str(document.get("device_name", "")),
+                           torch_version=str(document.get("torch_version", "")),
+                           measured_at=str(document.get("measured_at", "")),
+                           gradient_sum=str(document.get("gradient_sum", "")))
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
+
+
+def _pair(document: Mapping[str, object], key: str) -> tuple[float, float]:
+    value = document[key]
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or \
+            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{key!r} must be two numbers, got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def save_calibration(baseline_path: str | Path, calibration: Calibration) -> Path:
+    """Store the calibration inside the baseline JSON (atomically), next to the facts it was measured on."""
+    from launcher_core.fileio import read_json_object, write_json_atomic
+
+    path = Path(baseline_path)
+    document = read_json_object(path, "a baseline") if path.exists() else {}
+    document[CALIBRATION_KEY] = calibration_as_dict(calibration)
+    return write_json_atomic(path, document)
+
+
+def load_calibration(document: Mapping[str, object] | None, where: str) -> Calibration | None:
+    """The calibration stored in a baseline (or snapshot) JSON document, if any."""
+    if not document or CALIBRATION_KEY not in document:
+        return None
+    stored = document[CALIBRATION_KEY]
+    if not isinstance(stored, Mapping):
+        raise InputError(f"{where}: key {CALIBRATION_KEY!r} must be an object, got {stored!r}; re-run the calibration")
+    return calibration_from_dict(stored, where)
+
+
+def stored_calibration(snapshot: Snapshot | None, where: str) -> Calibration | None:
+    """The calibration a loaded baseline (or snapshot) carries, if any."""
+    if snapshot is None or snapshot.memory_calibration is None:
+        return None
+    return calibration_from_dict(snapshot.memory_calibration, where)
