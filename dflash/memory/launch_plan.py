@@ -98,7 +98,7 @@ def _snapshot(profile: Profile, snapshot_file: Path | None) -> tuple[Snapshot | 
         return load_snapshot(snapshot_file), str(snapshot_file)
     if profile.machine.device == "cpu":
         return None, "none (CPU profile)"
-    return live_snapshot(), "NVML"
+    return nvml_gpu_snapshot(), "NVML"
 
 
 def saved_baseline(profile: Profile, snapshot: Snapshot | None) -> Path | None:
@@ -123,7 +123,7 @@ def model_source(plan: Plan, inputs: PlanInputs) -> str:
     return f"analytic model ({looked}; `launcher.py calibrate --profile {plan.profile}` measures one on the GPU node)"
 
 
-def live_snapshot() -> Snapshot:
+def nvml_gpu_snapshot() -> Snapshot:
     """This machine's GPUs through NVML (no CUDA context), as the snapshot `launcher.py snapshot`
     records (without the torch, toolkit, package and host facts a plan does not read)."""
     from envcheck.nvml_facts import collect

@@ -46,6 +46,7 @@ from dflash.memory.calibration import Calibration, fit_calibration, save_calibra
 from dflash.memory.measure import measure_peaks
 from dflash.memory.target import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
+from launcher_core.processes import free_port
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -371,14 +372,6 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
         result = {"error": str(error)}
     write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
     close_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:
