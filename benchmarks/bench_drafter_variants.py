@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import tempfile
 import time
@@ -53,7 +54,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "32-anchors": {"train": {"num_anchors": 32}},
     "frozen-mlp": {"freeze": ".mlp."},
 }
-SETS = {"everyday": "everyday_prompts.jsonl", "indist": "indist_prompts.jsonl"}
 SMOKE = {"steps": 2, "heldout": 1, "new_tokens": 4, "variants": "cpu-demo", "sets": "everyday", "eval_at": "1"}
 SMOKE_ROWS, SMOKE_TOKENS, SMOKE_LOSS_TOKENS = 8, 32, 6
 
@@ -70,6 +70,13 @@ class Heldout:
 
     name: str
     sequences: list[Sequence]
+
+
+def prompt_sets() -> dict[str, Path]:
+    """The held-out sets `eval` knows: the default out-of-template one and the in-distribution one."""
+    from dflash.eval.options import DEFAULT_EVAL_PROMPTS, INDIST_EVAL_PROMPTS
+
+    return {"everyday": DEFAULT_EVAL_PROMPTS, "indist": INDIST_EVAL_PROMPTS}
 
 
 def heldout_sequences(target: Any, tokenizer: Any, path: Path, count: int, new_tokens: int) -> list[Sequence]:
@@ -209,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per held-out prompt (0: eval.max_new_tokens)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--sets", default=",".join(SETS), help=f"held-out sets, comma-separated, of {', '.join(SETS)}")
+    parser.add_argument("--sets", default="everyday,indist", help="held-out sets, comma-separated, of everyday, indist")
     parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
                         "within the one run of --steps (same schedule)")
     parser.add_argument("--smoke", action="store_true", help=f"the smallest setting: {SMOKE_ROWS} rows of "
@@ -222,6 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
     if unknown:
         parser.error(f"--variants: {', '.join(unknown)} not one of {', '.join(VARIANTS)}")
+    if set(args.sets.split(",")) - {"everyday", "indist"}:
+        parser.error(f"--sets {args.sets}: each of everyday, indist")
     return args
 
 
@@ -230,7 +239,7 @@ def smoke_dataset(tokenizer: Any, path: Path) -> Path:
     from dflash.data.dataset_io import save_token_rows
     from dflash.eval.evaluate import encode_prompts
 
-    prompts = encode_prompts(tokenizer, REPO_ROOT / "dflash" / "prompts" / SETS["indist"], SMOKE_ROWS, thinking=False)
+    prompts = encode_prompts(tokenizer, prompt_sets()["indist"], SMOKE_ROWS, thinking=False)
     rows = [list(p.token_ids)[:SMOKE_TOKENS] for p in prompts]
     return save_token_rows(path, [(ids, [0] * (len(ids) - SMOKE_LOSS_TOKENS) + [1] * SMOKE_LOSS_TOKENS) for ids in rows])
 
@@ -252,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset = smoke_dataset(tokenizer, Path(scratch) / "dataset") if args.smoke else args.run_dir / "dataset"
         started = time.perf_counter()
         target = load_target(path, dtype=base.model.dtype)
-        prompts_dir = REPO_ROOT / "dflash" / "prompts"
-        heldout = [Heldout(name, heldout_sequences(target, tokenizer, prompts_dir / SETS[name], args.heldout, new_tokens))
+        sets = prompt_sets()
+        heldout = [Heldout(name, heldout_sequences(target, tokenizer, sets[name], args.heldout, new_tokens))
                    for name in args.sets.split(",")]
         del target
         print(f"held-out {', '.join(f'{h.name} {len(h.sequences)}' for h in heldout)} prompts x {new_tokens} greedy "
@@ -288,9 +297,9 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     if 0 in eval_at:
         report(0)
     seconds = train(state, lambda step: report(step) if step in eval_at and step != state.total_steps else None)
-    steps = state.total_steps
-    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), decay gamma "
-                  f"{profile.train.decay_gamma or 'default'}, lr {profile.train.lr:g}")
+    steps, gamma = state.total_steps, -1.0 / math.log(float(state.decay[1]))     # decay[k-1] = exp(-(k-1) / gamma)
+    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
+                  f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
 
 
 if __name__ == "__main__":
