@@ -4,6 +4,9 @@ from metadata), and the wall time of one candidate step (venv + install + consis
 with uv and a warm cache against pip.
 
     .venv/bin/python benchmarks/bench_bisect.py [--sizes 4 8 16 32] [--repeats 5] [--culprits core opt]
+        [--modes before check metadata]
+    .venv/bin/python benchmarks/bench_bisect.py --smoke     (one coupled bisect: culprit foo, metadata groups;
+                                                             one real bisect of 2 groups; one candidate build each)
 
 Everything is local: the wheelhouses are written by `envcheck.bisect.demo`, installs use
 `--no-index --find-links`, probes are real `launcher.py probe` runs in each candidate venv.
@@ -100,13 +103,13 @@ def true_group(culprit: str) -> set[str]:
         culprit, {culprit})
 
 
-def print_coupled(root: Path, culprits: list[str], cache: Path) -> None:
+def print_coupled(root: Path, culprits: list[str], modes: list[str], cache: Path) -> None:
     print("\ncoupled wheelhouse (10 changes: two-way pins, a chain, a one-way pair, an added and a removed package)")
     print(f"{'culprit':>8} {'mode':>9} {'groups':>7} {'probes':>7} {'bound':>6} {'skipped':>8} {'regrouped':>10} "
           f"{'innocent':>9} {'exact':>6} {'wall s':>7}  answer")
-    totals: dict[str, list[int]] = {mode: [0, 0, 0] for mode in MODES}
+    totals: dict[str, list[int]] = {mode: [0, 0, 0] for mode in modes}
     for culprit in culprits:
-        for mode in MODES:
+        for mode in modes:
             report = coupled_bisect(root / f"{culprit}", culprit, mode, cache)
             named = set(report["culprit"]["packages"])
             innocent = len(named - true_group(culprit))
@@ -141,8 +144,13 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--culprits", nargs="+", default=list(COUPLED_CHANGED), choices=COUPLED_CHANGED)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="groupings of the coupled bisects")
     parser.add_argument("--skip-uniform", action="store_true", help="only the coupled wheelhouses")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: culprit foo, metadata groups, "
+                        "2 groups, one candidate build per installer")
     args = parser.parse_args()
+    if args.smoke:
+        args.culprits, args.modes, args.sizes, args.repeats = ["foo"], ["metadata"], [2], 1
     with tempfile.TemporaryDirectory(prefix="bench-bisect-") as tmp:
         root = Path(tmp)
         print("probes used vs changed groups (pure search, every culprit position; bound = ceil(log2 n) + 1)")
@@ -150,7 +158,7 @@ def main() -> int:
         for groups in (2, 4, 8, 16, 32, 64, 128):
             worst, mean = pure_search_probes(groups)
             print(f"{groups:>7} {worst:>6} {mean:>6.2f} {probe_bound(groups):>6}")
-        print_coupled(root / "coupled", args.culprits, root / "uv-cache")
+        print_coupled(root / "coupled", args.culprits, args.modes, root / "uv-cache")
         if args.skip_uniform:
             return 0
         print("\nreal bisects (uv venvs from a local wheelhouse, launcher.py probe in each)")

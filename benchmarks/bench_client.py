@@ -7,6 +7,7 @@ client, endpoint rotation, output records, the crash-safe store), pinned to one 
 the requests/s it sustains at the profile's concurrency. Target: >= 2,000 requests/s.
 
     .venv/bin/python benchmarks/bench_client.py [--profile rtx6000-x8] [--requests 20000]
+    .venv/bin/python benchmarks/bench_client.py --smoke      (cpu-demo, 200 requests)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from launcher_core.processes import free_port  # noqa: E402
+from launcher_core.processes import free_port, stop_group  # noqa: E402
 
 RESPONSE = json.dumps({
     "id": "bench", "object": "chat.completion", "model": "responder",
@@ -61,14 +62,14 @@ def serve_responder(port: int) -> None:
 
 
 def start_responder(port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    process = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], start_new_session=True)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 return process
         time.sleep(0.05)
-    process.kill()
+    stop_group(process)
     raise RuntimeError("responder did not start")
 
 
@@ -100,7 +101,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=None, help="override the profile's concurrency")
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: cpu-demo, 200 requests")
     args = parser.parse_args()
+    if args.smoke:
+        args.profile, args.requests = "cpu-demo", 200
     if args.serve:
         serve_responder(args.serve)
         return 0
@@ -112,8 +116,7 @@ def main() -> int:
             profile, summary = run_client(args.profile, args.requests, f"http://127.0.0.1:{port}", Path(workdir),
                                           args.concurrency)
     finally:
-        responder.terminate()
-        responder.wait()
+        stop_group(responder)
     print(f"profile {profile.name}: concurrency {profile.generate.concurrency}, client pinned to core {client_core}, "
           f"responder on core {responder_core}")
     print(f"completed {summary.completed} requests in {summary.wall_s:.2f} s, failed {summary.failed}")

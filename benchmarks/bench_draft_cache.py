@@ -1,6 +1,7 @@
 """In-process DFlash decoding speed at long contexts: the drafter's context K/V cache.
 
     .venv/bin/python benchmarks/bench_draft_cache.py [--contexts 256,2048] [--new-tokens 32] [--repeat 2] [--no-cache]
+    .venv/bin/python benchmarks/bench_draft_cache.py --smoke      (a 32-token context, 4 new tokens, one run)
 
 Target: SmolLM2-135M-Instruct (`builtin:smollm2-135m-instruct`, float32, CPU, 1 thread). Drafter:
 a random 5-layer DFlash drafter of the target's shape (block 16; its drafts are mostly rejected,
@@ -31,24 +32,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--sliding-window", type=int, default=0, help="window of the first four layers (0: all full)")
-    return parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: context 32, 4 new tokens, one run")
+    args = parser.parse_args()
+    if args.smoke:
+        args.contexts, args.new_tokens, args.repeat = "32", 4, 1
+    return args
 
 
 def build_drafter(target, sliding_window: int):
-    import torch
+    """The trainer's drafter construction (dflash.train.setup.build_drafter) for a cpu-demo variant:
+    5 random layers, block 16, taps spaced over the target, the full vocabulary."""
+    import dataclasses
 
-    from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
+    from dflash.train.setup import build_drafter as trainer_drafter
+    from launcher_core.profile import load_profile
 
+    base = load_profile("cpu-demo")
     layers = 5
-    ids = default_target_layer_ids(target.config.num_hidden_layers, layers)
-    extra = {}
-    if sliding_window:
-        extra = {"layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": sliding_window}
-    config = drafter_config(target.config, num_layers=layers, block_size=16, target_layer_ids=ids,
-                            mask_token_id=target.config.vocab_size - 1, **extra)
-    torch.manual_seed(0)
-    return DFlashDrafter(config).attach_target(target).eval()
+    windowed = {"layer_types": ("sliding_attention",) * 4 + ("full_attention",), "sliding_window": sliding_window}
+    drafter = dataclasses.replace(base.drafter, num_layers=layers, block_size=16, target_layer_ids=(), init="random",
+                                  draft_vocab_size=0, mask_token_id=target.config.vocab_size - 1,
+                                  **(windowed if sliding_window else {}))
+    profile = dataclasses.replace(base, drafter=drafter)
+    count = target.config.num_hidden_layers
+    return trainer_drafter(profile, target, default_target_layer_ids(count, layers), count).eval()
 
 
 class TimedDraft:

@@ -1,53 +1,61 @@
-"""Which drafter set-up learns fastest on the CPU demo: trained in-process, measured by greedy tau.
+"""Which drafter set-up learns fastest on the CPU demo: trained by the trainer, measured by greedy tau.
 
-    .venv/bin/python benchmarks/bench_drafter_variants.py --run-dir runs/cpu-demo [--steps 300]
-        [--variants target-3L-vocab,...] [--sets everyday,indist]
+    .venv/bin/python benchmarks/bench_drafter_variants.py --run-dir runs/cpu-demo [--steps N]
+        [--variants cpu-demo,gamma4,...] [--sets everyday,indist] [--eval-at 0,325]
+    .venv/bin/python benchmarks/bench_drafter_variants.py --smoke      (the smallest setting: the test suite's)
 
-Needs a run directory whose `dataset/` the tokenize stage wrote (the pipeline leaves one). The
-target's tap features of every row are extracted once and kept in memory; each variant then
-trains a fresh drafter for `--steps` steps (8 sequences x 16 anchors, AdamW, warmup + cosine,
-the trainer's own loss and targets) on one process. Held-out: the first `--heldout` prompts of
-each set in `--sets` (everyday: `dflash/prompts/everyday_prompts.jsonl`, the out-of-template set
-`eval` uses by default; indist: `dflash/prompts/indist_prompts.jsonl`, held-out entries of the
-training prompts' bank), continued greedily by the target for 48 tokens. Each
-drafter drafts at every position of those continuations (teacher-forced, as speculative
-decoding sees them) and the greedy decoding walk over them gives tau = tokens / steps, the
-figure `launcher.py eval` reports; prompt lookup is walked the same way.
+Needs a run directory whose `dataset/` the tokenize stage wrote (the pipeline leaves one); it is
+only read. Each variant is the cpu-demo profile with a few drafter / train settings changed
+(VARIANTS; `cpu-demo` is the profile as it is) and trains in one process (2 threads) through the
+trainer's own `build_state` and `run_step`: its data order, anchors, loss decay
+(train.decay_gamma), micro-batches, AdamW, schedule and feature cache (train.feature_cache), in a
+scratch run directory. `--steps` defaults to the profile's schedule (train.epochs). Held-out: the
+first `--heldout` prompts of each set in `--sets` (everyday: `dflash/prompts/everyday_prompts.jsonl`,
+the out-of-template set `eval` uses by default; indist: `dflash/prompts/indist_prompts.jsonl`,
+held-out entries of the training prompts' bank), continued greedily by the target for
+eval.max_new_tokens tokens. Each drafter drafts at every position of those continuations
+(teacher-forced, as speculative decoding sees them) and the greedy decoding walk over them gives
+tau = tokens / steps, the figure `launcher.py eval` reports; prompt lookup is walked the same way.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-VARIANTS = {
-    "random-1L": {"layers": 1, "init": "random", "vocab": 0, "lr": 3e-3, "norm_init": 0.25},
-    "target-1L": {"layers": 1, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
-    "target-3L": {"layers": 3, "init": "target", "vocab": 0, "lr": 1e-3, "norm_init": 1.0},
-    "target-3L-vocab": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
-    "target-3L-vocab8k": {"layers": 3, "init": "target", "vocab": 8192, "lr": 1e-3, "norm_init": 1.0},
-    "target-3L-vocab-lr2e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0},
-    "target-3L-vocab-lr3e-4": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-4, "norm_init": 1.0},
-    "target-3L-vocab-lr3e-3": {"layers": 3, "init": "target", "vocab": 4096, "lr": 3e-3, "norm_init": 1.0},
-    "target-2L-vocab": {"layers": 2, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0},
-    "target-3L-vocab-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 1e-3, "norm_init": 1.0,
-                                  "anchors": 32},
-    "target-3L-vocab-lr2e-3-32anchors": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
-                                         "anchors": 32},
-    "target-3L-vocab-lr2e-3-gamma1.5": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
-                                        "gamma": 1.5},
-    "target-3L-vocab-lr2e-3-frozen-mlp": {"layers": 3, "init": "target", "vocab": 4096, "lr": 2e-3, "norm_init": 1.0,
-                                          "freeze": ".mlp."},
+if TYPE_CHECKING:
+
+    from dflash.train.setup import TrainState
+    from launcher_core.schema import Profile
+
+PROFILE = "cpu-demo"
+# Each variant: the [drafter] / [train] settings that differ from the cpu-demo profile ("freeze": a
+# parameter-name part whose weights stay at their start, the copied target's).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cpu-demo": {},
+    "gamma4": {"train": {"decay_gamma": 4.0}},                      # block 8's default decay
+    "lr1e-3": {"train": {"lr": 1e-3}},
+    "lr3e-3": {"train": {"lr": 3e-3}},
+    "vocab8k": {"drafter": {"draft_vocab_size": 8192}},
+    "full-vocab": {"drafter": {"draft_vocab_size": 0}},
+    "2-layers": {"drafter": {"num_layers": 2}},
+    "1-layer": {"drafter": {"num_layers": 1, "draft_vocab_size": 0}, "train": {"lr": 1e-3}},
+    "random-1-layer": {"drafter": {"num_layers": 1, "init": "random", "norm_init": 0.25, "draft_vocab_size": 0},
+                       "train": {"lr": 3e-3}},                       # the first demo drafter
+    "32-anchors": {"train": {"num_anchors": 32}},
+    "frozen-mlp": {"freeze": ".mlp."},
 }
-SETS = {"everyday": "everyday_prompts.jsonl", "indist": "indist_prompts.jsonl"}
-TAP, BLOCK, BATCH, ANCHORS, NEW_TOKENS = 26, 8, 8, 16, 48
-GAMMA = 4.0  # the loss decay the trainer uses for block 8 (dflash.drafter.decay.default_gamma)
+SMOKE = {"steps": 2, "heldout": 1, "new_tokens": 4, "variants": "cpu-demo", "sets": "everyday", "eval_at": "1"}
+SMOKE_ROWS, SMOKE_TOKENS, SMOKE_LOSS_TOKENS = 8, 32, 6
 
 
 @dataclass
@@ -56,12 +64,22 @@ class Sequence:
     mask: list[int]
 
 
-def load_rows(table: Any) -> list[Sequence]:
-    return [Sequence(list(r["input_ids"]), list(r["loss_mask"])) for r in table]
+@dataclass
+class Heldout:
+    """One held-out set: prompt + the target's greedy continuation (loss mask on the continuation)."""
+
+    name: str
+    sequences: list[Sequence]
 
 
-def heldout_sequences(target, tokenizer, path: Path, count: int) -> list[Sequence]:
-    """Held-out prompt + the target's own greedy continuation (loss mask on the continuation)."""
+def prompt_sets() -> dict[str, Path]:
+    """The held-out sets `eval` knows: the default out-of-template one and the in-distribution one."""
+    from dflash.eval.options import DEFAULT_EVAL_PROMPTS, INDIST_EVAL_PROMPTS
+
+    return {"everyday": DEFAULT_EVAL_PROMPTS, "indist": INDIST_EVAL_PROMPTS}
+
+
+def heldout_sequences(target: Any, tokenizer: Any, path: Path, count: int, new_tokens: int) -> list[Sequence]:
     import torch
 
     from dflash.eval.evaluate import encode_prompts
@@ -70,78 +88,61 @@ def heldout_sequences(target, tokenizer, path: Path, count: int) -> list[Sequenc
     for encoded in encode_prompts(tokenizer, path, count, thinking=False):
         prompt = list(encoded.token_ids)
         with torch.no_grad():
-            full = target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
+            full = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0].tolist()
         out.append(Sequence(full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))
     return out
 
 
-def tap_features(target, rows: list[Sequence]) -> list:
-    import torch
+def variant_profile(base: Profile, variant: dict[str, Any], dataset: Path, run_dir: Path, steps: int) -> Profile:
+    """cpu-demo with the variant's settings, on one process, reading `dataset`, writing `run_dir`."""
+    sections = {name: dataclasses.replace(getattr(base, name), **variant.get(name, {})) for name in ("drafter", "train")}
+    profile = dataclasses.replace(base, **sections)
+    return dataclasses.replace(
+        profile, machine=dataclasses.replace(profile.machine, nproc_per_node=1),
+        paths=dataclasses.replace(profile.paths, dataset=str(dataset), run_dir=str(run_dir)),
+        train=dataclasses.replace(profile.train, max_steps=steps or profile.train.max_steps))
 
+
+def build_variant_state(profile: Profile, run_dir: Path, variant: dict[str, Any]) -> TrainState:
+    """The trainer's state (`build_state`), with the variant's frozen weights taken out of training."""
+    from dflash.train.dist import WorkerEnv
+    from dflash.train.setup import build_state
+
+    state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False)
+    if variant.get("freeze"):      # no gradient, so AdamW and the clipping leave them as they are
+        for name, parameter in state.drafter.named_parameters():
+            if variant["freeze"] in name:
+                parameter.requires_grad_(False)
+    return state
+
+
+def fill_feature_cache(state: TrainState) -> None:
+    """Every row's tap features into the run's feature cache before timing (the variants share it)."""
     from dflash.drafter.taps import extract_taps
 
-    return [extract_taps(target, torch.tensor([r.ids]), [TAP])[0] for r in rows]
+    if state.feature_cache is None:
+        return
+    rows = list(range(len(state.data.dataset)))
+    for first in range(0, len(rows), state.data.global_batch):
+        batch = state.data.collate(rows[first:first + state.data.global_batch], 0)
+        state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
 
 
-def padded(features: list, chosen: list[int], width: int):
-    import torch
+def train(state: TrainState, after_step: Callable[[int], None]) -> float:
+    """The trainer's steps up to its total (the worker's loop without checkpoints and metrics);
+    `after_step(n)` runs after step n, its time not counted. Returns the training seconds."""
+    from dflash.memory.plan import batch_plan
+    from dflash.train.step import run_step
 
-    out = torch.zeros(len(chosen), width, features[0].shape[-1])
-    for i, row in enumerate(chosen):
-        out[i, : features[row].shape[0]] = features[row]
-    return out
-
-
-def build(target, variant: dict, vocab: list[int] | None):
-    """The trainer's own drafter construction, on the cpu-demo profile with the variant's settings."""
-    import dataclasses
-
-    from dflash.train.setup import build_drafter
-    from launcher_core.profile import load_profile
-
-    profile = load_profile("cpu-demo")
-    drafter_settings = dataclasses.replace(profile.drafter, num_layers=variant["layers"], target_layer_ids=(TAP,),
-                                           block_size=BLOCK, init=variant["init"], norm_init=variant["norm_init"],
-                                           draft_vocab_size=variant["vocab"])
-    profile = dataclasses.replace(profile, drafter=drafter_settings)
-    return build_drafter(profile, target, [TAP], target.config.num_hidden_layers, vocab)
-
-
-def train(drafter, rows: list[Sequence], features: list, steps: int, lr: float, anchors: int = ANCHORS,
-          gamma: float = GAMMA, after_step=None) -> float:
-    """Train `steps` steps; `after_step(n)` is called after step n (n = 1..steps), its time not counted."""
-    import numpy as np
-    import torch
-
-    from dflash.drafter.loss import block_loss, decay_weights
-    from dflash.drafter.model import forward_blocks
-    from dflash.train.data import collate_rows
-    from dflash.train.optim import cosine_schedule
-    from dflash.train.step import step_targets
-
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    schedule = cosine_schedule(optimizer, steps, warmup_ratio=0.04)
-    decay, per_epoch = decay_weights(BLOCK, gamma), len(rows) // BATCH
-    started = time.perf_counter()
-    for step in range(steps):
-        epoch, index = divmod(step, per_epoch)
-        order = np.random.default_rng([0, epoch]).permutation(len(rows))
-        chosen = [int(r) for r in order[index * BATCH:(index + 1) * BATCH]]
-        batch = collate_rows([rows[r].ids for r in chosen], [rows[r].mask for r in chosen], chosen, anchors, 0, epoch)
-        features_batch = padded(features, chosen, batch.input_ids.shape[1])
-        hidden = forward_blocks(drafter, batch.input_ids, batch.anchors, features_batch, "sdpa")
-        parts = block_loss(hidden, drafter.logits, step_targets(drafter, batch), decay)
-        optimizer.zero_grad(set_to_none=True)
-        (parts.weighted_ce / parts.weight_sum.clamp(min=1e-9)).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        if after_step is not None:
-            paused = time.perf_counter()
-            after_step(step + 1)
-            started += time.perf_counter() - paused
-    return time.perf_counter() - started
+    spent = 0.0
+    while state.step < state.total_steps:
+        started = time.perf_counter()
+        epoch, rows = state.data.step_rows(state.step)
+        run_step(state, rows, epoch, batch_plan(state.data.global_batch, 1, state.micro_batch))
+        state.step += 1
+        spent += time.perf_counter() - started
+        after_step(state.step)
+    return spent
 
 
 def walk_steps(first: int, count: int, accepted_at: dict[int, int]) -> int:
@@ -160,25 +161,19 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
     return k
 
 
-def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float, list[float]]:
+def drafter_tau(state: TrainState, heldout: Heldout) -> tuple[float, list[float]]:
+    """tau of the state's drafter over the set, and the share of drafts reaching each slot."""
     import torch
 
-    from dflash.drafter.model import forward_blocks
-
-    tokens = steps = 0
-    reached = [0] * (BLOCK - 1)
-    drafts = 0
+    block = state.drafter.block_size
+    tokens = steps = drafts = 0
+    reached = [0] * (block - 1)
     with torch.no_grad():
-        for row, seq in enumerate(heldout):
+        for seq in heldout.sequences:
             first = seq.mask.index(1) - 1          # the anchor before the first new token
-            anchors = list(range(first, len(seq.ids) - 1))
-            hidden = forward_blocks(drafter, torch.tensor([seq.ids]), torch.tensor([anchors]), features[row][None],
-                                    "sdpa")
-            picked = drafter.token_ids(drafter.logits(hidden[0, :, 1:]).argmax(dim=-1)).tolist()
             accepted_at = {}
-            for anchor, proposal in zip(anchors, picked):
-                k = accepted(proposal, seq.ids[anchor + 1:anchor + BLOCK])
-                accepted_at[anchor] = k
+            for anchor, proposal in zip(range(first, len(seq.ids) - 1), block_proposals(state, seq, first)):
+                accepted_at[anchor] = k = accepted(proposal, seq.ids[anchor + 1:anchor + block])
                 for slot in range(k):
                     reached[slot] += 1
                 drafts += 1
@@ -187,87 +182,124 @@ def drafter_tau(drafter, heldout: list[Sequence], features: list) -> tuple[float
     return tokens / steps, [round(r / drafts, 3) for r in reached]
 
 
-def prompt_lookup_tau(heldout: list[Sequence]) -> float:
+def block_proposals(state: TrainState, seq: Sequence, first: int) -> list[list[int]]:
+    """The drafter's block at every anchor from `first` on (the trainer's forward over all blocks)."""
+    import torch
+
+    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.taps import extract_taps
+
+    ids = torch.tensor([seq.ids])
+    features = extract_taps(state.target, ids, state.layer_ids)
+    anchors = torch.tensor([list(range(first, len(seq.ids) - 1))])
+    hidden = forward_blocks(state.drafter, ids, anchors, features, state.backend)
+    return state.drafter.token_ids(state.drafter.logits(hidden[0, :, 1:]).argmax(dim=-1)).tolist()
+
+
+def prompt_lookup_tau(heldout: Heldout, block: int) -> float:
     from dflash.eval.prompt_lookup import lookup_continuation
 
     tokens = steps = 0
-    for seq in heldout:
+    for seq in heldout.sequences:
         first = seq.mask.index(1) - 1
-        accepted_at = {a: accepted(lookup_continuation(seq.ids[:a + 1], BLOCK - 1), seq.ids[a + 1:a + BLOCK])
+        accepted_at = {a: accepted(lookup_continuation(seq.ids[:a + 1], block - 1), seq.ids[a + 1:a + block])
                        for a in range(first, len(seq.ids) - 1)}
         count = len(seq.ids) - 1 - first
         tokens, steps = tokens + count, steps + walk_steps(first, count, accepted_at)
     return tokens / steps
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", type=Path, required=True, help="a run directory with dataset/ (after tokenize)")
-    parser.add_argument("--steps", type=int, default=300)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, help="a run directory with dataset/ (after tokenize); read only")
+    parser.add_argument("--steps", type=int, default=0, help="training steps (0: the profile's, train.epochs)")
     parser.add_argument("--heldout", type=int, default=40)
+    parser.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per held-out prompt (0: eval.max_new_tokens)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--sets", default=",".join(SETS), help=f"held-out sets, comma-separated, of {', '.join(SETS)}")
+    parser.add_argument("--sets", default="everyday,indist", help="held-out sets, comma-separated, of everyday, indist")
     parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
                         "within the one run of --steps (same schedule)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=f"the smallest setting: {SMOKE_ROWS} rows of "
+                        f"{SMOKE_TOKENS} tokens written in the scratch directory, one thread, {SMOKE}")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    elif args.run_dir is None:
+        parser.error("--run-dir is required (or --smoke)")
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: {', '.join(unknown)} not one of {', '.join(VARIANTS)}")
+    if set(args.sets.split(",")) - {"everyday", "indist"}:
+        parser.error(f"--sets {args.sets}: each of everyday, indist")
+    return args
+
+
+def smoke_dataset(tokenizer: Any, path: Path) -> Path:
+    """SMOKE_ROWS rows of chat text (the in-distribution prompts, at most SMOKE_TOKENS), loss on the last few."""
+    from dflash.data.dataset_io import save_token_rows
+    from dflash.eval.evaluate import encode_prompts
+
+    prompts = encode_prompts(tokenizer, prompt_sets()["indist"], SMOKE_ROWS, thinking=False)
+    rows = [list(p.token_ids)[:SMOKE_TOKENS] for p in prompts]
+    return save_token_rows(path, [(ids, [0] * (len(ids) - SMOKE_LOSS_TOKENS) + [1] * SMOKE_LOSS_TOKENS) for ids in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from dflash.drafter.draft_vocab import count_loss_tokens
-    from dflash.models import resolve_model_path
+    from dflash.models import load_target, resolve_model_path
+    from launcher_core.profile import load_profile
 
-    torch.set_num_threads(2)
-    path = resolve_model_path("builtin:smollm2-135m-instruct")
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-    target.requires_grad_(False)
+    torch.set_num_threads(1 if args.smoke else 2)
+    base = load_profile(PROFILE)
+    path = resolve_model_path(base.model.target)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    import datasets
-
-    table = datasets.load_from_disk(str(args.run_dir / "dataset")).with_format(None)
-    rows = load_rows(table)
-    started = time.perf_counter()
-    prompts_dir = REPO_ROOT / "dflash" / "prompts"
-    heldout = {name: heldout_sequences(target, tokenizer, prompts_dir / SETS[name], args.heldout)
-               for name in args.sets.split(",")}
-    train_features = tap_features(target, rows)
-    heldout_features = {name: tap_features(target, seqs) for name, seqs in heldout.items()}
-    print(f"{len(rows)} training rows ({sum(sum(r.mask) for r in rows)} loss tokens), held-out "
-          f"{', '.join(f'{name} {len(seqs)}' for name, seqs in heldout.items())} prompts x {NEW_TOKENS} greedy "
-          f"tokens; features in {time.perf_counter() - started:.0f} s", flush=True)
-    counts = count_loss_tokens(table, 10**9)
-    for name, seqs in heldout.items():
-        print(f"prompt lookup            {name:<9} tau {prompt_lookup_tau(seqs):.3f}", flush=True)
-    for name in args.variants.split(","):
-        run_variant(name, VARIANTS[name], target, (rows, train_features, counts), heldout, heldout_features, args.steps,
-                    {int(s) for s in args.eval_at.split(",") if s})
+    new_tokens = args.new_tokens or base.eval.max_new_tokens
+    with tempfile.TemporaryDirectory(prefix="bench-variants-") as scratch:
+        dataset = smoke_dataset(tokenizer, Path(scratch) / "dataset") if args.smoke else args.run_dir / "dataset"
+        started = time.perf_counter()
+        target = load_target(path, dtype=base.model.dtype)
+        sets = prompt_sets()
+        heldout = [Heldout(name, heldout_sequences(target, tokenizer, sets[name], args.heldout, new_tokens))
+                   for name in args.sets.split(",")]
+        del target
+        print(f"held-out {', '.join(f'{h.name} {len(h.sequences)}' for h in heldout)} prompts x {new_tokens} greedy "
+              f"tokens in {time.perf_counter() - started:.0f} s; training data {dataset}", flush=True)
+        for held in heldout:
+            print(f"{'prompt lookup':<24} {held.name:<9} tau {prompt_lookup_tau(held, base.drafter.block_size):.3f}",
+                  flush=True)
+        eval_at = {int(s) for s in args.eval_at.split(",") if s}
+        for index, name in enumerate(args.variants.split(",")):
+            profile = variant_profile(base, VARIANTS[name], dataset, Path(scratch) / "run", args.steps)
+            run_variant(name, VARIANTS[name], profile, Path(scratch) / "run", heldout, eval_at, fill_cache=index == 0)
     return 0
 
 
-def run_variant(name: str, variant: dict, target, training: tuple, heldout: dict, heldout_features: dict,
-                steps: int, eval_at: set[int]) -> None:
+def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: Path, heldout: list[Heldout],
+                eval_at: set[int], fill_cache: bool) -> None:
     """Train one variant and print its tau on every held-out set (also after each step in `eval_at`)."""
-    from dflash.drafter.draft_vocab import draft_vocabulary
-
-    rows, train_features, counts = training
-    vocab = draft_vocabulary(counts, variant["vocab"]) if variant["vocab"] else None
-    drafter = build(target, variant, vocab)
-    if variant.get("freeze"):   # keep these copied target weights as they are: fewer parameters to overfit with
-        for parameter_name, parameter in drafter.named_parameters():
-            if variant["freeze"] in parameter_name:
-                parameter.requires_grad_(False)
+    state = build_variant_state(profile, run_dir, variant)
+    if fill_cache:
+        started = time.perf_counter()
+        fill_feature_cache(state)
+        print(f"feature cache: {len(state.data.dataset)} rows in {time.perf_counter() - started:.0f} s", flush=True)
 
     def report(step: int, note: str = "") -> None:
-        drafter.eval()
-        for set_name, seqs in heldout.items():
-            tau, reached = drafter_tau(drafter, seqs, heldout_features[set_name])
-            print(f"{name:<24} {set_name:<9} tau {tau:.3f}  reached slot 1..7 {reached}  step {step}{note}", flush=True)
-        drafter.train()
+        state.drafter.eval()
+        for held in heldout:
+            tau, reached = drafter_tau(state, held)
+            print(f"{name:<24} {held.name:<9} tau {tau:.3f}  reached slot 1..{len(reached)} {reached}  step {step}{note}",
+                  flush=True)
+        state.drafter.train()
 
     if 0 in eval_at:
         report(0)
-    seconds = train(drafter, rows, train_features, steps, variant["lr"], variant.get("anchors", ANCHORS),
-                    variant.get("gamma", GAMMA), lambda step: report(step) if step in eval_at and step != steps else None)
-    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step)")
+    seconds = train(state, lambda step: report(step) if step in eval_at and step != state.total_steps else None)
+    steps, gamma = state.total_steps, -1.0 / math.log(float(state.decay[1]))     # decay[k-1] = exp(-(k-1) / gamma)
+    report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
+                  f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Eval wall time on the flagship twin (a hybrid Qwen3.5/3.6-architecture target) by rollback mode.
 
-    .venv/bin/python benchmarks/bench_eval_rollback.py [--prompts 4] [--new-tokens 48] [--repeat 3]
+    .venv/bin/python benchmarks/bench_eval_rollback.py [--prompts 4] [--new-tokens 48] [--repeat 3] [--wrong-every 2,4,8]
+    .venv/bin/python benchmarks/bench_eval_rollback.py --smoke     (1 prompt x 8 tokens, wrong every 4, one round)
 
 After a rejected draft token the linear-attention (Gated DeltaNet) state must go back to the
 committed prefix (dflash.eval.specdec.TargetVerifier):
@@ -39,7 +40,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=3)
-    return parser.parse_args()
+    parser.add_argument("--wrong-every", default=",".join(map(str, WRONG_EVERY)), help="the oracle's error periods")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: 1 prompt x 8 tokens, wrong every 4, "
+                        "one round")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.new_tokens, args.repeat, args.wrong_every = 1, 8, 1, "4"
+    return args
 
 
 def main() -> None:
@@ -47,7 +54,8 @@ def main() -> None:
     import transformers
     from transformers import AutoTokenizer
 
-    from dflash.eval.evaluate import DEFAULT_EVAL_PROMPTS, encode_prompts
+    from dflash.eval.evaluate import encode_prompts
+    from dflash.eval.options import DEFAULT_EVAL_PROMPTS
     from dflash.eval.oracle import OracleDrafter
     from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
     from dflash.models import flagship_twin_dir, load_target
@@ -78,7 +86,7 @@ def main() -> None:
     decode_all("snapshot", 4)   # warm-up
     target = min(decode_all("target", 0)[0] for _ in range(args.repeat))
     print(f"{'target only':<32} {target:7.2f} s")
-    for wrong_every in WRONG_EVERY:
+    for wrong_every in (int(k) for k in args.wrong_every.split(",")):
         best: dict[str, float] = {mode: float("inf") for mode in MODES}
         tau = 0.0
         for _ in range(args.repeat):

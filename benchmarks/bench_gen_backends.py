@@ -7,7 +7,9 @@ tokens/s (both over the generation time), the end-to-end time (setup + generatio
 RSS of the server's process tree (sampled every 0.5 s). vLLM runs from the venv of
 `launcher.py engine setup vllm` (built first if needed; its build time is printed apart).
 
-    .venv/bin/python benchmarks/bench_gen_backends.py [--prompts 64] [--backends transformers,vllm]
+    .venv/bin/python benchmarks/bench_gen_backends.py [--prompts 64] [--backends transformers,vllm] [--max-tokens N]
+    .venv/bin/python benchmarks/bench_gen_backends.py --smoke [--backends vllm]   (1 prompt x 8 tokens; transformers
+                                                                                  unless --backends says otherwise)
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from launcher_core.processes import free_port  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -69,14 +73,15 @@ class TreeRssSampler:
             self.peak_bytes = max(self.peak_bytes, total)
 
 
-def run_backend(backend: str, prompts: int, workdir: Path) -> BackendFigures:
+def run_backend(backend: str, prompts: int, max_tokens: int, workdir: Path) -> BackendFigures:
     from dflash.generate.run import generate_from_profile
     from launcher_core.profile import load_profile
 
     base = load_profile("cpu-demo")
-    port = 8765 + len(backend)
+    port = free_port()
     profile = dataclasses.replace(base, generate=dataclasses.replace(base.generate, backend=backend, port=port,
-                                                                     max_prompts=prompts))
+                                                                     max_prompts=prompts,
+                                                                     max_tokens=max_tokens or base.generate.max_tokens))
     run_dir = workdir / backend
     with TreeRssSampler(port) as sampler:
         started = time.monotonic()
@@ -89,8 +94,14 @@ def run_backend(backend: str, prompts: int, workdir: Path) -> BackendFigures:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=526, help="the first N of the demo's 526 training prompts")
-    parser.add_argument("--backends", default="transformers,vllm")
+    parser.add_argument("--backends", default=None, help="comma-separated (default: transformers,vllm; --smoke: transformers)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="completion tokens per prompt (0: generate.max_tokens)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: 1 prompt x 8 tokens, transformers "
+                        "serve unless --backends is given")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.max_tokens = 1, 8
+    args.backends = args.backends or ("transformers" if args.smoke else "transformers,vllm")
     backends = args.backends.split(",")
     if "vllm" in backends:
         from dflash.generate.engine_env import setup_engine_env
@@ -99,7 +110,7 @@ def main() -> int:
         print(f"engine setup vllm: {'built in %.0f s' % env.build_s if env.built else 'already built (0 s)'}")
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as scratch:
         for backend in backends:
-            print(run_backend(backend, args.prompts, Path(scratch)).line(), flush=True)
+            print(run_backend(backend, args.prompts, args.max_tokens, Path(scratch)).line(), flush=True)
     return 0
 
 

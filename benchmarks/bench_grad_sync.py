@@ -13,13 +13,14 @@ fresh processes, and reports, for rank 0:
   medians of --repeats.
 
     .venv/bin/python benchmarks/bench_grad_sync.py [--hidden 1024] [--layers 4] [--bucket-mib 64] [--repeats 5]
+    .venv/bin/python benchmarks/bench_grad_sync.py --smoke      (hidden 64, 1 layer, bucket 0.01 MiB, one repeat,
+                                                                  both sums in one process pair)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from launcher_core.processes import free_port  # noqa: E402
+
 MIB = 2**20
+METHODS = ("cat", "bucketed")
 
 
 def drafter_like(hidden: int, layers: int):
@@ -99,7 +103,7 @@ def step_seconds(method, model, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def rank_main(rank: int, port: int, out: str, args: argparse.Namespace, method_name: str) -> None:
+def rank_main(rank: int, port: int, out: str, args: argparse.Namespace, method_names: tuple[str, ...]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -113,16 +117,10 @@ def rank_main(rank: int, port: int, out: str, args: argparse.Namespace, method_n
         p.grad = torch.full_like(p, 1e-3)
     methods = {"cat": cat_sum, "bucketed": lambda ps: sync_gradients(ps, bucket_mib=args.bucket_mib)}
     results = {"grads_mib": sum(p.numel() * 4 for p in model.parameters()) / MIB,
-               method_name: measure(methods[method_name], model, args.repeats)}
+               **{name: measure(methods[name], model, args.repeats) for name in method_names}}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main() -> None:
@@ -133,17 +131,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--bucket-mib", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--one-pair", action="store_true", help="both sums in one pair of processes (not each in its own)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: hidden 64, 1 layer, bucket 0.01 MiB, "
+                        "one repeat, one pair of processes")
     args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.bucket_mib, args.repeats, args.one_pair = 64, 1, 0.01, 1, True
     results: dict = {}
     with tempfile.TemporaryDirectory() as work:
-        for method in ("cat", "bucketed"):           # each in fresh processes: no heap reused between them
-            out = str(Path(work) / f"{method}.json")
-            mp.spawn(rank_main, args=(free_port(), out, args, method), nprocs=2, join=True)
+        pairs = [METHODS] if args.one_pair else [(method,) for method in METHODS]   # fresh processes: no heap reused
+        for methods in pairs:
+            out = str(Path(work) / f"{'-'.join(methods)}.json")
+            mp.spawn(rank_main, args=(free_port(), out, args, methods), nprocs=2, join=True)
             results.update(json.loads(Path(out).read_text()))
     print(f"gradients: {results['grads_mib']:.1f} MiB per rank (hidden {args.hidden}, {args.layers} layers), "
           f"2 gloo ranks, bucket {args.bucket_mib:g} MiB")
     print(f"{'sum':<10} {'tensor peak above params+grads':>31} {'RSS added':>10} {'sum':>9} {'step':>9}")
-    for name in ("cat", "bucketed"):
+    for name in METHODS:
         figures = results[name]
         print(f"{name:<10} {figures['tensor_peak_mib']:>27.1f} MiB {figures['rss_added_mib']:>6.1f} MiB "
               f"{1000 * figures['seconds']:>6.0f} ms {1000 * figures['step_seconds']:>6.0f} ms")

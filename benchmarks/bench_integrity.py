@@ -7,6 +7,7 @@ are read once before timing, so the figure is hashing from the page cache: the C
 that does not depend on the disk. The best of --repeat runs is reported.
 
     .venv/bin/python benchmarks/bench_integrity.py [--mib 512] [--repeat 3]
+    .venv/bin/python benchmarks/bench_integrity.py --smoke      (8 MiB, one run)
 """
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: 8 MiB, one run")
     args = parser.parse_args()
+    if args.smoke:
+        args.mib, args.repeat = 8, 1
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ds"
         size = build(path, args.mib)

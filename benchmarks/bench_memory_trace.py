@@ -8,6 +8,9 @@ Qwen3.6-27B-shaped target's tap forward, two micro-batches' forward/backward wit
 the gradient sum over the ranks, clipping and the profile's optimizer (ZeRO-1 over 8 ranks). Prints
 per profile and micro-batch each component, model vs trace, and the largest differences (targets:
 3 % at the peak, 5 % per component).
+
+    .venv/bin/python benchmarks/bench_memory_trace.py --smoke    (rtx6000-x8's step at micro-batch 1 on a tiny
+                                                                  Qwen3.5-shaped target: 8 layers, hidden 64)
 """
 from __future__ import annotations
 
@@ -18,6 +21,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# --smoke: Qwen3.6-27B's layout at a tiny width (a target config and the drafter's own attention
+# shape), on a 64-token sequence with 4 anchors and two draft layers.
+SMOKE_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=6,
+                    num_key_value_heads=1, head_dim=32, vocab_size=4096, linear_num_key_heads=4,
+                    linear_num_value_heads=12, linear_key_head_dim=16, linear_value_head_dim=16)
+SMOKE_DRAFTER = dict(num_layers=2, target_layer_ids=(1, 5), num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                     mask_token_id=4000, layer_types=("sliding_attention", "full_attention"), sliding_window=16)
+
+
+def smoke_case(profile):
+    """The profile at the smoke size, and its tiny target config."""
+    from dflash.memory import trace as fake
+
+    small = dataclasses.replace(profile, data=dataclasses.replace(profile.data, max_length=64),
+                                train=dataclasses.replace(profile.train, num_anchors=4),
+                                drafter=dataclasses.replace(profile.drafter, **SMOKE_DRAFTER))
+    return small, fake.qwen36_27b_config(**SMOKE_TARGET)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,7 +46,10 @@ def main() -> int:
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                         help="train.compute_dtype for every profile (default: each profile's own)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: rtx6000-x8, micro-batch 1, a tiny target")
     args = parser.parse_args()
+    if args.smoke:
+        args.profiles, args.micro_batches = ["rtx6000-x8"], [1]
     from dflash.memory import trace as fake
     from dflash.train import trace
     from launcher_core.profile import load_profile
@@ -36,14 +60,15 @@ def main() -> int:
         if args.compute_dtype:
             profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train,
                                                                              compute_dtype=args.compute_dtype))
-        workload = fake.workload_for_config(profile, fake.target_config(profile))
+        profile, config = smoke_case(profile) if args.smoke else (profile, fake.target_config(profile))
+        workload = fake.workload_for_config(profile, config)
         for micro_batch in args.micro_batches:
             same = (workload, micro_batch, profile.train.compute_dtype, profile.train.autocast)
             if same in done:            # b200-x8 is rtx6000-x8's workload and world size: the same step
                 print(f"{name}, micro-batch {micro_batch}: the same step as {done[same][0]} (same workload, "
                       f"world size and batch split); its figures hold", flush=True)
                 continue
-            traced = trace.trace_step(profile, micro_batch)
+            traced = trace.trace_step(profile, micro_batch, config=config)
             figures = fake.compare(traced, workload)
             done[same] = (name, traced)
             print("\n".join(fake.format_comparison(name, traced, figures)), flush=True)

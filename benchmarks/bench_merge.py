@@ -7,6 +7,7 @@ include the parent's pages across exec). Prints peak RSS next to the data size; 
 dataset several times larger than the peak.
 
     .venv/bin/python benchmarks/bench_merge.py [--base-rows 120000 --add-rows 40000] [--dir DIR]
+    .venv/bin/python benchmarks/bench_merge.py --smoke      (200 + 100 rows)
 """
 from __future__ import annotations
 
@@ -76,7 +77,10 @@ def main() -> int:
     parser.add_argument("--base-rows", type=int, default=120_000)
     parser.add_argument("--add-rows", type=int, default=40_000)
     parser.add_argument("--dir", type=Path, help="scratch directory (default: a temporary one; needs ~4x the data)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: 200 + 100 rows")
     args = parser.parse_args()
+    if args.smoke:
+        args.base_rows, args.add_rows = 200, 100
     scratch = Path(tempfile.mkdtemp(prefix="bench-merge-", dir=args.dir))
     try:
         base = build(scratch / "base", args.base_rows, 1, "b")

@@ -4,32 +4,40 @@ find_executable_batch_size approach), on the same emulated budget.
 
 The device is emulated on CPU: the "true" memory of the workload is a peak model (the calibration
 fixture, optionally perturbed to emulate a calibration error); the budgets come from recorded node
-snapshots; the first rank whose true peak exceeds its budget raises torch.OutOfMemoryError through
-dflash.train.autobatch's fault-injection switch (above=N). Both strategies run the real AutoBatch
-recovery loop on a small real training step; only the starting micro-batch differs.
+snapshots; a forward above the truly feasible micro-batch raises torch.OutOfMemoryError through
+the trainer's fault-injection switch (DFLASH_INJECT_OOM="above=N", dflash.train.autobatch). Both
+strategies train a small real drafter through the trainer's own `build_state` and `run_step`
+(its AutoBatch recovery: agree, halve on every rank, redo the step) on a tiny random Qwen3 target;
+only the starting micro-batch differs.
 
-    .venv/bin/python benchmarks/bench_oom_steps.py
+    .venv/bin/python benchmarks/bench_oom_steps.py [--steps 6] [--scenarios N]
+    .venv/bin/python benchmarks/bench_oom_steps.py --smoke      (the first two scenarios, 2 steps each)
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "memory"))
 
 from dflash.memory import plan as budget  # noqa: E402
 from dflash.memory.calibration import Calibration, load_calibration  # noqa: E402
-from dflash.train import autobatch  # noqa: E402
 from envcheck.snapshot import Snapshot, load_snapshot  # noqa: E402
 from launcher_core.fileio import read_json  # noqa: E402
 from launcher_core.profile import load_profile  # noqa: E402
 
+if TYPE_CHECKING:
+    from launcher_core.schema import Profile
+
 SNAPSHOTS = REPO / "tests" / "fixtures" / "snapshots"
 CALIBRATION = REPO / "tests" / "fixtures" / "memory" / "rtx6000-x8-calibration.json"
-STEPS = 6
+STEPS, GLOBAL_BATCH, ROW_TOKENS = 6, 16, 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,45 +64,100 @@ def true_feasible(profile, snapshot: Snapshot, calibration: Calibration, error: 
     return min(r.feasible_micro_batch for r in plan.ranks)
 
 
-def lost_steps(start: int, feasible: int) -> tuple[int, int]:
-    """Run STEPS real steps with AutoBatch from `start` on a device allowing `feasible`; (lost, final)."""
-    import autobatch_worker as worker
+def small_workload(scratch: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3 target and GLOBAL_BATCH seeded rows of its token ids (dflash.data's format)."""
+    import numpy as np
 
-    model, global_batch = worker.build_model(), 16
-    optimizer = worker.build_optimizer(model)
-    auto = autobatch.AutoBatch(start, 0, injector=autobatch.OomInjector(above=feasible), log=lambda _: None)
-    lost = 0
-    for step in range(STEPS):
-        indices = worker.step_indices(step, global_batch)
-        total = float(worker.batch(indices)[2].sum())
+    from dflash.data.dataset_io import save_token_rows
+    from dflash.models import build_tiny_target
 
-        def accumulate(m: int) -> None:
-            for first in range(0, global_batch, m):
-                auto.inject("forward")
-                (worker.weighted_loss_sum(model, indices[first:first + m]) / total).backward()
+    target = build_tiny_target(scratch / "target", None, hidden=64, layers=2)
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(100, 30000, ROW_TOKENS).tolist(), [0] * (ROW_TOKENS // 2) + [1] * (ROW_TOKENS // 2))
+            for _ in range(GLOBAL_BATCH)]
+    return target, save_token_rows(scratch / "dataset", rows)
 
-        lost += auto.run_step(step, accumulate, optimizer).attempts - 1
-    return lost, auto.micro_batch
+
+def training_profile(target: Path, dataset: Path, run_dir: Path, start: int, steps: int) -> Profile:
+    """cpu-demo on one process with the small workload: a 1-layer drafter over a 256-token draft
+    vocabulary, GLOBAL_BATCH sequences a step, starting at micro-batch `start`."""
+    base = load_profile("cpu-demo")
+    return dataclasses.replace(
+        base, machine=dataclasses.replace(base.machine, nproc_per_node=1),
+        model=dataclasses.replace(base.model, target=str(target), tokenizer="", dtype="float32"),
+        paths=dataclasses.replace(base.paths, dataset=str(dataset), run_dir=str(run_dir)),
+        drafter=dataclasses.replace(base.drafter, num_layers=1, target_layer_ids=(1,), init="random",
+                                    draft_vocab_size=256, mask_token_id=151669),
+        train=dataclasses.replace(base.train, global_batch=GLOBAL_BATCH, max_micro_batch=start, num_anchors=4,
+                                  feature_cache=False, max_steps=steps))
+
+
+def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tuple[int, int]:
+    """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final)."""
+    from dflash.memory.plan import batch_plan
+    from dflash.train.autobatch import INJECT_ENV
+    from dflash.train.dist import WorkerEnv
+    from dflash.train.setup import build_state
+    from dflash.train.step import run_step
+
+    os.environ[INJECT_ENV] = f"above={feasible}"         # read by build_state's AutoBatch
+    try:
+        state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=start)
+    finally:
+        del os.environ[INJECT_ENV]
+    assert state.autobatch is not None
+    state.autobatch.log = lambda line: None
+    while state.step < state.total_steps:
+        epoch, rows = state.data.step_rows(state.step)
+        run_step(state, rows, epoch, batch_plan(GLOBAL_BATCH, 1, state.micro_batch))
+        state.step += 1
+    return len(state.autobatch.reductions), state.autobatch.micro_batch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per strategy and scenario")
+    parser.add_argument("--scenarios", type=int, default=len(SCENARIOS), help="the first N scenarios")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: the first two scenarios, 2 steps")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.scenarios = 2, 2
+    return args
 
 
 def main() -> None:
+    import torch
+
+    args = parse_args()
+    torch.set_num_threads(1)
     calibration = load_calibration(read_json(CALIBRATION), str(CALIBRATION))
     print(f"{'scenario':58} {'true':>4} | {'ours: start':>11} {'lost':>4} | {'halving: start':>14} {'lost':>4}")
     totals = [0, 0]
-    for scenario in SCENARIOS:
-        profile = load_profile(scenario.profile)
-        snapshot = load_snapshot(SNAPSHOTS / scenario.snapshot)
-        feasible = true_feasible(profile, snapshot, calibration, scenario.truth_error)
-        planned = budget.make_plan(profile, snapshot, calibration=calibration).batch.micro_batch
-        maximum = profile.train.max_micro_batch
-        ours, ours_final = lost_steps(planned, feasible)
-        halving, halving_final = lost_steps(maximum, feasible)
-        assert ours_final <= feasible and halving_final <= feasible
-        totals[0] += ours
-        totals[1] += halving
-        print(f"{scenario.name:58} {feasible:>4} | {planned:>11} {ours:>4} | {maximum:>14} {halving:>4}")
+    with tempfile.TemporaryDirectory(prefix="bench-oom-") as tmp:
+        scratch = Path(tmp)
+        target, dataset = small_workload(scratch)
+        for index, scenario in enumerate(SCENARIOS[:args.scenarios]):
+            totals = run_scenario(scenario, calibration, (target, dataset), scratch / str(index), args.steps, totals)
     print(f"steps lost to OOM in total: ours {totals[0]}, halving from the maximum {totals[1]} "
           f"(target: 0 when calibrated)")
+
+
+def run_scenario(scenario: Scenario, calibration: Calibration, workload: tuple[Path, Path], scratch: Path,
+                 steps: int, totals: list[int]) -> list[int]:
+    """One scenario's row: both strategies trained from their starting micro-batch."""
+    profile = load_profile(scenario.profile)
+    snapshot = load_snapshot(SNAPSHOTS / scenario.snapshot)
+    feasible = true_feasible(profile, snapshot, calibration, scenario.truth_error)
+    planned = budget.make_plan(profile, snapshot, calibration=calibration).batch.micro_batch
+    maximum = profile.train.max_micro_batch
+    results = {}
+    for strategy, start in (("ours", planned), ("halving", maximum)):
+        run_dir = scratch / strategy
+        results[strategy] = lost_steps(training_profile(*workload, run_dir, start, steps), run_dir, start, feasible)
+    (ours, ours_final), (halving, halving_final) = results["ours"], results["halving"]
+    assert ours_final <= feasible and halving_final <= feasible
+    print(f"{scenario.name:58} {feasible:>4} | {planned:>11} {ours:>4} | {maximum:>14} {halving:>4}", flush=True)
+    return [totals[0] + ours, totals[1] + halving]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ same prompts. Targets: the drafter's tau above prompt lookup's on the out-of-tem
 (docs/cpu-demo.md says what buys what).
 
     .venv/bin/python benchmarks/bench_pipeline.py [--profile cpu-demo] [--run-dir DIR] [--keep]
+    .venv/bin/python benchmarks/bench_pipeline.py --smoke     (a profile extending cpu-demo: 8 prompts x 8 tokens,
+                                                               2 training steps on 2 gloo ranks, 1 eval prompt x 4 tokens)
 """
 from __future__ import annotations
 
@@ -24,8 +26,37 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-STAGES = ("audit", "generate", "tokenize", "train", "eval")
+
+from launcher_core.manifest import STAGES  # noqa: E402
+
 TARGET_TOTAL_S = 15 * 60
+# --smoke: every stage for real at its smallest (answers cut at 8 tokens are all "degenerate": allowed)
+SMOKE_PROFILE = """extends = "cpu-demo"
+[generate]
+max_prompts = 8
+max_tokens = 8
+[data]
+max_degenerate_share = 1.0
+[train]
+epochs = 1
+max_steps = 2
+global_batch = 4
+max_micro_batch = 2
+save_every_steps = 2
+log_every_steps = 1
+[eval]
+num_prompts = 1
+max_new_tokens = 4
+also_prompts = []
+serve_engine = ""
+"""
+
+
+def smoke_profile(directory: Path) -> str:
+    """The smoke profile's file (it extends the shipped cpu-demo)."""
+    from launcher_core.fileio import write_text_atomic
+
+    return str(write_text_atomic(directory / "cpu-demo-smoke.toml", SMOKE_PROFILE))
 
 
 def run_pipeline(profile: str, run_dir: Path) -> tuple[int, float]:
@@ -63,11 +94,14 @@ def main() -> int:
     parser.add_argument("--profile", default="cpu-demo")
     parser.add_argument("--run-dir", type=Path, help="run directory (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directory")
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: every stage on a few prompts and tokens")
     args = parser.parse_args()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    code, total_s = run_pipeline(args.profile, run_dir)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-profile-") as profiles:
+        profile = smoke_profile(Path(profiles)) if args.smoke else args.profile
+        code, total_s = run_pipeline(profile, run_dir)
     manifest = json.loads((run_dir / "manifest.json").read_text()) if (run_dir / "manifest.json").exists() else {"stages": {}}
-    print(f"\npipeline --profile {args.profile}: exit {code}, {total_s:.0f} s in total "
+    print(f"\npipeline --profile {'cpu-demo (smoke)' if args.smoke else args.profile}: exit {code}, {total_s:.0f} s in total "
           f"(the demo's budget: about {TARGET_TOTAL_S // 60} min on 2 cores), run dir {run_dir}")
     print("\n".join(stage_lines(manifest)))
     report_path = run_dir / "eval" / "report.json"

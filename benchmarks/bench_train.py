@@ -10,6 +10,8 @@ Prints, for a sequence of --tokens real-text tokens:
     over all anchors, AdamW) for the cpu-demo drafter (1 layer, block 8).
 
 Usage: .venv/bin/python benchmarks/bench_train.py [--tokens 2048] [--taps 15] [--repeats 3]
+       .venv/bin/python benchmarks/bench_train.py --smoke      (128 tokens, one repeat, one timed step
+                                                                of 8 anchors, one thread, in one process)
 """
 from __future__ import annotations
 
@@ -38,16 +40,17 @@ def real_text_ids(tokenizer, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def load_target():
+def load_target(threads: int = 0):
+    """The frozen target as the trainer loads it (dflash.models.load_target), and its tokenizer;
+    torch on `threads` threads (0: every core)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from dflash.models import smollm2_dir
+    from dflash.models import load_target, smollm2_dir
 
     path = smollm2_dir()
-    torch.set_num_threads(cpu_count())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-    return model.requires_grad_(False), AutoTokenizer.from_pretrained(path, local_files_only=True)
+    torch.set_num_threads(threads or cpu_count())
+    return load_target(path, dtype="float32"), AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class PeakRss:
@@ -77,12 +80,12 @@ class PeakRss:
         return (self.peak - self.start) / 2**20
 
 
-def child_extraction(variant: str, tokens: int, taps: list[int], repeats: int) -> dict:
+def child_extraction(variant: str, tokens: int, taps: list[int], repeats: int, threads: int) -> dict:
     import torch
 
     from dflash.drafter.taps import extract_taps
 
-    model, tokenizer = load_target()
+    model, tokenizer = load_target(threads)
     input_ids = torch.tensor([real_text_ids(tokenizer, tokens)])
 
     def once():
@@ -103,15 +106,18 @@ def child_extraction(variant: str, tokens: int, taps: list[int], repeats: int) -
 
 
 def run_child(variant: str, args: argparse.Namespace) -> dict:
+    if args.in_process:
+        return child_extraction(variant, args.tokens, args.taps, args.repeats, args.threads)
     argv = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-            "--taps", *map(str, args.taps)]
+            "--threads", str(args.threads), "--taps", *map(str, args.taps)]
     output = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=REPO).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
-def throughput_profile(dataset: Path, run_dir: Path, tokens: int):
-    """cpu-demo's target (SmolLM2-135M) with a 1-layer drafter, block 8, tap [15], 64 anchors,
-    one sequence per step, float32, SDPA: the workload this benchmark has always timed."""
+def throughput_profile(dataset: Path, run_dir: Path, tokens: int, anchors: int):
+    """cpu-demo's target (SmolLM2-135M) with a 1-layer drafter, block 8, tap [15], 64 anchors (--anchors),
+    one sequence per step, float32, SDPA: the workload this benchmark has always timed (the
+    profile's own lr, schedule and loss decay: they do not change the work of a step)."""
     import dataclasses
 
     from launcher_core.profile import load_profile
@@ -123,30 +129,31 @@ def throughput_profile(dataset: Path, run_dir: Path, tokens: int):
         data=dataclasses.replace(base.data, max_length=tokens),
         drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=8, target_layer_ids=(15,), init="random",
                                     draft_vocab_size=0, mask_token_id=16),
-        train=dataclasses.replace(base.train, global_batch=1, max_micro_batch=1, num_anchors=64, lr=6e-4,
-                                  decay_gamma=4.0, attention="sdpa", autocast="off", feature_cache=False,
-                                  warmup_ratio=0.0, max_steps=1000))
+        train=dataclasses.replace(base.train, global_batch=1, max_micro_batch=1, num_anchors=anchors, attention="sdpa",
+                                  autocast="off", feature_cache=False, max_steps=1000))
 
 
-def training_throughput(tokens: int, steps: int) -> float:
+def training_throughput(tokens: int, steps: int, anchors: int, threads: int) -> float:
     """tokens/s of training steps on one sequence, through the trainer's build_state and run_step."""
     import tempfile
 
     import torch
+    from transformers import AutoTokenizer
 
     from dflash.data.dataset_io import save_token_rows
     from dflash.memory.plan import batch_plan
+    from dflash.models import smollm2_dir
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
     from dflash.train.step import run_step
 
-    _, tokenizer = load_target()
-    torch.set_num_threads(cpu_count())
+    torch.set_num_threads(threads or cpu_count())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
         dataset = Path(work) / "dataset"
         ids = real_text_ids(tokenizer, tokens)
         save_token_rows(dataset, [(ids, [1] * tokens)])
-        profile = throughput_profile(dataset, Path(work) / "run", tokens)
+        profile = throughput_profile(dataset, Path(work) / "run", tokens, anchors)
         state = build_state(profile, Path(work) / "run", WorkerEnv(0, 1, 0), resume=False)
         times = []
         for step in range(steps + 1):
@@ -163,10 +170,17 @@ def main() -> int:
     parser.add_argument("--taps", type=int, nargs="+", default=[15], help="tap layer ids (cpu-demo: [15])")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence in the timed training steps")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--in-process", action="store_true", help="both extraction variants in this process, not each "
+                        "in a fresh one (the second one's peak memory then starts from the first's heap)")
     parser.add_argument("--child", choices=["truncated", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="the smallest setting: 128 tokens, one repeat, one step of 8 anchors, one thread, in process")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.repeats, args.train_steps, args.anchors, args.threads, args.in_process = 128, 1, 1, 8, 1, True
     if args.child:
-        print(json.dumps(child_extraction(args.child, args.tokens, args.taps, args.repeats)))
+        print(json.dumps(child_extraction(args.child, args.tokens, args.taps, args.repeats, args.threads)))
         return 0
     truncated, full = run_child("truncated", args), run_child("full", args)
     layers = full["num_layers"]
@@ -179,8 +193,8 @@ def main() -> int:
           f"peak +{full['peak_growth_mib']:.0f} MiB")
     print(f"time ratio truncated/full: {ratio:.3f}  (target <= (deepest+1)/N + 0.10 = {bound:.3f}: "
           f"{'PASS' if ratio <= bound else 'MISS'})")
-    print(f"training throughput (1-layer drafter, block 8, 64 anchors): "
-          f"{training_throughput(args.tokens, args.train_steps):.0f} tokens/s")
+    print(f"training throughput (1-layer drafter, block 8, {args.anchors} anchors): "
+          f"{training_throughput(args.tokens, args.train_steps, args.anchors, args.threads):.0f} tokens/s")
     return 0
 
 

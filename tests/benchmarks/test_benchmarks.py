@@ -1,0 +1,130 @@
+"""Every benchmark in benchmarks/ at its smallest setting (`--smoke`), run as a real process: it
+exits 0 and prints its figure lines. A benchmark that drifts from the package's entry points
+(load_profile, build_state, run_step, the CLI) breaks here instead of on the next full-size run.
+
+The figures at this size are not judged (BENCHMARKS.md holds the full-size ones), except where the
+benchmark's result is deterministic: the steps lost to OOM (emulated budgets), the bisect's probes
+and groups, and the loss decay the drafter variants train with (the profile's, through the trainer).
+Benchmarks that start servers, ranks or venvs are `slow`; the one that starts vLLM is `engine`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+NUMBER = r"[\d,]+(?:\.\d+)?"
+
+
+def profile_gamma(name: str) -> str:
+    from launcher_core.profile import load_profile
+
+    return f"{load_profile(name).train.decay_gamma:.2f}"
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One benchmark's smoke run: its arguments, the figure lines it must print (regexes, each
+    searched line by line in stdout), its marks and its time limit."""
+
+    script: str
+    figures: tuple[str, ...]
+    args: tuple[str, ...] = ("--smoke",)
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+    timeout_s: float = 540
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.name or self.script.removesuffix(".py")
+
+
+SLOW, ENGINE = pytest.mark.slow, pytest.mark.engine
+CASES = [
+    Smoke("bench_audit.py", (rf"^audit +median {NUMBER} s", rf"^collect_env +median {NUMBER} s",
+                             rf"^ratio audit/collect_env = {NUMBER}")),
+    Smoke("bench_tokenize.py", (rf"^corpus: 10 conversations, \d+ samples, {NUMBER} tokens",
+                                rf"^\[CPU time\] floor tokenizer\(text\) only: +{NUMBER} tokens/s \| ours .*: +{NUMBER} tokens/s",
+                                rf"^ratio \(CPU time\) {NUMBER}x of the floor")),
+    Smoke("bench_merge.py", (r"^datasets: base .*\(200 rows\) \+ added .*\(100 rows\)",
+                             rf"^merge --output, dedup by content: +{NUMBER} s, .* peak RSS +{NUMBER} MiB",
+                             rf"^merge --in-place \(verified backup\), no dedup: +{NUMBER} s, .* peak RSS +{NUMBER} MiB")),
+    Smoke("bench_integrity.py", (rf"^dataset {NUMBER} MiB in \d+ shards", rf"^sizes only: +{NUMBER} ms",
+                                 rf"^sizes \+ sha256: +{NUMBER} s = {NUMBER} s per GiB")),
+    Smoke("bench_train.py", (rf"^extraction truncated .*: +{NUMBER} ms", rf"^full forward .*: +{NUMBER} ms",
+                             rf"^time ratio truncated/full: {NUMBER}",
+                             rf"^training throughput \(1-layer drafter, block 8, 8 anchors\): {NUMBER} tokens/s")),
+    Smoke("bench_oom_steps.py", (r"^rtx6000-x8 baseline, calibrated +3 \| +3 +0 \| +4 +1$",
+                                 r"^rtx6000-x8 cu130 upgrade \(GPU 6 -200 MiB\), calibrated +2 \| +2 +0 \| +4 +1$",
+                                 r"^steps lost to OOM in total: ours 0, halving from the maximum 2 ")),
+    Smoke("bench_draft_cache.py", (rf"^context +32: +{NUMBER} tokens/s, draft +{NUMBER} ms/step over \d+ steps",)),
+    Smoke("bench_eval_rollback.py", (rf"^target only +{NUMBER} s",
+                                     rf"^wrong every 4 \(tau {NUMBER}\) +snapshot +{NUMBER} s .* reprefill +{NUMBER} s")),
+    Smoke("bench_memory_trace.py", (rf"^  micro-batches' peak \(forward/backward\) +{NUMBER} +{NUMBER} +[-+]{NUMBER}%",
+                                    rf"^largest model-vs-trace difference: peak {NUMBER}%")),
+    Smoke("bench_drafter_variants.py", (rf"^prompt lookup +everyday +tau {NUMBER}",
+                                        rf"^cpu-demo +everyday +tau {NUMBER} .* step 1$",
+                                        rf"^cpu-demo +everyday +tau {NUMBER} .* step 2, 2 steps in .*the trainer's loss "
+                                        rf"decay gamma {re.escape(profile_gamma('cpu-demo'))}, ")),
+    Smoke("bench_grad_sync.py", (rf"^cat +{NUMBER} MiB +{NUMBER} MiB +{NUMBER} ms +{NUMBER} ms",
+                                 rf"^bucketed +{NUMBER} MiB +{NUMBER} MiB +{NUMBER} ms +{NUMBER} ms"), marks=(SLOW,)),
+    Smoke("bench_bisect.py", (r"^ +128 +8 +8\.00 +8$",                      # pure search: worst / mean / bound
+                              r"^ +foo +metadata +8 +4 +4 +0 +0 +0 +True .* foo$",
+                              rf"^ +2 +2 +2 +memhog +{NUMBER} ", rf"^ +uv: median {NUMBER} s", rf"^ pip: median {NUMBER} s"),
+          marks=(SLOW,)),
+    Smoke("bench_client.py", (rf"^completed 200 requests in {NUMBER} s, failed 0$",
+                              rf"^client throughput: {NUMBER} requests/s"), marks=(SLOW,)),
+    Smoke("bench_gen_backends.py", (rf"^transformers +1 prompts: setup +{NUMBER} s, generation +{NUMBER} s, .* tokens/s",),
+          marks=(SLOW,), name="bench_gen_backends-transformers"),
+    Smoke("bench_gen_backends.py", (rf"^vllm +1 prompts: setup +{NUMBER} s, generation +{NUMBER} s, .* tokens/s",),
+          args=("--smoke", "--backends", "vllm"), marks=(SLOW, ENGINE), timeout_s=1500, name="bench_gen_backends-vllm"),
+    Smoke("bench_pipeline.py", (r"^pipeline --profile cpu-demo \(smoke\): exit 0, ",
+                                *(rf"^  {stage} +done +{NUMBER} s" for stage in ("audit", "generate", "tokenize", "train", "eval")),
+                                rf"^  DFlash tau {NUMBER} vs prompt lookup {NUMBER}"), marks=(SLOW,), timeout_s=1500),
+]
+
+
+def run_smoke(case: Smoke) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(BENCHMARKS / case.script), *case.args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=case.timeout_s)
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {path.name for path in BENCHMARKS.glob("bench_*.py")}
+    assert scripts == {case.script for case in CASES}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[*c.marks, pytest.mark.timeout(c.timeout_s + 60)], id=c.id)
+                                  for c in CASES])
+def test_benchmark_smoke_prints_its_figures(case: Smoke, request: pytest.FixtureRequest):
+    if ENGINE in case.marks:
+        request.getfixturevalue("vllm_engine")
+    done = run_smoke(case)
+    tail = f"\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{case.script} {' '.join(case.args)} exited {done.returncode}{tail}"
+    missing = [figure for figure in case.figures if not re.search(figure, done.stdout, re.MULTILINE)]
+    assert missing == [], f"{case.script} did not print {missing}{tail}"
+
+
+@pytest.fixture(scope="module")
+def vllm_engine() -> Path:
+    """The vLLM engine's venv (`launcher.py engine setup vllm`), built here if it can be."""
+    from dflash.generate.engine_env import built_engine_python, setup_engine_env
+    from launcher_core.errors import LauncherError
+
+    python = built_engine_python("vllm")
+    if python is not None:
+        return python
+    try:
+        return setup_engine_env("vllm").python
+    except LauncherError as error:
+        pytest.skip(f"the vLLM engine venv cannot be built here: {error}")
+
