@@ -24,7 +24,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-STAGES = ("audit", "generate", "tokenize", "train", "eval")
+from launcher_core.manifest import STAGES  # noqa: E402 (after the path insert)
+
 TARGET_TOTAL_S = 15 * 60
 
 

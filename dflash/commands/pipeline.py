@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 
 from launcher_core.cli import add_profile_option, load_profile_arg
-
-STAGES = ("audit", "generate", "tokenize", "train", "eval")
+from launcher_core.manifest import STAGES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
