@@ -13,7 +13,8 @@ ROOTS = ("launcher_core", "envcheck", "dflash")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("launcher_core",),                          # profiles, errors, files, processes: the floor
     ("envcheck",),                               # the machine: snapshot, checks, bisect (never the workload)
-    ("dflash", "dflash.compat", "dflash.prompts"),   # the package's __init__, transformers versions, prompt sets
+    ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts"),  # the package's __init__, transformers
+                                                 # versions, chat JSON shapes, prompt sets
     ("dflash.models",),                          # target models: builtin targets, config readers
     ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
     ("dflash.memory",),                          # memory model and plan: run in the launcher process, below the trainer

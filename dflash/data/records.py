@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+
+from dflash.chat import ChatMessage, Tool, ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -45,7 +46,7 @@ class Reject:
     detail: str
     id: str | None = None
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, str | int | None]:
         return {"source": self.source, "line": self.line, "reason": self.reason,
                 "detail": self.detail, "id": self.id}
 
@@ -55,10 +56,10 @@ class Conversation:
     """A validated completion record, ready to render."""
 
     id: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage]
+    tools: list[Tool] | None = None
     finish_reason: str = ""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, object] = field(default_factory=dict)   # the record's chat_template_kwargs
 
     def assistant_indices(self) -> list[int]:
         return [i for i, message in enumerate(self.messages) if message["role"] == "assistant"]
@@ -84,7 +85,7 @@ def parse_record(line: str, source: str, line_number: int) -> Conversation | Rej
         return Reject(source, line_number, problem.reason, str(problem), record_id)
 
 
-def _load_object(line: str) -> dict[str, Any]:
+def _load_object(line: str) -> dict[str, object]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -94,14 +95,14 @@ def _load_object(line: str) -> dict[str, Any]:
     return record
 
 
-def _record_id(record: dict[str, Any]) -> str:
+def _record_id(record: dict[str, object]) -> str:
     value = record.get("id")
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise RecordProblem("missing_id", f"`id` must be a non-empty string or an integer, got {value!r}")
     return str(value)
 
 
-def _conversation(record: dict[str, Any], record_id: str) -> Conversation:
+def _conversation(record: dict[str, object], record_id: str) -> Conversation:
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RecordProblem("missing_messages", f"`messages` must be a non-empty list, got {_short(messages)}")
@@ -114,7 +115,7 @@ def _conversation(record: dict[str, Any], record_id: str) -> Conversation:
                         template_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def _message(message: object, index: int) -> ChatMessage:
     if not isinstance(message, dict):
         raise RecordProblem("bad_message", f"messages[{index}] is {type(message).__name__}, not an object")
     role = message.get("role")
@@ -127,28 +128,28 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise RecordProblem("bad_content", f"messages[{index}].content ({role}) is {_short(content)}, not a string")
-    clean = {"role": role, "content": content}
+    clean: ChatMessage = {"role": role, "content": content}
     if role == "assistant":
-        clean.update(_assistant_fields(message, index))
-    for key in ("name", "tool_call_id"):
-        if isinstance(message.get(key), str):
-            clean[key] = message[key]
+        _add_assistant_fields(clean, message, index)
+    name, call_id = message.get("name"), message.get("tool_call_id")
+    if isinstance(name, str):
+        clean["name"] = name
+    if isinstance(call_id, str):
+        clean["tool_call_id"] = call_id
     return clean
 
 
-def _assistant_fields(message: dict[str, Any], index: int) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
+def _add_assistant_fields(clean: ChatMessage, message: dict[str, object], index: int) -> None:
     reasoning = message.get("reasoning_content")
     if reasoning is not None:
         if not isinstance(reasoning, str):
             raise RecordProblem("bad_content", f"messages[{index}].reasoning_content is {_short(reasoning)}, not a string")
-        fields["reasoning_content"] = reasoning
+        clean["reasoning_content"] = reasoning
     if message.get("tool_calls"):
-        fields["tool_calls"] = _tool_calls(message["tool_calls"], index)
-    return fields
+        clean["tool_calls"] = _tool_calls(message["tool_calls"], index)
 
 
-def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+def _tool_calls(calls: object, index: int) -> list[ToolCall]:
     if not isinstance(calls, list):
         raise RecordProblem("bad_tool_calls", f"messages[{index}].tool_calls is {_short(calls)}, not a list")
     for position, call in enumerate(calls):
@@ -160,7 +161,7 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
     return calls
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def _tools(tools: object) -> list[Tool] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
@@ -168,10 +169,10 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _finish_reason(value: Any) -> str:
+def _finish_reason(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,23 @@ from dflash.data.records import Conversation, RecordProblem, Reject, parse_recor
 from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
 from launcher_core.errors import ConfigError, DataError, InputError
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
+
+    import pyarrow as pa
+    from tokenizers import Encoding
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash.data.dataset_io import ShardWriter
+    from dflash.data.inspect import InspectReport
+    from dflash.data.meta import DatasetMeta, SourceEntry, TokenizerIdentity
+
+Item = TypeVar("Item")
+InputPaths = str | Path | Sequence[str | Path]
+# What a worker returns for one line: its samples (a rewritten turn adds one), or why it was rejected.
+LineResult = list["TokenizedSample"] | Reject
 
 CHUNK_LINES = 32
 BATCH_ROWS = 256
@@ -57,6 +74,15 @@ class TokenizedSample:
 
 
 @dataclass(frozen=True)
+class DegenerateThresholds:
+    """The profile's data.* limits on degenerate samples, recorded in the dataset's settings."""
+
+    min_loss_tokens: int
+    tool_call_repeat_limit: int
+    max_degenerate_share: float
+
+
+@dataclass(frozen=True)
 class Line:
     source: str
     number: int
@@ -86,7 +112,7 @@ class TokenizeSummary:
     def rejected(self) -> int:
         return sum(self.rejects.values())
 
-    def manifest_figures(self) -> dict[str, Any]:
+    def manifest_figures(self) -> dict[str, object]:
         return {"samples": self.samples, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
                 "degenerate_share": round(self.degenerate_share, 6), "degenerate": self.degenerate,
                 "rejects": self.rejected, "rejects_by_reason": self.rejects, "dataset": self.output}
@@ -97,12 +123,12 @@ class TokenizeSummary:
 class SampleTokenizer:
     """Render + tokenize-once + mask for one conversation. Holds the tokenizer and renderer."""
 
-    def __init__(self, tokenizer: Any, settings: TokenizeSettings):
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, settings: TokenizeSettings):
         self.backend = tokenizer.backend_tokenizer
         self.settings = settings
         self.renderer = ChatRenderer(tokenizer, settings.thinking_default, settings.rewritten_turns)
 
-    def process_line(self, line: Line) -> list[TokenizedSample] | Reject:
+    def process_line(self, line: Line) -> LineResult:
         parsed = parse_record(line.text, line.source, line.number)
         if isinstance(parsed, Reject):
             return parsed
@@ -126,7 +152,7 @@ class SampleTokenizer:
         return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty)
 
 
-def loss_mask_from_spans(encoding: Any, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
+def loss_mask_from_spans(encoding: Encoding, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
     """1 on the tokens inside the character spans. A token that starts before a span (merged
     across its start) is left out; the token holding the span's last character is in."""
     mask = np.zeros(length, dtype=np.uint8)
@@ -135,8 +161,9 @@ def loss_mask_from_spans(encoding: Any, length: int, spans: Iterable[tuple[int, 
             continue
         first = encoding.char_to_token(start)
         last = encoding.char_to_token(end - 1)
-        assert first is not None and last is not None, (start, end)
-        if encoding.token_to_chars(first)[0] < start:
+        chars = encoding.token_to_chars(first) if first is not None else None
+        assert first is not None and last is not None and chars is not None, (start, end)
+        if chars[0] < start:
             first += 1
         mask[first: last + 1] = 1
     return mask
@@ -150,7 +177,7 @@ def _set_worker(worker: SampleTokenizer) -> None:
     _WORKER = worker
 
 
-def _process_chunk(lines: list[Line]) -> list[list[TokenizedSample] | Reject]:
+def _process_chunk(lines: list[Line]) -> list[LineResult]:
     assert _WORKER is not None, "worker not initialised"
     return [_WORKER.process_line(line) for line in lines]
 
@@ -164,9 +191,9 @@ class SourceFile:
     path: Path
     records: int = 0
     bytes: int = 0
-    digest: Any = field(default_factory=hashlib.sha256)
+    digest: HASH = field(default_factory=hashlib.sha256)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> SourceEntry:
         return {"path": str(self.path), "bytes": self.bytes, "records": self.records,
                 "sha256": self.digest.hexdigest()}
 
@@ -194,8 +221,8 @@ def read_lines(source: SourceFile, max_bytes: int | None = None) -> Iterator[Lin
         yield Reject(str(source.path), 0, "empty_file", "the file holds no records")
 
 
-def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    chunk: list[Any] = []
+def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
+    chunk: list[Item] = []
     for item in items:
         chunk.append(item)
         if len(chunk) >= size:
@@ -207,7 +234,7 @@ def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 # --- the orchestration ------------------------------------------------------------------------
 
-def tokenize_completions(profile: Profile, input_path: str | Path | list | None = None,
+def tokenize_completions(profile: Profile, input_path: InputPaths | None = None,
                          output_path: str | Path | None = None, workers: int | None = None,
                          allow_degenerate: bool = False, run_dir: str | Path | None = None,
                          progress: bool = True, force: bool = False) -> TokenizeSummary:
@@ -246,11 +273,12 @@ class TokenizeJob:
     workers: int
     allow_degenerate: bool
     progress: bool
-    thresholds: dict[str, Any]
+    thresholds: DegenerateThresholds
     backup: Path | None = None       # where an existing dataset at `output` goes (--force)
 
     @classmethod
-    def from_profile(cls, profile: Profile, input_path: Any, output_path: Any, workers: int | None,
+    def from_profile(cls, profile: Profile, input_path: InputPaths | None, output_path: str | Path | None,
+                     workers: int | None,
                      allow_degenerate: bool, progress: bool, force: bool = False) -> "TokenizeJob":
         from launcher_core.outputs import DATASET, prepare_output
         from launcher_core.profile import expand_path
@@ -260,8 +288,7 @@ class TokenizeJob:
         plan = prepare_output(output, DATASET, inputs=inputs, force=force)
         data = profile.data
         settings = TokenizeSettings(data.max_length, _thinking_default(profile), data.rewritten_turns)
-        thresholds = {"min_loss_tokens": data.min_loss_tokens, "tool_call_repeat_limit": data.tool_call_repeat_limit,
-                      "max_degenerate_share": data.max_degenerate_share}
+        thresholds = DegenerateThresholds(data.min_loss_tokens, data.tool_call_repeat_limit, data.max_degenerate_share)
         from envcheck.host import cpu_count
 
         count = workers or data.num_workers or cpu_count()
@@ -289,7 +316,7 @@ class TokenizeJob:
             shutil.rmtree(staging, ignore_errors=True)
         return summary
 
-    def _write(self, tokenizer: Any, staging: Path) -> TokenizeSummary:
+    def _write(self, tokenizer: PreTrainedTokenizerFast, staging: Path) -> TokenizeSummary:
         from dflash.data import dataset_io
         from dflash.data.inspect import inspect_dataset
 
@@ -306,7 +333,8 @@ class TokenizeJob:
         self._check_usable(summary, report)
         return summary
 
-    def _results(self, tokenizer: Any, sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, Any]]:
+    def _results(self, tokenizer: PreTrainedTokenizerFast,
+                 sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, LineResult]]:
         """(line, result) in input order; results from a pool of workers when workers > 1."""
         worker = SampleTokenizer(tokenizer, self.settings)
         limit = record_byte_limit(self.settings.max_length)
@@ -318,12 +346,14 @@ class TokenizeJob:
             yield from zip(chunk, results)
         bar.close()
 
-    def _consume(self, results: Iterable, writer: Any, rejects: "RejectsFile", summary: TokenizeSummary) -> None:
+    def _consume(self, results: Iterable[tuple[Line | Reject, LineResult]], writer: ShardWriter,
+                 rejects: RejectsFile, summary: TokenizeSummary) -> None:
         seen: set[int] = set()
         buffer = SampleBuffer()
         for line, result in results:
             summary.records += 1
             if isinstance(result, list) and _id_key(result[0].record_id) in seen:
+                assert isinstance(line, Line), "a line rejected while reading is its own result"
                 result = Reject(line.source, line.number, "duplicate_id", "this id appeared earlier",
                                 result[0].record_id)
             if isinstance(result, Reject):
@@ -339,19 +369,20 @@ class TokenizeJob:
             writer.write(buffer.take())
         summary.rejects = dict(sorted(rejects.counts.items()))
 
-    def _meta(self, tokenizer: Any, sources: list[SourceFile], summary: TokenizeSummary) -> dict[str, Any]:
+    def _meta(self, tokenizer: PreTrainedTokenizerFast, sources: list[SourceFile],
+              summary: TokenizeSummary) -> DatasetMeta:
         return {"tokenizer": tokenizer_identity(tokenizer, self.tokenizer_dir), "max_length": self.settings.max_length,
-                "settings": {**asdict(self.settings), **self.thresholds},
+                "settings": {**asdict(self.settings), **asdict(self.thresholds)},
                 "sources": [source.describe() for source in sources],
                 "rejects": {"total": summary.rejected, "by_reason": summary.rejects, "file": self.rejects_path.name},
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": []}
 
-    def _check_usable(self, summary: TokenizeSummary, report: Any) -> None:
+    def _check_usable(self, summary: TokenizeSummary, report: InspectReport) -> None:
         if summary.samples == 0:
             reasons = ", ".join(f"{k}={v}" for k, v in summary.rejects.items()) or "no records"
             raise InputError(f"no usable records in {', '.join(summary.sources)} ({reasons}); "
                              f"see {summary.rejects_path}")
-        limit = self.thresholds["max_degenerate_share"]
+        limit = self.thresholds.max_degenerate_share
         if report.degenerate_share > limit and not self.allow_degenerate:
             raise DataError(f"{report.degenerate_share:.1%} of the {report.samples} samples are degenerate "
                             f"(limit data.max_degenerate_share = {limit:.1%}): {report.degenerate_summary()}. "
@@ -374,13 +405,13 @@ class SampleBuffer:
         summary.loss_tokens += int(sample.loss_mask.sum())
         summary.truncated_samples += bool(sample.truncated_tokens)
 
-    def take(self) -> Any:
+    def take(self) -> pa.RecordBatch:
         batch = samples_to_batch(self.samples)
         self.samples = []
         return batch
 
 
-def samples_to_batch(samples: list[TokenizedSample]) -> Any:
+def samples_to_batch(samples: list[TokenizedSample]) -> pa.RecordBatch:
     import pyarrow as pa
 
     from dflash.data.dataset_io import dataset_schema
@@ -420,7 +451,7 @@ class RejectsFile:
         self.counts[reject.reason] += 1
         self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.handle.close()
         if exc[0] is None:
             os.replace(self.temp, self.path)
@@ -428,7 +459,8 @@ class RejectsFile:
             self.temp.unlink(missing_ok=True)
 
 
-def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -> Iterator[tuple[list, list]]:
+def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list[Line | Reject]],
+                workers: int) -> Iterator[tuple[list[Line | Reject], list[LineResult]]]:
     """(chunk, results) in order. Lines already rejected while reading pass through unchanged."""
     _set_worker(worker)
     if workers <= 1:
@@ -436,12 +468,12 @@ def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -
             yield chunk, _process_mixed(chunk)
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import Future, ProcessPoolExecutor
 
     # fork: workers inherit the loaded tokenizer; at most 2 chunks per worker are in flight. A
     # worker that dies (OOM kill) raises BrokenProcessPool here instead of hanging the run.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        pending: deque = deque()
+        pending: deque[tuple[list[Line | Reject], Future[list[LineResult]]]] = deque()
         for chunk in chunks:
             pending.append((chunk, pool.submit(_process_mixed, chunk)))
             if len(pending) >= 2 * workers:
@@ -452,13 +484,13 @@ def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -
             yield done_chunk, future.result()
 
 
-def _process_mixed(chunk: list[Line | Reject]) -> list[Any]:
+def _process_mixed(chunk: list[Line | Reject]) -> list[LineResult]:
     lines = [item for item in chunk if isinstance(item, Line)]
     results = iter(_process_chunk(lines))
     return [next(results) if isinstance(item, Line) else item for item in chunk]
 
 
-def _progress_bar(enabled: bool, total: int, sources: list[SourceFile]) -> Any:
+def _progress_bar(enabled: bool, total: int, sources: list[SourceFile]) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not enabled, mininterval=1.0)
@@ -468,13 +500,13 @@ def _id_key(record_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "little")
 
 
-def _input_paths(profile: Profile, input_path: Any) -> list[Path]:
+def _input_paths(profile: Profile, input_path: InputPaths | None) -> list[Path]:
     from launcher_core.profile import expand_path
 
     if input_path is None:
         paths = [expand_path(profile, profile.paths.completions)]
     else:
-        paths = [Path(p) for p in (input_path if isinstance(input_path, (list, tuple)) else [input_path])]
+        paths = [Path(input_path)] if isinstance(input_path, (str, Path)) else [Path(p) for p in input_path]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise InputError(f"completions file not found: {', '.join(missing)} "
@@ -525,14 +557,14 @@ def _load_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
-def tokenizer_identity(tokenizer: Any, directory: Path) -> dict[str, Any]:
+def tokenizer_identity(tokenizer: PreTrainedTokenizerFast, directory: Path) -> TokenizerIdentity:
     """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
     return {"path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
             "fingerprint": _vocab_fingerprint(tokenizer),
-            "chat_template_fingerprint": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+            "chat_template_fingerprint": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
 
 
-def _vocab_fingerprint(tokenizer: Any) -> str:
+def _vocab_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
     cached = getattr(tokenizer, "_dflash_vocab_fingerprint", None)
     if cached is None:
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
