@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dflash.generate.client import EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat
 from dflash.generate.prompts import PromptRecord, load_prompts
@@ -23,8 +23,12 @@ from dflash.generate.records import SamplingParams, build_request_body, completi
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore, check_output
 from launcher_core.errors import ConfigError, RunFailed
-from launcher_core.manifest import update_stage
+from launcher_core.manifest import StageState, update_stage
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    import aiohttp
+    from tqdm import tqdm
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -63,7 +67,7 @@ class GenerateSummary:
         attempted = self.completed + self.failed
         return self.failed / attempted if attempted else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2),
                 "requests_per_s": round(self.requests_per_s, 2), "failure_rate": round(self.failure_rate, 6)}
 
@@ -129,10 +133,10 @@ class GenerationRun:
     summary: GenerateSummary = field(default_factory=GenerateSummary)
     _model: str | None = None
     _fatal: BaseException | None = None
-    _bar: Any = None
-    _workers: list[asyncio.Task] = field(default_factory=list)
+    _bar: tqdm | None = None
+    _workers: list[asyncio.Task[None]] = field(default_factory=list)
     _omit: frozenset[str] = frozenset()
-    _sampling_cache: tuple[frozenset[str], dict[str, Any]] | None = None
+    _sampling_cache: tuple[frozenset[str], dict[str, object]] | None = None
 
     async def run(self, prompts: list[PromptRecord]) -> None:
         queue: asyncio.Queue[PromptRecord] = asyncio.Queue()
@@ -143,7 +147,7 @@ class GenerationRun:
             helpers = [asyncio.create_task(self.pool.probe_forever(session)),
                        asyncio.create_task(self._report_forever(len(prompts)))]
             if self.supervisor is not None:
-                helpers.append(asyncio.create_task(self._watch_server()))
+                helpers.append(asyncio.create_task(self._watch_server(self.supervisor)))
             try:
                 with self._progress_bar(len(prompts)):
                     count = min(self.concurrency, len(prompts))
@@ -157,14 +161,14 @@ class GenerationRun:
         if self._fatal is not None:
             raise self._fatal
 
-    def _progress_bar(self, total: int) -> Any:
+    def _progress_bar(self, total: int) -> tqdm:
         from tqdm import tqdm
 
         self._bar = tqdm(total=total, unit="req", desc="generate", disable=not self.progress,
                          mininterval=0.5, smoothing=0.1, dynamic_ncols=True)
         return self._bar
 
-    async def _worker(self, session: Any, queue: asyncio.Queue) -> None:
+    async def _worker(self, session: aiohttp.ClientSession, queue: asyncio.Queue[PromptRecord]) -> None:
         while self._fatal is None:
             try:
                 prompt = queue.get_nowait()
@@ -183,7 +187,7 @@ class GenerationRun:
             if task is not current:
                 task.cancel()
 
-    async def _complete(self, session: Any, prompt: PromptRecord) -> None:
+    async def _complete(self, session: aiohttp.ClientSession, prompt: PromptRecord) -> None:
         """Send one prompt until it succeeds, fails for good, or the run is failing."""
         attempts = requeues = 0
         while self._fatal is None:
@@ -222,6 +226,7 @@ class GenerationRun:
         return True
 
     def _record(self, prompt: PromptRecord, response: dict[str, Any], started: float) -> None:
+        """`response`: the server's parsed JSON (`client.parse_chat_response`)."""
         record = completion_record(prompt, response, self._recorded_sampling(), started, time.time(),
                                    self.model_label)
         self.store.add(record)
@@ -230,7 +235,7 @@ class GenerationRun:
         self.summary.output_tokens += record["completion_tokens"]
         self._advance()
 
-    def _recorded_sampling(self) -> dict[str, Any]:
+    def _recorded_sampling(self) -> dict[str, object]:
         """The sampling dict of each output line, rebuilt only when the omitted fields change."""
         if self._sampling_cache is None or self._sampling_cache[0] != self._omit:
             self._sampling_cache = (self._omit, self.sampling.recorded(self.backend, self._omit))
@@ -256,19 +261,19 @@ class GenerationRun:
             await asyncio.to_thread(update_stage, self.run_dir, "generate", "running", selected=total,
                                     completed=self.summary.completed, failed=self.summary.failed)
 
-    async def _watch_server(self) -> None:
+    async def _watch_server(self, supervisor: ServerSupervisor) -> None:
         """Restart the managed server when it dies; a restart budget used up fails the run."""
         while True:
             await asyncio.sleep(SERVER_CHECK_EVERY_S)
-            if self.supervisor.alive():
+            if supervisor.alive():
                 continue
             self.pool.mark(healthy=False)
             try:
-                await asyncio.to_thread(self.supervisor.restart)
+                await asyncio.to_thread(supervisor.restart)
             except RunFailed as error:
                 self._fail(error)
                 return
-            self.summary.server_restarts = self.supervisor.restarts
+            self.summary.server_restarts = supervisor.restarts
             self.pool.mark(healthy=True)
 
 
@@ -277,7 +282,7 @@ def backoff_s(attempt: int) -> float:
     return min(BACKOFF_BASE_S * 2 ** (attempt - 1), BACKOFF_MAX_S) * random.uniform(0.75, 1.25)
 
 
-def _raise_unexpected(results: list[Any]) -> None:
+def _raise_unexpected(results: Sequence[object]) -> None:
     """A worker that died of anything but cancellation is a bug: surface it."""
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
@@ -382,7 +387,7 @@ class _sigterm_as_interrupt:
         raise KeyboardInterrupt
 
 
-def _finish_manifest(run_dir: Path, summary: GenerateSummary, store: CompletionStore, state: str,
+def _finish_manifest(run_dir: Path, summary: GenerateSummary, store: CompletionStore, state: StageState,
                      error: BaseException | None) -> None:
     figures = summary.as_dict()
     figures.update(done_total=len(store.done_ids), failures_outstanding=len(store.failures))
