@@ -46,11 +46,12 @@ def resolve_run_dir(run_dir: str | None, profile_name: str | None) -> Path:
         return Path(run_dir)
     from launcher_core.profile import expand_path, load_profile
 
+    assert profile_name is not None, "one of the two is given"
     profile = load_profile(profile_name)
     return expand_path(profile, profile.paths.run_dir)
 
 
-def format_value(value: Any) -> str:
+def format_value(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (dict, list)):
