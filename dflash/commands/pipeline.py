@@ -6,9 +6,14 @@ drafter's tau and speedup next to prompt lookup's.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
+
+if TYPE_CHECKING:
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def final_figures(profile, run_dir) -> str:
+def final_figures(profile: Profile, run_dir: str | None) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
     from dflash.pipeline import with_run_dir
     from launcher_core.manifest import read_manifest
@@ -59,8 +64,8 @@ def final_figures(profile, run_dir) -> str:
             f"`launcher.py status {directory}`)")
 
 
-def _also_sets(run_dir) -> list[dict]:
-    """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
+def _also_sets(run_dir: Path) -> list[dict[str, Any]]:
+    """The extra prompt sets the eval measured (`eval.also_prompts`), from its report (JSON)."""
     import json
 
     report = run_dir / "eval" / "report.json"
@@ -70,6 +75,6 @@ def _also_sets(run_dir) -> list[dict]:
         return []
 
 
-def _rounded(methods: dict, name: str) -> str:
+def _rounded(methods: dict[str, Any], name: str) -> str:
     tau = methods.get(name, {}).get("mean_tau")
     return f"{tau:.3f}" if tau is not None else "-"
