@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
 
-from dflash.data import dataset_io
+from dflash.data import dataset_io, publish
 from dflash.data.meta import DatasetMeta, RejectsEntry
 from launcher_core.errors import ConfigError, DataError, InputError
 
@@ -96,8 +96,8 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     (every shard's size and sha256) before anything is written."""
     started = time.perf_counter()
     target, plan = _target_path(Path(base), Path(add), output, in_place, dedup, force)
-    dataset_io.sweep_stale_staging(Path(base))
-    dataset_io.sweep_stale_staging(target)
+    publish.sweep_stale_staging(Path(base))
+    publish.sweep_stale_staging(target)
     # in place, the verified backup copy checks the base's sha256 (one read instead of two)
     base_set, add_set = DatasetOnDisk.open(base, verify=not in_place), DatasetOnDisk.open(add)
     problems = compatibility_problems(base_set, add_set)
@@ -107,7 +107,7 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     if in_place:
         summary.backup = str(backup_dataset(base_set, Path(backup_dir) if backup_dir else None, progress))
     keep = duplicate_filter(base_set, add_set, dedup)
-    staging = dataset_io.new_staging(target, "merge")
+    staging = publish.new_staging(target, "merge")
     try:
         _write_merged(base_set, add_set, keep, staging, shard_rows, summary, progress)
         _publish(staging, target, in_place, plan)
@@ -167,7 +167,7 @@ def backup_dataset(dataset: DatasetOnDisk, backup_dir: Path | None, progress: bo
     and the copy's row count the recorded rows, else nothing is merged."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = (backup_dir or dataset.path.parent) / f"{dataset.path.name}.backup-{stamp}"
-    staging = dataset_io.new_staging(target, "copy")
+    staging = publish.new_staging(target, "copy")
     try:
         _copy_verified(dataset, staging, progress)
         rows = count_rows(staging, dataset.meta)
@@ -335,10 +335,10 @@ def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) 
 
 def _publish(staging: Path, target: Path, in_place: bool, plan: OutputPlan | None) -> None:
     if in_place or plan is None:
-        dataset_io.publish_directory(staging, target)
+        publish.publish_directory(staging, target)
         return
     if plan.replaces or (target.is_dir() and not any(target.iterdir())):
-        dataset_io.publish_directory(staging, target, plan.backup)
+        publish.publish_directory(staging, target, plan.backup)
         return
     if target.exists():
         raise InputError(f"{target} appeared while merging; the merged dataset is not published")

@@ -3,12 +3,15 @@
 A record is `{"id", "messages", "tools"?, "finish_reason"?, "chat_template_kwargs"?, ...}` with
 OpenAI-style messages (system/user/assistant/tool). Anything else in the record (model, sampling,
 timestamps, token counts) is ignored. A bad record never raises: it becomes a `Reject` with a
-reason code (see `REJECT_REASONS`) that the tokenize summary counts.
+reason code (see `REJECT_REASONS`) that the tokenize summary counts and `RejectsFile` writes.
 """
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash.chat import ChatMessage, Tool, ToolCall
 
@@ -176,3 +179,29 @@ def _finish_reason(value: object) -> str:
 def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RejectsFile:
+    """Rejected records, one JSON line each, written to a temp file in the staging directory (a
+    killed run's is swept with it) and renamed into place."""
+
+    def __init__(self, path: Path, staging: Path):
+        self.path = path
+        self.temp = staging / f".{path.name}.tmp"
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> "RejectsFile":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = self.temp.open("w", encoding="utf-8")
+        return self
+
+    def add(self, reject: Reject) -> None:
+        self.counts[reject.reason] += 1
+        self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+        if exc[0] is None:
+            os.replace(self.temp, self.path)
+        else:
+            self.temp.unlink(missing_ok=True)

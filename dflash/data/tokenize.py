@@ -2,77 +2,38 @@
 
 Each conversation is rendered with the target's chat template (a few renderings, see
 `dflash.data.render`), the full text is tokenized ONCE with offsets, and the loss mask is set
-from the character spans. Work is split into chunks of lines handled by worker processes; the
-results come back in input order, so the dataset is identical whatever the number of workers.
+from the character spans (`dflash.data.samples`). Work is split into chunks of lines
+(`dflash.data.sources` reads them) handled by worker processes; the results come back in input
+order, so the dataset is identical whatever the number of workers.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-import numpy as np
-
-from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
-from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
+from dflash.data.records import Reject, RejectsFile
+from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
+from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from launcher_core.errors import ConfigError, DataError, InputError
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from _hashlib import HASH
-
     import pyarrow as pa
-    from tokenizers import Encoding
     from tqdm import tqdm
     from transformers import PreTrainedTokenizerFast
 
     from dflash.data.dataset_io import ShardWriter
     from dflash.data.inspect import InspectReport
-    from dflash.data.meta import DatasetMeta, SourceEntry, TokenizerIdentity
+    from dflash.data.meta import DatasetMeta, TokenizerIdentity
 
-Item = TypeVar("Item")
 InputPaths = str | Path | Sequence[str | Path]
-# What a worker returns for one line: its samples (a rewritten turn adds one), or why it was rejected.
-LineResult = list["TokenizedSample"] | Reject
-
 CHUNK_LINES = 32
 BATCH_ROWS = 256
-# A JSONL line longer than this many bytes per token of max_length is rejected before it is parsed
-# or rendered (reason `record_too_long`): BPE tokens cover about 3-5 bytes of text (under 10 even
-# for escaped non-ASCII JSON), so such a record would lose most of itself to truncation, and
-# rendering and tokenizing it whole costs memory out of all proportion (10 MB: 1.7 GB RSS).
-RECORD_BYTES_PER_TOKEN = 64
-
-
-def record_byte_limit(max_length: int) -> int:
-    """The longest JSONL line (bytes) tokenize renders: RECORD_BYTES_PER_TOKEN x data.max_length."""
-    return RECORD_BYTES_PER_TOKEN * max_length
-
-
-@dataclass(frozen=True)
-class TokenizeSettings:
-    max_length: int = 8192
-    thinking_default: bool = True
-    rewritten_turns: RewrittenTurns = "split"
-
-
-@dataclass
-class TokenizedSample:
-    id: str                      # the record's id, or ID#<message index> for a split-off turn
-    record_id: str
-    input_ids: np.ndarray        # int32
-    loss_mask: np.ndarray        # uint8
-    truncated_tokens: int
-    finish_reason: str
-    tool_call_repeats: int
-    empty_reasoning: bool
-
-
 @dataclass(frozen=True)
 class DegenerateThresholds:
     """The profile's data.* limits on degenerate samples, recorded in the dataset's settings."""
@@ -80,13 +41,6 @@ class DegenerateThresholds:
     min_loss_tokens: int
     tool_call_repeat_limit: int
     max_degenerate_share: float
-
-
-@dataclass(frozen=True)
-class Line:
-    source: str
-    number: int
-    text: str
 
 
 @dataclass
@@ -118,56 +72,7 @@ class TokenizeSummary:
                 "rejects": self.rejected, "rejects_by_reason": self.rejects, "dataset": self.output}
 
 
-# --- per-record work (runs in worker processes) ----------------------------------------------
-
-class SampleTokenizer:
-    """Render + tokenize-once + mask for one conversation. Holds the tokenizer and renderer."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, settings: TokenizeSettings):
-        self.backend = tokenizer.backend_tokenizer
-        self.settings = settings
-        self.renderer = ChatRenderer(tokenizer, settings.thinking_default, settings.rewritten_turns)
-
-    def process_line(self, line: Line) -> LineResult:
-        parsed = parse_record(line.text, line.source, line.number)
-        if isinstance(parsed, Reject):
-            return parsed
-        try:
-            return self.process(parsed)
-        except RecordProblem as problem:
-            return Reject(line.source, line.number, problem.reason, str(problem), parsed.id)
-
-    def process(self, conversation: Conversation) -> list[TokenizedSample]:
-        rendered = self.renderer.render(conversation)
-        return [self._sample(text, conversation, rendered.tool_call_repeats, rendered.empty_reasoning)
-                for text in rendered.texts]
-
-    def _sample(self, rendered: RenderedText, conversation: Conversation, repeats: int, empty: bool) -> TokenizedSample:
-        encoding = self.backend.encode(rendered.text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int32)
-        mask = loss_mask_from_spans(encoding, len(ids), rendered.spans)
-        cut = max(0, len(ids) - self.settings.max_length)
-        if cut:
-            ids, mask = ids[: self.settings.max_length], mask[: self.settings.max_length]
-        return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty)
-
-
-def loss_mask_from_spans(encoding: Encoding, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
-    """1 on the tokens inside the character spans. A token that starts before a span (merged
-    across its start) is left out; the token holding the span's last character is in."""
-    mask = np.zeros(length, dtype=np.uint8)
-    for start, end in spans:
-        if end <= start:
-            continue
-        first = encoding.char_to_token(start)
-        last = encoding.char_to_token(end - 1)
-        chars = encoding.token_to_chars(first) if first is not None else None
-        assert first is not None and last is not None and chars is not None, (start, end)
-        if chars[0] < start:
-            first += 1
-        mask[first: last + 1] = 1
-    return mask
-
+# --- the worker processes ---------------------------------------------------------------------
 
 _WORKER: SampleTokenizer | None = None
 
@@ -180,56 +85,6 @@ def _set_worker(worker: SampleTokenizer) -> None:
 def _process_chunk(lines: list[Line]) -> list[LineResult]:
     assert _WORKER is not None, "worker not initialised"
     return [_WORKER.process_line(line) for line in lines]
-
-
-# --- reading input ---------------------------------------------------------------------------
-
-@dataclass
-class SourceFile:
-    """An input file, hashed as it is read."""
-
-    path: Path
-    records: int = 0
-    bytes: int = 0
-    digest: HASH = field(default_factory=hashlib.sha256)
-
-    def describe(self) -> SourceEntry:
-        return {"path": str(self.path), "bytes": self.bytes, "records": self.records,
-                "sha256": self.digest.hexdigest()}
-
-
-def read_lines(source: SourceFile, max_bytes: int | None = None) -> Iterator[Line | Reject]:
-    """Non-blank lines of a JSONL file, numbered from 1; undecodable bytes, and lines over
-    `max_bytes`, become a Reject (before anything parses or renders them)."""
-    with source.path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            source.digest.update(raw)
-            source.bytes += len(raw)
-            if not raw.strip():
-                continue
-            source.records += 1
-            if max_bytes is not None and len(raw) > max_bytes:
-                yield Reject(str(source.path), number, "record_too_long",
-                             f"{len(raw):,} bytes, over the limit of {max_bytes:,} "
-                             f"({RECORD_BYTES_PER_TOKEN} x data.max_length); not rendered")
-                continue
-            try:
-                yield Line(str(source.path), number, raw.decode("utf-8"))
-            except UnicodeDecodeError as error:
-                yield Reject(str(source.path), number, "invalid_json", f"not UTF-8: {error.reason}")
-    if source.records == 0:
-        yield Reject(str(source.path), 0, "empty_file", "the file holds no records")
-
-
-def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
-    chunk: list[Item] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 # --- the orchestration ------------------------------------------------------------------------
@@ -300,15 +155,15 @@ class TokenizeJob:
         return self.output.with_name(self.output.name + ".rejects.jsonl")
 
     def run(self) -> TokenizeSummary:
-        from dflash.data import dataset_io
+        from dflash.data import publish
 
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.tokenizer_dir)
-        staging = dataset_io.new_staging(self.output, "tokenize")
+        staging = publish.new_staging(self.output, "tokenize")
         try:
             summary = self._write(tokenizer, staging)
             summary.seconds = time.perf_counter() - started
-            dataset_io.publish_directory(staging, self.output, self.backup)
+            publish.publish_directory(staging, self.output, self.backup)
             summary.backup = str(self.backup) if self.backup else None
         finally:
             import shutil
@@ -409,54 +264,6 @@ class SampleBuffer:
         batch = samples_to_batch(self.samples)
         self.samples = []
         return batch
-
-
-def samples_to_batch(samples: list[TokenizedSample]) -> pa.RecordBatch:
-    import pyarrow as pa
-
-    from dflash.data.dataset_io import dataset_schema
-
-    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    columns = {
-        "id": pa.array([s.id for s in samples], pa.string()),
-        "input_ids": pa.ListArray.from_arrays(offsets, np.concatenate([s.input_ids for s in samples])),
-        "loss_mask": pa.ListArray.from_arrays(offsets, np.concatenate([s.loss_mask for s in samples])),
-        "length": pa.array(lengths),
-        "num_loss_tokens": pa.array(np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.int32)),
-        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
-        "truncated": pa.array([s.truncated_tokens > 0 for s in samples], pa.bool_()),
-        "truncated_tokens": pa.array(np.array([s.truncated_tokens for s in samples], dtype=np.int32)),
-        "tool_call_repeats": pa.array(np.array([s.tool_call_repeats for s in samples], dtype=np.int32)),
-        "empty_reasoning": pa.array([s.empty_reasoning for s in samples], pa.bool_()),
-    }
-    return pa.RecordBatch.from_pydict(columns, schema=dataset_schema())
-
-
-class RejectsFile:
-    """Rejected records, one JSON line each, written to a temp file in the staging directory (a
-    killed run's is swept with it) and renamed into place."""
-
-    def __init__(self, path: Path, staging: Path):
-        self.path = path
-        self.temp = staging / f".{path.name}.tmp"
-        self.counts: Counter[str] = Counter()
-
-    def __enter__(self) -> "RejectsFile":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = self.temp.open("w", encoding="utf-8")
-        return self
-
-    def add(self, reject: Reject) -> None:
-        self.counts[reject.reason] += 1
-        self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
-
-    def __exit__(self, *exc: object) -> None:
-        self.handle.close()
-        if exc[0] is None:
-            os.replace(self.temp, self.path)
-        else:
-            self.temp.unlink(missing_ok=True)
 
 
 def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list[Line | Reject]],
