@@ -24,8 +24,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from launcher_core.manifest import STAGES  # noqa: E402 (after the path insert)
-
+STAGES = ("audit", "generate", "tokenize", "train", "eval")
 TARGET_TOTAL_S = 15 * 60
 
 
