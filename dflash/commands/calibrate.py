@@ -89,7 +89,7 @@ GRADIENT_SUM_WORDS = {"measured": "measured (2 ranks, the real sum between them)
                       "none": "none (one rank)"}
 
 
-def result_document(run_result: CalibrationRun, baseline: Path) -> dict[str, object]:
+def result_document(run_result, baseline: Path) -> dict:
     from dflash.memory.model import calibration_as_dict
     from dflash.train.calibration import iter_prediction_rows
 

@@ -6,8 +6,7 @@ drafter's tau and speedup next to prompt lookup's.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
@@ -64,8 +63,8 @@ def final_figures(profile: Profile, run_dir: str | None) -> str:
             f"`launcher.py status {directory}`)")
 
 
-def _also_sets(run_dir: Path) -> list[dict[str, Any]]:
-    """The extra prompt sets the eval measured (`eval.also_prompts`), from its report (JSON)."""
+def _also_sets(run_dir) -> list[dict]:
+    """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
     import json
 
     report = run_dir / "eval" / "report.json"
@@ -75,6 +74,6 @@ def _also_sets(run_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _rounded(methods: dict[str, Any], name: str) -> str:
+def _rounded(methods: dict, name: str) -> str:
     tau = methods.get(name, {}).get("mean_tau")
     return f"{tau:.3f}" if tau is not None else "-"

@@ -89,7 +89,7 @@ def _finite(value: float) -> float | None:
     return None if value == float("inf") else value
 
 
-def _storage(plan: Plan, args: argparse.Namespace) -> OfflineStorage:
+def _storage(plan, args: argparse.Namespace):
     from dflash.memory.model import SEEDS_AVG_TOKENS, SEEDS_SAMPLES, offline_storage
 
     return offline_storage(plan.workload, samples=args.samples or SEEDS_SAMPLES,
