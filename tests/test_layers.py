@@ -16,6 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts"),  # the package's __init__, transformers
                                                  # versions, chat JSON shapes, prompt sets
     ("dflash.models",),                          # target models: builtin targets, config readers
+    ("dflash.tokenizer",),                       # the target's tokenizer, one loader for tokenize and eval
     ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
     ("dflash.memory",),                          # memory model and plan: run in the launcher process, below the trainer
     ("dflash.train", "dflash.eval"),             # the trainer (and calibration, which runs its step); evaluation
