@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 LineResult = list["TokenizedSample"] | Reject
 
 
-
 @dataclass(frozen=True)
 class TokenizeSettings:
     max_length: int = 8192

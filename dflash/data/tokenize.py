@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 InputPaths = str | Path | Sequence[str | Path]
 CHUNK_LINES = 32
 BATCH_ROWS = 256
+
+
 @dataclass(frozen=True)
 class DegenerateThresholds:
     """The profile's data.* limits on degenerate samples, recorded in the dataset's settings."""
