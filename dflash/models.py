@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import cache_dir
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 QWEN3_TOKENIZER = "builtin:qwen3-tokenizer"
@@ -319,8 +324,8 @@ def check_model_files(directory: Path) -> None:
                              "damaged: copy the model again") from None
 
 
-def load_target(path: str | Path, device: "str | object" = "cpu", dtype: str = "float32",
-                keep_layers: int | None = None) -> object:
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str = "float32",
+                keep_layers: int | None = None) -> PreTrainedModel:
     """The frozen target (eval mode, no grads) loaded straight onto `device`.
 
     `device_map` places every weight on the device as it is read from the safetensors files, so a

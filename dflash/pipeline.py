@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from launcher_core.errors import ConfigError
+from launcher_core.manifest import STAGES
 from launcher_core.schema import Profile
-
-STAGE_NAMES = ("audit", "generate", "tokenize", "train", "eval")
 
 
 @dataclass(frozen=True)
@@ -213,9 +212,9 @@ def redo_from(stage: Optional[str]) -> frozenset[str]:
     """`--redo STAGE`: that stage and every later one run again."""
     if stage is None:
         return frozenset()
-    if stage not in STAGE_NAMES:
-        raise ConfigError(f"--redo {stage!r}: valid stages are {', '.join(STAGE_NAMES)}")
-    return frozenset(STAGE_NAMES[STAGE_NAMES.index(stage):])
+    if stage not in STAGES:
+        raise ConfigError(f"--redo {stage!r}: valid stages are {', '.join(STAGES)}")
+    return frozenset(STAGES[STAGES.index(stage):])
 
 
 def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, force_audit: bool = False,

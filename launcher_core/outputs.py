@@ -11,7 +11,7 @@ No command deletes or replaces a path it did not create:
   a backup (`NAME.backup-<time>`, moved aside at the moment the new one is published).
 
 All refusals are ConfigError (exit 2) naming the path and what to do. The writes themselves stay
-temp-then-rename (`launcher_core.fileio`, `dflash.data.dataset_io.publish_directory`).
+temp-then-rename (`launcher_core.fileio`, `dflash.data.publish.publish_directory`).
 """
 from __future__ import annotations
 

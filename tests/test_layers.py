@@ -1,27 +1,35 @@
-"""The layout is the architecture: launcher_core/ imports nothing of the floors above it, envcheck/ (the
-machine) never imports dflash/ (the workload), inside dflash/ the declared package edges hold
-(`PACKAGE_RULES`: the memory model never imports the trainer), and no module imports itself back
-through a chain, lazy imports inside functions included (TYPE_CHECKING imports excluded)."""
+"""The layout is the architecture: one declared order of the packages (`LAYERS`, lowest first), and
+every import goes down it: a module imports its own package and packages of lower layers, never a
+package of a higher layer nor another package of its own layer, and no module imports itself back
+through a chain. Lazy imports inside functions count; TYPE_CHECKING imports do not (they are types)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FLOORS = {"launcher_core": 0, "envcheck": 1, "dflash": 2}
-TOP = ("dflash.train", "dflash.eval", "dflash.pipeline", "dflash.commands")
-# Inside dflash: (package, packages it must not import, why).
-PACKAGE_RULES = (
-    ("dflash.memory", TOP, "the memory model and plan run in the launcher process, below the trainer; what runs "
-                           "the trainer's step (calibration) lives in dflash.train"),
-    ("dflash.drafter", ("dflash.memory", *TOP), "the drafter model is used by training, memory and eval, and uses "
-                                                "none of them"),
+ROOTS = ("launcher_core", "envcheck", "dflash")
+# The declared order, lowest first; a layer's packages are independent of each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("launcher_core",),                          # profiles, errors, files, processes: the floor
+    ("envcheck",),                               # the machine: snapshot, checks, bisect (never the workload)
+    ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts"),  # the package's __init__, transformers
+                                                 # versions, chat JSON shapes, prompt sets
+    ("dflash.models",),                          # target models: builtin targets, config readers
+    ("dflash.tokenizer",),                       # the target's tokenizer, one loader for tokenize and eval
+    ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
+    ("dflash.memory",),                          # memory model and plan: run in the launcher process, below the trainer
+    ("dflash.train", "dflash.eval"),             # the trainer (and calibration, which runs its step); evaluation
+    ("dflash.pipeline",),                        # all stages in one run dir
+    ("dflash.commands",),                        # the CLI's subcommands
 )
+# Packages whose subpackages are declared one by one: a module of an undeclared subpackage is an error.
+SPLIT = {"dflash"}
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in FLOORS:
+    for package in ROOTS:
         for path in (REPO / package).rglob("*.py"):
             dotted = ".".join(path.relative_to(REPO).with_suffix("").parts)
             found[dotted.removesuffix(".__init__")] = path
@@ -51,8 +59,39 @@ def import_graph() -> dict[str, set[str]]:
     return {name: runtime_imports(path, known) - {name} for name, path in known.items()}
 
 
-def floor(module: str) -> int:
-    return FLOORS[module.split(".")[0]]
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def package_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> str | None:
+    """The declared package that holds `module` (the longest match); None when none does."""
+    found = [package for layer in layers for package in layer
+             if module == package or (in_package(module, package) and package not in SPLIT)]
+    return max(found, key=len, default=None)
+
+
+def layer_of(package: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int:
+    return next(index for index, layer in enumerate(layers) if package in layer)
+
+
+def undeclared(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    return sorted(module for module in graph if package_of(module, layers) is None)
+
+
+def wrong_edges(graph: dict[str, set[str]],
+                layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[tuple[str, str, str]]:
+    """(module, imported module, "up" | "sideways") for every import that does not go down the layers."""
+    found = []
+    for module, targets in graph.items():
+        source = package_of(module, layers)
+        for target in targets:
+            imported = package_of(target, layers)
+            if source is None or imported is None or imported == source:
+                continue
+            step = layer_of(imported, layers) - layer_of(source, layers)
+            if step >= 0:
+                found.append((module, target, "up" if step > 0 else "sideways"))
+    return sorted(found)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -84,42 +123,32 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_runs_up_a_floor():
-    graph = import_graph()
-    upward = sorted((module, target) for module, targets in graph.items() for target in targets
-                    if floor(target) > floor(module))
-    assert upward == []
+def test_every_package_is_declared_once():
+    declared = [package for layer in LAYERS for package in layer]
+    assert len(declared) == len(set(declared))
+    assert undeclared(import_graph()) == []
 
 
-def in_package(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
-def forbidden_edges(graph: dict[str, set[str]], rules=PACKAGE_RULES) -> list[tuple[str, str, str]]:
-    """(module, imported module, the rule's reason) for every import a package rule forbids."""
-    return sorted((module, target, why) for module, targets in graph.items() for target in targets
-                  for package, banned, why in rules
-                  if in_package(module, package) and any(in_package(target, b) for b in banned))
-
-
-def test_no_import_crosses_a_declared_package_edge():
-    assert forbidden_edges(import_graph()) == []
-
-
-def test_the_edge_checker_sees_memory_importing_train():
-    graph = {"dflash.memory.calibration": {"dflash.train.setup", "dflash.memory.model"},
-             "dflash.memory.model": {"dflash.drafter.shape"}, "dflash.memoryless": {"dflash.train.step"},
-             "dflash.train.calibration": {"dflash.memory.model", "dflash.train.setup"}}
-    assert [(m, t) for m, t, _ in forbidden_edges(graph)] == [("dflash.memory.calibration", "dflash.train.setup")]
-    assert forbidden_edges(graph, (("dflash.train", ("dflash.memory",), "test"),)) == [
-        ("dflash.train.calibration", "dflash.memory.model", "test")]
+def test_every_import_goes_down_the_declared_layers():
+    assert wrong_edges(import_graph()) == []
 
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_the_checker_sees_an_upward_import_and_a_cycle():
-    graph = {"launcher_core.a": {"dflash.b"}, "dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}}
-    assert [(m, t) for m, ts in graph.items() for t in ts if floor(t) > floor(m)] == [("launcher_core.a", "dflash.b")]
+def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
+    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration": {"dflash.train.setup", "dflash.drafter.shape"},
+             "dflash.memoryless": {"dflash.train.step"}, "dflash.train.step": {"dflash.memory.model", "dflash.eval.run"},
+             "dflash.data.tokenize": {"dflash.data.render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
+    assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
+                                  ("dflash.memory.calibration", "dflash.train.setup", "up"),
+                                  ("dflash.train.step", "dflash.eval.run", "sideways"),
+                                  ("launcher_core.a", "dflash.data.b", "up")]
+    assert undeclared(graph) == ["dflash.memoryless"]
+    assert undeclared({"dflash": set(), "dflash.data": set(), "envcheck.x.y": set()}) == []
+
+
+def test_the_checker_sees_a_cycle():
+    graph = {"dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}, "dflash.d": {"dflash.b"}}
     assert cycles(graph) == [["dflash.b", "dflash.c"]]

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+
+if TYPE_CHECKING:
+    from dflash.train.calibration import CalibrationRun
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_target_override(profile, target: str | None):
+def with_target_override(profile: Profile, target: str | None) -> Profile:
     import dataclasses
 
     if not target:
@@ -66,7 +71,7 @@ def parse_micro_batches(text: str) -> tuple[int, ...]:
     return values
 
 
-def default_baseline(profile) -> Path:
+def default_baseline(profile: Profile) -> Path:
     """The profile's baseline for this host; a live snapshot is saved there first when it is missing
     (taken before this process touches CUDA, so the free memory is the node's own)."""
     from envcheck import preflight
@@ -94,7 +99,7 @@ def result_document(run_result, baseline: Path) -> dict:
             "warmup_s": round(run_result.warmup_s, 1), "predictions": list(iter_prediction_rows(run_result))}
 
 
-def describe(run_result, baseline: Path) -> list[str]:
+def describe(run_result: CalibrationRun, baseline: Path) -> list[str]:
     cal, workload = run_result.calibration, run_result.workload
     lines = [f"worst case: {workload.max_length} tokens, {workload.anchors} anchors x {workload.block_size} block "
              f"tokens per sequence; {workload.optimizer_shards} optimizer shard(s); backend {run_result.backend}"

@@ -7,8 +7,12 @@ command and a request body and starts nothing.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+
+if TYPE_CHECKING:
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(profile, args: argparse.Namespace) -> int:
+def _dry_run(profile: Profile, args: argparse.Namespace) -> int:
     import json
 
     from dflash.generate.plan import generation_plan

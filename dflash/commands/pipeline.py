@@ -6,10 +6,13 @@ drafter's tau and speedup next to prompt lookup's.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+from launcher_core.manifest import STAGES
 
-STAGES = ("audit", "generate", "tokenize", "train", "eval")
+if TYPE_CHECKING:
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def final_figures(profile, run_dir) -> str:
+def final_figures(profile: Profile, run_dir: str | None) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
     from dflash.pipeline import with_run_dir
     from launcher_core.manifest import read_manifest

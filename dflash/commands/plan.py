@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+
+if TYPE_CHECKING:
+    from dflash.memory.model import OfflineStorage
+    from dflash.memory.plan import Plan, RankPlan
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def traced_vs_modelled(profile, micro_batches: tuple[int, ...] = (1, 2)) -> list[str]:
+def traced_vs_modelled(profile: Profile, micro_batches: tuple[int, ...] = (1, 2)) -> list[str]:
     """`plan --trace`: the trainer's own step (dflash.train.trace) traced per micro-batch against the model."""
     from dflash.memory import trace as fake
     from dflash.train import trace
@@ -75,7 +80,7 @@ def traced_vs_modelled(profile, micro_batches: tuple[int, ...] = (1, 2)) -> list
     return lines
 
 
-def document_sections(document: dict) -> list[tuple[str, dict]]:
+def document_sections(document: dict[str, object]) -> list[tuple[str, dict[str, object]]]:
     return [(section, values) for section, values in document.items() if isinstance(values, dict)]
 
 
@@ -96,7 +101,7 @@ def _storage(plan, args: argparse.Namespace):
 COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "fits", "micro", "accum")
 
 
-def format_plan(plan, storage) -> list[str]:
+def format_plan(plan: Plan, storage: OfflineStorage) -> list[str]:
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
@@ -109,7 +114,7 @@ def format_plan(plan, storage) -> list[str]:
     return lines
 
 
-def _accumulation(plan) -> str:
+def _accumulation(plan: Plan) -> str:
     """The gradients alive from the second micro-batch of a step on (when micro-batches accumulate)."""
     model = plan.peak_model
     if not model.accumulation_mib or plan.batch.micro_batch >= model.rank_share:
@@ -117,7 +122,7 @@ def _accumulation(plan) -> str:
     return f" + {model.accumulation_mib:.0f} of gradients while micro-batches accumulate"
 
 
-def _optimizer_line(plan) -> str:
+def _optimizer_line(plan: Plan) -> str:
     """How the AdamW states are held, and the peak between steps (update, checkpoint save)."""
     figures, shards = plan.estimate, plan.workload.optimizer_shards
     if shards > 1:
@@ -128,7 +133,7 @@ def _optimizer_line(plan) -> str:
     return f"optimizer: {held}; peak between steps {_mib(plan.peak_model.between_steps_mib)} MiB"
 
 
-def _row(plan, rank_plan) -> tuple[str, ...]:
+def _row(plan: Plan, rank_plan: RankPlan) -> tuple[str, ...]:
     budget, batch = rank_plan.budget, plan.batch
     gpu = f"{budget.gpu.index}" if budget.gpu else "cpu"
     mark = " <" if budget.rank in plan.bottleneck_ranks else ""
@@ -141,7 +146,7 @@ def _mib(value: float) -> str:
     return "-" if value == float("inf") else f"{value:,.0f}"
 
 
-def _summary(plan, storage) -> list[str]:
+def _summary(plan: Plan, storage: OfflineStorage) -> list[str]:
     batch = plan.batch
     lines = [f"global batch per optimizer step: {batch.global_batch} sequences = {plan.world_size} ranks x "
              f"{batch.accum_steps} micro-batches ({'+'.join(map(str, batch.micro_batch_sizes))})"]
@@ -157,7 +162,7 @@ def _summary(plan, storage) -> list[str]:
     return lines
 
 
-def plan_as_dict(plan, storage) -> dict[str, Any]:
+def plan_as_dict(plan: Plan, storage: OfflineStorage) -> dict[str, object]:
     import dataclasses
 
     return {
@@ -176,7 +181,7 @@ def plan_as_dict(plan, storage) -> dict[str, Any]:
     }
 
 
-def _rank_as_dict(rank_plan) -> dict[str, Any]:
+def _rank_as_dict(rank_plan: RankPlan) -> dict[str, object]:
     import dataclasses
 
     budget = rank_plan.budget

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+
+if TYPE_CHECKING:
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
 
 
-def _preflight(profile, run_dir, *, force: bool) -> None:
+def _preflight(profile: Profile, run_dir: Path, *, force: bool) -> None:
     """The audit stops the run on any FAIL (its findings printed), unless --force."""
     from envcheck.preflight import run_preflight
 

@@ -7,35 +7,34 @@
 
 Shards are written record batch by record batch (memory stays bounded whatever the size), each
 shard's sha256 computed as it is written. Datasets are built in a staging directory next to the
-final path (`.NAME.<purpose>-<pid>`) and renamed into place; a staging directory whose process
-is gone is removed by the next run.
+final path and renamed into place (`dflash.data.publish`).
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
-import re
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence, cast
 
+from dflash.data.meta import DatasetMeta, ShardEntry
 from launcher_core.errors import DataError, InputError
 from launcher_core.fileio import read_json_object, write_json_atomic
-from launcher_core.processes import process_alive
 
 META_NAME = "dflash_meta.json"
 META_FORMAT = "dflash-dataset/1"
-STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<purpose>[a-z-]+)-(?P<pid>\d+)$")
 # Fault injection for the kill-safety tests (documented in docs/data.md): seconds to sleep after
 # each shard is closed, so a test can SIGKILL a merge or tokenize while it is half written.
 SHARD_DELAY_ENV = "DFLASH_TEST_SHARD_DELAY_S"
 
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
 
-def column_types() -> dict[str, Any]:
+
+def column_types() -> dict[str, pa.DataType]:
     """Column -> Arrow type of a tokenized dataset (the contract the trainer and merge rely on)."""
     import pyarrow as pa
 
@@ -47,7 +46,7 @@ def column_types() -> dict[str, Any]:
     }
 
 
-def dataset_schema() -> Any:
+def dataset_schema() -> pa.Schema:
     import pyarrow as pa
 
     schema = pa.schema(list(column_types().items()))
@@ -55,15 +54,15 @@ def dataset_schema() -> Any:
     return schema.with_metadata({"huggingface": info})
 
 
-def features_of(schema: Any) -> dict[str, Any]:
+def features_of(schema: pa.Schema) -> dict[str, dict[str, object]]:
     """`datasets` feature dicts for an Arrow schema of scalars and lists of scalars."""
     import pyarrow as pa
 
-    def value(arrow_type: Any) -> dict[str, str]:
+    def value(arrow_type: pa.DataType) -> dict[str, object]:
         name = "string" if arrow_type == pa.string() else "bool" if arrow_type == pa.bool_() else str(arrow_type)
         return {"dtype": name, "_type": "Value"}
 
-    features = {}
+    features: dict[str, dict[str, object]] = {}
     for column in schema:
         if pa.types.is_list(column.type):
             features[column.name] = {"feature": value(column.type.value_type), "_type": "List"}
@@ -91,7 +90,7 @@ class _HashingFile:
         self.size = 0
         self.closed = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data)
         self.digest.update(view)
         self.size += view.nbytes
@@ -111,15 +110,15 @@ class _HashingFile:
 class ShardWriter:
     """Writes record batches into shards of `shard_rows` rows; `close()` names them data-i-of-n."""
 
-    def __init__(self, directory: Path, schema: Any, shard_rows: int):
+    def __init__(self, directory: Path, schema: pa.Schema, shard_rows: int):
         assert shard_rows > 0
         self.directory, self.schema, self.shard_rows = Path(directory), schema, shard_rows
         self.shards: list[ShardInfo] = []
         self._file: _HashingFile | None = None
-        self._writer: Any = None
+        self._writer: pa.RecordBatchStreamWriter | None = None
         self._rows = self._tokens = self._loss_tokens = 0
 
-    def write(self, batch: Any) -> None:
+    def write(self, batch: pa.RecordBatch) -> None:
         """Append a record batch (split across shards as needed)."""
         offset = 0
         while offset < batch.num_rows:
@@ -146,15 +145,17 @@ class ShardWriter:
         self._writer = pa.ipc.new_stream(self._file, self.schema)
         self._rows = self._tokens = self._loss_tokens = 0
 
-    def _write_part(self, part: Any) -> None:
+    def _write_part(self, part: pa.RecordBatch) -> None:
         import pyarrow.compute as pc
 
+        assert self._writer is not None, "a shard is open"
         self._writer.write_batch(part)
         self._rows += part.num_rows
         self._tokens += int(pc.sum(part.column("length")).as_py() or 0)
         self._loss_tokens += int(pc.sum(part.column("num_loss_tokens")).as_py() or 0)
 
     def _close_shard(self) -> None:
+        assert self._writer is not None and self._file is not None, "a shard is open"
         self._writer.close()
         self._file.close()
         name = f".shard-{len(self.shards):05d}.arrow"
@@ -178,13 +179,14 @@ def _maybe_delay() -> None:
         time.sleep(delay)
 
 
-def finalize_dataset(directory: Path, shards: list[ShardInfo], schema: Any, meta: dict[str, Any]) -> None:
+def finalize_dataset(directory: Path, shards: list[ShardInfo], schema: pa.Schema, meta: DatasetMeta) -> None:
     """Write state.json, dataset_info.json and dflash_meta.json next to the shards."""
-    meta = {**meta, "format": META_FORMAT, "shards": [asdict(shard) for shard in shards],
-            "rows": sum(s.rows for s in shards), "tokens": sum(s.tokens for s in shards),
-            "loss_tokens": sum(s.loss_tokens for s in shards)}
+    meta = meta.copy()
+    meta["format"], meta["shards"] = META_FORMAT, [cast(ShardEntry, asdict(shard)) for shard in shards]
+    meta["rows"], meta["tokens"] = sum(s.rows for s in shards), sum(s.tokens for s in shards)
+    meta["loss_tokens"] = sum(s.loss_tokens for s in shards)
     fingerprint = hashlib.sha256("".join(s.sha256 for s in shards).encode()).hexdigest()[:16]
-    state = {"_data_files": [{"filename": s.filename} for s in shards], "_fingerprint": fingerprint,
+    state: dict[str, object] = {"_data_files": [{"filename": s.filename} for s in shards], "_fingerprint": fingerprint,
              "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
              "_output_all_columns": False, "_split": None}
     info = {"citation": "", "description": "tokenized by launcher.py tokenize; see dflash_meta.json",
@@ -206,7 +208,7 @@ def save_token_rows(path: Path, rows: Sequence[tuple[Sequence[int], Sequence[int
     return Path(path)
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> DatasetMeta:
     """The dataset's dflash_meta.json; InputError if the directory is not a tokenized dataset or
     the file is unreadable (the message names it and the backup to restore)."""
     meta_path = Path(path) / META_NAME
@@ -220,13 +222,14 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise InputError(f"{error}; {restore_hint(Path(path))}") from None
     if meta.get("format") != META_FORMAT:
         raise InputError(f"{meta_path}: format {meta.get('format')!r}, expected {META_FORMAT!r}")
-    if not isinstance(meta.get("shards"), list) or not all(_is_shard_entry(s) for s in meta["shards"]):
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not all(_is_shard_entry(s) for s in shards):
         raise InputError(f"{meta_path}: `shards` is not a list of {{filename, rows, bytes, sha256}}; "
                          f"the file is damaged; {restore_hint(Path(path))}")
-    return meta
+    return cast(DatasetMeta, meta)
 
 
-def _is_shard_entry(entry: Any) -> bool:
+def _is_shard_entry(entry: object) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("filename"), str) and "/" not in entry["filename"]
 
 
@@ -240,7 +243,7 @@ def restore_hint(dataset: Path) -> str:
     return "no backup of it was found next to it: rebuild it with `launcher.py tokenize` (or `merge`)"
 
 
-def shard_paths(path: Path, meta: dict[str, Any]) -> list[Path]:
+def shard_paths(path: Path, meta: DatasetMeta) -> list[Path]:
     paths = [Path(path) / shard["filename"] for shard in meta["shards"]]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
@@ -248,7 +251,7 @@ def shard_paths(path: Path, meta: dict[str, Any]) -> list[Path]:
     return paths
 
 
-def verify_shards(path: Path, meta: dict[str, Any], hashes: bool = True) -> list[Path]:
+def verify_shards(path: Path, meta: DatasetMeta, hashes: bool = True) -> list[Path]:
     """The shard paths, after checking each one's size (always) and sha256 (`hashes`) against
     dflash_meta.json. A mismatch is a DataError naming the shard and the backup to restore."""
     paths = shard_paths(path, meta)
@@ -260,7 +263,7 @@ def verify_shards(path: Path, meta: dict[str, Any], hashes: bool = True) -> list
     return paths
 
 
-def _shard_problem(shard_path: Path, shard: dict[str, Any], hashes: bool) -> str:
+def _shard_problem(shard_path: Path, shard: ShardEntry, hashes: bool) -> str:
     size = shard_path.stat().st_size
     recorded = shard.get("bytes")
     if isinstance(recorded, int) and size != recorded:
@@ -270,7 +273,7 @@ def _shard_problem(shard_path: Path, shard: dict[str, Any], hashes: bool) -> str
     return ""
 
 
-def read_schema(shard: Path) -> Any:
+def read_schema(shard: Path) -> pa.Schema:
     import pyarrow as pa
 
     try:
@@ -280,7 +283,7 @@ def read_schema(shard: Path) -> Any:
         raise _unreadable(shard, error) from None
 
 
-def iter_batches(shard: Path, columns: list[str] | None = None, mapped: bool = False) -> Iterator[Any]:
+def iter_batches(shard: Path, columns: list[str] | None = None, mapped: bool = False) -> Iterator[pa.RecordBatch]:
     """Record batches of one shard. `mapped`: zero-copy from a memory map (only touched columns are
     paged in); otherwise read batch by batch into memory that is freed after each batch. An
     unreadable shard (truncated, not Arrow) is a DataError naming it."""
@@ -301,7 +304,7 @@ def _unreadable(shard: Path, error: BaseException) -> DataError:
                      f"{restore_hint(Path(shard).parent)}")
 
 
-def numpy_of(array: Any) -> Any:
+def numpy_of(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A null-free numeric or bool Arrow array (or a column of them) as numpy, zero-copy for numbers."""
     import numpy as np
     import pyarrow as pa
@@ -317,7 +320,7 @@ def numpy_of(array: Any) -> Any:
     return np.frombuffer(data, dtype=dtype, count=array.offset + len(array))[array.offset:]
 
 
-def arrow_bool_mask(mask: Any) -> Any:
+def arrow_bool_mask(mask: np.ndarray) -> pa.BooleanArray:
     """A numpy bool array as an Arrow BooleanArray, built from its packed bits (`pa.array` on numpy
     imports pandas: 40 MB and a second, once)."""
     import numpy as np
@@ -333,71 +336,3 @@ def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-# --- staging directories and atomic publication ---------------------------------------------
-
-def staging_path(target: Path, purpose: str) -> Path:
-    return target.parent / f".{target.name}.{purpose}-{os.getpid()}"
-
-
-def new_staging(target: Path, purpose: str) -> Path:
-    """A fresh staging directory for `target` (stale ones of dead processes are removed first)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale_staging(target)
-    staging = staging_path(target, purpose)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
-
-
-def sweep_stale_staging(target: Path) -> list[Path]:
-    """Remove `.NAME.<purpose>-<pid>` siblings of `target` whose process no longer exists."""
-    removed = []
-    for entry in target.parent.glob(f".{target.name}.*-*"):
-        match = STAGING_RE.match(entry.name)
-        if match and match["name"] == target.name and not process_alive(int(match["pid"])):
-            _restore_if_orphaned(entry, target, match["purpose"])
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def _restore_if_orphaned(entry: Path, target: Path, purpose: str) -> None:
-    """A two-rename swap killed between its renames leaves the old dataset at `.NAME.old-PID`."""
-    if purpose == "old" and not target.exists():
-        os.replace(entry, target)
-
-
-    return True
-
-
-def publish_directory(staging: Path, target: Path, backup: Path | None = None) -> None:
-    """Put `staging` at `target` atomically; an existing `target` is swapped out, then removed, or
-    with `backup`, moved there first (a kill between the two renames leaves it at `backup`)."""
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    if backup is not None:
-        os.replace(target, backup)
-        os.replace(staging, target)
-        return
-    if _exchange(staging, target):
-        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old dataset
-        return
-    old = staging_path(target, "old")
-    os.replace(target, old)   # a kill here is repaired by sweep_stale_staging (restores `old`)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _exchange(first: Path, second: Path) -> bool:
-    """Linux renameat2(RENAME_EXCHANGE): swap two paths in one atomic step. False if unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    result = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
-    return result == 0

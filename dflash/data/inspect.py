@@ -14,15 +14,27 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 
 REASONS = ("low_loss_tokens", "finish_length", "tool_call_loop", "empty_reasoning", "truncated")
 HISTOGRAM_EDGES = (0, 1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 NUMERIC_COLUMNS = ["length", "num_loss_tokens", "truncated", "truncated_tokens", "tool_call_repeats", "empty_reasoning"]
 SMALL_COLUMNS = ["id", "length", "num_loss_tokens", "finish_reason", "truncated", "truncated_tokens",
                  "tool_call_repeats", "empty_reasoning"]
+
+
+@dataclass(frozen=True)
+class InspectThresholds:
+    """Below `min_loss_tokens` loss tokens, or `tool_call_repeat_limit` repeats of one tool call: degenerate."""
+
+    min_loss_tokens: int = 16
+    tool_call_repeat_limit: int = 8
 
 
 @dataclass
@@ -37,7 +49,7 @@ class InspectReport:
     degenerate: dict[str, int] = field(default_factory=lambda: {reason: 0 for reason in REASONS})
     degenerate_samples: int = 0
     examples: dict[str, list[str]] = field(default_factory=lambda: {reason: [] for reason in REASONS})
-    thresholds: dict[str, Any] = field(default_factory=dict)
+    thresholds: InspectThresholds = field(default_factory=InspectThresholds)
 
     @property
     def degenerate_share(self) -> float:
@@ -47,7 +59,7 @@ class InspectReport:
         parts = [f"{reason}={count}" for reason, count in self.degenerate.items() if count]
         return ", ".join(parts) or "none"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "degenerate_share": self.degenerate_share}
 
     def format_text(self) -> str:
@@ -60,7 +72,7 @@ class InspectReport:
         for reason in REASONS:
             shown = ", ".join(self.examples[reason])
             lines.append(f"    {reason:<16} {self.degenerate[reason]:>9,}" + (f"   e.g. {shown}" if shown else ""))
-        lines.append("  thresholds: " + ", ".join(f"{k}={v}" for k, v in self.thresholds.items()))
+        lines.append("  thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(self.thresholds).items()))
         return "\n".join(lines)
 
 
@@ -85,8 +97,8 @@ def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_c
     path = Path(path)
     meta = dataset_io.read_meta(path)
     settings = meta.get("settings", {})
-    thresholds = {"min_loss_tokens": _pick(min_loss_tokens, settings.get("min_loss_tokens"), 16),
-                  "tool_call_repeat_limit": _pick(tool_call_repeat_limit, settings.get("tool_call_repeat_limit"), 8)}
+    thresholds = InspectThresholds(_int_setting(min_loss_tokens, settings.get("min_loss_tokens"), 16),
+                                   _int_setting(tool_call_repeat_limit, settings.get("tool_call_repeat_limit"), 8))
     report = InspectReport(str(path), thresholds=thresholds)
     counts = np.zeros(len(HISTOGRAM_EDGES), dtype=np.int64)
     for shard in dataset_io.verify_shards(path, meta, hashes=verify):
@@ -97,11 +109,14 @@ def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_c
     return report
 
 
-def _pick(*values: Any) -> Any:
-    return next(value for value in values if value is not None)
+def _int_setting(given: int | None, recorded: object, default: int) -> int:
+    """The caller's value, else the one recorded at tokenize time (an integer), else the default."""
+    if given is not None:
+        return given
+    return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else default
 
 
-def _add_batch(report: InspectReport, batch: Any, counts: np.ndarray, examples: int) -> None:
+def _add_batch(report: InspectReport, batch: pa.RecordBatch, counts: np.ndarray, examples: int) -> None:
     import pyarrow.compute as pc
 
     from dflash.data.dataset_io import numpy_of
@@ -125,12 +140,12 @@ def _add_batch(report: InspectReport, batch: Any, counts: np.ndarray, examples: 
             report.examples[reason] += [ids[int(i)].as_py() for i in np.flatnonzero(flag)[:room]]
 
 
-def degenerate_flags(column: dict[str, np.ndarray], thresholds: dict[str, Any]) -> dict[str, np.ndarray]:
+def degenerate_flags(column: dict[str, np.ndarray], thresholds: InspectThresholds) -> dict[str, np.ndarray]:
     """Reason -> boolean array over the batch's samples."""
     return {
-        "low_loss_tokens": column["num_loss_tokens"] < thresholds["min_loss_tokens"],
+        "low_loss_tokens": column["num_loss_tokens"] < thresholds.min_loss_tokens,
         "finish_length": column["finish_length"].astype(bool),
-        "tool_call_loop": column["tool_call_repeats"] >= thresholds["tool_call_repeat_limit"],
+        "tool_call_loop": column["tool_call_repeats"] >= thresholds.tool_call_repeat_limit,
         "empty_reasoning": column["empty_reasoning"].astype(bool),
         "truncated": column["truncated"].astype(bool),
     }

@@ -17,12 +17,19 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import numpy as np
 
-from dflash.data import dataset_io
+from dflash.data import dataset_io, publish
+from dflash.data.meta import DatasetMeta, RejectsEntry
 from launcher_core.errors import ConfigError, DataError, InputError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from tqdm import tqdm
+
+    from launcher_core.outputs import OutputPlan
 
 Dedup = Literal["none", "id", "content"]
 DEDUP_CHOICES = ("none", "id", "content")
@@ -60,8 +67,8 @@ class MergeSummary:
 @dataclass(frozen=True)
 class DatasetOnDisk:
     path: Path
-    meta: dict[str, Any]
-    schema: Any
+    meta: DatasetMeta
+    schema: pa.Schema
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> "DatasetOnDisk":
@@ -89,8 +96,8 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     (every shard's size and sha256) before anything is written."""
     started = time.perf_counter()
     target, plan = _target_path(Path(base), Path(add), output, in_place, dedup, force)
-    dataset_io.sweep_stale_staging(Path(base))
-    dataset_io.sweep_stale_staging(target)
+    publish.sweep_stale_staging(Path(base))
+    publish.sweep_stale_staging(target)
     # in place, the verified backup copy checks the base's sha256 (one read instead of two)
     base_set, add_set = DatasetOnDisk.open(base, verify=not in_place), DatasetOnDisk.open(add)
     problems = compatibility_problems(base_set, add_set)
@@ -100,7 +107,7 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     if in_place:
         summary.backup = str(backup_dataset(base_set, Path(backup_dir) if backup_dir else None, progress))
     keep = duplicate_filter(base_set, add_set, dedup)
-    staging = dataset_io.new_staging(target, "merge")
+    staging = publish.new_staging(target, "merge")
     try:
         _write_merged(base_set, add_set, keep, staging, shard_rows, summary, progress)
         _publish(staging, target, in_place, plan)
@@ -113,7 +120,7 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
 
 
 def _target_path(base: Path, add: Path, output: str | Path | None, in_place: bool, dedup: str,
-                 force: bool) -> tuple[Path, Any]:
+                 force: bool) -> tuple[Path, OutputPlan | None]:
     """(the path written, the OutputPlan of --output; None in place)."""
     from launcher_core.outputs import DATASET, prepare_output
 
@@ -121,7 +128,7 @@ def _target_path(base: Path, add: Path, output: str | Path | None, in_place: boo
         raise ConfigError(f"--dedup {dedup!r}: valid choices: {', '.join(DEDUP_CHOICES)}")
     if in_place == (output is not None):
         raise ConfigError("merge needs exactly one of --output DATASET or --in-place")
-    if in_place:
+    if output is None:      # in place
         return base, None
     plan = prepare_output(Path(output), DATASET, inputs=(base, add), force=force)
     return plan.path, plan
@@ -160,7 +167,7 @@ def backup_dataset(dataset: DatasetOnDisk, backup_dir: Path | None, progress: bo
     and the copy's row count the recorded rows, else nothing is merged."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = (backup_dir or dataset.path.parent) / f"{dataset.path.name}.backup-{stamp}"
-    staging = dataset_io.new_staging(target, "copy")
+    staging = publish.new_staging(target, "copy")
     try:
         _copy_verified(dataset, staging, progress)
         rows = count_rows(staging, dataset.meta)
@@ -189,7 +196,7 @@ def _copy_verified(dataset: DatasetOnDisk, staging: Path, progress: bool) -> Non
                 raise DataError(f"backup copy of {source} does not match its recorded sha256; nothing merged")
 
 
-def _copy_file(source: Path, target: Path, bar: Any) -> str:
+def _copy_file(source: Path, target: Path, bar: tqdm) -> str:
     import os
 
     digest = hashlib.sha256()
@@ -203,7 +210,7 @@ def _copy_file(source: Path, target: Path, bar: Any) -> str:
     return digest.hexdigest()
 
 
-def count_rows(directory: Path, meta: dict[str, Any]) -> int:
+def count_rows(directory: Path, meta: DatasetMeta) -> int:
     return sum(batch.num_rows for shard in dataset_io.shard_paths(directory, meta)
                for batch in dataset_io.iter_batches(shard, ["length"], mapped=True))
 
@@ -234,14 +241,14 @@ def _hash8(data: bytes | memoryview) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _id_keys(ids: Any) -> np.ndarray:
+def _id_keys(ids: pa.StringArray) -> np.ndarray:
     return np.fromiter((_hash8(value.encode()) for value in ids.to_pylist()), dtype=np.uint64, count=len(ids))
 
 
-def _content_keys(lists: Any) -> np.ndarray:
+def _content_keys(lists: pa.ListArray) -> np.ndarray:
     offsets = dataset_io.numpy_of(lists.offsets)
     values = dataset_io.numpy_of(lists.values)
-    return np.fromiter((_hash8(memoryview(values[offsets[i]: offsets[i + 1]])) for i in range(len(lists))),
+    return np.fromiter((_hash8(values[offsets[i]: offsets[i + 1]].data) for i in range(len(lists))),
                        dtype=np.uint64, count=len(lists))
 
 
@@ -272,13 +279,14 @@ class Totals:
     tokens: int = 0
     loss_tokens: int = 0
 
-    def add(self, batch: Any) -> None:
+    def add(self, batch: pa.RecordBatch) -> None:
         self.rows += batch.num_rows
         self.tokens += int(dataset_io.numpy_of(batch.column("length")).sum(dtype=np.int64))
         self.loss_tokens += int(dataset_io.numpy_of(batch.column("num_loss_tokens")).sum(dtype=np.int64))
 
 
-def _stream(dataset: DatasetOnDisk, keep: np.ndarray | None, writer: Any, totals: Totals, bar: Any) -> Totals:
+def _stream(dataset: DatasetOnDisk, keep: np.ndarray | None, writer: dataset_io.ShardWriter, totals: Totals,
+            bar: tqdm) -> Totals:
     """Copy a dataset's record batches into `writer`, filtered by `keep`; one batch in memory.
     Returns the totals read (before filtering); `totals` accumulates what was written."""
     read, position = Totals(), 0
@@ -297,7 +305,7 @@ def _stream(dataset: DatasetOnDisk, keep: np.ndarray | None, writer: Any, totals
     return read
 
 
-def verify_written(staging: Path, shards: list[Any], expected: Totals) -> None:
+def verify_written(staging: Path, shards: list[dataset_io.ShardInfo], expected: Totals) -> None:
     """Re-read the written shards from disk: rows, tokens and loss tokens must equal the sums."""
     found = Totals()
     for shard in shards:
@@ -308,12 +316,13 @@ def verify_written(staging: Path, shards: list[Any], expected: Totals) -> None:
                         "nothing was replaced")
 
 
-def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) -> dict[str, Any]:
+def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) -> DatasetMeta:
     by_reason: dict[str, int] = {}
+    no_rejects: RejectsEntry = {"total": 0, "by_reason": {}, "file": None}
     for meta in (base.meta, add.meta):
-        for reason, count in meta.get("rejects", {}).get("by_reason", {}).items():
+        for reason, count in meta.get("rejects", no_rejects).get("by_reason", {}).items():
             by_reason[reason] = by_reason.get(reason, 0) + count
-    event = {"merged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base": str(base.path), "base_rows": base.rows,
+    event: dict[str, object] = {"merged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base": str(base.path), "base_rows": base.rows,
              "add": str(add.path), "add_rows": add.rows, "dedup": summary.dedup,
              "dropped_duplicates": summary.dropped_duplicates, "backup": summary.backup}
     return {"tokenizer": base.meta["tokenizer"], "max_length": base.meta.get("max_length"),
@@ -324,12 +333,12 @@ def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) 
             "history": base.meta.get("history", []) + add.meta.get("history", []) + [event]}
 
 
-def _publish(staging: Path, target: Path, in_place: bool, plan: Any) -> None:
-    if in_place:
-        dataset_io.publish_directory(staging, target)
+def _publish(staging: Path, target: Path, in_place: bool, plan: OutputPlan | None) -> None:
+    if in_place or plan is None:
+        publish.publish_directory(staging, target)
         return
     if plan.replaces or (target.is_dir() and not any(target.iterdir())):
-        dataset_io.publish_directory(staging, target, plan.backup)
+        publish.publish_directory(staging, target, plan.backup)
         return
     if target.exists():
         raise InputError(f"{target} appeared while merging; the merged dataset is not published")

@@ -3,13 +3,17 @@
 A record is `{"id", "messages", "tools"?, "finish_reason"?, "chat_template_kwargs"?, ...}` with
 OpenAI-style messages (system/user/assistant/tool). Anything else in the record (model, sampling,
 timestamps, token counts) is ignored. A bad record never raises: it becomes a `Reject` with a
-reason code (see `REJECT_REASONS`) that the tokenize summary counts.
+reason code (see `REJECT_REASONS`) that the tokenize summary counts and `RejectsFile` writes.
 """
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+
+from dflash.chat import ChatMessage, Tool, ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -45,7 +49,7 @@ class Reject:
     detail: str
     id: str | None = None
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, str | int | None]:
         return {"source": self.source, "line": self.line, "reason": self.reason,
                 "detail": self.detail, "id": self.id}
 
@@ -55,10 +59,10 @@ class Conversation:
     """A validated completion record, ready to render."""
 
     id: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage]
+    tools: list[Tool] | None = None
     finish_reason: str = ""
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, object] = field(default_factory=dict)   # the record's chat_template_kwargs
 
     def assistant_indices(self) -> list[int]:
         return [i for i, message in enumerate(self.messages) if message["role"] == "assistant"]
@@ -84,7 +88,7 @@ def parse_record(line: str, source: str, line_number: int) -> Conversation | Rej
         return Reject(source, line_number, problem.reason, str(problem), record_id)
 
 
-def _load_object(line: str) -> dict[str, Any]:
+def _load_object(line: str) -> dict[str, object]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -94,14 +98,14 @@ def _load_object(line: str) -> dict[str, Any]:
     return record
 
 
-def _record_id(record: dict[str, Any]) -> str:
+def _record_id(record: dict[str, object]) -> str:
     value = record.get("id")
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise RecordProblem("missing_id", f"`id` must be a non-empty string or an integer, got {value!r}")
     return str(value)
 
 
-def _conversation(record: dict[str, Any], record_id: str) -> Conversation:
+def _conversation(record: dict[str, object], record_id: str) -> Conversation:
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RecordProblem("missing_messages", f"`messages` must be a non-empty list, got {_short(messages)}")
@@ -114,7 +118,7 @@ def _conversation(record: dict[str, Any], record_id: str) -> Conversation:
                         template_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def _message(message: object, index: int) -> ChatMessage:
     if not isinstance(message, dict):
         raise RecordProblem("bad_message", f"messages[{index}] is {type(message).__name__}, not an object")
     role = message.get("role")
@@ -127,28 +131,28 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise RecordProblem("bad_content", f"messages[{index}].content ({role}) is {_short(content)}, not a string")
-    clean = {"role": role, "content": content}
+    clean: ChatMessage = {"role": role, "content": content}
     if role == "assistant":
-        clean.update(_assistant_fields(message, index))
-    for key in ("name", "tool_call_id"):
-        if isinstance(message.get(key), str):
-            clean[key] = message[key]
+        _add_assistant_fields(clean, message, index)
+    name, call_id = message.get("name"), message.get("tool_call_id")
+    if isinstance(name, str):
+        clean["name"] = name
+    if isinstance(call_id, str):
+        clean["tool_call_id"] = call_id
     return clean
 
 
-def _assistant_fields(message: dict[str, Any], index: int) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
+def _add_assistant_fields(clean: ChatMessage, message: dict[str, object], index: int) -> None:
     reasoning = message.get("reasoning_content")
     if reasoning is not None:
         if not isinstance(reasoning, str):
             raise RecordProblem("bad_content", f"messages[{index}].reasoning_content is {_short(reasoning)}, not a string")
-        fields["reasoning_content"] = reasoning
+        clean["reasoning_content"] = reasoning
     if message.get("tool_calls"):
-        fields["tool_calls"] = _tool_calls(message["tool_calls"], index)
-    return fields
+        clean["tool_calls"] = _tool_calls(message["tool_calls"], index)
 
 
-def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+def _tool_calls(calls: object, index: int) -> list[ToolCall]:
     if not isinstance(calls, list):
         raise RecordProblem("bad_tool_calls", f"messages[{index}].tool_calls is {_short(calls)}, not a list")
     for position, call in enumerate(calls):
@@ -160,7 +164,7 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
     return calls
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
+def _tools(tools: object) -> list[Tool] | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
@@ -168,10 +172,36 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _finish_reason(value: Any) -> str:
+def _finish_reason(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RejectsFile:
+    """Rejected records, one JSON line each, written to a temp file in the staging directory (a
+    killed run's is swept with it) and renamed into place."""
+
+    def __init__(self, path: Path, staging: Path):
+        self.path = path
+        self.temp = staging / f".{path.name}.tmp"
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> "RejectsFile":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = self.temp.open("w", encoding="utf-8")
+        return self
+
+    def add(self, reject: Reject) -> None:
+        self.counts[reject.reason] += 1
+        self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+        if exc[0] is None:
+            os.replace(self.temp, self.path)
+        else:
+            self.temp.unlink(missing_ok=True)

@@ -18,9 +18,14 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Mapping
 
+from dflash.chat import ChatMessage, Tool, ToolCall
 from dflash.data.records import Conversation, RecordProblem
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from transformers import PreTrainedTokenizerBase
 
 RewrittenTurns = Literal["split", "context"]
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -59,7 +64,8 @@ class RenderedConversation:
 class ChatRenderer:
     """Renders conversations with a tokenizer's chat template (`apply_chat_template`, text only)."""
 
-    def __init__(self, tokenizer: Any, thinking_default: bool = True, rewritten_turns: RewrittenTurns = "split"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, thinking_default: bool = True,
+                 rewritten_turns: RewrittenTurns = "split"):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
@@ -74,10 +80,10 @@ class ChatRenderer:
         turns = [self._turn_span(conversation, index, full, kwargs) for index in conversation.assistant_indices()]
         texts, context_only = self._group_texts(conversation.id, full, turns)
         return RenderedConversation(texts=texts, tool_call_repeats=max_tool_call_repeats(conversation),
-                                    empty_reasoning=kwargs["enable_thinking"] and has_empty_reasoning(conversation),
+                                    empty_reasoning=bool(kwargs["enable_thinking"]) and has_empty_reasoning(conversation),
                                     context_only_turns=context_only)
 
-    def template_kwargs(self, conversation: Conversation) -> dict[str, Any]:
+    def template_kwargs(self, conversation: Conversation) -> dict[str, object]:
         """`enable_thinking`: the record's own setting, else on if any turn has reasoning, else the default."""
         kwargs = dict(conversation.template_kwargs)
         if "enable_thinking" not in kwargs:
@@ -91,12 +97,14 @@ class ChatRenderer:
         self._template = compiled_template(self.tokenizer, conversation.tools)
         self._messages = [_with_reasoning_aliases(message) for message in conversation.messages]
 
-    def _render(self, conversation: Conversation, upto: int, generation_prompt: bool, kwargs: dict) -> str:
+    def _render(self, conversation: Conversation, upto: int, generation_prompt: bool,
+                kwargs: dict[str, object]) -> str:
         try:
-            if self._template is None:
-                return self.tokenizer.apply_chat_template(
-                    conversation.messages[:upto], tools=conversation.tools, tokenize=False,
-                    add_generation_prompt=generation_prompt, **kwargs)
+            if self._template is None:     # messages and template kwargs are JSON objects to transformers
+                text = self.tokenizer.apply_chat_template(
+                    conversation.messages[:upto], tools=conversation.tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)  # type: ignore[arg-type]
+                assert isinstance(text, str), "tokenize=False renders text"
+                return text
             return self._template.render(messages=self._messages[:upto], tools=conversation.tools, documents=None,
                                          add_generation_prompt=generation_prompt,
                                          **{**self.special_tokens, **kwargs})
@@ -104,7 +112,7 @@ class ChatRenderer:
             raise RecordProblem("template_error", f"{type(error).__name__}: {error}") from None
 
 
-    def _turn_span(self, conversation: Conversation, index: int, full: str, kwargs: dict) -> TurnSpan:
+    def _turn_span(self, conversation: Conversation, index: int, full: str, kwargs: dict[str, object]) -> TurnSpan:
         if index == 0:
             raise RecordProblem("template_error", "the conversation starts with an assistant turn: no prompt to render")
         prefix = self._render(conversation, index, True, kwargs)
@@ -132,26 +140,26 @@ class ChatRenderer:
         return tuple(texts), 0
 
 
-def _assistants(conversation: Conversation) -> list[dict[str, Any]]:
+def _assistants(conversation: Conversation) -> list[ChatMessage]:
     return [message for message in conversation.messages if message["role"] == "assistant"]
 
 
-def reasoning_text(message: dict[str, Any]) -> str:
+def reasoning_text(message: ChatMessage) -> str:
     """The turn's reasoning: `reasoning_content`, or a `<think>...</think>` block left in the content."""
-    if message.get("reasoning_content") is not None:
+    if "reasoning_content" in message:
         return message["reasoning_content"]
-    content = message.get("content", "")
+    content = message.get("content") or ""
     if "</think>" in content:
         return content.split("</think>")[0].split("<think>")[-1]
     return ""
 
 
-def answer_text(message: dict[str, Any]) -> str:
-    content = message.get("content", "")
-    return content.split("</think>")[-1] if message.get("reasoning_content") is None else content
+def answer_text(message: ChatMessage) -> str:
+    content = message.get("content") or ""
+    return content.split("</think>")[-1] if "reasoning_content" not in message else content
 
 
-def check_turn_rendered(message: dict[str, Any], generated: str, index: int) -> None:
+def check_turn_rendered(message: ChatMessage, generated: str, index: int) -> None:
     """Refuse templates that leave out part of what the model produced in this turn."""
     missing = []
     if reasoning_text(message).strip() and reasoning_text(message).strip() not in generated:
@@ -175,15 +183,15 @@ def max_tool_call_repeats(conversation: Conversation) -> int:
     most = 0
     for message in _assistants(conversation):
         blocks = [_call_key(call) for call in message.get("tool_calls") or []]
-        blocks += [block.strip() for block in TOOL_CALL_BLOCK.findall(message.get("content", ""))]
+        blocks += [block.strip() for block in TOOL_CALL_BLOCK.findall(message.get("content") or "")]
         if blocks:
             most = max(most, max(Counter(blocks).values()))
     return most
 
 
-def _call_key(call: dict[str, Any]) -> str:
+def _call_key(call: ToolCall) -> str:
     function = call["function"]
-    arguments = function.get("arguments", {})
+    arguments: object = function.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -192,7 +200,7 @@ def _call_key(call: dict[str, Any]) -> str:
     return json.dumps({"name": function["name"], "arguments": arguments}, sort_keys=True)
 
 
-def compiled_template(tokenizer: Any, tools: list | None) -> Any:
+def compiled_template(tokenizer: PreTrainedTokenizerBase, tools: list[Tool] | None) -> Template | None:
     """The tokenizer's chat template compiled in transformers' sandboxed jinja environment (cached
     there), rendered directly: `apply_chat_template` re-copies every message on every call, a
     quarter of tokenize's time on long conversations. None: fall back to `apply_chat_template`."""
@@ -203,7 +211,8 @@ def compiled_template(tokenizer: Any, tools: list | None) -> Any:
     return _compile_jinja_template(tokenizer.get_chat_template(None, tools))
 
 
-def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+def _with_reasoning_aliases(message: ChatMessage) -> Mapping[str, object]:
     """transformers passes reasoning under `reasoning_content` and `thinking` (gpt-oss templates)."""
-    reasoning = message.get("reasoning_content")
-    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    if "reasoning_content" not in message:
+        return message
+    return {"thinking": message["reasoning_content"], **message}

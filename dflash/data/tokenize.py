@@ -2,65 +2,47 @@
 
 Each conversation is rendered with the target's chat template (a few renderings, see
 `dflash.data.render`), the full text is tokenized ONCE with offsets, and the loss mask is set
-from the character spans. Work is split into chunks of lines handled by worker processes; the
-results come back in input order, so the dataset is identical whatever the number of workers.
+from the character spans (`dflash.data.samples`). Work is split into chunks of lines
+(`dflash.data.sources` reads them) handled by worker processes; the results come back in input
+order, so the dataset is identical whatever the number of workers.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-import numpy as np
-
-from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
-from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
+from dflash.data.records import Reject, RejectsFile
+from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
+from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from launcher_core.errors import ConfigError, DataError, InputError
 from launcher_core.schema import Profile
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash.data.dataset_io import ShardWriter
+    from dflash.data.inspect import InspectReport
+    from dflash.data.meta import DatasetMeta, TokenizerIdentity
+
+InputPaths = str | Path | Sequence[str | Path]
 CHUNK_LINES = 32
 BATCH_ROWS = 256
-# A JSONL line longer than this many bytes per token of max_length is rejected before it is parsed
-# or rendered (reason `record_too_long`): BPE tokens cover about 3-5 bytes of text (under 10 even
-# for escaped non-ASCII JSON), so such a record would lose most of itself to truncation, and
-# rendering and tokenizing it whole costs memory out of all proportion (10 MB: 1.7 GB RSS).
-RECORD_BYTES_PER_TOKEN = 64
-
-
-def record_byte_limit(max_length: int) -> int:
-    """The longest JSONL line (bytes) tokenize renders: RECORD_BYTES_PER_TOKEN x data.max_length."""
-    return RECORD_BYTES_PER_TOKEN * max_length
 
 
 @dataclass(frozen=True)
-class TokenizeSettings:
-    max_length: int = 8192
-    thinking_default: bool = True
-    rewritten_turns: RewrittenTurns = "split"
+class DegenerateThresholds:
+    """The profile's data.* limits on degenerate samples, recorded in the dataset's settings."""
 
-
-@dataclass
-class TokenizedSample:
-    id: str                      # the record's id, or ID#<message index> for a split-off turn
-    record_id: str
-    input_ids: np.ndarray        # int32
-    loss_mask: np.ndarray        # uint8
-    truncated_tokens: int
-    finish_reason: str
-    tool_call_repeats: int
-    empty_reasoning: bool
-
-
-@dataclass(frozen=True)
-class Line:
-    source: str
-    number: int
-    text: str
+    min_loss_tokens: int
+    tool_call_repeat_limit: int
+    max_degenerate_share: float
 
 
 @dataclass
@@ -86,61 +68,13 @@ class TokenizeSummary:
     def rejected(self) -> int:
         return sum(self.rejects.values())
 
-    def manifest_figures(self) -> dict[str, Any]:
+    def manifest_figures(self) -> dict[str, object]:
         return {"samples": self.samples, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
                 "degenerate_share": round(self.degenerate_share, 6), "degenerate": self.degenerate,
                 "rejects": self.rejected, "rejects_by_reason": self.rejects, "dataset": self.output}
 
 
-# --- per-record work (runs in worker processes) ----------------------------------------------
-
-class SampleTokenizer:
-    """Render + tokenize-once + mask for one conversation. Holds the tokenizer and renderer."""
-
-    def __init__(self, tokenizer: Any, settings: TokenizeSettings):
-        self.backend = tokenizer.backend_tokenizer
-        self.settings = settings
-        self.renderer = ChatRenderer(tokenizer, settings.thinking_default, settings.rewritten_turns)
-
-    def process_line(self, line: Line) -> list[TokenizedSample] | Reject:
-        parsed = parse_record(line.text, line.source, line.number)
-        if isinstance(parsed, Reject):
-            return parsed
-        try:
-            return self.process(parsed)
-        except RecordProblem as problem:
-            return Reject(line.source, line.number, problem.reason, str(problem), parsed.id)
-
-    def process(self, conversation: Conversation) -> list[TokenizedSample]:
-        rendered = self.renderer.render(conversation)
-        return [self._sample(text, conversation, rendered.tool_call_repeats, rendered.empty_reasoning)
-                for text in rendered.texts]
-
-    def _sample(self, rendered: RenderedText, conversation: Conversation, repeats: int, empty: bool) -> TokenizedSample:
-        encoding = self.backend.encode(rendered.text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int32)
-        mask = loss_mask_from_spans(encoding, len(ids), rendered.spans)
-        cut = max(0, len(ids) - self.settings.max_length)
-        if cut:
-            ids, mask = ids[: self.settings.max_length], mask[: self.settings.max_length]
-        return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty)
-
-
-def loss_mask_from_spans(encoding: Any, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
-    """1 on the tokens inside the character spans. A token that starts before a span (merged
-    across its start) is left out; the token holding the span's last character is in."""
-    mask = np.zeros(length, dtype=np.uint8)
-    for start, end in spans:
-        if end <= start:
-            continue
-        first = encoding.char_to_token(start)
-        last = encoding.char_to_token(end - 1)
-        assert first is not None and last is not None, (start, end)
-        if encoding.token_to_chars(first)[0] < start:
-            first += 1
-        mask[first: last + 1] = 1
-    return mask
-
+# --- the worker processes ---------------------------------------------------------------------
 
 _WORKER: SampleTokenizer | None = None
 
@@ -150,64 +84,14 @@ def _set_worker(worker: SampleTokenizer) -> None:
     _WORKER = worker
 
 
-def _process_chunk(lines: list[Line]) -> list[list[TokenizedSample] | Reject]:
+def _process_chunk(lines: list[Line]) -> list[LineResult]:
     assert _WORKER is not None, "worker not initialised"
     return [_WORKER.process_line(line) for line in lines]
 
 
-# --- reading input ---------------------------------------------------------------------------
-
-@dataclass
-class SourceFile:
-    """An input file, hashed as it is read."""
-
-    path: Path
-    records: int = 0
-    bytes: int = 0
-    digest: Any = field(default_factory=hashlib.sha256)
-
-    def describe(self) -> dict[str, Any]:
-        return {"path": str(self.path), "bytes": self.bytes, "records": self.records,
-                "sha256": self.digest.hexdigest()}
-
-
-def read_lines(source: SourceFile, max_bytes: int | None = None) -> Iterator[Line | Reject]:
-    """Non-blank lines of a JSONL file, numbered from 1; undecodable bytes, and lines over
-    `max_bytes`, become a Reject (before anything parses or renders them)."""
-    with source.path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            source.digest.update(raw)
-            source.bytes += len(raw)
-            if not raw.strip():
-                continue
-            source.records += 1
-            if max_bytes is not None and len(raw) > max_bytes:
-                yield Reject(str(source.path), number, "record_too_long",
-                             f"{len(raw):,} bytes, over the limit of {max_bytes:,} "
-                             f"({RECORD_BYTES_PER_TOKEN} x data.max_length); not rendered")
-                continue
-            try:
-                yield Line(str(source.path), number, raw.decode("utf-8"))
-            except UnicodeDecodeError as error:
-                yield Reject(str(source.path), number, "invalid_json", f"not UTF-8: {error.reason}")
-    if source.records == 0:
-        yield Reject(str(source.path), 0, "empty_file", "the file holds no records")
-
-
-def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    chunk: list[Any] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 # --- the orchestration ------------------------------------------------------------------------
 
-def tokenize_completions(profile: Profile, input_path: str | Path | list | None = None,
+def tokenize_completions(profile: Profile, input_path: InputPaths | None = None,
                          output_path: str | Path | None = None, workers: int | None = None,
                          allow_degenerate: bool = False, run_dir: str | Path | None = None,
                          progress: bool = True, force: bool = False) -> TokenizeSummary:
@@ -246,11 +130,12 @@ class TokenizeJob:
     workers: int
     allow_degenerate: bool
     progress: bool
-    thresholds: dict[str, Any]
+    thresholds: DegenerateThresholds
     backup: Path | None = None       # where an existing dataset at `output` goes (--force)
 
     @classmethod
-    def from_profile(cls, profile: Profile, input_path: Any, output_path: Any, workers: int | None,
+    def from_profile(cls, profile: Profile, input_path: InputPaths | None, output_path: str | Path | None,
+                     workers: int | None,
                      allow_degenerate: bool, progress: bool, force: bool = False) -> "TokenizeJob":
         from launcher_core.outputs import DATASET, prepare_output
         from launcher_core.profile import expand_path
@@ -260,8 +145,7 @@ class TokenizeJob:
         plan = prepare_output(output, DATASET, inputs=inputs, force=force)
         data = profile.data
         settings = TokenizeSettings(data.max_length, _thinking_default(profile), data.rewritten_turns)
-        thresholds = {"min_loss_tokens": data.min_loss_tokens, "tool_call_repeat_limit": data.tool_call_repeat_limit,
-                      "max_degenerate_share": data.max_degenerate_share}
+        thresholds = DegenerateThresholds(data.min_loss_tokens, data.tool_call_repeat_limit, data.max_degenerate_share)
         from envcheck.host import cpu_count
 
         count = workers or data.num_workers or cpu_count()
@@ -273,15 +157,15 @@ class TokenizeJob:
         return self.output.with_name(self.output.name + ".rejects.jsonl")
 
     def run(self) -> TokenizeSummary:
-        from dflash.data import dataset_io
+        from dflash.data import publish
 
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.tokenizer_dir)
-        staging = dataset_io.new_staging(self.output, "tokenize")
+        staging = publish.new_staging(self.output, "tokenize")
         try:
             summary = self._write(tokenizer, staging)
             summary.seconds = time.perf_counter() - started
-            dataset_io.publish_directory(staging, self.output, self.backup)
+            publish.publish_directory(staging, self.output, self.backup)
             summary.backup = str(self.backup) if self.backup else None
         finally:
             import shutil
@@ -289,7 +173,7 @@ class TokenizeJob:
             shutil.rmtree(staging, ignore_errors=True)
         return summary
 
-    def _write(self, tokenizer: Any, staging: Path) -> TokenizeSummary:
+    def _write(self, tokenizer: PreTrainedTokenizerFast, staging: Path) -> TokenizeSummary:
         from dflash.data import dataset_io
         from dflash.data.inspect import inspect_dataset
 
@@ -306,7 +190,8 @@ class TokenizeJob:
         self._check_usable(summary, report)
         return summary
 
-    def _results(self, tokenizer: Any, sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, Any]]:
+    def _results(self, tokenizer: PreTrainedTokenizerFast,
+                 sources: list[SourceFile]) -> Iterator[tuple[Line | Reject, LineResult]]:
         """(line, result) in input order; results from a pool of workers when workers > 1."""
         worker = SampleTokenizer(tokenizer, self.settings)
         limit = record_byte_limit(self.settings.max_length)
@@ -318,12 +203,14 @@ class TokenizeJob:
             yield from zip(chunk, results)
         bar.close()
 
-    def _consume(self, results: Iterable, writer: Any, rejects: "RejectsFile", summary: TokenizeSummary) -> None:
+    def _consume(self, results: Iterable[tuple[Line | Reject, LineResult]], writer: ShardWriter,
+                 rejects: RejectsFile, summary: TokenizeSummary) -> None:
         seen: set[int] = set()
         buffer = SampleBuffer()
         for line, result in results:
             summary.records += 1
             if isinstance(result, list) and _id_key(result[0].record_id) in seen:
+                assert isinstance(line, Line), "a line rejected while reading is its own result"
                 result = Reject(line.source, line.number, "duplicate_id", "this id appeared earlier",
                                 result[0].record_id)
             if isinstance(result, Reject):
@@ -339,19 +226,20 @@ class TokenizeJob:
             writer.write(buffer.take())
         summary.rejects = dict(sorted(rejects.counts.items()))
 
-    def _meta(self, tokenizer: Any, sources: list[SourceFile], summary: TokenizeSummary) -> dict[str, Any]:
+    def _meta(self, tokenizer: PreTrainedTokenizerFast, sources: list[SourceFile],
+              summary: TokenizeSummary) -> DatasetMeta:
         return {"tokenizer": tokenizer_identity(tokenizer, self.tokenizer_dir), "max_length": self.settings.max_length,
-                "settings": {**asdict(self.settings), **self.thresholds},
+                "settings": {**asdict(self.settings), **asdict(self.thresholds)},
                 "sources": [source.describe() for source in sources],
                 "rejects": {"total": summary.rejected, "by_reason": summary.rejects, "file": self.rejects_path.name},
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": []}
 
-    def _check_usable(self, summary: TokenizeSummary, report: Any) -> None:
+    def _check_usable(self, summary: TokenizeSummary, report: InspectReport) -> None:
         if summary.samples == 0:
             reasons = ", ".join(f"{k}={v}" for k, v in summary.rejects.items()) or "no records"
             raise InputError(f"no usable records in {', '.join(summary.sources)} ({reasons}); "
                              f"see {summary.rejects_path}")
-        limit = self.thresholds["max_degenerate_share"]
+        limit = self.thresholds.max_degenerate_share
         if report.degenerate_share > limit and not self.allow_degenerate:
             raise DataError(f"{report.degenerate_share:.1%} of the {report.samples} samples are degenerate "
                             f"(limit data.max_degenerate_share = {limit:.1%}): {report.degenerate_summary()}. "
@@ -374,61 +262,14 @@ class SampleBuffer:
         summary.loss_tokens += int(sample.loss_mask.sum())
         summary.truncated_samples += bool(sample.truncated_tokens)
 
-    def take(self) -> Any:
+    def take(self) -> pa.RecordBatch:
         batch = samples_to_batch(self.samples)
         self.samples = []
         return batch
 
 
-def samples_to_batch(samples: list[TokenizedSample]) -> Any:
-    import pyarrow as pa
-
-    from dflash.data.dataset_io import dataset_schema
-
-    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    columns = {
-        "id": pa.array([s.id for s in samples], pa.string()),
-        "input_ids": pa.ListArray.from_arrays(offsets, np.concatenate([s.input_ids for s in samples])),
-        "loss_mask": pa.ListArray.from_arrays(offsets, np.concatenate([s.loss_mask for s in samples])),
-        "length": pa.array(lengths),
-        "num_loss_tokens": pa.array(np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.int32)),
-        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
-        "truncated": pa.array([s.truncated_tokens > 0 for s in samples], pa.bool_()),
-        "truncated_tokens": pa.array(np.array([s.truncated_tokens for s in samples], dtype=np.int32)),
-        "tool_call_repeats": pa.array(np.array([s.tool_call_repeats for s in samples], dtype=np.int32)),
-        "empty_reasoning": pa.array([s.empty_reasoning for s in samples], pa.bool_()),
-    }
-    return pa.RecordBatch.from_pydict(columns, schema=dataset_schema())
-
-
-class RejectsFile:
-    """Rejected records, one JSON line each, written to a temp file in the staging directory (a
-    killed run's is swept with it) and renamed into place."""
-
-    def __init__(self, path: Path, staging: Path):
-        self.path = path
-        self.temp = staging / f".{path.name}.tmp"
-        self.counts: Counter[str] = Counter()
-
-    def __enter__(self) -> "RejectsFile":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = self.temp.open("w", encoding="utf-8")
-        return self
-
-    def add(self, reject: Reject) -> None:
-        self.counts[reject.reason] += 1
-        self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.close()
-        if exc[0] is None:
-            os.replace(self.temp, self.path)
-        else:
-            self.temp.unlink(missing_ok=True)
-
-
-def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -> Iterator[tuple[list, list]]:
+def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list[Line | Reject]],
+                workers: int) -> Iterator[tuple[list[Line | Reject], list[LineResult]]]:
     """(chunk, results) in order. Lines already rejected while reading pass through unchanged."""
     _set_worker(worker)
     if workers <= 1:
@@ -436,12 +277,12 @@ def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -
             yield chunk, _process_mixed(chunk)
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import Future, ProcessPoolExecutor
 
     # fork: workers inherit the loaded tokenizer; at most 2 chunks per worker are in flight. A
     # worker that dies (OOM kill) raises BrokenProcessPool here instead of hanging the run.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        pending: deque = deque()
+        pending: deque[tuple[list[Line | Reject], Future[list[LineResult]]]] = deque()
         for chunk in chunks:
             pending.append((chunk, pool.submit(_process_mixed, chunk)))
             if len(pending) >= 2 * workers:
@@ -452,13 +293,13 @@ def _map_chunks(worker: SampleTokenizer, chunks: Iterator[list], workers: int) -
             yield done_chunk, future.result()
 
 
-def _process_mixed(chunk: list[Line | Reject]) -> list[Any]:
+def _process_mixed(chunk: list[Line | Reject]) -> list[LineResult]:
     lines = [item for item in chunk if isinstance(item, Line)]
     results = iter(_process_chunk(lines))
     return [next(results) if isinstance(item, Line) else item for item in chunk]
 
 
-def _progress_bar(enabled: bool, total: int, sources: list[SourceFile]) -> Any:
+def _progress_bar(enabled: bool, total: int, sources: list[SourceFile]) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not enabled, mininterval=1.0)
@@ -468,13 +309,13 @@ def _id_key(record_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "little")
 
 
-def _input_paths(profile: Profile, input_path: Any) -> list[Path]:
+def _input_paths(profile: Profile, input_path: InputPaths | None) -> list[Path]:
     from launcher_core.profile import expand_path
 
     if input_path is None:
         paths = [expand_path(profile, profile.paths.completions)]
     else:
-        paths = [Path(p) for p in (input_path if isinstance(input_path, (list, tuple)) else [input_path])]
+        paths = [Path(input_path)] if isinstance(input_path, (str, Path)) else [Path(p) for p in input_path]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise InputError(f"completions file not found: {', '.join(missing)} "
@@ -525,14 +366,14 @@ def _load_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
-def tokenizer_identity(tokenizer: Any, directory: Path) -> dict[str, Any]:
+def tokenizer_identity(tokenizer: PreTrainedTokenizerFast, directory: Path) -> TokenizerIdentity:
     """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
     return {"path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
             "fingerprint": _vocab_fingerprint(tokenizer),
-            "chat_template_fingerprint": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+            "chat_template_fingerprint": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
 
 
-def _vocab_fingerprint(tokenizer: Any) -> str:
+def _vocab_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
     cached = getattr(tokenizer, "_dflash_vocab_fingerprint", None)
     if cached is None:
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)

@@ -5,7 +5,7 @@ pipeline call. Importing this package imports nothing heavy (aiohttp/tqdm load w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dflash.generate.run import GenerateSummary, generate_from_profile
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["GenerateSummary", "generate_from_profile"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in __all__:
         from dflash.generate import run
 

@@ -13,9 +13,12 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from launcher_core.errors import ConfigError, RunFailed
+
+if TYPE_CHECKING:
+    import aiohttp
 
 FAILURES_BEFORE_DOWN = 3
 PROBE_INTERVAL_S = 1.0
@@ -62,7 +65,7 @@ class EndpointPool:
 
     endpoints: list[Endpoint]
     failures_before_down: int = FAILURES_BEFORE_DOWN
-    _turn: Any = field(default_factory=itertools.count)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     @classmethod
     def from_urls(cls, urls: Sequence[str]) -> "EndpointPool":
@@ -108,7 +111,7 @@ class EndpointPool:
             endpoint.healthy = healthy
             endpoint.consecutive_failures = 0
 
-    async def probe_forever(self, session: Any, interval_s: float = PROBE_INTERVAL_S) -> None:
+    async def probe_forever(self, session: aiohttp.ClientSession, interval_s: float = PROBE_INTERVAL_S) -> None:
         """Background task: put an unhealthy endpoint back once its /health answers 200."""
         while True:
             await asyncio.sleep(interval_s)
@@ -118,7 +121,7 @@ class EndpointPool:
                     endpoint.healthy = True
 
 
-async def probe_health(session: Any, base_url: str, timeout_s: float = 2.0) -> bool:
+async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 2.0) -> bool:
     import aiohttp
 
     try:
@@ -128,7 +131,7 @@ async def probe_health(session: Any, base_url: str, timeout_s: float = 2.0) -> b
         return False
 
 
-async def fetch_model_name(session: Any, base_url: str) -> str | None:
+async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str | None:
     """The first model id from /v1/models (None when the server does not say)."""
     import aiohttp
 
@@ -140,7 +143,7 @@ async def fetch_model_name(session: Any, base_url: str) -> str | None:
         return None
 
 
-def new_session(concurrency: int) -> Any:
+def new_session(concurrency: int) -> aiohttp.ClientSession:
     """One aiohttp session with keep-alive connections enough for `concurrency` requests in flight."""
     import aiohttp
 
@@ -148,7 +151,7 @@ def new_session(concurrency: int) -> Any:
     return aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
 
 
-async def post_chat(session: Any, endpoint: Endpoint, body: bytes, timeout_s: float) -> dict[str, Any]:
+async def post_chat(session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes, timeout_s: float) -> dict[str, Any]:
     """POST one chat completion; the parsed response or a RequestFailure saying what went wrong."""
     import aiohttp
 
@@ -167,7 +170,8 @@ async def post_chat(session: Any, endpoint: Endpoint, body: bytes, timeout_s: fl
 
 
 def parse_chat_response(status: int, payload: bytes) -> dict[str, Any]:
-    """Check status and shape; 5xx/429/garbage are retryable, other 4xx are not."""
+    """Check status and shape; 5xx/429/garbage are retryable, other 4xx are not. The document is the
+    server's JSON, checked only for `choices[0].message` (an object)."""
     if status != 200:
         excerpt = payload[:300].decode("utf-8", "replace").replace("\n", " ")
         retryable = status >= 500 or status in (408, 429)

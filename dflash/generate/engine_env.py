@@ -189,6 +189,3 @@ def _remove_abandoned_builds(folder: Path) -> None:
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-    return True

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from launcher_core.redact import redact_env
 from launcher_core.schema import Profile
 
 
 def generation_plan(profile: Profile, input_path: str | None, output_path: str | None,
-                    endpoints: Sequence[str], run_dir: str | None) -> dict[str, Any]:
+                    endpoints: Sequence[str], run_dir: str | None) -> dict[str, object]:
     """The resolved plan of a generate run; starts nothing and loads no model."""
     from dflash.generate.prompts import load_prompts
     from dflash.generate.records import SamplingParams, build_request_body
@@ -18,7 +18,7 @@ def generation_plan(profile: Profile, input_path: str | None, output_path: str |
 
     paths = resolve_paths(profile, input_path, output_path, run_dir)
     backend = "endpoint" if endpoints else profile.generate.backend
-    plan: dict[str, Any] = {"backend": backend, "prompts": str(paths.prompts), "output": str(paths.output),
+    plan: dict[str, object] = {"backend": backend, "prompts": str(paths.prompts), "output": str(paths.output),
                             "state_dir": str(paths.state_dir), "concurrency": profile.generate.concurrency}
     if endpoints:
         plan["endpoints"] = list(endpoints)
@@ -30,7 +30,7 @@ def generation_plan(profile: Profile, input_path: str | None, output_path: str |
     return plan
 
 
-def _server_plan(profile: Profile, log_path: Path) -> dict[str, Any]:
+def _server_plan(profile: Profile, log_path: Path) -> dict[str, object]:
     from dflash.generate.servers import server_command_for
 
     target = profile.model.target

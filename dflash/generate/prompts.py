@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
+from dflash.chat import ChatMessage, Tool
 from launcher_core.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -20,8 +21,8 @@ class PromptRecord:
     """One prompt: its id, the conversation so far, and the tools the model may call."""
 
     id: str
-    messages: tuple[dict[str, Any], ...]
-    tools: tuple[dict[str, Any], ...] = field(default=())
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[Tool, ...] = field(default=())
 
 
 def load_prompts(path: str | Path) -> list[PromptRecord]:
@@ -42,7 +43,7 @@ def load_prompts(path: str | Path) -> list[PromptRecord]:
     return records
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+def _json_lines(path: Path) -> Iterator[tuple[int, object]]:
     with path.open("r", encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -53,7 +54,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
                 raise InputError(f"{path}: line {line_number}: not valid JSON ({error.msg})") from None
 
 
-def parse_prompt(document: Any, where: str) -> PromptRecord:
+def parse_prompt(document: object, where: str) -> PromptRecord:
     """One JSON object -> PromptRecord; `where` prefixes every error ("FILE: line N")."""
     if not isinstance(document, dict):
         raise InputError(f"{where}: expected a JSON object with 'id' and 'messages' or 'prompt'")
@@ -66,13 +67,13 @@ def parse_prompt(document: Any, where: str) -> PromptRecord:
     return PromptRecord(id=prompt_id, messages=messages, tools=tools)
 
 
-def _prompt_id(value: Any, where: str) -> str:
+def _prompt_id(value: object, where: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
         raise InputError(f"{where}: field 'id' must be a non-empty string or an integer, got {value!r}")
     return str(value)
 
 
-def _messages(document: dict, where: str) -> tuple[dict[str, Any], ...]:
+def _messages(document: dict[str, object], where: str) -> tuple[ChatMessage, ...]:
     has_messages, has_prompt = "messages" in document, "prompt" in document
     if has_messages == has_prompt:
         raise InputError(f"{where}: give exactly one of 'messages' (a list of {{role, content}}) or 'prompt' (a string)")
@@ -91,7 +92,7 @@ def _messages(document: dict, where: str) -> tuple[dict[str, Any], ...]:
     return tuple(messages)
 
 
-def _check_message(message: Any, where: str) -> None:
+def _check_message(message: object, where: str) -> None:
     if not isinstance(message, dict):
         raise InputError(f"{where}: expected an object with 'role' and 'content'")
     role = message.get("role")
@@ -102,7 +103,7 @@ def _check_message(message: Any, where: str) -> None:
         raise InputError(f"{where}: field 'content' must be a string")
 
 
-def _tools(value: Any, where: str) -> tuple[dict[str, Any], ...]:
+def _tools(value: object, where: str) -> tuple[Tool, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):

@@ -10,12 +10,28 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Required, TypedDict
 
+from dflash.chat import ChatMessage, Tool, ToolCall
 from dflash.generate.prompts import PromptRecord
 from launcher_core.schema import GenerateSection
 
 THINK_END = "</think>"
+
+
+class CompletionRecord(TypedDict, total=False):
+    """One output line (the module docstring's keys, in that order)."""
+
+    id: Required[str]
+    messages: Required[list[ChatMessage]]
+    tools: list[Tool]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+    sampling: dict[str, object]
+    started_at: str
+    finished_at: str
 
 
 @dataclass(frozen=True)
@@ -32,16 +48,16 @@ class SamplingParams:
     def from_section(cls, section: GenerateSection) -> "SamplingParams":
         return cls(section.temperature, section.top_p, section.top_k, section.max_tokens, section.thinking)
 
-    def request_fields(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def request_fields(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, object]:
         """The sampling fields of a request body, minus those the server rejected (`omit`)."""
-        fields: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
-                                  "max_tokens": self.max_tokens,
-                                  "chat_template_kwargs": {"enable_thinking": self.thinking}}
+        fields: dict[str, object] = {"temperature": self.temperature, "top_p": self.top_p,
+                                     "max_tokens": self.max_tokens,
+                                     "chat_template_kwargs": {"enable_thinking": self.thinking}}
         if self.top_k > 0:
             fields["top_k"] = self.top_k
         return {key: value for key, value in fields.items() if key not in omit | omitted_for(backend)}
 
-    def recorded(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def recorded(self, backend: str, omit: frozenset[str] = frozenset()) -> dict[str, object]:
         """The sampling parameters as recorded in each output line (what was actually sent)."""
         dropped = omit | omitted_for(backend)
         return {key: value for key, value in asdict(self).items()
@@ -65,7 +81,7 @@ def rejected_optional_field(error_text: str, omit: frozenset[str]) -> str | None
 def build_request_body(prompt: PromptRecord, sampling: SamplingParams, backend: str,
                        model: str | None, omit: frozenset[str] = frozenset()) -> bytes:
     """The /v1/chat/completions JSON body for one prompt (non-streaming)."""
-    body: dict[str, Any] = {"messages": list(prompt.messages), **sampling.request_fields(backend, omit)}
+    body: dict[str, object] = {"messages": list(prompt.messages), **sampling.request_fields(backend, omit)}
     if model:
         body["model"] = model
     if prompt.tools:
@@ -77,13 +93,13 @@ def utc_timestamp(epoch_s: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_s)) + f".{int(epoch_s % 1 * 1000):03d}Z"
 
 
-def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The server's message in our format; reasoning left inline (`<think>...</think>`) is split out."""
+def assistant_message(message: dict[str, Any]) -> ChatMessage:
+    """The server's message (its JSON) in our format; reasoning left inline (`<think>...</think>`) is split out."""
     content = message.get("content") or ""
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     if not reasoning and THINK_END in content:
         reasoning, content = split_reasoning(content)
-    assistant: dict[str, Any] = {"role": "assistant", "content": content}
+    assistant: ChatMessage = {"role": "assistant", "content": content}
     if reasoning:
         assistant["reasoning_content"] = reasoning
     tool_calls = message.get("tool_calls")
@@ -98,24 +114,24 @@ def split_reasoning(content: str) -> tuple[str, str]:
     return reasoning.replace("<think>", "", 1).strip(), answer.strip()
 
 
-def normalize_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI shape with `arguments` as a JSON string, whatever the server sent."""
+def normalize_tool_call(call: dict[str, Any]) -> ToolCall:
+    """OpenAI shape with `arguments` as a JSON string, whatever the server sent (its JSON)."""
     function = call.get("function") or {}
     arguments = function.get("arguments", "{}")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    normalized = {"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}}
+    normalized: ToolCall = {"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}}
     if call.get("id"):
         normalized["id"] = call["id"]
     return normalized
 
 
-def completion_record(prompt: PromptRecord, response: dict[str, Any], sampling: dict[str, Any],
-                      started_s: float, finished_s: float, fallback_model: str) -> dict[str, Any]:
-    """One output line from a prompt and the server's parsed response."""
+def completion_record(prompt: PromptRecord, response: dict[str, Any], sampling: dict[str, object],
+                      started_s: float, finished_s: float, fallback_model: str) -> CompletionRecord:
+    """One output line from a prompt and the server's parsed response (its JSON)."""
     choice = response["choices"][0]
     usage = response.get("usage") or {}
-    record: dict[str, Any] = {
+    record: CompletionRecord = {
         "id": prompt.id,
         "messages": [*prompt.messages, assistant_message(choice["message"])],
     }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Mapping
 
 from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.processes import stop_group
 from launcher_core.schema import Profile
 
 # our profile's audit.attention_backend -> SGLang's --attention-backend
@@ -150,8 +151,7 @@ def vllm_server_command(profile: Profile, model_path: Path, port: int | None = N
     if python == sys.executable and importlib.util.find_spec("vllm") is None:
         raise ConfigError("generate.backend 'vllm': vLLM is not installed here and eval.engine_python is not set; "
                           "run `launcher.py engine setup vllm` (its venv is then used) or set eval.engine_python")
-    argv = [python, *LAUNCH_MODULES["vllm"], *vllm_base_args(profile, model_path, port)]
-    argv[argv.index("--host") + 1] = host
+    argv = [python, *LAUNCH_MODULES["vllm"], *vllm_base_args(profile, model_path, port, host)]
     env = vllm_env(profile)
     if profile.machine.device == "cpu":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
@@ -186,7 +186,7 @@ class ServerSupervisor:
     startup_timeout_s: float = 900.0
     max_restarts: int = 3
     restarts: int = 0
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -206,7 +206,7 @@ class ServerSupervisor:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RunFailed(f"{self.command.name} exited with code {self.process.returncode} while starting; "
+                raise RunFailed(f"{self.command.name} exited with code {self.exit_code()} while starting; "
                                 f"see {self.log_path}")
             if health_ok(self.command.health_url):
                 return
@@ -218,9 +218,13 @@ class ServerSupervisor:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def exit_code(self) -> int | None:
+        """The server's exit code; None while it runs or before it started."""
+        return self.process.returncode if self.process is not None else None
+
     def restart(self) -> None:
         """Restart after the server died; RunFailed once generate.max_server_restarts is used up."""
-        code = self.process.returncode if self.process else None
+        code = self.exit_code()
         if self.restarts >= self.max_restarts:
             raise RunFailed(f"{self.command.name} died (exit code {code}) and was already restarted "
                             f"{self.restarts} time(s) (generate.max_server_restarts); see {self.log_path}")
@@ -233,7 +237,7 @@ class ServerSupervisor:
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after a grace period; idempotent."""
         if self.process is not None:
-            _terminate_group(self.process, STOP_GRACE_S)
+            stop_group(self.process, STOP_GRACE_S)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -258,26 +262,3 @@ def _die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is gone already
-        try:
-            process.wait(timeout=wait_s)
-            if sig == signal.SIGTERM:
-                _kill_leftovers(process.pid)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _kill_leftovers(pgid: int) -> None:
-    """Children of a server that outlived its leader (SGLang's schedulers) go too."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -18,18 +18,31 @@ import json
 import os
 import sys
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypedDict, cast
 
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.fileio import write_text_atomic
+
+if TYPE_CHECKING:
+    from dflash.generate.records import CompletionRecord
 
 INDEX_NAME = "done.index"
 FAILURES_NAME = "failures.jsonl"
 FSYNC_INTERVAL_S = 1.0
 RECORD_KEYS = frozenset({"id", "messages", "finish_reason", "completion_tokens", "sampling"})   # records.completion_record
 FIRST_LINE_LIMIT = 64 << 20      # bytes read to find the first line of an existing output
+
+
+class FailureEntry(TypedDict):
+    """One line of the failures file: a prompt that failed after all its retries."""
+
+    id: str
+    reason: str
+    attempts: int
+    at: str                      # UTC time, ISO 8601
 
 
 @dataclass
@@ -50,7 +63,7 @@ class CompletionStore:
     state_dir: Path
     flush_every: int = 32
     done_ids: set[str] = field(default_factory=set)
-    failures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[str, FailureEntry] = field(default_factory=dict)
     _pending: list[tuple[str, bytes]] = field(default_factory=list)
     _output: BinaryIO | None = None
     _index: BinaryIO | None = None
@@ -102,7 +115,7 @@ class CompletionStore:
             with self.index_path.open("ab") as index:
                 index.write(b"".join(_index_line(end, prompt_id) for end, prompt_id in new))
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: CompletionRecord) -> None:
         """Queue one completion (its `id` must not be done yet); flush every `flush_every`."""
         prompt_id = record["id"]
         assert prompt_id not in self.done_ids, f"duplicate completion for id {prompt_id!r}"
@@ -115,7 +128,7 @@ class CompletionStore:
 
     def add_failure(self, prompt_id: str, reason: str, attempts: int) -> None:
         """Record a prompt that failed after all retries (appended and flushed at once)."""
-        entry = {"id": prompt_id, "reason": reason, "attempts": attempts,
+        entry: FailureEntry = {"id": prompt_id, "reason": reason, "attempts": attempts,
                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.failures[prompt_id] = entry
         with self.failures_path.open("a", encoding="utf-8") as handle:
@@ -123,7 +136,7 @@ class CompletionStore:
 
     def flush(self) -> None:
         """Write the queued completions in one append, then their index entries."""
-        if not self._pending or self._output is None:
+        if not self._pending or self._output is None or self._index is None:
             return
         index_lines = []
         for prompt_id, line in self._pending:
@@ -230,15 +243,15 @@ def _line_id(line: bytes) -> str | None:
     return str(record["id"]) if isinstance(record, dict) and "id" in record else None
 
 
-def read_failures(path: Path, exclude: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+def read_failures(path: Path, exclude: Set[str] = frozenset()) -> dict[str, FailureEntry]:
     """The failures file as {id: last entry}, minus ids in `exclude`; unreadable lines are skipped."""
     if not path.exists():
         return {}
-    failures: dict[str, dict[str, Any]] = {}
+    failures: dict[str, FailureEntry] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         try:
             entry = json.loads(line)
-            failures[str(entry["id"])] = entry
+            failures[str(entry["id"])] = cast(FailureEntry, entry)
         except (ValueError, KeyError, TypeError):
             print(f"warning: {path}: line {number}: unreadable failure entry skipped", file=sys.stderr)
     return {prompt_id: entry for prompt_id, entry in failures.items() if prompt_id not in exclude}

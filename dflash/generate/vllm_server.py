@@ -31,9 +31,10 @@ def vllm_env(profile: Profile) -> dict[str, str]:
     return env
 
 
-def vllm_base_args(profile: Profile, target: Path, port: int) -> list[str]:
-    """vLLM's server flags without speculation: model, 127.0.0.1, dtype, the served name, memory, length."""
-    args = ["--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", profile.model.dtype,
+def vllm_base_args(profile: Profile, target: Path, port: int, host: str = "127.0.0.1") -> list[str]:
+    """vLLM's server flags without speculation: model, `host` (loopback unless the caller binds the
+    profile's machine.bind_host), dtype, the served name, memory, length."""
+    args = ["--model", str(target), "--host", host, "--port", str(port), "--dtype", profile.model.dtype,
             "--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size", str(profile.generate.tp_size)]
     if profile.machine.device != "cpu":     # on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (vllm_env)
         args += ["--gpu-memory-utilization", str(profile.generate.mem_fraction_static)]

@@ -42,7 +42,7 @@ def build_dataset(directory: Path, ids: list[str], seed: int = 0, tokens: int = 
                   fingerprint: str = "tok-A", shard_rows: int = 50, batch_rows: int = 25) -> Path:
     """A tokenized-dataset directory with random token rows (for merge tests; no tokenizer needed)."""
     from dflash.data import dataset_io
-    from dflash.data.tokenize import TokenizedSample, samples_to_batch
+    from dflash.data.samples import TokenizedSample, samples_to_batch
     from launcher_core.fileio import atomic_directory
 
     rng = np.random.default_rng(seed)

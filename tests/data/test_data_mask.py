@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash.data.records import Reject, parse_record
-from dflash.data.tokenize import SampleTokenizer, TokenizeSettings
+from dflash.data.samples import SampleTokenizer, TokenizeSettings
 from tests.data.conftest import turn
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -42,7 +42,7 @@ def process(tokenizer, record: dict, **settings):
 
 
 def _line(record: dict):
-    from dflash.data.tokenize import Line
+    from dflash.data.sources import Line
 
     return Line("test.jsonl", 1, json.dumps(record))
 

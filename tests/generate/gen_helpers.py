@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher_core.processes import free_port
+from launcher_core.processes import free_port, stop_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,8 +85,7 @@ def served_tiny_model(tiny_qwen3_target):
         wait_healthy(f"http://127.0.0.1:{port}/health", process)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_group(process)
 
 
 @dataclass

@@ -31,6 +31,14 @@ def test_the_vllm_backend_runs_the_engine_python_on_the_bind_host_with_a_cpu_kv_
     assert command.base_url == "http://127.0.0.1:9000"
 
 
+def test_the_vllm_backend_binds_the_profiles_host_once():
+    profile = vllm_profile("/engine/bin/python")
+    profile = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, bind_host="0.0.0.0"))
+    command = server_command_for(profile, Path("/m"), port=9000)
+    assert command.argv.count("--host") == 1 and command.argv[command.argv.index("--host") + 1] == "0.0.0.0"
+    assert command.base_url == "http://127.0.0.1:9000"      # the client still talks to loopback
+
+
 def test_without_the_engine_venv_the_error_names_engine_setup(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     with pytest.raises(ConfigError, match="launcher.py engine setup vllm"):

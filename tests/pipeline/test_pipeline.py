@@ -138,6 +138,21 @@ def test_stop_after_and_bad_stage_names():
     assert redo_from("tokenize") == {"tokenize", "train", "eval"}
 
 
+def test_the_stage_list_is_the_manifests_everywhere():
+    """One stage list (launcher_core.manifest.STAGES): the pipeline runs it in that order, and
+    `pipeline --redo/--stop-after` offer exactly those names."""
+    import argparse
+
+    from dflash.commands.pipeline import add_arguments
+    from launcher_core.manifest import STAGES
+
+    assert [stage.name for stage in default_stages()] == list(STAGES)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    choices = {action.dest: action.choices for action in parser._actions if action.choices}
+    assert choices == {"redo": STAGES, "stop_after": STAGES}
+
+
 @pytest.mark.parametrize("state,has_checkpoint,redo,expected", [
     (None, False, False, (False, False)),        # fresh run
     ("running", True, False, (True, False)),     # interrupted: continue from the checkpoint
