@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
-    from dflash.memory.model import OfflineStorage
+    from dflash.memory.offline import OfflineStorage
     from dflash.memory.plan import Plan, RankPlan
     from launcher_core.schema import Profile
 
