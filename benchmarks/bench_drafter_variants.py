@@ -131,15 +131,12 @@ def fill_feature_cache(state: TrainState) -> None:
 def train(state: TrainState, after_step: Callable[[int], None]) -> float:
     """The trainer's steps up to its total (the worker's loop without checkpoints and metrics);
     `after_step(n)` runs after step n, its time not counted. Returns the training seconds."""
-    from dflash.memory.plan import batch_plan
-    from dflash.train.step import run_step
+    from dflash.train.step import run_next_step
 
     spent = 0.0
     while state.step < state.total_steps:
         started = time.perf_counter()
-        epoch, rows = state.data.step_rows(state.step)
-        run_step(state, rows, epoch, batch_plan(state.data.global_batch, 1, state.micro_batch))
-        state.step += 1
+        run_next_step(state)
         spent += time.perf_counter() - started
         after_step(state.step)
     return spent

@@ -94,11 +94,10 @@ def training_profile(target: Path, dataset: Path, run_dir: Path, start: int, ste
 
 def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tuple[int, int]:
     """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final)."""
-    from dflash.memory.plan import batch_plan
     from dflash.train.autobatch import INJECT_ENV
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
-    from dflash.train.step import run_step
+    from dflash.train.step import run_next_step
 
     os.environ[INJECT_ENV] = f"above={feasible}"         # read by build_state's AutoBatch
     try:
@@ -108,9 +107,7 @@ def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tu
     assert state.autobatch is not None
     state.autobatch.log = lambda line: None
     while state.step < state.total_steps:
-        epoch, rows = state.data.step_rows(state.step)
-        run_step(state, rows, epoch, batch_plan(GLOBAL_BATCH, 1, state.micro_batch))
-        state.step += 1
+        run_next_step(state)
     return len(state.autobatch.reductions), state.autobatch.micro_batch
 
 

@@ -91,6 +91,21 @@ def autocast_wanted(device_type: str, setting: str = "auto") -> bool:
     return setting == "bfloat16" or (setting == "auto" and device_type == "cuda")
 
 
+def run_next_step(state: TrainState) -> tuple[StepStats, int]:
+    """The schedule's next optimizer step: this rank's rows of step `state.step` (dflash.train.data.TrainData),
+    split by the current micro-batch, then `state.step` advances. Returns the step's figures and its epoch.
+    The worker's loop and the training benchmarks step through this."""
+    from dflash.memory.plan import batch_plan
+    from dflash.train.data import TrainData
+
+    data = state.data
+    assert isinstance(data, TrainData), "the schedule's steps read the rank's dataset (build_state)"
+    epoch, rows = data.step_rows(state.step)
+    stats = run_step(state, rows, epoch, batch_plan(data.global_batch, state.env.world_size, state.micro_batch))
+    state.step += 1
+    return stats, epoch
+
+
 def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
     """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable from the same rows.
 

@@ -137,20 +137,15 @@ class StopFlag:
 
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
-    from dflash.memory.plan import batch_plan
-    from dflash.train.data import TrainData
     from dflash.train.dist import gather_memory_mib
-    from dflash.train.step import maybe_inject_failure, run_step
+    from dflash.train.step import maybe_inject_failure, run_next_step
 
-    data, total = state.data, state.total_steps
-    assert isinstance(data, TrainData), "a torchrun rank trains on its dataset (build_state)"
+    total = state.total_steps
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     try:
         while state.step < total:
             maybe_inject_failure(state.env.rank, state.step + 1)
-            epoch, rows = data.step_rows(state.step)
-            stats = run_step(state, rows, epoch, batch_plan(data.global_batch, state.env.world_size, state.micro_batch))
-            state.step += 1
+            stats, epoch = run_next_step(state)
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
                 state.mem_mib = gather_memory_mib(state.device)
             if log:
