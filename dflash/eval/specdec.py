@@ -146,7 +146,7 @@ class TargetVerifier:
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
         cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
         with torch.inference_mode(), contextlib.ExitStack() as stack:
-            before = snapshot_linear_state(self.cache) if keep and not split else None
+            before = snapshot_linear_state(self._live_cache()) if keep and not split else None
             capture = stack.enter_context(TapCapture(self.model, self.layer_ids or ())) if want_taps else None
             stack.enter_context(linear_attention_plan(self.model, plan))
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
@@ -169,18 +169,22 @@ class TargetVerifier:
         if self.rollback_mode == "snapshot-rerun" and self._pending:
             self._run(list(self._pending), want_taps=False)
 
+    def _live_cache(self) -> Cache:
+        assert self.cache is not None, "no forward since the reset: nothing is cached"
+        return self.cache
+
     def _drop_after(self, length: int) -> None:
         from dflash.eval.target_cache import crop_attention, restore_linear_state
 
         if not self.hybrid:
-            crop_attention(self.cache, length)
+            crop_attention(self._live_cache(), length)
             self._cached = self._cached[:length]
         elif self._snapshot is None or self._snapshot[0] > length:      # "reprefill"
             self.cache, self._pending, self._cached = None, self._cached[:length], []
         else:
             start, states = self._snapshot
             restore_linear_state(states)
-            crop_attention(self.cache, start)
+            crop_attention(self._live_cache(), start)
             self._cached, self._pending, self._snapshot = self._cached[:start], self._cached[start:length], None
 
 
