@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
 def resolve_run_dir(run_dir: str | None, profile_name: str | None) -> Path:
     from launcher_core.errors import ConfigError
 
-    if bool(run_dir) == bool(profile_name):
-        raise ConfigError("give either RUN_DIR or --profile P (one of them)")
+    if run_dir and not profile_name:
+        return Path(run_dir)
     if run_dir or not profile_name:
-        return Path(run_dir or ".")
+        raise ConfigError("give either RUN_DIR or --profile P (one of them)")
     from launcher_core.profile import expand_path, load_profile
 
     profile = load_profile(profile_name)

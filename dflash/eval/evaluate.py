@@ -117,8 +117,6 @@ def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts:
 
 def _warm_up(verifier: TargetVerifier, methods: Sequence[Drafter], prompt_ids: list[int], settings: DecodeSettings) -> None:
     """One short decode per method first, so one-off costs do not land in the first timing."""
-    from dataclasses import replace
-
     from dflash.eval.specdec import speculative_decode
 
     short = replace(settings, max_new_tokens=min(8, settings.max_new_tokens))
