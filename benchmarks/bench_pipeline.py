@@ -27,6 +27,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from dflash.eval.records import MethodFigures, read_report  # noqa: E402  (after the path insert)
 from launcher_core.manifest import STAGES  # noqa: E402
 
 TARGET_TOTAL_S = 15 * 60
@@ -76,15 +77,15 @@ def stage_lines(manifest: dict) -> list[str]:
     return lines
 
 
-def eval_lines(report: dict) -> list[str]:
+def eval_lines(methods: dict[str, MethodFigures], num_prompts: int, label: str) -> list[str]:
     """The methods' figures on one prompt set (a report, or an entry of its `also_sets`)."""
-    lines = [f"{report['num_prompts']} prompts, {report.get('prompt_set', report.get('prompts_file'))}:",
+    lines = [f"{num_prompts} prompts, {label}:",
              f"  {'method':<14} {'mean tau':>8} {'tokens/s':>9} {'speedup':>8}  lossless"]
-    for name, method in report["methods"].items():
-        tau = f"{method['mean_tau']:8.3f}" if name != "target" else f"{'-':>8}"
-        lossless = {None: "-", True: "yes", False: "NO"}[method["identical_to_target"]]
-        lines.append(f"  {name:<14} {tau} {method['tokens_per_s']:9.1f} {method['speedup']:7.2f}x  {lossless}")
-    ours, lookup = report["methods"]["dflash"]["mean_tau"], report["methods"]["prompt_lookup"]["mean_tau"]
+    for name, method in methods.items():
+        tau = f"{method.mean_tau or 0:8.3f}" if name != "target" else f"{'-':>8}"
+        lossless = {None: "-", True: "yes", False: "NO"}[method.identical_to_target]
+        lines.append(f"  {name:<14} {tau} {method.tokens_per_s:9.1f} {method.speedup or 0:7.2f}x  {lossless}")
+    ours, lookup = methods["dflash"].mean_tau or 0, methods["prompt_lookup"].mean_tau or 0
     lines.append(f"  DFlash tau {ours:.3f} vs prompt lookup {lookup:.3f}: {'beats' if ours > lookup else 'DOES NOT beat'} it")
     return lines
 
@@ -106,11 +107,12 @@ def main() -> int:
     print("\n".join(stage_lines(manifest)))
     report_path = run_dir / "eval" / "report.json"
     if report_path.exists():
-        report = json.loads(report_path.read_text())
-        print(f"eval: block size {report['block_size']}, {report['max_new_tokens']} new tokens, "
-              f"temperature {report['temperature']}")
-        for prompt_set in (report, *report.get("also_sets", [])):
-            print("\n".join(eval_lines(prompt_set)))
+        report = read_report(report_path)
+        print(f"eval: block size {report.block_size}, {report.context.max_new_tokens} new tokens, "
+              f"temperature {report.temperature}")
+        print("\n".join(eval_lines(report.methods, report.num_prompts, report.context.prompt_set or str(report_path))))
+        for extra in report.also_sets:
+            print("\n".join(eval_lines(extra.methods, extra.num_prompts, extra.label)))
     if args.run_dir is None and not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code

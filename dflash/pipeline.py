@@ -155,9 +155,9 @@ def _eval(ctx: PipelineContext) -> str:
     from dflash.eval.run import run_eval
 
     report = run_eval(ctx.profile, run_dir=ctx.run_dir).report
-    sets = [report, *report.get("also_sets", [])]
-    line = "; also ".join(f"{drafted_figures(entry['methods'])} on {entry['num_prompts']} prompts, "
-                          f"{entry.get('prompt_set', entry.get('prompts_file'))}" for entry in sets)
+    sets = [(report.methods, report.num_prompts, report.context.prompt_set or report.context.prompts_file),
+            *((extra.methods, extra.num_prompts, extra.label) for extra in report.also_sets)]
+    line = "; also ".join(f"{drafted_figures(methods)} on {count} prompts, {label}" for methods, count, label in sets)
     return f"{line}; {_served(ctx)}" if ctx.profile.eval.serve_engine else line
 
 
@@ -172,11 +172,12 @@ def _served(ctx: PipelineContext) -> str:
 
         setup_engine_env(engine)            # `launcher.py engine setup vllm`: nothing to do once built
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine)).report
-    dflash = report["methods"]["dflash"]
-    served = "-" if dflash["mean_tau"] is None else f"{dflash['mean_tau']:.2f}"
-    parity = report.get("parity", {}).get("dflash")
-    beside = f" vs in-process {parity['inprocess_tau']:.2f} on the same {report['num_prompts']} prompts" if parity else ""
-    lossless = {True: ", lossless", False: ", OUTPUT DIFFERS FROM TARGET", None: ""}[dflash["identical_to_target"]]
+    dflash = report.methods["dflash"]
+    served = "-" if dflash.mean_tau is None else f"{dflash.mean_tau:.2f}"
+    parity = report.parity.get("dflash")
+    beside = (f" vs in-process {parity.inprocess_tau:.2f} on the same {report.num_prompts} prompts"
+              if parity and parity.inprocess_tau is not None else "")
+    lossless = {True: ", lossless", False: ", OUTPUT DIFFERS FROM TARGET", None: ""}[dflash.identical_to_target]
     return f"served by {engine}: dflash tau {served}{beside}{lossless}"
 
 

@@ -7,8 +7,12 @@ lookup (same block size); prints mean tau and speedup of each and writes `{run_d
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
+
+if TYPE_CHECKING:
+    from dflash.eval.records import EvalReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,23 +53,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_lines(report: dict) -> str:
+def summary_lines(report: EvalReport) -> str:
     """One line per method: mean tau, tokens/s, speedup (and losslessness when greedy)."""
     from dflash.eval.options import drafted_figures
 
-    lines = [f"eval{' (' + report['engine'] + ', engine-reported tau)' if 'engine' in report else ''}: "
-             f"{report['num_prompts']} prompts{' (' + report['prompt_set'] + ')' if report.get('prompt_set') else ''}, block size {report['block_size']}, temperature {report['temperature']}"]
-    for name, method in report["methods"].items():
-        tau = f"tau {method['mean_tau']:.2f}  " if name != "target" and method["mean_tau"] is not None else " " * 11
-        same = method.get("identical_to_target")
+    prompt_set = report.context.prompt_set
+    lines = [f"eval{' (' + report.engine + ', engine-reported tau)' if report.engine else ''}: "
+             f"{report.num_prompts} prompts{' (' + prompt_set + ')' if prompt_set else ''}, block size {report.block_size}, temperature {report.temperature}"]
+    for name, method in report.methods.items():
+        tau = f"tau {method.mean_tau:.2f}  " if name != "target" and method.mean_tau is not None else " " * 11
+        same = method.identical_to_target
         note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
-        lines.append(f"  {name:<14} {tau}{method['tokens_per_s']:8.1f} tok/s  speedup {method['speedup'] or 0:.2f}x{note}")
-    for extra in report.get("also_sets", []):
-        lines.append(f"also {extra['num_prompts']} prompts ({extra['prompt_set']}): "
-                     f"{drafted_figures(extra['methods'])}  (report: {extra['report']})")
-    if "parity" in report:
+        lines.append(f"  {name:<14} {tau}{method.tokens_per_s:8.1f} tok/s  speedup {method.speedup or 0:.2f}x{note}")
+    for extra in report.also_sets:
+        lines.append(f"also {extra.num_prompts} prompts ({extra.prompt_set}): "
+                     f"{drafted_figures(extra.methods)}  (report: {extra.report})")
+    if report.parity:
         from dflash.eval.parity import parity_summary
 
-        lines += parity_summary(report["parity"])
+        lines += parity_summary(report.parity)
     return "\n".join(lines)
-

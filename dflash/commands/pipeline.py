@@ -12,6 +12,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
 
 if TYPE_CHECKING:
+    from dflash.eval.records import MethodFigures, SetBrief
     from launcher_core.schema import Profile
 
 
@@ -53,8 +54,8 @@ def final_figures(profile: Profile, run_dir: str | None) -> str:
     if entry.get("state") != "done":
         return f"run directory: {directory} (no eval yet)"
     on = f" on {entry.get('prompts')} prompts, {entry['prompt_set']}" if entry.get("prompt_set") else ""
-    also = "".join(f"tau on {extra['num_prompts']} prompts, {extra['prompt_set']}: DFlash "
-                   f"{_rounded(extra['methods'], 'dflash')} vs prompt lookup {_rounded(extra['methods'], 'prompt_lookup')}\n"
+    also = "".join(f"tau on {extra.num_prompts} prompts, {extra.prompt_set}: DFlash "
+                   f"{_rounded(extra.methods, 'dflash')} vs prompt lookup {_rounded(extra.methods, 'prompt_lookup')}\n"
                    for extra in _also_sets(directory))
     return (f"tau{on}: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
             f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
@@ -63,17 +64,17 @@ def final_figures(profile: Profile, run_dir: str | None) -> str:
             f"`launcher.py status {directory}`)")
 
 
-def _also_sets(run_dir) -> list[dict]:
+def _also_sets(run_dir) -> list[SetBrief]:
     """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
-    import json
+    from dflash.eval.records import read_report
+    from launcher_core.errors import InputError
 
-    report = run_dir / "eval" / "report.json"
     try:
-        return json.loads(report.read_text()).get("also_sets", [])
-    except (OSError, ValueError):
+        return read_report(run_dir / "eval" / "report.json").also_sets
+    except InputError:
         return []
 
 
-def _rounded(methods: dict, name: str) -> str:
-    tau = methods.get(name, {}).get("mean_tau")
+def _rounded(methods: dict[str, MethodFigures], name: str) -> str:
+    tau = methods[name].mean_tau if name in methods else None
     return f"{tau:.3f}" if tau is not None else "-"

@@ -14,12 +14,13 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from dflash.data.records import Reject, RejectsFile
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
-from launcher_core.errors import ConfigError, DataError, InputError
+from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
+from launcher_core.errors import DataError, InputError
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -325,45 +326,6 @@ def _input_paths(profile: Profile, input_path: InputPaths | None) -> list[Path]:
 
 def _thinking_default(profile: Profile) -> bool:
     return profile.generate.thinking
-
-
-def tokenizer_dir_for(profile: Profile) -> Path:
-    """`model.tokenizer` if set, else the target model's directory."""
-    from dflash.models import resolve_model_path
-
-    return resolve_model_path(profile.model.tokenizer or profile.model.target)
-
-
-_TOKENIZERS: dict[tuple, Any] = {}
-
-
-def load_tokenizer(directory: Path) -> Any:
-    """The fast tokenizer in `directory` (loaded once per process and directory state)."""
-    key = _directory_state(Path(directory))
-    if key not in _TOKENIZERS:
-        _TOKENIZERS.clear()
-        _TOKENIZERS[key] = _load_tokenizer(Path(directory))
-    return _TOKENIZERS[key]
-
-
-def _directory_state(directory: Path) -> tuple:
-    files = sorted(directory.glob("*")) if directory.is_dir() else []
-    return (str(directory.resolve()), *((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files if p.is_file()))
-
-
-def _load_tokenizer(directory: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot load a tokenizer from {directory}: {error}") from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"the tokenizer in {directory} has no chat template; set model.tokenizer to a "
-                          "directory whose tokenizer_config.json (or chat_template.jinja) has one")
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise ConfigError(f"the tokenizer in {directory} is not a fast tokenizer (no tokenizer.json)")
-    return tokenizer
 
 
 def tokenizer_identity(tokenizer: PreTrainedTokenizerFast, directory: Path) -> TokenizerIdentity:

@@ -11,22 +11,26 @@ instead of the whole context every step; the drafts are the same (benchmarks/ben
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, cast
 
 from dflash.eval.specdec import Proposal
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
+
+    from dflash.drafter.draft_cache import DraftContextCache
+    from dflash.drafter.model import DFlashDrafter
 
 
 @dataclass
 class DFlashDraft:
-    model: Any                     # dflash.drafter.model.DFlashDrafter, attached to the target
+    model: DFlashDrafter           # attached to the target
     name: str = "dflash"
     uses_features: bool = True
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
     use_cache: bool = True                          # keep the context K/V per draft layer between steps
-    _cache: Any = None
+    _cache: Optional[DraftContextCache] = None
 
     @property
     def block_size(self) -> int:
@@ -74,12 +78,14 @@ class DFlashDraft:
             return probs
         import torch
 
-        full = torch.zeros(probs.shape[0], self.model.lm_head.weight.shape[0], dtype=probs.dtype, device=probs.device)
-        full[:, self.model.draft_vocab] = probs
+        # nn.Module attributes (a parameter, a buffer) are typed Tensor | Module
+        rows = cast("torch.Tensor", self.model.lm_head.weight).shape[0]
+        full = torch.zeros(probs.shape[0], rows, dtype=probs.dtype, device=probs.device)
+        full[:, cast("torch.Tensor", self.model.draft_vocab)] = probs
         return full
 
 
-def load_dflash_draft(checkpoint: str, target_model: Any) -> DFlashDraft:
+def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel) -> DFlashDraft:
     from dflash.drafter.checkpoint import load_drafter
 
     return DFlashDraft(model=load_drafter(checkpoint, target_model))

@@ -24,13 +24,19 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from dflash.compat import version_tuple
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, vllm_base_args, vllm_env
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.chat import ChatMessage
+    from dflash.eval.options import EvalOptions, EvalSummary
+    from dflash.eval.records import EvalReport, ReportContext
+    from dflash.generate.prompts import PromptRecord
 
 ENGINES = ("sglang", "vllm")
 METHODS = ("target", "dflash", "prompt_lookup")
@@ -123,7 +129,7 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
     return version
 
 
-def chat(base_url: str, messages: Sequence[dict], max_tokens: int, temperature: float, seed: int,
+def chat(base_url: str, messages: Sequence[ChatMessage], max_tokens: int, temperature: float, seed: int,
          thinking: bool, timeout_s: float) -> tuple[str, int]:
     """One OpenAI chat completion -> (text, completion tokens)."""
     body = {"model": "default", "messages": list(messages), "max_tokens": max_tokens, "temperature": temperature,
@@ -175,7 +181,7 @@ def vllm_counters(base_url: str) -> dict[str, float]:
     return totals
 
 
-def serve_method(engine: str, command: ServerCommand, prompts: Sequence[Any], settings: "EngineSettings",
+def serve_method(engine: str, command: ServerCommand, prompts: Sequence[PromptRecord], settings: "EngineSettings",
                  log_path: Path, startup_timeout_s: float, prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> EngineRun:
     """Start the engine, send every prompt, read its acceptance, stop it. vLLM gets `prompt_ids` (the
     in-process eval's token ids, so both decode the same tokens) and its counters are read per prompt."""
@@ -230,7 +236,7 @@ class EngineSettings:
 
 
 def run_engines(engine: str, profile: Profile, target: Path, checkpoint: Path, block_size: int,
-                prompts: Sequence[Any], settings: EngineSettings, log_dir: Path,
+                prompts: Sequence[PromptRecord], settings: EngineSettings, log_dir: Path,
                 launch: Optional[Sequence[str]] = None,
                 prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict[str, EngineRun]:
     """Every method in turn, each on a fresh engine (its lifetime figures are that run's)."""
@@ -244,22 +250,23 @@ def run_engines(engine: str, profile: Profile, target: Path, checkpoint: Path, b
 
 
 def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, temperature: float,
-                  context: dict[str, Any]) -> dict[str, Any]:
-    """The report in the in-process report's layout; tau is what the engine reported."""
+                  context: ReportContext) -> EvalReport:
+    """The report of the served methods; tau is what the engine reported."""
+    from dflash.eval.records import EvalReport, MethodFigures
+
     target = runs["target"]
     target_rate = target.completion_tokens / target.wall_s if target.wall_s > 0 else 0.0
     methods = {}
     for name, run in runs.items():
         rate = run.completion_tokens / run.wall_s if run.wall_s > 0 else 0.0
-        methods[name] = {
-            "mean_tau": run.engine_tau if name != "target" else 1.0, "tau_source": f"{engine} (engine-reported)",
-            "new_tokens": run.completion_tokens, "wall_s": run.wall_s, "tokens_per_s": rate,
-            "speedup": rate / target_rate if target_rate else None,
-            "identical_to_target": _same_output(run, target) if temperature <= 0 and name != "target" else None,
-            "position_acceptance": run.position_acceptance, "argv": run.argv,
-        }
-    return {**context, "engine": engine, "block_size": block_size, "temperature": temperature,
-            "num_prompts": len(target.texts), "methods": methods}
+        methods[name] = MethodFigures(
+            mean_tau=run.engine_tau if name != "target" else 1.0, tau_source=f"{engine} (engine-reported)",
+            new_tokens=run.completion_tokens, wall_s=run.wall_s, tokens_per_s=rate,
+            speedup=rate / target_rate if target_rate else None,
+            identical_to_target=_same_output(run, target) if temperature <= 0 and name != "target" else None,
+            position_acceptance=run.position_acceptance, argv=run.argv)
+    return EvalReport(block_size=block_size, temperature=temperature, num_prompts=len(target.texts), methods=methods,
+                      context=context, engine=engine)
 
 
 def _same_output(run: EngineRun, target: EngineRun) -> bool:
@@ -268,35 +275,37 @@ def _same_output(run: EngineRun, target: EngineRun) -> bool:
     return run.texts == target.texts
 
 
-def render_engine_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Engine eval ({report['engine']}): {report.get('profile', '')}", "",
-             f"Target `{report.get('target', '')}`, drafter `{report.get('checkpoint', '')}`, block size "
-             f"{report['block_size']}, temperature {report['temperature']}, {report['num_prompts']} prompts; "
+def render_engine_markdown(report: EvalReport) -> str:
+    context = report.context
+    lines = [f"# Engine eval ({report.engine}): {context.profile or ''}", "",
+             f"Target `{context.target or ''}`, drafter `{context.checkpoint or ''}`, block size "
+             f"{report.block_size}, temperature {report.temperature}, {report.num_prompts} prompts; "
              "tau as the engine reports it.", "",
              "| method | engine tau | new tokens | tokens/s | speedup | same text as target |", "|---|---|---|---|---|---|"]
-    for name, m in report["methods"].items():
-        tau = "-" if m["mean_tau"] is None else f"{m['mean_tau']:.2f}"
-        same = "-" if m["identical_to_target"] is None else ("yes" if m["identical_to_target"] else "NO")
-        speedup = "-" if m["speedup"] is None else f"{m['speedup']:.2f}"
-        lines.append(f"| {name} | {tau} | {m['new_tokens']} | {m['tokens_per_s']:.1f} | {speedup} | {same} |")
-    if "parity" in report:
+    for name, m in report.methods.items():
+        tau = "-" if m.mean_tau is None else f"{m.mean_tau:.2f}"
+        same = "-" if m.identical_to_target is None else ("yes" if m.identical_to_target else "NO")
+        speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
+        lines.append(f"| {name} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
+    if report.parity:
         from dflash.eval.parity import POSITION_TOLERANCE, TAU_TOLERANCE, parity_lines
 
         lines += ["", f"## Served vs in-process (the same token-id prompts; tolerance: tau {TAU_TOLERANCE}, "
-                      f"acceptance per position {POSITION_TOLERANCE}, gated: dflash)", "", *parity_lines(report["parity"])]
+                      f"acceptance per position {POSITION_TOLERANCE}, gated: dflash)", "", *parity_lines(report.parity)]
     return "\n".join(lines) + "\n"
 
 
-def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, options: Any, engine: str,
-                         launch: Optional[Sequence[str]] = None) -> Any:
+def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions, engine: str,
+                         launch: Optional[Sequence[str]] = None) -> EvalSummary:
     """The `eval --engine` flow: the three methods on the engine -> `eval/engine-<engine>.{json,md}`.
     vLLM: the drafter is exported for it first, and the parity gate (dflash/eval/parity.py) compares
     its figures with the in-process decoding of the same token ids; ParityFailed after the files are written."""
     from dflash.drafter.checkpoint import read_drafter_config
     from dflash.eval.options import EvalSummary, eval_prompts_path, prompt_set_label
+    from dflash.eval.records import ReportContext
     from dflash.generate.prompts import load_prompts
     from dflash.models import resolve_model_path
-    from launcher_core.fileio import write_json_atomic, write_text_atomic
+    from launcher_core.fileio import write_text_atomic
 
     if launch is None:
         check_engine_installed(engine, profile)
@@ -307,24 +316,24 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     prompts = load_prompts(prompts_path)[:count]
     settings = engine_settings(profile, options)
     eval_dir = run_dir / "eval"
-    context = {"profile": profile.name, "target": str(target), "checkpoint": str(checkpoint),
-               "prompts_file": str(prompts_path), "prompt_set": prompt_set_label(prompts_path),
-               "max_new_tokens": settings.max_new_tokens, "seed": settings.seed}
+    context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
+                            prompts_file=str(prompts_path), prompt_set=prompt_set_label(prompts_path),
+                            max_new_tokens=settings.max_new_tokens, seed=settings.seed)
     if engine == "vllm":
         report = _vllm_with_parity(profile, target, checkpoint, prompts_path, count, settings, eval_dir, context)
     else:
         runs = run_engines(engine, profile, target, checkpoint, block_size, prompts, settings, eval_dir / "logs", launch)
         report = engine_report(engine, runs, block_size=block_size, temperature=settings.temperature, context=context)
-    files = [write_json_atomic(eval_dir / f"engine-{engine}.json", report),
+    files = [report.write_json(eval_dir / f"engine-{engine}.json"),
              write_text_atomic(eval_dir / f"engine-{engine}.md", render_engine_markdown(report))]
-    if "parity" in report:
+    if report.parity:
         from dflash.eval.parity import check_parity
 
-        check_parity(report["parity"], str(files[0]))
+        check_parity(report.parity, str(files[0]))
     return EvalSummary(report=report, files=files)
 
 
-def engine_settings(profile: Profile, options: Any) -> EngineSettings:
+def engine_settings(profile: Profile, options: EvalOptions) -> EngineSettings:
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
     return EngineSettings(max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
                           temperature=temperature, seed=profile.eval.seed if options.seed is None else options.seed,
@@ -340,28 +349,38 @@ def export_for_vllm(checkpoint: Path, target: Path, eval_dir: Path) -> Path:
 
 
 def _vllm_with_parity(profile: Profile, target: Path, checkpoint: Path, prompts_path: Path, count: int,
-                      settings: EngineSettings, eval_dir: Path, context: dict[str, Any]) -> dict[str, Any]:
+                      settings: EngineSettings, eval_dir: Path, context: ReportContext) -> EvalReport:
     """In-process decoding of the prompts first (it gives the token ids), then vLLM on the same ids."""
+    from dataclasses import replace
+
     from dflash.eval.parity import method_parity
 
     inprocess = inprocess_decode(profile, checkpoint, prompts_path, count, settings)
     served_drafter = export_for_vllm(checkpoint, target, eval_dir)
-    block_size = inprocess["report"]["block_size"]
+    block_size = inprocess.report.block_size
     runs = run_engines("vllm", profile, target, served_drafter, block_size, [], settings, eval_dir / "logs",
-                       prompt_ids=inprocess["prompt_ids"])
+                       prompt_ids=inprocess.prompt_ids)
     report = engine_report("vllm", runs, block_size=block_size, temperature=settings.temperature,
-                           context={**context, "served_drafter": str(served_drafter)})
-    ids = inprocess["prompt_names"]
-    report["parity"] = {name: method_parity(name, report["methods"][name], inprocess["report"]["methods"][name], ids,
-                                            [p.token_ids for p in runs[name].prompts], inprocess["tokens"][name])
-                        for name in METHODS}
-    report["inprocess"] = {k: v for k, v in inprocess["report"].items() if k != "prompts"}
-    return report
+                           context=replace(context, served_drafter=str(served_drafter)))
+    parity = {name: method_parity(name, report.methods[name], inprocess.report.methods[name], inprocess.prompt_names,
+                                  [p.token_ids for p in runs[name].prompts], inprocess.tokens[name])
+              for name in METHODS}
+    return replace(report, parity=parity, inprocess=inprocess.report.without_prompts())
+
+
+@dataclass(frozen=True)
+class InProcessDecode:
+    """The in-process eval of the engine's prompts: its report, each method's tokens per prompt, the prompts."""
+
+    report: EvalReport
+    tokens: dict[str, list[list[int]]]      # method -> new tokens of each prompt
+    prompt_ids: list[list[int]]             # each prompt's token ids (what the engine is sent)
+    prompt_names: list[str]
 
 
 def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
-                     settings: EngineSettings) -> dict[str, Any]:
-    """The in-process eval of these prompts: its report, each method's tokens per prompt, the prompt ids."""
+                     settings: EngineSettings) -> InProcessDecode:
+    """The in-process eval of these prompts, decoded as `eval` does."""
     from dflash.eval.dflash_drafter import load_dflash_draft
     from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
     from dflash.eval.prompt_lookup import PromptLookupDrafter
@@ -376,7 +395,6 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
     with cpu_threads(model, profile.eval.cpu_threads):
         results = decode_prompts(model, [draft, lookup], prompts, decode, settings.seed, draft.layer_ids)
-    report = build_report(results, block_size=draft.block_size, temperature=settings.temperature, context={})
+    report = build_report(results, block_size=draft.block_size, temperature=settings.temperature)
     tokens = {name: [entry.runs[name].tokens for entry in results] for name in METHODS}
-    return {"report": report, "tokens": tokens, "prompt_ids": [p.token_ids for p in prompts],
-            "prompt_names": [p.prompt_id for p in prompts]}
+    return InProcessDecode(report, tokens, [p.token_ids for p in prompts], [p.prompt_id for p in prompts])

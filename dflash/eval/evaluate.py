@@ -3,13 +3,21 @@ prompt lookup (same block size), and write the report, the plots and the manifes
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, eval_prompts_path, prompt_set_label, set_brief
+from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, eval_prompts_path, prompt_set_label
+from dflash.eval.records import TARGET, EvalReport, ReportContext, SetBrief
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from dflash.eval.dflash_drafter import DFlashDraft
+    from dflash.eval.report import PromptRuns
+    from dflash.eval.specdec import DecodeSettings, Drafter, TargetVerifier
 
 
 @dataclass
@@ -33,42 +41,43 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
     return latest
 
 
-def encode_prompts(tokenizer: Any, path: Path, count: int, thinking: bool) -> list[EncodedPrompt]:
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, path: Path, count: int, thinking: bool) -> list[EncodedPrompt]:
     """The first `count` prompts, rendered with the chat template and a generation prompt."""
     from dflash.generate.prompts import load_prompts
 
     encoded = []
     for record in load_prompts(path)[:count]:
-        text = tokenizer.apply_chat_template(list(record.messages), tools=list(record.tools) or None,
+        text = tokenizer.apply_chat_template(list(record.messages), tools=list(record.tools) or None,  # type: ignore[arg-type]  # transformers annotates str-only messages; tool calls render too
                                              add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
-        encoded.append(EncodedPrompt(record.id, tokenizer(text, add_special_tokens=False)["input_ids"]))
+        encoded.append(EncodedPrompt(record.id, list(tokenizer(str(text), add_special_tokens=False)["input_ids"])))
     return encoded
 
 
-def stop_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id}
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
+    ids: set[Optional[int]] = {tokenizer.eos_token_id}
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def load_target(profile: Profile) -> tuple[Any, Any, Path]:
+def load_target(profile: Profile) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]:
     """The target (straight onto the GPU on a CUDA profile), its tokenizer and its directory."""
+    from typing import cast
+
     import torch
-    from transformers import AutoTokenizer
 
     from dflash.models import load_target as load_model
     from dflash.models import resolve_model_path
+    from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
 
     path = resolve_model_path(profile.model.target)
-    tokenizer_path = resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else path
     device = "cuda" if profile.machine.device == "cuda" and torch.cuda.is_available() else "cpu"
-    model = load_model(path, device=device, dtype=profile.model.dtype)
-    return model, AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True), path
+    model = cast("PreTrainedModel", load_model(path, device=device, dtype=profile.model.dtype))
+    return model, load_tokenizer(tokenizer_dir_for(profile)), path
 
 
 @contextlib.contextmanager
-def cpu_threads(model: Any, threads: int) -> Iterator[None]:
+def cpu_threads(model: PreTrainedModel, threads: int) -> Iterator[None]:
     """Decoding on CPU: a fixed thread count for every method (0 keeps torch's default); restored after."""
     import torch
 
@@ -81,8 +90,8 @@ def cpu_threads(model: Any, threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def decode_prompts(model: Any, drafters: Sequence[Any], prompts: Sequence[EncodedPrompt], settings: Any,
-                   seed: int, layer_ids: Sequence[int]) -> list[Any]:
+def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts: Sequence[EncodedPrompt],
+                   settings: DecodeSettings, seed: int, layer_ids: Sequence[int]) -> list[PromptRuns]:
     """Every prompt with target-only decoding and each drafter, in turn (same machine state)."""
     import torch
     from tqdm import tqdm
@@ -91,25 +100,23 @@ def decode_prompts(model: Any, drafters: Sequence[Any], prompts: Sequence[Encode
     from dflash.eval.specdec import NoDrafter, TargetVerifier, speculative_decode
 
     verifier = TargetVerifier(model, layer_ids)
-    methods = [NoDrafter(), *drafters]
+    methods: list[Drafter] = [NoDrafter(), *drafters]
     _warm_up(verifier, methods, prompts[0].token_ids, settings)
     results = []
     for prompt in tqdm(prompts, desc="eval", unit="prompt"):
         entry = PromptRuns(prompt.prompt_id, len(prompt.token_ids))
         for method in methods:
             generator = torch.Generator().manual_seed(seed)
-            if hasattr(method, "generator"):
-                method.generator = torch.Generator().manual_seed(seed + 1)
+            if hasattr(method, "generator"):       # a sampling drafter (DFlashDraft) gets its own seeded stream
+                setattr(method, "generator", torch.Generator().manual_seed(seed + 1))
             run = speculative_decode(verifier, method, prompt.token_ids, settings, generator=generator)
             entry.runs[method.name] = MethodRun(run.tokens, run.taus, run.wall_s)
         results.append(entry)
     return results
 
 
-def _warm_up(verifier: Any, methods: Sequence[Any], prompt_ids: list[int], settings: Any) -> None:
+def _warm_up(verifier: TargetVerifier, methods: Sequence[Drafter], prompt_ids: list[int], settings: DecodeSettings) -> None:
     """One short decode per method first, so one-off costs do not land in the first timing."""
-    from dataclasses import replace
-
     from dflash.eval.specdec import speculative_decode
 
     short = replace(settings, max_new_tokens=min(8, settings.max_new_tokens))
@@ -132,7 +139,8 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,
                               max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
                               eos_ids=stop_token_ids(tokenizer, model))
-    context = {"profile": profile.name, "target": str(target_path), "checkpoint": str(checkpoint), "seed": seed}
+    context = ReportContext(profile=profile.name, target=str(target_path), checkpoint=str(checkpoint), seed=seed,
+                            max_new_tokens=settings.max_new_tokens)
     decode = _SetDecoder(profile, model, tokenizer, draft, settings, options.num_prompts or profile.eval.num_prompts, context)
     eval_dir = run_dir / "eval"
     extra_files: list[Path] = []
@@ -140,10 +148,8 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     for path in also_paths:
         extra = decode(path)
         extra_files += _write_set(extra, eval_dir / path.stem, None)
-        also_sets.append(set_brief(extra, eval_dir / path.stem / "report.json"))
-    report = decode(main_path)
-    if also_sets:
-        report["also_sets"] = also_sets
+        also_sets.append(SetBrief.of(extra, eval_dir / path.stem / "report.json"))
+    report = replace(decode(main_path), also_sets=also_sets)
     files = [*_write_set(report, eval_dir, run_dir / "train" / "metrics.jsonl"), *extra_files]
     return EvalSummary(report=report, files=files)
 
@@ -152,14 +158,14 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
 class _SetDecoder:
     """Decodes one prompt set with the target alone, the drafter and prompt lookup -> its report."""
     profile: Profile
-    model: Any
-    tokenizer: Any
-    draft: Any
-    settings: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    draft: DFlashDraft
+    settings: DecodeSettings
     num_prompts: int
-    context: dict[str, Any]
+    context: ReportContext
 
-    def __call__(self, prompts_path: Path) -> dict[str, Any]:
+    def __call__(self, prompts_path: Path) -> EvalReport:
         from dflash.eval.prompt_lookup import PromptLookupDrafter
         from dflash.eval.report import build_report
 
@@ -168,43 +174,44 @@ class _SetDecoder:
         with cpu_threads(self.model, self.profile.eval.cpu_threads):
             threads = _torch_threads()
             results = decode_prompts(self.model, [self.draft, lookup], prompts, self.settings,
-                                     self.context["seed"], self.draft.layer_ids)
-        context = {**self.context, "torch_threads": threads, "prompts_file": str(prompts_path),
-                   "prompt_set": prompt_set_label(prompts_path), "max_new_tokens": self.settings.max_new_tokens}
+                                     self.context.seed or 0, self.draft.layer_ids)
+        context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
+                          prompt_set=prompt_set_label(prompts_path))
         return build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
                             context=context)
 
 
-def _write_set(report: dict[str, Any], directory: Path, metrics_path: Optional[Path]) -> list[Path]:
+def _write_set(report: EvalReport, directory: Path, metrics_path: Optional[Path]) -> list[Path]:
     from dflash.eval.plots import write_plots
     from dflash.eval.report import write_report
 
     return [*write_report(report, directory), *write_plots(report, directory, metrics_path)]
 
 
-def manifest_figures(report: dict[str, Any]) -> dict[str, Any]:
+def manifest_figures(report: EvalReport) -> dict[str, object]:
     """What `status` shows for eval: tau and speedup of each drafting method (prefixed by the engine
     for an engine eval: `sglang_dflash_tau`)."""
-    prefix = f"{report['engine']}_" if report.get("engine") else ""
-    figures: dict[str, Any] = {"prompts": report["num_prompts"], "block_size": report["block_size"]}
-    if report.get("prompt_set"):
-        figures[f"{prefix}prompt_set"] = report["prompt_set"]
-    for name, method in report["methods"].items():
-        if name == "target":
-            figures[f"{prefix}target_tokens_per_s"] = round(method["tokens_per_s"], 2)
-            continue
-        tau = method["mean_tau"]
-        figures[f"{prefix}{name}_tau"] = round(tau, 3) if tau is not None else None
-        figures[f"{prefix}{name}_speedup"] = round(method["speedup"], 3) if method["speedup"] else None
-        if method["identical_to_target"] is not None:
-            figures[f"{prefix}{name}_lossless"] = method["identical_to_target"]
-    for extra in report.get("also_sets", []):
-        stem = Path(extra["prompts_file"]).stem
-        figures[f"{stem}_prompt_set"] = extra["prompt_set"]
-        for name, method in extra["methods"].items():
-            if name != "target" and method["mean_tau"] is not None:
-                figures[f"{stem}_{name}_tau"] = round(method["mean_tau"], 3)
+    prefix = f"{report.engine}_" if report.engine else ""
+    figures: dict[str, object] = {"prompts": report.num_prompts, "block_size": report.block_size}
+    if report.context.prompt_set:
+        figures[f"{prefix}prompt_set"] = report.context.prompt_set
+    figures[f"{prefix}target_tokens_per_s"] = round(report.methods[TARGET].tokens_per_s, 2)
+    for name, method in report.drafted().items():
+        figures[f"{prefix}{name}_tau"] = _rounded(method.mean_tau, 3)
+        figures[f"{prefix}{name}_speedup"] = _rounded(method.speedup or None, 3)
+        if method.identical_to_target is not None:
+            figures[f"{prefix}{name}_lossless"] = method.identical_to_target
+    for extra in report.also_sets:
+        stem = Path(extra.prompts_file or extra.report).stem
+        figures[f"{stem}_prompt_set"] = extra.prompt_set
+        for name, brief in extra.methods.items():
+            if name != TARGET and brief.mean_tau is not None:
+                figures[f"{stem}_{name}_tau"] = round(brief.mean_tau, 3)
     return figures
+
+
+def _rounded(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
 
 
 def _torch_threads() -> int:

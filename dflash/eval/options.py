@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from launcher_core.errors import InputError
 from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.eval.records import EvalReport, MethodFigures
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 # Written by hand apart from the training prompts: no template or generator shared with them.
@@ -33,20 +36,8 @@ class EvalOptions:
 
 @dataclass
 class EvalSummary:
-    report: dict[str, Any]
+    report: EvalReport
     files: list[Path] = field(default_factory=list)
-
-    def figure(self, method: str, key: str) -> Any:
-        return self.report["methods"].get(method, {}).get(key)
-
-
-def set_brief(report: dict[str, Any], report_path: Path) -> dict[str, Any]:
-    """An extra prompt set's figures, as the main report lists them under `also_sets`."""
-    keep = ("mean_tau", "speedup", "tokens_per_s", "identical_to_target")
-    return {"prompt_set": report.get("prompt_set"), "prompts_file": report.get("prompts_file"),
-            "num_prompts": report["num_prompts"], "report": str(report_path),
-            "methods": {name: {key: method.get(key) for key in keep} for name, method in report["methods"].items()}}
-
 
 
 def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
@@ -57,10 +48,10 @@ def eval_prompts_path(profile: Profile, override: Optional[str]) -> Path:
     return DEFAULT_EVAL_PROMPTS
 
 
-def drafted_figures(methods: dict[str, Any]) -> str:
+def drafted_figures(methods: dict[str, MethodFigures]) -> str:
     """`dflash tau 1.37 speedup 0.56x; prompt_lookup tau ...`: the drafting methods of one prompt set."""
-    return "; ".join(f"{name} tau {m['mean_tau']:.2f} speedup {m['speedup'] or 0:.2f}x"
-                     for name, m in methods.items() if name != "target" and m["mean_tau"] is not None)
+    return "; ".join(f"{name} tau {m.mean_tau:.2f} speedup {m.speedup or 0:.2f}x"
+                     for name, m in methods.items() if name != "target" and m.mean_tau is not None)
 
 
 def also_prompt_paths(profile: Profile, override: Optional[str]) -> list[Path]:

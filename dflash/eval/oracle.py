@@ -6,9 +6,12 @@ the eval tests and the GPU eval test (tests/gpu/test_eval_gpu.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from dflash.eval.specdec import Proposal
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -27,7 +30,7 @@ class OracleDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, committed: Sequence[int], features: Any, k: int, temperature: float) -> Proposal:
+    def propose(self, committed: Sequence[int], features: Optional[torch.Tensor], k: int, temperature: float) -> Proposal:
         done = len(committed) - self.prompt_len
         tokens = list(self.reference[done:done + k])
         for slot in range(len(tokens)):

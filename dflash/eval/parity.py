@@ -12,9 +12,10 @@ Prompt lookup is shown, not gated: vLLM's n-gram proposer and ours pick matches 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
+from dflash.eval.records import TARGET, MethodFigures, ParityRow
 from launcher_core.errors import ParityFailed
 
 TAU_TOLERANCE = 0.10          # |served - in-process| mean tau of the DFlash drafter
@@ -49,70 +50,68 @@ def first_divergence(ids: Sequence[str], served: Sequence[Sequence[int]],
     return None
 
 
-def method_parity(name: str, served: Any, inprocess: dict[str, Any], ids: Sequence[str],
-                  served_tokens: Sequence[Sequence[int]], inprocess_tokens: Sequence[Sequence[int]]) -> dict[str, Any]:
+def method_parity(name: str, served: MethodFigures, inprocess: MethodFigures, ids: Sequence[str],
+                  served_tokens: Sequence[Sequence[int]], inprocess_tokens: Sequence[Sequence[int]]) -> ParityRow:
     """One method's row: both taus, both per-position acceptances, both losslessness flags, the divergence."""
-    served_tau = 1.0 if name == "target" else served["mean_tau"]
+    target = name == TARGET
     divergence = first_divergence(ids, served_tokens, inprocess_tokens)
-    row = {"served_tau": served_tau, "inprocess_tau": inprocess["mean_tau"] if name != "target" else 1.0,
-           "served_position_acceptance": served.get("position_acceptance"),
-           "inprocess_position_acceptance": inprocess.get("position_acceptance") if name != "target" else None,
-           "served_identical_to_target": served.get("identical_to_target"),
-           "inprocess_identical_to_target": inprocess.get("identical_to_target"),
-           "same_tokens_as_inprocess": divergence is None,
-           "first_divergence": divergence.describe() if divergence else None, "gated": name in GATED_METHODS}
-    row["within_tolerance"] = _within(row) if row["gated"] else None
-    return row
+    row = ParityRow(served_tau=1.0 if target else served.mean_tau, inprocess_tau=1.0 if target else inprocess.mean_tau,
+                    served_position_acceptance=served.position_acceptance,
+                    inprocess_position_acceptance=None if target else inprocess.position_acceptance,
+                    served_identical_to_target=served.identical_to_target,
+                    inprocess_identical_to_target=inprocess.identical_to_target,
+                    same_tokens_as_inprocess=divergence is None,
+                    first_divergence=divergence.describe() if divergence else None, gated=name in GATED_METHODS)
+    return replace(row, within_tolerance=_within(row)) if row.gated else row
 
 
-def _within(row: dict[str, Any]) -> bool:
-    if row["served_tau"] is None or abs(row["served_tau"] - row["inprocess_tau"]) > TAU_TOLERANCE:
+def _within(row: ParityRow) -> bool:
+    if row.served_tau is None or row.inprocess_tau is None or abs(row.served_tau - row.inprocess_tau) > TAU_TOLERANCE:
         return False
-    served, ours = row["served_position_acceptance"] or [], row["inprocess_position_acceptance"] or []
+    served, ours = row.served_position_acceptance or [], row.inprocess_position_acceptance or []
     return len(served) == len(ours) and all(abs(a - b) <= POSITION_TOLERANCE for a, b in zip(served, ours))
 
 
-def check_parity(parity: dict[str, dict[str, Any]], report_path: str) -> None:
+def check_parity(parity: dict[str, ParityRow], report_path: str) -> None:
     """ParityFailed naming the method, both taus and the first divergence, if a gated method is off."""
     for name, row in parity.items():
-        if row["within_tolerance"] is False:
-            where = row["first_divergence"] or "no token differs (the acceptance counts do)"
+        if row.within_tolerance is False:
+            where = row.first_divergence or "no token differs (the acceptance counts do)"
             raise ParityFailed(
-                f"eval --engine: {name} served tau {_fmt(row['served_tau'])} vs in-process {_fmt(row['inprocess_tau'])}, "
-                f"per position {_fmt_list(row['served_position_acceptance'])} vs "
-                f"{_fmt_list(row['inprocess_position_acceptance'])}: beyond the tolerance (tau {TAU_TOLERANCE}, "
+                f"eval --engine: {name} served tau {_fmt(row.served_tau)} vs in-process {_fmt(row.inprocess_tau)}, "
+                f"per position {_fmt_list(row.served_position_acceptance)} vs "
+                f"{_fmt_list(row.inprocess_position_acceptance)}: beyond the tolerance (tau {TAU_TOLERANCE}, "
                 f"per position {POSITION_TOLERANCE}); first divergence: {where}. Report: {report_path}\n"
                 + "\n".join(parity_summary(parity)))
 
 
-def parity_summary(parity: dict[str, dict[str, Any]]) -> list[str]:
+def parity_summary(parity: dict[str, ParityRow]) -> list[str]:
     """Served vs in-process, one line per method (the gate: dflash within the tolerance)."""
     lines = [f"served vs in-process, same token ids (gate: dflash tau within {TAU_TOLERANCE}, "
              f"acceptance per position within {POSITION_TOLERANCE}):"]
     for name, row in parity.items():
-        tau = f"tau {row['served_tau']:.3f} vs {row['inprocess_tau']:.3f}" if row["served_tau"] is not None else "tau -"
-        positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(row["served_position_acceptance"] or [],
-                                                                  row["inprocess_position_acceptance"] or []))
-        lossless = {True: "yes", False: "NO", None: "-"}
-        gate = {True: "  within tolerance", False: "  BEYOND TOLERANCE", None: ""}[row["within_tolerance"]]
+        tau = f"tau {_fmt(row.served_tau)} vs {_fmt(row.inprocess_tau)}" if row.served_tau is not None else "tau -"
+        positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(row.served_position_acceptance or [],
+                                                                  row.inprocess_position_acceptance or []))
+        gate = {True: "  within tolerance", False: "  BEYOND TOLERANCE", None: ""}[row.within_tolerance]
+        diverged = "" if row.same_tokens_as_inprocess else f" (first divergence: {row.first_divergence})"
         lines.append(f"  {name:<14} {tau}  per position {positions or '-'}  lossless "
-                     f"{lossless[row['served_identical_to_target']]}/{lossless[row['inprocess_identical_to_target']]}  "
-                     f"same tokens {lossless[row['same_tokens_as_inprocess']]}"
-                     f"{'' if row['same_tokens_as_inprocess'] else ' (first divergence: ' + str(row['first_divergence']) + ')'}{gate}")
+                     f"{_yes(row.served_identical_to_target)}/{_yes(row.inprocess_identical_to_target)}  "
+                     f"same tokens {_yes(row.same_tokens_as_inprocess)}{diverged}{gate}")
     return lines
 
 
-def parity_lines(parity: dict[str, dict[str, Any]]) -> list[str]:
+def parity_lines(parity: dict[str, ParityRow]) -> list[str]:
     """The side-by-side table for the terminal and the markdown report."""
     lines = ["| method | served tau | in-process tau | served acceptance per position | in-process | "
              "lossless served / in-process | same tokens | first divergence | within tolerance |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, row in parity.items():
-        lossless = f"{_yes(row['served_identical_to_target'])} / {_yes(row['inprocess_identical_to_target'])}"
-        within = "-" if row["within_tolerance"] is None else _yes(row["within_tolerance"])
-        lines.append(f"| {name} | {_fmt(row['served_tau'])} | {_fmt(row['inprocess_tau'])} | "
-                     f"{_fmt_list(row['served_position_acceptance'])} | {_fmt_list(row['inprocess_position_acceptance'])} | "
-                     f"{lossless} | {_yes(row['same_tokens_as_inprocess'])} | {row['first_divergence'] or '-'} | {within} |")
+        lossless = f"{_yes(row.served_identical_to_target)} / {_yes(row.inprocess_identical_to_target)}"
+        lines.append(f"| {name} | {_fmt(row.served_tau)} | {_fmt(row.inprocess_tau)} | "
+                     f"{_fmt_list(row.served_position_acceptance)} | {_fmt_list(row.inprocess_position_acceptance)} | "
+                     f"{lossless} | {_yes(row.same_tokens_as_inprocess)} | {row.first_divergence or '-'} | "
+                     f"{_yes(row.within_tolerance)} |")
     return lines
 
 

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from launcher_core.errors import InputError
 
-TARGET = "target"
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from dflash.eval.records import EvalReport
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +28,7 @@ def _pyplot():
     return plt
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: str | Path) -> list[dict[str, object]]:
     """metrics.jsonl lines that carry a step; a torn last line (crash mid-write) is skipped."""
     rows = []
     lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -42,7 +46,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _save(figure: Any, path: Path) -> Path:
+def _save(figure: Figure, path: Path) -> Path:
     import io
 
     from launcher_core.fileio import write_bytes_atomic
@@ -53,7 +57,7 @@ def _save(figure: Any, path: Path) -> Path:
     return write_bytes_atomic(path, buffer.getvalue())
 
 
-def plot_training(metrics: list[dict[str, Any]], path: str | Path) -> Path:
+def plot_training(metrics: list[dict[str, object]], path: str | Path) -> Path:
     plt = _pyplot()
     figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = [row["step"] for row in metrics]
@@ -66,30 +70,30 @@ def plot_training(metrics: list[dict[str, Any]], path: str | Path) -> Path:
     return _save(figure, Path(path))
 
 
-def plot_tau_histogram(report: dict[str, Any], path: str | Path) -> Path:
+def plot_tau_histogram(report: EvalReport, path: str | Path) -> Path:
     plt = _pyplot()
-    block = report["block_size"]
-    drafted = [name for name in report["methods"] if name != TARGET]
+    block = report.block_size
+    drafted = report.drafted()
     figure, axis = plt.subplots(figsize=(6.5, 3.6))
     width = 0.8 / max(1, len(drafted))
-    for i, name in enumerate(drafted):
-        method = report["methods"][name]
-        counts = [method["tau_histogram"][str(t)] for t in range(1, block + 1)]
+    for i, (name, method) in enumerate(drafted.items()):
+        histogram = method.tau_histogram or {}
+        counts = [histogram.get(str(t), 0) for t in range(1, block + 1)]
         total = max(1, sum(counts))
         axis.bar([t + (i - (len(drafted) - 1) / 2) * width for t in range(1, block + 1)],
-                 [c / total for c in counts], width=width, label=f"{name} (mean {method['mean_tau']:.2f})")
+                 [c / total for c in counts], width=width, label=f"{name} (mean {method.mean_tau or 0:.2f})")
     axis.set(title="acceptance length per step", xlabel="tau", ylabel="share of steps", xticks=range(1, block + 1))
     axis.legend()
     return _save(figure, Path(path))
 
 
-def plot_position_acceptance(report: dict[str, Any], path: str | Path) -> Path:
+def plot_position_acceptance(report: EvalReport, path: str | Path) -> Path:
     plt = _pyplot()
-    block = report["block_size"]
+    block = report.block_size
     figure, axis = plt.subplots(figsize=(6.5, 3.6))
-    for name, method in report["methods"].items():
-        if name != TARGET:
-            axis.plot(range(1, block), method["position_acceptance"], marker="o", label=name)
+    for name, method in report.drafted().items():
+        if method.position_acceptance is not None:
+            axis.plot(range(1, block), method.position_acceptance, marker="o", label=name)
     axis.set(title="acceptance per block position", xlabel="block position", ylabel="accepted share",
              ylim=(0, 1.02), xticks=range(1, block))
     axis.grid(alpha=0.3)
@@ -97,7 +101,7 @@ def plot_position_acceptance(report: dict[str, Any], path: str | Path) -> Path:
     return _save(figure, Path(path))
 
 
-def write_plots(report: dict[str, Any], eval_dir: str | Path, metrics_path: str | Path | None) -> list[Path]:
+def write_plots(report: EvalReport, eval_dir: str | Path, metrics_path: str | Path | None) -> list[Path]:
     """All plots into `eval_dir`; the training plot only when metrics exist."""
     eval_dir = Path(eval_dir)
     written = [plot_tau_histogram(report, eval_dir / "tau_histogram.png"),

@@ -7,9 +7,12 @@ that occurrence are the draft. No match: no draft (the step then commits the tar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from dflash.eval.specdec import Proposal
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -22,7 +25,7 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, committed: Sequence[int], features: Optional[object], k: int,
+    def propose(self, committed: Sequence[int], features: Optional[torch.Tensor], k: int,
                 temperature: float) -> Proposal:
         return Proposal(tokens=lookup_continuation(committed, k, self.max_ngram, self.min_ngram))
 

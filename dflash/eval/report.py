@@ -12,10 +12,11 @@ Definitions (all methods decode the same prompts with the same block size B):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional, Sequence
 
-TARGET = "target"
+from dflash.eval.records import TARGET, EvalReport, MethodFigures, PromptFigures, ReportContext
 
 
 @dataclass
@@ -48,23 +49,21 @@ def position_acceptance(taus: Sequence[int], block_size: int) -> list[float]:
     return [sum(tau > k for tau in taus) / len(taus) for k in range(1, block_size)]
 
 
+def _rate(tokens: int, wall_s: float) -> float:
+    return tokens / wall_s if wall_s > 0 else 0.0
+
+
 def method_summary(runs: Sequence[MethodRun], block_size: int, target_tokens_per_s: Optional[float],
-                   identical: Optional[bool]) -> dict[str, Any]:
+                   identical: Optional[bool]) -> MethodFigures:
     taus = [tau for run in runs for tau in run.taus]
     tokens = sum(len(run.tokens) for run in runs)
     wall_s = sum(run.wall_s for run in runs)
-    tokens_per_s = tokens / wall_s if wall_s > 0 else 0.0
-    return {
-        "mean_tau": sum(taus) / len(taus) if taus else 0.0,
-        "steps": len(taus),
-        "new_tokens": tokens,
-        "wall_s": wall_s,
-        "tokens_per_s": tokens_per_s,
-        "speedup": tokens_per_s / target_tokens_per_s if target_tokens_per_s else None,
-        "tau_histogram": tau_histogram(taus, block_size),
-        "position_acceptance": position_acceptance(taus, block_size),
-        "identical_to_target": identical,
-    }
+    tokens_per_s = _rate(tokens, wall_s)
+    return MethodFigures(
+        mean_tau=sum(taus) / len(taus) if taus else 0.0, steps=len(taus), new_tokens=tokens, wall_s=wall_s,
+        tokens_per_s=tokens_per_s, speedup=tokens_per_s / target_tokens_per_s if target_tokens_per_s else None,
+        tau_histogram=tau_histogram(taus, block_size), position_acceptance=position_acceptance(taus, block_size),
+        identical_to_target=identical)
 
 
 def _identical(prompts: Sequence[PromptRuns], method: str, greedy: bool) -> Optional[bool]:
@@ -73,38 +72,36 @@ def _identical(prompts: Sequence[PromptRuns], method: str, greedy: bool) -> Opti
     return all(p.runs[method].tokens == p.runs[TARGET].tokens for p in prompts)
 
 
-def _prompt_entry(prompt: PromptRuns, greedy: bool) -> dict[str, Any]:
+def _prompt_figures(prompt: PromptRuns, greedy: bool) -> PromptFigures:
     target = prompt.runs[TARGET]
-    target_rate = len(target.tokens) / target.wall_s if target.wall_s > 0 else 0.0
+    target_rate = _rate(len(target.tokens), target.wall_s)
     methods = {}
     for name, run in prompt.runs.items():
-        rate = len(run.tokens) / run.wall_s if run.wall_s > 0 else 0.0
-        methods[name] = {
-            "new_tokens": len(run.tokens), "steps": len(run.taus),
-            "mean_tau": sum(run.taus) / len(run.taus) if run.taus else 0.0,
-            "tokens_per_s": rate, "speedup": rate / target_rate if target_rate else None,
-            "identical_to_target": (run.tokens == target.tokens) if greedy and name != TARGET else None,
-        }
-    return {"id": prompt.prompt_id, "prompt_tokens": prompt.prompt_tokens, "methods": methods}
+        rate = _rate(len(run.tokens), run.wall_s)
+        methods[name] = MethodFigures(
+            new_tokens=len(run.tokens), steps=len(run.taus),
+            mean_tau=sum(run.taus) / len(run.taus) if run.taus else 0.0,
+            tokens_per_s=rate, speedup=rate / target_rate if target_rate else None,
+            identical_to_target=(run.tokens == target.tokens) if greedy and name != TARGET else None)
+    return PromptFigures(prompt.prompt_id, prompt.prompt_tokens, methods)
 
 
 def build_report(prompts: Sequence[PromptRuns], *, block_size: int, temperature: float,
-                 context: dict[str, Any]) -> dict[str, Any]:
-    """The report document; `context` (profile, target, checkpoint...) is copied in as is."""
+                 context: ReportContext = ReportContext()) -> EvalReport:
+    """The in-process report of these decoded prompts; `context` says where they come from."""
     assert prompts and all(TARGET in p.runs for p in prompts), "every prompt needs a target-only run"
     greedy = temperature <= 0
-    names = list(prompts[0].runs)
     target = method_summary([p.runs[TARGET] for p in prompts], block_size, None, None)
-    methods = {TARGET: {**target, "speedup": 1.0}}
-    for name in names:
+    methods = {TARGET: replace(target, speedup=1.0)}
+    for name in prompts[0].runs:
         if name != TARGET:
             methods[name] = method_summary([p.runs[name] for p in prompts], block_size,
-                                           target["tokens_per_s"], _identical(prompts, name, greedy))
-    return {**context, "block_size": block_size, "temperature": temperature, "num_prompts": len(prompts),
-            "methods": methods, "prompts": [_prompt_entry(p, greedy) for p in prompts]}
+                                           target.tokens_per_s, _identical(prompts, name, greedy))
+    return EvalReport(block_size=block_size, temperature=temperature, num_prompts=len(prompts), methods=methods,
+                      context=context, prompts=[_prompt_figures(p, greedy) for p in prompts])
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def _fmt(value: object, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -114,49 +111,58 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows]
     return lines
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    methods, block = report["methods"], report["block_size"]
-    lines = [f"# Speculative decoding eval: {report.get('profile', '')}", ""]
-    lines += [f"Target `{report.get('target', '')}`, drafter `{report.get('checkpoint', '')}`, "
-              f"block size {block}, temperature {report['temperature']}, {report['num_prompts']} prompts"
-              f"{': ' + report['prompt_set'] if report.get('prompt_set') else ''}.", ""]
+def render_markdown(report: EvalReport) -> str:
+    methods, block, context = report.methods, report.block_size, report.context
+    drafted = list(report.drafted())
+    lines = [f"# Speculative decoding eval: {context.profile or ''}", ""]
+    lines += [f"Target `{context.target or ''}`, drafter `{context.checkpoint or ''}`, "
+              f"block size {block}, temperature {report.temperature}, {report.num_prompts} prompts"
+              f"{': ' + context.prompt_set if context.prompt_set else ''}.", ""]
     lines += _table(["method", "mean tau", "steps", "new tokens", "tokens/s", "speedup", "identical to target"],
-                    [[name, m["mean_tau"], m["steps"], m["new_tokens"], m["tokens_per_s"], m["speedup"],
-                      m["identical_to_target"]] for name, m in methods.items()])
-    drafted = [name for name in methods if name != TARGET]
-    if report.get("also_sets"):
-        lines += ["", "## Other prompt sets", ""]
-        lines += _table(["prompt set", "prompts"] + [f"{n} tau" for n in drafted] + [f"{n} speedup" for n in drafted] + ["report"],
-                        [[extra["prompt_set"], extra["num_prompts"]]
-                         + [extra["methods"].get(n, {}).get("mean_tau") for n in drafted]
-                         + [extra["methods"].get(n, {}).get("speedup") for n in drafted] + [extra["report"]]
-                         for extra in report["also_sets"]])
+                    [[name, m.mean_tau, m.steps, m.new_tokens, m.tokens_per_s, m.speedup, m.identical_to_target]
+                     for name, m in methods.items()])
+    lines += _also_sets_table(report, drafted)
     lines += ["", "## tau histogram (steps)", ""]
-    lines += _table(["tau"] + drafted, [[t] + [methods[n]["tau_histogram"][str(t)] for n in drafted]
+    lines += _table(["tau"] + drafted, [[t] + [(methods[n].tau_histogram or {}).get(str(t)) for n in drafted]
                                         for t in range(1, block + 1)])
     lines += ["", "## Acceptance per block position", ""]
-    lines += _table(["position"] + drafted, [[k] + [methods[n]["position_acceptance"][k - 1] for n in drafted]
+    lines += _table(["position"] + drafted, [[k] + [_at(methods[n].position_acceptance, k - 1) for n in drafted]
                                              for k in range(1, block)])
-    lines += ["", "## Per prompt", ""]
+    return "\n".join(lines + _per_prompt_table(report, drafted)) + "\n"
+
+
+def _at(values: Optional[Sequence[float]], index: int) -> Optional[float]:
+    return values[index] if values is not None and index < len(values) else None
+
+
+def _also_sets_table(report: EvalReport, drafted: Sequence[str]) -> list[str]:
+    if not report.also_sets:
+        return []
+    header = ["prompt set", "prompts"] + [f"{n} tau" for n in drafted] + [f"{n} speedup" for n in drafted] + ["report"]
+    rows = [[extra.prompt_set, extra.num_prompts]
+            + [extra.methods[n].mean_tau if n in extra.methods else None for n in drafted]
+            + [extra.methods[n].speedup if n in extra.methods else None for n in drafted] + [extra.report]
+            for extra in report.also_sets]
+    return ["", "## Other prompt sets", "", *_table(header, rows)]
+
+
+def _per_prompt_table(report: EvalReport, drafted: Sequence[str]) -> list[str]:
     header = ["prompt", "prompt tokens", "new tokens"] + [f"{n} tau" for n in drafted] + [f"{n} speedup" for n in drafted]
-    rows = [[p["id"], p["prompt_tokens"], p["methods"][TARGET]["new_tokens"]]
-            + [p["methods"][n]["mean_tau"] for n in drafted] + [p["methods"][n]["speedup"] for n in drafted]
-            for p in report["prompts"]]
-    return "\n".join(lines + _table(header, rows)) + "\n"
+    rows = [[p.prompt_id, p.prompt_tokens, p.methods[TARGET].new_tokens]
+            + [p.methods[n].mean_tau for n in drafted] + [p.methods[n].speedup for n in drafted]
+            for p in report.prompts]
+    return ["", "## Per prompt", "", *_table(header, rows)]
 
 
-def write_report(report: dict[str, Any], eval_dir) -> tuple:
+def write_report(report: EvalReport, eval_dir: Path) -> tuple[Path, Path]:
     """`report.json` and `report.md` in `eval_dir`, each written atomically."""
-    from pathlib import Path
+    from launcher_core.fileio import write_text_atomic
 
-    from launcher_core.fileio import write_json_atomic, write_text_atomic
-
-    eval_dir = Path(eval_dir)
-    return (write_json_atomic(eval_dir / "report.json", report),
-            write_text_atomic(eval_dir / "report.md", render_markdown(report)))
+    return (report.write_json(Path(eval_dir) / "report.json"),
+            write_text_atomic(Path(eval_dir) / "report.md", render_markdown(report)))

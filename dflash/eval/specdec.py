@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from dflash.drafter.taps import TapCapture
 
 if TYPE_CHECKING:
     import torch
+    from transformers import Cache, PreTrainedModel
+
+    from dflash.eval.target_cache import LinearSnapshot
 
 
 @dataclass
@@ -63,7 +66,8 @@ class NoDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, committed, features, k, temperature) -> Proposal:
+    def propose(self, committed: Sequence[int], features: Optional[torch.Tensor], k: int,
+                temperature: float) -> Proposal:
         return Proposal(tokens=[])
 
 
@@ -94,7 +98,7 @@ class TargetVerifier:
     Every mode gives the target's exact output; they differ in time (benchmarks/bench_eval_rollback.py).
     """
 
-    def __init__(self, model: Any, layer_ids: Optional[Sequence[int]] = None, rollback: str = "snapshot"):
+    def __init__(self, model: PreTrainedModel, layer_ids: Optional[Sequence[int]] = None, rollback: str = "snapshot"):
         from dflash.compat import check_transformers, linear_state_continues
         from dflash.eval.target_cache import cache_keyword
         from dflash.models import linear_attention_layers
@@ -109,10 +113,10 @@ class TargetVerifier:
         self.hybrid = bool(linear_attention_layers(model.config))
         self.sequential_linear = self.hybrid and not linear_state_continues(version)
         self.cache_keyword = cache_keyword(model)
-        self.cache = None
+        self.cache: Optional[Cache] = None
         self._cached: list[int] = []     # tokens whose state the cache holds
         self._pending: list[int] = []    # committed tokens to feed again before the next tokens
-        self._snapshot: Optional[tuple[int, Any]] = None   # (cached length, linear states) before the last forward
+        self._snapshot: Optional[tuple[int, LinearSnapshot]] = None   # (cached length, linear states) before the last forward
 
     def reset(self) -> None:
         self.cache, self._cached, self._pending, self._snapshot = None, [], [], None
@@ -142,8 +146,8 @@ class TargetVerifier:
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
         cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
         with torch.inference_mode(), contextlib.ExitStack() as stack:
-            before = snapshot_linear_state(self.cache) if keep and not split else None
-            capture = stack.enter_context(TapCapture(self.model, self.layer_ids)) if want_taps else None
+            before = snapshot_linear_state(self._live_cache()) if keep and not split else None
+            capture = stack.enter_context(TapCapture(self.model, self.layer_ids or ())) if want_taps else None
             stack.enter_context(linear_attention_plan(self.model, plan))
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
         self._snapshot = (start + split, before if before is not None else plan.snapshot()) if keep else None
@@ -165,18 +169,22 @@ class TargetVerifier:
         if self.rollback_mode == "snapshot-rerun" and self._pending:
             self._run(list(self._pending), want_taps=False)
 
+    def _live_cache(self) -> Cache:
+        assert self.cache is not None, "no forward since the reset: nothing is cached"
+        return self.cache
+
     def _drop_after(self, length: int) -> None:
         from dflash.eval.target_cache import crop_attention, restore_linear_state
 
         if not self.hybrid:
-            crop_attention(self.cache, length)
+            crop_attention(self._live_cache(), length)
             self._cached = self._cached[:length]
         elif self._snapshot is None or self._snapshot[0] > length:      # "reprefill"
             self.cache, self._pending, self._cached = None, self._cached[:length], []
         else:
             start, states = self._snapshot
             restore_linear_state(states)
-            crop_attention(self.cache, start)
+            crop_attention(self._live_cache(), start)
             self._cached, self._pending, self._snapshot = self._cached[:start], self._cached[start:length], None
 
 
@@ -311,6 +319,7 @@ def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, setting
     state.committed += proposal.tokens[:accepted] + [bonus]
     verifier.rollback(len(state.committed) - 1)
     if out.features is not None:
+        assert state.features is not None, "the prefill gave features when the drafter uses them"
         state.features = torch.cat([state.features, out.features[: accepted + 1]], dim=0)
     state.taus.append(accepted + 1)
     state.proposed.append(len(proposal.tokens))

@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping, MutableSequence, Optional, Union, cast
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+    from transformers import Cache
 
 
-def cache_keyword(model: Any) -> str:
+def cache_keyword(model: nn.Module) -> str:
     """The keyword the model's forward takes its cache by: `cache` (transformers 5.24) or
     `past_key_values` (5.3, 5.6; a keyword the forward does not name is silently ignored)."""
     parameters = inspect.signature(model.forward).parameters
@@ -37,31 +39,45 @@ def cache_keyword(model: Any) -> str:
                     f"not a supported transformers causal LM")
 
 
-def output_cache(output: Any) -> Any:
+def output_cache(output: object) -> Optional[Cache]:
     """The cache a forward returned (`output.cache` in 5.24, `output.past_key_values` before)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 @dataclass(frozen=True)
-class _Slot:
-    """One state tensor inside a cache: `holder[key]` (dicts, lists) or `holder.key` (attributes)."""
+class _ItemSlot:
+    """One state tensor inside a cache's dict (state index -> tensor) or list (over layers)."""
 
-    holder: Any
-    key: Any
-    attribute: bool = False
+    holder: Union[MutableMapping[int, torch.Tensor], MutableSequence[torch.Tensor]]
+    key: int
 
-    def get(self) -> "torch.Tensor":
-        return getattr(self.holder, self.key) if self.attribute else self.holder[self.key]
+    def get(self) -> torch.Tensor:
+        return self.holder[self.key]
 
-    def set(self, value: "torch.Tensor") -> None:
-        if self.attribute:
-            setattr(self.holder, self.key, value)
-        else:
-            self.holder[self.key] = value
+    def set(self, value: torch.Tensor) -> None:
+        self.holder[self.key] = value
 
 
-def linear_state_slots(cache: Any, layer_idx: Optional[int] = None) -> list[_Slot]:
+@dataclass(frozen=True)
+class _AttributeSlot:
+    """One state tensor held as an attribute of a cache layer (transformers 5.6)."""
+
+    holder: object
+    name: str
+
+    def get(self) -> torch.Tensor:
+        value: torch.Tensor = getattr(self.holder, self.name)
+        return value
+
+    def set(self, value: torch.Tensor) -> None:
+        setattr(self.holder, self.name, value)
+
+
+_Slot = Union[_ItemSlot, _AttributeSlot]
+
+
+def linear_state_slots(cache: Cache, layer_idx: Optional[int] = None) -> list[_Slot]:
     """Every conv / recurrent state tensor of the cache's linear-attention layers (or of one).
 
     Layouts: 5.24 `LinearAttentionLayer.conv_states` is a dict (state index -> tensor); 5.6 it is
@@ -72,25 +88,25 @@ def linear_state_slots(cache: Any, layer_idx: Optional[int] = None) -> list[_Slo
     layers = getattr(cache, "layers", None)
     if layers is None:
         lists = [getattr(cache, name, None) or [] for name in ("conv_states", "recurrent_states")]
-        return [_Slot(states, index) for states in lists for index, value in enumerate(states)
+        return [_ItemSlot(states, index) for states in lists for index, value in enumerate(states)
                 if isinstance(value, torch.Tensor) and layer_idx in (None, index)]
-    slots = []
+    slots: list[_Slot] = []
     for index, layer in enumerate(layers):
         if layer_idx not in (None, index):
             continue
         for name in ("conv_states", "recurrent_states"):
             value = getattr(layer, name, None)
             if isinstance(value, dict):
-                slots += [_Slot(value, key) for key, tensor in value.items() if isinstance(tensor, torch.Tensor)]
+                slots += [_ItemSlot(value, key) for key, tensor in value.items() if isinstance(tensor, torch.Tensor)]
             elif isinstance(value, torch.Tensor):
-                slots.append(_Slot(layer, name, attribute=True))
+                slots.append(_AttributeSlot(layer, name))
     return slots
 
 
 LinearSnapshot = list[tuple[_Slot, "torch.Tensor"]]
 
 
-def snapshot_linear_state(cache: Any, layer_idx: Optional[int] = None) -> LinearSnapshot:
+def snapshot_linear_state(cache: Cache, layer_idx: Optional[int] = None) -> LinearSnapshot:
     """Copies of the linear-attention states (the library updates them in place)."""
     return [(slot, slot.get().clone()) for slot in linear_state_slots(cache, layer_idx)]
 
@@ -105,11 +121,11 @@ def restore_linear_state(snapshot: LinearSnapshot) -> None:
             slot.set(saved)
 
 
-def crop_attention(cache: Any, length: int) -> None:
+def crop_attention(cache: Cache, length: int) -> None:
     """Keep the first `length` positions of every attention layer's KV; linear layers untouched."""
     layers = getattr(cache, "layers", None)
     if layers is None:   # 5.3 Qwen3_5DynamicCache: lists over layers, no `crop`
-        for states in (cache.key_cache, cache.value_cache):
+        for states in (getattr(cache, "key_cache"), getattr(cache, "value_cache")):
             for index, value in enumerate(states):
                 if value is not None and value.dim() == 4 and value.shape[-2] > length:
                     states[index] = value[..., :length, :]
@@ -121,11 +137,11 @@ def crop_attention(cache: Any, length: int) -> None:
         layer.crop(length - keys.shape[-2])    # negative: remove that many (5.6 and 5.24 alike)
 
 
-def linear_attention_modules(model: Any) -> list[Any]:
+def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
     """The Gated DeltaNet modules of a loaded target (`layer.linear_attn`)."""
     from dflash.drafter.taps import decoder_layers
 
-    return [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
+    return [cast("nn.Module", layer.linear_attn) for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
 
 
 @dataclass
@@ -156,26 +172,29 @@ class LinearPlan:
 
 
 @contextlib.contextmanager
-def linear_attention_plan(model: Any, plan: LinearPlan) -> Iterator[LinearPlan]:
+def linear_attention_plan(model: nn.Module, plan: LinearPlan) -> Iterator[LinearPlan]:
     """Run the model's linear-attention layers as `plan` says for the forwards inside this context."""
     modules = linear_attention_modules(model) if plan.active else []
     previous = [module.__dict__.get("forward") for module in modules]
     for module in modules:
-        module.forward = _planned(module, module.forward, plan)
+        setattr(module, "forward", _planned(module, module.forward, plan))   # an instance attribute shadows the method
     try:
         yield plan
     finally:
         for module, before in zip(modules, previous):
             if before is None:
-                del module.forward
+                delattr(module, "forward")
             else:
-                module.forward = before
+                setattr(module, "forward", before)
 
 
-def _planned(module: Any, original: Callable[..., Any], plan: LinearPlan) -> Callable[..., Any]:
+def _planned(module: nn.Module, original: Callable[..., torch.Tensor], plan: LinearPlan) -> Callable[..., torch.Tensor]:
     import torch
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    layer_idx = int(getattr(module, "layer_idx"))
+
+    # the wrapped forward is transformers' (its arguments as that version passes them)
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         if "hidden_states" in kwargs:
             hidden, rest = kwargs.pop("hidden_states"), args
         else:
@@ -183,12 +202,12 @@ def _planned(module: Any, original: Callable[..., Any], plan: LinearPlan) -> Cal
         cache = kwargs.get("cache_params", kwargs.get("cache"))
         if cache is None:
             return original(hidden, *rest, **kwargs)
-        continues = hidden.shape[1] > 1 and _has_previous_state(cache, module.layer_idx)
+        continues = hidden.shape[1] > 1 and _has_previous_state(cache, layer_idx)
         positions, mask = kwargs.pop("cache_position", None), kwargs.pop("attention_mask", None)
         outputs = []
         for begin, end in plan.pieces(hidden.shape[1], continues):
             if begin == plan.split_at and begin > 0:
-                plan.saved[module.layer_idx] = snapshot_linear_state(cache, module.layer_idx)
+                plan.saved[layer_idx] = snapshot_linear_state(cache, layer_idx)
             step = dict(kwargs)
             if positions is not None:
                 step["cache_position"] = positions[begin:end]
@@ -200,6 +219,6 @@ def _planned(module: Any, original: Callable[..., Any], plan: LinearPlan) -> Cal
     return forward
 
 
-def _has_previous_state(cache: Any, layer_idx: int) -> bool:
+def _has_previous_state(cache: object, layer_idx: int) -> bool:
     flag = getattr(cache, "has_previous_state", False)
     return bool(flag(layer_idx)) if callable(flag) else bool(flag)

@@ -118,21 +118,22 @@ def test_the_install_check_names_the_setup_command_when_vllm_is_absent(tmp_path)
 
 def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergence():
     from dflash.eval.parity import check_parity, method_parity
+    from dflash.eval.records import MethodFigures
     from launcher_core.errors import EXIT_PARITY, ParityFailed
 
-    served = {"mean_tau": 1.60, "position_acceptance": [0.4, 0.1], "identical_to_target": True}
-    ours = {"mean_tau": 1.40, "position_acceptance": [0.3, 0.1], "identical_to_target": True}
+    served = MethodFigures(mean_tau=1.60, tokens_per_s=5.0, speedup=1.2, identical_to_target=True, position_acceptance=[0.4, 0.1])
+    ours = MethodFigures(mean_tau=1.40, tokens_per_s=4.0, speedup=1.1, identical_to_target=True, position_acceptance=[0.3, 0.1])
     row = method_parity("dflash", served, ours, ["a", "b"], [[1, 2, 3], [4, 5, 9]], [[1, 2, 3], [4, 5, 6]])
-    assert row["within_tolerance"] is False and not row["same_tokens_as_inprocess"]
+    assert row.within_tolerance is False and not row.same_tokens_as_inprocess
     with pytest.raises(ParityFailed, match=r"prompt 2 \(b\), new token 2: served 9, in-process 6") as failed:
         check_parity({"dflash": row}, "report.json")
     assert failed.value.exit_code == EXIT_PARITY == 6
-    close = method_parity("dflash", {**served, "mean_tau": 1.45, "position_acceptance": [0.35, 0.1]}, ours,
+    close = method_parity("dflash", dataclasses.replace(served, mean_tau=1.45, position_acceptance=[0.35, 0.1]), ours,
                           ["a"], [[1]], [[1]])
-    assert close["within_tolerance"] is True and close["first_divergence"] is None
+    assert close.within_tolerance is True and close.first_divergence is None
     check_parity({"dflash": close}, "report.json")
     lookup = method_parity("prompt_lookup", served, ours, ["a"], [[1]], [[1]])
-    assert lookup["within_tolerance"] is None        # shown, not gated
+    assert lookup.within_tolerance is None        # shown, not gated
 
 
 @pytest.mark.slow
@@ -140,6 +141,7 @@ def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergen
 def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
     from dflash.eval.engines import evaluate_with_engine
     from dflash.eval.evaluate import EvalOptions
+    from dflash.eval.records import read_report
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
@@ -154,11 +156,11 @@ def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(en
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port()))
     summary = evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)),
                                    engine, launch=[sys.executable, str(STANDIN), engine])
-    methods = summary.report["methods"]
-    assert (methods["target"]["mean_tau"], methods["dflash"]["mean_tau"], methods["prompt_lookup"]["mean_tau"]) == (
-        1.0, 3.5, 1.5)
-    assert methods["dflash"]["new_tokens"] == 30 and methods["dflash"]["identical_to_target"] is True
-    assert methods["target"]["speedup"] == 1.0 or methods["target"]["speedup"] == pytest.approx(1.0)
+    methods = summary.report.methods
+    assert (methods["target"].mean_tau, methods["dflash"].mean_tau, methods["prompt_lookup"].mean_tau) == (1.0, 3.5, 1.5)
+    assert methods["dflash"].new_tokens == 30 and methods["dflash"].identical_to_target is True
+    assert methods["target"].speedup == pytest.approx(1.0)
+    assert read_report(tmp_path / "run" / "eval" / f"engine-{engine}.json") == summary.report
     assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
     log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
     assert str(checkpoint) in log

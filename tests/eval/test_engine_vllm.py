@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.eval.records import read_report
 from launcher_core.profile import load_profile
 from tests.generate.gen_helpers import free_port
 from tests.train.conftest import write_profile
@@ -93,38 +94,40 @@ def engine_eval(vllm_python, smollm2_drafter, tmp_path_factory):
 def test_the_served_drafter_is_lossless_and_its_tau_equals_the_in_process_tau(engine_eval):
     from dflash.eval.parity import POSITION_TOLERANCE, TAU_TOLERANCE
 
-    _, _, report = engine_eval
-    dflash = report["parity"]["dflash"]
-    assert report["num_prompts"] == NUM_PROMPTS
-    assert report["methods"]["dflash"]["identical_to_target"] is True
-    assert dflash["served_identical_to_target"] is True and dflash["inprocess_identical_to_target"] is True
-    assert abs(dflash["served_tau"] - dflash["inprocess_tau"]) <= TAU_TOLERANCE, dflash
-    served, ours = dflash["served_position_acceptance"], dflash["inprocess_position_acceptance"]
+    _, run_dir, report = engine_eval
+    dflash = report.parity["dflash"]
+    assert report.num_prompts == NUM_PROMPTS
+    assert report.methods["dflash"].identical_to_target is True
+    assert dflash.served_identical_to_target is True and dflash.inprocess_identical_to_target is True
+    assert dflash.served_tau is not None and dflash.inprocess_tau is not None
+    assert abs(dflash.served_tau - dflash.inprocess_tau) <= TAU_TOLERANCE, dflash
+    served, ours = dflash.served_position_acceptance or [], dflash.inprocess_position_acceptance or []
     assert len(served) == len(ours) == 7
     assert all(abs(a - b) <= POSITION_TOLERANCE for a, b in zip(served, ours)), (served, ours)
-    assert dflash["within_tolerance"] is True
+    assert dflash.within_tolerance is True
+    assert read_report(run_dir / "eval" / "engine-vllm.json") == report
 
 
 def test_the_engine_decodes_the_same_tokens_as_the_in_process_target(engine_eval):
     _, _, report = engine_eval
-    target = report["parity"]["target"]
-    assert report["methods"]["target"]["new_tokens"] > NUM_PROMPTS * 4
-    assert target["same_tokens_as_inprocess"] is True, target["first_divergence"]
+    target = report.parity["target"]
+    assert (report.methods["target"].new_tokens or 0) > NUM_PROMPTS * 4
+    assert target.same_tokens_as_inprocess is True, target.first_divergence
 
 
 def test_prompt_lookup_is_served_too(engine_eval):
     _, _, report = engine_eval
-    lookup = report["methods"]["prompt_lookup"]
-    assert lookup["mean_tau"] is not None and lookup["mean_tau"] >= 1.0
-    assert lookup["identical_to_target"] is True
-    assert '"method": "ngram"' in " ".join(lookup["argv"])
+    lookup = report.methods["prompt_lookup"]
+    assert lookup.mean_tau is not None and lookup.mean_tau >= 1.0
+    assert lookup.identical_to_target is True
+    assert '"method": "ngram"' in " ".join(lookup.argv or [])
 
 
 def test_the_servers_bound_to_loopback_and_were_stopped(engine_eval):
     profile, run_dir, report = engine_eval
     port = profile.eval.engine_port
-    for name, method in report["methods"].items():
-        argv = method["argv"]
+    for name, method in report.methods.items():
+        argv = method.argv or []
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
         log = (run_dir / "eval" / "logs" / f"vllm-{name}.log").read_text()
         assert f"http://127.0.0.1:{port}" in log
@@ -136,8 +139,8 @@ def test_the_servers_bound_to_loopback_and_were_stopped(engine_eval):
 def test_the_served_drafter_is_the_vllm_export(engine_eval):
     _, run_dir, report = engine_eval
     exported = run_dir / "eval" / "engine-vllm-drafter"
-    assert report["served_drafter"] == str(exported) and (exported / "config.json").exists()
-    assert str(exported) in " ".join(report["methods"]["dflash"]["argv"])
+    assert report.context.served_drafter == str(exported) and (exported / "config.json").exists()
+    assert str(exported) in " ".join(report.methods["dflash"].argv or [])
     assert "Served vs in-process" in (run_dir / "eval" / "engine-vllm.md").read_text()
 
 

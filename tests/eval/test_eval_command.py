@@ -64,6 +64,25 @@ def test_eval_writes_report_plots_and_manifest(eval_run, capsys):
     assert entry["prompt_set"] == report["prompt_set"]
 
 
+def test_the_report_on_disk_reads_back_into_what_status_plots_and_the_markdown_show(eval_run, tmp_path):
+    """The in-process writer and the typed readers agree: the manifest entry `status` prints is the
+    figures of the report read back from disk, and so are report.md and the plots."""
+    from dflash.commands.eval import summary_lines
+    from dflash.eval.evaluate import manifest_figures
+    from dflash.eval.plots import write_plots
+    from dflash.eval.records import read_report
+    from dflash.eval.report import render_markdown
+
+    run_dir, _, _ = eval_run
+    report = read_report(run_dir / "eval" / "report.json")
+    entry = read_manifest(run_dir)["stages"]["eval"]
+    assert manifest_figures(report) == {k: v for k, v in entry.items() if k not in ("state", "updated_at", "checkpoint")}
+    assert render_markdown(report) == (run_dir / "eval" / "report.md").read_text()
+    assert report.context.torch_threads == 1 and len(report.prompts) == 3 == report.num_prompts
+    assert [p.name for p in write_plots(report, tmp_path, None)] == ["tau_histogram.png", "position_acceptance.png"]
+    assert f"dflash         tau {report.methods['dflash'].mean_tau:.2f}" in summary_lines(report)
+
+
 def test_pipeline_summary_line_names_the_prompt_set(eval_run):
     from dflash.commands.pipeline import final_figures
     from launcher_core.profile import load_profile

@@ -1,9 +1,29 @@
-"""Report figures from known decode runs: tau, histogram, per-position acceptance, speedup."""
+"""Report figures from known decode runs (tau, histogram, per-position acceptance, speedup), and the
+report's records: what the writer puts on disk is what every reader gets back, reports written
+before `report_version` (tests/fixtures/eval/*-v1.json, made by that launcher) still read, and a
+bad field is named with its file."""
 from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from dflash.eval.records import (
+    REPORT_VERSION,
+    EvalReport,
+    MethodFigures,
+    ParityRow,
+    PromptFigures,
+    ReportContext,
+    SetBrief,
+    read_report,
+)
 from dflash.eval.report import MethodRun, PromptRuns, build_report, render_markdown
+from launcher_core.errors import InputError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval"
 
 
 def runs() -> list[PromptRuns]:
@@ -15,27 +35,114 @@ def runs() -> list[PromptRuns]:
 
 
 def test_overall_and_per_prompt_figures():
-    report = build_report(runs(), block_size=3, temperature=0.0, context={"profile": "p"})
-    dflash = report["methods"]["dflash"]
-    assert dflash["mean_tau"] == pytest.approx(2.0)                    # (3 + 1 + 2) / 3 steps
-    assert dflash["tau_histogram"] == {"1": 1, "2": 1, "3": 1}
-    assert dflash["position_acceptance"] == pytest.approx([2 / 3, 1 / 3])
-    assert dflash["tokens_per_s"] == pytest.approx(8 / 1.5)
-    assert dflash["speedup"] == pytest.approx((8 / 1.5) / (8 / 2.0))
-    assert dflash["identical_to_target"] is False                      # prompt b differs
-    assert report["methods"]["target"]["speedup"] == 1.0
-    per_prompt = {p["id"]: p["methods"]["dflash"] for p in report["prompts"]}
-    assert per_prompt["a"]["speedup"] == pytest.approx(2.0) and per_prompt["a"]["identical_to_target"] is True
-    assert per_prompt["b"]["identical_to_target"] is False
+    report = build_report(runs(), block_size=3, temperature=0.0, context=ReportContext(profile="p"))
+    dflash = report.methods["dflash"]
+    assert dflash.mean_tau == pytest.approx(2.0)                    # (3 + 1 + 2) / 3 steps
+    assert dflash.tau_histogram == {"1": 1, "2": 1, "3": 1}
+    assert dflash.position_acceptance == pytest.approx([2 / 3, 1 / 3])
+    assert dflash.tokens_per_s == pytest.approx(8 / 1.5)
+    assert dflash.speedup == pytest.approx((8 / 1.5) / (8 / 2.0))
+    assert dflash.identical_to_target is False                      # prompt b differs
+    assert report.methods["target"].speedup == 1.0
+    per_prompt = {p.prompt_id: p.methods["dflash"] for p in report.prompts}
+    assert per_prompt["a"].speedup == pytest.approx(2.0) and per_prompt["a"].identical_to_target is True
+    assert per_prompt["b"].identical_to_target is False
 
 
 def test_sampling_reports_no_identity_claim():
-    report = build_report(runs(), block_size=3, temperature=0.8, context={})
-    assert report["methods"]["dflash"]["identical_to_target"] is None
+    report = build_report(runs(), block_size=3, temperature=0.8)
+    assert report.methods["dflash"].identical_to_target is None
 
 
 def test_markdown_has_the_tables():
-    text = render_markdown(build_report(runs(), block_size=3, temperature=0.0, context={"profile": "p"}))
+    text = render_markdown(build_report(runs(), block_size=3, temperature=0.0, context=ReportContext(profile="p")))
     assert "| dflash | 2.00 | 3 | 8 |" in text
     assert "| 1 | 0.67 |" in text          # acceptance at position 1
     assert "| b | 12 | 3 | 2.00 |" in text
+
+
+def through_disk(report: EvalReport, tmp_path: Path) -> EvalReport:
+    return read_report(report.write_json(tmp_path / "report.json"))
+
+
+def test_the_in_process_report_reads_back_as_written(tmp_path):
+    report = build_report(runs(), block_size=3, temperature=0.0, context=ReportContext(profile="p", seed=3, torch_threads=1))
+    extra = build_report(runs()[:1], block_size=3, temperature=0.0, context=ReportContext(prompt_set="extra (x.jsonl)"))
+    report = dataclasses.replace(report, also_sets=[SetBrief.of(extra, tmp_path / "x" / "report.json")])
+    document = json.loads(report.write_json(tmp_path / "report.json").read_text())
+    assert document["report_version"] == REPORT_VERSION and document["profile"] == "p" and document["torch_threads"] == 1
+    assert "engine" not in document and "parity" not in document and "tau_source" not in document["methods"]["dflash"]
+    assert set(document["also_sets"][0]["methods"]["dflash"]) == {"mean_tau", "speedup", "tokens_per_s", "identical_to_target"}
+    assert read_report(tmp_path / "report.json") == report
+
+
+def every_field_set(record: object) -> bool:
+    return all(getattr(record, item.name) not in (None, [], {}) for item in dataclasses.fields(record))
+
+
+def test_every_field_of_every_record_survives_the_disk(tmp_path):
+    """A field added to a record but not to its reader (or writer) fails here."""
+    method = MethodFigures(mean_tau=2.5, tokens_per_s=9.0, speedup=1.4, identical_to_target=True, new_tokens=12,
+                           steps=5, wall_s=1.5, tau_histogram={"1": 2, "2": 3}, position_acceptance=[0.6, 0.2],
+                           tau_source="vllm (engine-reported)", argv=["python", "-m", "vllm"])
+    row = ParityRow(2.5, 2.45, [0.6, 0.2], [0.6, 0.25], True, True, False, "prompt 1 (a), new token 3: served 7, in-process 8",
+                    True, True)
+    context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter")
+    inner = EvalReport(3, 0.0, 1, {"dflash": method})
+    report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
+                        [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method})],
+                        {"dflash": row}, inner)
+    for record in (method, row, context, report, report.prompts[0], report.also_sets[0]):
+        assert every_field_set(record), record
+    assert through_disk(report, tmp_path) == report
+
+
+def test_reports_written_before_the_version_field_still_read(tmp_path):
+    old = json.loads((FIXTURES / "report-v1.json").read_text())
+    report = read_report(FIXTURES / "report-v1.json")
+    assert "report_version" not in old
+    assert report.methods["dflash"].mean_tau == old["methods"]["dflash"]["mean_tau"] == pytest.approx(2.5)   # (3+2+1+4) / 4 steps
+    assert report.context.prompt_set == old["prompt_set"] and report.prompts[1].prompt_id == "everyday-01-code"
+    assert report.also_sets[0].methods["dflash"].mean_tau == old["also_sets"][0]["methods"]["dflash"]["mean_tau"]
+    assert report.to_json() == {**old, "report_version": REPORT_VERSION}      # an in-process report: the same keys
+
+
+def test_an_old_engine_report_with_parity_still_reads():
+    old = json.loads((FIXTURES / "engine-vllm-v1.json").read_text())
+    report = read_report(FIXTURES / "engine-vllm-v1.json")
+    assert report.engine == "vllm" and report.context.served_drafter == old["served_drafter"]
+    assert report.methods["dflash"].argv == old["methods"]["dflash"]["argv"]
+    assert report.parity["dflash"].within_tolerance is False and report.parity["dflash"].served_tau == pytest.approx(2.25)
+    assert report.inprocess is not None and report.inprocess.methods["dflash"].mean_tau == old["inprocess"]["methods"]["dflash"]["mean_tau"]
+    assert EvalReport.from_json(report.to_json(), "again") == report
+
+
+def write_document(tmp_path: Path, change) -> Path:
+    document = json.loads((FIXTURES / "report-v1.json").read_text())
+    change(document)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["methods"]["dflash"].update(mean_tau="fast"), r"field methods\.dflash\.mean_tau: expected a number or null, got 'fast'"),
+    (lambda d: d.pop("block_size"), r"field block_size: expected a whole number, it is missing"),
+    (lambda d: d["prompts"][1]["methods"]["target"].update(new_tokens=2.5), r"field prompts\[1\]\.methods\.target\.new_tokens: expected a whole number"),
+    (lambda d: d.update(methods={}), r"field methods: expected an object with one entry per method"),
+    (lambda d: d.update(report_version=REPORT_VERSION + 1), r"field report_version: expected a version up to"),
+])
+def test_a_bad_report_names_the_file_and_the_field(tmp_path, change, message):
+    path = write_document(tmp_path, change)
+    with pytest.raises(InputError, match=message) as raised:
+        read_report(path)
+    assert str(path) in str(raised.value)
+
+
+def test_a_report_that_is_not_an_object_or_not_json_is_named(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match=r"list\.json: the document: expected a JSON object"):
+        read_report(tmp_path / "list.json")
+    (tmp_path / "torn.json").write_text('{"methods": ')
+    with pytest.raises(InputError, match=r"torn\.json: line 1: not valid JSON"):
+        read_report(tmp_path / "torn.json")

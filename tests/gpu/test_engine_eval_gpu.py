@@ -39,6 +39,6 @@ def test_engine_reports_tau_for_the_cpu_twins_checkpoint(engine, tmp_path, tiny_
     options = dict(checkpoint=checkpoint, num_prompts=4, max_new_tokens=32)
     in_process = run_eval(profile, run_dir=tmp_path / "run", options=EvalOptions(**options, engine="transformers"))
     served = run_eval(profile, run_dir=tmp_path / "run", options=EvalOptions(**options, engine=engine))
-    tau = served.report["methods"]["dflash"]["mean_tau"]
+    tau = served.report.methods["dflash"].mean_tau
     assert tau is not None and 1.0 <= tau <= profile.drafter.block_size
-    print(f"{engine}: engine tau {tau:.2f}, in-process tau {in_process.report['methods']['dflash']['mean_tau']:.2f}")
+    print(f"{engine}: engine tau {tau:.2f}, in-process tau {in_process.report.methods['dflash'].mean_tau or 0:.2f}")

@@ -80,6 +80,7 @@ def greedy_report(target: Path, tokenizer_dir: Path, dtype: Any) -> dict[str, An
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash.eval.records import ReportContext
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 
@@ -88,9 +89,10 @@ def greedy_report(target: Path, tokenizer_dir: Path, dtype: Any) -> dict[str, An
     model.requires_grad_(False)
     settings = DecodeSettings(block_size=EVAL_BLOCK, max_new_tokens=EVAL_TOKENS, temperature=0.0, eos_ids=())
     runs = decode_all(model, random_dflash_draft(model, device), eval_prompts(tokenizer_dir, EVAL_PROMPTS), settings)
-    return build_report(runs, block_size=EVAL_BLOCK, temperature=0.0,
-                        context={"target": target.name, "device": str(device), "dtype": str(dtype),
-                                 "max_new_tokens": EVAL_TOKENS, "drafter": "random-weight DFlash"})
+    report = build_report(runs, block_size=EVAL_BLOCK, temperature=0.0,
+                          context=ReportContext(target=target.name, max_new_tokens=EVAL_TOKENS))
+    # the report's JSON (what eval writes), with this run's device, dtype and drafter beside it
+    return {**report.to_json(), "device": str(device), "dtype": str(dtype), "drafter": "random-weight DFlash"}
 
 
 def method_figures(report: dict[str, Any]) -> dict[str, Any]:
