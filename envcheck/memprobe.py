@@ -35,7 +35,7 @@ from envcheck.host import nvidia_driver_version
 from envcheck.packages import installed_versions
 from launcher_core.processes import free_port
 
-STAGES = ("init", "collective", "model", "train_peak")
+PROBE_STAGES = ("init", "collective", "model", "train_peak")
 MEMORY_SWITCHES = ("CUDA_MODULE_LOADING", "NCCL_CUMEM_ENABLE", "CUBLAS_WORKSPACE_CONFIG",
                    "PYTORCH_CUDA_ALLOC_CONF")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,9 +281,9 @@ def format_report(report: ProbeReport) -> str:
     """A readable table: one line per rank, one column per stage."""
     unit = "device MiB in use" if report.kind == "cuda" else "host RSS MiB"
     lines = [f"memory probe ({unit}; {len(report.ranks)} rank(s), {report.seconds:.1f} s)",
-             f"{'rank':<6}{'device':<10}" + "".join(f"{stage:>12}" for stage in STAGES) + "  oom"]
+             f"{'rank':<6}{'device':<10}" + "".join(f"{stage:>12}" for stage in PROBE_STAGES) + "  oom"]
     for rank in report.ranks:
-        cells = "".join(f"{_cell(rank.stages.get(stage)):>12}" for stage in STAGES)
+        cells = "".join(f"{_cell(rank.stages.get(stage)):>12}" for stage in PROBE_STAGES)
         lines.append(f"{rank.rank:<6}{rank.device:<10}{cells}  {'yes' if rank.oom else 'no'}")
     versions = ", ".join(f"{key} {value}" for key, value in report.versions.items() if value)
     switches = ", ".join(f"{key}={value}" for key, value in report.switches.items() if value is not None)
@@ -355,7 +355,7 @@ def _measure(context: _RankContext) -> tuple[RankMemory, dict[str, Any]]:
     try:
         importlib.import_module("torch")
     except ImportError:                      # an environment without torch: the imports' RSS only
-        record = RankMemory(rank=context.rank, device="cpu", stages=dict.fromkeys(STAGES))
+        record = RankMemory(rank=context.rank, device="cpu", stages=dict.fromkeys(PROBE_STAGES))
         record.stages["init"] = round(host_rss_mib(), 1)
         return record, _meta("cpu", {}, context.args.imports)
     return _measure_with_torch(context)
@@ -366,7 +366,7 @@ def _measure_with_torch(context: _RankContext) -> tuple[RankMemory, dict[str, An
 
     use_cuda = context.args.device == "cuda" or (context.args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", context.local_rank) if use_cuda else torch.device("cpu")
-    record = RankMemory(rank=context.rank, device=str(device), stages=dict.fromkeys(STAGES))
+    record = RankMemory(rank=context.rank, device=str(device), stages=dict.fromkeys(PROBE_STAGES))
     measure = _cuda_used_mib if use_cuda else (lambda _device: host_rss_mib())
     if use_cuda:
         torch.cuda.set_device(device)

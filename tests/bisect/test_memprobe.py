@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from envcheck.memprobe import (
-    STAGES,
+    PROBE_STAGES,
     ProbeOptions,
     ProbeReport,
     RankMemory,
@@ -76,7 +76,7 @@ def _probe(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_probe_measures_every_stage_on_two_gloo_ranks_and_judges_against_a_baseline(tmp_path):
-    lean = _report([dict.fromkeys(STAGES, 50.0), dict.fromkeys(STAGES, 50.0)])   # far below torch's own cost
+    lean = _report([dict.fromkeys(PROBE_STAGES, 50.0), dict.fromkeys(PROBE_STAGES, 50.0)])   # far below torch's own cost
     (tmp_path / "lean.json").write_text(json.dumps(lean.to_json()))
     result = _probe("--nproc", "2", "--against", str(tmp_path / "lean.json"), "--out", str(tmp_path / "probe.json"))
     assert result.returncode == EXIT_FAIL and "verdict: BAD" in result.stdout, result.stdout + result.stderr

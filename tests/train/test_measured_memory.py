@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from launcher_core.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -109,12 +110,6 @@ def rank_main(rank: int, port: int, profile_path: str, out: str) -> None:
               "drafter_params": sum(p.numel() for p in state.drafter.parameters() if p.requires_grad)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     close_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_each_ranks_measured_peak_is_the_models_prediction_within_5_percent(tmp_path):
