@@ -106,25 +106,9 @@ def test_every_benchmark_has_a_smoke_run():
                                   for c in CASES])
 def test_benchmark_smoke_prints_its_figures(case: Smoke, request: pytest.FixtureRequest):
     if ENGINE in case.marks:
-        request.getfixturevalue("vllm_engine")
+        request.getfixturevalue("vllm_python")
     done = run_smoke(case)
     tail = f"\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{case.script} {' '.join(case.args)} exited {done.returncode}{tail}"
     missing = [figure for figure in case.figures if not re.search(figure, done.stdout, re.MULTILINE)]
     assert missing == [], f"{case.script} did not print {missing}{tail}"
-
-
-@pytest.fixture(scope="module")
-def vllm_engine() -> Path:
-    """The vLLM engine's venv (`launcher.py engine setup vllm`), built here if it can be."""
-    from dflash.generate.engine_env import built_engine_python, setup_engine_env
-    from launcher_core.errors import LauncherError
-
-    python = built_engine_python("vllm")
-    if python is not None:
-        return python
-    try:
-        return setup_engine_env("vllm").python
-    except LauncherError as error:
-        pytest.skip(f"the vLLM engine venv cannot be built here: {error}")
-

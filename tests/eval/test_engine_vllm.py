@@ -24,20 +24,6 @@ MAX_NEW_TOKENS = 32
 TRAIN_STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    from dflash.generate.engine_env import built_engine_python, setup_engine_env
-    from launcher_core.errors import LauncherError
-
-    python = built_engine_python("vllm")
-    if python is not None:
-        return python
-    try:
-        return setup_engine_env("vllm").python
-    except LauncherError as error:
-        pytest.skip(f"the vLLM engine venv cannot be built here: {error}")
-
-
 def target_greedy_rows(smollm2_dir: Path, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The target's own greedy answers to the eval prompts, as (tokens, loss mask) rows: a drafter trained on
     them for a few steps accepts some drafts (a drafter that accepts none would test little)."""

@@ -49,16 +49,8 @@ def test_without_the_engine_venv_the_error_names_engine_setup(tmp_path, monkeypa
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_generation_through_vllm_on_cpu_writes_every_completion(tmp_path, smollm2_dir):
+def test_generation_through_vllm_on_cpu_writes_every_completion(tmp_path, smollm2_dir, vllm_python):
     from dflash.generate import generate_from_profile
-    from dflash.generate.engine_env import built_engine_python, setup_engine_env
-    from launcher_core.errors import LauncherError
-
-    if built_engine_python("vllm") is None:
-        try:
-            setup_engine_env("vllm")
-        except LauncherError as error:
-            pytest.skip(f"the vLLM engine venv cannot be built here: {error}")
     ids = write_prompts(tmp_path / "prompts.jsonl", 4, tools_every=0)
     path = write_profile(tmp_path / "p.toml", smollm2_dir, tmp_path / "run", tmp_path / "prompts.jsonl",
                          backend="vllm", concurrency=4, max_tokens=12, vllm_enforce_eager=True,
