@@ -149,11 +149,15 @@ class TrainSection:
     max_restarts: int = 0                    # torchrun --max-restarts
     decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
-    optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # drafter's residual stream and norms (bf16: on bf16 weight copies)
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
-    grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
+    # The drafter under FSDP2 (docs/memory.md, "Sharding"): parameters, gradients and AdamW states sharded over the ranks.
+    reshard_after_forward: bool = True       # draft layers' gathered weights freed after forward, gathered again in backward
+                                             # (False: kept from forward to backward, FSDP1's SHARD_GRAD_OP)
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"   # reduce-scatter each
+                                             # micro-batch's gradients (sharded accumulation), or hold unsharded ones until the last
+    activation_checkpointing: Literal["none", "layers"] = "none"   # layers: each draft layer's activations recomputed in backward
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,15 @@ class Profile:
     train: TrainSection = field(default_factory=TrainSection)
     memory: MemorySection = field(default_factory=MemorySection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+
+# Keys that profiles once had: a profile that still sets one is told what replaced it.
+REMOVED_KEYS: dict[str, str] = {
+    "train.optimizer_sharding": "the drafter's parameters, gradients and AdamW states are now always sharded over the "
+                                "ranks by FSDP2 (fully_shard); delete the key (train.reshard_after_forward = false keeps "
+                                "the gathered weights from forward to backward, as SHARD_GRAD_OP)",
+    "train.grad_bucket_mib": "gradients are reduced by FSDP2's reduce-scatter, not by buckets of ours; delete the key",
+}
 
 
 # --- range rules: one declarative table, checked by launcher_core.profile for every source -------
@@ -304,7 +317,6 @@ RANGES: dict[str, Range] = {
     "train.max_restarts": AT_LEAST_0,
     "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
     "train.loss_chunk_rows": AT_LEAST_1,
-    "train.grad_bucket_mib": Range(0, 1024, low_open=True),   # the sum's staging buffer stays a small share of a GPU
     "memory.margin": Range(0, 1, high_open=True),
     "memory.overhead_mib": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_1,

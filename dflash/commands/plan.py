@@ -123,14 +123,21 @@ def _accumulation(plan: Plan) -> str:
 
 
 def _optimizer_line(plan: Plan) -> str:
-    """How the AdamW states are held, and the peak between steps (update, checkpoint save)."""
-    figures, shards = plan.estimate, plan.workload.optimizer_shards
-    if shards > 1:
-        held = (f"AdamW states sharded over {shards} ranks (zero1): largest shard {_mib(figures.optimizer_states)} "
-                f"MiB per rank, {_mib(figures.checkpoint_gather)} MiB more while a checkpoint gathers them to rank 0")
-    else:
-        held = f"AdamW states on every rank (optimizer_sharding none or one rank): {_mib(figures.optimizer_states)} MiB"
-    return f"optimizer: {held}; peak between steps {_mib(plan.peak_model.between_steps_mib)} MiB"
+    """How the drafter is sharded, the peak between steps, what one target forward trains, and
+    how the checkpoints resume."""
+    figures, workload = plan.estimate, plan.workload
+    world = plan.world_size
+    sharded = (f"drafter sharded over {world} rank(s) by FSDP2: {_mib(figures.drafter_weights)} MiB of float32 weights "
+               f"+ {_mib(figures.optimizer_states)} of AdamW states per rank, {_mib(figures.gathered_weights)} gathered "
+               f"in {workload.compute_dtype} in a forward/backward; peak between steps "
+               f"{_mib(plan.peak_model.between_steps_mib)} MiB")
+    signal = (f"supervised slots per target forward: {workload.supervised_slots:,} per sequence "
+              f"({workload.anchors} anchors x {workload.block_size - 1} slots), "
+              f"{workload.supervised_slots * plan.batch.micro_batch:,} per micro-batch; activation checkpointing: "
+              f"{workload.activation_checkpointing}; gradients reduced {workload.gradient_sync.replace('_', ' ')}")
+    resume = (f"checkpoints: sharded (torch.distributed.checkpoint), resumable at another world size "
+              f"(e.g. {world} -> {max(1, world // 2)} ranks)")
+    return "\n".join([sharded, signal, resume])
 
 
 def _row(plan: Plan, rank_plan: RankPlan) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash.memory.model import Workload
+    from dflash.memory.workload import Workload
 
 FLEX_BLOCK = 128            # flex_attention's default BLOCK_SIZE (queries and keys)
 BLOCK_MASK_TABLES = 4       # partial and full blocks, for the query side and the transposed key side

@@ -149,7 +149,6 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     launch here (PreflightFailed), before any model loads."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
-    from launcher_core.manifest import update_stage
 
     if plan is None:        # `launcher.py train` checked and planned already; the pipeline has not
         validate_profile_for_launch(profile)
@@ -158,14 +157,56 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     paths = TrainPaths(Path(run_dir).resolve())
     prepare_run_dir(profile, paths, resume=resume, force=force)
     write_plan(paths.run_dir, *plan)
+    for restart in range(oom_restart_limit(profile) + 1):
+        code, signalled = _run_torchrun(profile, paths, resume=resume or restart > 0, extra_env=extra_env)
+        if code == 0 or signalled or not restart_after_oom(profile, paths, restart):
+            break
+    return _conclude(paths, code, signalled)
+
+
+def _run_torchrun(profile: Profile, paths: TrainPaths, *, resume: bool,
+                  extra_env: Mapping[str, str] | None) -> tuple[int, bool]:
+    """One torchrun of every rank (a fresh rendezvous store each time)."""
+    from launcher_core.manifest import update_stage
+
     with _rendezvous_store(profile) as store:
         argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env, store=store)
         if profile.machine.nnodes > 1:
             print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
         update_stage(paths.run_dir, "train", "running", resumed=resume)
         with ProgressBar(paths.train_dir):
-            code, signalled = _run_forwarding_sigterm(argv, env)
-    return _conclude(paths, code, signalled)
+            return _run_forwarding_sigterm(argv, env)
+
+
+def oom_restart_limit(profile: Profile) -> int:
+    """Restarts after out-of-memory errors: enough to halve train.max_micro_batch down to 1."""
+    return profile.train.max_micro_batch.bit_length()
+
+
+def restart_after_oom(profile: Profile, paths: TrainPaths, restarts_done: int) -> bool:
+    """torchrun ended because a rank ran out of memory (its OOM record, dflash.train.autobatch): True
+    when every rank should start again from the last checkpoint at half the micro-batch; RunFailed
+    when that cannot help (an OOM at micro-batch 1); False when no rank recorded an OOM (one node
+    only: on several nodes torchrun's --max-restarts restarts them)."""
+    from dflash.train.autobatch import fatal_oom_message, read_oom_records, unrecoverable
+    from launcher_core.manifest import update_stage
+
+    records = read_oom_records(paths.run_dir) if profile.machine.nnodes <= 1 else []
+    if not records:
+        return False
+    fatal = unrecoverable(records)
+    if fatal is not None or restarts_done >= oom_restart_limit(profile):
+        update_stage(paths.run_dir, "train", "failed", failed_rank=records[0].rank)
+        raise RunFailed(fatal_oom_message(fatal) if fatal is not None else
+                        f"out of memory again after {restarts_done} restart(s) at smaller micro-batches; "
+                        f"see {paths.run_dir / 'train' / 'autobatch.json'}")
+    first = min(records, key=lambda r: (r.step, r.rank))
+    print(f"[autobatch] rank {first.rank} ran out of memory at step {first.step}, micro-batch {first.micro_batch} "
+          f"({first.phase}); restarting every rank from the last checkpoint at micro-batch {max(1, first.halved)}",
+          flush=True)
+    if paths.failures.exists():
+        shutil.rmtree(paths.failures)       # the echoes of the OOM in the other ranks
+    return True
 
 
 def _rendezvous_store(profile: Profile) -> "contextlib.AbstractContextManager[str | None]":

@@ -164,29 +164,16 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
 
 
 def _save(state: TrainState, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
-    """Every rank: gather the optimizer state to rank 0 (a collective under zero1), rank 0 writes,
-    then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
-    from dflash.train.dist import barrier
-    from dflash.train.optim import full_optimizer_state
-
-    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
-    optimizer_state = full_optimizer_state(state.optimizer)
-    if state.env.is_main:
-        assert optimizer_state is not None, "rank 0 holds the gathered optimizer state"
-        _write_checkpoint(state, run_dir, optimizer_state, final=final, stopped=stopped)
-    barrier()
-
-
-def _write_checkpoint(state: TrainState, run_dir: Path, optimizer_state: dict[str, object], *, final: bool, stopped: bool) -> None:
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.train.optim import optimizer_shard_count
+    """Every rank: the sharded checkpoint is a collective (dflash.train.checkpointing); rank 0 then
+    records it in the manifest (and stopped.json after a SIGTERM)."""
+    from dflash.train.checkpointing import save_training_checkpoint
     from launcher_core.fileio import write_json_atomic
     from launcher_core.manifest import update_stage
 
-    where = save_checkpoint(run_dir, state.drafter, state.step, {
-        "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
-        "scheduler": state.scheduler.state_dict(),
-        "micro_batch": state.micro_batch, "total_steps": state.total_steps})
+    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the weights are gathered
+    where = save_training_checkpoint(state, run_dir)
+    if not state.env.is_main:
+        return
     update_stage(run_dir, "train", "done" if final else "running", steps=state.step,
                  last_loss=state.last_loss, checkpoint=str(where))
     if stopped:
