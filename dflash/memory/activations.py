@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash.memory.attention_masks import MIB, extra_block_mask_mib
+from dflash.memory.attention_masks import MIB, block_masks_mib, mask_build_peak_mib
 
 if TYPE_CHECKING:
     from dflash.memory.model import Workload
@@ -38,9 +38,11 @@ def drafter_activations_mib(workload: Workload) -> float:
     (autocast casts the float32 input again for every Linear). With train.compute_dtype = "bfloat16"
     the residual stream is bf16 and every projection reads one shared bf16 input, but each RMSNorm
     (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
-    copy and a bf16 output."""
-    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
-            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
+    copy and a bf16 output. Beside them, flex's BlockMasks (one per layer rule, kept through the
+    backward), or the moment the last one is built when that is larger (`memory.attention_masks`)."""
+    saved = (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
+             + _final_bytes(workload)) / MIB
+    return max(saved + block_masks_mib(workload), mask_build_peak_mib(workload))
 
 
 def _low_bytes(workload: Workload) -> int:
