@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash.memory.attention_masks import MIB, extra_block_mask_mib
+from dflash.memory.attention_masks import MIB, block_masks_mib, mask_build_peak_mib
 
 if TYPE_CHECKING:
     from dflash.memory.workload import Workload
@@ -41,13 +41,16 @@ def drafter_activations_mib(workload: Workload, in_layer_backward: bool = True) 
     (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
     copy and a bf16 output. With train.activation_checkpointing = "layers" each draft layer keeps
     only its input, and one layer's activations exist again while it is recomputed in its backward
-    (`in_layer_backward`; not yet in the loss's backward)."""
+    (`in_layer_backward`; not yet in the loss's backward). Beside them, flex's BlockMasks (one per
+    layer rule, kept through the backward), or the moment the last one is built when that is
+    larger (`memory.attention_masks`)."""
     layer = _layer_key_bytes(workload) + _layer_block_bytes(workload)
     if workload.checkpointed:       # each layer keeps its input; one layer's activations exist again in its backward
         layers = workload.drafter_layers * _layer_input_bytes(workload) + (layer if in_layer_backward else 0)
     else:
         layers = workload.drafter_layers * layer
-    return (_context_bytes(workload) + layers + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
+    saved = (_context_bytes(workload) + layers + _final_bytes(workload)) / MIB
+    return max(saved + block_masks_mib(workload), mask_build_peak_mib(workload))
 
 
 def _layer_input_bytes(workload: Workload) -> int:

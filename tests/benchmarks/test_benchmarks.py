@@ -69,6 +69,9 @@ CASES = [
                                      rf"^wrong every 4 \(tau {NUMBER}\) +snapshot +{NUMBER} s .* reprefill +{NUMBER} s")),
     Smoke("bench_memory_trace.py", (rf"^  micro-batches' peak \(forward/backward\) +{NUMBER} +{NUMBER} +[-+]{NUMBER}%",
                                     rf"^largest model-vs-trace difference: peak {NUMBER}%")),
+    Smoke("bench_block_mask.py", (rf"^ +32 full +create_block_mask \(before\) +{NUMBER} +{NUMBER} +{NUMBER} +reference$",
+                                  rf"^ +32 full +block_mask \(after\) +{NUMBER} +{NUMBER} +{NUMBER} +equal$",
+                                  r"^built mask's transient within the model, tables equal: yes$")),
     Smoke("bench_drafter_variants.py", (rf"^prompt lookup +everyday +tau {NUMBER}",
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 1$",
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 2, 2 steps in .*the trainer's loss "
