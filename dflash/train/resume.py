@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from dflash.train.launch_checks import LaunchFacts
     from launcher_core.schema import Profile
 
-PARTIAL_SAVE = re.compile(r"^\.step-\d+\..*(\.tmp|\.old-\d+)$")
+PARTIAL_SAVE = re.compile(r"^\.step-(?P<step>\d+)\.(?:.+\.tmp|(?P<old>old-\d+))$")
 STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -54,16 +54,27 @@ def prepare_checkpoints(profile: Profile, facts: LaunchFacts, run_dir: Path, *, 
 
 
 def remove_partial_saves(directory: Path, log: Callable[[str], None] = say) -> list[Path]:
-    """`.step-N.*.tmp` / `.step-N.old-PID` directories a killed save left; removed, each said."""
+    """`.step-N.*.tmp` / `.step-N.old-PID` directories a killed save left; removed, each said. An
+    `.old-PID` whose `step-N` is missing (a save killed between the two renames of its replace) is
+    the previous whole step-N: it is put back instead."""
+    import os
+
     from launcher_core.diskfull import human_bytes, tree_bytes
 
     removed = []
     for entry in sorted(directory.glob(".step-*")) if directory.is_dir() else []:
-        if PARTIAL_SAVE.match(entry.name) and entry.is_dir():
-            size = tree_bytes(entry)
-            shutil.rmtree(entry)
-            log(f"removed {entry} ({human_bytes(size)}): a partial checkpoint an interrupted save left behind")
-            removed.append(entry)
+        match = PARTIAL_SAVE.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        if match.group("old") and not (directory / f"step-{match.group('step')}").exists():
+            os.replace(entry, directory / f"step-{match.group('step')}")
+            log(f"restored {directory / ('step-' + match.group('step'))} from {entry.name}: a save replacing it was "
+                f"interrupted between its two renames")
+            continue
+        size = tree_bytes(entry)
+        shutil.rmtree(entry)
+        log(f"removed {entry} ({human_bytes(size)}): a partial checkpoint an interrupted save left behind")
+        removed.append(entry)
     return removed
 
 
