@@ -51,8 +51,15 @@ def disk_full_message(path: str | Path, needed: Optional[int], what: str = "") -
             f"write somewhere else) and run the command again")
 
 
+FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "[errno 28]", "[Errno 28]", "StorageFull")
+
+
 def is_full_oserror(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in FULL_ERRNOS
+    """ENOSPC / EDQUOT, by errno or (pyarrow's and safetensors' errors keep no errno) by the system's
+    own words in the message."""
+    if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
+        return True
+    return isinstance(error, Exception) and any(words in str(error) for words in FULL_MESSAGES)
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -64,7 +71,8 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def disk_full_of(error: BaseException, path: str | Path | None = None, needed: Optional[int] = None) -> Optional[DiskFull]:
+def disk_full_of(error: BaseException, path: str | Path | None = None, needed: Optional[int] = None,
+                 what: str = "") -> Optional[DiskFull]:
     """The DiskFull an exception amounts to, or None. An ENOSPC/EDQUOT OSError anywhere in its chain
     counts (its own filename is the path named); a torch writer failure counts when the filesystem
     at `path` has less free space than `needed` (or under 1 MiB)."""
@@ -72,13 +80,16 @@ def disk_full_of(error: BaseException, path: str | Path | None = None, needed: O
         if isinstance(link, DiskFull):
             return link
         if is_full_oserror(link):
-            assert isinstance(link, OSError)
-            where = link.filename or path or "?"
-            return DiskFull(disk_full_message(where, needed))
+            named = link.filename if isinstance(link, OSError) else None
+            where = path or named
+            if where is None:
+                return DiskFull("disk full: a write found its filesystem full (" + str(link).splitlines()[0][:200] +
+                                "); free space where the command writes and run it again")
+            return DiskFull(disk_full_message(where, needed, what))
     if path is not None and any(marker in str(link) for link in _chain(error) for marker in TORCH_WRITER_MARKERS):
         free = free_bytes(path)
         if free is not None and free < max(needed or 0, 2**20):
-            return DiskFull(disk_full_message(path, needed))
+            return DiskFull(disk_full_message(path, needed, what))
     return None
 
 
@@ -91,7 +102,7 @@ def disk_full_guard(path: str | Path, needed: Needed = None, what: str = "") -> 
         yield
     except DiskFull:
         raise
-    except (OSError, RuntimeError) as error:
+    except Exception as error:
         count = needed() if callable(needed) else needed
         found = disk_full_of(error, path, count)
         if found is None:

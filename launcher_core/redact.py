@@ -69,13 +69,19 @@ def redact_url(url: str) -> str:
                           else m.group(0), masked)
 
 
+def _redact_url_in_text(found: str) -> str:
+    """A URL found in prose: trailing punctuation (`).,;]`) is the sentence's, not the URL's."""
+    url = found.rstrip(").,;]")
+    return redact_url(url) + found[len(url):]
+
+
 def redact_text(text: str, secrets: list[str] | None = None) -> str:
     """Free text with every URL's credentials, every secret flag's value and the given secret
     values (e.g. `secret_values(os.environ)`) masked."""
     for secret in secrets or []:
         if len(secret) >= 4 and secret in text:
             text = text.replace(secret, REDACTED)
-    text = URL.sub(lambda m: redact_url(m.group(0)), text)
+    text = URL.sub(lambda m: _redact_url_in_text(m.group(0)), text)
     return FLAG_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}" if is_secret_key(m.group(1))
                           else m.group(0), text)
 

@@ -95,7 +95,7 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
-    full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir))
+    full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), "a checkpoint (and the run's logs)")
     record: RankFailure = {"rank": rank, "time": time.time(), "error": str(full) if full else repr(error),
                            "traceback": text}
     if full is not None:

@@ -14,34 +14,8 @@ from pathlib import Path
 import pytest
 
 from dflash.drafter.verify import dcp_problems, verify_checkpoint
-from tests.safety.conftest import tree_digest
+from tests.safety.conftest import save_real_checkpoint, tree_digest
 from tests.train.conftest import write_dataset, write_profile
-
-STATE_EXTRA = {"micro_batch": 1, "total_steps": 10}
-
-
-def save_real_checkpoint(profile_path: Path, run_dir: Path, step: int) -> Path:
-    """step-N of the profile's drafter, written by the trainer's save_checkpoint (AdamW state after one update)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.models import resolve_model_path
-    from dflash.train.optim import cosine_schedule
-    from dflash.train.setup import build_drafter, resolve_layer_ids
-    from launcher_core.profile import load_profile
-
-    profile = load_profile(str(profile_path))
-    target = AutoModelForCausalLM.from_pretrained(resolve_model_path(profile.model.target), local_files_only=True)
-    layers = target.config.num_hidden_layers
-    drafter = build_drafter(profile, target, resolve_layer_ids(profile, layers), layers)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    sum(p.sum() for p in params).backward()
-    optimizer.step()
-    scheduler = cosine_schedule(optimizer, 10, 0.1)
-    return save_checkpoint(run_dir, drafter, step, {"optimizer": optimizer.state_dict(),
-                                                     "scheduler": scheduler.state_dict(), **STATE_EXTRA})
 
 
 @dataclass(frozen=True)
