@@ -222,8 +222,8 @@ def dataset_rows(dataset: Path) -> Optional[int]:
     rows = _read_json(dataset / META_NAME).get("rows")
     if isinstance(rows, int):
         return rows
-    files = [entry.get("filename") for entry in _read_json(dataset / "state.json").get("_data_files") or []
-             if isinstance(entry, dict)]
+    files = [str(entry["filename"]) for entry in _read_json(dataset / "state.json").get("_data_files") or []
+             if isinstance(entry, dict) and entry.get("filename")]
     if not files:
         return None
     import pyarrow as pa
