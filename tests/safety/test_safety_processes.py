@@ -130,3 +130,85 @@ def test_a_child_that_inherited_the_lock_keeps_the_directory_locked(tmp_path):
     assert gone(child, timeout=10)
     with run_lock(tmp_path / "run", "train") as lock:
         assert lock.previous is not None and lock.previous.pid == launcher.pid
+
+
+def test_a_stopped_rank_is_found_and_a_beating_one_is_not(tmp_path):
+    """find_stall: a record whose process lives but has not beaten for the timeout; the control, a
+    process that beats, and a record whose process is gone, are not stalls."""
+    from dflash.train.heartbeat import RankHeartbeat, find_stall, ranks_dir
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beating = RankHeartbeat(tmp_path, 0, timeout_s=2).start()           # this process, beating
+        record = ranks_dir(tmp_path) / "rank-1.json"
+        record.write_text(json.dumps({"rank": 1, "pid": sleeper.pid, "host": os.uname().nodename, "attempt": 0}))
+        assert find_stall(tmp_path, timeout_s=2) is None                     # both fresh
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        os.utime(record, (time.time() - 30, time.time() - 30))               # its last beat, 30 s ago
+        time.sleep(0.5)
+        stall = find_stall(tmp_path, timeout_s=2)
+        assert stall is not None and (stall.rank, stall.pid, stall.state) == (1, sleeper.pid, "stopped")
+        assert stall.describe().startswith(f"rank 1 (pid {sleeper.pid}) stopped responding: no heartbeat for 3")
+        assert " s; its process is stopped (SIGSTOP" in stall.describe() and 30 <= stall.silent_s < 40
+        assert beating.path.stat().st_mtime > time.time() - 2               # the thread keeps beating
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert find_stall(tmp_path, timeout_s=2) is None                         # gone: torchrun's to report
+
+
+def write_records(failures: Path, records: list[dict], agent: list[dict]) -> None:
+    failures.mkdir(parents=True)
+    for record in records:
+        (failures / f"rank-{record['rank']}.json").write_text(json.dumps({"traceback": "Traceback ...", **record}))
+    (failures / "agent.json").write_text(json.dumps({"ranks": agent}))
+
+
+@pytest.mark.parametrize("records, agent, kind, rank, start", [
+    # rank 1 killed -9 (no record of its own); rank 0's "connection closed" is its echo
+    ([{"rank": 0, "time": 1.0, "error": "RuntimeError('Connection closed by peer')"}],
+     [{"rank": 0, "local_rank": 0, "pid": 10, "exitcode": 1, "signal": "", "message": ""},
+      {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": -9, "signal": "SIGKILL", "message": ""}],
+     "rank killed", 1, "rank 1 (pid 11) was killed by SIGKILL from outside the run"),
+    # the control: two recorded errors, no signal: the earliest is the cause
+    ([{"rank": 0, "time": 2.0, "error": "echo"}, {"rank": 1, "time": 1.0, "error": "ValueError('bad row')"}],
+     [{"rank": 0, "local_rank": 0, "pid": 10, "exitcode": 1, "signal": "", "message": ""},
+      {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": 1, "signal": "", "message": ""}],
+     "rank failed", 1, "rank 1 failed first: ValueError('bad row')"),
+    # a full disk recorded by rank 0
+    ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], [],
+     "disk full", 0, "rank 0: disk full: writing a checkpoint"),
+])
+def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank, start):
+    from dflash.train.failures import RunEnd, failure_cause
+
+    write_records(tmp_path / "train" / "failures", records, agent)
+    cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
+    assert (cause.kind, cause.rank) == (kind, rank) and cause.message.startswith(start)
+    assert "no checkpoint was written yet" in cause.message
+
+
+def test_a_killed_agent_is_named_before_any_rank(tmp_path):
+    from dflash.train.failures import RunEnd, failure_cause
+
+    write_records(tmp_path / "train" / "failures", [{"rank": 0, "time": 1.0, "error": "echo"}], [])
+    (tmp_path / "train" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "train" / "checkpoints" / "latest").write_text("step-3\n")
+    cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=-9), collective_timeout_s=600)
+    assert cause.kind == "agent killed" and cause.message == (
+        "the torchrun agent (pid 9) was killed by SIGKILL; its ranks died with it (no process of this run is left); "
+        "the last complete checkpoint is step-3: continue from it with --resume")
+    signalled = failure_cause(tmp_path, RunEnd(agent_pid=9, code=-15, signalled=True), collective_timeout_s=600)
+    assert signalled.kind == "rank failed"                    # we sent it the signal: not a kill from outside
+
+
+def test_status_says_a_running_stage_whose_launcher_is_gone_was_killed(cli, tmp_path):
+    from launcher_core.manifest import update_stage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    update_stage(tmp_path, "train", "running", launcher_pid=gone.pid)
+    result = cli("status", tmp_path)
+    assert result.code == 0 and f"note: train says running, but its launcher (pid {gone.pid}) is gone" in result.out
+    update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())          # the control: a live launcher
+    assert "note:" not in cli("status", tmp_path).out
