@@ -62,9 +62,11 @@ def partial_saves(run_dir: Path) -> list[str]:
 class Chain:
     def __init__(self, root: Path, target: Path, dataset: Path):
         self.run_dir = root / "run"
-        self.profile = write_profile(root / "p.toml", target, dataset, self.run_dir, max_steps=STEPS,
-                                     save_every_steps=1, heartbeat_timeout_s=HEARTBEAT_S, collective_timeout_s=600,
-                                     drafter=WIDE_DRAFTER)
+        settings = {"max_steps": STEPS, "save_every_steps": 1, "collective_timeout_s": 600, "drafter": WIDE_DRAFTER}
+        self.profile = write_profile(root / "p.toml", target, dataset, self.run_dir, heartbeat_timeout_s=120, **settings)
+        # the stopped-rank run: a short heartbeat timeout (the others keep the default, safe on a loaded machine)
+        self.short_heartbeat = write_profile(root / "stall.toml", target, dataset, self.run_dir,
+                                             heartbeat_timeout_s=HEARTBEAT_S, **settings)
         self.outputs: dict[str, tuple[int, str]] = {}
 
     def tree(self, process) -> list[psutil.Process]:
@@ -145,7 +147,7 @@ def test_4_kill_9_of_one_rank_mid_step_names_that_rank(chain):
 
 
 def test_5_a_stopped_rank_is_named_within_the_heartbeat_timeout(chain):
-    process = start_train(chain.profile, chain.run_dir, "--resume")
+    process = start_train(chain.short_heartbeat, chain.run_dir, "--resume")
     members, ranks = chain.tree(process), wait_for_ranks(chain.run_dir)
     resumed = int(latest(chain.run_dir).split("-")[1])
     wait_for(lambda: max(metrics_steps(chain.run_dir) or [0]) > resumed, what="training under way")
