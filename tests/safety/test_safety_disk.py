@@ -189,8 +189,12 @@ def test_the_preflight_disk_check_reads_the_run_dir_the_command_writes(cli, smal
                             tmp_path / "profile-run")
     refused = cli("train", "--profile", profile, "--run-dir", disk / "run")
     assert refused.code == 1, refused.err
-    assert re.search(rf"host\.disk\s+FAIL\s+free disk at {re.escape(str(disk / 'run'))}: [0-3] MiB, profile needs 10240 MiB",
-                     refused.err), refused.err
-    assert "preflight audit found" in refused.err and not (disk / "run" / "train").exists()
-    control = cli("audit", "--profile", profile)              # the profile's own run_dir: the big disk
-    assert re.search(rf"host\.disk\s+PASS\s+free disk at {re.escape(str(tmp_path / 'profile-run'))}", control.out + control.err)
+    assert "preflight audit found 1 FAIL(s):\n  host.disk: free disk at" in refused.err
+    recorded = json.loads((disk / "run" / "audit" / "findings.json").read_text())        # the run dir's own record
+    disk_finding = next(f for f in recorded["findings"] if f["id"] == "host.disk")
+    assert re.fullmatch(rf"free disk at {re.escape(str(disk / 'run'))}: [0-3] MiB, profile needs 10240 MiB",
+                        disk_finding["message"]) and disk_finding["status"] == "FAIL"
+    assert not (disk / "run" / "train").exists()
+    control = cli("audit", "--profile", profile, "--json")          # the profile's own run_dir: the big disk
+    finding = next(f for f in json.loads(control.out)["findings"] if f["id"] == "host.disk")
+    assert finding["status"] == "PASS" and f"free disk at {tmp_path / 'profile-run'}" in finding["message"]
