@@ -212,7 +212,7 @@ def listeners_by_role(root, seen: dict[str, set], rank_pids: set[int]) -> None:
         with contextlib.suppress(psutil.Error):
             command = " ".join(process.cmdline())
             role = ("launcher" if process.pid == root.pid else "rank" if "dflash.train.worker" in command
-                    else "agent" if "torch.distributed.run" in command else "other")
+                    else "agent" if "dflash.train.agent" in command else "other")
             rank_pids.update([process.pid] if role == "rank" else [])
             seen.setdefault(role, set()).update((process.pid, c.laddr.ip, c.laddr.port)
                                                 for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
