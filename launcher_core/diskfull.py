@@ -63,12 +63,20 @@ def is_full_oserror(error: BaseException) -> bool:
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
+    """The exception, its causes and contexts, and the per-rank errors a collective writer gathered
+    (torch.distributed.checkpoint's CheckpointException keeps them in `failures`: rank -> (error, frames))."""
     seen: set[int] = set()
-    current: Optional[BaseException] = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
+    pending: list[BaseException] = [error]
+    while pending:
+        current: Optional[BaseException] = pending.pop(0)
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            yield current
+            failures = getattr(current, "failures", None)
+            if isinstance(failures, dict):
+                pending += [entry[0] if isinstance(entry, tuple) else entry for entry in failures.values()
+                            if isinstance(entry[0] if isinstance(entry, tuple) else entry, BaseException)]
+            current = current.__cause__ or current.__context__
 
 
 def disk_full_of(error: BaseException, path: str | Path | None = None, needed: Optional[int] = None,

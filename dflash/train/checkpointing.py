@@ -41,14 +41,21 @@ def save_training_checkpoint(state: TrainState, run_dir: Path) -> Path:
     from dflash.train.dist import barrier
 
     staging = shared_staging_directory(run_dir, state.step, state.env.is_main)
-    model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
-    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(staging / DCP_DIR))
-    weights = full_weights(state)
-    if state.env.is_main:
-        from dflash.drafter.checkpoint import publish_checkpoint, write_checkpoint_files
+    try:
+        model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(staging / DCP_DIR))
+        weights = full_weights(state)
+        if state.env.is_main:
+            from dflash.drafter.checkpoint import publish_checkpoint, write_checkpoint_files
 
-        write_checkpoint_files(staging, weights, state.drafter.config, training_state(state))
-        publish_checkpoint(run_dir, staging, state.step)
+            write_checkpoint_files(staging, weights, state.drafter.config, training_state(state))
+            publish_checkpoint(run_dir, staging, state.step)
+    except BaseException:
+        if state.env.is_main:           # a save cut short (a full disk, a kill) leaves no staging directory behind
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     barrier()
     from dflash.drafter.checkpoint import checkpoints_dir
 

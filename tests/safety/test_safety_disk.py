@@ -154,7 +154,8 @@ def test_generate_onto_a_full_disk_keeps_every_whole_completion(small_fs, tmp_pa
 @pytest.mark.slow
 def test_a_full_disk_inside_a_checkpoint_save(small_fs, tmp_path, tiny_qwen3_target):
     """Two gloo ranks; after the step-2 checkpoint the disk is filled to ~250 KiB free, so the step-4
-    save fails inside torch.save of training_state.pt (the weights still fit)."""
+    save fails (in torch.distributed.checkpoint's shard files or in torch.save of training_state.pt,
+    whichever meets the full disk first) and leaves no staging directory."""
     from dflash.drafter.verify import verify_checkpoint
     from tests.safety.runs import finish, start_train, wait_for
     from tests.train.conftest import write_dataset, write_profile
@@ -169,14 +170,16 @@ def test_a_full_disk_inside_a_checkpoint_save(small_fs, tmp_path, tiny_qwen3_tar
     fill(disk, 250 * 1024)
     code, out = finish(process)
     assert code == 2, out
-    assert f"error: rank 0: disk full: writing a checkpoint (and the run's logs) to {run_dir / 'train'} needs about" in out
+    # every rank writes its shards (torch.distributed.checkpoint): whichever met the full disk first is named
+    assert re.search(rf"error: rank [01]: disk full: writing a checkpoint \(and the run's logs\) to "
+                     rf"{re.escape(str(run_dir / 'train'))} needs about", out), out
     assert "then the last complete checkpoint is step-2: continue from it with --resume" in out
     assert "unexpected pos" not in out.split("error: ")[-1] and "failed unexpectedly" not in out
     step = run_dir / "train" / "checkpoints" / "step-2"
-    assert needed_bytes(out) == sum(p.stat().st_size for p in step.iterdir())
+    assert needed_bytes(out) == sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
     assert verify_checkpoint(step) == [] and not list(step.parent.glob(".step-*"))
-    record = json.loads((run_dir / "train" / "failures" / "rank-0.json").read_text())
-    assert record["kind"] == "disk_full" and "unexpected pos" in record["traceback"]      # inside torch.save
+    records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
+    assert any(record["kind"] == "disk_full" for record in records)
     entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert entry["state"] == "failed" and entry["ended_by"] == "disk full"
 
