@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash.drafter.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from dflash.drafter.loss import BlockTargets, LossParts, SelectorStats, block_targets, drafter_loss, figure_width, per_slot_accuracy, read_selector_stats, simulated_tau
 from dflash.drafter.model import DFlashDrafter, forward_blocks
 from dflash.train import dist
 from dflash.train.data import MicroBatch
@@ -38,6 +38,7 @@ class StepStats:
     tokens: int
     weight_sum: float
     seconds: float
+    selector: SelectorStats | None = None      # DFlash 2: the selector's own figures (dflash.drafter.loss)
 
 
 def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
@@ -64,8 +65,9 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     with autocast_context(state.device, state.autocast):
         hidden = forward_blocks(compute_model(state), batch.input_ids, batch.anchors, features, state.backend,
                                 state.layer_attends)
-        parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
-                           state.chunk_rows)
+        anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+        parts = drafter_loss(state.drafter, hidden, step_targets(state.drafter, batch), anchor_ids, state.decay,
+                             state.chunk_rows, state.selector)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
 
@@ -165,16 +167,14 @@ def update(state: TrainState) -> None:
 
 def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
     """Forward/backward of each micro-batch, loss / GLOBAL weight; gradients stay local (summed later)."""
-    slots = state.drafter.block_size - 1
-    totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
+    selector = hasattr(state.drafter, "candidate_selector")
+    totals = torch.zeros(figure_width(state.drafter.block_size, selector), dtype=torch.float64)
     for batch in batches:
         if state.autobatch is not None:
             state.autobatch.inject("forward")
         parts = forward_micro(state, batch)
         (parts.weighted_ce / global_weight).backward()
-        totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
-                             parts.weight_sum.detach().double().cpu().view(1),
-                             parts.correct.double().cpu(), parts.counted.double().cpu()])
+        totals += parts.figure_sums()
     return totals
 
 
@@ -185,7 +185,8 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
     weight = float(reduced[1])
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
                      sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
-                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds)
+                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds,
+                     selector=read_selector_stats(reduced[:-1], state.drafter.block_size))
 
 
 def maybe_inject_failure(rank: int, step: int) -> None:
