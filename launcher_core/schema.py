@@ -391,4 +391,10 @@ def drafter_kind_problems(profile: "Profile") -> list[tuple[str, str]]:
     if drafter.conv_kernel_size > drafter.block_size:
         problems.append(("drafter.conv_kernel_size", f"{drafter.conv_kernel_size} taps exceed drafter.block_size "
                          f"{drafter.block_size}; the convolution stays inside a block (valid: 1..{drafter.block_size})"))
+    if profile.machine.device == "cpu":      # vLLM 0.32's CPU build: V1 refuses candidate heads, V2 needs Triton's GPU backend
+        for key, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\"")):
+            if getattr(profile.eval, key.split(".")[1]) == "vllm":
+                problems.append((key, "\"vllm\" with drafter.kind = \"dflash2\" on CPU: vLLM's CPU build cannot serve "
+                                 "a DFlash 2 drafter (its V1 model runner refuses candidate-head drafts, its V2 runner "
+                                 f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node"))
     return problems

@@ -171,6 +171,16 @@ def dflash2_config_problems(document: dict[str, Any]) -> list[str]:
     return problems
 
 
+def is_dflash2_checkpoint(path: str | Path) -> bool:
+    """Whether a drafter directory (or a run's checkpoints/ dir) holds a DFlash 2 drafter; torch-free."""
+    config_path = resolve_checkpoint_dir(Path(path)) / CONFIG
+    try:
+        document = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and "DFlash2DraftModel" in (document.get("architectures") or [])
+
+
 def _number(value: object) -> float:
     """A config value as a number; NaN (failing every comparison) when it is not one."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")

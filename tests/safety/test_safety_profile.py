@@ -24,7 +24,7 @@ CASES = [
     ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2"),
     ("data", "max_degenerate_share = 7.5", "data.max_degenerate_share", "7.5", "a finite number >= 0 and <= 1"),
     ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0"),
-    ("drafter", "output_multiplier = 0", "drafter.output_multiplier", "0", "a finite number > 0"),
+    ("drafter", "output_multiplier = 0.0", "drafter.output_multiplier", "0.0", "a finite number > 0"),
     ("drafter", "selector_rank = 0", "drafter.selector_rank", "0", "an integer >= 1"),
     ("train", "selector_loss_alpha = -1.0", "train.selector_loss_alpha", "-1.0", "a finite number >= 0"),
 ]
@@ -72,6 +72,7 @@ def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
      "9 taps exceed drafter.block_size 8"),
     ("drafter", "selector_top_k = 8", "drafter.selector_top_k", 'it applies to drafter.kind = "dflash2" only'),
     ("train", "selector_stop_gradient = true", "train.selector_stop_gradient", 'applies to drafter.kind = "dflash2"'),
+    ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0', "eval.serve_engine", "vLLM's CPU build cannot serve a DFlash 2"),
 ])
 def test_cross_field_rules_name_the_key(cli, tmp_path, section, lines, key, problem):
     profile = bad_profile(tmp_path, section, lines)
