@@ -217,11 +217,16 @@ class CandidateSelector(nn.Module):
             self.predecessor_codebook.normal_(std=INIT_STD)
             self.hidden_projection.weight.normal_(std=INIT_STD)
 
-    def transitions(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H], predecessor ids [...], candidate ids [..., K] -> <A[p] * P h, B[c]> [..., K]."""
+    def forward(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], predecessor ids [...], candidate ids [..., K] -> <A[p] * P h, B[c]> [..., K].
+        The training loss calls the module (not a method), so a wrapper's hooks (FSDP2's unsharding,
+        when the selector is its own `fully_shard` unit) run around it."""
         context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
         successors = F.embedding(candidates, self.successor_codebook)
         return torch.einsum("...r,...kr->...k", context.to(successors.dtype), successors)
+
+    def transitions(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self(hidden, predecessors, candidates))
 
     def scores(self, unary: torch.Tensor, hidden: torch.Tensor, predecessors: torch.Tensor,
                candidates: torch.Tensor) -> torch.Tensor:

@@ -319,7 +319,7 @@ def selector_terms(selector: CandidateSelector, rows: torch.Tensor, labels: torc
     top_k = head.top_ids.shape[1]
     in_top = head.top_ids == labels[:, None]
     recall = in_top.any(dim=-1)
-    transitions = selector.transitions(rows, predecessors, torch.cat([head.top_ids, labels[:, None]], dim=1)).float()
+    transitions = selector(rows, predecessors, torch.cat([head.top_ids, labels[:, None]], dim=1)).float()
     strict = values.float() + transitions[:, :top_k]
     inserted = torch.where(recall, strict[:, -1], gold.float() + transitions[:, -1])
     scores = torch.cat([strict[:, :-1], inserted[:, None]], dim=1)
