@@ -73,6 +73,9 @@ CASES = [
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 1$",
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 2, 2 steps in .*the trainer's loss "
                                         rf"decay gamma {re.escape(profile_gamma('cpu-demo'))}, ")),
+    Smoke("bench_drafter_variants.py", (rf"^dflash2 +everyday +tau {NUMBER} .* step 2, 2 steps in ",
+                                        rf"^dflash2/unary +everyday +tau {NUMBER} .* step 2, 2 steps in "),
+          args=("--smoke", "--variants", "dflash2"), marks=(SLOW,), name="bench_drafter_variants-dflash2"),
     Smoke("bench_grad_sync.py", (rf"^cat +{NUMBER} MiB +{NUMBER} MiB +{NUMBER} ms +{NUMBER} ms",
                                  rf"^bucketed +{NUMBER} MiB +{NUMBER} MiB +{NUMBER} ms +{NUMBER} ms"), marks=(SLOW,)),
     Smoke("bench_bisect.py", (r"^ +128 +8 +8\.00 +8$",                      # pure search: worst / mean / bound
