@@ -251,9 +251,8 @@ class CandidateSelector(nn.Module):
             predecessor = candidates[slot, index]
             tokens.append(predecessor)
             picked.append(index)
-        return SelectorWalk(torch.stack(tokens) if tokens else candidates[:, 0], candidates,
-                            torch.stack(picked) if picked else candidates[:, 0],
-                            torch.stack(q_rows) if q_rows else None)
+        assert tokens, "a block drafts at least one slot"
+        return SelectorWalk(torch.stack(tokens), candidates, torch.stack(picked), torch.stack(q_rows) if q_rows else None)
 
 
 def inverse_cdf(q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -262,7 +261,10 @@ def inverse_cdf(q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """DFlashDrafter with DFlash2DecoderLayers, the selector, and the unary logit transform."""
+    """DFlashDrafter with DFlash2DecoderLayers, the selector, and the unary logit transform. The selector
+    runs after the forward (in the loss, in the walk), on the normed hidden states the forward returns."""
+
+    outside_forward = ("candidate_selector.",)
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

@@ -138,6 +138,7 @@ class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Attached (frozen): the target's embedding, lm_head."""
 
     draft_vocab: torch.Tensor           # a buffer, registered only with a draft vocabulary
+    outside_forward: tuple[str, ...] = ()   # parameter-name prefixes the forward never reads (DFlash 2: the selector)
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -301,7 +302,8 @@ class ComputeIn(nn.Module):
     def forward(self, *args: object) -> torch.Tensor:
         from torch.func import functional_call
 
-        copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters()}
+        unused = self.module.outside_forward
+        copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters() if not name.startswith(unused)}
         return cast(torch.Tensor, functional_call(self.module, copies, args))
 
 

@@ -218,3 +218,28 @@ def test_a_fresh_selector_has_no_lift_and_a_trained_one_is_measured_apart(pair):
 
 def block_loss_sums() -> torch.Tensor:
     return torch.zeros(figure_width(BLOCK, selector=False), dtype=torch.float64)
+
+
+def test_bf16_compute_runs_the_convolutions_and_leaves_the_selector_to_the_loss(pair, monkeypatch):
+    """train.compute_dtype = "bfloat16" (ComputeIn): the forward on bf16 copies, its gradients reach the
+    float32 convolutions; the codebooks, which the forward never reads, are not copied."""
+    from dflash.drafter.model import ComputeIn
+
+    _, second = pair
+    ids, anchors, features, _ = batch()
+    copied: list[str] = []
+    original = torch.func.functional_call
+
+    def spy(module, parameters, args, *rest, **kwargs):
+        copied.extend(parameters)
+        return original(module, parameters, args, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.func, "functional_call", spy)
+    second.zero_grad(set_to_none=True)
+    low = forward_blocks(ComputeIn(second, torch.bfloat16), ids, anchors, features, "sdpa")
+    with torch.no_grad():
+        full = forward_blocks(second, ids, anchors, features, "sdpa")
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), full, rtol=0.05, atol=0.05)
+    low.float().pow(2).mean().backward()
+    assert second.layers[0].attention_conv.kernel_projection.weight.grad.dtype == torch.float32
+    assert copied and not any(name.startswith("candidate_selector.") for name in copied)
