@@ -1,12 +1,14 @@
 """Drafter checkpoints: `{run_dir}/train/checkpoints/step-N/` and the `latest` pointer.
 
-Each checkpoint directory holds `model.safetensors` (the trainable drafter weights, reference
+Each checkpoint directory holds `model.safetensors` (the trainable drafter weights, whole, reference
 names), `config.json` (reference drafter format, `config_document`: `architectures:
 ["DFlashDraftModel"]`, `model_type: qwen3`, `block_size`, `dflash_config: {mask_token_id,
 target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoPE as a top-level
-`rope_theta` next to transformers 5's `rope_parameters`) and `training_state.pt` (optimizer,
-scheduler, step, agreed micro-batch: tensors, numbers, strings and containers only, read back with
-`torch.load(weights_only=True)`, never by unpickling arbitrary objects). It is
+`rope_theta` next to transformers 5's `rope_parameters`), `training_state.pt` (scheduler, step,
+agreed micro-batch, world size: tensors, numbers, strings and containers only, read back with
+`torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
+`dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
+per rank (dflash.train.checkpointing; they resume at any world size). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -42,18 +44,34 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:
-    """Write step-N atomically, then point `latest` at it. Returns the checkpoint directory."""
+    """Write step-N of an unsharded drafter (one process) atomically, then point `latest` at it.
+    Training writes its sharded checkpoints through dflash.train.checkpointing, with the same files."""
+    weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
+    with atomic_directory(checkpoints_dir(run_dir) / f"step-{step}") as staging:
+        write_checkpoint_files(staging, weights, drafter.config, {"step": step, **state})
+    return publish_checkpoint(run_dir, None, step)
+
+
+def write_checkpoint_files(directory: Path, weights: Mapping[str, torch.Tensor], config: PretrainedConfig,
+                           state: Mapping[str, object]) -> None:
+    """model.safetensors (the full weights), config.json and training_state.pt into `directory`."""
     import torch
     from safetensors.torch import save_file
 
-    root = checkpoints_dir(run_dir)
-    target = root / f"step-{step}"
-    weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
-    with atomic_directory(target) as staging:
-        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        (staging / CONFIG).write_text(json.dumps(config_document(drafter.config), indent=2) + "\n", encoding="utf-8")
-        torch.save({"step": step, **state}, staging / STATE)
-    write_text_atomic(root / LATEST, f"step-{step}\n")
+    save_file(dict(weights), str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
+    torch.save(dict(state), directory / STATE)
+
+
+def publish_checkpoint(run_dir: str | Path, staging: Path | None, step: int) -> Path:
+    """Put a staged checkpoint directory in place as step-N (when `staging` is given), then point
+    `latest` at it: a crash before this leaves the previous checkpoint the latest."""
+    from launcher_core.fileio import replace_directory
+
+    target = checkpoints_dir(run_dir) / f"step-{step}"
+    if staging is not None:
+        replace_directory(staging, target)
+    write_text_atomic(checkpoints_dir(run_dir) / LATEST, f"step-{step}\n")
     return target
 
 

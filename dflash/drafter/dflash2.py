@@ -183,8 +183,9 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(*conv)
         self.mlp_conv = GroupedDynamicCausalConv(*conv)
 
-    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """(DraftDecoderLayer.forward calls this, or recomputes it in the backward: activation checkpointing.)"""
         normed, delta = self.attention_conv.prepare(self.input_layernorm(hidden))
         hidden = hidden + self.attention_conv.finish(self.self_attn(normed, context, rope, attend, context_kv), delta)
         normed, delta = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))

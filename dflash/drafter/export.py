@@ -135,7 +135,9 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     from safetensors.torch import save_file
 
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
+    from launcher_core.diskfull import disk_full_guard
     from launcher_core.fileio import atomic_directory
+    from launcher_core.outputs import mark_export
 
     if engine not in ENGINES:
         raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")
@@ -148,10 +150,12 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     document = _engine_keys(document, engine)
     missing = missing_fields(document, engine)
     assert not missing, f"export for {engine} lacks {missing}"
-    with atomic_directory(output) as staging:
+    needed = sum(t.numel() * t.element_size() for t in weights.values()) + 2**16
+    with disk_full_guard(output, needed, "the exported drafter"), atomic_directory(output) as staging:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
                   metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        mark_export(staging, engine=engine, checkpoint=str(checkpoint))    # what --force may replace later
     return ExportResult(output, notes)
 
 

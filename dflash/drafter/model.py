@@ -14,7 +14,7 @@
 Parameter names follow the reference drafter (`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`,
 `norm`), so `model.safetensors` + `config.json` load where the reference format is expected.
 The target's embedding and lm_head are attached, not registered: they never train, never go to
-the optimizer or DDP, and never into the checkpoint.
+the optimizer or FSDP2, and never into the checkpoint.
 """
 from __future__ import annotations
 
@@ -129,7 +129,20 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                recompute: bool = False) -> torch.Tensor:
+        """`recompute`: keep only this layer's inputs for backward and run it again there (activation
+        checkpointing, non-reentrant; inside the layer's own call, so under FSDP2 the recomputation
+        runs while the layer's gathered weights are there for its backward)."""
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            return cast(torch.Tensor, checkpoint(self._forward, hidden, context, rope, attend, context_kv,
+                                                 use_reentrant=False))
+        return self._forward(hidden, context, rope, attend, context_kv)
+
+    def _forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, attend, context_kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -154,6 +167,7 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.layer_rules: list[LayerAttention] = layer_attention(config)
         self._frozen: tuple[nn.Embedding, nn.Linear] | None = None
+        self.checkpoint_layers = False      # train.activation_checkpointing = "layers": recompute each layer in backward
         vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
         if vocab_size:      # the target token id of each draft row (saved with the weights)
             self.register_buffer("draft_vocab", torch.zeros(vocab_size, dtype=torch.long))
@@ -204,8 +218,9 @@ class DFlashDrafter(nn.Module):
         context = self.project_context(context_features)
         rope = self.rotary_emb(hidden, key_positions)
         attends = list(attend) if isinstance(attend, (list, tuple)) else [attend] * len(self.layers)
-        for layer, layer_attend in zip(self.layers, attends):
-            hidden = layer(hidden, context, rope, layer_attend)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        for layer, layer_attend in zip(self.decoder_layers, attends):
+            hidden = layer(hidden, context, rope, layer_attend, recompute=recompute)
         return self.norm(hidden)
 
     def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
@@ -289,30 +304,12 @@ def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor
     return cast(torch.Tensor, drafter.norm(hidden))[0]
 
 
-class ComputeIn(nn.Module):
-    """The drafter computing on `dtype` copies of its parameters (train.compute_dtype = "bfloat16",
-    as FSDP's mixed precision with a bf16 param_dtype): the residual stream, norms, projections and
-    attention all in `dtype`; the casts are differentiable, so float32 gradients reach the float32
-    parameters, which the optimizer updates. Called like the drafter; `.module` is the drafter."""
-
-    def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
-        super().__init__()
-        self.module, self.dtype = drafter, dtype
-
-    def forward(self, *args: object) -> torch.Tensor:
-        from torch.func import functional_call
-
-        unused = self.module.outside_forward
-        copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters() if not name.startswith(unused)}
-        return cast(torch.Tensor, functional_call(self.module, copies, args))
-
-
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
                    context_features: torch.Tensor, backend: Backend,
                    layer_attends: LayerAttendsFactory = make_layer_attends) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
-    block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
-    ComputeIn: reached through `.module`), called itself so the wrapper's hooks run; `layer_attends`
+    block mask -> normed hidden [b, N, B, H]. `model` is the drafter (sharded by FSDP2 in training:
+    calling it runs FSDP's hooks) or a wrapper around it (reached through `.module`); `layer_attends`
     makes each layer's attention from the layout, the backend and the layers' rules."""
     drafter = cast(DFlashDrafter, getattr(model, "module", model))
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)

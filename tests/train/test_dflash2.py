@@ -220,26 +220,34 @@ def block_loss_sums() -> torch.Tensor:
     return torch.zeros(figure_width(BLOCK, selector=False), dtype=torch.float64)
 
 
-def test_bf16_compute_runs_the_convolutions_and_leaves_the_selector_to_the_loss(pair, monkeypatch):
-    """train.compute_dtype = "bfloat16" (ComputeIn): the forward on bf16 copies, its gradients reach the
-    float32 convolutions; the codebooks, which the forward never reads, are not copied."""
-    from dflash.drafter.model import ComputeIn
+def test_bf16_compute_under_fsdp2_runs_the_convolutions_in_bf16_and_the_selector_is_its_own_unit(pair):
+    """train.compute_dtype = "bfloat16" under FSDP2: the forward on the bf16-gathered weights, its
+    float32 gradients reach the convolutions' float32 shards; the selector, which the loss calls after
+    the drafter's forward, is its own FSDP2 unit (gathered when the loss calls it)."""
+    from dflash.train.sharding import drafter_mesh, is_sharded, shard_drafter
 
     _, second = pair
     ids, anchors, features, _ = batch()
-    copied: list[str] = []
-    original = torch.func.functional_call
-
-    def spy(module, parameters, args, *rest, **kwargs):
-        copied.extend(parameters)
-        return original(module, parameters, args, *rest, **kwargs)
-
-    monkeypatch.setattr(torch.func, "functional_call", spy)
-    second.zero_grad(set_to_none=True)
-    low = forward_blocks(ComputeIn(second, torch.bfloat16), ids, anchors, features, "sdpa")
     with torch.no_grad():
         full = forward_blocks(second, ids, anchors, features, "sdpa")
+    sharded = shard_drafter(_reattached(second), drafter_mesh(torch.device("cpu"), "gloo"), compute_dtype="bfloat16")
+    assert is_sharded(sharded.candidate_selector) and is_sharded(sharded)
+    low = forward_blocks(sharded, ids, anchors, features, "sdpa")
     assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), full, rtol=0.05, atol=0.05)
     low.float().pow(2).mean().backward()
-    assert second.layers[0].attention_conv.kernel_projection.weight.grad.dtype == torch.float32
-    assert copied and not any(name.startswith("candidate_selector.") for name in copied)
+    grad = sharded.layers[0].attention_conv.kernel_projection.weight.grad
+    assert grad is not None and grad.dtype == torch.float32
+
+
+def _reattached(drafter):
+    """A deep copy of `drafter` with the same (frozen, unregistered) target parts attached."""
+    import copy
+
+    frozen = drafter._frozen
+    drafter._frozen = None
+    try:
+        twin = copy.deepcopy(drafter)
+    finally:
+        drafter._frozen = frozen
+    twin._frozen = frozen
+    return twin
