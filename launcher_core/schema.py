@@ -106,8 +106,18 @@ class GenerateSection:
     vllm_enforce_eager: bool = False         # vLLM --enforce-eager: starts in ~30 s on CPU instead of 100-140 s of compile
 
 
+DrafterKind = Literal["dflash", "dflash2"]
+# The DFlash 2 keys (`drafter.kind = "dflash2"`) and their published values: z-lab's Qwen3.8-27B-DFlash2
+# and SpecForge's configs/qwen3.6-27b-dflash2.json (kernel 2, groups of 16 channels, rank 256, top-16),
+# the defaults of vLLM Speculators' `dflash2` (PR #1006); a unit multiplier and no softcap as the
+# reference `DFlash2DraftModel.compute_logits` reads their absence. docs/train.md, "DFlash 2".
+DFLASH2_DEFAULTS: dict[str, float] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                                      "selector_top_k": 16, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
+
+
 @dataclass(frozen=True)
 class DrafterSection:
+    kind: DrafterKind = "dflash"             # dflash2: the causal convolutions and the candidate selector (DFlash2DraftModel)
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
@@ -129,6 +139,17 @@ class DrafterSection:
     rope_scaling_factor: float = 1.0
     rope_original_max_position_embeddings: int = 0   # yarn: the context the RoPE was made for (0: max_position_embeddings)
     init_from: str = ""                      # init = "drafter": a DFlash drafter directory (z-lab format) or our checkpoint
+    # DFlash 2 only (kind = "dflash2"; published defaults, DFLASH2_DEFAULTS): a grouped dynamic causal
+    # convolution of `conv_kernel_size` taps (one dynamic kernel per `conv_group_size` channels) around
+    # every attention and MLP sublayer, and a candidate selector re-ranking the head's top `selector_top_k`
+    # tokens per slot with rank-`selector_rank` predecessor/successor codebooks. The unary logits are
+    # lm_head * output_multiplier, then tanh-softcapped at final_logit_softcapping (0: none).
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,11 @@ class TrainSection:
     activation_checkpointing: Literal["none", "layers"] = "none"   # layers: each draft layer's activations recomputed in backward
     heartbeat_timeout_s: float = 120.0       # a rank whose process stops beating this long is named and the run ended
     collective_timeout_s: float = 600.0      # the process group's timeout: a collective waits this long for a rank
+    # DFlash 2 (drafter.kind = "dflash2"): loss = DFlash loss on the unary logits + alpha x the selector's
+    # K-way cross entropy (SpecForge PR #772 `dflash2_selector_loss_alpha`, vLLM Speculators PR #1006: 1.0);
+    # stop_gradient: the selector term trains only the selector, not the backbone it reads (SpecForge PR #793, off).
+    selector_loss_alpha: float = 1.0
+    selector_stop_gradient: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +333,12 @@ RANGES: dict[str, Range] = {
     "drafter.num_key_value_heads": Range(0, 4096),
     "drafter.head_dim": Range(0, 4096),
     "drafter.rope_theta": Range(0, low_open=True, zero="the target's theta"),
+    "drafter.conv_kernel_size": AT_LEAST_1,          # <= drafter.block_size (cross-field rule)
+    "drafter.conv_group_size": AT_LEAST_1,           # divides the target's hidden size (launch checks)
+    "drafter.selector_rank": AT_LEAST_1,
+    "drafter.selector_top_k": AT_LEAST_1,            # <= the target's vocabulary (launch checks)
+    "drafter.output_multiplier": POSITIVE,           # SGLang refuses a non-positive one; it keeps the top-K order
+    "drafter.final_logit_softcapping": Range(0, low_open=True, zero="no softcapping"),
     "train.epochs": Range(1, 10**6),
     "train.max_steps": Range(0, 10**9),
     "train.lr": POSITIVE,
@@ -324,6 +356,7 @@ RANGES: dict[str, Range] = {
     "train.loss_chunk_rows": Range(1, 2**24),
     "train.heartbeat_timeout_s": Range(2, 86400),      # several beats per timeout (dflash.train.heartbeat)
     "train.collective_timeout_s": Range(10, 86400),
+    "train.selector_loss_alpha": AT_LEAST_0,         # 0: the selector's loss is computed (figures) but trains nothing
     "memory.margin": Range(0, 1, high_open=True),
     "memory.overhead_mib": Range(0, 2**24),
     "eval.num_prompts": Range(1, 10**6),
@@ -356,4 +389,31 @@ def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
     if drafter.num_key_value_heads and drafter.num_attention_heads % drafter.num_key_value_heads:
         problems.append(("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
                          f"drafter.num_attention_heads {drafter.num_attention_heads}"))
+    return problems + drafter_kind_problems(profile)
+
+
+def drafter_kind_problems(profile: "Profile") -> list[tuple[str, str]]:
+    """The DFlash 2 keys only with drafter.kind = "dflash2"; its head needs the whole vocabulary."""
+    drafter, train = profile.drafter, profile.train
+    if drafter.kind == "dflash":
+        changed = [key for key, default in DFLASH2_DEFAULTS.items() if getattr(drafter, key) != default]
+        changed = [f"drafter.{key}" for key in changed]
+        changed += [key for key, moved in (("train.selector_loss_alpha", train.selector_loss_alpha != 1.0),
+                                           ("train.selector_stop_gradient", train.selector_stop_gradient)) if moved]
+        return [(key, "set, but drafter.kind is \"dflash\"; it applies to drafter.kind = \"dflash2\" only")
+                for key in changed]
+    problems = []
+    if drafter.draft_vocab_size:
+        problems.append(("drafter.draft_vocab_size", f"{drafter.draft_vocab_size} with drafter.kind = \"dflash2\": "
+                         "its candidate selector and the engines that serve it (vLLM, SGLang) need the target's whole "
+                         "vocabulary at the head; set drafter.draft_vocab_size = 0"))
+    if drafter.conv_kernel_size > drafter.block_size:
+        problems.append(("drafter.conv_kernel_size", f"{drafter.conv_kernel_size} taps exceed drafter.block_size "
+                         f"{drafter.block_size}; the convolution stays inside a block (valid: 1..{drafter.block_size})"))
+    if profile.machine.device == "cpu":      # vLLM 0.32's CPU build: V1 refuses candidate heads, V2 needs Triton's GPU backend
+        for key, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\"")):
+            if getattr(profile.eval, key.split(".")[1]) == "vllm":
+                problems.append((key, "\"vllm\" with drafter.kind = \"dflash2\" on CPU: vLLM's CPU build cannot serve "
+                                 "a DFlash 2 drafter (its V1 model runner refuses candidate-head drafts, its V2 runner "
+                                 f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node"))
     return problems

@@ -151,6 +151,7 @@ class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Attached (frozen): the target's embedding, lm_head."""
 
     draft_vocab: torch.Tensor           # a buffer, registered only with a draft vocabulary
+    outside_forward: tuple[str, ...] = ()   # parameter-name prefixes the forward never reads (DFlash 2: the selector)
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -159,7 +160,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -170,6 +171,10 @@ class DFlashDrafter(nn.Module):
         vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
         if vocab_size:      # the target token id of each draft row (saved with the weights)
             self.register_buffer("draft_vocab", torch.zeros(vocab_size, dtype=torch.long))
+
+    def make_layer(self, config: Qwen3Config) -> DraftDecoderLayer:
+        """One draft layer (DFlash 2 wraps its sublayers in convolutions: dflash.drafter.dflash2)."""
+        return DraftDecoderLayer(config)
 
     def attach_target(self, target: PreTrainedModel) -> "DFlashDrafter":
         """Use the target's embedding and lm_head (frozen, not registered here). The mask token is
@@ -263,20 +268,30 @@ class DFlashDrafter(nn.Module):
         context_features [1, C, L*H] are the target's tap features of positions 0..C-1 (all
         visible). Row k predicts the token at anchor_pos + k; row 0 is the anchor's own slot.
         """
+        return self.logits(self.draft_hidden(context_features, anchor_id, anchor_pos))
+
+    @torch.no_grad()
+    def draft_hidden(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
+        """`draft_logits` before the head: the block's normed hidden states [B, H]."""
         device = context_features.device
         block = self.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]      # [1, B]
         context_positions = torch.arange(context_features.shape[1], device=device)
         block_positions = anchor_pos + torch.arange(self.block_size, device=device)
         key_positions = torch.cat([context_positions, block_positions])[None]
         attends = [_attend_by_rule(block_positions[None], key_positions, rule) for rule in self.layer_rules]
-        hidden = self(block, context_features, key_positions, attends)
-        return self.logits(hidden)[0]
+        return cast(torch.Tensor, self(block, context_features, key_positions, attends))[0]
 
 
 @torch.no_grad()
 def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
     """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
     (anchor position = cache.length): only the block's own tokens go through the projections."""
+    return drafter.logits(draft_hidden_cached(drafter, cache, anchor_id))
+
+
+@torch.no_grad()
+def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
+    """`draft_logits_cached` before the head: the block's normed hidden states [B, H]."""
     device = drafter.fc.weight.device
     block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
     block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
@@ -286,7 +301,7 @@ def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor
         key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
         attend = _attend_by_rule(block_positions, key_positions, rule)
         hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
-    return drafter.logits(drafter.norm(hidden))[0]
+    return cast(torch.Tensor, drafter.norm(hidden))[0]
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,

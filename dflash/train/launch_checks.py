@@ -16,6 +16,7 @@ Each is checked here only: the rank-side code that relies on it keeps at most an
 | drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
 | drafter.layer_types, sliding_window, rope_scaling* | one known type per layer; a window >= 1 for sliding layers; a scaling factor > 1 | drafter config |
 | drafter.init_from | init = "drafter": a DFlash drafter directory (config.json + weights) | init_from_drafter |
+| drafter.conv_group_size, selector_top_k | kind = "dflash2": groups divide the target's hidden size; top K within its vocabulary | DFlash2Drafter |
 | train.global_batch | at most the dataset's rows (when the dataset exists) | TrainData |
 
 `drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
@@ -89,6 +90,7 @@ def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) 
     _check_draft_vocab(profile, target, where, problems)
     _check_drafter_layers(profile, where, problems)
     _check_drafter_init(profile, where, problems)
+    _check_dflash2(profile, target, where, problems)
     _check_dataset_rows(profile, where, problems)
     if problems:
         raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
@@ -199,6 +201,23 @@ def _check_drafter_init(profile: Profile, where: _KeyFiles, problems: list[str])
     problem = init_source_problem(Path(drafter.init_from))
     if problem:
         problems.append(where("drafter.init_from", problem))
+
+
+def _check_dflash2(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> None:
+    """The convolution's channel groups tile the target's hidden size; the selector's K fits its vocabulary."""
+    from dflash.models import text_config_dict
+
+    drafter = profile.drafter
+    if drafter.kind != "dflash2":
+        return
+    hidden = int(text_config_dict(target.config).get("hidden_size") or 0)
+    if hidden and hidden % drafter.conv_group_size:
+        divisors = [g for g in (8, 16, 32, 64, 128) if hidden % g == 0]
+        problems.append(where("drafter.conv_group_size", f"{drafter.conv_group_size} does not divide the target's "
+                              f"hidden size {hidden} (channels are grouped; e.g. {divisors or [1]})"))
+    if drafter.selector_top_k > target.vocab_rows:
+        problems.append(where("drafter.selector_top_k", f"{drafter.selector_top_k} exceeds the target's vocabulary "
+                              f"({target.vocab_rows}); valid: 1..{target.vocab_rows}"))
 
 
 def _check_dataset_rows(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dflash.drafter.attention import make_layer_attends
+from dflash.drafter.loss import SelectorObjective
 from dflash.drafter.model import DFlashDrafter, LayerAttendsFactory
 from dflash.train.data import StepData, TrainData
 from dflash.train.dist import WorkerEnv
@@ -62,6 +63,7 @@ class TrainState:
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)
+    selector: SelectorObjective = field(default_factory=SelectorObjective)   # DFlash 2: train.selector_* (dflash.drafter.loss)
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
@@ -95,6 +97,7 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
     from dflash.drafter.checkpoint import init_from_drafter
+    from dflash.drafter.dflash2 import drafter_for_config, profile_dflash2_options, with_dflash2
     from dflash.drafter.layers import profile_layer_options
     from dflash.drafter.model import drafter_config, init_from_target
     from dflash.drafter.shape import profile_shape
@@ -107,8 +110,9 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
                             target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
                             shape=profile_shape(profile.drafter), **profile_layer_options(profile.drafter))
     config.num_target_layers = num_target_layers
+    config = with_dflash2(config, profile_dflash2_options(profile.drafter))      # drafter.kind = "dflash2"
     torch.manual_seed(profile.train.seed)
-    drafter = DFlashDrafter(config).attach_target(target)
+    drafter = drafter_for_config(config).attach_target(target)
     if draft_vocab:
         drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
     if profile.drafter.init == "target":
@@ -219,7 +223,8 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
                       micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast,
-                      compute_dtype=profile.train.compute_dtype, gradient_sync=profile.train.gradient_sync)
+                      compute_dtype=profile.train.compute_dtype, gradient_sync=profile.train.gradient_sync,
+                      selector=SelectorObjective(profile.train.selector_loss_alpha, profile.train.selector_stop_gradient))
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:

@@ -1,8 +1,9 @@
 """The drafter under FSDP2: its parameters, gradients and AdamW states sharded over the ranks.
 
-`shard_drafter` applies torch's `fully_shard` (torch.distributed.fsdp) once per draft layer and
-once to the drafter itself (the root unit: fc, the norms; the rotary and draft-vocabulary
-buffers stay whole), on a one-dimensional device mesh of every rank:
+`shard_drafter` applies torch's `fully_shard` (torch.distributed.fsdp) once per draft layer, once
+per module the loss calls after the drafter's forward (`outside_forward`: DFlash 2's candidate
+selector) and once to the drafter itself (the root unit: fc, the norms; the rotary and
+draft-vocabulary buffers stay whole), on a one-dimensional device mesh of every rank:
 
 * each rank keeps 1/N of every float32 parameter (dim 0, padded to a multiple of N) as its
   master weights, and AdamW updates those shards (dflash.train.optim);
@@ -64,6 +65,8 @@ def shard_drafter(drafter: DFlashDrafter, mesh: DeviceMesh, *, compute_dtype: Co
     policy = mixed_precision(compute_dtype)
     for layer in drafter.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for prefix in drafter.outside_forward:      # called after the drafter's forward (DFlash 2's selector, by the loss)
+        fully_shard(drafter.get_submodule(prefix.rstrip(".")), mesh=mesh, mp_policy=policy)
     fully_shard(drafter, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for unit in fsdp_units(drafter):
         unit.set_gradient_divide_factor(1.0)            # the loss is normalised by the global weight: sum

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash.drafter.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from dflash.drafter.loss import BlockTargets, LossParts, SelectorStats, block_targets, drafter_loss, figure_width, per_slot_accuracy, read_selector_stats, simulated_tau
 from dflash.drafter.model import DFlashDrafter, forward_blocks
 from dflash.train import dist
 from dflash.train.data import MicroBatch
@@ -39,6 +39,7 @@ class StepStats:
     tokens: int
     weight_sum: float
     seconds: float
+    selector: SelectorStats | None = None      # DFlash 2: the selector's own figures (dflash.drafter.loss)
 
 
 def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
@@ -68,8 +69,9 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
         if state.autobatch is not None and hidden.requires_grad:     # the backward's phase (and injection point)
             autobatch = state.autobatch
             hidden.register_hook(lambda grad: autobatch.inject("backward"))
-        parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
-                           state.chunk_rows)
+        anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+        parts = drafter_loss(state.drafter, hidden, step_targets(state.drafter, batch), anchor_ids, state.decay,
+                             state.chunk_rows, state.selector)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
 
@@ -158,8 +160,8 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
     kept unsharded until the last micro-batch's backward reduces their sum."""
     from dflash.train.sharding import set_gradient_sync
 
-    slots = state.drafter.block_size - 1
-    totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
+    selector = hasattr(state.drafter, "candidate_selector")
+    totals = torch.zeros(figure_width(state.drafter.block_size, selector), dtype=torch.float64)
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(state.drafter, last or state.gradient_sync == "every_micro_batch")
@@ -167,9 +169,7 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
             state.autobatch.inject("forward")
         parts = forward_micro(state, batch)
         (parts.weighted_ce / global_weight).backward()
-        totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
-                             parts.weight_sum.detach().double().cpu().view(1),
-                             parts.correct.double().cpu(), parts.counted.double().cpu()])
+        totals += parts.figure_sums()
     return totals
 
 
@@ -180,7 +180,8 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
     weight = float(reduced[1])
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
                      sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
-                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds)
+                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds,
+                     selector=read_selector_stats(reduced[:-1], state.drafter.block_size))
 
 
 def maybe_inject_failure(rank: int, step: int) -> None:

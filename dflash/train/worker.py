@@ -52,6 +52,7 @@ class MetricsLine(_MetricsLineBase, total=False):
     """One line of train/metrics.jsonl (a logged step)."""
 
     feature_cache: dict[str, float]         # train.feature_cache: rows, MiB, hits, misses (rank 0's)
+    selector: dict[str, object]             # DFlash 2: unary / selector losses, recall, acceptance, taus, lift
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,6 +246,9 @@ class MetricsLog:
             self.writer.add_scalar(f"train/{key}", line[key], state.step)
         for k, value in enumerate(stats.acc, start=1):
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
+        if stats.selector is not None:
+            for name in ("unary_loss", "selector_loss", "unary_tau", "selector_tau", "lift"):
+                self.writer.add_scalar(f"selector/{name}", getattr(stats.selector, name), state.step)
 
     def close(self) -> None:
         self.writer.close()
@@ -261,6 +265,8 @@ def metrics_line(state: TrainState, stats: StepStats) -> MetricsLine:
     }
     if isinstance(state.feature_cache, FeatureCache):   # train.feature_cache: files on the node; hits and misses of rank 0
         line["feature_cache"] = state.feature_cache.stats()
+    if stats.selector is not None:
+        line["selector"] = stats.selector.to_json()
     return line
 
 

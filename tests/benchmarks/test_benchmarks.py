@@ -76,6 +76,9 @@ CASES = [
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 1$",
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 2, 2 steps in .*the trainer's loss "
                                         rf"decay gamma {re.escape(profile_gamma('cpu-demo'))}, ")),
+    Smoke("bench_drafter_variants.py", (rf"^dflash2 +everyday +tau {NUMBER} .* step 2, 2 steps in ",
+                                        rf"^dflash2/unary +everyday +tau {NUMBER} .* step 2, 2 steps in "),
+          args=("--smoke", "--variants", "dflash2"), marks=(SLOW,), name="bench_drafter_variants-dflash2"),
     Smoke("bench_fsdp_step.py", (rf"^  every_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$",
                                  rf"^  last_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$"),
           marks=(SLOW,)),

@@ -29,6 +29,9 @@ CASES = [
     ("drafter", "num_layers = 1000000000000", "drafter.num_layers", "1000000000000", "an integer >= 1 and <= 1024"),
     ("machine", "nproc_per_node = 100000000", "machine.nproc_per_node", "100000000", "an integer >= 1 and <= 1024"),
     ("data", "num_workers = 1000000000000", "data.num_workers", "1000000000000", "an integer >= 0 and <= 1024"),
+    ("drafter", "output_multiplier = 0.0", "drafter.output_multiplier", "0.0", "a finite number > 0"),
+    ("drafter", "selector_rank = 0", "drafter.selector_rank", "0", "an integer >= 1"),
+    ("train", "selector_loss_alpha = -1.0", "train.selector_loss_alpha", "-1.0", "a finite number >= 0"),
 ]
 
 
@@ -69,6 +72,12 @@ def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
     ("machine", "nnodes = 2", "machine.rdzv_endpoint", "machine.nnodes = 2 needs it"),
     ("data", "min_loss_tokens = 600", "data.min_loss_tokens", "not below data.max_length 512"),
     ("drafter", "num_attention_heads = 6\nnum_key_value_heads = 4", "drafter.num_key_value_heads", "does not divide"),
+    ("drafter", 'kind = "dflash2"', "drafter.draft_vocab_size", "need the target's whole vocabulary at the head"),
+    ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0\nconv_kernel_size = 9', "drafter.conv_kernel_size",
+     "9 taps exceed drafter.block_size 8"),
+    ("drafter", "selector_top_k = 8", "drafter.selector_top_k", 'it applies to drafter.kind = "dflash2" only'),
+    ("train", "selector_stop_gradient = true", "train.selector_stop_gradient", 'applies to drafter.kind = "dflash2"'),
+    ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0', "eval.serve_engine", "vLLM's CPU build cannot serve a DFlash 2"),
 ])
 def test_cross_field_rules_name_the_key(cli, tmp_path, section, lines, key, problem):
     profile = bad_profile(tmp_path, section, lines)

@@ -192,3 +192,14 @@ def test_init_drafter_needs_a_drafter_directory(profiles_dir, flagship_twin_targ
     assert f"key 'drafter.init_from': {tmp_path}: no config.json" in problems_of(path)
     path = variant(profiles_dir, f'[drafter]\ninit_from = "{tmp_path}"', target=str(flagship_twin_target))
     assert "is set but drafter.init is 'random'" in problems_of(path)
+
+
+def test_a_dflash2_profile_passes_on_the_real_qwen36_config_with_the_published_settings(profiles_dir, qwen36_config_dir):
+    check(variant(profiles_dir, '[drafter]\nkind = "dflash2"', base="rtx6000-x8", target=str(qwen36_config_dir)))
+
+
+def test_dflash2_groups_must_tile_the_hidden_size_and_top_k_fit_the_vocabulary(profiles_dir, qwen36_config_dir):
+    body = '[drafter]\nkind = "dflash2"\nconv_group_size = 48\nselector_top_k = 300000'
+    text = problems_of(variant(profiles_dir, body, base="rtx6000-x8", target=str(qwen36_config_dir)))
+    assert "key 'drafter.conv_group_size': 48 does not divide the target's hidden size 5120" in text
+    assert "key 'drafter.selector_top_k': 300000 exceeds the target's vocabulary (248320)" in text
