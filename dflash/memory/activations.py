@@ -41,16 +41,28 @@ def drafter_activations_mib(workload: Workload, in_layer_backward: bool = True) 
     (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
     copy and a bf16 output. With train.activation_checkpointing = "layers" each draft layer keeps
     only its input, and one layer's activations exist again while it is recomputed in its backward
-    (`in_layer_backward`; not yet in the loss's backward). Beside them, flex's BlockMasks (one per
-    layer rule, kept through the backward), or the moment the last one is built when that is
-    larger (`memory.attention_masks`)."""
+    (`in_layer_backward`; not yet in the loss's backward). A layer's backward peaks in its MLP's
+    backward (traced: `layers.k.mlp`), where the gradients of the gate and up outputs and of their
+    product are alive beside the saved intermediates (`_mlp_backward_bytes`), and by then the final
+    norm and the loss's rows have been freed by the loss's backward (`_final_bytes` counts only
+    there). Without checkpointing every layer's activations are saved and the traced peak is the
+    loss's backward: both moments count the final norm and the loss's rows. Beside them, flex's BlockMasks (one per layer rule, kept through the backward), or the
+    moment the last one is built when that is larger (`memory.attention_masks`)."""
     layer = _layer_key_bytes(workload) + _layer_block_bytes(workload)
     if workload.checkpointed:       # each layer keeps its input; one layer's activations exist again in its backward
         layers = workload.drafter_layers * _layer_input_bytes(workload) + (layer if in_layer_backward else 0)
     else:
         layers = workload.drafter_layers * layer
-    saved = (_context_bytes(workload) + layers + _final_bytes(workload)) / MIB
+    moment = _mlp_backward_bytes(workload) if in_layer_backward and workload.checkpointed else _final_bytes(workload)
+    saved = (_context_bytes(workload) + layers + moment) / MIB
     return max(saved + block_masks_mib(workload), mask_build_peak_mib(workload))
+
+
+def _mlp_backward_bytes(workload: Workload) -> int:
+    """In an MLP's backward, beyond its saved activations: down_proj's input, once used, is freed,
+    while the gradient of that product and those of the gate and up outputs exist (three new
+    [block tokens x intermediate] tensors for one freed: two more than the layer saved)."""
+    return 2 * workload.block_tokens * workload.target.intermediate * _low_bytes(workload)
 
 
 def _layer_input_bytes(workload: Workload) -> int:
