@@ -154,6 +154,8 @@ class TrainSection:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # drafter's residual stream and norms (bf16: on bf16 weight copies)
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
     grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
+    validation_share: float = 0.0            # share of the dataset's rows held out of training and measured on (0: none)
+    validation_every_steps: int = 0          # held-out loss and tau every N steps and at the end (0: at every checkpoint)
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,8 @@ RANGES: dict[str, Range] = {
     "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
     "train.loss_chunk_rows": AT_LEAST_1,
     "train.grad_bucket_mib": Range(0, 1024, low_open=True),   # the sum's staging buffer stays a small share of a GPU
+    "train.validation_share": Range(0, 1, high_open=True),    # 0: no validation; below 1: some rows must train
+    "train.validation_every_steps": Range(1, zero="at every checkpoint (train.save_every_steps)"),
     "memory.margin": Range(0, 1, high_open=True),
     "memory.overhead_mib": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_1,
