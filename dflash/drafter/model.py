@@ -262,16 +262,25 @@ class DFlashDrafter(nn.Module):
 def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
     """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
     (anchor position = cache.length): only the block's own tokens go through the projections."""
+    return drafter.logits(draft_hidden_cached(drafter, cache, anchor_id))
+
+
+@torch.no_grad()
+def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
+    """The block's normed hidden states [B, H] (what `draft_logits_cached` puts through the head)."""
     device = drafter.fc.weight.device
     block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
     block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
     hidden = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)
     rope = drafter.rotary_emb(hidden, block_positions)
     for layer, rule, kv in zip(drafter.layers, drafter.layer_rules, cache.layers):
-        key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
-        attend = _attend_by_rule(block_positions, key_positions, rule)
+        if rule.restricts:
+            key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
+            attend = _attend_by_rule(block_positions, key_positions, rule)
+        else:
+            attend = _attend_all       # every key visible: no positions to compare
         hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
-    return drafter.logits(drafter.norm(hidden))[0]
+    return drafter.norm(hidden)[0]
 
 
 class ComputeIn(nn.Module):

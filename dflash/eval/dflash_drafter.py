@@ -31,6 +31,7 @@ class DFlashDraft:
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
     use_cache: bool = True                          # keep the context K/V per draft layer between steps
     _cache: Optional[DraftContextCache] = None
+    _head_rows: Optional[tuple["torch.Tensor", Optional["torch.Tensor"]]] = None
 
     @property
     def block_size(self) -> int:
@@ -43,21 +44,50 @@ class DFlashDraft:
     def reset(self) -> None:
         self._cache = None
 
-    def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
-        """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
+    def _block_hidden(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
+        """The block's normed hidden states [B, H] after `features` (the committed positions before
+        the anchor), through the context K/V cache (extended with the positions it lacks)."""
         import torch
 
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
-        from dflash.drafter.model import draft_logits_cached
+        from dflash.drafter.model import draft_hidden_cached
 
-        if not self.use_cache:
-            return self.model.draft_logits(features[None], anchor_id, features.shape[0])
         length = features.shape[0]
         if self._cache is None or not self._cache.crop(length):
             self._cache = DraftContextCache()
         with torch.no_grad():
             extend_cache(self.model, self._cache, features[None, self._cache.length:length])
-        return draft_logits_cached(self.model, self._cache, anchor_id)
+            return draft_hidden_cached(self.model, self._cache, anchor_id)
+
+    def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
+        """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
+        if not self.use_cache:
+            return self.model.draft_logits(features[None], anchor_id, features.shape[0])
+        return self.model.logits(self._block_hidden(features, anchor_id))
+
+    def _slot_logits(self, features: "torch.Tensor", anchor_id: int, k: int) -> "torch.Tensor":
+        """Draft logits [k, V] of block slots 1..k: with the cache only those slots go through the
+        head (its draft-vocabulary rows gathered once)."""
+        import torch
+
+        if not self.use_cache:
+            return self._block_logits(features, anchor_id)[1:1 + k]
+        hidden = self._block_hidden(features, anchor_id)[1:1 + k]
+        weight, bias = self._head()
+        with torch.no_grad():
+            return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+
+    def _head(self) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+        """The lm_head's rows the drafter proposes from (its draft vocabulary's, gathered once: the
+        head is the target's, frozen) and their bias."""
+        if self._head_rows is None:
+            weight = cast("torch.Tensor", self.model.lm_head.weight)
+            bias = cast(Optional["torch.Tensor"], getattr(self.model.lm_head, "bias", None))
+            if self.model.has_draft_vocab:
+                rows = cast("torch.Tensor", self.model.draft_vocab)
+                weight, bias = weight[rows].contiguous(), None if bias is None else bias[rows]
+            self._head_rows = (weight, bias)
+        return self._head_rows
 
     def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,
                 temperature: float) -> Proposal:
@@ -65,7 +95,7 @@ class DFlashDraft:
 
         anchor_pos = len(committed) - 1
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
-        logits = self._block_logits(features, int(committed[-1]))[1:1 + k].float()
+        logits = self._slot_logits(features, int(committed[-1]), k).float()
         if temperature <= 0:
             return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist())
         probs = torch.softmax(logits / temperature, dim=-1)

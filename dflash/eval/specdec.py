@@ -18,6 +18,7 @@ drafter's context is extended with the target's features of the committed tokens
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
@@ -113,6 +114,7 @@ class TargetVerifier:
         self.hybrid = bool(linear_attention_layers(model.config))
         self.sequential_linear = self.hybrid and not linear_state_continues(version)
         self.cache_keyword = cache_keyword(model)
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache: Optional[Cache] = None
         self._cached: list[int] = []     # tokens whose state the cache holds
         self._pending: list[int] = []    # committed tokens to feed again before the next tokens
@@ -126,15 +128,20 @@ class TargetVerifier:
         """Committed positions (those in the cache and those waiting to be fed again)."""
         return len(self._cached) + len(self._pending)
 
-    def forward(self, token_ids: Sequence[int], with_features: bool = False) -> VerifyOutput:
-        """Feed `token_ids` after the committed prefix; logits (and taps) of every fed position."""
-        logits, features = self._run(self._pending + list(token_ids), with_features and self.layer_ids is not None)
+    def forward(self, token_ids: Sequence[int], with_features: bool = False,
+                logits_for: Optional[int] = None) -> VerifyOutput:
+        """Feed `token_ids` after the committed prefix; taps of every fed position and logits of the
+        last `logits_for` of them (None: all; the prefill needs the last one only): the lm_head, a
+        vocabulary-wide matmul per position, runs only for those."""
         count = len(token_ids)
-        return VerifyOutput(logits=logits[-count:], features=None if features is None else features[-count:])
+        wanted = count if logits_for is None else max(1, min(logits_for, count))
+        logits, features = self._run(self._pending + list(token_ids), with_features and self.layer_ids is not None, wanted)
+        return VerifyOutput(logits=logits[-wanted:], features=None if features is None else features[-count:])
 
-    def _run(self, fed: list[int], want_taps: bool) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
-        """One forward of `fed` (pending tokens first). On a hybrid target the linear-attention
-        state right after the pending tokens, i.e. right before the new ones, is kept for `rollback`."""
+    def _run(self, fed: list[int], want_taps: bool, logits_for: int = 1) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+        """One forward of `fed` (pending tokens first) -> logits of its last `logits_for` positions and
+        the taps. On a hybrid target the linear-attention state right after the pending tokens, i.e.
+        right before the new ones, is kept for `rollback`."""
         import torch
 
         from dflash.eval.target_cache import LinearPlan, linear_attention_plan, output_cache, snapshot_linear_state
@@ -145,16 +152,17 @@ class TargetVerifier:
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
         cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
+        keep_logits = {"logits_to_keep": logits_for} if self.logits_to_keep else {}
         with torch.inference_mode(), contextlib.ExitStack() as stack:
             before = snapshot_linear_state(self._live_cache()) if keep and not split else None
             capture = stack.enter_context(TapCapture(self.model, self.layer_ids or ())) if want_taps else None
             stack.enter_context(linear_attention_plan(self.model, plan))
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache, **keep_logits)
         self._snapshot = (start + split, before if before is not None else plan.snapshot()) if keep else None
         self.cache = output_cache(out) if self.cache is None else self.cache
         self._cached, self._pending = self._cached + fed, []
         features = capture.features()[0] if capture is not None else None
-        return out.logits[0].float(), features
+        return out.logits[0, -logits_for:].float(), features
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (rejected draft tokens go)."""
@@ -273,7 +281,7 @@ def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: S
     started = time.perf_counter()
     verifier.reset()
     drafter.reset()
-    prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features)
+    prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features, logits_for=1)
     committed = list(prompt_ids) + [pick_token(prefill.logits[-1], settings.temperature, generator)]
     state = _LoopState(committed=committed, features=prefill.features, prompt_len=len(prompt_ids))
     while not state.finished(settings):

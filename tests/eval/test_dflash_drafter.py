@@ -206,3 +206,15 @@ def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_
     settings = DecodeSettings(block_size=4, max_new_tokens=12)
     result = speculative_decode(TargetVerifier(tiny_qwen3_model, draft.layer_ids), draft, PROMPT, settings)
     assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 12)
+
+
+def test_only_the_proposed_slots_go_through_the_draft_vocabulary_head(vocab_draft, tiny_qwen3_model):
+    """propose's logits of slots 1..k (the head's draft-vocabulary rows gathered once) are the
+    block's logits' rows 1..k; a drafter reused for another prompt gives the same ones."""
+    draft, vocabulary = vocab_draft
+    features = extract_taps(tiny_qwen3_model, torch.tensor([PROMPT]), draft.layer_ids)[0]
+    block = draft._block_logits(features[:-1], PROMPT[-1])
+    assert block.shape[-1] == len(vocabulary)
+    for k in (1, 3):
+        torch.testing.assert_close(draft._slot_logits(features[:-1], PROMPT[-1], k), block[1:1 + k], rtol=1e-5, atol=1e-5)
+    assert draft._head()[0].shape == (len(vocabulary), tiny_qwen3_model.config.hidden_size)

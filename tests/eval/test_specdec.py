@@ -245,3 +245,23 @@ def test_prompt_lookup_gets_tau_above_one_on_a_repetitive_prompt(smollm2_dir):
     assert lookup.tokens == plain.tokens
     assert lookup.mean_tau > 2.0, lookup.taus
     assert not math.isnan(lookup.mean_tau)
+
+
+def test_the_prefill_and_the_verify_compute_logits_only_where_they_are_read(target):
+    """The prefill keeps the last position's logits, a verify after pending tokens only the new
+    tokens' (the lm_head runs for those alone); the rows are the full forward's, and the output stays lossless."""
+    name, model = target
+    prompt = PROMPTS[1]
+    with torch.inference_mode():
+        full = model(torch.tensor([prompt])).logits[0].float()
+    verifier = TargetVerifier(model)
+    prefill = verifier.forward(prompt, logits_for=1)
+    assert prefill.logits.shape == (1, full.shape[-1])
+    torch.testing.assert_close(prefill.logits[0], full[-1], rtol=1e-4, atol=1e-4)
+    verifier.reset()
+    assert verifier.forward(prompt).logits.shape[0] == len(prompt)           # control: no logits_for, every position
+    verifier.reset()
+    verifier.forward(prompt[:4], logits_for=1)
+    block = verifier.forward(prompt[4:])
+    assert block.logits.shape[0] == len(prompt) - 4
+    torch.testing.assert_close(block.logits, full[4:], rtol=1e-4, atol=1e-4)
