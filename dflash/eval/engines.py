@@ -318,7 +318,8 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     eval_dir = run_dir / "eval"
     context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
                             prompts_file=str(prompts_path), prompt_set=prompt_set_label(prompts_path),
-                            max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+                            max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                            baseline=served_baseline(engine, profile))
     if engine == "vllm":
         report = _vllm_with_parity(profile, target, checkpoint, prompts_path, count, settings, eval_dir, context)
     else:
@@ -331,6 +332,16 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
 
         check_parity(report.parity, str(files[0]))
     return EvalSummary(report=report, files=files)
+
+
+def served_baseline(engine: str, profile: Profile) -> str:
+    """How the served target alone, the speedup's baseline, runs: the same server as each drafting method's."""
+    flags = f"--dtype {profile.model.dtype}"
+    if engine == "vllm":
+        flags += (" --enforce-eager" if profile.generate.vllm_enforce_eager else "") + \
+                 (f", KV cache {profile.generate.vllm_cpu_kvcache_gib} GiB" if profile.machine.device == "cpu" else "")
+    return (f"target alone = {engine} serving the target with the same flags ({flags}) and no speculative "
+            f"method; every method on a fresh server, one request in flight")
 
 
 def engine_settings(profile: Profile, options: EvalOptions) -> EngineSettings:

@@ -176,9 +176,19 @@ class _SetDecoder:
             results = decode_prompts(self.model, [self.draft, lookup], prompts, self.settings,
                                      self.context.seed or 0, self.draft.layer_ids)
         context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
-                          prompt_set=prompt_set_label(prompts_path))
+                          prompt_set=prompt_set_label(prompts_path), baseline=inprocess_baseline(self.profile, threads))
         return build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
                             context=context)
+
+
+def inprocess_baseline(profile: Profile, threads: int) -> str:
+    """How target-only decoding, the speedup's baseline, runs in-process (the drafting methods run the same way)."""
+    from dflash.compat import transformers_version
+
+    return (f"target alone = this loop with no drafter: one cached forward a token (transformers "
+            f"{transformers_version()} DynamicCache), {profile.model.dtype}, {threads} torch thread(s); it decodes "
+            f"faster than transformers' generate with the same cache (benchmarks/bench_step_cost.py); DFlash and "
+            f"prompt lookup run the same loop, cache, dtype and threads")
 
 
 def _write_set(report: EvalReport, directory: Path, metrics_path: Optional[Path]) -> list[Path]:

@@ -87,7 +87,8 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                            tau_source="vllm (engine-reported)", argv=["python", "-m", "vllm"])
     row = ParityRow(2.5, 2.45, [0.6, 0.2], [0.6, 0.25], True, True, False, "prompt 1 (a), new token 3: served 7, in-process 8",
                     True, True)
-    context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter")
+    context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
+                            "one cached forward a token")
     inner = EvalReport(3, 0.0, 1, {"dflash": method})
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
                         [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method})],
