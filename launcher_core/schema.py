@@ -171,6 +171,8 @@ class EvalSection:
     temperature: float = 0.0
     seed: int = 0                            # sampling seed (temperature > 0)
     prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
+    draft_tokens: int = 0                    # DFlash draft tokens a step proposes, the target verifies k + 1
+                                             # (in-process and served: vLLM num_speculative_tokens); 0: block_size - 1
     cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
                                              # more threads stall small batch-1 forwards on a busy CPU
     engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
@@ -316,6 +318,7 @@ RANGES: dict[str, Range] = {
     "eval.temperature": AT_LEAST_0,
     "eval.seed": AT_LEAST_0,
     "eval.prompt_lookup_max_ngram": AT_LEAST_1,
+    "eval.draft_tokens": Range(1, zero="the drafter's block_size - 1"),   # above block_size - 1: that many
     "eval.cpu_threads": AT_LEAST_0,
     "eval.engine_port": PORT,
 }

@@ -7,6 +7,13 @@ positions anchor..anchor+B-1; rows 1..B-1 of the drafter's logits are the draft 
 With `use_cache` (the default) the drafter keeps each layer's context K/V
 (`dflash.drafter.draft_cache`) and projects only the positions committed since the last step,
 instead of the whole context every step; the drafts are the same (benchmarks/bench_draft_cache.py).
+
+`draft_tokens` k (eval.draft_tokens; 0: B - 1) drafts the shorter block `[anchor, MASK x k]` and
+proposes its k tokens, as vLLM does with `num_speculative_tokens` k (its DFlash proposer's queries
+are the bonus token and k masks): the target then verifies k + 1 tokens a step. On a CPU a verify
+forward costs more with every token it takes (benchmarks/bench_step_cost.py) while the drafter's
+acceptance is almost all at the first slots, so fewer draft tokens make a step cheaper for about
+the same tau.
 """
 from __future__ import annotations
 
@@ -30,12 +37,18 @@ class DFlashDraft:
     uses_features: bool = True
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
     use_cache: bool = True                          # keep the context K/V per draft layer between steps
+    draft_tokens: int = 0                           # tokens proposed a step (block [anchor, MASK x k]); 0: B - 1
     _cache: Optional[DraftContextCache] = None
     _head_rows: Optional[tuple["torch.Tensor", Optional["torch.Tensor"]]] = None
 
     @property
     def block_size(self) -> int:
         return int(self.model.block_size)
+
+    @property
+    def proposed(self) -> int:
+        """Draft tokens a step proposes: draft_tokens, at most (and by default) B - 1."""
+        return min(self.draft_tokens or self.block_size - 1, self.block_size - 1)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -57,12 +70,12 @@ class DFlashDraft:
             self._cache = DraftContextCache()
         with torch.no_grad():
             extend_cache(self.model, self._cache, features[None, self._cache.length:length])
-            return draft_hidden_cached(self.model, self._cache, anchor_id)
+            return draft_hidden_cached(self.model, self._cache, anchor_id, self.proposed + 1)
 
     def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
         """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
         if not self.use_cache:
-            return self.model.draft_logits(features[None], anchor_id, features.shape[0])
+            return self.model.draft_logits(features[None], anchor_id, features.shape[0], self.proposed + 1)
         return self.model.logits(self._block_hidden(features, anchor_id))
 
     def _slot_logits(self, features: "torch.Tensor", anchor_id: int, k: int) -> "torch.Tensor":
@@ -95,7 +108,7 @@ class DFlashDraft:
 
         anchor_pos = len(committed) - 1
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
-        logits = self._slot_logits(features, int(committed[-1]), k).float()
+        logits = self._slot_logits(features, int(committed[-1]), min(k, self.proposed)).float()
         if temperature <= 0:
             return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist())
         probs = torch.softmax(logits / temperature, dim=-1)
@@ -115,7 +128,7 @@ class DFlashDraft:
         return full
 
 
-def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel) -> DFlashDraft:
+def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel, draft_tokens: int = 0) -> DFlashDraft:
     from dflash.drafter.checkpoint import load_drafter
 
-    return DFlashDraft(model=load_drafter(checkpoint, target_model))
+    return DFlashDraft(model=load_drafter(checkpoint, target_model), draft_tokens=draft_tokens)

@@ -5,13 +5,14 @@ For each method (target alone, the DFlash drafter, prompt lookup) a fresh engine
 time, and the acceptance the ENGINE reports is read back:
 
 * SGLang: `--speculative-algorithm DFLASH --speculative-draft-model-path CKPT
-  --speculative-num-draft-tokens B` (prompt lookup: `NGRAM`), `--decode-log-interval 1` so the
-  scheduler folds every step into `avg_spec_accept_length` of `GET /server_info` (accepted drafts
-  + 1 per verify step: tau). Hybrid targets (linear-attention layers) add
-  `--mamba-scheduler-strategy extra_buffer`. DFLASH exists from SGLang 0.5.11.
-* vLLM: `--speculative-config {"method": "dflash", "model": CKPT, "num_speculative_tokens": B-1}`
-  (prompt lookup: method `ngram`); tau = 1 + accepted / drafts from the Prometheus counters of
-  `GET /metrics`, read before and after.
+  --speculative-num-draft-tokens k+1` (k = eval.draft_tokens, default B-1; prompt lookup: `NGRAM`,
+  B), `--decode-log-interval 1` so the scheduler folds every step into `avg_spec_accept_length` of
+  `GET /server_info` (accepted drafts + 1 per verify step: tau). Hybrid targets (linear-attention
+  layers) add `--mamba-scheduler-strategy extra_buffer`. DFLASH exists from SGLang 0.5.11.
+* vLLM: `--speculative-config {"method": "dflash", "model": CKPT, "num_speculative_tokens": k}`
+  (k = eval.draft_tokens, default B-1, as the in-process drafter drafts; prompt lookup: method
+  `ngram`, B-1); tau = 1 + accepted / drafts from the Prometheus counters of `GET /metrics`, read
+  before and after.
 
 Tokens/s = completion tokens over the wall time of the requests (one in flight, as the in-process
 eval); speedup over the same engine's target-only run.
@@ -89,8 +90,9 @@ def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, 
     if is_hybrid_target(target):
         args += ["--mamba-scheduler-strategy", "extra_buffer"]
     if method == "dflash":
+        drafts = min(profile.eval.draft_tokens or block - 1, block - 1)  # eval.draft_tokens: a block of drafts + 1
         args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(checkpoint),
-                 "--speculative-num-draft-tokens", str(block)]
+                 "--speculative-num-draft-tokens", str(drafts + 1)]
     elif method == "prompt_lookup":
         args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(block)]
     return args
@@ -98,7 +100,8 @@ def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, 
 
 def _vllm_args(profile: Profile, target: Path, method: str, checkpoint: Path, block: int, port: int) -> list[str]:
     args = vllm_base_args(profile, target, port)
-    speculative = {"dflash": {"method": "dflash", "model": str(checkpoint), "num_speculative_tokens": block - 1},
+    drafts = min(profile.eval.draft_tokens or block - 1, block - 1)      # eval.draft_tokens, as in-process
+    speculative = {"dflash": {"method": "dflash", "model": str(checkpoint), "num_speculative_tokens": drafts},
                    "prompt_lookup": {"method": "ngram", "num_speculative_tokens": block - 1,
                                      "prompt_lookup_max": profile.eval.prompt_lookup_max_ngram,
                                      "prompt_lookup_min": 1}}.get(method)
@@ -399,7 +402,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_dflash_draft(str(checkpoint), model)
+    draft = load_dflash_draft(str(checkpoint), model, profile.eval.draft_tokens)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stop_token_ids(tokenizer, model))
     prompts = encode_prompts(tokenizer, prompts_path, count, profile.generate.thinking)

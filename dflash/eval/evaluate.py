@@ -133,7 +133,7 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     model, tokenizer, target_path = load_target(profile)
-    draft = load_dflash_draft(str(checkpoint), model)
+    draft = load_dflash_draft(str(checkpoint), model, profile.eval.draft_tokens)
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
     seed = profile.eval.seed if options.seed is None else options.seed
     settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,

@@ -164,3 +164,23 @@ def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(en
     assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
     log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
     assert str(checkpoint) in log
+
+
+def test_eval_draft_tokens_sets_what_each_engine_drafts_and_prompt_lookup_keeps_the_block():
+    """eval.draft_tokens k: vLLM's DFlash gets num_speculative_tokens k (its block: the bonus token +
+    k masks, as the in-process drafter drafts), SGLang's a block of k + 1; prompt lookup keeps B - 1."""
+    base = load_profile("rtx6000-x8")
+    profile = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=3))
+
+    def speculative(method: str, engine: str = "vllm") -> object:
+        argv = engine_command(engine, profile, Path("/t"), method, Path("/ckpt"), 16, 30100).argv
+        if engine == "sglang":
+            return argv[argv.index("--speculative-num-draft-tokens") + 1]
+        return json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"]
+
+    assert speculative("dflash") == 3 and speculative("prompt_lookup") == 15
+    assert speculative("dflash", "sglang") == "4" and speculative("prompt_lookup", "sglang") == "16"
+    assert engine_command("vllm", base, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv[-1].endswith("15}")  # control
+    longer = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=40))
+    argv = engine_command("vllm", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 15   # at most B - 1
