@@ -175,6 +175,8 @@ class EvalSection:
                                              # (in-process and served: vLLM num_speculative_tokens); 0: block_size - 1
     cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
                                              # more threads stall small batch-1 forwards on a busy CPU
+    cpu_matmul: Literal["auto", "torch"] = "auto"   # float32 on CPU: auto = the faster kernel per row count for
+                                             # every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is
     engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
     engine_python: str = ""                  # python of the environment with the engine ("": this one)
     engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)

@@ -39,7 +39,7 @@ class DFlashDraft:
     use_cache: bool = True                          # keep the context K/V per draft layer between steps
     draft_tokens: int = 0                           # tokens proposed a step (block [anchor, MASK x k]); 0: B - 1
     _cache: Optional[DraftContextCache] = None
-    _head_rows: Optional[tuple["torch.Tensor", Optional["torch.Tensor"]]] = None
+    _head_rows: Optional["torch.nn.Linear"] = None
 
     @property
     def block_size(self) -> int:
@@ -86,20 +86,28 @@ class DFlashDraft:
         if not self.use_cache:
             return self._block_logits(features, anchor_id)[1:1 + k]
         hidden = self._block_hidden(features, anchor_id)[1:1 + k]
-        weight, bias = self._head()
+        head = self.head()
         with torch.no_grad():
-            return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+            return cast("torch.Tensor", head(hidden.to(head.weight.dtype)))
 
-    def _head(self) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
-        """The lm_head's rows the drafter proposes from (its draft vocabulary's, gathered once: the
-        head is the target's, frozen) and their bias."""
+    def head(self) -> "torch.nn.Linear":
+        """The lm_head's rows the drafter proposes from (its draft vocabulary's, gathered once into
+        a frozen Linear of their own: the head is the target's, frozen), with their bias."""
         if self._head_rows is None:
+            import torch
+
             weight = cast("torch.Tensor", self.model.lm_head.weight)
             bias = cast(Optional["torch.Tensor"], getattr(self.model.lm_head, "bias", None))
             if self.model.has_draft_vocab:
                 rows = cast("torch.Tensor", self.model.draft_vocab)
-                weight, bias = weight[rows].contiguous(), None if bias is None else bias[rows]
-            self._head_rows = (weight, bias)
+                weight, bias = weight[rows], None if bias is None else bias[rows]
+            head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                                   device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                head.weight.copy_(weight)
+                if bias is not None:
+                    head.bias.copy_(bias)
+            self._head_rows = head.requires_grad_(False)
         return self._head_rows
 
     def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,

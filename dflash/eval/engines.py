@@ -396,13 +396,21 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
                      settings: EngineSettings) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does."""
     from dflash.eval.dflash_drafter import load_dflash_draft
-    from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
+    from dflash.eval.evaluate import (
+        cpu_threads,
+        decode_prompts,
+        encode_prompts,
+        load_target,
+        prepare_cpu_decoding,
+        stop_token_ids,
+    )
     from dflash.eval.prompt_lookup import PromptLookupDrafter
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
     draft = load_dflash_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    prepare_cpu_decoding(profile, model, draft)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stop_token_ids(tokenizer, model))
     prompts = encode_prompts(tokenizer, prompts_path, count, profile.generate.thinking)

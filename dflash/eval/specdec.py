@@ -80,14 +80,20 @@ class VerifyOutput:
     head: Optional[Callable[["torch.Tensor"], "torch.Tensor"]] = None
 
     def row(self, index: int) -> "torch.Tensor":
-        """Logits [V] (float32) of fed position `index`; a lazy output computes that row alone."""
-        if self.hidden is None:
+        """Logits [V] (float32) of fed position `index`. A lazy output computes rows as they are
+        asked for: the first request rows 0 and 1 together (the first draft token's acceptance
+        decides whether row 1 is read, and one matmul over two rows costs about one over one),
+        later ones alone."""
+        if self.hidden is None or index < self.logits.shape[0]:
             return self.logits[index]
         import torch
 
         assert self.head is not None, "a lazy output carries the lm_head"
+        end = index + 1 if self.logits.shape[0] else min(2, self.hidden.shape[0])
         with torch.inference_mode():
-            return self.head(self.hidden[index:index + 1])[0].float()
+            fresh = self.head(self.hidden[self.logits.shape[0]:end]).float()
+        self.logits = torch.cat([self.logits, fresh]) if self.logits.shape[0] else fresh
+        return self.logits[index]
 
 
 ROLLBACKS = ("snapshot", "snapshot-rerun", "reprefill")
@@ -137,7 +143,8 @@ class TargetVerifier:
         self.cache_keyword = cache_keyword(model)
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.final_norm = final_norm(model) if self.logits_to_keep else None
-        self.lazy_logits: Optional[bool] = None if self.final_norm is not None else False   # checked at the first prefill
+        # lazy logits on a CPU (checked at the first prefill); on a GPU all rows of a block cost about one
+        self.lazy_logits: Optional[bool] = None if self.final_norm is not None and self.device.type == "cpu" else False
         self.cache: Optional[Cache] = None
         self._cached: list[int] = []     # tokens whose state the cache holds
         self._pending: list[int] = []    # committed tokens to feed again before the next tokens
@@ -167,7 +174,7 @@ class TargetVerifier:
             self._asked = _Asked(logits_for=0, capture_hidden=True)
             _, features, hidden = self._run(fed, taps)
             assert hidden is not None, "the final norm's hook captured its output"
-            return VerifyOutput(logits=hidden.new_zeros(0), features=None if features is None else features[-count:],
+            return VerifyOutput(logits=hidden.new_zeros(0, 0), features=None if features is None else features[-count:],
                                 hidden=hidden[-count:], head=self.model.get_output_embeddings())
         wanted = count if logits_for is None else max(1, min(logits_for, count))
         self._asked = _Asked(logits_for=wanted, capture_hidden=self.lazy_logits is None)

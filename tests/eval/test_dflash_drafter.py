@@ -217,7 +217,7 @@ def test_only_the_proposed_slots_go_through_the_draft_vocabulary_head(vocab_draf
     assert block.shape[-1] == len(vocabulary)
     for k in (1, 3):
         torch.testing.assert_close(draft._slot_logits(features[:-1], PROMPT[-1], k), block[1:1 + k], rtol=1e-5, atol=1e-5)
-    assert draft._head()[0].shape == (len(vocabulary), tiny_qwen3_model.config.hidden_size)
+    assert draft.head().weight.shape == (len(vocabulary), tiny_qwen3_model.config.hidden_size)
 
 
 def test_fewer_draft_tokens_draft_the_shorter_block_and_stay_lossless(tiny_qwen3_model, saved_draft):
