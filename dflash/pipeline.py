@@ -109,6 +109,7 @@ def _audit(ctx: PipelineContext) -> str:
 def _generate(ctx: PipelineContext) -> str:
     from dflash.generate import generate_from_profile
 
+    _engine_ready(ctx.profile, ctx.profile.generate.backend)
     summary = generate_from_profile(ctx.profile, run_dir=ctx.run_dir)
     if summary.selected == 0:
         return f"all {summary.total} prompts already have completions"
@@ -190,10 +191,7 @@ def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
     from dflash.eval.run import run_eval
 
     engine = ctx.profile.eval.serve_engine
-    if engine == "vllm" and not ctx.profile.eval.engine_python:
-        from dflash.generate.engine_env import setup_engine_env
-
-        setup_engine_env(engine)            # `launcher.py engine setup vllm`: nothing to do once built
+    _engine_ready(ctx.profile, engine)
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine, checkpoint=checkpoint)).report
     dflash = report.methods["dflash"]
     served = "-" if dflash.mean_tau is None else f"{dflash.mean_tau:.2f}"
@@ -202,6 +200,15 @@ def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
               if parity and parity.inprocess_tau is not None else "")
     lossless = {True: ", lossless", False: ", OUTPUT DIFFERS FROM TARGET", None: ""}[dflash.identical_to_target]
     return f"served by {engine}: dflash tau {served}{beside}{lossless}"
+
+
+def _engine_ready(profile: Profile, engine: str) -> None:
+    """vLLM (generate.backend or eval.serve_engine) runs from its own venv: `launcher.py engine setup
+    vllm` builds it the first time (about 1 GB downloaded) and does nothing once it is built."""
+    if engine == "vllm" and not profile.eval.engine_python:
+        from dflash.generate.engine_env import setup_engine_env
+
+        setup_engine_env(engine)
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:
