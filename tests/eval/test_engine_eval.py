@@ -136,6 +136,20 @@ def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergen
     assert lookup.within_tolerance is None        # shown, not gated
 
 
+def test_the_parity_gate_counts_a_slot_one_side_does_not_list_as_nothing_accepted():
+    from dflash.eval.parity import method_parity
+    from dflash.eval.records import MethodFigures
+
+    # eval.draft_tokens 3: vLLM lists its 3 drafted slots, the in-process report all 7 of block 8
+    served = MethodFigures(mean_tau=1.351, tokens_per_s=5.0, speedup=1.1, identical_to_target=True, position_acceptance=[0.29, 0.05, 0.01])
+    ours = MethodFigures(mean_tau=1.353, tokens_per_s=4.0, speedup=0.9, identical_to_target=True,
+                         position_acceptance=[0.30, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0])
+    assert method_parity("dflash", served, ours, ["a"], [[1]], [[1]]).within_tolerance is True
+    accepted_beyond = dataclasses.replace(ours, position_acceptance=[0.30, 0.05, 0.01, 0.2, 0.0, 0.0, 0.0])
+    assert method_parity("dflash", served, accepted_beyond, ["a"], [[1]], [[1]]).within_tolerance is False
+    assert method_parity("dflash", accepted_beyond, served, ["a"], [[1]], [[1]]).within_tolerance is False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["sglang"])
 def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
