@@ -58,13 +58,16 @@ class DFlashDraft:
         self._cache = None
 
     def _block_hidden(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
-        """The block's normed hidden states [B, H] after `features` (the committed positions before
-        the anchor), through the context K/V cache (extended with the positions it lacks)."""
+        """The block's normed hidden states [k + 1, H] (the head's input; k = `proposed`) after
+        `features` (the committed positions before the anchor), through the context K/V cache
+        (extended with the positions it lacks) when `use_cache`."""
         import torch
 
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
         from dflash.drafter.model import draft_hidden_cached
 
+        if not self.use_cache:
+            return self.model.draft_hidden(features[None], anchor_id, features.shape[0], self.proposed + 1)
         length = features.shape[0]
         if self._cache is None or not self._cache.crop(length):
             self._cache = DraftContextCache()
@@ -73,10 +76,11 @@ class DFlashDraft:
             return draft_hidden_cached(self.model, self._cache, anchor_id, self.proposed + 1)
 
     def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
-        """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
-        if not self.use_cache:
-            return self.model.draft_logits(features[None], anchor_id, features.shape[0], self.proposed + 1)
-        return self.model.logits(self._block_hidden(features, anchor_id))
+        """Draft logits [k + 1, V] of the block after `features` (the committed positions before the anchor)."""
+        import torch
+
+        with torch.no_grad():
+            return self.model.logits(self._block_hidden(features, anchor_id))
 
     def _slot_logits(self, features: "torch.Tensor", anchor_id: int, k: int) -> "torch.Tensor":
         """Draft logits [k, V] of block slots 1..k: with the cache only those slots go through the
@@ -137,6 +141,8 @@ class DFlashDraft:
 
 
 def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel, draft_tokens: int = 0) -> DFlashDraft:
+    """The checkpoint's drafter drafting the head's argmax (or samples), `draft_tokens` a step; a
+    DFlash 2 drafter's selector path: dflash.eval.dflash2_drafter.load_draft."""
     from dflash.drafter.checkpoint import load_drafter
 
     return DFlashDraft(model=load_drafter(checkpoint, target_model), draft_tokens=draft_tokens)

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from dflash.compat import version_tuple
+from dflash.drafter.checkpoint import is_dflash2_checkpoint
+from dflash.drafter.export import V2_RUNNER_ENV
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, vllm_base_args, vllm_env
 from launcher_core.errors import ConfigError
@@ -76,6 +78,8 @@ def engine_command(engine: str, profile: Profile, target: Path, method: str, che
     builder = _sglang_args if engine == "sglang" else _vllm_args
     argv = prefix + builder(profile, target, method, checkpoint, block_size, port)
     env = vllm_env(profile) if engine == "vllm" else {}
+    if engine == "vllm" and method == "dflash" and is_dflash2_checkpoint(checkpoint):
+        env[V2_RUNNER_ENV] = "1"        # its selector runs in the V2 model runner only (dflash.drafter.export)
     return ServerCommand(argv, env, f"http://{client_host('127.0.0.1')}:{port}", engine)
 
 
@@ -130,6 +134,22 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
         raise ConfigError(f"--engine {engine}: {engine} {version} at {python} has no DFLASH speculative algorithm "
                           f"(needs {wanted} or later, as requirements-cu130.txt pins); set eval.engine_python")
     return version
+
+
+def check_engine_serves(engine: str, profile: Profile, checkpoint: Path) -> None:
+    """ConfigError where the engine cannot serve this drafter here: a DFlash 2 drafter on vLLM's CPU build,
+    whose V1 model runner refuses candidate-head drafts and whose V2 runner needs Triton's GPU backend
+    (tests/eval/test_engine_vllm_dflash2.py starts it both ways and reads both refusals)."""
+    if engine == "vllm" and profile.machine.device == "cpu" and is_dflash2_checkpoint(checkpoint):
+        raise ConfigError(f"{checkpoint}: a DFlash 2 drafter; vLLM's CPU build cannot serve it: "
+                          f"{VLLM_CPU_DFLASH2_REFUSAL}. Serve it on a CUDA node (the launcher sets {V2_RUNNER_ENV}=1), "
+                          "or evaluate it in-process (eval.engine = \"transformers\")")
+
+
+# What vLLM 0.32's CPU build answers to a DFlash 2 drafter (read from its logs: the engine test).
+VLLM_CPU_DFLASH2_REFUSAL = ("without VLLM_USE_V2_MODEL_RUNNER it stops with \"Model Runner V1 does not support: DFlash "
+                            "candidate-head drafts\", with VLLM_USE_V2_MODEL_RUNNER=1 with \"Model Runner V2 requires "
+                            "Triton\" (its Triton has no CPU backend)")
 
 
 def chat(base_url: str, messages: Sequence[ChatMessage], max_tokens: int, temperature: float, seed: int,
@@ -312,6 +332,7 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
 
     if launch is None:
         check_engine_installed(engine, profile)
+    check_engine_serves(engine, profile, checkpoint)
     target = resolve_model_path(profile.model.target)
     block_size = int(read_drafter_config(checkpoint).block_size)
     prompts_path = eval_prompts_path(profile, options.prompts_path)
@@ -395,7 +416,7 @@ class InProcessDecode:
 def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
                      settings: EngineSettings) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does."""
-    from dflash.eval.dflash_drafter import load_dflash_draft
+    from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.evaluate import (
         cpu_threads,
         decode_prompts,
@@ -409,7 +430,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_dflash_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
     prepare_cpu_decoding(profile, model, draft)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stop_token_ids(tokenizer, model))
