@@ -68,6 +68,12 @@ class DFlash2Draft(DFlashDraft):
     def drafter(self) -> DFlash2Drafter:
         return cast("DFlash2Drafter", self.model)
 
+    @property
+    def drafted_length(self) -> int:
+        """The whole block: DFlash 2's convolutions run over whole blocks, so with `draft_tokens` k
+        < B - 1 the block is drafted whole and its path's first k tokens are proposed."""
+        return self.block_size
+
     def reset(self) -> None:
         super().reset()
         self._last_block = None
@@ -81,7 +87,7 @@ class DFlash2Draft(DFlashDraft):
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
         self._score_last_block(committed)
         with torch.no_grad():
-            hidden = self._block_hidden(features, int(committed[-1]))[1:1 + k]
+            hidden = self._block_hidden(features, int(committed[-1]))[1:1 + min(k, self.proposed)]
             unary = self.drafter.logits(hidden)
             walk = self.drafter.selector.walk(unary, hidden, int(committed[-1]), temperature, self.generator)
         self._last_block = (anchor_pos, walk.candidates)

@@ -51,6 +51,11 @@ class DFlashDraft:
         return min(self.draft_tokens or self.block_size - 1, self.block_size - 1)
 
     @property
+    def drafted_length(self) -> int:
+        """Tokens of the block the drafter runs: `[anchor, MASK x proposed]`."""
+        return self.proposed + 1
+
+    @property
     def layer_ids(self) -> list[int]:
         return list(self.model.target_layer_ids)
 
@@ -58,7 +63,7 @@ class DFlashDraft:
         self._cache = None
 
     def _block_hidden(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
-        """The block's normed hidden states [k + 1, H] (the head's input; k = `proposed`) after
+        """The block's normed hidden states [`drafted_length`, H] (the head's input) after
         `features` (the committed positions before the anchor), through the context K/V cache
         (extended with the positions it lacks) when `use_cache`."""
         import torch
@@ -67,16 +72,16 @@ class DFlashDraft:
         from dflash.drafter.model import draft_hidden_cached
 
         if not self.use_cache:
-            return self.model.draft_hidden(features[None], anchor_id, features.shape[0], self.proposed + 1)
+            return self.model.draft_hidden(features[None], anchor_id, features.shape[0], self.drafted_length)
         length = features.shape[0]
         if self._cache is None or not self._cache.crop(length):
             self._cache = DraftContextCache()
         with torch.no_grad():
             extend_cache(self.model, self._cache, features[None, self._cache.length:length])
-            return draft_hidden_cached(self.model, self._cache, anchor_id, self.proposed + 1)
+            return draft_hidden_cached(self.model, self._cache, anchor_id, self.drafted_length)
 
     def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
-        """Draft logits [k + 1, V] of the block after `features` (the committed positions before the anchor)."""
+        """Draft logits [`drafted_length`, V] of the block after `features` (the committed positions before the anchor)."""
         import torch
 
         with torch.no_grad():
