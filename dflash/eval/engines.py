@@ -5,13 +5,14 @@ For each method (target alone, the DFlash drafter, prompt lookup) a fresh engine
 time, and the acceptance the ENGINE reports is read back:
 
 * SGLang: `--speculative-algorithm DFLASH --speculative-draft-model-path CKPT
-  --speculative-num-draft-tokens B` (prompt lookup: `NGRAM`), `--decode-log-interval 1` so the
-  scheduler folds every step into `avg_spec_accept_length` of `GET /server_info` (accepted drafts
-  + 1 per verify step: tau). Hybrid targets (linear-attention layers) add
-  `--mamba-scheduler-strategy extra_buffer`. DFLASH exists from SGLang 0.5.11.
-* vLLM: `--speculative-config {"method": "dflash", "model": CKPT, "num_speculative_tokens": B-1}`
-  (prompt lookup: method `ngram`); tau = 1 + accepted / drafts from the Prometheus counters of
-  `GET /metrics`, read before and after.
+  --speculative-num-draft-tokens k+1` (k = eval.draft_tokens, default B-1; prompt lookup: `NGRAM`,
+  B), `--decode-log-interval 1` so the scheduler folds every step into `avg_spec_accept_length` of
+  `GET /server_info` (accepted drafts + 1 per verify step: tau). Hybrid targets (linear-attention
+  layers) add `--mamba-scheduler-strategy extra_buffer`. DFLASH exists from SGLang 0.5.11.
+* vLLM: `--speculative-config {"method": "dflash", "model": CKPT, "num_speculative_tokens": k}`
+  (k = eval.draft_tokens, default B-1, as the in-process drafter drafts; prompt lookup: method
+  `ngram`, B-1); tau = 1 + accepted / drafts from the Prometheus counters of `GET /metrics`, read
+  before and after.
 
 Tokens/s = completion tokens over the wall time of the requests (one in flight, as the in-process
 eval); speedup over the same engine's target-only run.
@@ -93,8 +94,9 @@ def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, 
     if is_hybrid_target(target):
         args += ["--mamba-scheduler-strategy", "extra_buffer"]
     if method == "dflash":
+        drafts = min(profile.eval.draft_tokens or block - 1, block - 1)  # eval.draft_tokens: a block of drafts + 1
         args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(checkpoint),
-                 "--speculative-num-draft-tokens", str(block)]
+                 "--speculative-num-draft-tokens", str(drafts + 1)]
     elif method == "prompt_lookup":
         args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(block)]
     return args
@@ -102,7 +104,8 @@ def _sglang_args(profile: Profile, target: Path, method: str, checkpoint: Path, 
 
 def _vllm_args(profile: Profile, target: Path, method: str, checkpoint: Path, block: int, port: int) -> list[str]:
     args = vllm_base_args(profile, target, port)
-    speculative = {"dflash": {"method": "dflash", "model": str(checkpoint), "num_speculative_tokens": block - 1},
+    drafts = min(profile.eval.draft_tokens or block - 1, block - 1)      # eval.draft_tokens, as in-process
+    speculative = {"dflash": {"method": "dflash", "model": str(checkpoint), "num_speculative_tokens": drafts},
                    "prompt_lookup": {"method": "ngram", "num_speculative_tokens": block - 1,
                                      "prompt_lookup_max": profile.eval.prompt_lookup_max_ngram,
                                      "prompt_lookup_min": 1}}.get(method)
@@ -339,7 +342,8 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     eval_dir = run_dir / "eval"
     context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
                             prompts_file=str(prompts_path), prompt_set=prompt_set_label(prompts_path),
-                            max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+                            max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                            baseline=served_baseline(engine, profile))
     if engine == "vllm":
         report = _vllm_with_parity(profile, target, checkpoint, prompts_path, count, settings, eval_dir, context)
     else:
@@ -352,6 +356,16 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
 
         check_parity(report.parity, str(files[0]))
     return EvalSummary(report=report, files=files)
+
+
+def served_baseline(engine: str, profile: Profile) -> str:
+    """How the served target alone, the speedup's baseline, runs: the same server as each drafting method's."""
+    flags = f"--dtype {profile.model.dtype}"
+    if engine == "vllm":
+        flags += (" --enforce-eager" if profile.generate.vllm_enforce_eager else "") + \
+                 (f", KV cache {profile.generate.vllm_cpu_kvcache_gib} GiB" if profile.machine.device == "cpu" else "")
+    return (f"target alone = {engine} serving the target with the same flags ({flags}) and no speculative "
+            f"method; every method on a fresh server, one request in flight")
 
 
 def engine_settings(profile: Profile, options: EvalOptions) -> EngineSettings:
@@ -403,13 +417,21 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
                      settings: EngineSettings) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does."""
     from dflash.eval.dflash2_drafter import load_draft
-    from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
+    from dflash.eval.evaluate import (
+        cpu_threads,
+        decode_prompts,
+        encode_prompts,
+        load_target,
+        prepare_cpu_decoding,
+        stop_token_ids,
+    )
     from dflash.eval.prompt_lookup import PromptLookupDrafter
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_draft(str(checkpoint), model)
+    draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    prepare_cpu_decoding(profile, model, draft)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stop_token_ids(tokenizer, model))
     prompts = encode_prompts(tokenizer, prompts_path, count, profile.generate.thinking)

@@ -8,11 +8,15 @@ figures, else `ParityFailed` (exit code 6) names the first prompt and token posi
 served and in-process outputs diverge. Why a tolerance at all: vLLM's CPU float32 kernels
 (attention, GEMMs, reduction order) differ from ours, so at a near-tie the greedy token can flip;
 the continuation after a flip is different text, with a different acceptance.
+The two per-position lists may differ in length (vLLM reports the `eval.draft_tokens` slots it
+drafts, the in-process report every slot of the block): a slot one side does not list accepted
+nothing there, and counts as 0.
 Prompt lookup is shown, not gated: vLLM's n-gram proposer and ours pick matches differently.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import zip_longest
 from typing import Optional, Sequence
 
 from dflash.eval.records import TARGET, MethodFigures, ParityRow
@@ -69,7 +73,7 @@ def _within(row: ParityRow) -> bool:
     if row.served_tau is None or row.inprocess_tau is None or abs(row.served_tau - row.inprocess_tau) > TAU_TOLERANCE:
         return False
     served, ours = row.served_position_acceptance or [], row.inprocess_position_acceptance or []
-    return len(served) == len(ours) and all(abs(a - b) <= POSITION_TOLERANCE for a, b in zip(served, ours))
+    return all(abs(a - b) <= POSITION_TOLERANCE for a, b in zip_longest(served, ours, fillvalue=0.0))
 
 
 def check_parity(parity: dict[str, ParityRow], report_path: str) -> None:

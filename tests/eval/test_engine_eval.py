@@ -136,6 +136,20 @@ def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergen
     assert lookup.within_tolerance is None        # shown, not gated
 
 
+def test_the_parity_gate_counts_a_slot_one_side_does_not_list_as_nothing_accepted():
+    from dflash.eval.parity import method_parity
+    from dflash.eval.records import MethodFigures
+
+    # eval.draft_tokens 3: vLLM lists its 3 drafted slots, the in-process report all 7 of block 8
+    served = MethodFigures(mean_tau=1.351, tokens_per_s=5.0, speedup=1.1, identical_to_target=True, position_acceptance=[0.29, 0.05, 0.01])
+    ours = MethodFigures(mean_tau=1.353, tokens_per_s=4.0, speedup=0.9, identical_to_target=True,
+                         position_acceptance=[0.30, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0])
+    assert method_parity("dflash", served, ours, ["a"], [[1]], [[1]]).within_tolerance is True
+    accepted_beyond = dataclasses.replace(ours, position_acceptance=[0.30, 0.05, 0.01, 0.2, 0.0, 0.0, 0.0])
+    assert method_parity("dflash", served, accepted_beyond, ["a"], [[1]], [[1]]).within_tolerance is False
+    assert method_parity("dflash", accepted_beyond, served, ["a"], [[1]], [[1]]).within_tolerance is False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["sglang"])
 def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
@@ -164,3 +178,23 @@ def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(en
     assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
     log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
     assert str(checkpoint) in log
+
+
+def test_eval_draft_tokens_sets_what_each_engine_drafts_and_prompt_lookup_keeps_the_block():
+    """eval.draft_tokens k: vLLM's DFlash gets num_speculative_tokens k (its block: the bonus token +
+    k masks, as the in-process drafter drafts), SGLang's a block of k + 1; prompt lookup keeps B - 1."""
+    base = load_profile("rtx6000-x8")
+    profile = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=3))
+
+    def speculative(method: str, engine: str = "vllm") -> object:
+        argv = engine_command(engine, profile, Path("/t"), method, Path("/ckpt"), 16, 30100).argv
+        if engine == "sglang":
+            return argv[argv.index("--speculative-num-draft-tokens") + 1]
+        return json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"]
+
+    assert speculative("dflash") == 3 and speculative("prompt_lookup") == 15
+    assert speculative("dflash", "sglang") == "4" and speculative("prompt_lookup", "sglang") == "16"
+    assert engine_command("vllm", base, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv[-1].endswith("15}")  # control
+    longer = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=40))
+    argv = engine_command("vllm", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 15   # at most B - 1
