@@ -119,7 +119,21 @@ def _layer_block_bytes(workload: Workload) -> int:
     norms = 2 * s.hidden * _norm_bytes(workload)
     attention = _projection_input_copies(workload, 1) * s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
     mlp = _projection_input_copies(workload, 2) * s.hidden * lo + 4 * s.intermediate * lo
-    return workload.block_tokens * (norms + attention + mlp)
+    return workload.block_tokens * (norms + attention + mlp + 2 * _conv_bytes(workload))
+
+
+def _conv_bytes(workload: Workload) -> int:
+    """DFlash 2: one sublayer's convolutions per block token (0 for DFlash). `prepare` keeps the dynamic
+    kernels [2 x k x groups] (the projection's output) and, under autocast, the projection's bf16 copy of
+    the normed input; the convolved input is a new [H] tensor the sublayer reads (float32 as the norm's
+    output, bf16 in bf16 compute); `finish` keeps the sublayer's output [H] (the residual add saved none).
+    The convolutions themselves are checkpointed: only their inputs are kept."""
+    parts, s, lo = workload.dflash2, workload.target, _low_bytes(workload)
+    if parts is None:
+        return 0
+    kernels = 2 * parts.conv_kernel_size * (s.hidden // parts.conv_group_size) * lo
+    convolved = s.hidden * (lo if _bf16_compute(workload) else FP32_BYTES)
+    return kernels + _projection_input_copies(workload, 1) * s.hidden * lo + convolved + s.hidden * lo
 
 
 def _final_bytes(workload: Workload) -> int:
@@ -129,3 +143,19 @@ def _final_bytes(workload: Workload) -> int:
     row_bytes = _low_bytes(workload) if _bf16_compute(workload) else f
     return workload.block_tokens * s.hidden * _norm_bytes(workload) + rows * s.hidden * row_bytes
 
+
+def selector_activations_mib(workload: Workload, backward: bool = False) -> float:
+    """DFlash 2's selector over one sequence's supervised slots (dflash.drafter.loss.selector_terms), 0 for
+    DFlash. In its forward: the successor codebook's rows of K + 1 candidates [rank] each, looked up in the
+    compute dtype (and autocast's bf16 copy over float32 ones, for the batched product), the predecessor
+    rows, the projected hidden state, their product and its copy [rank]. In its backward (`backward`): the
+    product's saved candidate rows and their gradient, in the product's dtype, and the [rank] tensors."""
+    parts = workload.dflash2
+    if parts is None:
+        return 0.0
+    compute = BF16_BYTES if _bf16_compute(workload) else FP32_BYTES
+    lo = _low_bytes(workload)
+    per_candidate = 2 * lo if backward else compute + (lo if compute != lo else 0)
+    candidates = (parts.selector_top_k + 1) * parts.selector_rank * per_candidate
+    context = parts.selector_rank * (2 * compute + 2 * lo)
+    return workload.supervised_slots * (candidates + context) / MIB

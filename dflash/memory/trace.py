@@ -395,7 +395,7 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
     activations with the loss's temporaries)."""
     e, m = memory.estimate(workload), traced.micro_batch
     line = memory.estimated_peak_model(workload)
-    drafter_step = max(moment.at(m) for moment in e.moment_lines()[:2]) + e.accumulated_gradients(m)
+    drafter_step = max(moment.at(m) for moment in e.drafter_lines()) + e.accumulated_gradients(m)
     at_peak = traced.peak_categories
     working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Buffer"))
     gathered = sum(at_peak.get(name, 0.0) for name in GATHERED)
@@ -407,7 +407,15 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
     # on one rank the retained reduce input is no "Reduce Scatter" to the tracker (no collective ran): working memory
     retained = e.retained_reduce_input if layer_moment and e.world_size > 1 else 0.0
     grads_at_peak = retained + e.accumulated_gradients(m)
-    modelled_working = drafter_step - e.static - gathered_at_peak - grads_at_peak - (e.autocast_layer if layer_moment else 0.0)
+    autocast_layer = e.autocast_layer if layer_moment else 0.0
+    deciding = max(e.drafter_lines(), key=lambda moment: moment.at(m)).moment
+    if deciding.startswith("the selector"):             # DFlash 2: the selector's own unit decides the step
+        reduction = deciding == "the selector's gradient reduction"
+        selector_weights = e.selector_backward if deciding == "the selector's backward" else e.selector_gathered
+        gathered_at_peak = e.held_weights + (e.root_gathered if reduction else selector_weights)
+        grads_at_peak = e.accumulated_gradients(m) + (e.selector_reduce_held if reduction else 0.0)
+        autocast_layer = 0.0
+    modelled_working = drafter_step - e.static - gathered_at_peak - grads_at_peak - autocast_layer
     pairs = [("target weights", traced.target_weights, e.target_weights),
              ("drafter weights (fp32 shards)", traced.drafter_weights, e.drafter_weights),
              ("drafter gradients (fp32 shards)", traced.drafter_grads, e.drafter_grads),
