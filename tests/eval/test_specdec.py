@@ -268,8 +268,9 @@ def test_the_prefill_and_the_verify_compute_logits_only_where_they_are_read(targ
 
 
 def test_a_greedy_verify_puts_only_the_positions_it_reads_through_the_lm_head(target, references):
-    """Lazy logits: a rejected first draft token costs one lm_head row, not one per fed token (the
-    control, lazy logits off, pays a row per fed token); the output is the same either way."""
+    """Lazy logits: a rejected first draft token costs two lm_head rows (rows 0 and 1 in one matmul,
+    about the cost of one: VerifyOutput.row), not one per fed token (the control, lazy logits off,
+    pays a row per fed token: 4 at block 4); the output is the same either way."""
     model = target[1]
     rows: list[int] = []
     head = model.get_output_embeddings()
@@ -287,7 +288,7 @@ def test_a_greedy_verify_puts_only_the_positions_it_reads_through_the_lm_head(ta
             counts[lazy] = sum(rows) / len(result.taus)
     finally:
         handle.remove()
-    assert counts[True] < 1.5 and counts[False] >= 3.5, counts
+    assert counts[True] < 2.5 and counts[False] >= 3.5, counts
 
 
 def test_lazy_logits_are_used_only_where_the_head_of_the_final_norm_gives_the_logits(tiny_qwen3_model):
