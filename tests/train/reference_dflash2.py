@@ -10,25 +10,18 @@ import json
 import sys
 
 import torch
-from safetensors.torch import load_file, save_file
+from reference_logits import draft_block  # beside this script: sys.path[0]
+from safetensors.torch import save_file
 
 from dflash import DFlash2DraftModel
 
 
 def main() -> None:
-    checkpoint, inputs_path, output_path = sys.argv[1:4]
-    model, info = DFlash2DraftModel.from_pretrained(checkpoint, output_loading_info=True, dtype=torch.float32)
-    model.eval()
-    inputs = load_file(inputs_path)
-    head = torch.nn.Linear(inputs["lm_head"].shape[1], inputs["lm_head"].shape[0], bias=False)
-    head.weight.data.copy_(inputs["lm_head"])
+    model, info, inputs, head, hidden, logits = draft_block(DFlash2DraftModel)
     with torch.no_grad():
-        hidden = model(position_ids=inputs["position_ids"], noise_embedding=inputs["noise_embedding"],
-                       target_hidden=inputs["target_hidden"])
-        logits = model.compute_logits(hidden, head)
         path, candidates, q = model.propose(hidden[:, 1:], inputs["anchor_ids"], head, 0.0)
     save_file({"logits": logits.contiguous(), "path": path.contiguous(), "candidates": candidates.contiguous()},
-              output_path)
+              sys.argv[3])
     selector = model.candidate_selector
     print(json.dumps({
         "loading_info": {key: sorted(map(str, value)) for key, value in info.items()},

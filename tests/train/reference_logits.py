@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from dflash import DFlashDraftModel
 
 
-def main() -> None:
-    checkpoint, inputs_path, output_path = sys.argv[1:4]
-    model, info = DFlashDraftModel.from_pretrained(checkpoint, output_loading_info=True, dtype=torch.float32)
+def draft_block(model_class):
+    """argv's checkpoint loaded by the reference's own `from_pretrained`, and one block drafted
+    from argv's inputs: (model, loading info, inputs, lm_head, hidden states, unary logits)."""
+    checkpoint, inputs_path = sys.argv[1:3]
+    model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, dtype=torch.float32)
     model.eval()
     inputs = load_file(inputs_path)
     head = torch.nn.Linear(inputs["lm_head"].shape[1], inputs["lm_head"].shape[0], bias=False)
@@ -24,7 +26,12 @@ def main() -> None:
         hidden = model(position_ids=inputs["position_ids"], noise_embedding=inputs["noise_embedding"],
                        target_hidden=inputs["target_hidden"])
         logits = model.compute_logits(hidden, head)
-    save_file({"logits": logits.contiguous()}, output_path)
+    return model, info, inputs, head, hidden, logits
+
+
+def main() -> None:
+    model, info, _inputs, _head, _hidden, logits = draft_block(DFlashDraftModel)
+    save_file({"logits": logits.contiguous()}, sys.argv[3])
     print(json.dumps({
         "loading_info": {key: sorted(map(str, value)) for key, value in info.items()},
         "block_size": model.block_size, "mask_token_id": model.mask_token_id,
