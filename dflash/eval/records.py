@@ -122,10 +122,18 @@ class ParityRow:
     same_tokens_as_inprocess: bool
     first_divergence: Optional[str]
     gated: bool
-    within_tolerance: Optional[bool] = None    # None: not gated
+    within_tolerance: Optional[bool] = None    # the gate passed; None: not gated
+    served_steps: Optional[int] = None         # speculative steps counted on each side
+    inprocess_steps: Optional[int] = None
+    tolerance: Optional[float] = None          # gated: the tau difference allowed
+    standard_error: Optional[float] = None     # gated: of the tau difference
+    prompts_same_tokens: Optional[int] = None  # gated: prompts whose served and in-process tokens are identical
+    prompts_same_acceptance: Optional[int] = None   # ... and of those, the ones accepting the same drafts
+    failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, named
+    conclusive: Optional[bool] = None          # gated: the in-process gain stands clear of zero
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key in _PARITY_ALWAYS or value is not None}
 
     @classmethod
     def from_json(cls, data: _Fields) -> ParityRow:
@@ -133,7 +141,17 @@ class ParityRow:
                    data.numbers_or_none("served_position_acceptance"), data.numbers_or_none("inprocess_position_acceptance"),
                    data.flag_or_none("served_identical_to_target"), data.flag_or_none("inprocess_identical_to_target"),
                    data.flag("same_tokens_as_inprocess"), data.text_or_none("first_divergence"), data.flag("gated"),
-                   data.flag_or_none("within_tolerance"))
+                   data.flag_or_none("within_tolerance"), served_steps=data.integer_or_none("served_steps"),
+                   inprocess_steps=data.integer_or_none("inprocess_steps"), tolerance=data.number_or_none("tolerance"),
+                   standard_error=data.number_or_none("standard_error"),
+                   prompts_same_tokens=data.integer_or_none("prompts_same_tokens"),
+                   prompts_same_acceptance=data.integer_or_none("prompts_same_acceptance"),
+                   failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"))
+
+
+_PARITY_ALWAYS = ("served_tau", "inprocess_tau", "served_position_acceptance", "inprocess_position_acceptance",
+                  "served_identical_to_target", "inprocess_identical_to_target", "same_tokens_as_inprocess",
+                  "first_divergence", "gated", "within_tolerance")
 
 
 @dataclass(frozen=True)
