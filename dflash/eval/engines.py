@@ -158,6 +158,38 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
     return version
 
 
+def check_engine_serves(engine: str, version: str, profile: Profile, drafter: Path) -> None:
+    """ConfigError, before anything is decoded, when this engine cannot serve `drafter` (a checkpoint or
+    drafter directory) as it was trained: an SGLang release that runs a layer with other attention
+    (envcheck/engines.py), or vLLM on CPU asked for a drafter mixing sliding and full layers, which
+    only its V2 model runner serves and which on CPU needs Triton with a CPU backend (triton-cpu)."""
+    path = Path(drafter) / "config.json"
+    if not path.is_file():
+        return                      # loading the drafter names what is missing
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if engine == "sglang":
+        from dflash.drafter.layers import sglang_serving_problems
+
+        problems = sglang_serving_problems(version_tuple(version), config)
+        if problems:
+            raise ConfigError(f"--engine sglang: SGLang {version} would not serve this drafter as it was trained: "
+                              f"{'; '.join(problems)}; point eval.engine_python at an environment of "
+                              "requirements-cu130.txt (sglang 0.5.19)")
+    elif profile.machine.device == "cpu" and mixes_sliding_and_full(config.get("layer_types") or []):
+        backends = _triton_backends(engine_python(profile, engine))
+        if "cpu" not in backends:
+            raise ConfigError("--engine vllm: this drafter mixes sliding_attention and full_attention layers, which vLLM "
+                              "serves only on its V2 model runner; on CPU that runner needs Triton with a CPU backend "
+                              f"(triton-cpu, not on PyPI), and the engine's triton has {backends or 'none'}: serve it on "
+                              "a GPU node, or with SGLang 0.5.19")
+
+
+def _triton_backends(python: str) -> list[str]:
+    probe = subprocess.run([python, "-c", "from triton.backends import backends; print(' '.join(sorted(backends)))"],
+                           capture_output=True, text=True)
+    return probe.stdout.split() if probe.returncode == 0 else []
+
+
 def _post(url: str, body: dict[str, object], timeout_s: float) -> dict[str, object]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (loopback URL we built)

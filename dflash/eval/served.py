@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from dflash.eval.engines import METHODS, EngineRun, EngineSettings, check_engine_installed, run_engines
+from dflash.eval.engines import METHODS, EngineRun, EngineSettings, check_engine_installed, check_engine_serves, run_engines
 from dflash.eval.parity import PromptAcceptance, SideFigures, histogram_of_taus, method_parity
 from launcher_core.schema import Profile
 
@@ -83,11 +83,14 @@ def write_engine_reports(report: EvalReport, eval_dir: Path) -> list[Path]:
 def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions, engine: str,
                 launch: Optional[Sequence[str]] = None) -> EngineEval:
     """Steps 1-4 of the module doc, nothing written but the export and the engine logs."""
+    from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.records import ReportContext
     from dflash.models import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
+    if version is not None:
+        check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))
     target = resolve_model_path(profile.model.target)
     prompts_path = eval_prompts_path(profile, options.prompts_path)
     settings = engine_settings(profile, options)

@@ -132,6 +132,19 @@ def test_the_install_check_names_the_setup_command_when_vllm_is_absent(tmp_path)
         check_engine_installed("vllm", profile)
 
 
+def test_an_sglang_release_that_would_run_the_layers_otherwise_is_refused_before_anything_is_decoded(tmp_path):
+    from dflash.eval.engines import check_engine_serves
+    from launcher_core.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 5, "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048}))
+    profile = load_profile("rtx6000-x8")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.11 would not serve this drafter as it was trained: layer 0 "
+                                          r"\(sliding_attention\): trained causal, window 2048, served bidirectional"):
+        check_engine_serves("sglang", "0.5.11", profile, tmp_path)
+    check_engine_serves("sglang", PINNED_SGLANG, profile, tmp_path)
+
+
 # -- the parity gate's rules -----------------------------------------------------------------------
 
 def side(per_prompt: list[tuple[list[int], int, int]], histogram: list[int], lossless: bool = True) -> SideFigures:
