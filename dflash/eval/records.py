@@ -6,12 +6,12 @@ and what plots, `status` (through the manifest's eval entry), the pipeline and t
 field. Layout, version 2 (version 1, without `report_version`, is read the same way):
 
     {report_version, profile, target, checkpoint, seed, prompts_file, prompt_set, max_new_tokens,
-     torch_threads (in-process), served_drafter (vLLM), engine (engine evals),
+     torch_threads (in-process), served_drafter (engine evals), engine (engine evals),
      block_size, temperature, num_prompts,
      methods: {name: MethodFigures},
      prompts: [{id, prompt_tokens, methods: {name: MethodFigures}}]   (in-process),
      also_sets: [{prompt_set, prompts_file, num_prompts, report, methods}]  (eval.also_prompts),
-     parity: {name: ParityRow}, inprocess: EvalReport without prompts  (eval --engine vllm)}
+     parity: {name: ParityRow}, inprocess: EvalReport without prompts  (eval --engine)}
 
 Keys whose value is not known for a report's kind are left out (the in-process report has no
 `tau_source`; an engine report no `tau_histogram`).
@@ -166,7 +166,7 @@ class ReportContext:
     prompt_set: Optional[str] = None
     max_new_tokens: Optional[int] = None
     torch_threads: Optional[int] = None     # in-process: torch's thread count while decoding
-    served_drafter: Optional[str] = None    # vLLM: the drafter exported for it
+    served_drafter: Optional[str] = None    # engine evals: the drafter exported for the engine
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -193,7 +193,7 @@ class EvalReport:
     prompts: list[PromptFigures] = field(default_factory=list)
     also_sets: list[SetBrief] = field(default_factory=list)
     parity: dict[str, ParityRow] = field(default_factory=dict)
-    inprocess: Optional[EvalReport] = None     # vLLM: the in-process figures of the same prompts
+    inprocess: Optional[EvalReport] = None     # engine evals: the in-process figures of the same prompts
 
     def drafted(self) -> dict[str, MethodFigures]:
         """The drafting methods (all but target-only decoding)."""

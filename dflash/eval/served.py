@@ -115,7 +115,7 @@ def parity_rows(runs: dict[str, EngineRun], inprocess: InProcessDecode) -> dict[
     target = runs.get("target")
     served_target = [p.token_ids for p in target.prompts] if target else None
     return {name: method_parity(name, served_side(run, target), inprocess.side(name), inprocess.prompt_names,
-                                served_target)
+                                served_target, block_size=inprocess.report.block_size)
             for name, run in runs.items()}
 
 
