@@ -62,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except (LauncherError, KeyboardInterrupt) as error:
-        message = str(error) or type(error).__name__
+        from launcher_core.redact import mask_secrets
+
+        message = mask_secrets(str(error) or type(error).__name__)
         print(f"error: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
         return exit_code_for(error)
     except Exception as error:  # the funnel: anything else is a bug, reported in one line
@@ -70,9 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report_crash(command: str, argv: Sequence[str], error: Exception) -> int:
-    """Traceback to a file (secrets masked), one line to stderr, the crash exit code."""
+    """Traceback to a file (secrets masked), one line to stderr, the crash exit code; a full disk
+    that no writer recognised is still the environment's error (DiskFull), not a bug."""
     from launcher_core.crash import crash_exit_code, crash_line, write_crash_report
+    from launcher_core.diskfull import disk_full_of
+    from launcher_core.errors import exit_code_for
+    from launcher_core.redact import mask_secrets
 
+    full = disk_full_of(error)
+    if full is not None:
+        print(f"error: {mask_secrets(str(full))}", file=sys.stderr)
+        return exit_code_for(full)
     report = write_crash_report(command, argv, error)
     print(crash_line(command, error, report), file=sys.stderr)
     return crash_exit_code(command)

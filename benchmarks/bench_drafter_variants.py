@@ -16,6 +16,8 @@ held-out entries of the training prompts' bank), continued greedily by the targe
 eval.max_new_tokens tokens. Each drafter drafts at every position of those continuations
 (teacher-forced, as speculative decoding sees them) and the greedy decoding walk over them gives
 tau = tokens / steps, the figure `launcher.py eval` reports; prompt lookup is walked the same way.
+A DFlash 2 variant is measured twice: its selector's path (the name) and its unary argmax
+(`NAME/unary`): the selector's lift is the difference.
 """
 from __future__ import annotations
 
@@ -53,6 +55,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
                        "train": {"lr": 3e-3}},                       # the first demo drafter
     "32-anchors": {"train": {"num_anchors": 32}},
     "frozen-mlp": {"freeze": ".mlp."},
+    # DFlash 2 (drafter.kind = "dflash2", its published kernel / groups / rank / top K; the whole vocabulary, as
+    # it needs): measured twice, its selector's path (`dflash2`) and its unary argmax (`dflash2/unary`).
+    # `full-vocab` is the DFlash drafter with the same head.
+    "dflash2": {"drafter": {"kind": "dflash2", "draft_vocab_size": 0}},
+    "dflash2-stopgrad": {"drafter": {"kind": "dflash2", "draft_vocab_size": 0}, "train": {"selector_stop_gradient": True}},
 }
 SMOKE = {"steps": 2, "heldout": 1, "new_tokens": 4, "variants": "cpu-demo", "sets": "everyday", "eval_at": "1"}
 SMOKE_ROWS, SMOKE_TOKENS, SMOKE_LOSS_TOKENS = 8, 32, 6
@@ -158,8 +165,9 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
     return k
 
 
-def drafter_tau(state: TrainState, heldout: Heldout) -> tuple[float, list[float]]:
-    """tau of the state's drafter over the set, and the share of drafts reaching each slot."""
+def drafter_tau(state: TrainState, heldout: Heldout, kind: str = "head") -> tuple[float, list[float]]:
+    """tau of the state's drafter over the set, and the share of drafts reaching each slot. `kind`:
+    "head" (the head's argmax; a DFlash 2 drafter's unary argmax) or "selector" (a DFlash 2 drafter's path)."""
     import torch
 
     block = state.drafter.block_size
@@ -169,7 +177,7 @@ def drafter_tau(state: TrainState, heldout: Heldout) -> tuple[float, list[float]
         for seq in heldout.sequences:
             first = seq.mask.index(1) - 1          # the anchor before the first new token
             accepted_at = {}
-            for anchor, proposal in zip(range(first, len(seq.ids) - 1), block_proposals(state, seq, first)):
+            for anchor, proposal in zip(range(first, len(seq.ids) - 1), block_proposals(state, seq, first)[kind]):
                 accepted_at[anchor] = k = accepted(proposal, seq.ids[anchor + 1:anchor + block])
                 for slot in range(k):
                     reached[slot] += 1
@@ -179,18 +187,26 @@ def drafter_tau(state: TrainState, heldout: Heldout) -> tuple[float, list[float]
     return tokens / steps, [round(r / drafts, 3) for r in reached]
 
 
-def block_proposals(state: TrainState, seq: Sequence, first: int) -> list[list[int]]:
-    """The drafter's block at every anchor from `first` on (the trainer's forward over all blocks)."""
+def block_proposals(state: TrainState, seq: Sequence, first: int) -> dict[str, list[list[int]]]:
+    """The drafter's block at every anchor from `first` on (the trainer's forward over all blocks): the
+    head's argmax ("head"), and a DFlash 2 drafter's selector walk from each anchor ("selector")."""
     import torch
 
+    from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.model import forward_blocks
     from dflash.drafter.taps import extract_taps
 
     ids = torch.tensor([seq.ids])
     features = extract_taps(state.target, ids, state.layer_ids)
-    anchors = torch.tensor([list(range(first, len(seq.ids) - 1))])
-    hidden = forward_blocks(state.drafter, ids, anchors, features, state.backend)
-    return state.drafter.token_ids(state.drafter.logits(hidden[0, :, 1:]).argmax(dim=-1)).tolist()
+    anchors = list(range(first, len(seq.ids) - 1))
+    hidden = forward_blocks(state.drafter, ids, torch.tensor([anchors]), features, state.backend)[0, :, 1:]
+    logits = state.drafter.logits(hidden)
+    drafts = {"head": state.drafter.token_ids(logits.argmax(dim=-1)).tolist()}
+    if isinstance(state.drafter, DFlash2Drafter):
+        selector = state.drafter.selector
+        drafts["selector"] = [selector.walk(logits[i], hidden[i], seq.ids[anchor]).tokens.tolist()
+                              for i, anchor in enumerate(anchors)]
+    return drafts
 
 
 def prompt_lookup_tau(heldout: Heldout, block: int) -> float:
@@ -212,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=0, help="training steps (0: the profile's, train.epochs)")
     parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per held-out prompt (0: eval.max_new_tokens)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {', '.join(VARIANTS)} (default: all; "
+                        "--smoke: cpu-demo)")
     parser.add_argument("--sets", default="everyday,indist", help="held-out sets, comma-separated, of everyday, indist")
     parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
                         "within the one run of --steps (same schedule)")
@@ -220,9 +237,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{SMOKE_TOKENS} tokens written in the scratch directory, one thread, {SMOKE}")
     args = parser.parse_args(argv)
     if args.smoke:
-        vars(args).update(SMOKE)
+        vars(args).update({key: value for key, value in SMOKE.items() if key != "variants" or not args.variants})
     elif args.run_dir is None:
         parser.error("--run-dir is required (or --smoke)")
+    args.variants = args.variants or ",".join(VARIANTS)
     unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
     if unknown:
         parser.error(f"--variants: {', '.join(unknown)} not one of {', '.join(VARIANTS)}")
@@ -283,12 +301,16 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
         fill_feature_cache(state)
         print(f"feature cache: {len(state.data.dataset)} rows in {time.perf_counter() - started:.0f} s", flush=True)
 
+    selector = hasattr(state.drafter, "candidate_selector")
+    kinds = {name: "selector", f"{name}/unary": "head"} if selector else {name: "head"}
+
     def report(step: int, note: str = "") -> None:
         state.drafter.eval()
         for held in heldout:
-            tau, reached = drafter_tau(state, held)
-            print(f"{name:<24} {held.name:<9} tau {tau:.3f}  reached slot 1..{len(reached)} {reached}  step {step}{note}",
-                  flush=True)
+            for label, kind in kinds.items():
+                tau, reached = drafter_tau(state, held, kind)
+                print(f"{label:<24} {held.name:<9} tau {tau:.3f}  reached slot 1..{len(reached)} {reached}  step {step}{note}",
+                      flush=True)
         state.drafter.train()
 
     if 0 in eval_at:

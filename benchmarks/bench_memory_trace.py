@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/bench_memory_trace.py [--profiles rtx6000-x8 b200-x8 h200-x1] [--micro-batches 1 2]
 
 Each step is the trainer's own (dflash.train.trace: `state_from_target` + `plain_step`) on fake
-tensors under torch's fake process group at the profile's world size, counted by MemTracker: the
-Qwen3.6-27B-shaped target's tap forward, two micro-batches' forward/backward with the chunked loss,
-the gradient sum over the ranks, clipping and the profile's optimizer (ZeRO-1 over 8 ranks). Prints
+tensors under torch's fake process group at the profile's world size, counted by FSDPMemTracker: the
+Qwen3.6-27B-shaped target's tap forward, two micro-batches' forward/backward with the chunked loss
+(the drafter sharded by FSDP2: all-gathers, reduce-scatters inside the backward), clipping and AdamW
+over the shards. Prints
 per profile and micro-batch each component, model vs trace, and the largest differences (targets:
 3 % at the peak, 5 % per component).
 
@@ -40,12 +41,23 @@ def smoke_case(profile):
     return small, fake.qwen36_27b_config(**SMOKE_TARGET)
 
 
+def with_train_values(profile, assignments: list[str]):
+    """The profile with `key=value` [train] values (ints, or strings as they are)."""
+    values = {}
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        values[key] = int(value) if value.isdigit() else (value == "true" if value in ("true", "false") else value)
+    return dataclasses.replace(profile, train=dataclasses.replace(profile.train, **values)) if values else profile
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", nargs="+", default=["rtx6000-x8", "b200-x8", "h200-x1"])
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                         help="train.compute_dtype for every profile (default: each profile's own)")
+    parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="[train] values for every profile, e.g. num_anchors=512 activation_checkpointing=none")
     parser.add_argument("--smoke", action="store_true", help="the smallest setting: rtx6000-x8, micro-batch 1, a tiny target")
     args = parser.parse_args()
     if args.smoke:
@@ -60,10 +72,11 @@ def main() -> int:
         if args.compute_dtype:
             profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train,
                                                                              compute_dtype=args.compute_dtype))
+        profile = with_train_values(profile, args.train)
         profile, config = smoke_case(profile) if args.smoke else (profile, fake.target_config(profile))
         workload = fake.workload_for_config(profile, config)
         for micro_batch in args.micro_batches:
-            same = (workload, micro_batch, profile.train.compute_dtype, profile.train.autocast)
+            same = (workload, micro_batch, profile.train.autocast)
             if same in done:            # b200-x8 is rtx6000-x8's workload and world size: the same step
                 print(f"{name}, micro-batch {micro_batch}: the same step as {done[same][0]} (same workload, "
                       f"world size and batch split); its figures hold", flush=True)
@@ -74,6 +87,8 @@ def main() -> int:
             print("\n".join(fake.format_comparison(name, traced, figures)), flush=True)
             worst_total = max(worst_total, abs(figures[-1].error))
             worst_part = max([worst_part] + [abs(f.error) for f in figures[:-1] if f.traced >= 1])
+            print(f"  supervised slots per target forward: {workload.supervised_slots * micro_batch:,}; "
+                  f"gradient reduction's peak {traced.reduction_peak:,.0f} MiB", flush=True)
     print(f"largest model-vs-trace difference: peak {100 * worst_total:.1f}% (target 3%), "
           f"component {100 * worst_part:.1f}% (target 5%)")
     return 0

@@ -7,8 +7,9 @@ fixture, optionally perturbed to emulate a calibration error); the budgets come 
 snapshots; a forward above the truly feasible micro-batch raises torch.OutOfMemoryError through
 the trainer's fault-injection switch (DFLASH_INJECT_OOM="above=N", dflash.train.autobatch). Both
 strategies train a small real drafter through the trainer's own `build_state` and `run_step`
-(its AutoBatch recovery: agree, halve on every rank, redo the step) on a tiny random Qwen3 target;
-only the starting micro-batch differs.
+(its AutoBatch recovery: the OOM's record, a restart at half the micro-batch, the step redone) on a
+tiny random Qwen3 target; only the starting micro-batch differs. Each OOM costs a restart of every
+rank (the target reloaded, the steps since the last checkpoint redone): "lost" counts them.
 
     .venv/bin/python benchmarks/bench_oom_steps.py [--steps 6] [--scenarios N]
     .venv/bin/python benchmarks/bench_oom_steps.py --smoke      (the first two scenarios, 2 steps each)
@@ -93,21 +94,26 @@ def training_profile(target: Path, dataset: Path, run_dir: Path, start: int, ste
 
 
 def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tuple[int, int]:
-    """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final)."""
-    from dflash.train.autobatch import INJECT_ENV
+    """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final).
+    An OOM ends the step with its record (OomRestart), as it ends a rank; the restart's start
+    (AutoBatch.start, reading the record) is done in this process, and the step is run again."""
+    from dflash.train.autobatch import INJECT_ENV, AutoBatch, OomRestart
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import build_state
     from dflash.train.step import run_next_step
 
-    os.environ[INJECT_ENV] = f"above={feasible}"         # read by build_state's AutoBatch
+    os.environ[INJECT_ENV] = f"above={feasible}"         # read by every AutoBatch.start
     try:
         state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=start)
+        assert state.autobatch is not None
+        state.autobatch.log = lambda line: None
+        while state.step < state.total_steps:
+            try:
+                run_next_step(state)
+            except OomRestart:
+                state.autobatch = AutoBatch.start(start, run_dir, 0, log=lambda line: None)
     finally:
         del os.environ[INJECT_ENV]
-    assert state.autobatch is not None
-    state.autobatch.log = lambda line: None
-    while state.step < state.total_steps:
-        run_next_step(state)
     return len(state.autobatch.reductions), state.autobatch.micro_batch
 
 
@@ -135,7 +141,7 @@ def main() -> None:
         target, dataset = small_workload(scratch)
         for index, scenario in enumerate(SCENARIOS[:args.scenarios]):
             totals = run_scenario(scenario, calibration, (target, dataset), scratch / str(index), args.steps, totals)
-    print(f"steps lost to OOM in total: ours {totals[0]}, halving from the maximum {totals[1]} "
+    print(f"restarts after OOM in total: ours {totals[0]}, halving from the maximum {totals[1]} "
           f"(target: 0 when calibrated)")
 
 

@@ -132,12 +132,14 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 
 def _train(ctx: PipelineContext) -> str:
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint import checkpoints_dir
     from dflash.train.launch import run_training
+    from dflash.train.resume import step_directories
     from launcher_core.manifest import read_manifest
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
-    resume, force = train_mode(state, latest_checkpoint(ctx.run_dir) is not None, "train" in ctx.redo)
+    has_checkpoint = bool(step_directories(checkpoints_dir(ctx.run_dir)))   # whole or not: train --resume verifies
+    resume, force = train_mode(state, has_checkpoint, "train" in ctx.redo)
     run_training(ctx.profile, run_dir=ctx.run_dir, resume=resume, force=force)
     entry = read_manifest(ctx.run_dir)["stages"].get("train", {})
     if entry.get("state") != "done":

@@ -31,6 +31,7 @@ SGLANG_FIRST_DFLASH = (0, 5, 11)        # the DFLASH speculative algorithm
 SGLANG_SLIDING = (0, 5, 14)             # sliding layers causal with their window (before: all bidirectional)
 SGLANG_FULL_IS_CAUSAL = (0, 5, 17)      # a full layer honours is_causal = true
 SGLANG_IS_CAUSAL = (0, 5, 18)           # is_causal honoured for both kinds
+SGLANG_DFLASH2 = (0, 5, 19)             # DFlash2DraftModel (the candidate selector)
 
 
 @dataclass(frozen=True)

@@ -31,17 +31,18 @@ def read_profile_pins(profile: Profile) -> dict[str, str]:
     return read_pins(path)
 
 
-def disk_paths(profile: Profile) -> list[Path]:
-    """Where the run writes: the run directory (completions, dataset, checkpoints live under it)."""
+def disk_paths(profile: Profile, run_dir: Path | None = None) -> list[Path]:
+    """Where the run writes: the run directory the command will really use (`--run-dir`, else the
+    profile's paths.run_dir; completions, dataset, checkpoints live under it)."""
     from launcher_core.profile import expand_path
 
-    return [expand_path(profile, profile.paths.run_dir)]
+    return [Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)]
 
 
-def live_snapshot(profile: Profile, cuda_probe: bool = False) -> Snapshot:
+def live_snapshot(profile: Profile, cuda_probe: bool = False, run_dir: Path | None = None) -> Snapshot:
     from envcheck.collect import collect_snapshot
 
-    return collect_snapshot(disk_paths(profile), cuda_probe=cuda_probe)
+    return collect_snapshot(disk_paths(profile, run_dir), cuda_probe=cuda_probe)
 
 
 def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = None, *,
@@ -64,7 +65,7 @@ def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None
     """Audit before a run: print the findings, record them, raise PreflightFailed on a FAIL unless forced."""
     from envcheck import report
 
-    snapshot = snapshot if snapshot is not None else live_snapshot(profile)
+    snapshot = snapshot if snapshot is not None else live_snapshot(profile, run_dir=run_dir)
     findings = audit(profile, snapshot)
     print(scrub(report.format_table(findings, title=f"preflight audit ({profile.name})")), file=sys.stderr)
     if run_dir is not None:

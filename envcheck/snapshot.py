@@ -187,10 +187,21 @@ def load_snapshot(path: str | os.PathLike) -> Snapshot:
     from launcher_core.errors import InputError
     from launcher_core.fileio import read_json_object
 
+    document = read_json_object(path, "a snapshot")
+    missing = [key for key in WRITTEN_KEYS if key not in document]
+    if missing and document.get("schema_version") == SCHEMA_VERSION:
+        raise InputError(f"{path}: not a valid snapshot: missing key(s) {', '.join(missing)} (`launcher.py snapshot` "
+                         "writes every one of them: the file was cut short or edited); take the snapshot again")
     try:
-        return Snapshot.from_dict(read_json_object(path, "a snapshot"))
+        return Snapshot.from_dict(document)
     except (ValueError, TypeError, AttributeError) as error:
         raise InputError(f"{path}: not a valid snapshot: {error}") from None
+
+
+# The keys every snapshot file has (`to_dict`); a file without one of them would read as a machine
+# without that fact (no packages: "24 packages not installed") instead of as a damaged file.
+WRITTEN_KEYS = ("schema_version", "created_at", "hostname", "python", "nvml", "gpus", "torch", "toolkit", "packages",
+                "host", "env", "cuda_probe_ran")
 
 
 def save_snapshot(snapshot: Snapshot, path: str | os.PathLike) -> Path:

@@ -27,13 +27,16 @@ def crash_exit_code(command: str) -> int:
 
 
 def crash_report_text(command: str, argv: Sequence[str], error: BaseException) -> str:
-    """The traceback and the command line, with the values of secret-looking variables masked."""
-    from launcher_core.redact import redact_value, secret_values
+    """The traceback and the command line, secrets masked (`launcher_core.redact`): the argv's
+    secret flags and URL credentials, and anywhere in the text the URLs' credentials and the values
+    of secret-looking environment variables."""
+    from launcher_core.redact import redact_argv, redact_text, secret_values
 
+    secrets = secret_values(os.environ)
     lines = [f"launcher.py {command} crashed at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
-             "argv: " + " ".join(argv), "",
+             "argv: " + " ".join(redact_argv(argv, secrets)), "",
              *traceback.format_exception(type(error), error, error.__traceback__)]
-    return redact_value("", "\n".join(line.rstrip("\n") for line in lines) + "\n", secret_values(os.environ))
+    return redact_text("\n".join(line.rstrip("\n") for line in lines) + "\n", secrets)
 
 
 def write_crash_report(command: str, argv: Sequence[str], error: BaseException) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_FAIL = 1            # audit found a FAIL; probe: memory regression ("bad" for git bisect run)
-EXIT_USAGE = 2           # bad command line, profile or input file
+EXIT_USAGE = 2           # bad command line, profile or input file; the environment (a full disk)
 EXIT_WARN_STRICT = 3     # audit --strict found a WARN (and no FAIL)
 EXIT_DATA = 4            # the data is unusable (e.g. too many degenerate samples)
 EXIT_RUN = 5             # a launched job (torchrun, server) failed
@@ -31,6 +31,13 @@ class ConfigError(LauncherError):
 
 class InputError(LauncherError):
     """An input file is missing or malformed. The message names the file (and line)."""
+
+    exit_code = EXIT_USAGE
+
+
+class DiskFull(LauncherError):
+    """A write found its filesystem full (ENOSPC, EDQUOT): an environment error, not a bug. The
+    message names the path, the bytes the write needed and the bytes free (launcher_core.diskfull)."""
 
     exit_code = EXIT_USAGE
 

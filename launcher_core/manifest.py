@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -18,7 +19,7 @@ MANIFEST_NAME = "manifest.json"
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
 StageState = Literal["pending", "running", "done", "failed", "skipped"]
 # Figures that describe how a stage last stopped; a stage that runs again or finishes drops them.
-STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step")
+STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step", "ended_by")
 
 
 def manifest_path(run_dir: str | Path) -> Path:
@@ -53,8 +54,13 @@ def _locked(run_dir: Path) -> Iterator[None]:
 
 
 def update_stage(run_dir: str | Path, stage: str, state: StageState | None = None, **figures: Any) -> dict:
-    """Merge `figures` (JSON-serialisable) into the stage's entry and set its state."""
+    """Merge `figures` (JSON-serialisable) into the stage's entry and set its state. Every string
+    goes through the redaction (`launcher_core.redact`): an endpoint's credentials, a secret flag
+    in a command line or an error message never reach the file."""
+    from launcher_core.redact import redact_document, secret_values
+
     run_dir = Path(run_dir)
+    figures = redact_document(figures, secret_values(os.environ))
     with _locked(run_dir):
         document = read_manifest(run_dir)
         entry = document["stages"].setdefault(stage, {"state": "pending"})

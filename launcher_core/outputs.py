@@ -48,11 +48,20 @@ def is_dflash_dataset(path: Path) -> bool:
     return str(_json_field(path / "dflash_meta.json", "format") or "").startswith("dflash-dataset/")
 
 
+EXPORT_MARKER = ".dflash-export.json"      # written by `launcher.py export` into every folder it writes
+
+
 def is_drafter_export(path: Path) -> bool:
-    """A drafter directory written by export: a DFlash config.json and weights, no training state."""
-    architectures = _json_field(path / "config.json", "architectures")
-    return (isinstance(architectures, list) and any("DFlash" in str(a) for a in architectures)
-            and (path / "model.safetensors").is_file() and not (path / "training_state.pt").exists())
+    """A drafter directory written by export: our marker file (`EXPORT_MARKER`) beside its
+    config.json. A downloaded drafter (config.json, weights, README.md) looks the same otherwise,
+    and is not ours to replace."""
+    return _json_field(path / EXPORT_MARKER, "written_by") == "launcher.py export"
+
+
+def mark_export(directory: Path, **facts: object) -> None:
+    """Write the marker that makes `directory` an export of ours (what `export --force` may replace)."""
+    document = {"written_by": "launcher.py export", "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **facts}
+    (Path(directory) / EXPORT_MARKER).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 def is_snapshot_file(path: Path) -> bool:

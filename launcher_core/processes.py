@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 
 KILL_GRACE_S = 10.0
 
@@ -62,3 +63,31 @@ def wait_or_stop(process: subprocess.Popen, limit_s: float, grace_s: float = KIL
     except subprocess.TimeoutExpired:
         stop_group(process, grace_s)
         return True
+
+
+PR_SET_PDEATHSIG = 1          # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) -> bool:
+    """Ask the kernel to send `sig` to this process when the thread that started it ends (Linux
+    `prctl(PR_SET_PDEATHSIG)`, kept across exec). `parent_pid`: the parent this process was started
+    by; when it has ended already (before the request took effect), `sig` is sent at once.
+    False where the kernel offers no such request."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def signal_name(code: int) -> str:
+    """`-9` (a Popen return code) or `9` -> "SIGKILL"; "signal N" for an unknown number."""
+    try:
+        return signal.Signals(abs(code)).name
+    except ValueError:
+        return f"signal {abs(code)}"

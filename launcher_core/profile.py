@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import REPO_ROOT, profile_dir
-from launcher_core.schema import RANGES, Profile, cross_field_problems
+from launcher_core.schema import RANGES, REMOVED_KEYS, Profile, cross_field_problems
 
 REQUIRED = dataclasses.MISSING
 
@@ -129,6 +129,8 @@ def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: s
     for key, value in table.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
+            if dotted in REMOVED_KEYS:
+                _fail(origin, dotted, name, f"no longer a profile key: {REMOVED_KEYS[dotted]}")
             _fail(origin, dotted, name, f"unknown key; valid keys here: {', '.join(sorted(fields))}")
         values[key] = _coerce(hints[key], value, origin, dotted, name)
         _check_range(values[key], origin, dotted, name)

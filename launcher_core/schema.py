@@ -106,8 +106,18 @@ class GenerateSection:
     vllm_enforce_eager: bool = False         # vLLM --enforce-eager: starts in ~30 s on CPU instead of 100-140 s of compile
 
 
+DrafterKind = Literal["dflash", "dflash2"]
+# The DFlash 2 keys (`drafter.kind = "dflash2"`) and their published values: z-lab's Qwen3.8-27B-DFlash2
+# and SpecForge's configs/qwen3.6-27b-dflash2.json (kernel 2, groups of 16 channels, rank 256, top-16),
+# the defaults of vLLM Speculators' `dflash2` (PR #1006); a unit multiplier and no softcap as the
+# reference `DFlash2DraftModel.compute_logits` reads their absence. docs/train.md, "DFlash 2".
+DFLASH2_DEFAULTS: dict[str, float] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                                      "selector_top_k": 16, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
+
+
 @dataclass(frozen=True)
 class DrafterSection:
+    kind: DrafterKind = "dflash"             # dflash2: the causal convolutions and the candidate selector (DFlash2DraftModel)
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
@@ -129,6 +139,17 @@ class DrafterSection:
     rope_scaling_factor: float = 1.0
     rope_original_max_position_embeddings: int = 0   # yarn: the context the RoPE was made for (0: max_position_embeddings)
     init_from: str = ""                      # init = "drafter": a DFlash drafter directory (z-lab format) or our checkpoint
+    # DFlash 2 only (kind = "dflash2"; published defaults, DFLASH2_DEFAULTS): a grouped dynamic causal
+    # convolution of `conv_kernel_size` taps (one dynamic kernel per `conv_group_size` channels) around
+    # every attention and MLP sublayer, and a candidate selector re-ranking the head's top `selector_top_k`
+    # tokens per slot with rank-`selector_rank` predecessor/successor codebooks. The unary logits are
+    # lm_head * output_multiplier, then tanh-softcapped at final_logit_softcapping (0: none).
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,11 +170,22 @@ class TrainSection:
     max_restarts: int = 0                    # torchrun --max-restarts
     decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
-    optimizer_sharding: Literal["none", "zero1"] = "zero1"  # zero1: AdamW states sharded over ranks
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # drafter's residual stream and norms (bf16: on bf16 weight copies)
     feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
-    grad_bucket_mib: float = 64.0            # the gradient sum's bucket: at most this much beyond .grad (0 < x <= 1024)
+    # The drafter under FSDP2 (docs/memory.md, "Sharding"): parameters, gradients and AdamW states sharded over the ranks.
+    reshard_after_forward: bool = True       # draft layers' gathered weights freed after forward, gathered again in backward
+                                             # (False: kept from forward to backward, FSDP1's SHARD_GRAD_OP)
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"   # reduce-scatter each
+                                             # micro-batch's gradients (sharded accumulation), or hold unsharded ones until the last
+    activation_checkpointing: Literal["none", "layers"] = "none"   # layers: each draft layer's activations recomputed in backward
+    heartbeat_timeout_s: float = 120.0       # a rank whose process stops beating this long is named and the run ended
+    collective_timeout_s: float = 600.0      # the process group's timeout: a collective waits this long for a rank
+    # DFlash 2 (drafter.kind = "dflash2"): loss = DFlash loss on the unary logits + alpha x the selector's
+    # K-way cross entropy (SpecForge PR #772 `dflash2_selector_loss_alpha`, vLLM Speculators PR #1006: 1.0);
+    # stop_gradient: the selector term trains only the selector, not the backbone it reads (SpecForge PR #793, off).
+    selector_loss_alpha: float = 1.0
+    selector_stop_gradient: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +226,15 @@ class Profile:
     train: TrainSection = field(default_factory=TrainSection)
     memory: MemorySection = field(default_factory=MemorySection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+
+# Keys that profiles once had: a profile that still sets one is told what replaced it.
+REMOVED_KEYS: dict[str, str] = {
+    "train.optimizer_sharding": "the drafter's parameters, gradients and AdamW states are now always sharded over the "
+                                "ranks by FSDP2 (fully_shard); delete the key (train.reshard_after_forward = false keeps "
+                                "the gathered weights from forward to backward, as SHARD_GRAD_OP)",
+    "train.grad_bucket_mib": "gradients are reduced by FSDP2's reduce-scatter, not by buckets of ours; delete the key",
+}
 
 
 # --- range rules: one declarative table, checked by launcher_core.profile for every source -------
@@ -237,12 +278,15 @@ AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
 SHARE, PORT = Range(0, 1), Range(1, 65535)
 
 # dotted key -> Range. Every int/float key of the schema has a line here (tests/test_safety_profile.py
-# holds it): a new numeric key gets its rule with one line.
+# holds it): a new numeric key gets its rule with one line. Sizes and counts have an upper bound
+# too, far above any real run and low enough that nothing sized by them (the plan's lists and lines,
+# a rank's buffers, a pool of workers) grows without limit: 2**20 sequences per optimizer step,
+# 1024 ranks per node, 2**22 tokens per sequence.
 RANGES: dict[str, Range] = {
-    "machine.gpu_count": AT_LEAST_0,
-    "machine.gpu_memory_gib": AT_LEAST_0,
-    "machine.nproc_per_node": AT_LEAST_1,
-    "machine.nnodes": AT_LEAST_1,
+    "machine.gpu_count": Range(0, 1024),
+    "machine.gpu_memory_gib": Range(0, 16384),
+    "machine.nproc_per_node": Range(1, 1024),
+    "machine.nnodes": Range(1, 4096),
     "audit.min_free_gib_per_gpu": AT_LEAST_0,
     "audit.baseline_free_tolerance_mib": AT_LEAST_0,
     "audit.baseline_context_tolerance_mib": AT_LEAST_0,
@@ -250,69 +294,77 @@ RANGES: dict[str, Range] = {
     "audit.min_disk_gib": AT_LEAST_0,
     "audit.min_ram_gib": AT_LEAST_0,
     "audit.gib_per_nvcc_job": POSITIVE,
-    "data.max_length": Range(2),
-    "data.num_workers": AT_LEAST_0,
-    "data.shard_rows": AT_LEAST_1,
+    "data.max_length": Range(2, 2**22),
+    "data.num_workers": Range(0, 1024),
+    "data.shard_rows": Range(1, 10**8),
     "data.min_loss_tokens": AT_LEAST_0,
     "data.max_degenerate_share": SHARE,
-    "data.tool_call_repeat_limit": AT_LEAST_1,
+    "data.tool_call_repeat_limit": Range(1, 10**6),
     "generate.port": PORT,
-    "generate.concurrency": AT_LEAST_1,
+    "generate.concurrency": Range(1, 65536),
     "generate.temperature": AT_LEAST_0,
     "generate.top_p": Range(0, 1, low_open=True),
     "generate.top_k": Range(-1),
-    "generate.max_tokens": AT_LEAST_1,
+    "generate.max_tokens": Range(1, 2**22),
     "generate.request_timeout_s": POSITIVE,
-    "generate.retries": AT_LEAST_0,
-    "generate.max_server_restarts": AT_LEAST_0,
-    "generate.tp_size": AT_LEAST_1,
-    "generate.dp_size": AT_LEAST_1,
+    "generate.retries": Range(0, 1000),
+    "generate.max_server_restarts": Range(0, 1000),
+    "generate.tp_size": Range(1, 1024),
+    "generate.dp_size": Range(1, 1024),
     "generate.mem_fraction_static": Range(0, 1, low_open=True),
-    "generate.vllm_cpu_kvcache_gib": AT_LEAST_1,
-    "generate.vllm_max_model_len": AT_LEAST_0,       # 0: generate.context_length, else the model's own
-    "generate.flush_every": AT_LEAST_1,
+    "generate.vllm_cpu_kvcache_gib": Range(1, 16384),
+    "generate.vllm_max_model_len": Range(0, 2**24),       # 0: generate.context_length, else the model's own
+    "generate.flush_every": Range(1, 10**6),
     "generate.server_startup_timeout_s": POSITIVE,
-    "generate.max_prompts": AT_LEAST_0,
-    "generate.cb_num_blocks": AT_LEAST_0,
-    "generate.server_threads": AT_LEAST_0,
-    "generate.context_length": AT_LEAST_0,
-    "drafter.num_layers": AT_LEAST_1,
-    "drafter.block_size": Range(2),
-    "drafter.sliding_window": AT_LEAST_0,            # 0: no window (>= 1 needed with a sliding layer: launch checks)
+    "generate.max_prompts": Range(0, 10**9),
+    "generate.cb_num_blocks": Range(0, 10**8),
+    "generate.server_threads": Range(0, 4096),
+    "generate.context_length": Range(0, 2**24),
+    "drafter.num_layers": Range(1, 1024),
+    "drafter.block_size": Range(2, 4096),
+    "drafter.sliding_window": Range(0, 2**24),            # 0: no window (>= 1 needed with a sliding layer: launch checks)
     "drafter.rope_scaling_factor": Range(1),         # > 1 with rope_scaling: launch checks
-    "drafter.rope_original_max_position_embeddings": AT_LEAST_0,   # 0: max_position_embeddings
-    "drafter.target_layer_ids": AT_LEAST_0,
-    "drafter.mask_token_id": AT_LEAST_0,
+    "drafter.rope_original_max_position_embeddings": Range(0, 2**24),   # 0: max_position_embeddings
+    "drafter.target_layer_ids": Range(0, 4096),
+    "drafter.mask_token_id": Range(0, 2**31 - 1),
     "drafter.norm_init": POSITIVE,
-    "drafter.draft_vocab_size": AT_LEAST_0,
-    "drafter.num_attention_heads": AT_LEAST_0,
-    "drafter.num_key_value_heads": AT_LEAST_0,
-    "drafter.head_dim": AT_LEAST_0,
+    "drafter.draft_vocab_size": Range(0, 2**24),
+    "drafter.num_attention_heads": Range(0, 4096),
+    "drafter.num_key_value_heads": Range(0, 4096),
+    "drafter.head_dim": Range(0, 4096),
     "drafter.rope_theta": Range(0, low_open=True, zero="the target's theta"),
-    "train.epochs": AT_LEAST_1,
-    "train.max_steps": AT_LEAST_0,
+    "drafter.conv_kernel_size": AT_LEAST_1,          # <= drafter.block_size (cross-field rule)
+    "drafter.conv_group_size": AT_LEAST_1,           # divides the target's hidden size (launch checks)
+    "drafter.selector_rank": AT_LEAST_1,
+    "drafter.selector_top_k": AT_LEAST_1,            # <= the target's vocabulary (launch checks)
+    "drafter.output_multiplier": POSITIVE,           # SGLang refuses a non-positive one; it keeps the top-K order
+    "drafter.final_logit_softcapping": Range(0, low_open=True, zero="no softcapping"),
+    "train.epochs": Range(1, 10**6),
+    "train.max_steps": Range(0, 10**9),
     "train.lr": POSITIVE,
     "train.warmup_ratio": Range(0, 1, high_open=True),
     "train.weight_decay": AT_LEAST_0,
     "train.grad_clip": POSITIVE,
-    "train.global_batch": AT_LEAST_1,
-    "train.max_micro_batch": AT_LEAST_1,
-    "train.num_anchors": AT_LEAST_1,
-    "train.seed": AT_LEAST_0,
-    "train.save_every_steps": AT_LEAST_1,
-    "train.log_every_steps": AT_LEAST_1,
-    "train.max_restarts": AT_LEAST_0,
+    "train.global_batch": Range(1, 2**20),
+    "train.max_micro_batch": Range(1, 2**16),
+    "train.num_anchors": Range(1, 2**16),
+    "train.seed": Range(0, 2**63 - 1),
+    "train.save_every_steps": Range(1, 10**9),
+    "train.log_every_steps": Range(1, 10**9),
+    "train.max_restarts": Range(0, 1000),
     "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
-    "train.loss_chunk_rows": AT_LEAST_1,
-    "train.grad_bucket_mib": Range(0, 1024, low_open=True),   # the sum's staging buffer stays a small share of a GPU
+    "train.loss_chunk_rows": Range(1, 2**24),
+    "train.heartbeat_timeout_s": Range(2, 86400),      # several beats per timeout (dflash.train.heartbeat)
+    "train.collective_timeout_s": Range(10, 86400),
+    "train.selector_loss_alpha": AT_LEAST_0,         # 0: the selector's loss is computed (figures) but trains nothing
     "memory.margin": Range(0, 1, high_open=True),
-    "memory.overhead_mib": AT_LEAST_0,
-    "eval.num_prompts": AT_LEAST_1,
-    "eval.max_new_tokens": AT_LEAST_1,
+    "memory.overhead_mib": Range(0, 2**24),
+    "eval.num_prompts": Range(1, 10**6),
+    "eval.max_new_tokens": Range(1, 2**22),
     "eval.temperature": AT_LEAST_0,
-    "eval.seed": AT_LEAST_0,
-    "eval.prompt_lookup_max_ngram": AT_LEAST_1,
-    "eval.cpu_threads": AT_LEAST_0,
+    "eval.seed": Range(0, 2**63 - 1),
+    "eval.prompt_lookup_max_ngram": Range(1, 1024),
+    "eval.cpu_threads": Range(0, 4096),
     "eval.engine_port": PORT,
 }
 
@@ -337,4 +389,31 @@ def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
     if drafter.num_key_value_heads and drafter.num_attention_heads % drafter.num_key_value_heads:
         problems.append(("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
                          f"drafter.num_attention_heads {drafter.num_attention_heads}"))
+    return problems + drafter_kind_problems(profile)
+
+
+def drafter_kind_problems(profile: "Profile") -> list[tuple[str, str]]:
+    """The DFlash 2 keys only with drafter.kind = "dflash2"; its head needs the whole vocabulary."""
+    drafter, train = profile.drafter, profile.train
+    if drafter.kind == "dflash":
+        changed = [key for key, default in DFLASH2_DEFAULTS.items() if getattr(drafter, key) != default]
+        changed = [f"drafter.{key}" for key in changed]
+        changed += [key for key, moved in (("train.selector_loss_alpha", train.selector_loss_alpha != 1.0),
+                                           ("train.selector_stop_gradient", train.selector_stop_gradient)) if moved]
+        return [(key, "set, but drafter.kind is \"dflash\"; it applies to drafter.kind = \"dflash2\" only")
+                for key in changed]
+    problems = []
+    if drafter.draft_vocab_size:
+        problems.append(("drafter.draft_vocab_size", f"{drafter.draft_vocab_size} with drafter.kind = \"dflash2\": "
+                         "its candidate selector and the engines that serve it (vLLM, SGLang) need the target's whole "
+                         "vocabulary at the head; set drafter.draft_vocab_size = 0"))
+    if drafter.conv_kernel_size > drafter.block_size:
+        problems.append(("drafter.conv_kernel_size", f"{drafter.conv_kernel_size} taps exceed drafter.block_size "
+                         f"{drafter.block_size}; the convolution stays inside a block (valid: 1..{drafter.block_size})"))
+    if profile.machine.device == "cpu":      # vLLM 0.32's CPU build: V1 refuses candidate heads, V2 needs Triton's GPU backend
+        for key, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\"")):
+            if getattr(profile.eval, key.split(".")[1]) == "vllm":
+                problems.append((key, "\"vllm\" with drafter.kind = \"dflash2\" on CPU: vLLM's CPU build cannot serve "
+                                 "a DFlash 2 drafter (its V1 model runner refuses candidate-head drafts, its V2 runner "
+                                 f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node"))
     return problems

@@ -113,3 +113,14 @@ def vllm_python() -> Path:
         return setup_engine_env("vllm").python
     except LauncherError as error:
         pytest.skip(f"the vLLM engine venv cannot be built here: {error}")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A test that built a training state in this process (FSDP2 needs a process group, so one of a
+    single rank is made: dflash.train.dist.single_process_group) leaves none behind for the next
+    (the memory trace makes its own fake one)."""
+    yield
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()

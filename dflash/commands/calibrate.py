@@ -84,11 +84,6 @@ def default_baseline(profile: Profile) -> Path:
     return path
 
 
-GRADIENT_SUM_WORDS = {"measured": "measured (2 ranks, the real sum between them)",
-                      "model": "its staging buffer from the memory model (one process; 2 GPUs measure it)",
-                      "none": "none (one rank)"}
-
-
 def result_document(run_result, baseline: Path) -> dict:
     from dflash.memory.calibration import calibration_as_dict
     from dflash.train.calibration import iter_prediction_rows
@@ -102,13 +97,14 @@ def result_document(run_result, baseline: Path) -> dict:
 def describe(run_result: CalibrationRun, baseline: Path) -> list[str]:
     cal, workload = run_result.calibration, run_result.workload
     lines = [f"worst case: {workload.max_length} tokens, {workload.anchors} anchors x {workload.block_size} block "
-             f"tokens per sequence; {workload.optimizer_shards} optimizer shard(s); backend {run_result.backend}"
+             f"tokens per sequence; drafter sharded over {cal.world_size} measuring rank(s) (the plan corrects its "
+             f"estimate for {workload.world_size}); backend {run_result.backend}"
              + (f" (flex_attention failed: {run_result.flex_error})" if run_result.flex_error else ""),
              "measured peak allocated: " + ", ".join(f"micro-batch {m}: {p:,.0f} MiB"
                                                       for m, p in run_result.peaks_mib.items()),
-             f"calibration: peak = {cal.intercept_mib:,.0f} + {cal.slope_mib:,.0f} x micro-batch MiB "
-             f"({cal.device_name}, torch {cal.torch_version}; workload key {cal.workload_key})",
-             f"gradient sum: {GRADIENT_SUM_WORDS.get(cal.gradient_sum, cal.gradient_sum)}"]
+             f"calibration: peak = {cal.intercept_mib:,.0f} + {cal.slope_mib:,.0f} x micro-batch MiB, each step "
+             f"{cal.micro_batches_per_step} micro-batches ({cal.device_name}, torch {cal.torch_version}; workload key "
+             f"{cal.workload_key})"]
     for check in run_result.predictions:
         lines.append(f"micro-batch {check.micro_batch}: measured {check.measured_mib:,.0f} MiB, calibrated "
                      f"{check.calibrated_mib:,.0f} ({check.calibrated_error:+.1%}), analytic estimate "

@@ -13,6 +13,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
     from dflash.eval.records import EvalReport
+    from launcher_core.schema import Profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature is not None and args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
     profile = load_profile_arg(args)
+    if args.draft:
+        check_drafter_fits_target(profile, args.draft)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           engine=args.engine)
@@ -51,6 +54,29 @@ def run(args: argparse.Namespace) -> int:
     for path in summary.files:
         print(f"wrote {path}")
     return 0
+
+
+def check_drafter_fits_target(profile: Profile, draft: str) -> None:
+    """`--draft` against the profile's target, from the two config.json files, before either model
+    loads: ConfigError (exit 2) "trained for another target" listing what differs."""
+    from pathlib import Path
+
+    from dflash.drafter.checkpoint import CONFIG, resolve_checkpoint_dir
+    from dflash.drafter.verify import target_fit_problems
+    from dflash.models import resolve_model_path
+    from launcher_core.errors import ConfigError
+    from launcher_core.fileio import read_json_object
+
+    directory = resolve_checkpoint_dir(Path(draft))
+    if not (directory / CONFIG).is_file():
+        return                                  # the loader names what is missing
+    target = resolve_model_path(profile.model.target)
+    problems = target_fit_problems(read_json_object(directory / CONFIG, "a drafter config"),
+                                   read_json_object(target / "config.json", "a model config"))
+    if problems:
+        raise ConfigError(f"--draft {draft}: this drafter was trained for another target, not {target} "
+                          f"(model.target of profile {profile.name}):\n" + "\n".join(f"  {p}" for p in problems) +
+                          "\nevaluate it with the profile of its own target, or pass the drafter trained for this one")
 
 
 def summary_lines(report: EvalReport) -> str:

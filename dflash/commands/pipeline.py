@@ -28,12 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from dflash.pipeline import run_pipeline
+    from dflash.pipeline import run_pipeline, with_run_dir
+    from launcher_core.profile import expand_path
+    from launcher_core.runlock import run_lock
 
     profile = load_profile_arg(args)
     started = time.perf_counter()
-    outcomes = run_pipeline(profile, run_dir=args.run_dir, force_audit=args.force, redo=args.redo,
-                            stop_after=args.stop_after)
+    placed = with_run_dir(profile, args.run_dir)
+    run_dir = expand_path(placed, placed.paths.run_dir)
+    with run_lock(run_dir, "pipeline"):           # one run per directory (its train stage takes it again)
+        outcomes = run_pipeline(profile, run_dir=args.run_dir, force_audit=args.force, redo=args.redo,
+                                stop_after=args.stop_after)
     print(f"\npipeline ({profile.name}), {time.perf_counter() - started:.0f} s:")
     for outcome in outcomes:
         took = f"{outcome.wall_s:6.0f} s" if outcome.action == "ran" else "skipped "

@@ -15,7 +15,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
     from dflash.memory.offline import OfflineStorage
-    from dflash.memory.plan import Plan, RankPlan
+    from dflash.memory.plan import BatchPlan, Plan, RankPlan
     from launcher_core.schema import Profile
 
 
@@ -123,14 +123,21 @@ def _accumulation(plan: Plan) -> str:
 
 
 def _optimizer_line(plan: Plan) -> str:
-    """How the AdamW states are held, and the peak between steps (update, checkpoint save)."""
-    figures, shards = plan.estimate, plan.workload.optimizer_shards
-    if shards > 1:
-        held = (f"AdamW states sharded over {shards} ranks (zero1): largest shard {_mib(figures.optimizer_states)} "
-                f"MiB per rank, {_mib(figures.checkpoint_gather)} MiB more while a checkpoint gathers them to rank 0")
-    else:
-        held = f"AdamW states on every rank (optimizer_sharding none or one rank): {_mib(figures.optimizer_states)} MiB"
-    return f"optimizer: {held}; peak between steps {_mib(plan.peak_model.between_steps_mib)} MiB"
+    """How the drafter is sharded, the peak between steps, what one target forward trains, and
+    how the checkpoints resume."""
+    figures, workload = plan.estimate, plan.workload
+    world = plan.world_size
+    sharded = (f"drafter sharded over {world} rank(s) by FSDP2: {_mib(figures.drafter_weights)} MiB of float32 weights "
+               f"+ {_mib(figures.optimizer_states)} of AdamW states per rank, {_mib(figures.gathered_weights)} gathered "
+               f"in {workload.compute_dtype} in a forward/backward; peak between steps "
+               f"{_mib(plan.peak_model.between_steps_mib)} MiB")
+    signal = (f"supervised slots per target forward: {workload.supervised_slots:,} per sequence "
+              f"({workload.anchors} anchors x {workload.block_size - 1} slots), "
+              f"{workload.supervised_slots * plan.batch.micro_batch:,} per micro-batch; activation checkpointing: "
+              f"{workload.activation_checkpointing}; gradients reduced {workload.gradient_sync.replace('_', ' ')}")
+    resume = (f"checkpoints: sharded (torch.distributed.checkpoint), resumable at another world size "
+              f"(e.g. {world} -> {max(1, world // 2)} ranks)")
+    return "\n".join([sharded, signal, resume])
 
 
 def _row(plan: Plan, rank_plan: RankPlan) -> tuple[str, ...]:
@@ -146,10 +153,19 @@ def _mib(value: float) -> str:
     return "-" if value == float("inf") else f"{value:,.0f}"
 
 
+def micro_batch_split(batch: BatchPlan) -> str:
+    """The sizes of a rank's micro-batches, in a line of fixed length: "2+2+1" for a few, "4 x 250,000
+    + 3" for many (never one number per micro-batch)."""
+    full, rest = divmod(batch.rank_share, batch.micro_batch)
+    if full + bool(rest) <= 8:
+        return "+".join(map(str, [batch.micro_batch] * full + ([rest] if rest else [])))
+    return f"{batch.micro_batch} x {full:,}" + (f" + {rest}" if rest else "")
+
+
 def _summary(plan: Plan, storage: OfflineStorage) -> list[str]:
     batch = plan.batch
     lines = [f"global batch per optimizer step: {batch.global_batch} sequences = {plan.world_size} ranks x "
-             f"{batch.accum_steps} micro-batches ({'+'.join(map(str, batch.micro_batch_sizes))})"]
+             f"{batch.accum_steps} micro-batches ({micro_batch_split(batch)})"]
     if plan.bottleneck_ranks:
         lines.append(f"bottleneck: rank(s) {', '.join(map(str, plan.bottleneck_ranks))} "
                      f"(fits marked '<'); every rank runs micro-batch {batch.micro_batch}")
@@ -162,6 +178,9 @@ def _summary(plan: Plan, storage: OfflineStorage) -> list[str]:
     return lines
 
 
+LISTED_MICRO_BATCHES = 64
+
+
 def plan_as_dict(plan: Plan, storage: OfflineStorage) -> dict[str, object]:
     import dataclasses
 
@@ -169,7 +188,10 @@ def plan_as_dict(plan: Plan, storage: OfflineStorage) -> dict[str, object]:
         "world_size": plan.world_size,
         "micro_batch": plan.batch.micro_batch,
         "accum_steps": plan.batch.accum_steps,
-        "micro_batch_sizes": list(plan.batch.micro_batch_sizes),
+        # one number per micro-batch only while they are few; `micro_batch_split` always
+        "micro_batch_sizes": list(plan.batch.micro_batch_sizes) if plan.batch.accum_steps <= LISTED_MICRO_BATCHES else None,
+        "micro_batch_split": dict(zip(("micro_batch", "full", "last"),
+                                      (plan.batch.micro_batch, *divmod(plan.batch.rank_share, plan.batch.micro_batch)))),
         "global_batch": plan.batch.global_batch,
         "bottleneck_ranks": list(plan.bottleneck_ranks),
         "peak_model": dataclasses.asdict(plan.peak_model),

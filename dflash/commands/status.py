@@ -34,7 +34,26 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(manifest.get("stages"), dict):
         raise ConfigError(f"{manifest_path(run_dir)}: expected an object with 'stages'")
     print(json.dumps(manifest, indent=2, sort_keys=True) if args.json else format_status(run_dir, manifest))
+    for line in orphaned_stages(run_dir, manifest):
+        print(line)
     return 0
+
+
+def orphaned_stages(run_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """A stage still "running" whose launcher is gone and holds no lock on the run directory: it
+    was killed without a word (the manifest could not say so); `train --resume` records it."""
+    from launcher_core.processes import process_alive
+    from launcher_core.runlock import lock_holder
+
+    if lock_holder(run_dir) is not None:
+        return []
+    lines = []
+    for name, entry in manifest["stages"].items():
+        pid = entry.get("launcher_pid")
+        if entry.get("state") == "running" and isinstance(pid, int) and not process_alive(pid):
+            lines.append(f"note: {name} says running, but its launcher (pid {pid}) is gone and nothing holds the run "
+                         f"directory: it was killed. `launcher.py {name} --resume` continues from the last checkpoint.")
+    return lines
 
 
 def resolve_run_dir(run_dir: str | None, profile_name: str | None) -> Path:

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.train.launch import build_torchrun_command, describe_command, run_training
     from dflash.train.launch_checks import validate_profile_for_launch
     from launcher_core.profile import expand_path
+    from launcher_core.runlock import run_lock
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)
@@ -41,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_command:
         print(describe_command(*build_torchrun_command(profile, run_dir, resume=args.resume)))
         return 0
-    if not args.skip_preflight:
-        _preflight(profile, run_dir, force=args.force)
-    return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
+    with run_lock(run_dir, "train"):              # one run per directory, from the preflight on
+        if not args.skip_preflight:
+            _preflight(profile, run_dir, force=args.force)
+        return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
 
 
 def _preflight(profile: Profile, run_dir: Path, *, force: bool) -> None:

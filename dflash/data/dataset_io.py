@@ -106,6 +106,19 @@ class _HashingFile:
             self.handle.close()
             self.closed = True
 
+    def abandon(self) -> None:
+        """Close without flushing what is buffered (a failed write: the file is removed after)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                os.close(self.handle.fileno())     # the descriptor, not the buffered object: no flush
+            except OSError:
+                pass
+            try:
+                self.handle.close()
+            except (OSError, ValueError):
+                pass
+
 
 class ShardWriter:
     """Writes record batches into shards of `shard_rows` rows; `close()` names them data-i-of-n."""
@@ -129,6 +142,13 @@ class ShardWriter:
             offset += take
             if self._rows >= self.shard_rows:
                 self._close_shard()
+
+    def abandon(self) -> None:
+        """A failed write: let go of the open shard (its space is freed once the staging is removed,
+        not when an exception's traceback lets go of this writer)."""
+        if self._file is not None:
+            self._file.abandon()
+        self._writer = self._file = None
 
     def close(self) -> list[ShardInfo]:
         if self._writer is not None:

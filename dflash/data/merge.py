@@ -94,29 +94,53 @@ def merge_datasets(base: str | Path, add: str | Path, output: str | Path | None 
     """Merge `add` into `base`, writing `output` (a new path; an existing merged dataset there only
     with `force`, kept as a backup) or replacing `base` (`in_place`). Both inputs are verified
     (every shard's size and sha256) before anything is written."""
+    from launcher_core.diskfull import disk_full_guard, tree_bytes
+
     started = time.perf_counter()
     target, plan = _target_path(Path(base), Path(add), output, in_place, dedup, force)
-    publish.sweep_stale_staging(Path(base))
-    publish.sweep_stale_staging(target)
+    folder = Path(backup_dir) if backup_dir else Path(base).parent
+    removed = [*publish.sweep_stale_staging(Path(base)), *publish.sweep_stale_staging(target),
+               *sweep_backup_copies(Path(base), folder)]
     # in place, the verified backup copy checks the base's sha256 (one read instead of two)
     base_set, add_set = DatasetOnDisk.open(base, verify=not in_place), DatasetOnDisk.open(add)
     problems = compatibility_problems(base_set, add_set)
     if problems:
         raise DataError(f"cannot merge {add_set.path} into {base_set.path}: " + "; ".join(problems))
     summary = MergeSummary(str(target), base_set.rows, add_set.rows, dedup)
+    summary.notes += [f"removed {path}: left behind by an interrupted merge or tokenize (a partial copy)" for path in removed]
+    needed = (tree_bytes(base_set.path) if in_place else 0) + tree_bytes(base_set.path) + tree_bytes(add_set.path)
     if in_place:
-        summary.backup = str(backup_dataset(base_set, Path(backup_dir) if backup_dir else None, progress))
+        with disk_full_guard(folder, needed, "the backup of the base (then the merged dataset)"):
+            summary.backup = str(backup_dataset(base_set, Path(backup_dir) if backup_dir else None, progress))
     keep = duplicate_filter(base_set, add_set, dedup)
-    staging = publish.new_staging(target, "merge")
-    try:
-        _write_merged(base_set, add_set, keep, staging, shard_rows, summary, progress)
-        _publish(staging, target, in_place, plan)
-        if plan is not None and plan.backup is not None:
-            summary.replaced = str(plan.backup)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with disk_full_guard(target, needed, "the merged dataset"):
+        staging = publish.new_staging(target, "merge")
+        try:
+            _write_merged(base_set, add_set, keep, staging, shard_rows, summary, progress)
+            _publish(staging, target, in_place, plan)
+            if plan is not None and plan.backup is not None:
+                summary.replaced = str(plan.backup)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def sweep_backup_copies(base: Path, folder: Path) -> list[Path]:
+    """`.BASE.backup-<time>.copy-PID` directories whose process is gone: the partial backup copy of
+    a merge --in-place that was killed while copying (the base itself was never touched)."""
+    import re
+
+    from launcher_core.processes import process_alive
+
+    pattern = re.compile(rf"^\.{re.escape(base.name)}\.backup-[^/]+\.copy-(\d+)$")
+    removed = []
+    for entry in sorted(folder.glob(f".{base.name}.backup-*.copy-*")) if folder.is_dir() else []:
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and not process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def _target_path(base: Path, add: Path, output: str | Path | None, in_place: bool, dedup: str,
@@ -263,9 +287,13 @@ def _write_merged(base: DatasetOnDisk, add: DatasetOnDisk, keep: np.ndarray | No
     expected = Totals()
     total_bytes = sum(p.stat().st_size for p in base.shards + add.shards)
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="merge", disable=not progress, mininterval=1.0) as bar:
-        read_base = _stream(base, None, writer, expected, bar)
-        read_add = _stream(add, keep, writer, expected, bar)
-    shards = writer.close()
+        try:
+            read_base = _stream(base, None, writer, expected, bar)
+            read_add = _stream(add, keep, writer, expected, bar)
+            shards = writer.close()
+        except BaseException:
+            writer.abandon()
+            raise
     summary.dropped_duplicates = read_base.rows + read_add.rows - expected.rows
     summary.dropped_tokens = read_base.tokens + read_add.tokens - expected.tokens
     verify_written(staging, shards, expected)

@@ -133,6 +133,9 @@ class TokenizeJob:
     progress: bool
     thresholds: DegenerateThresholds
     backup: Path | None = None       # where an existing dataset at `output` goes (--force)
+    consumed_bytes: int = 0          # input behind the batches written so far (the disk-full estimate)
+    written_bytes: int = 0           # bytes of those batches
+    pending_bytes: int = 0           # input read since the last batch
 
     @classmethod
     def from_profile(cls, profile: Profile, input_path: InputPaths | None, output_path: str | Path | None,
@@ -159,20 +162,36 @@ class TokenizeJob:
 
     def run(self) -> TokenizeSummary:
         from dflash.data import publish
+        from launcher_core.diskfull import disk_full_guard
 
         started = time.perf_counter()
         tokenizer = load_tokenizer(self.tokenizer_dir)
         staging = publish.new_staging(self.output, "tokenize")
-        try:
-            summary = self._write(tokenizer, staging)
-            summary.seconds = time.perf_counter() - started
-            publish.publish_directory(staging, self.output, self.backup)
-            summary.backup = str(self.backup) if self.backup else None
-        finally:
-            import shutil
+        needed: list[int] = []
+        with disk_full_guard(self.output, lambda: needed[0] if needed else None, "the tokenized dataset"):
+            try:
+                summary = self._write(tokenizer, staging)
+                summary.seconds = time.perf_counter() - started
+                publish.publish_directory(staging, self.output, self.backup)
+            except BaseException:
+                needed.append(self.bytes_needed(staging))
+                raise
+            finally:
+                import shutil
 
-            shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(staging, ignore_errors=True)    # before the free space is measured
+        summary.backup = str(self.backup) if self.backup else None
         return summary
+
+    def bytes_needed(self, staging: Path) -> int:
+        """The whole dataset's size: the bytes of the batches written so far, scaled from the input
+        they came from to the whole input (the staging's size when no batch was written yet)."""
+        from launcher_core.diskfull import tree_bytes
+
+        total = sum(p.stat().st_size for p in self.inputs)
+        if not self.consumed_bytes:
+            return tree_bytes(staging)
+        return int(self.written_bytes * total / min(self.consumed_bytes, total))
 
     def _write(self, tokenizer: PreTrainedTokenizerFast, staging: Path) -> TokenizeSummary:
         from dflash.data import dataset_io
@@ -182,8 +201,12 @@ class TokenizeJob:
         summary = TokenizeSummary(str(self.output), str(self.rejects_path), [str(p) for p in self.inputs])
         writer = dataset_io.ShardWriter(staging, dataset_io.dataset_schema(), self.shard_rows)
         with RejectsFile(self.rejects_path, staging) as rejects:
-            self._consume(self._results(tokenizer, sources), writer, rejects, summary)
-            shards = writer.close()
+            try:
+                self._consume(self._results(tokenizer, sources), writer, rejects, summary)
+                shards = writer.close()
+            except BaseException:
+                writer.abandon()
+                raise
         dataset_io.finalize_dataset(staging, shards, dataset_io.dataset_schema(),
                                     self._meta(tokenizer, sources, summary))
         report = inspect_dataset(staging, verify=False)   # its shards were hashed as they were written
@@ -210,6 +233,7 @@ class TokenizeJob:
         buffer = SampleBuffer()
         for line, result in results:
             summary.records += 1
+            self.pending_bytes += len(line.text) if isinstance(line, Line) else 0
             if isinstance(result, list) and _id_key(result[0].record_id) in seen:
                 assert isinstance(line, Line), "a line rejected while reading is its own result"
                 result = Reject(line.source, line.number, "duplicate_id", "this id appeared earlier",
@@ -222,10 +246,16 @@ class TokenizeJob:
             for sample in result:
                 buffer.add(sample, summary)
             if len(buffer) >= BATCH_ROWS:
-                writer.write(buffer.take())
+                self._write_batch(writer, buffer.take())
         if len(buffer):
-            writer.write(buffer.take())
+            self._write_batch(writer, buffer.take())
         summary.rejects = dict(sorted(rejects.counts.items()))
+
+    def _write_batch(self, writer: ShardWriter, batch: pa.RecordBatch) -> None:
+        """Write a batch, counting the input it came from and its bytes (the disk-full estimate)."""
+        self.consumed_bytes, self.written_bytes = self.consumed_bytes + self.pending_bytes, self.written_bytes + batch.nbytes
+        self.pending_bytes = 0
+        writer.write(batch)
 
     def _meta(self, tokenizer: PreTrainedTokenizerFast, sources: list[SourceFile],
               summary: TokenizeSummary) -> DatasetMeta:

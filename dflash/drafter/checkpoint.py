@@ -1,12 +1,14 @@
 """Drafter checkpoints: `{run_dir}/train/checkpoints/step-N/` and the `latest` pointer.
 
-Each checkpoint directory holds `model.safetensors` (the trainable drafter weights, reference
+Each checkpoint directory holds `model.safetensors` (the trainable drafter weights, whole, reference
 names), `config.json` (reference drafter format, `config_document`: `architectures:
 ["DFlashDraftModel"]`, `model_type: qwen3`, `block_size`, `dflash_config: {mask_token_id,
 target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoPE as a top-level
-`rope_theta` next to transformers 5's `rope_parameters`) and `training_state.pt` (optimizer,
-scheduler, step, agreed micro-batch: tensors, numbers, strings and containers only, read back with
-`torch.load(weights_only=True)`, never by unpickling arbitrary objects). It is
+`rope_theta` next to transformers 5's `rope_parameters`), `training_state.pt` (scheduler, step,
+agreed micro-batch, world size: tensors, numbers, strings and containers only, read back with
+`torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
+`dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
+per rank (dflash.train.checkpointing; they resume at any world size). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -30,6 +32,8 @@ LATEST = "latest"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 STATE = "training_state.pt"
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DFLASH2_SHAPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # RoPE types a drafter may use: transformers' Qwen3RotaryEmbedding computes them for us and for
 # the reference, and SGLang / vLLM implement them (dynamic NTK, longrope, llama3 are refused).
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -40,18 +44,34 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:
-    """Write step-N atomically, then point `latest` at it. Returns the checkpoint directory."""
+    """Write step-N of an unsharded drafter (one process) atomically, then point `latest` at it.
+    Training writes its sharded checkpoints through dflash.train.checkpointing, with the same files."""
+    weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
+    with atomic_directory(checkpoints_dir(run_dir) / f"step-{step}") as staging:
+        write_checkpoint_files(staging, weights, drafter.config, {"step": step, **state})
+    return publish_checkpoint(run_dir, None, step)
+
+
+def write_checkpoint_files(directory: Path, weights: Mapping[str, torch.Tensor], config: PretrainedConfig,
+                           state: Mapping[str, object]) -> None:
+    """model.safetensors (the full weights), config.json and training_state.pt into `directory`."""
     import torch
     from safetensors.torch import save_file
 
-    root = checkpoints_dir(run_dir)
-    target = root / f"step-{step}"
-    weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
-    with atomic_directory(target) as staging:
-        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        (staging / CONFIG).write_text(json.dumps(config_document(drafter.config), indent=2) + "\n", encoding="utf-8")
-        torch.save({"step": step, **state}, staging / STATE)
-    write_text_atomic(root / LATEST, f"step-{step}\n")
+    save_file(dict(weights), str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
+    torch.save(dict(state), directory / STATE)
+
+
+def publish_checkpoint(run_dir: str | Path, staging: Path | None, step: int) -> Path:
+    """Put a staged checkpoint directory in place as step-N (when `staging` is given), then point
+    `latest` at it: a crash before this leaves the previous checkpoint the latest."""
+    from launcher_core.fileio import replace_directory
+
+    target = checkpoints_dir(run_dir) / f"step-{step}"
+    if staging is not None:
+        replace_directory(staging, target)
+    write_text_atomic(checkpoints_dir(run_dir) / LATEST, f"step-{step}\n")
     return target
 
 
@@ -117,13 +137,15 @@ def read_drafter_config(checkpoint_dir: str | Path) -> Qwen3Config:
 def _check_supported(path: Path, document: dict[str, Any]) -> None:
     """InputError for configs this drafter cannot run the way they were trained."""
     architectures = document.get("architectures") or []
-    if "DFlash2DraftModel" in architectures:
-        raise InputError(f"{path}: a DFlash 2 drafter (DFlash2DraftModel: causal convolutions, candidate "
-                         "selector); only DFlashDraftModel drafters are supported")
-    if "DFlashDraftModel" not in architectures or "dflash_config" not in document:
-        raise InputError(f"{path}: not a DFlash drafter config (needs architectures DFlashDraftModel and dflash_config)")
+    if not set(ARCHITECTURES) & set(architectures) or "dflash_config" not in document:
+        raise InputError(f"{path}: not a DFlash drafter config (needs architectures DFlashDraftModel or "
+                         "DFlash2DraftModel, and dflash_config)")
     if "target_layer_ids" not in document["dflash_config"] or "mask_token_id" not in document["dflash_config"]:
         raise InputError(f"{path}: dflash_config needs target_layer_ids and mask_token_id")
+    if "DFlash2DraftModel" in architectures:
+        problems = dflash2_config_problems(document)
+        if problems:
+            raise InputError(f"{path}: a DFlash 2 drafter config this launcher cannot run as trained: " + "; ".join(problems))
     from dflash.drafter.layers import layer_type_problems
 
     if document["dflash_config"].get("causal"):
@@ -138,6 +160,48 @@ def _check_supported(path: Path, document: dict[str, Any]) -> None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise InputError(f"{path}: RoPE type {kind!r} ({rope}) is not supported; valid: {', '.join(ROPE_TYPES)}")
+
+
+def dflash2_config_problems(document: dict[str, Any]) -> list[str]:
+    """What stops a DFlash2DraftModel config from running here as the reference runs it ([] if nothing).
+
+    The reference `DFlash2DraftModel` needs the four shape keys in dflash_config (or at the top level;
+    vLLM and SGLang read dflash_config only, so that is where they must be); the selector scores the
+    whole vocabulary's top K (no draft vocabulary), and the block embedding is not scaled here."""
+    dflash = document.get("dflash_config") or {}
+    problems = [f"dflash_config.{key} missing (a positive integer)" for key in DFLASH2_SHAPE_KEYS
+                if not isinstance(dflash.get(key), int) or isinstance(dflash.get(key), bool) or dflash[key] < 1]
+    hidden, vocab = int(document.get("hidden_size") or 0), int(document.get("vocab_size") or 0)
+    group, top_k = dflash.get("conv_group_size"), dflash.get("selector_top_k")
+    if isinstance(group, int) and group > 0 and hidden % group:
+        problems.append(f"dflash_config.conv_group_size {group} does not divide hidden_size {hidden}")
+    if isinstance(top_k, int) and vocab and top_k > vocab:
+        problems.append(f"dflash_config.selector_top_k {top_k} exceeds vocab_size {vocab}")
+    if not _number(dflash.get("output_multiplier", 1.0)) > 0:
+        problems.append(f"dflash_config.output_multiplier {dflash['output_multiplier']!r} (must be a number > 0)")
+    if not _number(dflash.get("final_logit_softcapping") or 0.0) >= 0:
+        problems.append(f"dflash_config.final_logit_softcapping {dflash['final_logit_softcapping']!r} (0/null: none, else > 0)")
+    if _number(dflash.get("input_embedding_scale", 1.0)) != 1.0:
+        problems.append(f"dflash_config.input_embedding_scale {dflash['input_embedding_scale']}: the block embedding "
+                        "is not scaled here (only 1.0 is supported)")
+    if dflash.get("draft_vocab_size") or document.get("draft_vocab_size"):
+        problems.append("a draft vocabulary: the DFlash 2 selector needs the target's whole vocabulary")
+    return problems
+
+
+def is_dflash2_checkpoint(path: str | Path) -> bool:
+    """Whether a drafter directory (or a run's checkpoints/ dir) holds a DFlash 2 drafter; torch-free."""
+    config_path = resolve_checkpoint_dir(Path(path)) / CONFIG
+    try:
+        document = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and "DFlash2DraftModel" in (document.get("architectures") or [])
+
+
+def _number(value: object) -> float:
+    """A config value as a number; NaN (failing every comparison) when it is not one."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -184,11 +248,12 @@ def _load_safetensors(path: Path, load_file: Callable[[str], dict[str, torch.Ten
 
 def load_drafter(checkpoint_dir: str | Path, target_model: PreTrainedModel) -> DFlashDrafter:
     """A drafter from `step-N/` (or a run's `checkpoints/` dir: its latest) or a published DFlash
-    drafter directory, attached to the target. Weights load strictly (names and shapes)."""
-    from dflash.drafter.model import DFlashDrafter
+    (or DFlash 2: dflash.drafter.dflash2.DFlash2Drafter) drafter directory, attached to the target.
+    Weights load strictly (names and shapes)."""
+    from dflash.drafter.dflash2 import drafter_for_config
 
     checkpoint_dir = resolve_checkpoint_dir(Path(checkpoint_dir))
-    drafter = DFlashDrafter(read_drafter_config(checkpoint_dir))
+    drafter = drafter_for_config(read_drafter_config(checkpoint_dir))
     weights = {name: tensor.float() if tensor.is_floating_point() else tensor
                for name, tensor in read_weights(checkpoint_dir).items()}
     try:
@@ -260,21 +325,52 @@ def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, tor
 def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     """Start `drafter` (built from the profile) from a DFlash drafter directory's weights
     (`drafter.init = "drafter"`): names and shapes must match exactly, and so must the tap layers
-    (the features fc reads); InputError listing every difference otherwise. Returns the directory."""
+    (the features fc reads) and, between DFlash 2 drafters, the selector's settings; InputError
+    listing every difference otherwise. A DFlash 2 profile may start from a DFlash (1) drafter:
+    its backbone loads, and the convolutions (identity) and the selector (a no-op: zero successor
+    codebook) keep their fresh start, so the drafter starts drafting exactly as that one. Returns
+    the directory."""
     import torch
 
     directory = resolve_checkpoint_dir(Path(path))
     source = read_drafter_config(directory)
     own = drafter.state_dict()
+    fresh = _dflash2_additions(own) if _is_dflash2(drafter.config) and not _is_dflash2(source) else set()
     loaded = read_weights(directory)
-    differences = weight_differences(own, loaded)
+    differences = weight_differences({name: value for name, value in own.items() if name not in fresh}, loaded)
     taps = list(source.dflash_config["target_layer_ids"])
     if taps != list(drafter.target_layer_ids):
         differences.append(f"dflash_config.target_layer_ids: {taps} there, {list(drafter.target_layer_ids)} in the profile")
+    differences += _dflash2_differences(drafter.config, source)
     if differences:
         raise InputError(f"drafter.init_from {directory}: does not fit the profile's drafter "
                          f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences))
     with torch.no_grad():
         for name, value in own.items():
-            value.copy_(loaded[name].to(value.dtype))
+            if name not in fresh:
+                value.copy_(loaded[name].to(value.dtype))
     return directory
+
+
+def _is_dflash2(config: PretrainedConfig) -> bool:
+    return "DFlash2DraftModel" in (getattr(config, "architectures", None) or [])
+
+
+def _dflash2_additions(names: Mapping[str, object]) -> set[str]:
+    """The tensors DFlash 2 adds to a DFlash drafter: the convolutions and the selector."""
+    return {name for name in names if name.startswith("candidate_selector.") or "_conv." in name}
+
+
+def _dflash2_differences(own: PretrainedConfig, source: PretrainedConfig) -> list[str]:
+    """DFlash 2 settings that are not tensor shapes (top-K, the unary transform) and must match;
+    a DFlash 2 source for a DFlash profile is named with what to set."""
+    if _is_dflash2(source) and not _is_dflash2(own):
+        return ["architectures: DFlash2DraftModel there, DFlashDraftModel in the profile (set drafter.kind = \"dflash2\" "
+                "with its settings)"]
+    if not (_is_dflash2(source) and _is_dflash2(own)):
+        return []
+    defaults = {"selector_top_k": 0.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}   # absent: its default
+    theirs, ours = dict(source.dflash_config), dict(own.dflash_config)
+    return [f"dflash_config.{key}: {theirs.get(key)} there, {ours.get(key)} in the profile (drafter.{key})"
+            for key, default in defaults.items()
+            if float(theirs.get(key) or default) != float(ours.get(key) or default)]

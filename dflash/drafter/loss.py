@@ -5,16 +5,37 @@ Slot k of the block anchored at a predicts the token at a + k (label input_ids[a
 (slot 1 has weight 1) and the sum is normalised by the weight sum of the whole optimizer step.
 The logits (rows x vocab, vocab up to ~152K) are computed in chunks under activation
 checkpointing, so at most one chunk of logits is alive in forward or backward.
+
+DFlash 2 (`dflash2_block_loss`, dflash.drafter.dflash2): the same loss on the unary logits, plus
+alpha x the selector's K-way cross entropy, with the same slot weights and the same normaliser
+(SpecForge PR #772: `(ce + alpha * selector_ce) / weight_sum`, alpha `training.dflash2_selector_loss_alpha`
+= 1.0; vLLM Speculators PR #1006: the same weights, alpha 1.0). The selector is teacher-forced:
+slot k's predecessor is the true token at a + k - 1 (the anchor for slot 1), its candidates the
+strict top K of the unary logits; when the true token is not among them it takes the place of the
+K-th (weakest) candidate in the loss's candidate set only (Speculators PR #1006
+`selector_training_candidates`; SpecForge PR #772 inserts it too), so every slot has a K-way label
+while the decoder keeps the strict top K. `train.selector_stop_gradient` (SpecForge PR #793, off by
+default) detaches the unary logits and the hidden states inside the selector term: it then trains
+the selector's own parameters only, and the backbone gets exactly the DFlash loss's gradient.
+Figures that see the selector (`SelectorParts`): candidate recall (true token in the strict top
+K), the selector's teacher-forced accuracy, and per block position the acceptance of the unary
+argmax chain and of the selector path (a block's path is accepted through slot k when every slot
+up to k is right; with its predecessors right, the selector's pick is the teacher-forced one), so
+the selector's lift is measured, not inherited from the unary head (TorchSpec issue #177).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from dflash.drafter.dflash2 import CandidateSelector, DFlash2Drafter
+    from dflash.drafter.model import DFlashDrafter
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -47,12 +68,107 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 @dataclass
 class LossParts:
-    """Sums over one micro-batch: weighted CE (carries grad), weight sum, per-slot correct/counted."""
+    """Sums over one micro-batch: weighted CE (carries grad), weight sum, per-slot correct/counted;
+    `selector`: a DFlash 2 drafter's own figures (None for DFlash)."""
 
     weighted_ce: torch.Tensor
     weight_sum: torch.Tensor
     correct: torch.Tensor
     counted: torch.Tensor
+    selector: Optional[SelectorParts] = None
+
+    def figure_sums(self) -> torch.Tensor:
+        """Every figure as one float64 CPU vector (summed over micro-batches and ranks, `read_step_figures`):
+        weighted CE, weight sum, correct [B-1], counted [B-1], then the selector's (`SelectorParts.sums`)."""
+        parts = [self.weighted_ce.detach().reshape(1), self.weight_sum.detach().reshape(1), self.correct, self.counted]
+        if self.selector is not None:
+            parts.append(self.selector.sums())
+        return torch.cat([part.detach().double().cpu() for part in parts])
+
+
+@dataclass(frozen=True)
+class SelectorObjective:
+    """train.selector_loss_alpha and train.selector_stop_gradient (DFlash 2 only)."""
+
+    alpha: float = 1.0
+    stop_gradient: bool = False
+
+
+SELECTOR_ROWS = 6     # per-slot vectors of SelectorParts
+
+
+@dataclass
+class SelectorParts:
+    """A DFlash 2 micro-batch's sums: the unary and the selector CE (slot-weighted, before alpha), and
+    per slot 1..B-1: the true token in the strict top K (recall), the selector's teacher-forced pick
+    right, and for the unary chain and the selector path: blocks accepted through slot k (`*_run`)
+    out of those accepted through k - 1 whose slot k carries a label (`*_alive`)."""
+
+    unary_ce: torch.Tensor
+    selector_ce: torch.Tensor
+    recall: torch.Tensor
+    selector_correct: torch.Tensor
+    unary_run: torch.Tensor
+    unary_alive: torch.Tensor
+    selector_run: torch.Tensor
+    selector_alive: torch.Tensor
+
+    def sums(self) -> torch.Tensor:
+        return torch.cat([self.unary_ce.detach().reshape(1), self.selector_ce.detach().reshape(1), self.recall,
+                          self.selector_correct, self.unary_run, self.unary_alive, self.selector_run,
+                          self.selector_alive]).detach().double().cpu()
+
+
+def figure_width(block_size: int, selector: bool) -> int:
+    """Length of `LossParts.figure_sums` for a drafter of this block size (with a selector: DFlash 2)."""
+    slots = block_size - 1
+    return 2 + 2 * slots + ((2 + SELECTOR_ROWS * slots) if selector else 0)
+
+
+@dataclass(frozen=True)
+class SelectorStats:
+    """A step's selector figures (all ranks): losses per weight, per-slot shares, simulated taus
+    (expected accepted draft tokens per block, without the bonus token) and the selector's lift."""
+
+    unary_loss: float
+    selector_loss: float
+    candidate_recall: list[float]
+    selector_acc: list[float]
+    unary_accept: list[float]           # per slot, given the chain was accepted before it
+    selector_accept: list[float]
+    unary_tau: float
+    selector_tau: float
+
+    @property
+    def lift(self) -> float:
+        return self.selector_tau - self.unary_tau
+
+    def to_json(self) -> dict[str, object]:
+        def shares(values: list[float]) -> list[Optional[float]]:
+            return [None if math.isnan(v) else v for v in values]
+
+        return {"unary_loss": self.unary_loss, "selector_loss": self.selector_loss,
+                "candidate_recall": shares(self.candidate_recall), "selector_acc": shares(self.selector_acc),
+                "unary_accept": shares(self.unary_accept), "selector_accept": shares(self.selector_accept),
+                "unary_tau": self.unary_tau, "selector_tau": self.selector_tau, "lift": self.lift}
+
+
+def read_selector_stats(totals: torch.Tensor, block_size: int) -> Optional[SelectorStats]:
+    """The selector's figures from a step's summed `figure_sums` (None for a DFlash drafter)."""
+    slots = block_size - 1
+    if totals.numel() < figure_width(block_size, True):
+        return None
+    weight, counted = float(totals[1]), totals[2 + slots:2 + 2 * slots]
+    extra = totals[2 + 2 * slots:]
+    rows = extra[2:].view(SELECTOR_ROWS, slots)
+    unary_accept, selector_accept = per_slot_accuracy(rows[2], rows[3]), per_slot_accuracy(rows[4], rows[5])
+    return SelectorStats(
+        unary_loss=float(extra[0]) / weight if weight else math.nan,
+        selector_loss=float(extra[1]) / weight if weight else math.nan,
+        candidate_recall=per_slot_accuracy(rows[0], counted), selector_acc=per_slot_accuracy(rows[1], counted),
+        unary_accept=unary_accept, selector_accept=selector_accept,
+        unary_tau=simulated_tau([0.0 if math.isnan(a) else a for a in unary_accept]),
+        selector_tau=simulated_tau([0.0 if math.isnan(a) else a for a in selector_accept]))
 
 
 def block_loss(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], targets: BlockTargets,
@@ -108,3 +224,116 @@ def simulated_tau(acc: list[float]) -> float:
 
 def per_slot_accuracy(correct: torch.Tensor, counted: torch.Tensor) -> list[float]:
     return [float(c / n) if n > 0 else math.nan for c, n in zip(correct.tolist(), counted.tolist())]
+
+
+# --- DFlash 2 ---------------------------------------------------------------------------------------
+
+def drafter_loss(drafter: DFlashDrafter, hidden: torch.Tensor, targets: BlockTargets, anchor_ids: torch.Tensor,
+                 decay: torch.Tensor, chunk_rows: int = 2048, objective: SelectorObjective = SelectorObjective()) -> LossParts:
+    """The training loss of `drafter`'s blocks: `block_loss`, or for a DFlash 2 drafter `dflash2_block_loss`.
+    anchor_ids [b, N]: the anchor tokens (slot 1's predecessor)."""
+    from dflash.drafter.dflash2 import DFlash2Drafter
+
+    if isinstance(drafter, DFlash2Drafter):
+        return dflash2_block_loss(hidden, drafter, targets, anchor_ids, decay, chunk_rows, objective)
+    return block_loss(hidden, drafter.logits, targets, decay, chunk_rows)
+
+
+def dflash2_block_loss(hidden: torch.Tensor, drafter: DFlash2Drafter, targets: BlockTargets, anchor_ids: torch.Tensor,
+                       decay: torch.Tensor, chunk_rows: int = 2048,
+                       objective: SelectorObjective = SelectorObjective()) -> LossParts:
+    """hidden [b, N, B, H] -> LossParts whose weighted CE is unary + alpha * selector (module docstring)."""
+    slots, top_k = hidden.shape[2] - 1, drafter.selector.top_k
+    label_mask = targets.label_mask.reshape(-1)
+    keep = label_mask > 0
+    predecessors = torch.cat([anchor_ids[..., None], targets.labels[..., :-1]], dim=-1).reshape(-1)[keep]
+    slot_index = torch.arange(slots, device=hidden.device).expand(*targets.labels.shape).reshape(-1)[keep]
+    rows, labels = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])[keep], targets.labels.reshape(-1)[keep]
+    weights = decay.to(hidden.device)[slot_index] * label_mask[keep]
+    head = _chunked_head(rows, labels, weights, drafter.logits, top_k, chunk_rows)
+    selector_ce, selector_right, recall = selector_terms(drafter.selector, rows, labels, predecessors, head, weights,
+                                                         objective.stop_gradient)
+
+    def per_slot(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(slots, device=hidden.device).index_add_(0, slot_index, values.float())
+
+    def grid(values: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(keep.numel(), dtype=torch.bool, device=hidden.device)
+        full[keep] = values.bool()
+        return full.view(targets.labels.shape)
+
+    valid = keep.view(targets.labels.shape)
+    unary_run, unary_alive = accepted_runs(grid(head.hit), valid)
+    selector_run, selector_alive = accepted_runs(grid(selector_right), valid)
+    parts = SelectorParts(unary_ce=head.weighted_ce, selector_ce=selector_ce, recall=per_slot(recall),
+                          selector_correct=per_slot(selector_right), unary_run=unary_run, unary_alive=unary_alive,
+                          selector_run=selector_run, selector_alive=selector_alive)
+    return LossParts(weighted_ce=head.weighted_ce + objective.alpha * selector_ce, weight_sum=weights.sum(),
+                     correct=per_slot(head.hit), counted=per_slot(torch.ones_like(head.hit)), selector=parts)
+
+
+@dataclass
+class HeadRows:
+    """The unary head on the kept rows: weighted CE sum, argmax right [n], top-K values / ids [n, K], true token's logit [n]."""
+
+    weighted_ce: torch.Tensor
+    hit: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+    gold: torch.Tensor
+
+
+def _chunked_head(rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                  head: Callable[[torch.Tensor], torch.Tensor], top_k: int, chunk_rows: int) -> HeadRows:
+    """As `_chunked_ce` (one chunk of vocabulary-wide logits alive at a time, recomputed in backward),
+    keeping each row's top K and true-token logit for the selector."""
+    outputs = []
+    for start in range(0, rows.shape[0], chunk_rows):
+        part = slice(start, start + chunk_rows)
+        args = (rows[part], labels[part], weights[part], head, top_k)
+        outputs.append(checkpoint(_chunk_head, *args, use_reentrant=False) if rows.requires_grad else _chunk_head(*args))
+    if not outputs:
+        outputs.append(_chunk_head(rows, labels, weights, head, top_k))
+    ce, hit, values, ids, gold = (list(column) for column in zip(*outputs))
+    return HeadRows(torch.stack(ce).sum(), torch.cat(hit), torch.cat(values), torch.cat(ids), torch.cat(gold))
+
+
+def _chunk_head(rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                head: Callable[[torch.Tensor], torch.Tensor], top_k: int) -> tuple[torch.Tensor, ...]:
+    logits = head(rows).float()
+    ce = F.cross_entropy(logits, labels, reduction="none") if rows.shape[0] else logits.new_zeros(0)
+    values, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)
+    gold = logits.gather(1, labels[:, None])[:, 0]
+    return (ce * weights).sum(), (logits.argmax(dim=-1) == labels).float(), values, ids, gold
+
+
+def selector_terms(selector: CandidateSelector, rows: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor,
+                   head: HeadRows, weights: torch.Tensor, stop_gradient: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted selector CE, teacher-forced pick right [n], true token in the strict top K [n]).
+
+    The CE's candidates are the strict top K with the true token in place of the K-th when it is
+    missing; the pick (a figure) is the decoder's: the best of the strict top K."""
+    values, gold = head.top_values, head.gold
+    if stop_gradient:
+        rows, values, gold = rows.detach(), values.detach(), gold.detach()
+    top_k = head.top_ids.shape[1]
+    in_top = head.top_ids == labels[:, None]
+    recall = in_top.any(dim=-1)
+    transitions = selector(rows, predecessors, torch.cat([head.top_ids, labels[:, None]], dim=1)).float()
+    strict = values.float() + transitions[:, :top_k]
+    inserted = torch.where(recall, strict[:, -1], gold.float() + transitions[:, -1])
+    scores = torch.cat([strict[:, :-1], inserted[:, None]], dim=1)
+    target = torch.where(recall, in_top.long().argmax(dim=-1), torch.full_like(labels, top_k - 1))
+    ce = F.cross_entropy(scores, target, reduction="none") if rows.shape[0] else scores.new_zeros(0)
+    with torch.no_grad():
+        picked = head.top_ids.gather(1, strict.argmax(dim=-1, keepdim=True))[:, 0]
+    return (ce * weights).sum(), picked == labels, recall
+
+
+def accepted_runs(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """correct / valid [..., S] per block slot -> per slot: blocks right through slot k (`run`), and blocks
+    right through k - 1 whose slot k is valid (`alive`: those that could be accepted at k)."""
+    run = torch.cumprod((correct & valid).long(), dim=-1).bool()
+    before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], dim=-1)
+    alive = before & valid
+    return run.reshape(-1, run.shape[-1]).sum(0).float(), alive.reshape(-1, run.shape[-1]).sum(0).float()

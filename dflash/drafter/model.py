@@ -14,7 +14,7 @@
 Parameter names follow the reference drafter (`layers.N.self_attn.q_proj`, `fc`, `hidden_norm`,
 `norm`), so `model.safetensors` + `config.json` load where the reference format is expected.
 The target's embedding and lm_head are attached, not registered: they never train, never go to
-the optimizer or DDP, and never into the checkpoint.
+the optimizer or FSDP2, and never into the checkpoint.
 """
 from __future__ import annotations
 
@@ -129,7 +129,20 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                recompute: bool = False) -> torch.Tensor:
+        """`recompute`: keep only this layer's inputs for backward and run it again there (activation
+        checkpointing, non-reentrant; inside the layer's own call, so under FSDP2 the recomputation
+        runs while the layer's gathered weights are there for its backward)."""
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            return cast(torch.Tensor, checkpoint(self._forward, hidden, context, rope, attend, context_kv,
+                                                 use_reentrant=False))
+        return self._forward(hidden, context, rope, attend, context_kv)
+
+    def _forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 attend: Attend, context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, attend, context_kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -138,6 +151,7 @@ class DFlashDrafter(nn.Module):
     """Trainable: layers, fc, hidden_norm, norm. Attached (frozen): the target's embedding, lm_head."""
 
     draft_vocab: torch.Tensor           # a buffer, registered only with a draft vocabulary
+    outside_forward: tuple[str, ...] = ()   # parameter-name prefixes the forward never reads (DFlash 2: the selector)
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -146,16 +160,21 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DraftDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.layer_rules: list[LayerAttention] = layer_attention(config)
         self._frozen: tuple[nn.Embedding, nn.Linear] | None = None
+        self.checkpoint_layers = False      # train.activation_checkpointing = "layers": recompute each layer in backward
         vocab_size = int(config.dflash_config.get("draft_vocab_size", 0) or 0)
         if vocab_size:      # the target token id of each draft row (saved with the weights)
             self.register_buffer("draft_vocab", torch.zeros(vocab_size, dtype=torch.long))
+
+    def make_layer(self, config: Qwen3Config) -> DraftDecoderLayer:
+        """One draft layer (DFlash 2 wraps its sublayers in convolutions: dflash.drafter.dflash2)."""
+        return DraftDecoderLayer(config)
 
     def attach_target(self, target: PreTrainedModel) -> "DFlashDrafter":
         """Use the target's embedding and lm_head (frozen, not registered here). The mask token is
@@ -199,8 +218,9 @@ class DFlashDrafter(nn.Module):
         context = self.project_context(context_features)
         rope = self.rotary_emb(hidden, key_positions)
         attends = list(attend) if isinstance(attend, (list, tuple)) else [attend] * len(self.layers)
-        for layer, layer_attend in zip(self.layers, attends):
-            hidden = layer(hidden, context, rope, layer_attend)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        for layer, layer_attend in zip(self.decoder_layers, attends):
+            hidden = layer(hidden, context, rope, layer_attend, recompute=recompute)
         return self.norm(hidden)
 
     def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
@@ -248,20 +268,30 @@ class DFlashDrafter(nn.Module):
         context_features [1, C, L*H] are the target's tap features of positions 0..C-1 (all
         visible). Row k predicts the token at anchor_pos + k; row 0 is the anchor's own slot.
         """
+        return self.logits(self.draft_hidden(context_features, anchor_id, anchor_pos))
+
+    @torch.no_grad()
+    def draft_hidden(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
+        """`draft_logits` before the head: the block's normed hidden states [B, H]."""
         device = context_features.device
         block = self.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]      # [1, B]
         context_positions = torch.arange(context_features.shape[1], device=device)
         block_positions = anchor_pos + torch.arange(self.block_size, device=device)
         key_positions = torch.cat([context_positions, block_positions])[None]
         attends = [_attend_by_rule(block_positions[None], key_positions, rule) for rule in self.layer_rules]
-        hidden = self(block, context_features, key_positions, attends)
-        return self.logits(hidden)[0]
+        return cast(torch.Tensor, self(block, context_features, key_positions, attends))[0]
 
 
 @torch.no_grad()
 def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
     """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
     (anchor position = cache.length): only the block's own tokens go through the projections."""
+    return drafter.logits(draft_hidden_cached(drafter, cache, anchor_id))
+
+
+@torch.no_grad()
+def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
+    """`draft_logits_cached` before the head: the block's normed hidden states [B, H]."""
     device = drafter.fc.weight.device
     block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
     block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
@@ -271,32 +301,15 @@ def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor
         key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
         attend = _attend_by_rule(block_positions, key_positions, rule)
         hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
-    return drafter.logits(drafter.norm(hidden))[0]
-
-
-class ComputeIn(nn.Module):
-    """The drafter computing on `dtype` copies of its parameters (train.compute_dtype = "bfloat16",
-    as FSDP's mixed precision with a bf16 param_dtype): the residual stream, norms, projections and
-    attention all in `dtype`; the casts are differentiable, so float32 gradients reach the float32
-    parameters, which the optimizer updates. Called like the drafter; `.module` is the drafter."""
-
-    def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
-        super().__init__()
-        self.module, self.dtype = drafter, dtype
-
-    def forward(self, *args: object) -> torch.Tensor:
-        from torch.func import functional_call
-
-        copies = {name: p.to(self.dtype) for name, p in self.module.named_parameters()}
-        return cast(torch.Tensor, functional_call(self.module, copies, args))
+    return cast(torch.Tensor, drafter.norm(hidden))[0]
 
 
 def forward_blocks(model: nn.Module, input_ids: torch.Tensor, anchors: torch.Tensor,
                    context_features: torch.Tensor, backend: Backend,
                    layer_attends: LayerAttendsFactory = make_layer_attends) -> torch.Tensor:
     """Training forward: every block `[anchor, MASK x (B-1)]` of each sequence at once under the
-    block mask -> normed hidden [b, N, B, H]. `model` is the drafter or a wrapper around it (DDP,
-    ComputeIn: reached through `.module`), called itself so the wrapper's hooks run; `layer_attends`
+    block mask -> normed hidden [b, N, B, H]. `model` is the drafter (sharded by FSDP2 in training:
+    calling it runs FSDP's hooks) or a wrapper around it (reached through `.module`); `layer_attends`
     makes each layer's attention from the layout, the backend and the layers' rules."""
     drafter = cast(DFlashDrafter, getattr(model, "module", model))
     layout = BlockLayout(anchors, input_ids.shape[1], drafter.block_size)

@@ -47,17 +47,24 @@ class DFlashDraft:
         """Draft logits [B, V] of the block after `features` (the committed positions before the anchor)."""
         import torch
 
+        with torch.no_grad():
+            return self.model.logits(self._block_hidden(features, anchor_id))
+
+    def _block_hidden(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":
+        """The block's normed hidden states [B, H] (the head's input), with the context cache when used."""
+        import torch
+
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
-        from dflash.drafter.model import draft_logits_cached
+        from dflash.drafter.model import draft_hidden_cached
 
         if not self.use_cache:
-            return self.model.draft_logits(features[None], anchor_id, features.shape[0])
+            return self.model.draft_hidden(features[None], anchor_id, features.shape[0])
         length = features.shape[0]
         if self._cache is None or not self._cache.crop(length):
             self._cache = DraftContextCache()
         with torch.no_grad():
             extend_cache(self.model, self._cache, features[None, self._cache.length:length])
-        return draft_logits_cached(self.model, self._cache, anchor_id)
+        return draft_hidden_cached(self.model, self._cache, anchor_id)
 
     def propose(self, committed: Sequence[int], features: Optional["torch.Tensor"], k: int,
                 temperature: float) -> Proposal:
@@ -86,6 +93,8 @@ class DFlashDraft:
 
 
 def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel) -> DFlashDraft:
+    """The checkpoint's drafter drafting the head's argmax (or samples); a DFlash 2 drafter's selector
+    path: dflash.eval.dflash2_drafter.load_draft."""
     from dflash.drafter.checkpoint import load_drafter
 
     return DFlashDraft(model=load_drafter(checkpoint, target_model))

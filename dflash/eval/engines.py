@@ -15,8 +15,9 @@ one request at a time:
 * vLLM: `--speculative-config {"method": "dflash", "model": DIR, "num_speculative_tokens": B-1}`
   (prompt lookup: method `ngram`); `POST /v1/completions` with the token ids as `prompt` and
   `return_token_ids`; the Prometheus counters of `GET /metrics` (drafts, accepted tokens per
-  position) read before and after each request. A drafter mixing sliding and full layers runs on
-  vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; `_resolve_layer_attention` raises otherwise).
+  position) read before and after each request. A drafter mixing sliding and full layers, and a
+  DFlash 2 drafter, run on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; otherwise
+  `_resolve_layer_attention` raises, and the V1 runner refuses candidate-head drafts).
 
 Tokens/s = completion tokens over the wall time of the requests (one in flight, as the in-process
 eval); speedup over the same engine's target-only run.
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dflash.compat import version_tuple
+from dflash.drafter.checkpoint import is_dflash2_checkpoint
+from dflash.drafter.export import V2_RUNNER_ENV
 from dflash.drafter.layers import mixes_sliding_and_full
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, vllm_base_args, vllm_env
@@ -95,8 +98,10 @@ def engine_command(engine: str, profile: Profile, target: Path, method: str, dra
     builder = _sglang_args if engine == "sglang" else _vllm_args
     argv = prefix + builder(profile, target, method, drafter, block_size, port)
     env = vllm_env(profile) if engine == "vllm" else {}
-    if engine == "vllm" and method == "dflash" and mixes_sliding_and_full(drafter_layer_types(drafter)):
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"      # qwen3_dflash._resolve_layer_attention refuses the V1 runner
+    if engine == "vllm" and method == "dflash" and (mixes_sliding_and_full(drafter_layer_types(drafter))
+                                                    or is_dflash2_checkpoint(drafter)):
+        env[V2_RUNNER_ENV] = "1"      # qwen3_dflash._resolve_layer_attention refuses mixed layers on the V1 runner,
+        #                               and a DFlash 2 selector runs in the V2 runner only (dflash.drafter.export)
     return ServerCommand(argv, env, f"http://{client_host('127.0.0.1')}:{port}", method)
 
 
@@ -158,13 +163,21 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
     return version
 
 
-def check_engine_serves(engine: str, version: str, profile: Profile, drafter: Path) -> None:
+def check_engine_serves(engine: str, version: Optional[str], profile: Profile, drafter: Path) -> None:
     """ConfigError, before anything is decoded, when this engine cannot serve `drafter` (a checkpoint or
-    drafter directory) as it was trained: an SGLang release that runs a layer with other attention
-    (envcheck/engines.py), or vLLM on CPU asked for a drafter mixing sliding and full layers, which
-    only its V2 model runner serves and which on CPU needs Triton with a CPU backend (triton-cpu)."""
+    drafter directory) as it was trained: a DFlash 2 drafter on vLLM's CPU build, whose V1 model runner
+    refuses candidate-head drafts and whose V2 runner needs Triton's GPU backend
+    (tests/eval/test_engine_vllm_dflash2.py starts it both ways and reads both refusals); an SGLang
+    release that runs a layer with other attention (envcheck/engines.py); or vLLM on CPU asked for a
+    drafter mixing sliding and full layers, which only its V2 model runner serves and which on CPU needs
+    Triton with a CPU backend (triton-cpu). `version`: the installed engine's (None: a stand-in serves,
+    and only the DFlash 2 refusal applies)."""
+    if engine == "vllm" and profile.machine.device == "cpu" and is_dflash2_checkpoint(drafter):
+        raise ConfigError(f"{drafter}: a DFlash 2 drafter; vLLM's CPU build cannot serve it: "
+                          f"{VLLM_CPU_DFLASH2_REFUSAL}. Serve it on a CUDA node (the launcher sets {V2_RUNNER_ENV}=1), "
+                          "or evaluate it in-process (eval.engine = \"transformers\")")
     path = Path(drafter) / "config.json"
-    if not path.is_file():
+    if version is None or not path.is_file():
         return                      # loading the drafter names what is missing
     config = json.loads(path.read_text(encoding="utf-8"))
     if engine == "sglang":
@@ -182,6 +195,12 @@ def check_engine_serves(engine: str, version: str, profile: Profile, drafter: Pa
                               "serves only on its V2 model runner; on CPU that runner needs Triton with a CPU backend "
                               f"(triton-cpu, not on PyPI), and the engine's triton has {backends or 'none'}: serve it on "
                               "a GPU node, or with SGLang 0.5.19")
+
+
+# What vLLM 0.32's CPU build answers to a DFlash 2 drafter (read from its logs: the engine test).
+VLLM_CPU_DFLASH2_REFUSAL = ("without VLLM_USE_V2_MODEL_RUNNER it stops with \"Model Runner V1 does not support: DFlash "
+                            "candidate-head drafts\", with VLLM_USE_V2_MODEL_RUNNER=1 with \"Model Runner V2 requires "
+                            "Triton\" (its Triton has no CPU backend)")
 
 
 def _triton_backends(python: str) -> list[str]:

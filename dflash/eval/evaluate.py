@@ -127,13 +127,13 @@ def _warm_up(verifier: TargetVerifier, methods: Sequence[Drafter], prompt_ids: l
 def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
     """The default (or `--prompts`) set into `eval/`, each of `eval.also_prompts` into `eval/<stem>/`;
     the main report lists the extra sets' figures under `also_sets`."""
-    from dflash.eval.dflash_drafter import load_dflash_draft
+    from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.specdec import DecodeSettings
 
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     model, tokenizer, target_path = load_target(profile)
-    draft = load_dflash_draft(str(checkpoint), model)
+    draft = load_draft(str(checkpoint), model)
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
     seed = profile.eval.seed if options.seed is None else options.seed
     settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,
@@ -166,6 +166,7 @@ class _SetDecoder:
     context: ReportContext
 
     def __call__(self, prompts_path: Path) -> EvalReport:
+        from dflash.eval.dflash2_drafter import with_selector_figures, with_unary
         from dflash.eval.prompt_lookup import PromptLookupDrafter
         from dflash.eval.report import build_report
 
@@ -173,12 +174,13 @@ class _SetDecoder:
         lookup = PromptLookupDrafter(max_ngram=self.profile.eval.prompt_lookup_max_ngram)
         with cpu_threads(self.model, self.profile.eval.cpu_threads):
             threads = _torch_threads()
-            results = decode_prompts(self.model, [self.draft, lookup], prompts, self.settings,
+            results = decode_prompts(self.model, [*with_unary(self.draft), lookup], prompts, self.settings,
                                      self.context.seed or 0, self.draft.layer_ids)
         context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
                           prompt_set=prompt_set_label(prompts_path))
-        return build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
-                            context=context)
+        report = build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
+                              context=context)
+        return with_selector_figures(report, self.draft, len(prompts))
 
 
 def _write_set(report: EvalReport, directory: Path, metrics_path: Optional[Path]) -> list[Path]:
@@ -201,6 +203,9 @@ def manifest_figures(report: EvalReport) -> dict[str, object]:
         figures[f"{prefix}{name}_speedup"] = _rounded(method.speedup or None, 3)
         if method.identical_to_target is not None:
             figures[f"{prefix}{name}_lossless"] = method.identical_to_target
+    lift = report.selector_lift()
+    if lift is not None:
+        figures[f"{prefix}selector_lift"] = round(lift, 3)
     for extra in report.also_sets:
         stem = Path(extra.prompts_file or extra.report).stem
         figures[f"{stem}_prompt_set"] = extra.prompt_set

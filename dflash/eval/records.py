@@ -25,6 +25,7 @@ from typing import Optional
 from launcher_core.errors import InputError
 
 TARGET = "target"
+DFLASH, DFLASH_UNARY = "dflash", "dflash_unary"     # a DFlash 2 drafter: its selector's path, its unary argmax
 REPORT_VERSION = 2   # 2: `report_version` written; unknown per-method keys left out instead of null
 
 
@@ -43,6 +44,8 @@ class MethodFigures:
     position_acceptance: Optional[list[float]] = None    # accepted share at block position 1..B-1
     tau_source: Optional[str] = None       # engine: who measured tau
     argv: Optional[list[str]] = None       # engine: the server's command line
+    candidate_recall: Optional[list[Optional[float]]] = None     # DFlash 2: verified token among the candidates, per position
+    selector_overrides: Optional[list[Optional[float]]] = None   # DFlash 2: selector's token != the unary argmax, per position
 
     def brief(self) -> MethodFigures:
         """What an `also_sets` entry keeps of a method."""
@@ -58,7 +61,9 @@ class MethodFigures:
                    new_tokens=data.integer_or_none("new_tokens"), steps=data.integer_or_none("steps"),
                    wall_s=data.number_or_none("wall_s"), tau_histogram=data.counts_or_none("tau_histogram"),
                    position_acceptance=data.numbers_or_none("position_acceptance"),
-                   tau_source=data.text_or_none("tau_source"), argv=data.texts_or_none("argv"))
+                   tau_source=data.text_or_none("tau_source"), argv=data.texts_or_none("argv"),
+                   candidate_recall=data.shares_or_none("candidate_recall"),
+                   selector_overrides=data.shares_or_none("selector_overrides"))
 
 
 _ALWAYS = ("mean_tau", "tokens_per_s", "speedup", "identical_to_target")
@@ -198,6 +203,14 @@ class EvalReport:
     def drafted(self) -> dict[str, MethodFigures]:
         """The drafting methods (all but target-only decoding)."""
         return {name: method for name, method in self.methods.items() if name != TARGET}
+
+    def selector_lift(self) -> Optional[float]:
+        """A DFlash 2 drafter's selector lift: tau of its path (`dflash`) minus tau of its unary argmax
+        (`dflash_unary`); None when the report has not both."""
+        path, unary = self.methods.get(DFLASH), self.methods.get(DFLASH_UNARY)
+        if path is None or unary is None or path.mean_tau is None or unary.mean_tau is None:
+            return None
+        return path.mean_tau - unary.mean_tau
 
     def without_prompts(self) -> EvalReport:
         return replace(self, prompts=[])
@@ -344,6 +357,16 @@ class _Fields:
         if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             raise self.error(key, "a list of numbers or null")
         return [float(v) for v in value]
+
+    def shares_or_none(self, key: str) -> Optional[list[Optional[float]]]:
+        """A list of numbers, each possibly null (a position nothing was counted at)."""
+        value = self._optional(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                                                  for v in value):
+            raise self.error(key, "a list of numbers (or nulls) or null")
+        return [None if v is None else float(v) for v in value]
 
     def texts_or_none(self, key: str) -> Optional[list[str]]:
         value = self._optional(key)

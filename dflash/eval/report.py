@@ -134,10 +134,27 @@ def render_markdown(report: EvalReport) -> str:
     lines += ["", "## Acceptance per block position", ""]
     lines += _table(["position"] + drafted, [[k] + [_at(methods[n].position_acceptance, k - 1) for n in drafted]
                                              for k in range(1, block)])
-    return "\n".join(lines + _per_prompt_table(report, drafted)) + "\n"
+    return "\n".join(lines + _selector_table(report) + _per_prompt_table(report, drafted)) + "\n"
 
 
-def _at(values: Optional[Sequence[float]], index: int) -> Optional[float]:
+def _selector_table(report: EvalReport) -> list[str]:
+    """A DFlash 2 drafter: its selector path beside its unary argmax, per block position."""
+    from dflash.eval.records import DFLASH, DFLASH_UNARY
+
+    path, unary, lift = report.methods.get(DFLASH), report.methods.get(DFLASH_UNARY), report.selector_lift()
+    if path is None or path.candidate_recall is None:
+        return []
+    lines = ["", "## DFlash 2 selector", "",
+             f"tau with the selector's path (`dflash`) {_fmt(path.mean_tau)}, with the unary argmax (`dflash_unary`) "
+             f"{_fmt(unary.mean_tau if unary else None)}: the selector's lift {_fmt(lift, 3)}. Candidate recall: the "
+             "verified token was among the selector's candidates; overrides: its token differs from the unary argmax.", ""]
+    return lines + _table(["position", "selector path accepted", "unary accepted", "candidate recall", "overrides"],
+                          [[k, _at(path.position_acceptance, k - 1), _at(unary.position_acceptance if unary else None, k - 1),
+                            _at(path.candidate_recall, k - 1), _at(path.selector_overrides, k - 1)]
+                           for k in range(1, report.block_size)])
+
+
+def _at(values: Optional[Sequence[Optional[float]]], index: int) -> Optional[float]:
     return values[index] if values is not None and index < len(values) else None
 
 

@@ -89,8 +89,7 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     from dflash.models import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
-    if version is not None:
-        check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))
+    check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))
     target = resolve_model_path(profile.model.target)
     prompts_path = eval_prompts_path(profile, options.prompts_path)
     settings = engine_settings(profile, options)
@@ -190,14 +189,14 @@ def _same_output(run: EngineRun, target: EngineRun) -> bool:
 def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
                      settings: EngineSettings) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does."""
-    from dflash.eval.dflash_drafter import load_dflash_draft
+    from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
     from dflash.eval.prompt_lookup import PromptLookupDrafter
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_dflash_draft(str(checkpoint), model)
+    draft = load_draft(str(checkpoint), model)
     stops = stop_token_ids(tokenizer, model)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stops)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from launcher_core.redact import redact_env
+from launcher_core.redact import redact_argv, redact_env, redact_url
 from launcher_core.schema import Profile
 
 
@@ -21,7 +21,7 @@ def generation_plan(profile: Profile, input_path: str | None, output_path: str |
     plan: dict[str, object] = {"backend": backend, "prompts": str(paths.prompts), "output": str(paths.output),
                             "state_dir": str(paths.state_dir), "concurrency": profile.generate.concurrency}
     if endpoints:
-        plan["endpoints"] = list(endpoints)
+        plan["endpoints"] = [redact_url(url) for url in endpoints]
     elif backend != "endpoint":
         plan["server"] = _server_plan(profile, paths.state_dir / "server.log")
     first = load_prompts(paths.prompts)[0]
@@ -36,5 +36,5 @@ def _server_plan(profile: Profile, log_path: Path) -> dict[str, object]:
     target = profile.model.target
     model_path = Path(target) if not target.startswith("builtin:") else Path(f"<{target}>")
     command = server_command_for(profile, model_path)
-    return {"argv": command.argv, "env": redact_env(command.env), "base_url": command.base_url,
+    return {"argv": redact_argv(command.argv), "env": redact_env(command.env), "base_url": command.base_url,
             "log": str(log_path)}

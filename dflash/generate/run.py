@@ -22,6 +22,7 @@ from dflash.generate.records import SamplingParams
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore, check_output
 from dflash.generate.workers import GenerateSummary, GenerationRun
+from launcher_core.diskfull import disk_full_guard
 from launcher_core.errors import ConfigError
 from launcher_core.manifest import StageState, update_stage
 from launcher_core.schema import Profile
@@ -90,16 +91,30 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
                               already_done=len(store.done_ids), selected=len(selected),
                               output_path=str(paths.output), failures_path=str(store.failures_path))
     update_stage(paths.run_dir, "generate", "running", selected=len(selected), output=str(paths.output))
-    try:
-        if selected:
-            _drive(profile, paths, store, selected, summary, endpoints, progress)
-    except BaseException as error:
+    average = store.average_record_bytes
+    with disk_full_guard(paths.output, lambda: (average() or 0) * len(selected) or None, f"{len(selected)} completions"):
+        try:
+            if selected:
+                _drive(profile, paths, store, selected, summary, endpoints, progress)
+        except BaseException as error:
+            _close_after_failure(store)
+            _finish_manifest(paths.run_dir, summary, store, "failed", error)
+            raise
         store.close()
-        _finish_manifest(paths.run_dir, summary, store, "failed", error)
-        raise
-    store.close()
     _finish_manifest(paths.run_dir, summary, store, "done", None)
     return summary
+
+
+def _close_after_failure(store: CompletionStore) -> None:
+    """Flush what can be flushed; on a full disk the queued lines stay unwritten (the store's index
+    never names them, so a resume sends those prompts again) and the first error is the one raised."""
+    from launcher_core.diskfull import disk_full_of
+
+    try:
+        store.close()
+    except Exception as error:
+        if disk_full_of(error, store.output_path) is None:
+            raise
 
 
 def _drive(profile: Profile, paths: RunPaths, store: CompletionStore, selected: list[PromptRecord],

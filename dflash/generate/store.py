@@ -69,6 +69,7 @@ class CompletionStore:
     _index: BinaryIO | None = None
     _offset: int = 0
     _last_fsync: float = 0.0
+    _write_error: OSError | None = None     # a failed write (a full disk): every later write raises it
 
     @property
     def index_path(self) -> Path:
@@ -117,6 +118,8 @@ class CompletionStore:
 
     def add(self, record: CompletionRecord) -> None:
         """Queue one completion (its `id` must not be done yet); flush every `flush_every`."""
+        if self._write_error is not None:
+            raise self._write_error
         prompt_id = record["id"]
         assert prompt_id not in self.done_ids, f"duplicate completion for id {prompt_id!r}"
         self.done_ids.add(prompt_id)
@@ -125,6 +128,12 @@ class CompletionStore:
         self._pending.append((prompt_id, line.encode("utf-8")))
         if len(self._pending) >= self.flush_every:
             self.flush()
+
+    def average_record_bytes(self) -> int | None:
+        """The mean size of a completion line so far (written and queued); None before the first."""
+        if not self.done_ids:
+            return None
+        return (self._offset + sum(len(line) for _, line in self._pending)) // len(self.done_ids)
 
     def add_failure(self, prompt_id: str, reason: str, attempts: int) -> None:
         """Record a prompt that failed after all retries (appended and flushed at once)."""
@@ -136,18 +145,44 @@ class CompletionStore:
 
     def flush(self) -> None:
         """Write the queued completions in one append, then their index entries."""
+        if self._write_error is not None:
+            raise self._write_error
         if not self._pending or self._output is None or self._index is None:
             return
-        index_lines = []
+        index_lines, start = [], self._offset
         for prompt_id, line in self._pending:
             self._offset += len(line)
             index_lines.append(_index_line(self._offset, prompt_id))
-        self._output.write(b"".join(line for _, line in self._pending))
-        self._output.flush()
+        try:
+            self._output.write(b"".join(line for _, line in self._pending))
+            self._output.flush()
+        except OSError as error:
+            self._cut_back(start)
+            self._write_error = error
+            raise
         self._pending.clear()
         self._maybe_fsync(self._output)
         self._index.write(b"".join(index_lines))
         self._index.flush()
+
+    def _cut_back(self, start: int) -> None:
+        """A batch write failed (a full disk): the output is cut back to its last whole line and
+        closed, and the batch's prompts count as not done (the index never named them: a resume
+        sends them again). Every later write raises the same error: nothing is dropped quietly."""
+        import contextlib
+
+        handle, self._output = self._output, None
+        assert handle is not None, "the output is open"
+        try:
+            os.ftruncate(handle.fileno(), start)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(handle.fileno())          # the buffered bytes that did not fit are dropped
+            with contextlib.suppress(OSError, ValueError):
+                handle.close()
+        self.done_ids.difference_update(prompt_id for prompt_id, _ in self._pending)
+        self._offset = start
+        self._pending.clear()
 
     def _maybe_fsync(self, handle: BinaryIO, force: bool = False) -> None:
         now = time.monotonic()

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash.memory.attention_masks import MIB, extra_block_mask_mib
+from dflash.memory.attention_masks import MIB, block_masks_mib, mask_build_peak_mib
 
 if TYPE_CHECKING:
-    from dflash.memory.model import Workload
+    from dflash.memory.workload import Workload
 
+BF16_BYTES = 2                      # train.compute_dtype = "bfloat16": FSDP2 gathers bf16 weights, the forward runs in bf16
 FP32_BYTES = 4                      # the drafter's residual stream, RMSNorm inputs/outputs, q/k norms
 LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32 [tokens, value dim] copies (traced)
 
@@ -31,24 +32,43 @@ def target_activations_mib(workload: Workload) -> float:
     return max(attention, linear) / MIB
 
 
-def drafter_activations_mib(workload: Workload) -> float:
+def drafter_activations_mib(workload: Workload, in_layer_backward: bool = True) -> float:
     """Saved for backward over one sequence, as the drafter's code computes under bf16 autocast:
     bf16 (`lo`) where a projection or the attention ran, float32 where the code keeps float32 (the
     residual stream, RMSNorm inputs and outputs, q/k norms), and one input copy per projection
     (autocast casts the float32 input again for every Linear). With train.compute_dtype = "bfloat16"
     the residual stream is bf16 and every projection reads one shared bf16 input, but each RMSNorm
     (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
-    copy and a bf16 output."""
-    return (_context_bytes(workload) + workload.drafter_layers * (_layer_key_bytes(workload) + _layer_block_bytes(workload))
-            + _final_bytes(workload)) / MIB + extra_block_mask_mib(workload)
+    copy and a bf16 output. With train.activation_checkpointing = "layers" each draft layer keeps
+    only its input, and one layer's activations exist again while it is recomputed in its backward
+    (`in_layer_backward`; not yet in the loss's backward). Beside them, flex's BlockMasks (one per
+    layer rule, kept through the backward), or the moment the last one is built when that is
+    larger (`memory.attention_masks`)."""
+    layer = _layer_key_bytes(workload) + _layer_block_bytes(workload)
+    if workload.checkpointed:       # each layer keeps its input; one layer's activations exist again in its backward
+        layers = workload.drafter_layers * _layer_input_bytes(workload) + (layer if in_layer_backward else 0)
+    else:
+        layers = workload.drafter_layers * layer
+    saved = (_context_bytes(workload) + layers + _final_bytes(workload)) / MIB
+    return max(saved + block_masks_mib(workload), mask_build_peak_mib(workload))
+
+
+def _layer_input_bytes(workload: Workload) -> int:
+    """What a checkpointed layer keeps for its backward: its input hidden state over the block tokens
+    (the residual stream: float32, or bf16 in bf16 compute; the context it also reads is kept once)."""
+    residual = BF16_BYTES if _bf16_compute(workload) else FP32_BYTES
+    return workload.block_tokens * workload.target.hidden * residual
 
 
 def _low_bytes(workload: Workload) -> int:
-    return workload.dtype_bytes if workload.autocast or _bf16_compute(workload) else FP32_BYTES
+    """Bytes of an element a projection or the attention produced: bf16 in bf16 compute, model.dtype under autocast."""
+    if _bf16_compute(workload):
+        return BF16_BYTES
+    return workload.dtype_bytes if workload.autocast else FP32_BYTES
 
 
 def _bf16_compute(workload: Workload) -> bool:
-    return workload.compute_dtype == "bfloat16"
+    return workload.bf16_compute
 
 
 def _norm_bytes(workload: Workload) -> int:

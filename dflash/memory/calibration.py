@@ -1,8 +1,8 @@
-"""A measured memory model: peak allocated memory at two micro-batch sizes on one workload
-(`launcher.py calibrate` measures it on the GPU node, `dflash.train.calibration`), and its
-storage inside the baseline JSON under the key `memory_calibration`, next to the machine facts it
-was measured on. `dflash.memory.model.peak_model` uses it in place of the analytic line when its
-workload key is the profile's.
+"""A measured memory model: peak allocated memory at two micro-batch sizes on one workload, each a
+step of two micro-batches on `world_size` ranks (`launcher.py calibrate` measures it on the GPU
+node, `dflash.train.calibration`), and its storage inside the baseline JSON under the key
+`memory_calibration`, next to the machine facts it was measured on. `dflash.memory.model.peak_model`
+corrects the analytic estimate with it when its workload key is the profile's.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
-    from dflash.memory.model import Workload
+    from dflash.memory.workload import Workload
     from envcheck.snapshot import Snapshot
 
 CALIBRATION_KEY = "memory_calibration"
@@ -30,7 +30,8 @@ class Calibration:
     device_name: str = ""
     torch_version: str = ""
     measured_at: str = ""
-    gradient_sum: str = ""          # "measured": 2+ ranks summed for real; "model": one process ("" before it was recorded)
+    world_size: int = 1             # ranks the drafter was sharded over while measuring
+    micro_batches_per_step: int = 1  # micro-batches of each measured step (2: the accumulated gradients are in it)
 
     @property
     def slope_mib(self) -> float:
@@ -42,13 +43,13 @@ class Calibration:
         return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
 
 
-def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str) -> Calibration:
+def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str | int) -> Calibration:
     """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them)."""
     if len(peaks_by_micro_batch) != 2:
         raise ValueError(f"calibration needs exactly two micro-batch sizes, got {sorted(peaks_by_micro_batch)}")
     (m1, p1), (m2, p2) = sorted(peaks_by_micro_batch.items())
     return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)),
-                       workload_key=workload.key(), **facts)
+                       workload_key=workload.key(), **facts)  # type: ignore[arg-type]
 
 
 def calibration_as_dict(calibration: Calibration) -> dict[str, object]:
@@ -66,9 +67,18 @@ def calibration_from_dict(document: Mapping[str, object], where: str) -> Calibra
                            device_name=str(document.get("device_name", "")),
                            torch_version=str(document.get("torch_version", "")),
                            measured_at=str(document.get("measured_at", "")),
-                           gradient_sum=str(document.get("gradient_sum", "")))
+                           world_size=_count(document, "world_size"),
+                           micro_batches_per_step=_count(document, "micro_batches_per_step"))
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
+
+
+def _count(document: Mapping[str, object], key: str) -> int:
+    """A positive integer of the stored calibration (1 when a calibration from before it lacks the key)."""
+    value = document.get(key, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def _pair(document: Mapping[str, object], key: str) -> tuple[float, float]:

@@ -1,11 +1,16 @@
 """Measuring a training step's peak on a real GPU: torch's peak allocated memory per micro-batch
-size, what a calibration (`dflash.memory.calibration`) is fitted to. GPU only; torch is imported
-here (inside the function), not by the torch-free model the launcher process plans with."""
+size, what a calibration (`dflash.memory.calibration`) is fitted to; and a call's transient on
+the CPU allocator (`measure_cpu_transient`: what the model's smaller figures, such as a BlockMask's
+build, are held to). torch is imported inside the functions, not by the torch-free model the
+launcher process plans with."""
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
 
 from dflash.memory.attention_masks import MIB
+
+T = TypeVar("T")
 
 
 def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, float]:
@@ -22,3 +27,29 @@ def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...
         torch.cuda.synchronize()
         peaks[micro_batch] = torch.cuda.max_memory_allocated() / MIB
     return peaks
+
+
+@dataclass(frozen=True)
+class CpuTransient(Generic[T]):
+    """What a call allocated through torch's CPU allocator: the peak above what was live when it
+    started, what it left allocated, and its result."""
+
+    peak_bytes: int
+    retained_bytes: int
+    result: T
+
+
+def measure_cpu_transient(run: Callable[[], T]) -> CpuTransient[T]:
+    """Run `run` under torch's profiler with memory events (every allocation and free of the CPU
+    allocator, temporaries inside ops included, in time order) and sum them up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    events = sorted((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events()
+                    if event.name() == "[memory]" and event.device_type().name == "CPU")
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return CpuTransient(peak, live, result)

@@ -1,215 +1,226 @@
 """Memory model of online DFlash training on one rank, and its calibration.
 
-Every rank holds a full frozen target and a replica of the drafter (data parallel). What one rank
-allocates through torch is modelled as
+Every rank holds the full frozen target (replicated) and 1/N of the drafter: FSDP2 shards each
+draft layer and the drafter's root (fc, the norms) over the N ranks (dflash.train.sharding).
+What one rank allocates through torch is modelled as
 
-    peak(m) = intercept + slope * m            (m = micro-batch, sequences per forward)
+    peak(m) = intercept + slope * m (+ accumulated gradients while micro-batches accumulate)
 
-* intercept = static memory + one logits chunk. Static: the target's weights in model.dtype
-  (embedding, lm_head and the layers up to the deepest tap: the trainer drops the rest), and
-  the drafter's trainable parameters in float32 (its layers take the target's hidden and MLP
-  widths and their own attention shape, `dflash.drafter.shape`; mixed precision: master weights and gradients,
-  8 bytes per parameter, plus autocast's bf16 weight copies) and the two float32 AdamW states
-  (8 bytes per parameter) -- all of them on every rank with `train.optimizer_sharding = "none"`,
-  only this rank's shard with "zero1" (ZeroRedundancyOptimizer: parameters are assigned whole,
-  largest first, to the least-loaded rank; the largest shard is what counts). Logits are
-  computed `train.loss_chunk_rows` block tokens at a time under checkpointing: bf16 logits,
-  their fp32 upcast and fp32 gradient;
+* static (alive through the run): the target's weights in model.dtype (embedding, lm_head and
+  the layers up to the deepest tap: the trainer drops the rest); this rank's float32 shards of the
+  drafter's parameters (each tensor's dim 0 split in N chunks, padded to a multiple of N: rank 0
+  holds the fullest) and their two AdamW states;
+* in a forward/backward (the intercept, beside static): the gathered weights FSDP2 all-gathers
+  in the compute dtype (`train.compute_dtype`: bf16, or float32) -- the root unit from its forward
+  to the end of the backward, a draft layer from its forward to its end (`reshard_after_forward`,
+  default; without it every layer stays gathered until its backward) and again in its backward,
+  where the next layer's gathering is prefetched: two layers at once; under bf16 autocast with
+  float32 weights, autocast's bf16 copy of every weight, which the matmuls keep for the backward;
+  the largest unit's unsharded gradients in the compute dtype during its backward; one logits
+  chunk (`train.loss_chunk_rows` rows x vocab: bf16 logits, their fp32 upcast and both gradients);
 * slope = memory per sequence of the WORST micro-batch the data allows: every sequence at
   `data.max_length` with the full anchor count (`train.num_anchors` x `drafter.block_size` block
-  tokens). Per sequence: the tap features kept from the target, plus the larger of the target's
-  transient no-grad activations (one layer's working set; the forward stops after the deepest
-  tap) and the drafter's saved activations (the concatenated taps kept for the fc backward, the
-  context keys/values of every draft layer, and each draft layer's saved activations over
-  anchors x block tokens).
+  tokens): the tap features kept from the target, plus the larger of the target's transient no-grad
+  activations (one layer's working set; the forward stops after the deepest tap) and the drafter's
+  saved activations (`dflash.memory.activations`; with activation checkpointing each layer keeps
+  only its input and one layer's activations exist again in its backward);
+* accumulated gradients: from the second micro-batch of a step on, the gradients of the earlier
+  ones are alive -- this rank's float32 gradient shards (`train.gradient_sync =
+  "every_micro_batch"`: reduce-scattered as each backward ends), or every parameter's unsharded
+  float32 gradient ("last_micro_batch": reduced once, by the last micro-batch).
 
-Between steps two more moments can be the peak of a rank (`MemoryEstimate.between_steps`): the
-optimizer update (static + one float32 temporary over this rank's parameters: foreach AdamW's
-sqrt(exp_avg_sq)), and a checkpoint save (gradients already dropped; under zero1 every rank's
-shard is gathered to rank 0 by broadcasts: the serialized shard and its deserialized copy are on
-the device of every rank at once before rank 0 moves them to host memory); and on several ranks the
-gradient sum (all gradients plus its one staging buffer of at most `train.grad_bucket_mib`: float32
-gradients below the bucket, packed; larger ones are summed in place). `PeakModel.peak_mib(m)`
-is the larger of the step's line and that figure.
+The gradient reduction runs inside the backward, one unit at a time: its own buffers are the
+reduce-scatter's float32 input (the unit's unsharded, padded size) and output (this rank's shard),
+`MemoryEstimate.reduction_buffers`. Between steps (`MemoryEstimate.between_steps`, independent of
+the micro-batch; `PeakModel.peak_mib(m)` is never below it): the update (static + the gradient
+shards + one float32 temporary over the shards: foreach AdamW's sqrt(exp_avg_sq)) and a
+checkpoint save (static + the largest tensor gathered whole on its way to rank 0's host memory).
 
-The analytic figures are an estimate; a short measured probe on a real GPU (peak allocated at two
-micro-batch sizes, `dflash.memory.measure`) replaces intercept and slope with measured ones
-(`dflash.memory.calibration`, stored with the baseline). Non-torch memory (CUDA context, NCCL,
-cuBLAS workspace) is not part of this model: `dflash.memory.plan` subtracts it from the free memory.
+The analytic figures are an estimate; a measured step on a real GPU (`launcher.py calibrate`,
+peaks at two micro-batch sizes, each a step of two micro-batches) corrects them
+(`dflash.memory.calibration`, stored with the baseline; `peak_model`). Non-torch memory (CUDA
+context, NCCL, cuBLAS workspace) is not part of this model: `dflash.memory.plan` subtracts it
+from the free memory.
 
-The target's shape comes from `dflash.memory.target`, the per-sequence activations byte by byte
-from `dflash.memory.activations`. No torch import here: `plan` runs in the launcher process.
+The workload is `dflash.memory.workload`, the target's shape `dflash.memory.target`, the
+per-sequence activations `dflash.memory.activations`. No torch import here: `plan` runs in the
+launcher process.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING
 
-from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
-from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory.activations import drafter_activations_mib, tap_features_mib, target_activations_mib
 from dflash.memory.attention_masks import MIB
-from dflash.memory.target import DTYPE_BYTES, TargetShape, target_shape
-from launcher_core.schema import Profile
+from dflash.memory.workload import LOGITS_CHUNK_TOKENS, Workload, workload_from_profile
 
 if TYPE_CHECKING:
     from dflash.memory.calibration import Calibration
 
-LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)
-DRAFTER_MASTER_BYTES = 4            # trainable drafter parameters are float32 (autocast to bf16)
+__all__ = ["LOGITS_CHUNK_TOKENS", "MIB", "MemoryEstimate", "PeakLine", "PeakModel", "Workload", "estimate",
+           "estimated_peak_model", "peak_model", "workload_from_profile"]
+
+MASTER_BYTES = 4                    # the drafter's parameter shards, gradients and AdamW states: float32
+REDUCE_BYTES = 4                    # FSDP2 reduces gradients in float32 (MixedPrecisionPolicy.reduce_dtype)
 LOGITS_BYTES_PER_ELEMENT = 2 + 2 + 4 + 4  # bf16 logits and their gradient, fp32 upcast and its gradient
-ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, in the parameter dtype
-ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter during step()
-GATHER_COPIES = 2                   # zero1 checkpoint: a shard's serialized bytes + its loaded copy
-GRAD_BUCKET_MIB = 64.0              # train.grad_bucket_mib default: the gradient sum's staging buffer cap
+ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, like the parameter shards
+ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter shard during step()
+PREFETCHED_LAYERS = 2               # a layer in its backward and the next one's all-gather, prefetched
 
-
-class Sized(Protocol):
-    """A tensor (or parameter) as the ZeRO-1 partition sees it."""
-
-    def numel(self) -> int: ...
-
-
-SizedT = TypeVar("SizedT", bound=Sized)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training step processes, in its worst case."""
-
-    target: TargetShape
-    dtype: str
-    drafter_layers: int
-    drafter_shape: DrafterShape         # the drafter's own attention (derived: no zero field)
-    block_size: int
-    num_anchors: int
-    max_length: int
-    tap_layers: tuple[int, ...]
-    logits_chunk_tokens: int = LOGITS_CHUNK_TOKENS
-    optimizer_shards: int = 1           # ranks the AdamW states are sharded over (1: replicated)
-    world_size: int = 1                 # ranks summing gradients (1: no gradient sum)
-    grad_bucket_mib: float = GRAD_BUCKET_MIB   # train.grad_bucket_mib
-    sliding_layers: int = 0             # drafter layers with a sliding window (memory.attention_masks)
-    sliding_window: int = 0
-    rank_share: int = 1                 # sequences per rank per optimizer step (train.global_batch / world)
-    compute_dtype: str = "float32"      # train.compute_dtype: the drafter's residual stream and norms
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def autocast(self) -> bool:
-        """Mixed precision: fp32 drafter weights, activations in model.dtype."""
-        return self.dtype != "float32"
-
-    @property
-    def loaded_target_layers(self) -> int:
-        return max(self.tap_layers) + 1
-
-    @property
-    def anchors(self) -> int:
-        return max(1, min(self.num_anchors, self.max_length - 1))
-
-    @property
-    def block_tokens(self) -> int:
-        return self.anchors * self.block_size
-
-    def key(self) -> str:
-        """Identifies the workload a calibration was measured on."""
-        facts = dataclasses.asdict(self)
-        facts["target"].pop("source")               # the same shape read from another path is the same workload
-        for between_steps_only in ("world_size", "grad_bucket_mib", "rank_share"):   # the sum's buffer and the
-            facts.pop(between_steps_only)               # accumulated gradients: a calibrated model takes them from the estimate
-        if facts["compute_dtype"] == "float32":     # the key of every workload before the setting existed
-            facts.pop("compute_dtype")
-        for key in ("sliding_layers", "sliding_window"):   # all-full drafters keep the keys they had
-            if not facts[key]:
-                facts.pop(key)
-        text = json.dumps(facts, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+Tensor = tuple[int, int]            # (dim 0, the other dims' product): how FSDP2 shards a parameter
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """The analytic model's figures, in MiB (per rank)."""
+    """The analytic model's figures, in MiB (one rank: the fullest, rank 0)."""
 
     target_weights: float
-    drafter_weights: float
-    drafter_grads: float
-    optimizer_states: float
-    autocast_weights: float
+    drafter_weights: float              # this rank's float32 parameter shards
+    drafter_grads: float                # this rank's float32 gradient shards (after a reduction)
+    optimizer_states: float             # AdamW's two states over the shards
+    gathered_weights: float             # gathered units in the compute dtype in a draft layer's backward
+    autocast_weights: float             # autocast's bf16 weight copies kept for backward (float32 weights under autocast;
+                                        # with recomputed layers only the root's, + `autocast_layer` in a layer's backward)
+    unit_grads: float                   # a draft layer's unsharded gradients in its backward (compute dtype;
+                                        # on one rank in bf16 compute with their float32 copy's half, traced)
+    reduction_buffers: float            # what a reduction allocates: the reduce-scatter's float32 input (and, on one
+                                        # rank, its output and the unit's gradients still held)
+    retained_reduce_input: float        # the last reduction's input, kept until the next one
     logits_chunk: float
     tap_features: float
     target_activations: float
-    drafter_activations: float
-    optimizer_shards: int = 1
-    update_temporaries: float = 0.0     # during optimizer.step, on top of static
-    checkpoint_gather: float = 0.0      # during a zero1 checkpoint save, on top of static - grads
+    drafter_activations: float          # per sequence, in a draft layer's backward (the most)
+    held_weights: float = 0.0           # gathered units held from forward to backward (train.reshard_after_forward off)
+    autocast_layer: float = 0.0         # the recomputed layer's bf16 weight copies (recomputation under autocast)
+    gathered_most: float = 0.0          # the most gathered at once (a forward's copy-out: one more all-gather buffer)
     logits_per_sequence: float = 0.0    # a loss chunk holds rows of several sequences when one has fewer
-    grad_sum_staging: float = 0.0       # the gradient sum's staging buffer, on top of static (dflash.train.dist)
+    drafter_activations_at_loss: float = -1.0   # per sequence, in the loss's backward (-1: as in a layer's)
+    update_temporaries: float = 0.0     # during optimizer.step, on top of static + gradient shards
+    checkpoint_gather: float = 0.0      # during a checkpoint save: the largest tensor, gathered whole
+    accumulated: float = 0.0            # gradients alive in a later micro-batch's forward/backward
     rank_share: int = 1                 # sequences per rank per step: below it, micro-batches accumulate
+    world_size: int = 1
 
     @property
     def static(self) -> float:
-        return (self.target_weights + self.drafter_weights + self.drafter_grads + self.optimizer_states
-                + self.autocast_weights)
+        """Alive through the run: the target, this rank's parameter shards and their AdamW states."""
+        return self.target_weights + self.drafter_weights + self.optimizer_states
+
+    @property
+    def loss_moment(self) -> float:
+        """Beside the activations in the loss's backward: one logits chunk and its gradients (nothing
+        gathered, unless held)."""
+        return self.logits_chunk
+
+    @property
+    def layer_moment(self) -> float:
+        """Beside the activations in a draft layer's backward: the root and that layer gathered, the
+        next layer's all-gather prefetched, the layer's unsharded gradients, and the previous
+        reduction's input buffer (FSDP2 keeps it until the next reduce-scatter)."""
+        return self.gathered_weights + self.unit_grads + self.retained_reduce_input + self.autocast_layer
 
     @property
     def step_static(self) -> float:
-        """What a forward/backward's peak stands on: the loss's backward, the step's peak, comes
-        before any drafter gradient exists (they were dropped by zero_grad(set_to_none=True))."""
-        return self.static - self.drafter_grads
+        """What every moment of a forward/backward stands on (the first micro-batch: no gradient yet)."""
+        return self.static + self.autocast_weights + self.held_weights
+
+    def moment_lines(self) -> tuple[PeakLine, PeakLine, PeakLine]:
+        """The moments that can be a micro-batch's peak, each a line in the micro-batch: the target's
+        forward, the loss's backward, a draft layer's backward."""
+        return (PeakLine("the loss's backward", self.step_static + self.loss_moment, self.per_sequence_at_loss),
+                PeakLine("a draft layer's backward", self.step_static + self.layer_moment, self.per_sequence_in_layer),
+                PeakLine("the target's forward", self.static + self.held_weights, self.per_sequence_in_target))
+
+    def step_mib(self, micro_batch: int) -> float:
+        return max(line.at(micro_batch) for line in self.moment_lines()) + self.accumulated_gradients(micro_batch)
 
     @property
     def per_sequence(self) -> float:
-        return self.tap_features + max(self.target_activations, self.drafter_activations) + self.logits_per_sequence
+        """Per sequence at the most (the target's forward, the loss's backward, a draft layer's backward)."""
+        return max(self.per_sequence_in_target, self.per_sequence_at_loss, self.per_sequence_in_layer)
+
+    @property
+    def per_sequence_in_target(self) -> float:
+        """The target's no-grad forward of a micro-batch: its taps and its working set (the micro-batch's
+        drafter activations do not exist yet)."""
+        return self.tap_features + self.target_activations
+
+    @property
+    def per_sequence_at_loss(self) -> float:
+        drafter = self.drafter_activations if self.drafter_activations_at_loss < 0 else self.drafter_activations_at_loss
+        return self.tap_features + drafter + self.logits_per_sequence
+
+    @property
+    def per_sequence_in_layer(self) -> float:
+        return self.tap_features + self.drafter_activations
 
     @property
     def update_peak(self) -> float:
-        """Autocast's bf16 weight copies live only inside the forward/backward: not here."""
-        return self.static - self.autocast_weights + self.update_temporaries
+        """Static, the gradient shards and AdamW's temporary."""
+        return self.static + self.drafter_grads + self.update_temporaries
 
     @property
     def checkpoint_peak(self) -> float:
-        return self.static - self.autocast_weights - self.drafter_grads + self.checkpoint_gather
-
-    @property
-    def grad_sum_peak(self) -> float:
-        """The gradient sum, after backward: all gradients and the sum's one staging buffer."""
-        return self.static - self.autocast_weights + self.grad_sum_staging
+        return self.static + self.checkpoint_gather
 
     @property
     def between_steps(self) -> float:
-        """The peak outside forward/backward: the gradient sum, the optimizer update or a checkpoint save."""
-        return max(self.update_peak, self.checkpoint_peak, self.grad_sum_peak)
+        """The peak outside forward/backward: the optimizer update or a checkpoint save."""
+        return max(self.update_peak, self.checkpoint_peak)
 
     def accumulated_gradients(self, micro_batch: int) -> float:
         """Gradients alive in a forward/backward: those of the step's earlier micro-batches (none
         when one micro-batch is the whole step: zero_grad(set_to_none=True) dropped them)."""
-        return self.drafter_grads if micro_batch < self.rank_share else 0.0
+        return self.accumulated if micro_batch < self.rank_share else 0.0
+
+
+@dataclass(frozen=True)
+class PeakLine:
+    """One moment of a forward/backward: intercept + slope x micro-batch, in MiB."""
+
+    moment: str
+    intercept_mib: float
+    slope_mib: float
+
+    def at(self, micro_batch: int) -> float:
+        return self.intercept_mib + self.slope_mib * micro_batch
+
+    def shifted(self, intercept_mib: float, slope_mib: float) -> "PeakLine":
+        return PeakLine(self.moment, self.intercept_mib + intercept_mib, self.slope_mib + slope_mib)
 
 
 @dataclass(frozen=True)
 class PeakModel:
-    """peak(m) = intercept + slope * m, in MiB of torch-allocated memory."""
+    """peak(m) = the highest of the step's moment lines at m (+ the accumulated gradients while
+    micro-batches accumulate), never below the peak between steps; MiB of torch-allocated memory."""
 
-    intercept_mib: float
-    slope_mib: float
+    lines: tuple[PeakLine, ...]
     static_mib: float
     source: str                     # "estimate" or "calibration"
-    between_steps_mib: float = 0.0  # gradient sum / optimizer update / checkpoint save (independent of m)
+    between_steps_mib: float = 0.0  # optimizer update / checkpoint save (independent of m)
     accumulation_mib: float = 0.0   # gradients alive from earlier micro-batches when m < rank_share
     rank_share: int = 1
+
+    def deciding_line(self, micro_batch: int) -> PeakLine:
+        """The moment that peaks at `micro_batch`."""
+        return max(self.lines, key=lambda line: line.at(micro_batch))
+
+    @property
+    def intercept_mib(self) -> float:
+        return self.deciding_line(1).intercept_mib
+
+    @property
+    def slope_mib(self) -> float:
+        return self.deciding_line(1).slope_mib
 
     def step_mib(self, micro_batch: int) -> float:
         """The forward/backward's peak at `micro_batch` (from the second micro-batch of a step on, the
         gradients of the earlier ones are alive)."""
         accumulated = self.accumulation_mib if micro_batch < self.rank_share else 0.0
-        return self.intercept_mib + self.slope_mib * micro_batch + accumulated
+        return self.deciding_line(micro_batch).at(micro_batch) + accumulated
 
     def peak_mib(self, micro_batch: int) -> float:
         return max(self.step_mib(micro_batch), self.between_steps_mib)
@@ -223,79 +234,37 @@ class PeakModel:
         return max([0] + [m for m in range(1, ceiling + 1) if self.peak_mib(m) <= budget_mib])
 
 
+# --- the drafter's tensors and how FSDP2 shards them ----------------------------------------
 
-def optimizer_shards(profile: Profile, world_size: int | None = None) -> int:
-    """Ranks the AdamW states are spread over: the world size under zero1, else 1."""
-    world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
-    return world if profile.train.optimizer_sharding == "zero1" and world > 1 else 1
-
-
-def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
-                          world_size: int | None = None) -> Workload:
-    shape = shape or target_shape(profile)
-    world = world_size or profile.machine.nproc_per_node * profile.machine.nnodes
-    taps = profile.drafter.target_layer_ids or tuple(default_target_layer_ids(shape.num_layers, profile.drafter.num_layers))
-    return Workload(target=shape, dtype=profile.model.dtype, drafter_layers=profile.drafter.num_layers,
-                    drafter_shape=derive_shape(shape.attention_config(), profile_shape(profile.drafter)),
-                    block_size=profile.drafter.block_size, num_anchors=profile.train.num_anchors,
-                    max_length=profile.data.max_length, tap_layers=tuple(taps),
-                    logits_chunk_tokens=profile.train.loss_chunk_rows,
-                    optimizer_shards=optimizer_shards(profile, world_size), world_size=world,
-                    grad_bucket_mib=profile.train.grad_bucket_mib,
-                    rank_share=max(1, profile.train.global_batch // world), compute_dtype=profile.train.compute_dtype,
-                    sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
-                    sliding_window=profile.drafter.sliding_window)
+def layer_tensors(workload: Workload) -> list[Tensor]:
+    """One draft layer's parameters as (dim 0, rest): q/k/v/o, the MLP, q/k norms, two RMSNorms."""
+    h, own, i = workload.target.hidden, workload.drafter_shape, workload.target.intermediate
+    return [(own.q_dim, h), (own.kv_dim, h), (own.kv_dim, h), (h, own.q_dim), (i, h), (i, h), (h, i),
+            (own.head_dim, 1), (own.head_dim, 1), (h, 1), (h, 1)]
 
 
-# --- the analytic estimate ----------------------------------------------------------------
+def root_tensors(workload: Workload) -> list[Tensor]:
+    """The root unit's parameters: fc over the concatenated taps, hidden_norm, the final norm."""
+    h = workload.target.hidden
+    return [(h, len(workload.tap_layers) * h), (h, 1), (h, 1)]
+
+
+def drafter_tensors(workload: Workload) -> list[Tensor]:
+    return layer_tensors(workload) * workload.drafter_layers + root_tensors(workload)
+
 
 def drafter_params(workload: Workload) -> int:
-    """Draft layers (the target's hidden and MLP widths, the drafter's own attention), the fc over
-    the concatenated taps, two norms."""
-    return sum(drafter_param_sizes(workload))
+    return sum(rows * rest for rows, rest in drafter_tensors(workload))
 
 
-def drafter_layer_sizes(workload: Workload) -> list[int]:
-    """Element counts of one draft layer's tensors: q/k/v/o, the MLP, q/k norms, two RMSNorms."""
-    s, own = workload.target, workload.drafter_shape
-    return [s.hidden * own.q_dim, s.hidden * own.kv_dim, s.hidden * own.kv_dim, own.q_dim * s.hidden,
-            *([s.hidden * s.intermediate] * 3), own.head_dim, own.head_dim, s.hidden, s.hidden]
+def shard_numel(tensors: list[Tensor], world: int) -> int:
+    """Elements of the fullest rank's shards (rank 0: ceil(dim 0 / N) rows of every tensor)."""
+    return sum(math.ceil(rows / world) * rest for rows, rest in tensors)
 
 
-def drafter_param_sizes(workload: Workload) -> list[int]:
-    """Element counts of the drafter's trainable tensors (as `drafter_params` sums them)."""
-    s = workload.target
-    fc = len(workload.tap_layers) * s.hidden * s.hidden
-    return drafter_layer_sizes(workload) * workload.drafter_layers + [fc, s.hidden, s.hidden]
-
-
-def zero1_partition(sizes: Sequence[int], shards: int) -> list[list[int]]:
-    """ZeroRedundancyOptimizer's partition: largest tensor first, each to the least-loaded rank
-    (the first such rank on a tie). Returns the indices of `sizes` each rank holds."""
-    loads = [0] * shards
-    owned: list[list[int]] = [[] for _ in range(shards)]
-    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
-        rank = loads.index(min(loads))
-        loads[rank] += sizes[index]
-        owned[rank].append(index)
-    return owned
-
-
-def zero_shard_sizes(sizes: Sequence[int], shards: int) -> list[int]:
-    """The parameters per rank of the ZeRO-1 partition."""
-    return [sum(sizes[i] for i in indices) for indices in zero1_partition(sizes, shards)]
-
-
-def fullest_zero1_shard(params: Sequence[SizedT], shards: int) -> list[SizedT]:
-    """The parameters (anything with `numel()`) that the ZeRO-1 partition gives its fullest rank."""
-    sizes = [p.numel() for p in params]
-    owned = zero1_partition(sizes, shards)
-    fullest = max(owned, key=lambda indices: sum(sizes[i] for i in indices))
-    return [params[i] for i in fullest]
-
-
-def largest_shard_params(workload: Workload) -> int:
-    return max(zero_shard_sizes(drafter_param_sizes(workload), workload.optimizer_shards))
+def gathered_numel(tensors: list[Tensor], world: int) -> int:
+    """Elements of a unit gathered whole (every rank's padded shard)."""
+    return world * shard_numel(tensors, world)
 
 
 def target_params_loaded(workload: Workload) -> int:
@@ -305,38 +274,108 @@ def target_params_loaded(workload: Workload) -> int:
     return shape.total_params() - dropped * shape.layer_params()
 
 
+# --- the analytic estimate ----------------------------------------------------------------
+
 def estimate(workload: Workload) -> MemoryEstimate:
-    params = drafter_params(workload)
-    drafter = params * DRAFTER_MASTER_BYTES / MIB
-    shard = largest_shard_params(workload) * DRAFTER_MASTER_BYTES / MIB
-    sharded = workload.optimizer_shards > 1
+    world, shard = workload.world_size, shard_numel(drafter_tensors(workload), workload.world_size)
+    master = shard * MASTER_BYTES / MIB
     return MemoryEstimate(
         target_weights=target_params_loaded(workload) * workload.dtype_bytes / MIB,
-        drafter_weights=drafter, drafter_grads=drafter, optimizer_states=ADAMW_STATES * shard,
-        autocast_weights=params * workload.dtype_bytes / MIB if workload.autocast else 0.0,
+        drafter_weights=master, drafter_grads=master, optimizer_states=ADAMW_STATES * master,
+        gathered_weights=_gathered_mib(workload, layers=_layers_in_backward(workload)),
+        gathered_most=_gathered_most_mib(workload),
+        held_weights=0.0 if workload.reshard_after_forward else _gathered_mib(workload, layers=workload.drafter_layers),
+        autocast_weights=_autocast_weights_mib(workload), autocast_layer=_autocast_layer_mib(workload),
+        unit_grads=_layer_mib(workload) * (2 if world == 1 and workload.bf16_compute else 1),
+        reduction_buffers=_reduction_mib(workload), retained_reduce_input=_largest_unit(workload) * REDUCE_BYTES / MIB,
         logits_chunk=_logits_chunk_mib(workload), logits_per_sequence=_logits_per_sequence_mib(workload),
-        tap_features=tap_features_mib(workload),
-        target_activations=target_activations_mib(workload),
-        drafter_activations=drafter_activations_mib(workload), optimizer_shards=workload.optimizer_shards,
-        update_temporaries=ADAMW_UPDATE_TEMPORARIES * shard, grad_sum_staging=_grad_sum_staging_mib(workload),
-        checkpoint_gather=GATHER_COPIES * ADAMW_STATES * shard if sharded else 0.0, rank_share=workload.rank_share)
+        tap_features=tap_features_mib(workload), target_activations=target_activations_mib(workload),
+        drafter_activations=drafter_activations_mib(workload),
+        drafter_activations_at_loss=drafter_activations_mib(workload, in_layer_backward=False),
+        update_temporaries=ADAMW_UPDATE_TEMPORARIES * master,
+        checkpoint_gather=max(rows * rest for rows, rest in drafter_tensors(workload)) * MASTER_BYTES / MIB,
+        accumulated=_accumulated_mib(workload, master), rank_share=workload.rank_share, world_size=world)
 
 
-def _grad_sum_staging_mib(workload: Workload) -> float:
-    """The sum's staging buffer (dflash.train.dist.staging_bytes): float32 gradients below the
-    bucket are packed through one buffer of min(bucket, their bytes); larger ones are summed in
-    place. None on one rank (nothing to sum)."""
-    if workload.world_size <= 1:
+def _compute_bytes(workload: Workload) -> int:
+    """The gathered weights' dtype: FSDP2's param_dtype (bf16 with train.compute_dtype = "bfloat16")."""
+    return 2 if workload.bf16_compute else MASTER_BYTES
+
+
+def _layers_in_backward(workload: Workload) -> int:
+    """Draft layers gathered in a layer's backward: itself and the next one's prefetched all-gather
+    (kept until the next all-gather); on one rank there is no all-gather, only the layer's cast weights."""
+    return PREFETCHED_LAYERS if workload.world_size > 1 else 1
+
+
+def _reduction_mib(workload: Workload) -> float:
+    """What one unit's gradient reduction allocates above what was alive: its float32 input (the
+    unit gathered whole) and output (this rank's shard; on one rank as large as the input), with
+    the unit's gradients still held (measured on 2 real gloo ranks, tests/train/test_measured_memory.py;
+    on one rank in bf16 compute also a float32 copy of half their size, traced)."""
+    unit = _largest_unit(workload) * REDUCE_BYTES / MIB
+    output = unit / workload.world_size
+    extra = _largest_unit(workload) * _compute_bytes(workload) / MIB if workload.world_size == 1 and workload.bf16_compute else 0.0
+    return unit + output + extra
+
+
+def _gathered_most_mib(workload: Workload) -> float:
+    """The most gathered at once: in a forward's copy-out, the root, the layer, the previous all-gather's
+    kept buffer and the new one (every layer and a buffer when layers stay gathered to their backward)."""
+    if workload.world_size == 1:
+        return _gathered_mib(workload, layers=1)
+    if not workload.reshard_after_forward:
+        return _gathered_mib(workload, layers=workload.drafter_layers + 2)
+    return _gathered_mib(workload, layers=PREFETCHED_LAYERS + 1)
+
+
+def _gathered_mib(workload: Workload, layers: int) -> float:
+    """The root unit and `layers` draft layers gathered whole in the compute dtype (FSDP2 keeps the
+    latest all-gather's buffer until the next one: a layer's backward holds itself and the next
+    layer's prefetched all-gather; a forward's copy-out one more)."""
+    world = workload.world_size
+    numel = gathered_numel(root_tensors(workload), world) + layers * gathered_numel(layer_tensors(workload), world)
+    return numel * _compute_bytes(workload) / MIB
+
+
+def _layer_mib(workload: Workload) -> float:
+    """A draft layer gathered whole in the compute dtype (its unsharded gradients are as large)."""
+    return gathered_numel(layer_tensors(workload), workload.world_size) * _compute_bytes(workload) / MIB
+
+
+def _autocast_weights_mib(workload: Workload) -> float:
+    """bf16 autocast over float32 weights: every weight's bf16 copy, kept by its matmul for backward
+    (with activation checkpointing only the root's and the recomputed layer's)."""
+    if workload.bf16_compute or not workload.autocast:
         return 0.0
-    bucket = int(workload.grad_bucket_mib * MIB)
-    packed = sum(size * DRAFTER_MASTER_BYTES for size in drafter_param_sizes(workload)
-                 if size * DRAFTER_MASTER_BYTES < bucket)
-    return min(bucket, packed) / MIB
+    if workload.checkpointed:
+        return sum(rows * rest for rows, rest in root_tensors(workload)) * workload.dtype_bytes / MIB
+    return drafter_params(workload) * workload.dtype_bytes / MIB
+
+
+def _autocast_layer_mib(workload: Workload) -> float:
+    """A recomputed layer's bf16 weight copies, alive in its backward (recomputation under autocast)."""
+    if workload.bf16_compute or not workload.autocast or not workload.checkpointed:
+        return 0.0
+    return sum(rows * rest for rows, rest in layer_tensors(workload)) * workload.dtype_bytes / MIB
+
+
+def _largest_unit(workload: Workload) -> int:
+    """Elements of the largest unit gathered whole (a draft layer, or the root with fc)."""
+    world = workload.world_size
+    return max(gathered_numel(layer_tensors(workload), world), gathered_numel(root_tensors(workload), world))
+
+
+def _accumulated_mib(workload: Workload, master_mib: float) -> float:
+    """Gradients alive from a step's earlier micro-batches: this rank's shards, or every unsharded one."""
+    if workload.gradient_sync == "last_micro_batch":
+        return drafter_params(workload) * REDUCE_BYTES / MIB
+    return master_mib
 
 
 def _label_rows(workload: Workload) -> int:
     """Rows of one sequence whose logits the loss computes: slots 1..B-1 of every anchor."""
-    return workload.anchors * (workload.block_size - 1)
+    return workload.supervised_slots
 
 
 def _logits_chunk_mib(workload: Workload) -> float:
@@ -358,21 +397,27 @@ def _logits_per_sequence_mib(workload: Workload) -> float:
 
 def estimated_peak_model(workload: Workload) -> PeakModel:
     figures = estimate(workload)
-    return PeakModel(intercept_mib=figures.step_static + figures.logits_chunk, slope_mib=figures.per_sequence,
-                     static_mib=figures.static, source="estimate", between_steps_mib=figures.between_steps,
-                     accumulation_mib=figures.drafter_grads, rank_share=figures.rank_share)
+    return PeakModel(lines=figures.moment_lines(), static_mib=figures.static, source="estimate",
+                     between_steps_mib=figures.between_steps, accumulation_mib=figures.accumulated,
+                     rank_share=figures.rank_share)
 
 
 def peak_model(workload: Workload, calibration: Calibration | None = None) -> PeakModel:
-    """The calibrated model when a calibration of this very workload exists, else the estimate."""
+    """The estimate corrected by a calibration of this very workload (measured at any world size),
+    else the estimate. The calibration measured steps of two micro-batches each on its own number
+    of ranks: the estimate of THAT (its shards, its accumulated gradients) is subtracted from the
+    measured line, and the difference -- what the model misses -- is added to the estimate for the
+    profile's ranks. So accumulated gradients, the shard share and the reduction's buffers are in a
+    calibrated plan exactly as in the estimate, and fed the estimate's own line it is the estimate."""
     estimated = estimated_peak_model(workload)
     if calibration is None or calibration.workload_key != workload.key():
         return estimated
-    logits_chunk = estimated.intercept_mib - estimated.static_mib    # the measured intercept includes it
-    # between steps: as far above/below the one-sequence step as the estimate says, from the measured one
-    step_of_one = calibration.intercept_mib + calibration.slope_mib
-    between = step_of_one + estimated.between_steps_mib - (estimated.intercept_mib + estimated.slope_mib)
-    return PeakModel(intercept_mib=calibration.intercept_mib, slope_mib=calibration.slope_mib,
-                     static_mib=max(0.0, calibration.intercept_mib - logits_chunk), source="calibration",
-                     between_steps_mib=max(0.0, between))
-
+    measured_on = estimated_peak_model(dataclasses.replace(workload, world_size=calibration.world_size,
+                                                           rank_share=calibration.micro_batches[-1] + 1))
+    (m1, m2), (p1, p2) = calibration.micro_batches, calibration.peaks_mib
+    miss1, miss2 = p1 - measured_on.step_mib(m1), p2 - measured_on.step_mib(m2)
+    slope_miss = (miss2 - miss1) / (m2 - m1)
+    intercept_miss = miss1 - slope_miss * m1
+    return dataclasses.replace(estimated, lines=tuple(line.shifted(intercept_miss, slope_miss) for line in estimated.lines),
+                               source="calibration",
+                               between_steps_mib=max(0.0, estimated.between_steps_mib + intercept_miss + slope_miss))

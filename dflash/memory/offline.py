@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash.memory.model import Workload
+    from dflash.memory.workload import Workload
 
 SEEDS_SAMPLES = 902_087             # the seeds' tokenized completions
 SEEDS_AVG_TOKENS = 2000             # their average length

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from dflash.memory import model as memory
 from dflash.memory.calibration import Calibration
 from dflash.memory.target import TargetShape
+from dflash.memory.workload import world_size_of
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
 
@@ -176,10 +177,6 @@ def batch_plan(global_batch: int, world_size: int, micro_batch: int) -> BatchPla
 
 
 # --- planning -----------------------------------------------------------------------------
-
-def world_size_of(profile: Profile) -> int:
-    return profile.machine.nproc_per_node * profile.machine.nnodes
-
 
 def rank_gpus(profile: Profile, snapshot: Snapshot | None, world_size: int,
               cuda_visible_devices: str | None) -> list[GpuView | None]:

@@ -1,12 +1,13 @@
 """Trace one real training step on fake tensors and compare it with the analytic memory model.
 
 Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` (tensors have shapes,
-dtypes and storages of the right size, no data) and `MemTracker` (torch.distributed._tools,
-as torchtitan's memory estimation uses it) counts every storage created, by category
-(parameters, gradients, activations, backward temporaries, optimizer states), and the peak.
-On a CPU-only torch the fake tensors are CPU tensors: sizes are what count.
+dtypes and storages of the right size, no data) and `FSDPMemTracker` (torch.distributed._tools,
+as torchtitan's memory estimation uses it) counts every storage created, by category (sharded
+and unsharded parameters and gradients, all-gather and reduce-scatter buffers, activations,
+backward temporaries, optimizer states), and the peak. On a CPU-only torch the fake tensors are
+CPU tensors: sizes are what count.
 
-The step is the trainer's (`dflash.train` forward_micro / _accumulate / _update), at the
+The step is the trainer's (`dflash.train.step`: forward_micro, accumulate_micro_batches, update), at the
 profile's worst case (every sequence `data.max_length` tokens, `train.num_anchors` anchors, every
 label counted):
 
@@ -14,19 +15,19 @@ label counted):
    classes (the flagship is Qwen3.5's `Qwen3_5ForCausalLM`, hybrid Gated DeltaNet / gated full
    attention, from `dflash.models.QWEN36_27B_TEXT` when its directory is not on this machine),
    truncated after the deepest tap, `extract_taps` under no_grad;
-2. the drafter (`DFlashDrafter`, float32 parameters, the profile's own attention shape through
-   `dflash.drafter.shape.profile_shape`, as the trainer builds it) over every block, under bf16
-   autocast as on CUDA when `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`,
-   checkpointed);
-3. backward, gradient clipping, and AdamW (foreach, as on CUDA) over ONE rank's ZeRO-1 shard
-   (the largest: ZeroRedundancyOptimizer's partition, largest tensor first to the least-loaded
-   rank), with its states already allocated (a step after the first).
+2. the drafter (`DFlashDrafter`, the profile's own attention shape through
+   `dflash.drafter.shape.profile_shape`, sharded by FSDP2 as the trainer builds it: float32
+   shards gathered in the compute dtype) over every block, under bf16 autocast as on CUDA when
+   `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`, checkpointed);
+3. backward (FSDP2's reduce-scatter as each unit's backward ends), gradient clipping, and AdamW
+   (foreach, as on CUDA) over rank 0's shards (the fullest: ceil(dim 0 / N) rows of every tensor),
+   with its states already allocated (a step after the first).
 
 Where the trace differs from a GPU run, on purpose:
 * attention: flex_attention (the GPU backend) has no backward on CPU, not even on fake tensors, so
   the drafter attends through SDPA with flex's memory (`FlexMemoryAttention`, passed to the
   trainer's forward as its attention factory, `TrainState.layer_attends`): the dense block mask is
-  built outside the tracker (flex's BlockMask is a few KiB), and the query heads are grouped per
+  built outside the tracker (flex's BlockMask is about 0.13 MiB a sequence and rule), and the query heads are grouped per
   KV head instead of expanding K/V to every query head (sdpa's `enable_gqa` on CPU would add two
   K/V copies per layer that flex does not make);
 * the target forward runs the layers that decide its peak, not all of them: every tap layer and,
@@ -43,7 +44,7 @@ Heavy imports happen inside the functions: `launcher.py plan` without `--trace` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
 from dflash.memory import model as memory
 from dflash.memory.target import SMOLLM2_135M, shape_from_config, target_shape
@@ -60,24 +61,30 @@ if TYPE_CHECKING:
     from dflash.drafter.model import DFlashDrafter
 
 MIB = memory.MIB
-CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+# FSDPMemTracker's reference types (torch.distributed._tools.fsdp2_mem_tracker), and "Target" for the
+# frozen target's weights, which are alive throughout and counted beside the tracker
+CATEGORIES = ("Target", "Sharded Param", "Unsharded Param", "Buffer", "Sharded Grad", "Unsharded Grad", "Activation",
+              "Temp", "All Gather", "Reduce Scatter", "OptState", "Inputs")
+GATHERED = ("Unsharded Param", "All Gather")
 MemorySnapshot = dict["torch.device", dict[str, int]]     # MemTracker's: device -> reference type -> bytes
 
 
 @dataclass(frozen=True)
 class TracedStep:
-    """What one traced step (dflash.train.trace) allocated, in MiB (one rank)."""
+    """What one traced step (dflash.train.trace) allocated, in MiB (one rank: rank 0, the fullest shards)."""
 
     micro_batch: int
     target_weights: float
-    drafter_weights: float
-    drafter_grads: float
+    drafter_weights: float          # this rank's float32 parameter shards
+    drafter_grads: float            # this rank's float32 gradient shards after the step
     optimizer_states: float
+    gathered_weights: float         # all-gathered (unsharded) weights at their most, in a forward/backward
     tap_features: float             # the captured taps of one micro-batch
     target_forward: float           # the target forward's peak above what was live before it, minus the taps
     target_peak: float              # the target forward, with the step's state and gradients alive
     step_peak: float                # peak of the micro-batches' forward/backward (the second one: gradients alive)
-    sum_peak: float                 # peak of the gradient sum over the ranks
+    reduction_buffers: float        # the most a gradient reduction allocated above what was live when it began
+    reduction_peak: float           # peak of the gradient reductions (inside the backward)
     update_peak: float              # peak of clipping + optimizer.step
     peak: float
     peak_categories: dict[str, float] = field(default_factory=dict)
@@ -189,72 +196,108 @@ class LayerSubset:
 # --- the tracker --------------------------------------------------------------------------
 
 class PhaseTracking(Protocol):
-    """What the trace reads of its tracker (`phase_tracker`: a torch MemTracker)."""
+    """What the trace reads of its tracker (`phase_tracker`: torch's FSDPMemTracker)."""
 
     phase: str
-    phase_peaks: dict[str, int]
+    phase_peaks: dict[str, int]         # the most alive in each phase
+    phase_rises: dict[str, int]         # the most a phase allocated above what was alive when it (last) began
+    gathered_peak: int
 
     def live_bytes(self) -> int: ...
 
     def live_by_category(self) -> dict[str, int]: ...
 
-    def track_external(self, *external: nn.Module | torch.optim.Optimizer) -> None: ...
-
-    def get_tracker_snapshot(self, type: str = "current") -> MemorySnapshot: ...
+    def peak_by_category(self) -> dict[str, int]: ...
 
     def __enter__(self) -> object: ...
 
     def __exit__(self, *args: object) -> None: ...
 
 
-def phase_tracker() -> PhaseTracking:
-    """A MemTracker that also keeps the peak (and its categories) of each named phase."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _State
+def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: nn.Module | None = None) -> PhaseTracking:
+    """torch's FSDPMemTracker over the sharded drafter and its optimizer (sharded and unsharded
+    parameters and gradients, all-gather and reduce-scatter buffers, activations, temporaries,
+    optimizer states), keeping the peak of each named phase and the most the gathered weights
+    took. `frozen`: a model alive throughout that is no FSDP module (the frozen target): its weights
+    are registered first, as "Target", so that a view of one (lm_head's transpose in the loss,
+    the embedding's rows) is not taken for a new tensor of that size."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _State
+    from torch.distributed.fsdp import FSDPModule
 
-    class PhaseTracker(MemTracker):
+    class PhaseTracker(FSDPMemTracker):
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__(drafter, optimizer)
             self._phase = "setup"
             self.phase_peaks: dict[str, int] = {}
+            self.phase_starts: dict[str, int] = {}
+            self.phase_rises: dict[str, int] = {}
+            self.gathered_peak = 0
+            self._peak_categories: dict[str, int] = {}
+            for tensor in (*frozen.parameters(), *frozen.buffers()) if frozen is not None else ():
+                self._update_and_maybe_create_winfos(tensor, _FSDPRefType.INP)     # "Inputs": read back as "Target"
 
         @property
         def phase(self) -> str:
             return self._phase
 
+
         @phase.setter
         def phase(self, name: str) -> None:
-            # a phase that allocates nothing (the gradient sum on one rank) peaks at what is live when it starts
+            # a phase that allocates nothing peaks at what is live when it starts; a phase entered
+            # again (a reduction per unit) keeps the largest rise above its start in `phase_starts`
+            live = self.live_bytes()
             self._phase = name
-            self.phase_peaks[name] = max(self.phase_peaks.get(name, -1), self.live_bytes())
+            self.phase_starts[name] = live
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, -1), live)
+
+        def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, original: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
+            # the drafter called again at the top level (the step's next micro-batch) starts its per-module
+            # stats afresh (FSDPMemTracker tracks one iteration); the global figures, all the trace reads, go on
+            tracked: Callable[..., Any] = super()._fsdp_state_pre_forward(fsdp_mod, original)
+
+            def again(*args: Any, **kwargs: Any) -> Any:
+                if fsdp_mod is drafter and fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw:
+                    self.reset_mod_stats()
+                return tracked(*args, **kwargs)
+
+            return again
 
         def _update_peak_stats(self, peak_state: _State) -> None:
             super()._update_peak_stats(peak_state)
-            live = self.live_bytes()
-            if live > self.phase_peaks.get(self.phase, -1):
-                self.phase_peaks[self.phase] = live
-
-        def _pre_fw_hook(self, module: nn.Module, inputs: object) -> None:
-            # a module called again at the top level (the drafter's next micro-batch, the lm_head's next loss
-            # chunk) starts its per-module stats afresh; the global figures (all the trace reads) go on
-            name = self._mod_tracker.get_known_fqn(module)
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
-                    set(self._mod_tracker.parents) - {name} == {"Global"}:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-            # grad hooks only where every parameter trains: frozen ones (the target) cannot take hooks
-            # (and on leaves: under train.compute_dtype = "bfloat16" the drafter runs on cast copies)
-            trainable = all(p.requires_grad and p.is_leaf for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)
+            live, categories = self.live_bytes(), self.live_by_category()
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, -1), live)
+            rise = live - self.phase_starts.get(self.phase, live)
+            self.phase_rises[self.phase] = max(self.phase_rises.get(self.phase, 0), rise)
+            self.gathered_peak = max(self.gathered_peak, sum(categories.get(k, 0) for k in GATHERED))
+            if live > sum(self._peak_categories.values()):
+                self._peak_categories = categories
 
         def live_bytes(self) -> int:
             return sum(snap["Total"] for snap in self._curr_mem_snap.values())
 
         def live_by_category(self) -> dict[str, int]:
-            return by_category(self._curr_mem_snap)
+            categories = by_category(self._curr_mem_snap)
+            categories["Target"] = categories.pop("Inputs")
+            return categories
 
-    return PhaseTracker()
+        def peak_by_category(self) -> dict[str, int]:
+            return dict(self._peak_categories)
+
+    return cast(PhaseTracking, PhaseTracker())
+
+
+def frozen_model_tracker() -> Any:
+    """torch's plain MemTracker for a frozen model's forward (the target's): it would hook every
+    parameter's gradient, which a frozen one cannot take; those hooks only name categories."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenModelTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+            trainable = all(p.requires_grad and p.is_leaf for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)
+
+    return FrozenModelTracker()
 
 
 def by_category(snapshot: MemorySnapshot) -> dict[str, int]:
@@ -343,26 +386,39 @@ class ComparedFigure:
 
 def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigure]:
     """Each traced figure next to the analytic model's figure for the same thing: the static parts,
-    the step's moments (forward/backward, gradient sum, update) and, at the traced peak, each
-    category (parameters, gradients, optimizer states, activations with the loss's temporaries)."""
+    the gathered weights, the step's moments (forward/backward, a gradient reduction's own buffers,
+    the update) and, at the traced peak, each category (parameters, gradients, optimizer states,
+    activations with the loss's temporaries)."""
     e, m = memory.estimate(workload), traced.micro_batch
     line = memory.estimated_peak_model(workload)
+    drafter_step = max(moment.at(m) for moment in e.moment_lines()[:2]) + e.accumulated_gradients(m)
     at_peak = traced.peak_categories
-    working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Other", "Buffer"))
-    modelled_working = line.peak_mib(m) - e.target_weights - e.drafter_weights - e.optimizer_states - \
-        e.accumulated_gradients(m)
+    working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Buffer"))
+    gathered = sum(at_peak.get(name, 0.0) for name in GATHERED)
+    grads = at_peak.get("Sharded Grad", 0.0) + at_peak.get("Unsharded Grad", 0.0) + at_peak.get("Reduce Scatter", 0.0)
+    loss, layer = e.moment_lines()[:2]
+    layer_moment = layer.at(m) > loss.at(m)             # which moment of the drafter's step the model says peaks
+    gathered_at_peak = e.held_weights + (e.gathered_weights if layer_moment else 0.0)
+    # a layer's gradients are "Temp" to the tracker until its reduction takes them: they count as working memory
+    # on one rank the retained reduce input is no "Reduce Scatter" to the tracker (no collective ran): working memory
+    retained = e.retained_reduce_input if layer_moment and e.world_size > 1 else 0.0
+    grads_at_peak = retained + e.accumulated_gradients(m)
+    modelled_working = drafter_step - e.static - gathered_at_peak - grads_at_peak - (e.autocast_layer if layer_moment else 0.0)
     pairs = [("target weights", traced.target_weights, e.target_weights),
-             ("drafter weights (fp32)", traced.drafter_weights, e.drafter_weights),
-             ("drafter gradients", traced.drafter_grads, e.drafter_grads),
-             ("AdamW states (this rank)", traced.optimizer_states, e.optimizer_states),
+             ("drafter weights (fp32 shards)", traced.drafter_weights, e.drafter_weights),
+             ("drafter gradients (fp32 shards)", traced.drafter_grads, e.drafter_grads),
+             ("AdamW states (shards)", traced.optimizer_states, e.optimizer_states),
+             ("gathered weights (most at once)", traced.gathered_weights, e.gathered_most),
              ("tap features", traced.tap_features, m * e.tap_features),
              ("target forward working set", traced.target_forward, m * e.target_activations),
-             ("micro-batches' peak (forward/backward)", traced.step_peak, line.step_mib(m)),
-             ("gradient sum's peak", traced.sum_peak, e.grad_sum_peak),
+             ("micro-batches' peak (forward/backward)", traced.step_peak, drafter_step),
+             ("a gradient reduction's own buffers", traced.reduction_buffers, e.reduction_buffers),
              ("optimizer update's peak", traced.update_peak, e.update_peak),
-             ("at the peak: parameters", at_peak.get("Parameter", 0.0), e.target_weights + e.drafter_weights),
-             ("at the peak: gradients", at_peak.get("Gradient", 0.0), e.accumulated_gradients(m)),
-             ("at the peak: optimizer states", at_peak.get("Optstate", 0.0), e.optimizer_states),
+             ("at the peak: parameters", at_peak.get("Target", 0.0) + at_peak.get("Sharded Param", 0.0),
+              e.target_weights + e.drafter_weights),
+             ("at the peak: gathered weights", gathered, gathered_at_peak),
+             ("at the peak: gradients (+ reduction buffer)", grads, grads_at_peak),
+             ("at the peak: optimizer states", at_peak.get("OptState", 0.0), e.optimizer_states),
              ("at the peak: activations + loss", working, modelled_working),
              ("peak", traced.peak, line.peak_mib(m))]
     return [ComparedFigure(name, traced_mib, modelled) for name, traced_mib, modelled in pairs]
@@ -370,7 +426,7 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
 
 def format_comparison(profile_name: str, traced: TracedStep, figures: list[ComparedFigure]) -> list[str]:
     width = max(len(f.name) for f in figures)
-    lines = [f"{profile_name}, micro-batch {traced.micro_batch}, rank of {traced.world_size} (fake process group): "
+    lines = [f"{profile_name}, micro-batch {traced.micro_batch}, rank 0 of {traced.world_size} (fake process group, FSDP2): "
              f"traced in {traced.seconds:.0f} s (target: {traced.target_layers_run} of {traced.target_layers_loaded} "
              f"loaded layers run; "
              f"drafter attention: {traced.attention} with flex's memory)",

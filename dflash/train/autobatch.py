@@ -1,52 +1,61 @@
-"""Runtime side of the memory budgets: agreement, OOM recovery, the persisted micro-batch, and the
+"""Runtime side of the memory budgets: the agreed micro-batch, OOM recovery by restart, and the
 fault-injection switch. Used inside torchrun workers.
 
-The collective sequence of one optimizer step is the same on every rank whatever happens:
+Under FSDP2 (dflash.train.sharding) the drafter's collectives run INSIDE its forward and
+backward: an all-gather before each unit's forward (and again before its backward), a
+reduce-scatter as each unit's backward ends, an all-reduce in gradient clipping. A rank that runs
+out of memory inside one of them never reaches a later agreement point, while the other ranks wait
+in the collective it left. So no rank tries to recover in place. Instead:
 
-    all_reduce(SUM) of the step's loss weight      (global_weight: data only, cannot OOM)
-    forward/backward of each micro-batch           (no collectives: do not let DDP sync here)
-    all_reduce(MIN) of an ok flag                  (did every rank get through?)
-    either  the gradient sum (all_reduce SUM, bucket by bucket) + optimizer.step
-    or      every rank drops its gradients, halves the micro-batch and redoes the step
+    a rank that runs out of memory anywhere in a step (forward, backward, the gradient reduction,
+    the update) writes an OOM record (`train/autobatch/oom-rank-R.json`: step, micro-batch,
+    phase) and exits with OOM_EXIT_CODE; the others fail in the collective it left (or are
+    stopped by torchrun's agent);
+    the launcher (dflash.train.launch) sees the record and starts every rank again with --resume
+    (as torchrun's own --max-restarts would: the record is read the same way);
+    at start (`AutoBatch.start`) every rank reads the records, takes half the micro-batch that ran
+    out of memory (never above the persisted or planned one), the ranks agree on the smallest
+    (all_reduce MIN), rank 0 persists it in `train/autobatch.json` with the reduction, and
+    training continues from the last complete checkpoint at that micro-batch.
 
-so a rank that runs out of memory can never leave the others waiting in a different collective.
-Gradients are summed by `dflash.train.dist.prepare_gradient_sum` + `GradientSum.run` (not by DDP
-hooks, which would fire inside the backward of whichever rank got furthest). The sum's one
-allocation (its bucket-sized staging buffer) is made inside the guarded region, after the
-backward and before the ok flag; its collectives run after every rank said ok and allocate
-nothing. So an OOM of the sum is agreed on and recovered from like an OOM of the backward. Because the loss of each micro-batch is divided by the
-GLOBAL weight of the step, the summed gradient does not depend on how the batch was split.
+Nothing done is lost beyond the steps since the last checkpoint, which are recomputed (and their
+metrics lines rewritten, never counted twice: dflash.train.worker.truncate_metrics). Because the
+loss of each micro-batch is divided by the GLOBAL weight of the step, the recomputed steps give
+the same gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be recovered from
+by halving: the record says so and the restart fails with what to change.
 
 Fault injection (off by default), for CPU tests and drills on real nodes:
 
     DFLASH_INJECT_OOM="rank=1,step=3"      rank 1 raises torch.OutOfMemoryError at the first injection
-                                           point of step 3 (once; not again after a torchrun restart)
+                                           point of step 3 (once; not again after a restart)
     DFLASH_INJECT_OOM="rank=1,above=2"     rank 1 raises it in every forward with micro-batch > 2
-    DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside optimizer.step (fatal by design)
-    DFLASH_INJECT_OOM="rank=1,step=3,phase=sync"        ... inside the gradient sum (as it allocates its bucket)
+    DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside the update
+    DFLASH_INJECT_OOM="rank=1,step=3,phase=sync"        ... inside the gradient reduction (FSDP2's reduce-scatter)
+    DFLASH_INJECT_OOM="rank=1,step=3,phase=backward"    ... inside a draft layer's backward
+    DFLASH_INJECT_OOM="rank=1,step=2;rank=0,step=3,phase=sync"   several, one after another
 
-`rank` may be omitted (every rank); the trainer calls `injector.check(step, micro_batch, phase)`.
+`rank` may be omitted (every rank); the trainer calls `AutoBatch.inject(phase)`.
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from dflash.train.dist import DEFAULT_GRAD_BUCKET_MIB, GradientSum, agree_micro_batch, count_failed, prepare_gradient_sum
+from dflash.train.dist import agree_micro_batch
 from launcher_core.errors import ConfigError, RunFailed
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed import ProcessGroup
 
-Reduction = dict[str, int | str]      # one halving, as autobatch.json keeps it: step, from, to, failed_ranks, at
+Reduction = dict[str, int | str]      # one halving, as autobatch.json keeps it: step, from, to, failed_ranks, phase, at
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
+OOM_RECORDS_DIR = "autobatch"
+OOM_EXIT_CODE = 75                    # a rank ran out of memory and recorded it: restart at a smaller micro-batch
 PHASES = ("forward", "backward", "sync", "optimizer")     # where an injected OOM can fire
 
 
@@ -79,12 +88,14 @@ class OomInjector:
         return self.step is not None and step == self.step and not self.fired
 
 
-def parse_injection(text: str) -> OomInjector | None:
-    """`rank=1,step=3` / `rank=1,above=2` / `...,phase=optimizer` -> OomInjector ("" -> None)."""
-    if not text.strip():
-        return None
+def parse_injection(text: str) -> list[OomInjector]:
+    """`rank=1,step=3` / `rank=1,above=2` / `...,phase=optimizer`, several separated by `;` ("" -> none)."""
+    return [_parse_one(part.strip(), text) for part in text.split(";") if part.strip()]
+
+
+def _parse_one(spec: str, text: str) -> OomInjector:
     fields: dict[str, str] = {}
-    for item in text.split(","):
+    for item in spec.split(","):
         key, sep, value = item.partition("=")
         if not sep or key.strip() not in ("rank", "step", "above", "phase"):
             raise ConfigError(f"{INJECT_ENV}={text!r}: {item!r} is not one of rank=N, step=N, above=N, "
@@ -107,17 +118,20 @@ def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
     return injector
 
 
-def injector_from_env(environ: Mapping[str, str] | None = None) -> OomInjector | None:
-    """The switch from the environment; a `step=` injection does not fire again after a torchrun
-    restart (TORCHELASTIC_RESTART_COUNT > 0), so a drill shows the restart resuming cleanly."""
+def injectors_from_env(environ: Mapping[str, str] | None = None,
+                       recovered: list[Reduction] | None = None) -> list[OomInjector]:
+    """The switch from the environment. A `step=` injection does not fire again once the run recovered
+    from it (autobatch.json records a reduction at that step and phase: `recovered`), so a drill
+    shows the restart resuming cleanly, and several injections can fire one after another."""
     variables = environ if environ is not None else os.environ
-    injector = parse_injection(variables.get(INJECT_ENV, ""))
-    if injector is not None and int(variables.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        injector.fired = True
-    return injector
+    injectors = parse_injection(variables.get(INJECT_ENV, ""))
+    done = {(r.get("step"), r.get("phase")) for r in recovered or []}
+    for injector in injectors:
+        injector.fired = (injector.step, injector.phase) in done
+    return injectors
 
 
-# --- run state (the agreed micro-batch, persisted) ----------------------------------------
+# --- run state (the agreed micro-batch, persisted) and OOM records -------------------------
 
 @dataclass
 class RunState:
@@ -125,8 +139,27 @@ class RunState:
     reductions: list[Reduction] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class OomRecord:
+    """What a rank that ran out of memory wrote before it exited."""
+
+    rank: int
+    step: int
+    micro_batch: int
+    phase: str
+    error: str
+
+    @property
+    def halved(self) -> int:
+        return self.micro_batch // 2
+
+
 def run_state_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "train" / RUN_STATE_NAME
+
+
+def oom_records_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "train" / OOM_RECORDS_DIR
 
 
 def load_run_state(path: str | Path) -> RunState | None:
@@ -150,149 +183,162 @@ def resume_micro_batch(planned: int, path: str | Path) -> int:
     return planned if state is None else min(planned, state.micro_batch)
 
 
-# --- OOM recovery -------------------------------------------------------------------------
+def write_oom_record(run_dir: str | Path, record: OomRecord) -> Path:
+    import dataclasses
 
-@dataclass(frozen=True)
-class StepOutcome:
-    micro_batch: int                    # the micro-batch the step finally ran at
-    attempts: int                       # 1 when nothing ran out of memory
+    from launcher_core.fileio import write_json_atomic
 
-
-def _attempt(work: Callable[[], None]) -> bool:
-    """Run `work`; False if it ran out of memory. Nothing is cleaned up inside the except block:
-    the exception's traceback pins the failed step's tensors until the block is left."""
-    import torch
-
-    try:
-        work()
-        return True
-    except torch.OutOfMemoryError:
-        pass
-    return False
+    return write_json_atomic(oom_records_dir(run_dir) / f"oom-rank-{record.rank}.json",
+                             {**dataclasses.asdict(record), "time": time.time()})
 
 
-def release_memory(optimizer: torch.optim.Optimizer) -> None:
-    """Drop every gradient and hand cached blocks back (after leaving the except block)."""
-    import torch
+def read_oom_records(run_dir: str | Path) -> list[OomRecord]:
+    """Every rank's OOM record not yet taken into autobatch.json (a damaged one is skipped: its rank
+    will run out of memory again and write it anew)."""
+    import json
 
-    optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    records = []
+    for path in sorted(oom_records_dir(run_dir).glob("oom-rank-*.json")):
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+            records.append(OomRecord(int(document["rank"]), int(document["step"]), int(document["micro_batch"]),
+                                     str(document["phase"]), str(document.get("error", ""))))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records
 
+
+def clear_oom_records(run_dir: str | Path) -> None:
+    for path in oom_records_dir(run_dir).glob("oom-rank-*.json"):
+        path.unlink(missing_ok=True)
+
+
+def reduction_after(records: list[OomRecord], micro_batch: int) -> Reduction:
+    """The halving the records ask for, as autobatch.json keeps it."""
+    first = min(records, key=lambda r: (r.step, r.rank))
+    return {"step": first.step, "from": micro_batch, "to": min(r.halved for r in records),
+            "failed_ranks": len({r.rank for r in records}), "phase": first.phase,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def unrecoverable(records: list[OomRecord]) -> OomRecord | None:
+    """A record of an OOM at micro-batch 1: halving cannot help."""
+    return next((r for r in records if r.micro_batch <= 1), None)
+
+
+def fatal_oom_message(record: OomRecord) -> str:
+    phase = record.phase
+    advice = ("AdamW's states are allocated at the first update: raise memory.margin (or memory.overhead_mib) so "
+              "the plan leaves room for them, free the GPU, or train fewer drafter layers") if phase == "optimizer" else \
+        ("one sequence does not fit: lower data.max_length or train.num_anchors, set "
+         "train.activation_checkpointing = \"layers\", or free GPU memory")
+    return (f"rank {record.rank} ran out of memory at step {record.step}, micro-batch 1 ({phase}): {advice}")
+
+
+# --- the agreed micro-batch ---------------------------------------------------------------
 
 class AutoBatch:
-    """One agreed micro-batch for all ranks, halved together when any rank runs out of memory.
+    """One agreed micro-batch for all ranks; an OOM anywhere in a step ends in a restart of every
+    rank at half of it (module docstring).
 
     Usage in a worker (after init_process_group):
 
-        auto = AutoBatch.start(plan.micro_batch, state_path, rank)   # agree + resume + persist
-        for step in ...:
-            outcome = auto.run_step(step, accumulate, optimizer, update)
-        # accumulate(micro_batch): all forward/backward calls of the step (share split into
-        # micro-batches), each loss divided by global_weight(...); calls auto.inject("forward")
-        # update(): clip + optimizer.step + scheduler.step (default optimizer.step)
-        # the gradients of the optimizer's parameters are summed over the ranks in between
-        # (buckets of grad_bucket_mib, train.grad_bucket_mib)
+        auto = AutoBatch.start(plan.micro_batch, run_dir, rank)   # records + persisted + agree
+        with auto.guard(step):                                    # an OOM inside -> record, exit
+            ... the step: auto.inject("forward") etc. at the injection points ...
     """
 
-    def __init__(self, micro_batch: int, rank: int, state_path: str | Path | None = None,
-                 group: ProcessGroup | None = None,
-                 injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
-                 grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB):
+    def __init__(self, micro_batch: int, rank: int, run_dir: str | Path | None = None,
+                 injectors: list[OomInjector] | None = None, log: Callable[[str], None] | None = None):
         self.micro_batch = micro_batch
-        self.grad_bucket_mib = grad_bucket_mib
         self.rank = rank
-        self.state_path = Path(state_path) if state_path else None
-        self.group = group
-        self.injector = injector
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.injectors = injectors or []
         self.log = log or (lambda line: print(line, flush=True))
         self.reductions: list[Reduction] = []
         self.step = 0
+        self.phase = "forward"          # the last phase of the step reached (named in an OOM record)
+
+    @property
+    def state_path(self) -> Path | None:
+        return run_state_path(self.run_dir) if self.run_dir is not None else None
 
     @classmethod
-    def start(cls, planned_micro_batch: int, state_path: str | Path | None, rank: int,
-              group: ProcessGroup | None = None,
-              injector: OomInjector | None = None, log: Callable[[str], None] | None = None,
-              grad_bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> "AutoBatch":
-        """Resume from the persisted micro-batch (never above it), agree on the minimum, persist."""
-        local = resume_micro_batch(planned_micro_batch, state_path) if state_path else planned_micro_batch
-        previous = load_run_state(state_path) if state_path else None
-        auto = cls(agree_micro_batch(local, group), rank, state_path, group,
-                   injector if injector is not None else injector_from_env(), log, grad_bucket_mib)
-        auto.reductions = previous.reductions if previous else []
+    def start(cls, planned_micro_batch: int, run_dir: str | Path | None, rank: int,
+              group: ProcessGroup | None = None, injectors: list[OomInjector] | None = None,
+              log: Callable[[str], None] | None = None) -> "AutoBatch":
+        """Half of any recorded OOM's micro-batch, never above the persisted or planned one; the
+        ranks agree on the smallest; rank 0 persists it with the reduction and clears the records."""
+        records = read_oom_records(run_dir) if run_dir is not None else []
+        fatal = unrecoverable(records)
+        if fatal is not None:
+            raise RunFailed(fatal_oom_message(fatal))
+        previous = load_run_state(run_state_path(run_dir)) if run_dir is not None else None
+        local = min([planned_micro_batch] + ([previous.micro_batch] if previous else [])
+                    + [r.halved for r in records])
+        agreed = agree_micro_batch(local, group)        # every rank read the records before this collective
+        reductions = (previous.reductions if previous else []) + \
+            ([reduction_after(records, max(r.micro_batch for r in records))] if records else [])
+        auto = cls(agreed, rank, run_dir, injectors if injectors is not None else injectors_from_env(recovered=reductions),
+                   log)
+        auto.reductions = reductions
+        if records:
+            auto.log(f"[autobatch] restarted after an OOM on {len({r.rank for r in records})} rank(s) at step "
+                     f"{min(r.step for r in records)} ({records[0].phase}): micro-batch -> {agreed} on every rank")
         auto.persist()
-        auto.log(f"[autobatch] rank {rank}: planned micro-batch {planned_micro_batch}, "
-                 f"resumed/local {local}, agreed {auto.micro_batch}")
+        if records and rank == 0 and run_dir is not None:
+            clear_oom_records(run_dir)
+        auto.log(f"[autobatch] rank {rank}: planned micro-batch {planned_micro_batch}, resumed/local {local}, "
+                 f"agreed {auto.micro_batch}")
         return auto
 
     def inject(self, phase: str = "forward") -> None:
-        """The fault-injection point (no-op unless DFLASH_INJECT_OOM is set)."""
-        if self.injector is not None:
-            self.injector.check(self.rank, self.step, self.micro_batch, phase)
+        """The step reached `phase`; the fault-injection point (raises only when DFLASH_INJECT_OOM says so)."""
+        self.phase = phase
+        for injector in self.injectors:
+            injector.check(self.rank, self.step, self.micro_batch, phase)
 
     def persist(self) -> None:
         if self.state_path is not None and self.rank == 0:
             save_run_state(self.state_path, RunState(self.micro_batch, self.reductions))
 
-    def run_step(self, step: int, accumulate: Callable[[int], None], optimizer: torch.optim.Optimizer,
-                 update: Callable[[], None] | None = None) -> StepOutcome:
-        """Forward/backward and the gradient sum at the agreed micro-batch, halving on all ranks
-        until every rank gets through; then update once."""
-        self.step = step
-        attempts = 1
-        while not self._all_got_through(accumulate, optimizer):
-            self._halve(step)
-            attempts += 1
-        self._update(step, optimizer, update or optimizer.step)
-        optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(self.micro_batch, attempts)
+    def guard(self, step: int) -> "OomGuard":
+        """Around one step: an OOM inside it is recorded and ends this rank (OomRestart)."""
+        self.step, self.phase = step, "forward"
+        return OomGuard(self)
 
-    def _all_got_through(self, accumulate: Callable[[int], None], optimizer: torch.optim.Optimizer) -> bool:
-        """Guarded: the forward/backward calls and the gradient sum's allocation; then one ok flag
-        (all_reduce); only when every rank got through, the sum's collectives (no allocation)."""
-        prepared: list[GradientSum] = []
+    def record_oom(self, step: int, phase: str, error: BaseException) -> OomRecord:
+        record = OomRecord(self.rank, step, self.micro_batch, phase, str(error).splitlines()[0][:300] if str(error) else "")
+        if self.run_dir is not None:
+            write_oom_record(self.run_dir, record)
+        self.log(f"[autobatch] rank {self.rank}: out of memory at step {step}, micro-batch {self.micro_batch} "
+                 f"({phase}); every rank restarts from the last checkpoint at micro-batch "
+                 f"{max(1, record.halved)}" + ("" if record.micro_batch > 1 else " -- not possible: micro-batch 1"))
+        return record
 
-        def work() -> None:
-            accumulate(self.micro_batch)
-            prepared.append(self.prepare_sum(optimizer))
 
-        ok = _attempt(work)
-        if not ok:
-            self.log(f"[autobatch] rank {self.rank}: out of memory at step {self.step}, micro-batch {self.micro_batch}")
-        failed = count_failed(ok, self.group)
-        self._last_failed = failed
-        if failed:
-            prepared.clear()                    # the staging buffer of a rank that got through
-            release_memory(optimizer)
-            return False
-        prepared[0].run()
-        return True
+class OomRestart(SystemExit):
+    """This rank ran out of memory and recorded it; it exits with OOM_EXIT_CODE for a restart."""
 
-    def prepare_sum(self, optimizer: torch.optim.Optimizer) -> GradientSum:
-        """The gradient sum of the optimizer's parameters, its staging buffer allocated (the
-        fault-injection point `sync` fires just before that allocation)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return prepare_gradient_sum(params, self.group, self.grad_bucket_mib, lambda: self.inject("sync"))
+    def __init__(self, record: OomRecord):
+        super().__init__(OOM_EXIT_CODE)
+        self.record = record
 
-    def _halve(self, step: int) -> None:
-        if self.micro_batch <= 1:
-            raise RunFailed(f"step {step}: out of memory at micro-batch 1 on {self._last_failed} rank(s); one "
-                            f"sequence does not fit: lower data.max_length or train.num_anchors, or free GPU memory")
-        before, self.micro_batch = self.micro_batch, self.micro_batch // 2
-        self.reductions.append({"step": step, "from": before, "to": self.micro_batch,
-                                "failed_ranks": self._last_failed, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        self.persist()
-        self.log(f"[autobatch] rank {self.rank}: step {step}: {self._last_failed} rank(s) out of memory -> "
-                 f"micro-batch {before} -> {self.micro_batch} on every rank; gradients dropped, step redone")
 
-    def _update(self, step: int, optimizer: torch.optim.Optimizer, update: Callable[[], None]) -> None:
-        def guarded() -> None:
-            self.inject("optimizer")
-            update()
+class OomGuard:
+    """Context manager of one step: turns torch.OutOfMemoryError into a record and OomRestart. The
+    phase it names is the last one the step reached (`AutoBatch.inject`)."""
 
-        if not _attempt(guarded):
-            raise RunFailed(f"rank {self.rank}, step {step}: out of memory inside optimizer.step; optimizer "
-                            f"states are allocated lazily at the first update, so shrinking the micro-batch "
-                            f"cannot help: raise memory.margin (or memory.overhead_mib) so the plan leaves "
-                            f"room for them, free the GPU, or train fewer drafter layers")
+    def __init__(self, auto: AutoBatch):
+        self.auto = auto
+
+    def __enter__(self) -> "OomGuard":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
+        import torch
+
+        if error is None or not isinstance(error, torch.OutOfMemoryError):
+            return
+        raise OomRestart(self.auto.record_oom(self.auto.step, self.auto.phase, error)) from None
+

@@ -14,17 +14,18 @@ first update), measures the peak allocated memory of one step at each size
 Optionally the calibrated line is held against measured peaks at larger micro-batches
 (`check_micro_batches`).
 
+Each measured step is two micro-batches of the measured size (`MICRO_BATCHES_PER_STEP`), so the
+gradients of the first are alive in the second's forward/backward: the accumulated gradients are
+in the measured peak, as in a real step.
+
 Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
 (one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
-more GPUs, so the real gradient sum runs between them and its staging buffer is in the measured
-peak (`Calibration.gradient_sum = "measured"`); otherwise in one process, where the sum is the
-identity, and the sum's buffer comes from the memory model (between steps, `gradient_sum =
-"model"`). With `train.optimizer_sharding = "zero1"` over several ranks, the optimizer of the
-measured state keeps only the parameters of the fullest rank's shard at the profile's world size
-(the partition ZeroRedundancyOptimizer makes: largest tensor first, to the least-loaded rank), so
-the measurement holds what one rank of the real run holds: all weights and gradients, one shard
-of AdamW states. The calibration's workload key then carries the profile's world size, as the
-plan's does.
+more GPUs, so FSDP2's all-gathers and reduce-scatters run between them; otherwise in one process
+(FSDP2 over a process group of one). Either way the drafter is sharded over the measuring ranks,
+not the profile's N: the calibration records how many (`Calibration.world_size`), and the plan
+subtracts the estimate of THAT step from the measurement and adds the difference to its estimate
+for N ranks (dflash.memory.model.peak_model), so the shard share, the accumulated gradients and
+the reduction's buffers are counted as the estimate counts them.
 
 Runs on CUDA only: a CPU profile is a ConfigError (exit 2: nothing to calibrate); a CUDA
 profile on a machine without a CUDA device is CannotTest (exit 125: this machine cannot
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from dflash.train.step import StepStats
 
 CALIBRATION_MICRO_BATCHES = (1, 2)
+MICRO_BATCHES_PER_STEP = 2          # each measured step accumulates: the earlier micro-batch's gradients are alive
 
 
 @dataclass(frozen=True)
@@ -81,10 +83,9 @@ class CalibrationBench:
 
     profile: Profile                    # the copy pointed at the worst-case dataset
     state: TrainState
-    workload: memory.Workload
+    workload: memory.Workload           # the profile's (its world size)
     world_size: int
-    optimizer_shards: int
-    ranks: int = 1                      # processes the bench runs on (2: the gradient sum is real)
+    ranks: int = 1                      # processes the bench runs on: the ranks the drafter is sharded over
 
 
 @dataclass
@@ -149,8 +150,9 @@ def worst_case_profile(profile: Profile, dataset: Path, rows: int, ranks: int = 
 
 
 def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: WorkerEnv | None = None) -> CalibrationBench:
-    """Dataset + state through `build_state` (no OOM recovery: an OOM must surface). `env`: this
-    rank of a multi-rank calibration (joined to its process group), default one process."""
+    """Dataset + state through `build_state` (no OOM recovery: an OOM must surface), `rows`
+    sequences per rank and step. `env`: this rank of a multi-rank calibration (joined to its
+    process group), default one process."""
     from dflash.memory.plan import world_size_of
     from dflash.train.dist import WorkerEnv, barrier
     from dflash.train.setup import build_state
@@ -167,41 +169,26 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
     copy = worst_case_profile(profile, dataset, rows, env.world_size)
     state = build_state(copy, scratch / "run", env, resume=False, planned_micro_batch=rows)
     state.autobatch = None
-    shards = memory.optimizer_shards(profile, world)
-    if shards > 1:
-        keep_one_optimizer_shard(state, copy, shards)
-    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, shards,
-                            env.world_size)
+    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, env.world_size)
 
 
 def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
-    """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (the real gradient sum runs
-    between them), else 1 (the sum's buffer then comes from the memory model)."""
+    """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (FSDP2's collectives run
+    between them), else 1."""
     from dflash.memory.plan import world_size_of
 
     return 2 if world_size_of(profile) >= 2 and cuda_devices >= 2 else 1
 
 
-def keep_one_optimizer_shard(state: TrainState, profile: Profile, shards: int) -> int:
-    """zero1 in one process: the optimizer holds only the fullest rank's parameters. Returns their count."""
-    import torch
-
-    from dflash.train.optim import cosine_schedule
-
-    owned = memory.fullest_zero1_shard([p for p in state.drafter.parameters() if p.requires_grad], shards)
-    state.optimizer = torch.optim.AdamW(owned, lr=profile.train.lr, weight_decay=profile.train.weight_decay)
-    state.scheduler = cosine_schedule(state.optimizer, state.total_steps, profile.train.warmup_ratio)
-    return sum(p.numel() for p in owned)
-
-
 # --- steps and measurements ---------------------------------------------------------------
 
 def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
-    """One optimizer step over `micro_batch` worst-case sequences in one forward/backward."""
+    """One optimizer step of two micro-batches of `micro_batch` worst-case sequences each."""
     from dflash.memory.plan import batch_plan
     from dflash.train.step import run_step
 
-    return run_step(bench.state, list(range(micro_batch)), 0, batch_plan(micro_batch, 1, micro_batch))
+    rows = MICRO_BATCHES_PER_STEP * micro_batch
+    return run_step(bench.state, list(range(rows)), 0, batch_plan(rows, 1, micro_batch))
 
 
 def warm_up(bench: CalibrationBench, micro_batches: Sequence[int] = CALIBRATION_MICRO_BATCHES) -> str:
@@ -251,16 +238,8 @@ def fit(bench: CalibrationBench, peaks: dict[int, float], device_name: str = "")
 
     return fit_calibration(peaks, bench.workload, torch_version=torch.__version__,
                            device_name=device_name or torch.cuda.get_device_name(bench.state.device),
-                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           gradient_sum=gradient_sum_source(bench.world_size, bench.ranks))
-
-
-def gradient_sum_source(world_size: int, ranks: int) -> str:
-    """What the calibration says of the gradient sum's buffer: measured on 2+ ranks, from the
-    model in one process (of a multi-rank profile), or none (a one-rank profile has no sum)."""
-    if world_size <= 1:
-        return "none"
-    return "measured" if ranks > 1 else "model"
+                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=bench.ranks,
+                           micro_batches_per_step=MICRO_BATCHES_PER_STEP)
 
 
 def check_predictions(bench: CalibrationBench, calibration: Calibration,
@@ -271,9 +250,15 @@ def check_predictions(bench: CalibrationBench, calibration: Calibration,
 
 def predictions_of(workload: memory.Workload, calibration: Calibration,
                    measured: dict[int, float]) -> list[PredictionCheck]:
-    calibrated = memory.peak_model(workload, calibration)
-    estimated = memory.estimated_peak_model(workload)
-    return [PredictionCheck(m, peak, calibrated.peak_mib(m), estimated.peak_mib(m)) for m, peak in measured.items()]
+    """The calibrated line and the estimate of the MEASURED step (its ranks, two micro-batches) at each size."""
+    return [PredictionCheck(m, peak, *_predicted_at(workload, calibration, m)) for m, peak in measured.items()]
+
+
+def _predicted_at(workload: memory.Workload, calibration: Calibration, micro_batch: int) -> tuple[float, float]:
+    measured_step = dataclasses.replace(workload, world_size=calibration.world_size,
+                                        rank_share=MICRO_BATCHES_PER_STEP * micro_batch)
+    return (memory.peak_model(measured_step, calibration).peak_mib(micro_batch),
+            memory.estimated_peak_model(measured_step).peak_mib(micro_batch))
 
 
 # --- the whole procedure ------------------------------------------------------------------
@@ -300,23 +285,18 @@ def calibrate(profile: Profile, scratch: Path | None = None,
 
     require_cuda(profile)
     validate_profile_for_launch(profile)        # the profile against its target, as `train` checks it
-    rows = max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
+    rows = MICRO_BATCHES_PER_STEP * max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
     ranks = calibration_ranks(profile, torch.cuda.device_count())
     with scratch_directory(scratch) as work:
         if ranks == 1:
-            bench = worst_case_bench(profile, Path(work), rows)
-            measured = measure_bench(bench, check_micro_batches)
-            workload, world = bench.workload, bench.world_size
+            measured = measure_bench(worst_case_bench(profile, Path(work), rows), check_micro_batches)
         else:
-            from dflash.memory.plan import world_size_of
-
             measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
-            world = world_size_of(profile)
-            workload = memory.workload_from_profile(profile, target_shape(profile), world)
+    workload = memory.workload_from_profile(profile, target_shape(profile))
     calibration = fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
                                   torch_version=torch.__version__,
-                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  gradient_sum=gradient_sum_source(world, ranks))
+                                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=ranks,
+                                  micro_batches_per_step=MICRO_BATCHES_PER_STEP)
     return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
                           measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
 

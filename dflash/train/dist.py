@@ -1,8 +1,10 @@
-"""Every collective of a training rank, and the one process-group setup.
+"""The process group of a training rank, and the few collectives of our own around FSDP2's.
 
 torchrun gives every rank the same argv; each derives its own values from RANK, WORLD_SIZE and
-LOCAL_RANK (`WorkerEnv`). Without an initialised process group every helper here is the
-identity, so single-process runs and tests use the same code.
+LOCAL_RANK (`WorkerEnv`). The drafter's gradients and parameters are reduced and gathered by FSDP2
+(dflash.train.sharding); what is here agrees on scalars (the step's loss weight, the micro-batch,
+a stop flag) and gathers figures. Without an initialised process group every helper here is the
+identity; FSDP2 needs one even in a single process (`single_process_group`).
 
 Collective tensors live where the backend wants them: the current CUDA device for NCCL, the
 CPU for gloo.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +91,16 @@ def _store_address() -> tuple[str, int]:
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
+def single_process_group(backend: str) -> None:
+    """A process group of one (in-process runs: benchmarks, tests, calibration on one GPU), so the
+    drafter can be sharded by FSDP2 the same way as under torchrun; no-op when one exists."""
+    import torch.distributed as dist
+
+    if distributed():
+        return
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def close_process_group() -> None:
     if distributed():
         import torch.distributed as dist
@@ -136,10 +148,6 @@ def global_weight(local_weight: float, group: ProcessGroup | None = None) -> flo
     return all_reduce_scalar(float(local_weight), "SUM", group)
 
 
-def all_ranks_ok(ok: bool, group: ProcessGroup | None = None) -> bool:
-    return all_reduce_scalar(1 if ok else 0, "MIN", group, dtype="int64") == 1
-
-
 def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     """True on every rank when at least one rank's flag is set (all_reduce MAX)."""
     return all_reduce_scalar(1 if flag else 0, "MAX", group, dtype="int64") == 1
@@ -148,168 +156,6 @@ def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
 def count_failed(ok: bool, group: ProcessGroup | None = None) -> int:
     """How many ranks report a failure (all_reduce SUM of 0/1)."""
     return int(all_reduce_scalar(0 if ok else 1, "SUM", group, dtype="int64"))
-
-
-DEFAULT_GRAD_BUCKET_MIB = 64      # train.grad_bucket_mib: the gradient sum's bucket (and staging buffer) cap
-MIB = 2**20
-
-
-@dataclass(frozen=True, eq=False)          # tensors do not compare as values
-class Bucket:
-    """Tensors summed by one all_reduce: one large tensor in place, or small ones packed."""
-
-    tensors: tuple["torch.Tensor", ...]
-    in_place: bool
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-@dataclass
-class GradientSum:
-    """The plan of one gradient sum (`prepare_gradient_sum`), run by `run` (`sync_gradients` does both).
-
-    Tensors are grouped in order into buckets of at most `bucket_bytes`. A tensor at least that
-    large, contiguous and already on the collective device is its own bucket: all-reduced in place
-    in `.grad`, no copy. Smaller ones (same dtype) are packed into `staging`, ONE flat byte buffer
-    of at most `bucket_bytes`, reused by every packed bucket: copied in, all-reduced, copied back.
-    So the sum holds at most one bucket beyond the gradients themselves, never a second full copy.
-
-    Every allocation of the sum (the staging buffer) happens in `prepare_gradient_sum`, before
-    its first collective; `run` only copies and all-reduces. An out-of-memory error of the sum is
-    therefore raised before any rank has entered one of its collectives, and AutoBatch agrees on
-    it like an OOM of the backward.
-    """
-
-    buckets: list[Bucket]
-    staging: "torch.Tensor | None"          # uint8, min(bucket, all packed bytes): `staging_bytes`
-    group: ProcessGroup | None = None
-
-    @property
-    def staging_bytes(self) -> int:
-        return 0 if self.staging is None else self.staging.numel()
-
-    def run(self) -> None:
-        import torch.distributed as dist
-
-        for bucket in self.buckets:
-            if bucket.in_place:
-                dist.all_reduce(bucket.tensors[0], op=dist.ReduceOp.SUM, group=self.group)
-            else:
-                assert self.staging is not None, "a packed bucket needs the staging buffer"
-                _through_staging(bucket, self.staging, lambda flat: dist.all_reduce(flat, group=self.group))
-
-
-def _through_staging(bucket: Bucket, staging: "torch.Tensor", collective: Callable[["torch.Tensor"], object]) -> None:
-    """Copy the bucket into the front of `staging`, run the collective on it, copy it back."""
-    flat = staging[:bucket.nbytes].view(bucket.tensors[0].dtype)
-    offset = 0
-    for tensor in bucket.tensors:
-        flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
-        offset += tensor.numel()
-    collective(flat)
-    offset = 0
-    for tensor in bucket.tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
-
-
-def grad_bucket_bytes(bucket_mib: float) -> int:
-    assert bucket_mib > 0, "the profile schema holds train.grad_bucket_mib > 0"
-    return max(1, int(bucket_mib * MIB))
-
-
-def trainable_grads(parameters: Iterable["torch.nn.Parameter"]) -> list["torch.Tensor"]:
-    """The gradients to sum: of trainable parameters that have one, each parameter once."""
-    seen: set[int] = set()
-    grads = []
-    for p in parameters:
-        if p.requires_grad and p.grad is not None and id(p) not in seen:
-            seen.add(id(p))
-            grads.append(p.grad)
-    return grads
-
-
-def plan_buckets(tensors: list["torch.Tensor"], bucket_bytes: int, device: "torch.device") -> list[Bucket]:
-    """A tensor of `bucket_bytes` or more (contiguous, on `device`) alone, in place, as it comes;
-    the others packed in order while they fit `bucket_bytes` and share a dtype (packing goes on
-    past the large ones; a large one that cannot be reduced in place is packed alone, and the
-    staging buffer then holds that one tensor). The same order on every rank: the same buckets."""
-    buckets: list[Bucket] = []
-    packing: list[torch.Tensor] = []
-    packed = 0
-    for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes and tensor.is_contiguous() and tensor.device == device:
-            buckets.append(Bucket((tensor,), in_place=True))
-            continue
-        if packing and (packed + size > bucket_bytes or tensor.dtype != packing[0].dtype):
-            buckets.append(Bucket(tuple(packing), in_place=False))
-            packing, packed = [], 0
-        packing.append(tensor)
-        packed += size
-    return buckets + ([Bucket(tuple(packing), in_place=False)] if packing else [])
-
-
-def prepare_gradient_sum(parameters: Iterable["torch.nn.Parameter"], group: ProcessGroup | None = None,
-                         bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB,
-                         before_staging: Callable[[], None] | None = None) -> GradientSum:
-    """The buckets of this step's gradients and the one staging buffer (the sum's only allocation,
-    on the collective device). `before_staging` runs just before that allocation, on every call
-    (AutoBatch's fault-injection point `sync`). Without a process group: nothing to sum."""
-    import torch
-
-    bucket_bytes = grad_bucket_bytes(bucket_mib)
-    device = collective_device(group)
-    buckets = plan_buckets(trainable_grads(parameters), bucket_bytes, device) if distributed() else []
-    if before_staging is not None:
-        before_staging()
-    size = staging_bytes(buckets, bucket_bytes)
-    staging = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-    return GradientSum(buckets, staging, group)
-
-
-def staging_bytes(buckets: list[Bucket], bucket_bytes: int) -> int:
-    """The staging buffer: min(bucket, all packed bytes), so the memory model can count it from
-    the tensor sizes alone (dflash.memory.model); larger only for a packed tensor above the bucket."""
-    packed = [b.nbytes for b in buckets if not b.in_place]
-    return max(min(bucket_bytes, sum(packed)), max(packed, default=0))
-
-
-def sync_gradients(parameters: Iterable["torch.nn.Parameter"], group: ProcessGroup | None = None,
-                   bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> None:
-    """Sum every trainable parameter's gradient over the ranks, in place, bucket by bucket
-    (`GradientSum`); the identity without a process group."""
-    if distributed():
-        prepare_gradient_sum(parameters, group, bucket_mib).run()
-
-
-def broadcast_module(module: "torch.nn.Module", src: int = 0, group: ProcessGroup | None = None,
-                     bucket_mib: float = DEFAULT_GRAD_BUCKET_MIB) -> None:
-    """Every rank takes rank `src`'s parameters and buffers (the initial weights), in place, in
-    buckets like the gradient sum: no DistributedDataParallel wrapper, no gradient buckets."""
-    if not distributed():
-        return
-    import torch
-
-    with torch.no_grad():
-        tensors = [t.data for t in (*module.parameters(), *module.buffers())]
-        device = collective_device(group)
-        bucket_bytes = grad_bucket_bytes(bucket_mib)
-        for bucket in plan_buckets(tensors, bucket_bytes, device):
-            _broadcast_bucket(bucket, src, group, device)
-
-
-def _broadcast_bucket(bucket: Bucket, src: int, group: ProcessGroup | None, device: "torch.device") -> None:
-    import torch
-    import torch.distributed as dist
-
-    if bucket.in_place:
-        dist.broadcast(bucket.tensors[0], src=src, group=group)
-        return
-    staging = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)     # one bucket, freed after it
-    _through_staging(bucket, staging, lambda flat: dist.broadcast(flat, src=src, group=group))
 
 
 def gather_floats(value: float, group: ProcessGroup | None = None) -> list[float]:

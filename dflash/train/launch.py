@@ -3,13 +3,18 @@
 `build_torchrun_command` starts nothing: one node -> a c10d rendezvous on the store the launcher
 hosts on 127.0.0.1 (dflash.train.rendezvous: the agent joins it as a client, nothing listens on
 another interface), `--nproc-per-node P`; several nodes (machine.nnodes > 1) -> a c10d
-rendezvous at machine.rdzv_endpoint, the same command on every node. Workers get the resolved profile as JSON in the run directory, so every
-rank and node trains exactly the same configuration.
+rendezvous at machine.rdzv_endpoint, the same command on every node. Workers get the resolved
+profile as JSON in the run directory, so every rank and node trains exactly the same configuration.
+
+The agent is torchrun run through `dflash.train.agent`: it and its ranks never outlive the
+launcher (a pipe whose end of file stops them, the ranks' parent-death signal), and it records
+which ranks torchrun saw fail. `run_training` holds the run directory's lock for the whole run,
+watches the ranks' heartbeats (dflash.train.heartbeat), and ends with one message naming the
+cause (dflash.train.failures).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -19,19 +24,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Mapping, TypedDict
+from typing import TYPE_CHECKING, Mapping
 
+from dflash.train.failures import RunEnd
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.profile import profile_to_json
-from launcher_core.redact import redact_env
+from launcher_core.redact import redact_argv, redact_env
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.plan import Plan
+    from dflash.train.heartbeat import Stall
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     None names it `127.0.0.1:PORT` (what `train --print-command` shows)."""
     machine, paths = profile.machine, TrainPaths(Path(run_dir))
     store = store or SINGLE_NODE_STORE_PLACEHOLDER
-    argv = [python or sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(profile, store),
+    argv = [python or sys.executable, "-m", "dflash.train.agent", *_rendezvous_args(profile, store),
             "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
             "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
             "-m", "dflash.train.worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
@@ -117,12 +124,14 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
     import shlex
 
     shown = redact_env({k: env[k] for k in keys if k in env})
-    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), *map(shlex.quote, argv)])
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), *map(shlex.quote, redact_argv(argv))])
 
 
 def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
-    """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside."""
+    """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside. The
+    caller holds the run directory's lock (launcher_core.runlock), so no live run is moved."""
     from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.train.heartbeat import ranks_dir
     from launcher_core.fileio import write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
@@ -131,41 +140,108 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
             raise ConfigError(f"{paths.train_dir} already holds checkpoints; pass --resume to continue, "
                               f"or --force to start over (the old train/ is kept as train.prev-*)")
         os.replace(paths.train_dir, paths.run_dir / f"train.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-    if paths.failures.exists():
-        shutil.rmtree(paths.failures)
+    for folder in (paths.failures, ranks_dir(paths.run_dir)):
+        if folder.exists():
+            shutil.rmtree(folder)
     (paths.train_dir / "stopped.json").unlink(missing_ok=True)
     write_text_atomic(paths.profile_json, profile_to_json(profile))
 
 
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
-    """Run torchrun for this node; returns 0, or raises RunFailed naming the first failing rank.
+    """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures).
 
-    Without `plan`, the profile is first checked against its target's config.json and tokenizer
-    (dflash.train.launch_checks: ConfigError, exit 2, naming file and key) and the plan is computed
+    The run directory is locked for the run's life (launcher_core.runlock: a second run there is
+    refused, exit 2). The profile is checked against its target's config.json and tokenizer
+    (dflash.train.launch_checks: ConfigError, exit 2, naming file and key); with `resume`, the
+    checkpoint to resume is verified and fitted to the profile's drafter first (dflash.train.resume:
+    a damaged latest falls back to the newest good one; a drafter of another shape is exit 2), and
+    partial checkpoints an interrupted run left are removed. Without `plan`, the plan is computed
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
     calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
-    train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot hold one sequence stops the
-    launch here (PreflightFailed), before any model loads."""
+    train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot
+    hold one sequence stops the launch here (PreflightFailed), before any model loads."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
+    from dflash.train.resume import prepare_checkpoints
+    from launcher_core.runlock import run_lock
+
+    paths = TrainPaths(Path(run_dir).resolve())
+    facts = validate_profile_for_launch(profile)
+    with run_lock(paths.run_dir, "train") as lock:
+        if lock.previous is not None:
+            note_dead_run(paths, lock.previous.pid)
+        prepare_checkpoints(profile, facts, paths.run_dir, resume=resume)
+        if plan is None:        # `launcher.py train` planned already; the pipeline has not
+            inputs = read_inputs(profile)
+            plan = (plan_for_launch(profile, inputs), inputs)
+        prepare_run_dir(profile, paths, resume=resume, force=force)
+        write_plan(paths.run_dir, *plan)
+        for restart in range(oom_restart_limit(profile) + 1):
+            if restart:         # after an OOM: the checkpoint to resume, verified again (a save may have been cut)
+                prepare_checkpoints(profile, facts, paths.run_dir, resume=True)
+            end = _run_torchrun(profile, paths, lock.fileno(), resume=resume or restart > 0, extra_env=extra_env)
+            if end.code == 0 or end.signalled or not restart_after_oom(profile, paths, restart):
+                break
+        return _conclude(paths, end, profile.train.collective_timeout_s)
+
+
+def _run_torchrun(profile: Profile, paths: TrainPaths, lock_fd: int, *, resume: bool,
+                  extra_env: Mapping[str, str] | None) -> RunEnd:
+    """One torchrun of every rank under the launcher's agent (a fresh rendezvous store each time)."""
     from launcher_core.manifest import update_stage
 
-    if plan is None:        # `launcher.py train` checked and planned already; the pipeline has not
-        validate_profile_for_launch(profile)
-        inputs = read_inputs(profile)
-        plan = (plan_for_launch(profile, inputs), inputs)
-    paths = TrainPaths(Path(run_dir).resolve())
-    prepare_run_dir(profile, paths, resume=resume, force=force)
-    write_plan(paths.run_dir, *plan)
     with _rendezvous_store(profile) as store:
         argv, env = build_torchrun_command(profile, paths.run_dir, resume=resume, extra_env=extra_env, store=store)
         if profile.machine.nnodes > 1:
-            print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}", flush=True)
-        update_stage(paths.run_dir, "train", "running", resumed=resume)
+            print(f"run this on each of the {profile.machine.nnodes} nodes:\n  {describe_command(argv, env)}",
+                  flush=True)
+        update_stage(paths.run_dir, "train", "running", resumed=resume, launcher_pid=os.getpid())
         with ProgressBar(paths.train_dir):
-            code, signalled = _run_forwarding_sigterm(argv, env)
-    return _conclude(paths, code, signalled)
+            return run_agent(argv, env, paths, lock_fd, profile.train.heartbeat_timeout_s)
+
+
+def oom_restart_limit(profile: Profile) -> int:
+    """Restarts after out-of-memory errors: enough to halve train.max_micro_batch down to 1."""
+    return profile.train.max_micro_batch.bit_length()
+
+
+def restart_after_oom(profile: Profile, paths: TrainPaths, restarts_done: int) -> bool:
+    """torchrun ended because a rank ran out of memory (its OOM record, dflash.train.autobatch): True
+    when every rank should start again from the last checkpoint at half the micro-batch; RunFailed
+    when that cannot help (an OOM at micro-batch 1); False when no rank recorded an OOM (one node
+    only: on several nodes torchrun's --max-restarts restarts them)."""
+    from dflash.train.autobatch import fatal_oom_message, read_oom_records, unrecoverable
+    from launcher_core.manifest import update_stage
+
+    records = read_oom_records(paths.run_dir) if profile.machine.nnodes <= 1 else []
+    if not records:
+        return False
+    fatal = unrecoverable(records)
+    if fatal is not None or restarts_done >= oom_restart_limit(profile):
+        update_stage(paths.run_dir, "train", "failed", failed_rank=records[0].rank)
+        raise RunFailed(fatal_oom_message(fatal) if fatal is not None else
+                        f"out of memory again after {restarts_done} restart(s) at smaller micro-batches; "
+                        f"see {paths.run_dir / 'train' / 'autobatch.json'}")
+    first = min(records, key=lambda r: (r.step, r.rank))
+    print(f"[autobatch] rank {first.rank} ran out of memory at step {first.step}, micro-batch {first.micro_batch} "
+          f"({first.phase}); restarting every rank from the last checkpoint at micro-batch {max(1, first.halved)}",
+          flush=True)
+    if paths.failures.exists():
+        shutil.rmtree(paths.failures)       # the echoes of the OOM in the other ranks
+    return True
+
+
+def note_dead_run(paths: TrainPaths, pid: int) -> None:
+    """A run whose launcher died without a word (its lock was taken over): its manifest entry, if
+    still "running", says how it ended."""
+    from launcher_core.manifest import read_manifest, update_stage
+
+    entry = read_manifest(paths.run_dir)["stages"].get("train", {})
+    if entry.get("state") == "running":
+        update_stage(paths.run_dir, "train", "failed", ended_by="launcher gone",
+                     error=f"the launcher (pid {pid}) ended without a word (killed, or the machine went down); "
+                           f"found by the next run")
 
 
 def _rendezvous_store(profile: Profile) -> "contextlib.AbstractContextManager[str | None]":
@@ -174,9 +250,25 @@ def _rendezvous_store(profile: Profile) -> "contextlib.AbstractContextManager[st
     return LoopbackStore() if profile.machine.nnodes <= 1 else contextlib.nullcontext(None)
 
 
-def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, bool]:
-    """Run torchrun; a SIGTERM to us goes to torchrun (which passes it to the ranks)."""
-    process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT))
+WATCH_S = 1.0             # how often the launcher looks at the ranks' heartbeats
+STRAGGLER_GRACE_S = 5.0   # after the agent exits, how long its ranks may take to go before they are killed
+
+
+def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
+              heartbeat_timeout_s: float) -> RunEnd:
+    """Run the torchrun agent (dflash.train.agent) tied to this process: it holds the read end of a
+    pipe only we can write (its end of file: we are gone) and the run directory's lock. A SIGTERM
+    to us goes to the agent (which passes it to the ranks: they save and stop); a rank that stops
+    beating ends the run. When the agent has exited, no rank may outlive it."""
+    from dflash.train.agent import PIPE_FD_ENV, RUN_DIR_ENV
+    from dflash.train.heartbeat import LAUNCHER_PID_ENV
+
+    read_fd, write_fd = os.pipe()
+    env = {**env, PIPE_FD_ENV: str(read_fd), RUN_DIR_ENV: str(paths.run_dir), LAUNCHER_PID_ENV: str(os.getpid())}
+    try:
+        process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT), pass_fds=(read_fd, lock_fd))
+    finally:
+        os.close(read_fd)
     received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -184,52 +276,71 @@ def _run_forwarding_sigterm(argv: list[str], env: dict[str, str]) -> tuple[int, 
         process.send_signal(signum)
 
     previous = signal.signal(signal.SIGTERM, forward)
+    stall = None
     try:
-        code = process.wait()
+        code, stall = _wait_watching(process, paths.run_dir, heartbeat_timeout_s)
     except KeyboardInterrupt:
         process.send_signal(signal.SIGINT)
         code = process.wait()
         received.append(signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return code, bool(received)
+        os.close(write_fd)            # the agent, if it still runs (an error here), stops its ranks
+    end_stragglers(paths.run_dir)
+    return RunEnd(process.pid, code, bool(received), stall)
 
 
-def _conclude(paths: TrainPaths, code: int, signalled: bool) -> int:
+def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float) -> tuple[int, Stall | None]:
+    """Wait for the agent; a rank that stops beating for `timeout_s` ends the run (agent and ranks killed)."""
+    from dflash.train.heartbeat import find_stall
+
+    while True:
+        try:
+            return process.wait(timeout=WATCH_S), None
+        except subprocess.TimeoutExpired:
+            pass
+        stall = find_stall(run_dir, timeout_s)
+        if stall is not None:
+            process.kill()             # first the agent (no restart), its ranks die with it
+            end_stragglers(run_dir, grace_s=0.0)
+            return process.wait(), stall
+
+
+def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[int]:
+    """Rank processes of this node still alive after their agent: wait `grace_s`, then SIGKILL them
+    (they die with the agent; this is the last guard). Returns the pids that had to be killed."""
+    import psutil
+
+    from dflash.train.heartbeat import live_rank_pids
+
+    deadline = time.monotonic() + grace_s
+    while live_rank_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for pid in live_rank_pids(run_dir):
+        try:
+            psutil.Process(pid).kill()
+            killed.append(pid)
+        except psutil.Error:
+            pass
+    return killed
+
+
+def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
+    from dflash.train.failures import failure_cause
+    from launcher_core.errors import DiskFull
     from launcher_core.fileio import read_json
     from launcher_core.manifest import update_stage
 
     stopped = paths.train_dir / "stopped.json"
     if stopped.exists():
         info = read_json(stopped)
-        update_stage(paths.run_dir, "train", "pending", stopped_at_step=info["step"])
+        update_stage(paths.run_dir, "train", "pending", stopped_at_step=info["step"], ended_by="stopped (SIGTERM)")
         print(f"training stopped after step {info['step']}; checkpoint saved. Continue with --resume.", flush=True)
         return 0
-    if code == 0 and not signalled:
+    if end.code == 0 and not end.signalled:
         return 0
-    failure = first_failure(paths.failures)
-    update_stage(paths.run_dir, "train", "failed", exit_code=code, failed_rank=failure and failure["rank"])
-    raise RunFailed(failure_message(failure, code, paths))
-
-
-class RankFailure(TypedDict):
-    """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
-
-    rank: int
-    time: float
-    error: str
-    traceback: str
-
-
-def first_failure(failures_dir: Path) -> RankFailure | None:
-    """The earliest failure a rank recorded (the root cause; later ones are its echoes)."""
-    records: list[RankFailure] = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(failures_dir.glob("rank-*.json"))]
-    return min(records, key=lambda r: r["time"]) if records else None
-
-
-def failure_message(failure: RankFailure | None, code: int, paths: TrainPaths) -> str:
-    if failure is None:
-        return f"torchrun exited with code {code} and no rank recorded an error; see the logs in {paths.logs}"
-    tail = "\n".join(failure["traceback"].rstrip().splitlines()[-15:])
-    return (f"rank {failure['rank']} failed first: {failure['error']}\n{tail}\n"
-            f"(all rank logs: {paths.logs}; continue from the last checkpoint with --resume)")
+    cause = failure_cause(paths.run_dir, end, collective_timeout_s)
+    update_stage(paths.run_dir, "train", "failed", exit_code=end.code, failed_rank=cause.rank, ended_by=cause.kind,
+                 error=cause.message.splitlines()[0][:500])
+    raise (DiskFull if cause.kind == "disk full" else RunFailed)(cause.message)

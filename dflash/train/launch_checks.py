@@ -16,6 +16,12 @@ Each is checked here only: the rank-side code that relies on it keeps at most an
 | drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
 | drafter.layer_types, sliding_window, rope_scaling* | one known type per layer; a window >= 1 for sliding layers; a scaling factor > 1 | drafter config |
 | drafter.init_from | init = "drafter": a DFlash drafter directory (config.json + weights) | init_from_drafter |
+| drafter.conv_group_size, selector_top_k | kind = "dflash2": groups divide the target's hidden size; top K within its vocabulary | DFlash2Drafter |
+| train.global_batch | at most the dataset's rows (when the dataset exists) | TrainData |
+
+`drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
+layers) before torchrun starts, by dflash.train.resume (it builds the drafter on the meta device,
+so it imports torch: it runs in `train` after the plan is printed, not here).
 """
 from __future__ import annotations
 
@@ -84,6 +90,8 @@ def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) 
     _check_draft_vocab(profile, target, where, problems)
     _check_drafter_layers(profile, where, problems)
     _check_drafter_init(profile, where, problems)
+    _check_dflash2(profile, target, where, problems)
+    _check_dataset_rows(profile, where, problems)
     if problems:
         raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
                           f"({len(problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in problems))
@@ -193,6 +201,56 @@ def _check_drafter_init(profile: Profile, where: _KeyFiles, problems: list[str])
     problem = init_source_problem(Path(drafter.init_from))
     if problem:
         problems.append(where("drafter.init_from", problem))
+
+
+def _check_dflash2(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> None:
+    """The convolution's channel groups tile the target's hidden size; the selector's K fits its vocabulary."""
+    from dflash.models import text_config_dict
+
+    drafter = profile.drafter
+    if drafter.kind != "dflash2":
+        return
+    hidden = int(text_config_dict(target.config).get("hidden_size") or 0)
+    if hidden and hidden % drafter.conv_group_size:
+        divisors = [g for g in (8, 16, 32, 64, 128) if hidden % g == 0]
+        problems.append(where("drafter.conv_group_size", f"{drafter.conv_group_size} does not divide the target's "
+                              f"hidden size {hidden} (channels are grouped; e.g. {divisors or [1]})"))
+    if drafter.selector_top_k > target.vocab_rows:
+        problems.append(where("drafter.selector_top_k", f"{drafter.selector_top_k} exceeds the target's vocabulary "
+                              f"({target.vocab_rows}); valid: 1..{target.vocab_rows}"))
+
+
+def _check_dataset_rows(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+    """train.global_batch rows per optimizer step: the dataset must have them (when it exists yet;
+    its dflash_meta.json says how many rows it has)."""
+    from launcher_core.profile import expand_path
+
+    dataset = expand_path(profile, profile.paths.dataset)
+    rows = dataset_rows(dataset)
+    if rows is not None and rows < profile.train.global_batch:
+        problems.append(where("train.global_batch", f"{profile.train.global_batch} rows per optimizer step, but the "
+                              f"dataset {dataset} has {rows:,}; set it to at most {rows:,} (divisible by the ranks)"))
+
+
+def dataset_rows(dataset: Path) -> Optional[int]:
+    """Rows of a dataset on disk: its dflash_meta.json (tokenize, merge), else the Arrow files its
+    state.json names (any `datasets.save_to_disk` dataset, counted memory-mapped); None when it
+    is not there (yet) or cannot be read (the ranks' loader then names the problem)."""
+    from dflash.data.dataset_io import META_NAME
+
+    rows = _read_json(dataset / META_NAME).get("rows")
+    if isinstance(rows, int):
+        return rows
+    files = [str(entry["filename"]) for entry in _read_json(dataset / "state.json").get("_data_files") or []
+             if isinstance(entry, dict) and entry.get("filename")]
+    if not files:
+        return None
+    import pyarrow as pa
+
+    try:
+        return sum(batch.num_rows for name in files for batch in pa.ipc.open_stream(pa.memory_map(str(dataset / name))))
+    except (OSError, TypeError, pa.ArrowException):
+        return None
 
 
 def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:

@@ -1,7 +1,10 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
-dataset, frozen target (truncated after the deepest tap), drafter, optimizer and schedule,
-feature cache, resume from the latest checkpoint, the initial weights broadcast from rank 0 and
-the agreed micro-batch.
+dataset, frozen target (truncated after the deepest tap), the drafter sharded by FSDP2
+(dflash.train.sharding), optimizer and schedule, feature cache, resume from the latest sharded
+checkpoint (dflash.train.checkpointing) and the agreed micro-batch.
+
+Every rank builds the same drafter (the same seed, the same target), then keeps only its shard of
+each parameter: nothing needs to be broadcast, each shard has one owner.
 
 Tests, benchmarks and the GPU checks build their state through `build_state` too.
 """
@@ -14,13 +17,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dflash.drafter.attention import make_layer_attends
+from dflash.drafter.loss import SelectorObjective
 from dflash.drafter.model import DFlashDrafter, LayerAttendsFactory
 from dflash.train.data import StepData, TrainData
-from dflash.train.dist import WorkerEnv, broadcast_module
+from dflash.train.dist import WorkerEnv
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim.lr_scheduler import LRScheduler
     from transformers import PreTrainedModel
 
@@ -31,7 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainState:
-    """Everything a step needs (no DistributedDataParallel wrapper: the step sums the gradients itself)."""
+    """Everything a step needs. `drafter` is sharded by FSDP2: its forward and backward gather and
+    reduce across the ranks, so every rank runs the same number of them."""
 
     env: WorkerEnv
     device: torch.device
@@ -49,14 +55,15 @@ class TrainState:
     step: int = 0
     micro_batch: int = 1
     autocast: str = "auto"
-    compute_dtype: str = "float32"                  # train.compute_dtype (the drafter's forward)
+    compute_dtype: str = "float32"                  # train.compute_dtype (FSDP2's param_dtype for the forward)
+    gradient_sync: str = "every_micro_batch"        # train.gradient_sync (dflash.train.step.accumulate_micro_batches)
     autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
     feature_cache: FeatureSource | None = None      # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
-    grad_bucket_mib: float = 64.0                   # train.grad_bucket_mib (dflash.train.dist.prepare_gradient_sum)
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)
+    selector: SelectorObjective = field(default_factory=SelectorObjective)   # DFlash 2: train.selector_* (dflash.drafter.loss)
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
@@ -90,6 +97,7 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
     """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
     from dflash.drafter.checkpoint import init_from_drafter
+    from dflash.drafter.dflash2 import drafter_for_config, profile_dflash2_options, with_dflash2
     from dflash.drafter.layers import profile_layer_options
     from dflash.drafter.model import drafter_config, init_from_target
     from dflash.drafter.shape import profile_shape
@@ -102,8 +110,9 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
                             target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
                             shape=profile_shape(profile.drafter), **profile_layer_options(profile.drafter))
     config.num_target_layers = num_target_layers
+    config = with_dflash2(config, profile_dflash2_options(profile.drafter))      # drafter.kind = "dflash2"
     torch.manual_seed(profile.train.seed)
-    drafter = DFlashDrafter(config).attach_target(target)
+    drafter = drafter_for_config(config).attach_target(target)
     if draft_vocab:
         drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
     if profile.drafter.init == "target":
@@ -138,21 +147,24 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if profile.train.feature_cache:
         state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
+        from dflash.train.checkpointing import restore_checkpoint
+
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)
-    broadcast_module(state.drafter, bucket_mib=state.grad_bucket_mib)      # every rank starts from rank 0's weights
     state.autobatch = start_autobatch(state, run_dir)
     state.micro_batch = state.autobatch.micro_batch
     return state
 
 
 def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, target: PreTrainedModel,
-                      data: StepData) -> TrainState:
-    """The state around a loaded target: tap layers, draft vocabulary, the drafter (target init),
-    the truncated target, loss decay, optimizer and schedule. `build_state` calls it with the real
-    target and dataset; the memory trace (dflash.train.trace) with fake ones."""
+                      data: StepData, mesh: DeviceMesh | None = None) -> TrainState:
+    """The state around a loaded target: tap layers, draft vocabulary, the drafter (target init)
+    sharded over `mesh` (default: every rank of the process group), the truncated target, loss
+    decay, optimizer and schedule. `build_state` calls it with the real target and dataset; the
+    memory trace (dflash.train.trace) with fake ones and the fake process group's mesh."""
     from dflash.drafter.decay import default_gamma
     from dflash.drafter.loss import decay_weights
+    from dflash.train.sharding import drafter_mesh, shard_drafter
 
     num_target_layers = target.config.num_hidden_layers
     layer_ids = resolve_layer_ids(profile, num_target_layers)
@@ -160,6 +172,9 @@ def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, ta
     drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab)
     if next(drafter.parameters()).device != device:     # (a no-op move would fail on the trace's fake tensors)
         drafter = drafter.to(device)
+    drafter.checkpoint_layers = profile.train.activation_checkpointing == "layers"
+    shard_drafter(drafter, mesh if mesh is not None else drafter_mesh(device, profile.machine.backend),
+                  compute_dtype=profile.train.compute_dtype, reshard_after_forward=profile.train.reshard_after_forward)
     target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     return assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
@@ -180,11 +195,13 @@ def choose_draft_vocab(profile: Profile, data: StepData, env: WorkerEnv) -> list
 
 def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
     """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
-    from dflash.train.autobatch import AutoBatch, run_state_path
+    from dflash.train.autobatch import AutoBatch
+    from dflash.train.sharding import observe_reductions
 
     log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
-    return AutoBatch.start(state.micro_batch, run_state_path(run_dir), state.env.rank, log=log,
-                           grad_bucket_mib=state.grad_bucket_mib)
+    auto = AutoBatch.start(state.micro_batch, run_dir, state.env.rank, log=log)
+    observe_reductions(state.drafter, lambda: auto.inject("sync"), lambda: setattr(auto, "phase", "backward"))
+    return auto
 
 
 def dataset_path(profile: Profile) -> Path:
@@ -206,7 +223,8 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       backend=resolve_backend(profile.train.attention, device.type), grad_clip=profile.train.grad_clip,
                       chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
                       micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast,
-                      grad_bucket_mib=profile.train.grad_bucket_mib, compute_dtype=profile.train.compute_dtype)
+                      compute_dtype=profile.train.compute_dtype, gradient_sync=profile.train.gradient_sync,
+                      selector=SelectorObjective(profile.train.selector_loss_alpha, profile.train.selector_stop_gradient))
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:
@@ -217,23 +235,3 @@ def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_
            "rows": len(data.dataset), "target": profile.model.target, "dtype": profile.model.dtype,
            "layers": list(layer_ids), "max_length": data.max_length}
     return FeatureCache(cache_directory(run_dir, key))
-
-
-def restore_checkpoint(state: TrainState, run_dir: Path) -> None:
-    """Weights, optimizer, schedule, step and micro-batch from the latest checkpoint (if any)."""
-    from safetensors.torch import load_file
-
-    from dflash.drafter.checkpoint import WEIGHTS, latest_checkpoint, load_training_state
-
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        if state.env.is_main:
-            print(f"no checkpoint under {run_dir}/train/checkpoints; starting from step 0", flush=True)
-        return
-    state.drafter.load_state_dict(load_file(str(checkpoint / WEIGHTS), device=str(state.device)))
-    saved = load_training_state(checkpoint)
-    state.optimizer.load_state_dict(saved["optimizer"])
-    state.scheduler.load_state_dict(saved["scheduler"])
-    state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
-    if state.env.is_main:
-        print(f"resumed from {checkpoint} (step {state.step})", flush=True)

@@ -1,11 +1,12 @@
 """One optimizer step of online DFlash training, run inside each torchrun rank.
 
 One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on every rank (a
-`dflash.memory.plan.BatchPlan`; the same number of forward/backward calls everywhere). The loss
-of the step is the weighted cross entropy summed over all ranks' micro-batches divided by the
-GLOBAL weight sum (all_reduce SUM before any backward), so gradients do not depend on how the
-batch is split, and the micro-batch may change between steps (`run_step` re-runs from the same
-rows and anchors).
+`dflash.memory.plan.BatchPlan`; the same number of forward/backward calls everywhere: the drafter
+is sharded by FSDP2, whose collectives run inside them). The loss of the step is the weighted
+cross entropy summed over all ranks' micro-batches divided by the GLOBAL weight sum (all_reduce
+SUM before any backward), and FSDP2 sums (never averages) the ranks' gradients
+(dflash.train.sharding), so gradients do not depend on how the batch is split: a step redone at
+another micro-batch, or on another number of ranks, gives the same update.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash.drafter.loss import BlockTargets, LossParts, block_loss, block_targets, per_slot_accuracy, simulated_tau
+from dflash.drafter.loss import BlockTargets, LossParts, SelectorStats, block_targets, drafter_loss, figure_width, per_slot_accuracy, read_selector_stats, simulated_tau
 from dflash.drafter.model import DFlashDrafter, forward_blocks
 from dflash.train import dist
 from dflash.train.data import MicroBatch
@@ -38,6 +39,7 @@ class StepStats:
     tokens: int
     weight_sum: float
     seconds: float
+    selector: SelectorStats | None = None      # DFlash 2: the selector's own figures (dflash.drafter.loss)
 
 
 def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
@@ -62,22 +64,16 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     else:
         features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
     with autocast_context(state.device, state.autocast):
-        hidden = forward_blocks(compute_model(state), batch.input_ids, batch.anchors, features, state.backend,
+        hidden = forward_blocks(state.drafter, batch.input_ids, batch.anchors, features, state.backend,
                                 state.layer_attends)
-        parts = block_loss(hidden, state.drafter.logits, step_targets(state.drafter, batch), state.decay,
-                           state.chunk_rows)
+        if state.autobatch is not None and hidden.requires_grad:     # the backward's phase (and injection point)
+            autobatch = state.autobatch
+            hidden.register_hook(lambda grad: autobatch.inject("backward"))
+        anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+        parts = drafter_loss(state.drafter, hidden, step_targets(state.drafter, batch), anchor_ids, state.decay,
+                             state.chunk_rows, state.selector)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
-
-
-def compute_model(state: TrainState) -> torch.nn.Module:
-    """What the forward calls: the drafter (or its wrapper), or with train.compute_dtype = "bfloat16"
-    the drafter on bf16 copies of its parameters (dflash.drafter.model.ComputeIn)."""
-    if state.compute_dtype == "float32":
-        return state.drafter
-    from dflash.drafter.model import ComputeIn
-
-    return ComputeIn(state.drafter, getattr(torch, state.compute_dtype))
 
 
 def autocast_context(device: torch.device, setting: str = "auto") -> contextlib.AbstractContextManager[object]:
@@ -107,38 +103,35 @@ def run_next_step(state: TrainState) -> tuple[StepStats, int]:
 
 
 def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) -> StepStats:
-    """One optimizer step over this rank's `rows`, split as `plan` says. Re-runnable from the same rows.
+    """One optimizer step over this rank's `rows`, split as `plan` says (`plan.micro_batch` is the
+    agreed one when `state.autobatch` is set).
 
-    Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; the
-    micro-batches' forward/backward (no collective); the gradient sum (in place, in buckets of
-    `state.grad_bucket_mib`: dflash.train.dist.GradientSum); the update. With `state.autobatch` (dflash.train.autobatch.AutoBatch) the
-    micro-batch is agreed across ranks and halved on all of them after an out-of-memory error.
+    Collectives, identical on every rank: all_reduce(SUM) of the step's loss weight; each
+    micro-batch's forward and backward (FSDP2: a unit's all-gather before its forward and again
+    before its backward, its gradients' reduce-scatter as its backward ends -- every micro-batch,
+    or only the last with train.gradient_sync = "last_micro_batch"); the gradient norm's all-reduce
+    in clipping; the update is local (AdamW on this rank's shards). With `state.autobatch`, an
+    out-of-memory error anywhere in the step is recorded and ends this rank for a restart of every
+    rank at half the micro-batch (dflash.train.autobatch: recovery by restart).
     """
     started = time.perf_counter()
     local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
     global_weight = max(dist.global_weight(local_weight), 1e-12)
-    finished: list[tuple[torch.Tensor, int]] = []      # (loss sums, tokens) of the pass that got through
-
-    def accumulate(micro_batch: int) -> None:
-        finished.append(accumulate_step(state, rows, epoch, micro_batch, global_weight))
-
-    if state.autobatch is not None:
-        state.micro_batch = state.autobatch.run_step(state.step + 1, accumulate, state.optimizer,
-                                                     lambda: update(state)).micro_batch
-    else:
-        finished.append(plain_step(state, rows, epoch, plan.micro_batch, global_weight))
-    sums, tokens = finished[-1]
+    micro_batch = state.autobatch.micro_batch if state.autobatch is not None else plan.micro_batch
+    guard = state.autobatch.guard(state.step + 1) if state.autobatch is not None else contextlib.nullcontext()
+    with guard:
+        sums, tokens = plain_step(state, rows, epoch, micro_batch, global_weight)
+    state.micro_batch = micro_batch
     return step_stats(state, sums, tokens, time.perf_counter() - started)
 
 
 def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int, global_weight: float,
                mark: Callable[[str], None] = lambda phase: None) -> tuple[torch.Tensor, int]:
-    """The step without AutoBatch: micro-batches, gradient sum, update. `mark` names each phase as
-    it starts (the memory trace, dflash.train.trace, keeps a peak per phase)."""
+    """The step's work: every micro-batch's forward/backward (the gradient reductions run inside
+    the backward), then the update. `mark` names each phase as it starts (the memory trace,
+    dflash.train.trace, keeps a peak per phase)."""
     mark("micro-batches")
     sums = accumulate_step(state, rows, epoch, micro_batch, global_weight)
-    mark("gradient sum")
-    sum_gradients(state)
     mark("update")
     update(state)
     return sums
@@ -152,29 +145,31 @@ def accumulate_step(state: TrainState, rows: list[int], epoch: int, micro_batch:
     return accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
 
 
-def sum_gradients(state: TrainState) -> None:
-    """The gradient sum over the ranks (identity on one process)."""
-    dist.sync_gradients(state.drafter.parameters(), bucket_mib=state.grad_bucket_mib)
-
-
 def update(state: TrainState) -> None:
+    """Clip (the norm over every rank's shards: one all-reduce) and step AdamW and the schedule."""
+    if state.autobatch is not None:
+        state.autobatch.inject("optimizer")
     torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
     state.optimizer.step()
     state.scheduler.step()
 
 
 def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
-    """Forward/backward of each micro-batch, loss / GLOBAL weight; gradients stay local (summed later)."""
-    slots = state.drafter.block_size - 1
-    totals = torch.zeros(2 + 2 * slots, dtype=torch.float64)
-    for batch in batches:
+    """Forward/backward of each micro-batch, loss / GLOBAL weight. Gradients are reduce-scattered
+    into this rank's shards as each backward ends, or with train.gradient_sync = "last_micro_batch"
+    kept unsharded until the last micro-batch's backward reduces their sum."""
+    from dflash.train.sharding import set_gradient_sync
+
+    selector = hasattr(state.drafter, "candidate_selector")
+    totals = torch.zeros(figure_width(state.drafter.block_size, selector), dtype=torch.float64)
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        set_gradient_sync(state.drafter, last or state.gradient_sync == "every_micro_batch")
         if state.autobatch is not None:
             state.autobatch.inject("forward")
         parts = forward_micro(state, batch)
         (parts.weighted_ce / global_weight).backward()
-        totals += torch.cat([parts.weighted_ce.detach().double().cpu().view(1),
-                             parts.weight_sum.detach().double().cpu().view(1),
-                             parts.correct.double().cpu(), parts.counted.double().cpu()])
+        totals += parts.figure_sums()
     return totals
 
 
@@ -185,7 +180,8 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
     weight = float(reduced[1])
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
                      sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
-                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds)
+                     tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds,
+                     selector=read_selector_stats(reduced[:-1], state.drafter.block_size))
 
 
 def maybe_inject_failure(rank: int, step: int) -> None:

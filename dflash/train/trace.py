@@ -2,23 +2,30 @@
 
 Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` and torch's fake process
 group (`init_process_group("fake", store=FakeStore(), rank=r, world_size=N)`, as torchtitan's
-memory estimation runs it), and `MemTracker` (dflash.memory.trace.phase_tracker) counts every
-storage created, by category, and the peak. The state is the trainer's: `state_from_target`
-(tap layers, the drafter with its draft vocabulary and target init, the truncated target, the
-profile's optimizer with ZeRO-1 sharding over the N fake ranks, the schedule), and the step is
-`dflash.train.step.plain_step` (zero_grad, every micro-batch's forward/backward with the chunked
-loss under the trainer's autocast rule, the gradient sum over the ranks, clipping, the update),
-as `run_step` runs it. The traced rank is the one with the fullest ZeRO-1 shard.
+memory estimation runs it; its device mesh is made before fake mode), and torch's
+`FSDPMemTracker` (dflash.memory.trace.phase_tracker) counts every storage created, by category
+(sharded and unsharded parameters and gradients, all-gather and reduce-scatter buffers,
+activations, temporaries, optimizer states), and the peak of each phase. The state is the
+trainer's: `state_from_target` (tap layers, the drafter with its draft vocabulary and target init
+sharded by FSDP2 over the N fake ranks, the truncated target, AdamW over the shards, the
+schedule), and the step is `dflash.train.step.plain_step` (zero_grad, every micro-batch's
+forward/backward with the chunked loss under the trainer's autocast rule, FSDP2's all-gathers and
+reduce-scatters inside them, clipping, the update), as `run_step` runs it. The gradient
+reductions are marked as their own phase through the trainer's observer of FSDP2's
+reduce-scatter (dflash.train.sharding.observe_reductions). The traced rank is rank 0, whose
+shards are the fullest.
 
 Where the trace differs from a GPU run, on purpose (each a stand-in for what cannot run here):
 * the target: built from its config under FakeTensorMode (27B parameters cost nothing), its
-  forward traced on its own (`extract_taps` over the layers that decide its peak,
-  dflash.memory.trace.LayerSubset) while the step's state and gradients are alive; the drafter
+  forward traced on its own after the step (`extract_taps` over the layers that decide its peak,
+  dflash.memory.trace.LayerSubset; a plain MemTracker counts its rise over what the step left
+  alive: the step's state and gradients); the drafter
   step reads the tap features through the trainer's feature-cache path (`state.feature_cache`),
   a fresh fake tensor of the taps' shape per micro-batch, as the cache does;
 * attention: flex_attention has no backward on CPU, so the drafter attends through SDPA with
   flex's memory (dflash.memory.trace.FlexMemoryAttention, the state's attention factory
-  `layer_attends`; its mask made before tracking, as flex's BlockMask is a few KiB);
+  `layer_attends`; its mask made before tracking: flex's BlockMask is about 0.13 MiB a sequence
+  and rule, which the model counts);
 * the label selection `rows[keep]` has a data-dependent shape; the worst case keeps every label,
   so a boolean index of a fake tensor becomes the same copy through `index_select` of all rows;
 * two micro-batches stand for all of them: from the second on, each one's forward/backward runs
@@ -38,6 +45,7 @@ from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
     from dflash.train.data import MicroBatch
@@ -88,34 +96,26 @@ class FakeFeatures:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
-    """torch's fake process group: collectives on fake tensors, no peers (world size 1: none at all)."""
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
+    """torch's fake process group (collectives on fake tensors, no peers) and its device mesh, made
+    before any FakeTensorMode (FSDP2 shards the drafter over it)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if world_size <= 1:
-        yield
-        return
     if dist.is_initialized():
         raise RuntimeError("the memory trace needs its own (fake) process group; one is already initialised")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
 
 
-def traced_rank(profile: Profile, workload: memory.Workload) -> int:
-    """The rank whose ZeRO-1 shard is the fullest (rank 0 without sharding)."""
-    if workload.optimizer_shards <= 1:
-        return 0
-    sizes = memory.zero_shard_sizes(memory.drafter_param_sizes(workload), workload.optimizer_shards)
-    return sizes.index(max(sizes))
-
-
 def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig | None = None, full_target: bool = False,
                world_size: int | None = None) -> fake.TracedStep:
-    """One training step of `profile` at `micro_batch` sequences per forward, traced on fake tensors."""
+    """One training step of `profile` at `micro_batch` sequences per forward, traced on fake tensors
+    on rank 0 (the fullest shards: FSDP2 gives rank 0 the first, largest chunk of every tensor)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dflash.memory.plan import batch_plan, world_size_of
@@ -128,25 +128,26 @@ def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig |
     rows = list(range(min(plan.rank_share, 2 * plan.micro_batch)))      # two micro-batches stand for all
     data = WorstCaseData(profile, config.vocab_size)
     data.prepare({len(rows[i:i + plan.micro_batch]) for i in range(0, len(rows), plan.micro_batch)})
-    with fake_process_group(world, traced_rank(profile, workload)), \
-            FakeTensorMode(allow_non_fake_inputs=True), KeepEveryRow():
-        state = traced_state(profile, config, data, world)
+    with fake_process_group(world) as mesh, FakeTensorMode(allow_non_fake_inputs=True), KeepEveryRow():
+        state = traced_state(profile, config, data, world, mesh)
         figures, tracker = _traced(state, profile, workload, rows, plan.micro_batch, full_target)
-    peak = fake.by_category(tracker.get_tracker_snapshot("peak"))
+    peak = tracker.peak_by_category()
     return fake.TracedStep(micro_batch=micro_batch, peak_categories={k: v / MIB for k, v in peak.items() if v},
                            seconds=time.perf_counter() - started, world_size=world, **figures)
 
 
-def traced_state(profile: Profile, config: PretrainedConfig, data: WorstCaseData, world: int) -> TrainState:
-    """The trainer's state (`state_from_target`) around a fake target, its optimizer states allocated."""
+def traced_state(profile: Profile, config: PretrainedConfig, data: WorstCaseData, world: int,
+                 mesh: DeviceMesh) -> TrainState:
+    """The trainer's state (`state_from_target`, the drafter sharded over the fake ranks) around a
+    fake target, its optimizer states allocated."""
     import torch
 
-    from dflash.train.dist import WorkerEnv, rank_of_process
+    from dflash.train.dist import WorkerEnv
     from dflash.train.setup import state_from_target
     from dflash.train.step import autocast_wanted
 
     target = fake.build_target(config, getattr(torch, profile.model.dtype))
-    state = state_from_target(profile, WorkerEnv(rank_of_process(), world, 0), torch.device("cpu"), target, data)
+    state = state_from_target(profile, WorkerEnv(0, world, 0), torch.device("cpu"), target, data, mesh=mesh)
     state.autocast = "bfloat16" if autocast_wanted(profile.machine.device, profile.train.autocast) else "off"
     width = len(state.layer_ids) * config.hidden_size
     state.feature_cache = FakeFeatures(width, getattr(torch, profile.model.dtype))
@@ -175,11 +176,13 @@ class TracedFigures(TypedDict):
     drafter_weights: float
     drafter_grads: float
     optimizer_states: float
+    gathered_weights: float
     tap_features: float
     target_forward: float
     target_peak: float
     step_peak: float
-    sum_peak: float
+    reduction_buffers: float
+    reduction_peak: float
     update_peak: float
     peak: float
     target_layers_run: int
@@ -188,6 +191,7 @@ class TracedFigures(TypedDict):
 
 def _traced(state: TrainState, profile: Profile, workload: memory.Workload, rows: list[int], micro_batch: int,
             full_target: bool) -> tuple[TracedFigures, fake.PhaseTracking]:
+    from dflash.train.sharding import observe_reductions
     from dflash.train.step import plain_step
 
     data = state.data
@@ -195,15 +199,37 @@ def _traced(state: TrainState, profile: Profile, workload: memory.Workload, rows
     attend = fake.FlexMemoryAttention(state.drafter, {size: b.anchors for size, b in data._batches.items()},
                                       profile.data.max_length, state.autocast == "bfloat16")
     state.layer_attends = attend.make_layer_attends
-    tracker = fake.phase_tracker()
-    tracker.track_external(state.target, state.drafter, getattr(state.optimizer, "optim", state.optimizer))  # ZeRO: its local AdamW
+    tracker = fake.phase_tracker(state.drafter, state.optimizer, frozen=state.target)
+    observe_reductions(state.drafter, lambda: _enter(tracker, REDUCTION), lambda: _enter(tracker, "micro-batches"))
     with tracker:
-        plain_step(state, rows, 0, micro_batch, 1.0, mark=lambda phase: setattr(tracker, "phase", phase))
-        tracker.phase = "target"
-        before = tracker.live_bytes()
-        features, layers_run = _target_taps(state, data_batch(state, micro_batch), full_target)
-        tap_bytes = features.numel() * features.element_size()
+        plain_step(state, rows, 0, micro_batch, 1.0, mark=lambda phase: _enter(tracker, phase))
+    before = tracker.live_bytes()
+    rise, tap_bytes, layers_run = _target_forward_rise(state, data_batch(state, micro_batch), full_target)
+    tracker.phase_peaks["target"] = before + rise
     return _figures(state, tracker, before, tap_bytes, layers_run), tracker
+
+
+def _target_forward_rise(state: TrainState, batch: MicroBatch, full_target: bool) -> tuple[int, int, int]:
+    """The target forward after the step, with the step's state and gradients alive: its peak above
+    what was alive before it (torch's plain MemTracker, told of the target's weights first: the
+    frozen target is no FSDP module, which FSDPMemTracker does not track), the taps' bytes and the
+    layers run."""
+    target_tracker = fake.frozen_model_tracker()
+    target_tracker.track_external(state.target)         # its weights are alive before: not part of the rise
+    with target_tracker:
+        start = sum(snap["Total"] for snap in target_tracker.get_tracker_snapshot("current").values())
+        features, layers_run = _target_taps(state, batch, full_target)
+        tap_bytes = features.numel() * features.element_size()
+    peak = max((snap["Total"] for snap in target_tracker.get_tracker_snapshot("peak").values()), default=0)
+    return peak - start, tap_bytes, layers_run
+
+
+REDUCTION = "gradient reduction"
+
+
+def _enter(tracker: fake.PhaseTracking, phase: str) -> None:
+    if tracker.phase != phase:          # a reduction allocates twice (its input and output buffers): one phase
+        tracker.phase = phase
 
 
 def data_batch(state: TrainState, micro_batch: int) -> MicroBatch:
@@ -226,14 +252,17 @@ def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tup
 
 def _figures(state: TrainState, tracker: fake.PhaseTracking, before: int, tap_bytes: int, layers_run: int) -> TracedFigures:
     from dflash.drafter.taps import decoder_layers
+    from dflash.train.sharding import local_tensor
 
     phases, live = tracker.phase_peaks, tracker.live_by_category()
-    trainable = [p for p in state.drafter.parameters() if p.requires_grad]
-    return {"target_weights": _bytes(state.target.parameters()) / MIB, "drafter_weights": _bytes(trainable) / MIB,
-            "drafter_grads": live["Gradient"] / MIB, "optimizer_states": live["Optstate"] / MIB,
+    shards = [local_tensor(p) for p in state.drafter.parameters() if p.requires_grad]
+    return {"target_weights": _bytes(state.target.parameters()) / MIB, "drafter_weights": _bytes(shards) / MIB,
+            "drafter_grads": live["Sharded Grad"] / MIB, "optimizer_states": live["OptState"] / MIB,
+            "gathered_weights": tracker.gathered_peak / MIB,
             "tap_features": tap_bytes / MIB, "target_forward": (phases["target"] - before - tap_bytes) / MIB,
             "target_peak": phases["target"] / MIB, "step_peak": phases["micro-batches"] / MIB,
-            "sum_peak": phases["gradient sum"] / MIB, "update_peak": phases["update"] / MIB,
+            "reduction_buffers": tracker.phase_rises.get(REDUCTION, 0) / MIB,
+            "reduction_peak": phases.get(REDUCTION, 0) / MIB, "update_peak": phases["update"] / MIB,
             "peak": max(phases.values()) / MIB, "target_layers_run": layers_run,
             "target_layers_loaded": len(decoder_layers(state.target))}
 

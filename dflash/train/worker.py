@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from dflash.memory.launch_plan import RankStart
     from dflash.train.dist import WorkerEnv
-    from dflash.train.launch import RankFailure
+    from dflash.train.failures import RankFailure
     from dflash.train.setup import TrainState
     from dflash.train.step import StepStats
     from launcher_core.schema import Profile
@@ -52,6 +52,7 @@ class MetricsLine(_MetricsLineBase, total=False):
     """One line of train/metrics.jsonl (a logged step)."""
 
     feature_cache: dict[str, float]         # train.feature_cache: rows, MiB, hits, misses (rank 0's)
+    selector: dict[str, object]             # DFlash 2: unary / selector losses, recall, acceptance, taus, lift
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_agent()
     args = parse_args(argv)
     from dflash.train.dist import WorkerEnv
 
@@ -75,22 +77,58 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def die_with_agent() -> None:
+    """SIGKILL this rank when its torchrun agent ends, however it ends (dflash.train.agent): a rank
+    never trains on, or writes into the run directory, without its agent and launcher."""
+    import os
+
+    from dflash.train.agent import AGENT_PID_ENV
+    from launcher_core.processes import die_with_parent
+
+    agent = os.environ.get(AGENT_PID_ENV, "")
+    die_with_parent(signal.SIGKILL, int(agent) if agent.isdigit() else None)
+
+
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
+    """train/failures/rank-R.json; a full disk is recorded as such (`kind` "disk_full", the
+    DiskFull message with the path, bytes needed and free), not as the writer's own words."""
+    from launcher_core.diskfull import disk_full_of
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
-    record: RankFailure = {"rank": rank, "time": time.time(), "error": repr(error), "traceback": text}
-    write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
+    full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), "a checkpoint (and the run's logs)")
+    record: RankFailure = {"rank": rank, "time": time.time(), "error": str(full) if full else repr(error),
+                           "traceback": text}
+    if full is not None:
+        record["kind"] = "disk_full"
+    try:
+        write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
+    except OSError:
+        if full is None:
+            raise
+        print(f"rank {rank}: {full}", file=sys.stderr, flush=True)    # no room even for the record
+
+
+def checkpoint_bytes_needed(run_dir: Path) -> int | None:
+    """What one more checkpoint needs: the size of the newest complete one (None before the first)."""
+    from dflash.drafter.checkpoint import checkpoints_dir
+    from launcher_core.diskfull import tree_bytes
+
+    complete = [p for p in checkpoints_dir(run_dir).glob("step-*") if p.is_dir()]
+    newest = max(complete, key=lambda p: p.stat().st_mtime, default=None)
+    return tree_bytes(newest) if newest is not None else None
 
 
 def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
     from dflash.train.dist import close_process_group, init_process_group, rank_device
+    from dflash.train.heartbeat import RankHeartbeat
     from dflash.train.setup import build_state
     from launcher_core.profile import profile_from_json
 
     profile = profile_from_json(args.profile_json)
+    RankHeartbeat.from_env(args.run_dir, env.rank, profile.train.heartbeat_timeout_s).start()
     device = rank_device(profile.machine.device, env)
-    init_process_group(profile.machine.backend, device)
+    init_process_group(profile.machine.backend, device, timeout_s=profile.train.collective_timeout_s)
     stop = StopFlag.install()
     try:
         start = apply_rank_plan(args.run_dir, env, device)
@@ -164,29 +202,16 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
 
 
 def _save(state: TrainState, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
-    """Every rank: gather the optimizer state to rank 0 (a collective under zero1), rank 0 writes,
-    then all ranks wait for it, so no rank leaves (or tears the process group down) mid-save."""
-    from dflash.train.dist import barrier
-    from dflash.train.optim import full_optimizer_state
-
-    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the states are gathered
-    optimizer_state = full_optimizer_state(state.optimizer)
-    if state.env.is_main:
-        assert optimizer_state is not None, "rank 0 holds the gathered optimizer state"
-        _write_checkpoint(state, run_dir, optimizer_state, final=final, stopped=stopped)
-    barrier()
-
-
-def _write_checkpoint(state: TrainState, run_dir: Path, optimizer_state: dict[str, object], *, final: bool, stopped: bool) -> None:
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.train.optim import optimizer_shard_count
+    """Every rank: the sharded checkpoint is a collective (dflash.train.checkpointing); rank 0 then
+    records it in the manifest (and stopped.json after a SIGTERM)."""
+    from dflash.train.checkpointing import save_training_checkpoint
     from launcher_core.fileio import write_json_atomic
     from launcher_core.manifest import update_stage
 
-    where = save_checkpoint(run_dir, state.drafter, state.step, {
-        "optimizer": optimizer_state, "optimizer_shards": optimizer_shard_count(state.optimizer),
-        "scheduler": state.scheduler.state_dict(),
-        "micro_batch": state.micro_batch, "total_steps": state.total_steps})
+    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the weights are gathered
+    where = save_training_checkpoint(state, run_dir)
+    if not state.env.is_main:
+        return
     update_stage(run_dir, "train", "done" if final else "running", steps=state.step,
                  last_loss=state.last_loss, checkpoint=str(where))
     if stopped:
@@ -221,6 +246,9 @@ class MetricsLog:
             self.writer.add_scalar(f"train/{key}", line[key], state.step)
         for k, value in enumerate(stats.acc, start=1):
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
+        if stats.selector is not None:
+            for name in ("unary_loss", "selector_loss", "unary_tau", "selector_tau", "lift"):
+                self.writer.add_scalar(f"selector/{name}", getattr(stats.selector, name), state.step)
 
     def close(self) -> None:
         self.writer.close()
@@ -237,6 +265,8 @@ def metrics_line(state: TrainState, stats: StepStats) -> MetricsLine:
     }
     if isinstance(state.feature_cache, FeatureCache):   # train.feature_cache: files on the node; hits and misses of rank 0
         line["feature_cache"] = state.feature_cache.stats()
+    if stats.selector is not None:
+        line["selector"] = stats.selector.to_json()
     return line
 
 

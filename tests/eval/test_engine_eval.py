@@ -145,6 +145,19 @@ def test_an_sglang_release_that_would_run_the_layers_otherwise_is_refused_before
     check_engine_serves("sglang", PINNED_SGLANG, profile, tmp_path)
 
 
+def test_a_dflash2_drafter_is_refused_on_an_sglang_before_0_5_19(tmp_path):
+    from dflash.eval.engines import check_engine_serves
+    from launcher_core.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"], "num_hidden_layers": 2}))
+    profile = load_profile("rtx6000-x8")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.18 would not serve this drafter as it was trained: a DFlash 2 "
+                                          r"drafter \(DFlash2DraftModel\), which SGLang serves from 0\.5\.19 on"):
+        check_engine_serves("sglang", "0.5.18", profile, tmp_path)
+    check_engine_serves("sglang", PINNED_SGLANG, profile, tmp_path)
+    check_engine_serves("sglang", None, profile, tmp_path)         # a stand-in: no release to hold it against
+
+
 # -- the parity gate's rules -----------------------------------------------------------------------
 
 def side(per_prompt: list[tuple[list[int], int, int]], histogram: list[int], lossless: bool = True) -> SideFigures:

@@ -84,7 +84,8 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
     """A field added to a record but not to its reader (or writer) fails here."""
     method = MethodFigures(mean_tau=2.5, tokens_per_s=9.0, speedup=1.4, identical_to_target=True, new_tokens=12,
                            steps=5, wall_s=1.5, tau_histogram={"1": 2, "2": 3}, position_acceptance=[0.6, 0.2],
-                           tau_source="vllm (engine-reported)", argv=["python", "-m", "vllm"])
+                           tau_source="vllm (engine-reported)", argv=["python", "-m", "vllm"],
+                           candidate_recall=[0.9, None], selector_overrides=[0.25, 0.0])
     row = ParityRow(2.5, 2.45, [0.6, 0.2], [0.6, 0.25], True, True, False, "prompt 1 (a), new token 3: served 7, in-process 8",
                     True, False, served_steps=40, inprocess_steps=41, tolerance=0.15, standard_error=0.05,
                     prompts_same_tokens=5, prompts_same_acceptance=4, failures=["served gain (tau - 1) ..."],

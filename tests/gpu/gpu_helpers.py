@@ -85,7 +85,7 @@ def gpu_profile(target: Path, dataset: Path, *, max_length: int, drafter_layers:
     )
 
     settings = {"num_anchors": num_anchors, "attention": attention, "max_steps": 1000, "warmup_ratio": 0.0,
-                "global_batch": 8, "max_micro_batch": 8, "optimizer_sharding": "none", **train}
+                "global_batch": 8, "max_micro_batch": 8, **train}
     return Profile(name="gpu-check", description="built by tests/gpu",
                    machine=MachineSection(device="cuda", backend="nccl", nproc_per_node=1),
                    model=ModelSection(target=str(target), dtype=dtype),

@@ -5,9 +5,10 @@ its own calibration first; the cap is a fraction of the device's total memory):
    memory is the cap plans micro-batch 4; two optimizer steps of the global batch (8) through
    `run_step` with `AutoBatch` must see zero OOMs and keep micro-batch 4.
 2. the cap is lowered to peak(1) + 0.75 x slope (one sequence fits, two do not) while the plan
-   still says 4: the run recovers by runtime reduction (OOM -> halve -> step redone): at least
-   one OOM and one halving, both steps with all 8 sequences, finite losses, and the reduced
-   micro-batch persisted in autobatch.json.
+   still says 4: the run recovers by reduction at a restart (OOM -> the rank's record and its exit
+   -> AutoBatch.start halves -> step redone; the restart is done in this process, the memory
+   released as a new process would find it): at least one OOM and one halving, both steps with
+   all 8 sequences, finite losses, and the reduced micro-batch persisted in autobatch.json.
 """
 from __future__ import annotations
 
@@ -85,12 +86,14 @@ def planned_micro_batch(drills: Drills, cap_mib: float) -> int:
     return plan.batch.micro_batch
 
 
-def run_capped(drills: Drills, cap_mib: float, planned: int, state_path: Path) -> DrillOutcome:
+def run_capped(drills: Drills, cap_mib: float, planned: int, run_dir: Path) -> DrillOutcome:
     """DRILL_STEPS optimizer steps of the global batch under the cap, through run_step and AutoBatch."""
+    import shutil
+
     import torch
 
     from dflash.memory.plan import batch_plan
-    from dflash.train.autobatch import AutoBatch, load_run_state
+    from dflash.train.autobatch import AutoBatch, OomRestart, load_run_state, run_state_path
     from dflash.train.step import run_step
 
     state, device = drills.bench.state, drills.bench.state.device
@@ -98,19 +101,28 @@ def run_capped(drills: Drills, cap_mib: float, planned: int, state_path: Path) -
     torch.cuda.set_per_process_memory_fraction(cap_mib / drills.total_mib, device)
     torch.cuda.reset_peak_memory_stats(device)
     lines: list[str] = []
-    state_path.unlink(missing_ok=True)
-    state.autobatch = AutoBatch.start(planned, state_path, 0, log=lambda line: (lines.append(line), print(line)))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log = lambda line: (lines.append(line), print(line))  # noqa: E731
+    state.autobatch = AutoBatch.start(planned, run_dir, 0, log=log)
     sequences, losses = [], []
     try:
-        for step in range(DRILL_STEPS):
+        step = 0
+        while step < DRILL_STEPS:
             state.step = step
-            stats = run_step(state, list(range(GLOBAL_BATCH)), 0, batch_plan(GLOBAL_BATCH, 1, state.autobatch.micro_batch))
+            try:
+                stats = run_step(state, list(range(GLOBAL_BATCH)), 0, batch_plan(GLOBAL_BATCH, 1, state.autobatch.micro_batch))
+            except OomRestart:                  # what a restart of the rank does: memory back, the record read
+                state.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                state.autobatch = AutoBatch.start(planned, run_dir, 0, log=log)
+                continue
             sequences.append(stats.tokens // drills.bench.workload.max_length)
             losses.append(round(stats.loss, 4))
+            step += 1
     finally:
         auto, state.autobatch = state.autobatch, None
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    persisted = load_run_state(state_path)
+    persisted = load_run_state(run_state_path(run_dir))
     return DrillOutcome(planned=planned, final=auto.micro_batch, ooms=sum("out of memory at step" in line for line in lines),
                         halvings=len(auto.reductions), steps_done=len(losses), sequences_per_step=sequences,
                         losses=losses, max_reserved_mib=round(torch.cuda.max_memory_reserved(device) / MIB, 1),
@@ -123,7 +135,7 @@ def planned_run(drills, scratch, record) -> DrillOutcome:
     cap = (drills.model.intercept_mib + 4.5 * drills.model.slope_mib) / (1 - drills.bench.profile.memory.margin)
     planned = planned_micro_batch(drills, cap)
     assert record.check("plan under the cap", planned >= 2, f"cap {cap:.0f} MiB -> planned micro-batch {planned}")
-    outcome = run_capped(drills, cap, planned, scratch / "drill-planned" / "autobatch.json")
+    outcome = run_capped(drills, cap, planned, scratch / "drill-planned")
     record.figure(drill_planned=asdict(outcome))
     return outcome
 
@@ -140,10 +152,10 @@ def test_a_run_planned_under_the_cap_has_no_oom(planned_run, record):
 
 def test_a_cap_lowered_after_planning_is_survived_by_halving(drills, planned_run, scratch, record):
     cap = drills.model.peak_mib(1) + 0.75 * drills.model.slope_mib      # fits one sequence, not two
-    o = run_capped(drills, cap, planned_run.planned, scratch / "drill-lowered" / "autobatch.json")
+    o = run_capped(drills, cap, planned_run.planned, scratch / "drill-lowered")
     record.figure(drill_lowered=asdict(o))
     recovered = record.check(
-        "lowered cap: recovered by runtime reduction",
+        "lowered cap: recovered by reduction at a restart",
         o.steps_done == DRILL_STEPS and o.ooms >= 1 and o.halvings >= 1 and o.final < o.planned,
         f"{o.ooms} OOM(s), {o.halvings} halving(s), micro-batch {o.planned} -> {o.final}, {o.steps_done}/{DRILL_STEPS} "
         f"steps, reserved peak {o.max_reserved_mib:.0f} of {cap:.0f} MiB")

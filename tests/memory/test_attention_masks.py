@@ -1,5 +1,6 @@
-"""Sliding-window draft layers in the memory model: the extra BlockMask of a second layer rule,
-sized from flex_attention's own BlockMask, and no activation saving in a training step."""
+"""flex BlockMasks in the memory model: what a mask keeps (sized from flex_attention's own
+BlockMask), what building it costs (measured on the CPU allocator against the model), one mask per
+layer rule, and no activation saving from sliding layers in a training step."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +8,29 @@ import dataclasses
 import pytest
 import torch
 
-from dflash.memory.attention_masks import block_mask_bytes, extra_block_mask_mib
+from dflash.drafter.attention import BlockLayout, block_mask
+from dflash.drafter.layers import layer_attention
+from dflash.memory.activations import drafter_activations_mib
+from dflash.memory.attention_masks import MIB, block_mask_build_bytes, block_mask_bytes, block_masks_mib, dense_mask_bytes, mask_build_peak_mib
+from dflash.memory.measure import measure_cpu_transient
 from dflash.memory.model import estimate, workload_from_profile
 from launcher_core.profile import load_profile
+
+FLAGSHIP = load_profile("rtx6000-x8")
+# the flagship's two layer rules: causal sliding (window 2048) and full
+FLAGSHIP_RULES = sorted(set(layer_attention({"num_hidden_layers": FLAGSHIP.drafter.num_layers,
+                                             "layer_types": list(FLAGSHIP.drafter.layer_types),
+                                             "sliding_window": FLAGSHIP.drafter.sliding_window})), key=str)
+
+
+def flagship_layout(sequences: int, anchors: int, context: int = 8192, block_size: int = 16) -> BlockLayout:
+    """Anchors as the sampler draws them (sorted valid positions), the last sequence's last two
+    slots padded (0), as `collate_rows` pads a sequence with fewer valid positions."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(context - 1, generator=generator)[:anchors].sort().values
+                        for _ in range(sequences)])
+    rows[-1, -2:] = 0
+    return BlockLayout(rows, context, block_size)
 
 
 def test_block_mask_bytes_are_what_flex_attention_allocates():
@@ -23,16 +44,57 @@ def test_block_mask_bytes_are_what_flex_attention_allocates():
     assert block_mask_bytes(queries, keys) == allocated
 
 
-def test_the_flagships_sliding_layers_add_one_mask_per_sequence_and_no_activations():
-    profile = load_profile("rtx6000-x8")
-    workload = workload_from_profile(profile)
+@pytest.mark.parametrize("rule", FLAGSHIP_RULES, ids=str)
+def test_the_built_masks_transient_is_within_the_models_figure(rule):
+    """512 anchors x 16 over 8,192 context tokens (the issue's flagship target), one sequence: the
+    CPU allocator's peak while `block_mask` runs, above what was live before, is within the
+    model's figure and not far below it; what stays is the resident BlockMask."""
+    layout = flagship_layout(1, 512)
+    queries, keys = layout.num_queries, layout.context_len + layout.num_queries
+    measured = measure_cpu_transient(lambda: block_mask(layout, rule))
+    modelled = block_mask_build_bytes(queries, keys)
+    assert 0.85 * modelled <= measured.peak_bytes <= modelled, (measured.peak_bytes, modelled)
+    assert measured.retained_bytes == block_mask_bytes(queries, keys)
+    assert modelled < MIB < dense_mask_bytes(queries, keys) / 100
+
+
+def test_the_transient_per_sequence_stays_within_the_model_for_a_micro_batch():
+    """Four sequences of 1,024 anchors (the issue's upper target): the position tensors are shared
+    by the micro-batch, so per sequence the build costs at most the model's figure."""
+    layout = flagship_layout(4, 1024)
+    rule = FLAGSHIP_RULES[0]
+    queries, keys = layout.num_queries, layout.context_len + layout.num_queries
+    measured = measure_cpu_transient(lambda: block_mask(layout, rule))
+    assert 0.7 * 4 * block_mask_build_bytes(queries, keys) <= measured.peak_bytes <= 4 * block_mask_build_bytes(queries, keys)
+    assert measured.retained_bytes == 4 * block_mask_bytes(queries, keys)
+
+
+def test_create_block_mask_materialises_the_dense_mask_the_model_no_longer_counts():
+    """The earlier construction, at a quarter of the flagship's size (128 anchors x 16, 2,048
+    tokens): its transient is the dense [queries x keys] mask several times over (the mask_mod's
+    intermediates, the int64 reductions), hundreds of times the model's figure."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    layout = flagship_layout(1, 128, context=2048)
+    queries, keys = layout.num_queries, layout.context_len + layout.num_queries
+    for rule in FLAGSHIP_RULES:
+        eager = measure_cpu_transient(lambda: create_block_mask(layout.mask_mod(rule), 1, None, queries, keys,
+                                                                device="cpu"))
+        assert eager.peak_bytes > 5 * dense_mask_bytes(queries, keys) > 200 * block_mask_build_bytes(queries, keys)
+        assert eager.retained_bytes == block_mask_bytes(queries, keys)
+
+
+def test_the_flagship_counts_one_mask_per_rule_beside_its_activations():
+    workload = dataclasses.replace(workload_from_profile(FLAGSHIP), num_anchors=512)
     assert (workload.sliding_layers, workload.sliding_window) == (4, 2048)
+    shape = (workload.block_tokens, workload.max_length + workload.block_tokens)
+    assert block_masks_mib(workload) == pytest.approx(2 * block_mask_bytes(*shape) / MIB)      # sliding + full
+    assert 0.2 < block_masks_mib(workload) < 0.3
     full = dataclasses.replace(workload, sliding_layers=0, sliding_window=0)
-    extra = extra_block_mask_mib(workload)
-    assert extra == pytest.approx(block_mask_bytes(workload.block_tokens, workload.max_length + workload.block_tokens)
-                                  / 2**20)
-    assert 0 < extra < 1 and extra_block_mask_mib(full) == 0
-    assert estimate(workload).drafter_activations == pytest.approx(estimate(full).drafter_activations + extra)
     all_sliding = dataclasses.replace(workload, sliding_layers=workload.drafter_layers)
-    assert extra_block_mask_mib(all_sliding) == 0          # one rule, one mask, as an all-full drafter
+    assert block_masks_mib(full) == block_masks_mib(all_sliding) == pytest.approx(block_mask_bytes(*shape) / MIB)
+    # the build comes before any saved activation, and is far below them: the max is the saved ones'
+    assert mask_build_peak_mib(workload) < 1 < estimate(workload).drafter_activations
+    assert drafter_activations_mib(workload) == pytest.approx(drafter_activations_mib(full) + block_mask_bytes(*shape) / MIB)
     assert full.key() != workload.key()
+

@@ -120,12 +120,19 @@ def test_batch_plan_keeps_the_global_batch_exact():
         budget.batch_plan(10, 4, 1)
 
 
-CALIBRATION_POINTS = {1: 3_500.0, 2: 5_000.0}              # peak = 2000 + 1500 m
+def calibration_giving(workload: memory.Workload, intercept: float = 2000.0, slope: float = 1500.0):
+    """A calibration (2 measuring ranks, steps of 2 micro-batches) whose corrected plan is exactly
+    peak = intercept + slope x m for `workload` while its micro-batches accumulate."""
+    import dataclasses
+
+    measured = memory.estimated_peak_model(dataclasses.replace(workload, world_size=2, rank_share=3))
+    estimated = memory.estimated_peak_model(workload)
+    peaks = {m: measured.step_mib(m) + intercept + slope * m - estimated.step_mib(m) for m in (1, 2)}
+    return fit_calibration(peaks, workload, world_size=2, micro_batches_per_step=2)
 
 
 def calibrated_plan(profile, free: list[float], **kwargs) -> budget.Plan:
-    workload = memory.workload_from_profile(profile)
-    calibration = fit_calibration(CALIBRATION_POINTS, workload)
+    calibration = calibration_giving(memory.workload_from_profile(profile))
     return budget.make_plan(profile, snapshot(free, [500] * len(free)), calibration=calibration, **kwargs)
 
 
@@ -135,7 +142,7 @@ def test_the_rank_with_least_headroom_sets_everyones_micro_batch(tmp_path):
     assert [r.feasible_micro_batch for r in plan.ranks] == [4, 2]
     assert plan.bottleneck_ranks == (1,)
     assert (plan.batch.micro_batch, plan.batch.accum_steps) == (2, 4)
-    assert all(r.peak_at_agreed_mib == 5_000.0 for r in plan.ranks)
+    assert all(r.peak_at_agreed_mib == pytest.approx(5_000.0) for r in plan.ranks)
     assert plan.peak_model.source == "calibration"
 
 
@@ -154,7 +161,7 @@ def test_launch_plan_gives_each_rank_its_start_and_refuses_when_one_sequence_can
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     profile = write_profile(tmp_path, "[train]\nglobal_batch = 16\n")
-    calibration = fit_calibration(CALIBRATION_POINTS, memory.workload_from_profile(profile))
+    calibration = calibration_giving(memory.workload_from_profile(profile))
     inputs = PlanInputs(snapshot([10_000, 6_500], [500, 500]), None, calibration, "test", "calibration")
     starts = rank_starts(plan_for_launch(profile, inputs))
     assert [start.micro_batch for start in starts] == [4, 2]

@@ -47,7 +47,7 @@ def test_the_calibration_lands_in_the_baseline_which_stays_a_valid_snapshot(cali
     from envcheck.snapshot import load_snapshot
 
     document = json.loads(calibrated_baseline.read_text())
-    assert document["memory_calibration"]["slope_mib"] == 8560.0
+    assert document["memory_calibration"]["slope_mib"] == fixture_calibration().slope_mib == 7015.0
     assert document["hostname"] == "gpu-node-07" and document["gpus"]          # the snapshot is intact
     assert load_snapshot(calibrated_baseline).memory_calibration["workload_key"] == fixture_calibration().workload_key
 
@@ -57,7 +57,7 @@ def test_a_new_baseline_save_keeps_the_calibration(calibrated_baseline):
                          baselines=calibrated_baseline.parent.parent)
     assert again.returncode == 0, again.stderr
     assert "kept the memory calibration" in again.stdout
-    assert json.loads(calibrated_baseline.read_text())["memory_calibration"]["intercept_mib"] == 61220.0
+    assert json.loads(calibrated_baseline.read_text())["memory_calibration"]["intercept_mib"] == fixture_calibration().intercept_mib
 
 
 def test_audit_reads_a_calibrated_baseline(calibrated_baseline):
@@ -72,7 +72,7 @@ def test_plan_uses_the_saved_baseline_by_default_and_names_it(calibrated_baselin
                         baselines=calibrated_baseline.parent.parent)
     assert done.returncode == 0, done.stderr
     assert f"memory model: calibration from {calibrated_baseline}" in done.stdout
-    assert "x 3 micro-batches" in done.stdout           # the calibrated line plans 3 (the estimate: 1)
+    assert "x 3 micro-batches" in done.stdout           # the calibrated line plans 3
 
 
 def test_plan_says_when_it_uses_the_analytic_model(tmp_path):
@@ -107,69 +107,46 @@ def test_calibrate_without_a_cuda_device_cannot_test(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_fullest_shard_is_the_partition_the_memory_model_counts():
-    import torch
+def test_worst_case_bench_builds_through_build_state_and_steps_two_micro_batches(tmp_path, tiny_qwen3_target):
+    """On the CPU: every row at max_length with the full anchors, the state from build_state (the
+    drafter sharded by FSDP2 over the measuring process), a real step of two micro-batches of 2."""
+    from dflash.train.calibration import MICRO_BATCHES_PER_STEP, step_at, worst_case_bench
+    from dflash.train.sharding import is_sharded
 
-    from dflash.memory import model as memory
-    from dflash.memory.model import fullest_zero1_shard as fullest_shard
-
-    sizes = [7, 3, 3, 2, 9, 1, 1, 5]
-    params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
-    for shards in (1, 2, 3, 8):
-        owned = fullest_shard(params, shards)
-        assert sum(p.numel() for p in owned) == max(memory.zero_shard_sizes(sizes, shards))
-
-
-def test_worst_case_bench_builds_through_build_state_and_steps(tmp_path, tiny_qwen3_target):
-    """On the CPU: every row at max_length with the full anchors, the state from build_state, a real
-    step at micro-batch 2; zero1 over 4 ranks keeps one shard of AdamW states."""
-    import dataclasses
-
-    from dflash.train.calibration import step_at, worst_case_bench
-    from launcher_core.profile import load_profile
-
-    base = load_profile("cpu-demo")
-    profile = dataclasses.replace(
-        base, model=dataclasses.replace(base.model, target=str(tiny_qwen3_target), dtype="float32"),
-        machine=dataclasses.replace(base.machine, nproc_per_node=4),
-        data=dataclasses.replace(base.data, max_length=48),
-        drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=4, mask_token_id=151669, init="random", target_layer_ids=(),
-                                    draft_vocab_size=0),
-        train=dataclasses.replace(base.train, num_anchors=8, decay_gamma=3.0, optimizer_sharding="zero1",
-                                  feature_cache=False))
-    bench = worst_case_bench(profile, tmp_path, rows=2)
+    profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
+    bench = worst_case_bench(profile, tmp_path, rows=MICRO_BATCHES_PER_STEP * 2)
     batch = bench.state.data.collate([0, 1], 0)
     assert batch.input_ids.shape == (2, 48) and bool(batch.anchor_valid.all()) and batch.anchors.shape[1] == 8
-    assert bench.state.autobatch is None and bench.workload.optimizer_shards == 4 == bench.optimizer_shards
-    optimized = sum(p.numel() for group in bench.state.optimizer.param_groups for p in group["params"])
-    trainable = sum(p.numel() for p in bench.state.drafter.parameters() if p.requires_grad)
-    assert 0 < optimized < trainable
+    assert bench.state.autobatch is None and bench.workload.world_size == 4 and bench.ranks == 1
+    assert is_sharded(bench.state.drafter)
     stats = step_at(bench, 2)
-    assert stats.tokens == 96 and stats.loss > 0
+    assert stats.tokens == 4 * 48 and stats.loss > 0
 
 
 def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist():
-    from dflash.train.calibration import calibration_ranks, gradient_sum_source
+    from dflash.train.calibration import calibration_ranks
     from launcher_core.profile import load_profile
 
     rtx, h200 = load_profile("rtx6000-x8"), load_profile("h200-x1")
     assert [calibration_ranks(rtx, gpus) for gpus in (0, 1, 2, 8)] == [1, 1, 2, 2]
     assert calibration_ranks(h200, 8) == 1
-    assert [gradient_sum_source(8, 2), gradient_sum_source(8, 1), gradient_sum_source(1, 1)] == \
-        ["measured", "model", "none"]
 
 
-def test_the_stored_calibration_says_where_the_sums_buffer_came_from(tmp_path):
+def test_the_stored_calibration_says_on_how_many_ranks_and_micro_batches_it_measured(tmp_path):
     import dataclasses
 
     from dflash.memory.calibration import load_calibration, save_calibration
 
-    calibration = dataclasses.replace(fixture_calibration(), gradient_sum="model")
-    path = save_calibration(tmp_path / "baseline.json", calibration)
+    calibration = fixture_calibration()
+    assert (calibration.world_size, calibration.micro_batches_per_step) == (2, 2)
+    path = save_calibration(tmp_path / "baseline.json", dataclasses.replace(calibration, world_size=1))
     document = json.loads(path.read_text())
-    assert document["memory_calibration"]["gradient_sum"] == "model"
-    assert load_calibration(document, str(path)) == calibration
-    assert fixture_calibration().gradient_sum == ""              # recorded before the field existed
+    assert document["memory_calibration"]["world_size"] == 1
+    assert load_calibration(document, str(path)).world_size == 1
+    older = {key: value for key, value in document["memory_calibration"].items()
+             if key not in ("world_size", "micro_batches_per_step")}                  # recorded before the fields
+    assert (load_calibration({"memory_calibration": older}, "old").world_size,
+            load_calibration({"memory_calibration": older}, "old").micro_batches_per_step) == (1, 1)
 
 
 def tiny_worst_case_profile(tiny_qwen3_target, nproc: int, backend: str = "gloo"):
@@ -184,8 +161,7 @@ def tiny_worst_case_profile(tiny_qwen3_target, nproc: int, backend: str = "gloo"
         data=dataclasses.replace(base.data, max_length=48),
         drafter=dataclasses.replace(base.drafter, num_layers=1, block_size=4, mask_token_id=151669, init="random",
                                     target_layer_ids=(), draft_vocab_size=0),
-        train=dataclasses.replace(base.train, num_anchors=8, decay_gamma=3.0, optimizer_sharding="zero1",
-                                  feature_cache=False))
+        train=dataclasses.replace(base.train, num_anchors=8, decay_gamma=3.0, feature_cache=False))
 
 
 def step_and_report(bench) -> dict:
@@ -193,25 +169,26 @@ def step_and_report(bench) -> dict:
     from dflash.train.calibration import step_at
 
     stats = step_at(bench, 2)
-    grads = [p.grad.double().norm().item() for p in bench.state.drafter.parameters() if p.grad is not None]
+    grads = [p.grad.full_tensor().double().norm().item() for p in bench.state.drafter.parameters() if p.grad is not None]
     return {"loss": stats.loss, "grad_norms": grads, "ranks": bench.ranks,
-            "weights": sum(p.double().sum().item() for p in bench.state.drafter.parameters())}
+            "weights": sum(p.full_tensor().double().sum().item() for p in bench.state.drafter.parameters())}
 
 
 @pytest.mark.slow
-def test_on_2_ranks_the_calibration_step_is_the_trainers_with_the_real_gradient_sum(tmp_path, tiny_qwen3_target):
+def test_on_2_ranks_the_calibration_step_is_the_trainers_with_fsdp2_between_them(tmp_path, tiny_qwen3_target):
     """2 gloo ranks (CPU) through the calibration's own rank entry point: the bench at world size 2,
-    both ranks on the same worst-case rows. Each rank's loss is divided by the global weight (twice
-    its own), so only the real sum gives each rank the one-process gradient; weights stay equal."""
+    the drafter sharded over both, both ranks on the same worst-case rows. Each rank's loss is
+    divided by the global weight (twice its own), so only the reduce-scatter's sum gives the
+    one-process gradient; both ranks see the same whole weights."""
     import torch.multiprocessing as mp
 
     from dflash.train.calibration import calibration_rank, free_port, worst_case_bench
 
     profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
-    alone = step_and_report(worst_case_bench(profile, tmp_path / "one", rows=2))
+    alone = step_and_report(worst_case_bench(profile, tmp_path / "one", rows=4))
     work = tmp_path / "two"
     work.mkdir()
-    mp.spawn(calibration_rank, args=(2, free_port(), profile, str(work), 2, (), step_and_report), nprocs=2, join=True)
+    mp.spawn(calibration_rank, args=(2, free_port(), profile, str(work), 4, (), step_and_report), nprocs=2, join=True)
     r0, r1 = (json.loads((work / f"calibration-rank-{r}.json").read_text()) for r in (0, 1))
     assert r0["ranks"] == r1["ranks"] == 2 and alone["ranks"] == 1
     assert r0["grad_norms"] == pytest.approx(alone["grad_norms"], rel=1e-5)     # without the sum: half of it

@@ -37,6 +37,7 @@ def test_upgrade_snapshot_makes_rank_6_the_bottleneck_with_a_reduced_micro_batch
                          "--baseline", CALIBRATION)
     assert baseline["micro_batch"] == 3 and baseline["bottleneck_ranks"] == []
     assert baseline["micro_batch_sizes"] == [3, 3, 2]
+    assert baseline["peak_model"]["source"] == "calibration"
     assert upgraded["bottleneck_ranks"] == [6]
     assert [r["feasible_micro_batch"] for r in upgraded["ranks"]] == [3, 3, 3, 3, 3, 3, 2, 3]
     assert (upgraded["micro_batch"], upgraded["accum_steps"]) == (2, 4)
@@ -60,33 +61,33 @@ def test_table_names_every_column_marks_rank_6_and_prints_the_storage_comparison
     rank6 = next(line for line in lines if line.split()[:2] == ["6", "6"])
     assert "97,152" in rank6 and "2 <" in rank6
     assert "global batch per optimizer step: 64 sequences = 8 ranks x 4 micro-batches" in result.stdout
-    assert "AdamW states sharded over 8 ranks (zero1)" in result.stdout
+    assert "drafter sharded over 8 rank(s) by FSDP2" in result.stdout
+    assert "supervised slots per target forward: 15,360 per sequence (1024 anchors x 15 slots)" in result.stdout
     assert "bottleneck: rank(s) 6" in result.stdout and "92.4 TB" in result.stdout
 
 
-def test_flagship_plan_counts_the_accumulated_gradients_and_zero1_decides_a_shorter_worst_case(tmp_path):
-    """rtx6000-x8 at the recipe's 512 anchors (8192 tokens): from the second of its 8 micro-batches
-    on, the first ones' 6,600 MiB of float32 gradients are alive in the forward/backward (the traced
-    step shows it), so one sequence does not fit a 96 GB card; the profile's 384 anchors fit. At 256
-    anchors it fits with the AdamW states sharded over 8 ranks (1,680 MiB a rank) and not with them
-    replicated (13,200 MiB)."""
+def test_flagship_plan_trains_1024_anchors_sharded_and_recomputed_and_says_what_each_part_buys(tmp_path):
+    """rtx6000-x8 on the baseline node: the drafter sharded over 8 ranks by FSDP2 (825 MiB of float32
+    weights a rank; from the second micro-batch of a step on, 825 MiB of gradient shards alive),
+    gathered in bf16, each layer recomputed: 1,024 anchors per 8,192-token sequence at micro-batch 4.
+    Without the recomputation the same sequence fits alone (micro-batch 1), and 2,048 anchors do not
+    fit it at all; the recipe's 512 fit even in float32 compute."""
     node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
     shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)
-    assert shipped["workload"]["optimizer_shards"] == 8 and shipped["peak_model"]["source"] == "estimate"
-    assert shipped["peak_model"]["accumulation_mib"] == shipped["estimate_mib"]["drafter_grads"] == pytest.approx(6600, abs=1)
-    assert [r["feasible_micro_batch"] for r in shipped["ranks"]] == [1] * 8
+    assert shipped["workload"]["world_size"] == 8 and shipped["peak_model"]["source"] == "estimate"
+    assert shipped["workload"]["num_anchors"] == 1024 and shipped["workload"]["activation_checkpointing"] == "layers"
+    assert shipped["peak_model"]["accumulation_mib"] == shipped["estimate_mib"]["drafter_grads"] == pytest.approx(825, abs=1)
+    assert [r["feasible_micro_batch"] for r in shipped["ranks"]] == [4] * 8
     (tmp_path / "rtx6000-x8.toml").write_text((REPO / "profiles" / "rtx6000-x8.toml").read_text())
-    recipe = tmp_path / "rtx-512.toml"
-    recipe.write_text('extends = "rtx6000-x8"\n[train]\nnum_anchors = 512\n')
-    rank = plan_json("--profile", str(recipe), "--snapshot", node)["ranks"][0]
-    assert rank["feasible_micro_batch"] == 0 and rank["peak_at_agreed_mib"] > rank["budget_mib"]
-    for sharding, fits in (("zero1", [1] * 8), ("none", [0] * 8)):
-        variant = tmp_path / f"rtx-{sharding}.toml"
-        variant.write_text(f'extends = "rtx6000-x8"\n[train]\nnum_anchors = 256\noptimizer_sharding = "{sharding}"\n')
+    for name, body, fits in (("no-recompute", 'activation_checkpointing = "none"', 1),
+                             ("2048-no-recompute", 'num_anchors = 2048\nactivation_checkpointing = "none"', 0),
+                             ("recipe-fp32", 'num_anchors = 512\ncompute_dtype = "float32"\nactivation_checkpointing = "none"', 1)):
+        variant = tmp_path / f"rtx-{name}.toml"
+        variant.write_text(f'extends = "rtx6000-x8"\n[train]\n{body}\n')
         document = plan_json("--profile", str(variant), "--snapshot", node)
-        assert [r["feasible_micro_batch"] for r in document["ranks"]] == fits, sharding
-    result = plan("--profile", str(tmp_path / "rtx-none.toml"), "--snapshot", node)
-    assert "NOT FEASIBLE" in result.stdout and "AdamW states on every rank" in result.stdout
+        assert [r["feasible_micro_batch"] for r in document["ranks"]] == [fits] * 8, name
+    result = plan("--profile", str(tmp_path / "rtx-2048-no-recompute.toml"), "--snapshot", node)
+    assert "NOT FEASIBLE" in result.stdout and "activation checkpointing: none" in result.stdout
 
 
 def test_b200_and_h200_profiles_are_feasible(tmp_path):
@@ -99,7 +100,7 @@ def test_b200_and_h200_profiles_are_feasible(tmp_path):
                     memory_total_mib=143_771, memory_free_mib=143_190, memory_used_mib=581)
     h200_node = save_snapshot(Snapshot(gpus=[h200_gpu]), tmp_path / "h200.json")
     h200 = plan_json("--profile", "h200-x1", "--snapshot", str(h200_node))
-    assert h200["workload"]["optimizer_shards"] == 1             # one rank: nothing to shard over
+    assert h200["workload"]["world_size"] == 1                   # one rank: FSDP2 over a group of one
     assert h200["micro_batch"] >= 1 and sum(h200["micro_batch_sizes"]) == h200["global_batch"] == 8
 
 

@@ -131,3 +131,20 @@ def test_status_of_a_damaged_manifest_is_exit_2(cli, tmp_path):
     result = cli("status", tmp_path)
     assert result.code == 2 and f"{tmp_path / 'manifest.json'}: expected a run manifest" in result.err
     assert (tmp_path / "manifest.json").read_text() == "[1]"
+
+
+def test_a_snapshot_without_a_key_it_always_has_is_exit_2_naming_the_key(cli, tmp_path, fixtures_dir):
+    """Row "a snapshot without its packages key": not a machine without packages ("24 packages not
+    installed"), a damaged file."""
+    document = json.loads((fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json").read_text())
+    intact = tmp_path / "intact.json"
+    intact.write_text(json.dumps(document))
+    del document["packages"]
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps(document))
+    result = cli("audit", "--profile", "rtx6000-x8", "--snapshot", cut)
+    assert result.code == 2 and "Traceback" not in result.err
+    assert result.err.startswith(f"error: {cut}: not a valid snapshot: missing key(s) packages (")
+    assert "not installed" not in result.out + result.err
+    control = cli("audit", "--profile", "rtx6000-x8", "--snapshot", intact)
+    assert control.code != 2 and "not a valid snapshot" not in control.err

@@ -14,16 +14,24 @@ from launcher_core import schema
 from launcher_core.errors import ConfigError
 
 CASES = [
-    ("machine", "nproc_per_node = 0", "machine.nproc_per_node", "0", "an integer >= 1"),
-    ("drafter", "block_size = 0", "drafter.block_size", "0", "an integer >= 2"),
+    ("machine", "nproc_per_node = 0", "machine.nproc_per_node", "0", "an integer >= 1 and <= 1024"),
+    ("drafter", "block_size = 0", "drafter.block_size", "0", "an integer >= 2 and <= 4096"),
     ("train", "lr = -0.001", "train.lr", "-0.001", "a finite number > 0"),
     ("train", "lr = nan", "train.lr", "nan", "a finite number > 0"),
     ("train", "warmup_ratio = inf", "train.warmup_ratio", "inf", "a finite number >= 0 and < 1"),
     ("generate", "port = 99999", "generate.port", "99999", "an integer >= 1 and <= 65535"),
     ("eval", "engine_port = 0", "eval.engine_port", "0", "an integer >= 1 and <= 65535"),
-    ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2"),
+    ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2 and <= 4194304"),
     ("data", "max_degenerate_share = 7.5", "data.max_degenerate_share", "7.5", "a finite number >= 0 and <= 1"),
-    ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0"),
+    ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0 and <= 4096"),
+    # absurd sizes (issue 34): bounded by what the plan and the ranks can represent
+    ("train", "global_batch = 1000000000000", "train.global_batch", "1000000000000", "an integer >= 1 and <= 1048576"),
+    ("drafter", "num_layers = 1000000000000", "drafter.num_layers", "1000000000000", "an integer >= 1 and <= 1024"),
+    ("machine", "nproc_per_node = 100000000", "machine.nproc_per_node", "100000000", "an integer >= 1 and <= 1024"),
+    ("data", "num_workers = 1000000000000", "data.num_workers", "1000000000000", "an integer >= 0 and <= 1024"),
+    ("drafter", "output_multiplier = 0.0", "drafter.output_multiplier", "0.0", "a finite number > 0"),
+    ("drafter", "selector_rank = 0", "drafter.selector_rank", "0", "an integer >= 1"),
+    ("train", "selector_loss_alpha = -1.0", "train.selector_loss_alpha", "-1.0", "a finite number >= 0"),
 ]
 
 
@@ -64,6 +72,12 @@ def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
     ("machine", "nnodes = 2", "machine.rdzv_endpoint", "machine.nnodes = 2 needs it"),
     ("data", "min_loss_tokens = 600", "data.min_loss_tokens", "not below data.max_length 512"),
     ("drafter", "num_attention_heads = 6\nnum_key_value_heads = 4", "drafter.num_key_value_heads", "does not divide"),
+    ("drafter", 'kind = "dflash2"', "drafter.draft_vocab_size", "need the target's whole vocabulary at the head"),
+    ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0\nconv_kernel_size = 9', "drafter.conv_kernel_size",
+     "9 taps exceed drafter.block_size 8"),
+    ("drafter", "selector_top_k = 8", "drafter.selector_top_k", 'it applies to drafter.kind = "dflash2" only'),
+    ("train", "selector_stop_gradient = true", "train.selector_stop_gradient", 'applies to drafter.kind = "dflash2"'),
+    ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0', "eval.serve_engine", "vLLM's CPU build cannot serve a DFlash 2"),
 ])
 def test_cross_field_rules_name_the_key(cli, tmp_path, section, lines, key, problem):
     profile = bad_profile(tmp_path, section, lines)
@@ -105,3 +119,32 @@ def test_every_shipped_profile_passes_the_rules():
 
     for name in list_profiles():
         load_profile(name)
+
+
+def test_no_plan_line_grows_with_the_largest_global_batch(cli, tmp_path):
+    """global_batch at its bound: the plan still answers in a few lines of bounded length (it used
+    to list every micro-batch: a 10 MB "2+2+..." line at 2e7, a MemoryError at 1e12)."""
+    profile = bad_profile(tmp_path, "train", f"global_batch = {schema.RANGES['train.global_batch'].high:.0f}")
+    result = cli("plan", "--profile", profile)
+    assert result.code == 0, result.err
+    assert "2 ranks x 131072 micro-batches (4 x 131,072)" in result.out
+    assert max(map(len, result.out.splitlines())) < 300 and len(result.out) < 20_000
+    as_json = cli("plan", "--profile", profile, "--json")
+    document = json.loads(as_json.out)["plan"]
+    assert document["micro_batch_sizes"] is None and len(as_json.out) < 50_000
+    assert document["micro_batch_split"] == {"micro_batch": 4, "full": 131072, "last": 0}
+    few = cli("plan", "--profile", bad_profile(tmp_path, "train", "global_batch = 10"))
+    assert "2 ranks x 2 micro-batches (4+1)" in few.out                     # a few are still listed
+
+
+def test_a_global_batch_above_the_datasets_rows_is_refused_before_torchrun(cli, tmp_path, tiny_qwen3_target):
+    from tests.train.conftest import write_dataset, write_profile
+
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data", rows=6),
+                            tmp_path / "run", global_batch=8)
+    result = cli("train", "--profile", profile, "--print-command")
+    assert result.code == 2, result.err
+    assert f"key 'train.global_batch': 8 rows per optimizer step, but the dataset {tmp_path / 'data'} has 6" in result.err
+    control = cli("train", "--profile", write_profile(tmp_path / "q.toml", tiny_qwen3_target, tmp_path / "data",
+                                                      tmp_path / "run", global_batch=6), "--print-command")
+    assert control.code == 0, control.err

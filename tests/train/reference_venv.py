@@ -100,3 +100,72 @@ def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 
     reference = load_file(str(work / "logits.safetensors"))["logits"][0]
     torch.testing.assert_close(reference, ours.float(), rtol=1e-4, atol=1e-4)
     return Comparison(drafter, (features, int(input_ids[0, context]), context), reference)
+
+
+@dataclass
+class Dflash2Comparison:
+    """A DFlash 2 comparison: our drafter, its block hidden rows, our walk, the reference's outputs."""
+
+    drafter: Any
+    hidden: Any
+    anchor_id: int
+    ours_logits: Any
+    ours_path: list[int]
+    reference_logits: Any
+    reference_path: list[int]
+    reference_candidates: Any
+
+
+def run_dflash2_reference(checkpoint: Path, target, work: Path, context: int, first_token: int,
+                          reference_checkpoint: Path | None = None) -> Dflash2Comparison:
+    """Our DFlash 2 drafter (from `checkpoint`) and the reference `DFlash2DraftModel` (from
+    `reference_checkpoint`, default the same, through its from_pretrained, codebook key mapping
+    included) on the same target features and block: unary logits of every slot, the greedy
+    selector path and the candidates of slots 1..B-1. Compares nothing (the callers do)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.taps import extract_taps
+
+    python = reference_python()
+    drafter = load_drafter(checkpoint, target)
+    input_ids = (first_token + torch.arange(context + 1) * 7 % 300)[None]
+    features = extract_taps(target, input_ids, drafter.target_layer_ids)[:, :context].float()
+    anchor = int(input_ids[0, context])
+    hidden = drafter.draft_hidden(features, anchor, context)
+    ours_logits = drafter.logits(hidden)
+    walk = drafter.selector.walk(ours_logits[1:], hidden[1:], anchor)
+    block = drafter.block_input_ids(input_ids[:, context])
+    inputs = {"target_hidden": features.contiguous(), "position_ids": torch.arange(context + drafter.block_size)[None],
+              "noise_embedding": target.get_input_embeddings()(block).float().contiguous(),
+              "lm_head": target.get_output_embeddings().weight.detach().float().contiguous(),
+              "anchor_ids": input_ids[:, context].contiguous()}
+    save_file(inputs, str(work / "inputs.safetensors"))
+    done = subprocess.run([str(python), "tests/train/reference_dflash2.py", str(reference_checkpoint or checkpoint),
+                           str(work / "inputs.safetensors"), str(work / "outputs.safetensors")],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(not keys for keys in seen["loading_info"].values()), seen["loading_info"]      # strict: nothing left over
+    options = drafter.options
+    assert (seen["block_size"], seen["mask_token_id"], seen["target_layer_ids"]) == (
+        drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids)
+    assert (seen["top_k"], seen["rank"]) == (options.selector_top_k, options.selector_rank) and not seen["q"]
+    assert seen["conv"] == [[options.conv_kernel_size, options.conv_group_size]] * len(drafter.layers)
+    assert seen["layers"] == [[rule.window, rule.causal] for rule in drafter.layer_rules]
+    outputs = load_file(str(work / "outputs.safetensors"))
+    return Dflash2Comparison(drafter, hidden, anchor, ours_logits, walk.tokens.tolist(), outputs["logits"][0],
+                             outputs["path"][0].tolist(), outputs["candidates"][0])
+
+
+def assert_same_as_reference(result: Dflash2Comparison) -> None:
+    """Unary logits within 1e-4 (relative), the same greedy path, the same candidate set per slot."""
+    import torch
+
+    torch.testing.assert_close(result.reference_logits, result.ours_logits.float(), rtol=1e-4, atol=1e-4)
+    assert result.ours_path == result.reference_path
+    _, ours = torch.topk(result.ours_logits[1:], result.drafter.options.selector_top_k, dim=-1)
+    assert ours.sort(dim=-1).values.tolist() == result.reference_candidates.sort(dim=-1).values.tolist()

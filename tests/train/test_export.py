@@ -236,3 +236,37 @@ def test_sglang_export_refuses_layers_the_serving_release_would_run_otherwise(sl
     served = export_drafter(copy, "sglang", tmp_path / "out", sglang_version="0.5.19").directory    # is_causal honoured
     assert json.loads((served / "config.json").read_text())["is_causal"] is False
     assert json.loads((export_drafter(copy, "vllm", tmp_path / "v").directory / "config.json").read_text())["is_causal"] is False
+
+
+@pytest.fixture(scope="module")
+def dflash2_checkpoint(tmp_path_factory, tiny_target_model) -> Path:
+    from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
+
+    config = drafter_config(tiny_target_model.config, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+                            mask_token_id=MASK_ID)
+    config.num_target_layers = tiny_target_model.config.num_hidden_layers
+    config = with_dflash2(config, DFlash2Options(conv_group_size=16, selector_rank=8, selector_top_k=4,
+                                                 final_logit_softcapping=20.0))
+    torch.manual_seed(0)
+    return save_checkpoint(tmp_path_factory.mktemp("d2ckpt"), drafter_for_config(config).attach_target(tiny_target_model),
+                           3, {})
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_READS))
+def test_a_dflash2_export_carries_what_each_engine_reads_for_it(dflash2_checkpoint, engine, tmp_path):
+    from safetensors import safe_open
+
+    from dflash.drafter.export import DFLASH2_READS
+
+    result = export_drafter(dflash2_checkpoint, engine, tmp_path / engine)
+    document = json.loads((result.directory / "config.json").read_text())
+    assert document["architectures"] == ["DFlash2DraftModel"] and missing_fields(document, engine) == []
+    assert {key.split(".", 1)[1] for key in DFLASH2_READS[engine]["required"]} <= set(document["dflash_config"])
+    assert document["dflash_config"]["final_logit_softcapping"] == 20.0
+    with safe_open(str(result.directory / "model.safetensors"), "pt") as handle, \
+            safe_open(str(dflash2_checkpoint / "model.safetensors"), "pt") as source:
+        assert set(handle.keys()) == set(source.keys())
+    assert any("V2 model runner" in note for note in result.notes) == (engine == "vllm")
+    assert any("0.5.19" in note for note in result.notes) == (engine == "sglang")
+    without = {**document, "dflash_config": {k: v for k, v in document["dflash_config"].items() if k != "selector_rank"}}
+    assert missing_fields(without, engine) == ["dflash_config.selector_rank"]       # the check can fail

@@ -10,7 +10,7 @@ from launcher_core.profile import load_profile, profile_from_json, profile_to_js
 def test_single_node_rendezvous_is_on_loopback_with_the_profile_nproc(tmp_path):
     profile = load_profile("cpu-demo")
     argv, env = build_torchrun_command(profile, tmp_path, resume=True, python="py", base_env={"PATH": "/bin"})
-    assert argv[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" not in argv
+    assert argv[:3] == ["py", "-m", "dflash.train.agent"] and "--standalone" not in argv
     assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:PORT"      # filled in at launch
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
@@ -62,5 +62,5 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
             "assert 'torch' not in sys.modules, 'train --print-command imported torch'; sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "torch.distributed.run --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
+    assert "dflash.train.agent --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
     assert "dflash.train.worker" in result.stdout

@@ -150,14 +150,24 @@ def test_tokenizer_mask_token_from_its_files(tmp_path, qwen3_tokenizer_dir):
     assert tokenizer_mask_token_id(tmp_path) == 7
 
 
-def test_a_gradient_bucket_outside_its_range_names_train_grad_bucket_mib(profiles_dir, flagship_twin_target):
-    for bad in ("0", "-8", "2048"):
-        path = variant(profiles_dir, f"[train]\ngrad_bucket_mib = {bad}", target=str(flagship_twin_target))
+def test_keys_fsdp2_replaced_are_refused_naming_what_replaced_them(profiles_dir, flagship_twin_target):
+    for text, replaced in (('optimizer_sharding = "zero1"', "sharded over the ranks by FSDP2"),
+                           ("grad_bucket_mib = 64", "FSDP2's reduce-scatter")):
+        path = variant(profiles_dir, f"[train]\n{text}", target=str(flagship_twin_target))
         with pytest.raises(ConfigError) as caught:
             load_profile(str(path))
         assert caught.value.exit_code == EXIT_USAGE
-        assert "train.grad_bucket_mib" in str(caught.value) and "<= 1024" in str(caught.value)
-    assert check(variant(profiles_dir, "[train]\ngrad_bucket_mib = 25", target=str(flagship_twin_target)))
+        assert f"key 'train.{text.split()[0]}': no longer a profile key" in str(caught.value)
+        assert replaced in str(caught.value) and "delete the key" in str(caught.value)
+
+
+def test_the_fsdp2_keys_take_their_choices_only(profiles_dir, flagship_twin_target):
+    for key, bad in (("gradient_sync", '"sometimes"'), ("activation_checkpointing", '"attention"'),
+                     ("reshard_after_forward", '"yes"')):
+        with pytest.raises(ConfigError, match=f"train.{key}"):
+            load_profile(str(variant(profiles_dir, f"[train]\n{key} = {bad}", target=str(flagship_twin_target))))
+    assert check(variant(profiles_dir, '[train]\ngradient_sync = "last_micro_batch"\nreshard_after_forward = false',
+                         target=str(flagship_twin_target)))
 
 
 def test_drafter_layer_and_rope_keys_are_checked_at_launch(profiles_dir, flagship_twin_target):
@@ -182,3 +192,14 @@ def test_init_drafter_needs_a_drafter_directory(profiles_dir, flagship_twin_targ
     assert f"key 'drafter.init_from': {tmp_path}: no config.json" in problems_of(path)
     path = variant(profiles_dir, f'[drafter]\ninit_from = "{tmp_path}"', target=str(flagship_twin_target))
     assert "is set but drafter.init is 'random'" in problems_of(path)
+
+
+def test_a_dflash2_profile_passes_on_the_real_qwen36_config_with_the_published_settings(profiles_dir, qwen36_config_dir):
+    check(variant(profiles_dir, '[drafter]\nkind = "dflash2"', base="rtx6000-x8", target=str(qwen36_config_dir)))
+
+
+def test_dflash2_groups_must_tile_the_hidden_size_and_top_k_fit_the_vocabulary(profiles_dir, qwen36_config_dir):
+    body = '[drafter]\nkind = "dflash2"\nconv_group_size = 48\nselector_top_k = 300000'
+    text = problems_of(variant(profiles_dir, body, base="rtx6000-x8", target=str(qwen36_config_dir)))
+    assert "key 'drafter.conv_group_size': 48 does not divide the target's hidden size 5120" in text
+    assert "key 'drafter.selector_top_k': 300000 exceeds the target's vocabulary (248320)" in text

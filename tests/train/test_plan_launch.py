@@ -35,7 +35,8 @@ def profile_allowing_four(tmp_path, tiny_qwen3_target, tiny_dataset):
 def free_for(profile, sequences: float) -> float:
     """Free MiB of a GPU whose budget holds `sequences` worst-case sequences (by the plan's model)."""
     model = memory.peak_model(memory.workload_from_profile(profile, world_size=2))
-    budget = model.intercept_mib + sequences * model.slope_mib
+    whole = int(sequences)
+    budget = model.peak_mib(whole) + (sequences - whole) * model.deciding_line(whole).slope_mib
     return (budget + CONTEXT_MIB) / (1 - MARGIN)
 
 

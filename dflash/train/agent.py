@@ -1,0 +1,125 @@
+"""The torchrun agent of a node: `python -m dflash.train.agent TORCHRUN_ARGUMENTS...`.
+
+It is torch.distributed.run (same arguments, same behaviour) with what keeps a run's processes
+tied to their launcher:
+
+* the ranks die with the agent: it exports its pid (`AGENT_PID_ENV`) and every rank asks the
+  kernel for SIGKILL when its parent ends (`dflash.train.worker`, `die_with_parent`);
+* the agent dies with the launcher: it holds the read end of a pipe whose write end only the
+  launcher has (`PIPE_FD_ENV`). End of file while the agent runs means the launcher is gone
+  (killed: a launcher that ends normally waits for the agent first). A thread then kills the
+  ranks, waits until they are gone, records in the run's manifest how the run ended, and exits,
+  so no process is left writing into the run directory;
+* the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
+  to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
+  error of its own) rather than the one that noticed (dflash.train.launch).
+
+Without the environment the launcher sets (a node started by hand from `train --print-command`),
+it is plain torchrun, and its ranks still die with it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+PIPE_FD_ENV = "DFLASH_LAUNCHER_PIPE_FD"
+RUN_DIR_ENV = "DFLASH_RUN_DIR"
+AGENT_PID_ENV = "DFLASH_AGENT_PID"
+AGENT_RECORD = "agent.json"
+EXIT_LAUNCHER_GONE = 1
+STOP_RANKS_TIMEOUT_S = 10.0
+LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main thread must not exit before it
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    pipe = os.environ.pop(PIPE_FD_ENV, "")
+    if pipe.isdigit():
+        threading.Thread(target=_watch_launcher, args=(int(pipe), run_dir), name="launcher-watch", daemon=True).start()
+    try:
+        torchrun_main(arguments)
+    except ChildFailedError as failed:
+        if run_dir is not None and not LAUNCHER_GONE.is_set():
+            write_agent_record(run_dir, failed)
+        print(str(failed), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        while LAUNCHER_GONE.is_set():   # the watch thread is stopping the run: it ends this process
+            time.sleep(1.0)
+    return 0
+
+
+def write_agent_record(run_dir: Path, failed: ChildFailedError) -> None:
+    """train/failures/agent.json: {"ranks": [{rank, local_rank, pid, exitcode, signal, message}]}."""
+    from launcher_core.fileio import write_json_atomic
+
+    ranks = [{"rank": int(rank), "local_rank": failure.local_rank, "pid": failure.pid, "exitcode": failure.exitcode,
+              "signal": failure.signal_name() if failure.exitcode < 0 else "", "message": failure.message}
+             for rank, failure in sorted(failed.failures.items())]
+    write_json_atomic(Path(run_dir) / "train" / "failures" / AGENT_RECORD, {"ranks": ranks})
+
+
+def _watch_launcher(fd: int, run_dir: Optional[Path]) -> None:
+    """Block on the launcher's pipe; on end of file the launcher is gone: stop the run and exit."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    LAUNCHER_GONE.set()
+    try:
+        stopped_at = stop_ranks()
+        if run_dir is not None:
+            record_launcher_gone(run_dir, stopped_at)
+    finally:
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
+def stop_ranks() -> int:
+    """SIGKILL every process this agent started (the ranks and theirs) and wait until they are gone;
+    returns how many there were."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=STOP_RANKS_TIMEOUT_S)
+    return len(children)
+
+
+def record_launcher_gone(run_dir: Path, ranks: int) -> None:
+    """The manifest's train stage: failed, and why (the launcher's pid, the step, the checkpoint)."""
+    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.train.heartbeat import LAUNCHER_PID_ENV
+    from dflash.train.progress import read_progress
+    from launcher_core.manifest import update_stage
+
+    progress = read_progress(run_dir / "train")
+    pointer = checkpoints_dir(run_dir) / "latest"
+    latest = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else ""
+    step = f" after step {progress.step}" if progress else ""
+    resume = (f"the last complete checkpoint is {latest}: continue with `launcher.py train --resume`" if latest
+              else "no checkpoint was complete: train again")
+    update_stage(run_dir, "train", "failed", ended_by="launcher gone", exit_code=None,
+                 error=f"the launcher (pid {os.environ.get(LAUNCHER_PID_ENV, '?')}) ended while training{step} "
+                       f"(it was killed); its torchrun agent stopped the {ranks} rank process(es) before exiting; "
+                       f"{resume}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""How a training run ended, in one message that names the cause, not the rank that noticed it.
+
+What the launcher knows when torchrun has exited:
+
+* `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
+  a full disk is recorded as such (`kind` "disk_full");
+* `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
+  (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
+* the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
+  agent's own exit code.
+
+`failure_cause` ranks them: a stopped rank (the launcher ended the run); the agent killed; a rank
+killed by SIGKILL that recorded nothing (a user's kill -9 or the kernel's out-of-memory killer:
+the others' "connection closed" errors are its echoes); the earliest recorded error; the agent's
+list; torchrun's exit code alone.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, TypedDict
+
+if TYPE_CHECKING:
+    from dflash.train.heartbeat import Stall
+
+
+class _RankFailureBase(TypedDict):
+    rank: int
+    time: float
+    error: str
+    traceback: str
+
+
+class RankFailure(_RankFailureBase, total=False):
+    """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
+
+    kind: str                       # "disk_full" for a full disk
+
+
+class AgentRank(TypedDict):
+    """One entry of train/failures/agent.json (dflash.train.agent.write_agent_record)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    signal: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What the launcher saw of the agent: its pid and exit code, whether the launcher itself was
+    signalled (SIGTERM, Ctrl-C), and a rank it found stopped (then it ended the run)."""
+
+    agent_pid: int
+    code: int
+    signalled: bool = False
+    stall: Optional[Stall] = None
+
+
+@dataclass(frozen=True)
+class FailureCause:
+    """`kind` (the manifest's `ended_by`): "rank stopped", "agent killed", "rank killed",
+    "rank failed", "disk full" or "unknown"; the rank to blame, when one is; the message."""
+
+    kind: str
+    rank: Optional[int]
+    message: str
+
+
+def read_rank_failures(failures_dir: Path) -> list[RankFailure]:
+    records: list[RankFailure] = []
+    for path in sorted(failures_dir.glob("rank-*.json")):
+        try:
+            records.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def read_agent_ranks(failures_dir: Path) -> list[AgentRank]:
+    from dflash.train.agent import AGENT_RECORD
+
+    try:
+        document = json.loads((failures_dir / AGENT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return list(document.get("ranks") or []) if isinstance(document, dict) else []
+
+
+def first_failure(failures_dir: Path) -> RankFailure | None:
+    """The earliest failure a rank recorded (its later echoes on other ranks come after it)."""
+    records = read_rank_failures(failures_dir)
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def resume_hint(run_dir: Path) -> str:
+    from dflash.drafter.checkpoint import checkpoints_dir
+
+    pointer = checkpoints_dir(run_dir) / "latest"
+    latest = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else ""
+    if latest:
+        return f"the last complete checkpoint is {latest}: continue from it with --resume"
+    return "no checkpoint was written yet: train again to start over"
+
+
+def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> FailureCause:
+    """The cause of a failed run (module docstring for the order)."""
+    from launcher_core.processes import signal_name
+
+    failures, logs = run_dir / "train" / "failures", run_dir / "train" / "logs"
+    hint = resume_hint(run_dir)
+    if end.stall is not None:
+        return FailureCause("rank stopped", end.stall.rank, f"{end.stall.describe()}. The launcher ended the run (the "
+                            f"other ranks would have waited for it in their next collective for up to "
+                            f"train.collective_timeout_s = {collective_timeout_s:.0f} s); {hint}")
+    if end.code < 0 and not end.signalled:
+        return FailureCause("agent killed", None, f"the torchrun agent (pid {end.agent_pid}) was killed by "
+                            f"{signal_name(end.code)}; its ranks died with it (no process of this run is left); {hint}")
+    records, agent = read_rank_failures(failures), read_agent_ranks(failures)
+    recorded = {r["rank"] for r in records}
+    killed = [a for a in agent if a["signal"] == "SIGKILL" and a["rank"] not in recorded]
+    first = min(records, key=lambda r: r["time"]) if records else None
+    if killed:
+        return _killed_rank(killed, first, hint, logs)
+    if first is not None:
+        return _recorded(first, hint, logs)
+    if agent:
+        ended = "; ".join(f"rank {a['rank']} (pid {a['pid']}) " + (f"was killed by {a['signal']}" if a["signal"]
+                          else f"exited with code {a['exitcode']}") for a in agent)
+        return FailureCause("rank failed", agent[0]["rank"], f"{ended}, recording no error; see the logs in {logs}; {hint}")
+    return FailureCause("unknown", None, f"torchrun exited with code {end.code} and no rank recorded an error; see "
+                        f"the logs in {logs}; {hint}")
+
+
+def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str, logs: Path) -> FailureCause:
+    names = " and ".join(f"rank {a['rank']} (pid {a['pid']})" for a in killed)
+    after = f"; rank {echo['rank']} failed after it: {echo['error'][:300]}" if echo is not None else ""
+    return FailureCause("rank killed", killed[0]["rank"],
+                        f"{names} {'were' if len(killed) > 1 else 'was'} killed by SIGKILL from outside the run (a "
+                        f"user's kill -9, or the kernel's out-of-memory killer when the host ran out of memory: see "
+                        f"`dmesg`){after}\n(all rank logs: {logs}; {hint})")
+
+
+def _recorded(first: RankFailure, hint: str, logs: Path) -> FailureCause:
+    if first.get("kind") == "disk_full":
+        return FailureCause("disk full", first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
+    tail = "\n".join(first["traceback"].rstrip().splitlines()[-15:])
+    return FailureCause("rank failed", first["rank"], f"rank {first['rank']} failed first: {first['error']}\n{tail}\n"
+                        f"(all rank logs: {logs}; {hint})")

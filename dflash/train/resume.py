@@ -1,0 +1,181 @@
+"""What the launcher does with a run's checkpoints before torchrun starts (and before any rank
+loads the target): clear what an interrupted save left, pick the checkpoint to resume, and hold
+it and `drafter.init_from` against the profile's drafter.
+
+* Partial checkpoints: a save writes `checkpoints/.step-N.<random>.tmp` and renames it into
+  place (`.step-N.old-PID` while it replaces one); a run killed mid-save leaves them. The next
+  run removes them (it holds the run directory's lock, so no live save owns them) and says so.
+* The checkpoint to resume: the newest `step-N` that `dflash.drafter.verify.verify_checkpoint`
+  finds whole. A damaged newer one is skipped with its problems printed, and `latest` is pointed
+  at the one chosen (the ranks resume what `latest` names); none whole: DataError (exit 4).
+* Shape: the tensors of the chosen checkpoint (from its safetensors header), its tap layers,
+  block size and mask token against the drafter the profile builds on its target (built on the
+  meta device: no memory, no weights): ConfigError (exit 2) listing every difference. The same for
+  `drafter.init_from` (tensors and tap layers, as the rank checks them).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from launcher_core.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from dflash.drafter.verify import Shapes
+    from dflash.train.launch_checks import LaunchFacts
+    from launcher_core.schema import Profile
+
+PARTIAL_SAVE = re.compile(r"^\.step-(?P<step>\d+)\.(?:.+\.tmp|(?P<old>old-\d+))$")
+STEP = re.compile(r"^step-(\d+)$")
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def prepare_checkpoints(profile: Profile, facts: LaunchFacts, run_dir: Path, *, resume: bool,
+                        log: Callable[[str], None] = say) -> Optional[Path]:
+    """Remove partial saves; check `drafter.init_from`; with `resume`, choose, verify and fit the
+    checkpoint to resume (returned; None when the run has none)."""
+    from dflash.drafter.checkpoint import checkpoints_dir
+
+    remove_partial_saves(checkpoints_dir(run_dir), log)
+    if profile.drafter.init == "drafter" and profile.drafter.init_from:
+        check_init_from(profile, facts)
+    if not resume:
+        return None
+    chosen = choose_checkpoint(checkpoints_dir(run_dir), log)
+    if chosen is not None:
+        check_resume_fits(profile, facts, chosen)
+    return chosen
+
+
+def remove_partial_saves(directory: Path, log: Callable[[str], None] = say) -> list[Path]:
+    """`.step-N.*.tmp` / `.step-N.old-PID` directories a killed save left; removed, each said. An
+    `.old-PID` whose `step-N` is missing (a save killed between the two renames of its replace) is
+    the previous whole step-N: it is put back instead."""
+    import os
+
+    from launcher_core.diskfull import human_bytes, tree_bytes
+
+    removed = []
+    for entry in sorted(directory.glob(".step-*")) if directory.is_dir() else []:
+        match = PARTIAL_SAVE.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        if match.group("old") and not (directory / f"step-{match.group('step')}").exists():
+            os.replace(entry, directory / f"step-{match.group('step')}")
+            log(f"restored {directory / ('step-' + match.group('step'))} from {entry.name}: a save replacing it was "
+                f"interrupted between its two renames")
+            continue
+        size = tree_bytes(entry)
+        shutil.rmtree(entry)
+        log(f"removed {entry} ({human_bytes(size)}): a partial checkpoint an interrupted save left behind")
+        removed.append(entry)
+    return removed
+
+
+def step_directories(directory: Path) -> list[Path]:
+    """`step-N` directories, newest (highest N) first."""
+    steps = [(int(m.group(1)), p) for p in directory.glob("step-*") if (m := STEP.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Optional[Path]:
+    """The newest whole checkpoint (module docstring); `latest` is pointed at it when it differs."""
+    from dflash.drafter.checkpoint import LATEST
+    from dflash.drafter.verify import verify_checkpoint
+    from launcher_core.fileio import write_text_atomic
+
+    candidates = step_directories(directory)
+    skipped: list[str] = []
+    for candidate in candidates:
+        problems = verify_checkpoint(candidate)
+        if not problems:
+            pointer = directory / LATEST
+            if skipped or not pointer.exists() or pointer.read_text(encoding="utf-8").strip() != candidate.name:
+                write_text_atomic(pointer, f"{candidate.name}\n")
+            for line in skipped:
+                log(line)
+            if skipped:
+                log(f"resuming from {candidate.name}, the newest whole checkpoint (the skipped ones stay where they "
+                    f"are; a save of the same step replaces them)")
+            return candidate
+        skipped.append(f"skipped {candidate.name}: damaged:\n" + "\n".join(f"  {p}" for p in problems))
+    if candidates:
+        raise DataError(f"no checkpoint under {directory} can be resumed:\n" + "\n".join(skipped) +
+                        "\ntrain without --resume to start over (--force keeps the old train/ as train.prev-*)")
+    return None
+
+
+def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: int) -> Shapes:
+    """Tensor name -> shape of the drafter the ranks would build (dflash.train.setup.build_drafter),
+    built on the meta device from the target's config.json; `draft_vocab`: its draft vocabulary's length."""
+    import torch
+    from transformers import AutoConfig
+
+    from dflash.drafter.layers import profile_layer_options
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.shape import profile_shape
+
+    target = AutoConfig.from_pretrained(facts.target.path, local_files_only=True)
+    text = target.get_text_config() if hasattr(target, "get_text_config") else target
+    config = drafter_config(text, num_layers=profile.drafter.num_layers, block_size=profile.drafter.block_size,
+                            target_layer_ids=facts.layer_ids, mask_token_id=facts.mask_token_id,
+                            draft_vocab_size=draft_vocab, shape=profile_shape(profile.drafter),
+                            **profile_layer_options(profile.drafter))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    return {name: tuple(tensor.shape) for name, tensor in drafter.state_dict().items()}
+
+
+def drafter_differences(profile: Profile, facts: LaunchFacts, directory: Path, *, full: bool) -> list[str]:
+    """How the drafter in `directory` differs from the profile's: tensors and tap layers; with
+    `full` (a checkpoint to resume) also block size and mask token."""
+    from dflash.drafter.checkpoint import CONFIG, WEIGHTS
+    from dflash.drafter.verify import header_shapes, shape_differences
+    from launcher_core.fileio import read_json_object
+
+    found = header_shapes(directory / WEIGHTS)
+    vocab = found.get("draft_vocab", (0,))[0] if profile.drafter.draft_vocab_size else 0
+    vocab = vocab if 0 < vocab <= profile.drafter.draft_vocab_size else profile.drafter.draft_vocab_size
+    differences = shape_differences(profile_drafter_shapes(profile, facts, vocab), found)
+    config: dict[str, Any] = read_json_object(directory / CONFIG, "a drafter config")
+    dflash = config.get("dflash_config") or {}
+    keys: list[tuple[str, object]] = [("target_layer_ids", list(facts.layer_ids))]
+    if full:
+        keys += [("block_size", profile.drafter.block_size), ("mask_token_id", facts.mask_token_id)]
+    for key, mine in keys:
+        theirs = dflash.get(key, config.get(key))
+        if theirs is not None and theirs != mine:
+            differences.append(f"dflash_config.{key}: {theirs} there, {mine} in the profile")
+    return differences
+
+
+def check_resume_fits(profile: Profile, facts: LaunchFacts, checkpoint: Path) -> None:
+    differences = drafter_differences(profile, facts, checkpoint, full=True)
+    if differences:
+        raise ConfigError(f"--resume: {checkpoint} holds a drafter of another shape than profile {profile.name}'s "
+                          f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences) +
+                          "\nresume with the profile it was trained with, or train without --resume (--force keeps "
+                          "the old train/ as train.prev-*)")
+
+
+def check_init_from(profile: Profile, facts: LaunchFacts) -> None:
+    """drafter.init_from against the profile's drafter, from its config.json and safetensors header."""
+    from dflash.drafter.checkpoint import WEIGHTS, resolve_checkpoint_dir
+    from dflash.drafter.verify import safetensors_problems
+
+    directory = resolve_checkpoint_dir(Path(profile.drafter.init_from))
+    if (directory / "model.safetensors.index.json").exists() and not (directory / WEIGHTS).exists():
+        return                                  # sharded: the ranks check it tensor by tensor
+    damaged = safetensors_problems(directory / WEIGHTS)
+    if damaged:
+        raise ConfigError(f"drafter.init_from {directory}: cannot be read:\n" + "\n".join(f"  {p}" for p in damaged))
+    differences = drafter_differences(profile, facts, directory, full=False)
+    if differences:
+        raise ConfigError(f"drafter.init_from {directory}: does not fit profile {profile.name}'s drafter "
+                          f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences))

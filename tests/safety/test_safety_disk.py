@@ -1,0 +1,203 @@
+"""A full disk is the environment's error, not a bug (issue rows "disk full" and "`train --run-dir D`
+with the preflight"): every writer (tokenize, merge, export, generate, a training checkpoint) onto
+a real, small tmpfs exits 2 with "disk full", the path, the bytes it needed and the bytes free;
+nothing the user had is changed, no staging is left on the full disk, and no crash report is
+written. The preflight's disk check reads the directory the command will write."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.safety.conftest import fill, save_real_checkpoint, tree_digest, write_tokenize_profile
+
+NEEDED = re.compile(r"needs about ([\d,]+) bytes")
+
+
+def needed_bytes(message: str) -> int:
+    match = NEEDED.search(message)
+    assert match, message
+    return int(match.group(1).replace(",", ""))
+
+
+def long_completions(path: Path, count: int) -> Path:
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}? " * 20},
+                                             {"role": "assistant", "reasoning_content": "Adding the two. " * 30,
+                                              "content": f"It is {2 * i}. " * 20}]} for i in range(count)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def assert_disk_full(result, path: Path, what: str, private_cache: Path) -> None:
+    assert result.code == 2, result.err
+    assert f"error: disk full: writing {what} to {path} needs about " in result.err, result.err
+    assert "free on that filesystem" in result.err and "bug" not in result.err and "Traceback" not in result.err
+    assert not (private_cache / "crashes").exists()
+
+
+def test_tokenize_onto_a_full_disk(cli, small_fs, tmp_path, qwen3_tokenizer_dir, private_cache):
+    disk = small_fs("disk", 256 * 1024)
+    profile = write_tokenize_profile(tmp_path / "p.toml", qwen3_tokenizer_dir, tmp_path / "run")
+    source = long_completions(tmp_path / "in.jsonl", 400)          # ~1 MB of dataset
+    before = tree_digest(source)
+    args = ("tokenize", "--profile", profile, "--input", source, "--workers", "1", "--no-progress")
+    result = cli(*args, "--output", disk / "ds")
+    assert_disk_full(result, disk / "ds", "the tokenized dataset", private_cache)
+    assert list(disk.iterdir()) == [] and tree_digest(source) == before       # no staging left, input intact
+    control = cli(*args, "--output", tmp_path / "ds")                          # the same, with room
+    assert control.code == 0, control.err
+    actual = sum(p.stat().st_size for p in (tmp_path / "ds").iterdir())
+    assert 0.5 * actual < needed_bytes(result.err) < 2 * actual
+
+
+def test_export_onto_a_full_disk(cli, small_fs, tmp_path, tiny_qwen3_target, private_cache):
+    from tests.train.conftest import write_dataset, write_profile
+
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data", rows=8), tmp_path / "run")
+    checkpoint = save_real_checkpoint(profile, tmp_path / "run", 1)
+    before = tree_digest(checkpoint)
+    disk = small_fs("disk", 64 * 1024)
+    result = cli("export", checkpoint, "--for", "sglang", "-o", disk / "out")
+    assert_disk_full(result, disk / "out", "the exported drafter", private_cache)
+    weights = (checkpoint / "model.safetensors").stat().st_size
+    assert weights <= needed_bytes(result.err) < weights + 2**17
+    assert list(disk.iterdir()) == [] and tree_digest(checkpoint) == before
+
+
+def merge_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    from tests.data.conftest import build_dataset
+
+    base = build_dataset(tmp_path / "base", [f"b{i}" for i in range(400)], tokens=256)
+    add = build_dataset(tmp_path / "add", [f"a{i}" for i in range(400)], seed=1, tokens=256)
+    return base, add
+
+
+def test_merge_onto_a_full_disk_and_a_full_backup_disk(cli, small_fs, tmp_path, private_cache):
+    base, add = merge_inputs(tmp_path)
+    before = {**tree_digest(base), **{f"add/{k}": v for k, v in tree_digest(add).items()}}
+    disk = small_fs("disk", 256 * 1024)
+    result = cli("merge", "--base", base, "--add", add, "--output", disk / "merged", "--no-progress")
+    assert_disk_full(result, disk / "merged", "the merged dataset", private_cache)
+    inputs = sum(p.stat().st_size for p in (*base.iterdir(), *add.iterdir()))
+    assert needed_bytes(result.err) == inputs
+    in_place = cli("merge", "--base", base, "--add", add, "--in-place", "--backup-dir", disk, "--no-progress")
+    assert_disk_full(in_place, disk, "the backup of the base (then the merged dataset)", private_cache)
+    assert needed_bytes(in_place.err) == inputs + sum(p.stat().st_size for p in base.iterdir())
+    assert list(disk.iterdir()) == [] and not list(tmp_path.glob(".base*"))
+    assert {**tree_digest(base), **{f"add/{k}": v for k, v in tree_digest(add).items()}} == before
+
+
+def test_a_kill_during_merge_in_place_leaves_a_copy_the_next_merge_removes(cli, tmp_path):
+    """Row "kill -9 during merge --in-place": the base is intact, and the partial backup copy the
+    kill left is removed by the next merge, which says so."""
+    import signal
+    import sys
+
+    from tests.safety.runs import REPO, Inotify
+
+    base, add = merge_inputs(tmp_path)
+    before = tree_digest(base)
+    watch = Inotify(tmp_path)
+    merge = subprocess.Popen([sys.executable, str(REPO / "launcher.py"), "merge", "--base", str(base), "--add", str(add),
+                              "--in-place", "--no-progress"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import select
+
+        copy = None
+        while copy is None and merge.poll() is None:
+            select.select([watch.fd], [], [], 1.0)
+            copy = next((n for n in watch.names() if n.startswith(".base.backup-") and ".copy-" in n), None)
+        merge.send_signal(signal.SIGSTOP)             # hold it inside the copy, then kill it there
+        assert copy is not None and (tmp_path / copy).is_dir(), "the merge finished before its copy was caught"
+        merge.kill()
+        merge.wait()
+    finally:
+        watch.close()
+        merge.kill()
+    assert tree_digest(base) == before and (tmp_path / copy).is_dir()
+    again = cli("merge", "--base", base, "--add", add, "--in-place", "--no-progress")
+    assert again.code == 0, again.err
+    assert f"note: removed {tmp_path / copy}: left behind by an interrupted merge or tokenize" in again.out
+    assert not (tmp_path / copy).exists()
+
+
+def test_generate_onto_a_full_disk_keeps_every_whole_completion(small_fs, tmp_path, served_tiny_model, tiny_qwen3_target):
+    import sys
+
+    from tests.generate.gen_helpers import launcher_env, read_output_ids, write_prompts
+    from tests.generate.gen_helpers import write_profile as write_generate_profile
+    from tests.safety.runs import REPO
+
+    ids = write_prompts(tmp_path / "prompts.jsonl", 60)
+    profile = write_generate_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", tmp_path / "prompts.jsonl")
+    disk = small_fs("disk", 8 * 1024)
+    argv = [sys.executable, str(REPO / "launcher.py"), "generate", "--profile", str(profile), "--endpoint",
+            served_tiny_model, "--output", str(disk / "completions.jsonl"), "--skip-preflight", "--no-progress"]
+    env = {**launcher_env(), "DFLASH_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2, result.stderr
+    assert f"error: disk full: writing 60 completions to {disk / 'completions.jsonl'} needs about" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "cache" / "crashes").exists()
+    written = read_output_ids(disk / "completions.jsonl")                   # whole lines only
+    assert written and len(written) < 60 and len(set(written)) == len(written)
+    subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)      # room again: it resumes
+    again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert sorted(read_output_ids(disk / "completions.jsonl")) == sorted(ids)       # every prompt once
+    whole = (disk / "completions.jsonl").stat().st_size
+    assert 0.7 * whole < needed_bytes(result.stderr) < 1.5 * whole
+
+
+@pytest.mark.slow
+def test_a_full_disk_inside_a_checkpoint_save(small_fs, tmp_path, tiny_qwen3_target):
+    """Two gloo ranks; after the step-2 checkpoint the disk is filled to ~250 KiB free, so the step-4
+    save fails (in torch.distributed.checkpoint's shard files or in torch.save of training_state.pt,
+    whichever meets the full disk first) and leaves no staging directory."""
+    from dflash.drafter.verify import verify_checkpoint
+    from tests.safety.runs import finish, start_train, wait_for
+    from tests.train.conftest import write_dataset, write_profile
+
+    disk = small_fs("disk", 64 * 2**20)
+    run_dir = disk / "run"
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
+                            max_steps=8, save_every_steps=2)
+    process = start_train(profile, run_dir)
+    pointer = run_dir / "train" / "checkpoints" / "latest"
+    wait_for(lambda: pointer.exists() and pointer.read_text().strip() == "step-2", what="the step-2 checkpoint")
+    fill(disk, 250 * 1024)
+    code, out = finish(process)
+    assert code == 2, out
+    # every rank writes its shards (torch.distributed.checkpoint): whichever met the full disk first is named
+    assert re.search(rf"error: rank [01]: disk full: writing a checkpoint \(and the run's logs\) to "
+                     rf"{re.escape(str(run_dir / 'train'))} needs about", out), out
+    assert "then the last complete checkpoint is step-2: continue from it with --resume" in out
+    assert "unexpected pos" not in out.split("error: ")[-1] and "failed unexpectedly" not in out
+    step = run_dir / "train" / "checkpoints" / "step-2"
+    assert needed_bytes(out) == sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    assert verify_checkpoint(step) == [] and not list(step.parent.glob(".step-*"))
+    records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
+    assert any(record["kind"] == "disk_full" for record in records)
+    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+    assert entry["state"] == "failed" and entry["ended_by"] == "disk full"
+
+
+def test_the_preflight_disk_check_reads_the_run_dir_the_command_writes(cli, small_fs, tmp_path, tiny_qwen3_target):
+    from tests.train.conftest import write_dataset, write_profile
+
+    disk = small_fs("disk", 3 * 2**20)
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "d", rows=4),
+                            tmp_path / "profile-run")
+    refused = cli("train", "--profile", profile, "--run-dir", disk / "run")
+    assert refused.code == 1, refused.err
+    assert "preflight audit found 1 FAIL(s):\n  host.disk: free disk at" in refused.err
+    recorded = json.loads((disk / "run" / "audit" / "findings.json").read_text())        # the run dir's own record
+    disk_finding = next(f for f in recorded["findings"] if f["id"] == "host.disk")
+    assert re.fullmatch(rf"free disk at {re.escape(str(disk / 'run'))}: [0-3] MiB, profile needs 10240 MiB",
+                        disk_finding["message"]) and disk_finding["status"] == "FAIL"
+    assert not (disk / "run" / "train").exists()
+    control = cli("audit", "--profile", profile, "--json")          # the profile's own run_dir: the big disk
+    finding = next(f for f in json.loads(control.out)["findings"] if f["id"] == "host.disk")
+    assert finding["status"] == "PASS" and f"free disk at {tmp_path / 'profile-run'}" in finding["message"]

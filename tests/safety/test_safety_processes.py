@@ -1,0 +1,214 @@
+"""The pieces a run's process safety rests on, each with the control that shows it can fail:
+a child that asked for the parent-death signal dies with its parent (one that did not outlives
+it); the run-directory lock refuses a second holder, is taken over from a dead one (and says so),
+and is still held while a child that inherited it lives."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher_core.errors import ConfigError
+from launcher_core.runlock import lock_holder, lock_path, run_lock
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spawn_pair(tmp_path: Path, ask: bool) -> tuple[subprocess.Popen, int]:
+    """A parent process that starts a sleeping child (asking for SIGKILL on its parent's death when
+    `ask`); returns the parent and the child's pid."""
+    child = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); "
+             "from launcher_core.processes import die_with_parent; "
+             f"{'die_with_parent(signal.SIGKILL, int(sys.argv[2]))' if ask else 'pass'}; "
+             "open(sys.argv[3], 'w').write(str(os.getpid())); time.sleep(120)")
+    marker = tmp_path / f"child-{ask}.pid"
+    parent = ("import os, subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(REPO)!r}, str(os.getpid()), {str(marker)!r}]); "
+              "time.sleep(120)")
+    process = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (marker.exists() and marker.read_text()):
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    return process, int(marker.read_text())
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_that_asked_dies_with_its_parent_and_one_that_did_not_outlives_it(tmp_path):
+    for ask in (True, False):
+        parent, child = spawn_pair(tmp_path, ask)
+        parent.kill()
+        parent.wait()
+        try:
+            assert gone(child) is ask, f"ask={ask}: the child {'outlived' if ask else 'died with'} its parent"
+        finally:
+            if not ask:
+                os.kill(child, signal.SIGKILL)
+
+
+HOLD = ("import sys, time; sys.path.insert(0, sys.argv[1]); from launcher_core.runlock import run_lock\n"
+        "with run_lock(sys.argv[2], 'train'):\n    print('held', flush=True); time.sleep(float(sys.argv[3]))")
+
+
+def hold_lock(run_dir: Path, seconds: float) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(REPO), str(run_dir), str(seconds)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+    holder = hold_lock(tmp_path / "run", 60)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            with run_lock(tmp_path / "run", "train"):
+                pass
+        message = str(refused.value)
+        assert f"run directory {tmp_path / 'run'} is in use by `launcher.py train` (pid {holder.pid} on" in message
+        assert f"stop it (kill {holder.pid})" in message
+        assert lock_holder(tmp_path / "run").pid == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_killed_holder_is_taken_over_and_said(tmp_path):
+    holder = hold_lock(tmp_path / "run", 60)
+    holder.kill()                                   # SIGKILL: no clean release, the file still names it
+    holder.wait()
+    assert json.loads(lock_path(tmp_path / "run").read_text())["pid"] == holder.pid
+    assert lock_holder(tmp_path / "run") is None    # the kernel dropped the lock with the process
+    said: list[str] = []
+    with run_lock(tmp_path / "run", "train", say=said.append) as lock:
+        assert lock.previous is not None and lock.previous.pid == holder.pid
+        assert said == [f"note: {tmp_path / 'run'}: took over the lock of `launcher.py train` (pid {holder.pid} on "
+                        f"{lock.previous.host}, since {lock.previous.started}), which ended without releasing it "
+                        f"(killed, or its machine went down)"]
+        with run_lock(tmp_path / "run", "train") as again:        # re-entrant in one process
+            assert again is lock
+    assert lock_path(tmp_path / "run").read_text() == ""          # a clean end leaves no holder to take over
+    with run_lock(tmp_path / "run", "train", say=said.append) as lock:
+        assert lock.previous is None and len(said) == 1
+
+
+def test_a_child_that_inherited_the_lock_keeps_the_directory_locked(tmp_path):
+    """The launcher hands its lock to the torchrun agent: killing the launcher leaves it held until
+    the agent, too, has ended."""
+    script = ("import os, sys, subprocess, time; sys.path.insert(0, sys.argv[1]); "
+              "from launcher_core.runlock import RunLock\n"
+              "lock = RunLock.acquire(sys.argv[2], 'train')\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3)'], pass_fds=(lock.fileno(),))\n"
+              "print(child.pid, flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(REPO), str(tmp_path / "run")],
+                                stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    child = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    with pytest.raises(ConfigError, match="that process has ended, and what it started"):
+        with run_lock(tmp_path / "run", "train"):
+            pass
+    assert gone(child, timeout=10)
+    with run_lock(tmp_path / "run", "train") as lock:
+        assert lock.previous is not None and lock.previous.pid == launcher.pid
+
+
+def test_a_stopped_rank_is_found_and_a_beating_one_is_not(tmp_path):
+    """find_stall: a record whose process lives but has not beaten for the timeout; the control, a
+    process that beats, and a record whose process is gone, are not stalls."""
+    from dflash.train.heartbeat import RankHeartbeat, find_stall, ranks_dir
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        beating = RankHeartbeat(tmp_path, 0, timeout_s=2).start()           # this process, beating
+        record = ranks_dir(tmp_path) / "rank-1.json"
+        record.write_text(json.dumps({"rank": 1, "pid": sleeper.pid, "host": os.uname().nodename, "attempt": 0}))
+        assert find_stall(tmp_path, timeout_s=2) is None                     # both fresh
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        os.utime(record, (time.time() - 30, time.time() - 30))               # its last beat, 30 s ago
+        time.sleep(0.5)
+        stall = find_stall(tmp_path, timeout_s=2)
+        assert stall is not None and (stall.rank, stall.pid, stall.state) == (1, sleeper.pid, "stopped")
+        assert stall.describe().startswith(f"rank 1 (pid {sleeper.pid}) stopped responding: no heartbeat for 3")
+        assert " s; its process is stopped (SIGSTOP" in stall.describe() and 30 <= stall.silent_s < 40
+        assert beating.path.stat().st_mtime > time.time() - 2               # the thread keeps beating
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert find_stall(tmp_path, timeout_s=2) is None                         # gone: torchrun's to report
+
+
+def write_records(failures: Path, records: list[dict], agent: list[dict]) -> None:
+    failures.mkdir(parents=True)
+    for record in records:
+        (failures / f"rank-{record['rank']}.json").write_text(json.dumps({"traceback": "Traceback ...", **record}))
+    (failures / "agent.json").write_text(json.dumps({"ranks": agent}))
+
+
+@pytest.mark.parametrize("records, agent, kind, rank, start", [
+    # rank 1 killed -9 (no record of its own); rank 0's "connection closed" is its echo
+    ([{"rank": 0, "time": 1.0, "error": "RuntimeError('Connection closed by peer')"}],
+     [{"rank": 0, "local_rank": 0, "pid": 10, "exitcode": 1, "signal": "", "message": ""},
+      {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": -9, "signal": "SIGKILL", "message": ""}],
+     "rank killed", 1, "rank 1 (pid 11) was killed by SIGKILL from outside the run"),
+    # the control: two recorded errors, no signal: the earliest is the cause
+    ([{"rank": 0, "time": 2.0, "error": "echo"}, {"rank": 1, "time": 1.0, "error": "ValueError('bad row')"}],
+     [{"rank": 0, "local_rank": 0, "pid": 10, "exitcode": 1, "signal": "", "message": ""},
+      {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": 1, "signal": "", "message": ""}],
+     "rank failed", 1, "rank 1 failed first: ValueError('bad row')"),
+    # a full disk recorded by rank 0
+    ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], [],
+     "disk full", 0, "rank 0: disk full: writing a checkpoint"),
+])
+def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank, start):
+    from dflash.train.failures import RunEnd, failure_cause
+
+    write_records(tmp_path / "train" / "failures", records, agent)
+    cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
+    assert (cause.kind, cause.rank) == (kind, rank) and cause.message.startswith(start)
+    assert "no checkpoint was written yet" in cause.message
+
+
+def test_a_killed_agent_is_named_before_any_rank(tmp_path):
+    from dflash.train.failures import RunEnd, failure_cause
+
+    write_records(tmp_path / "train" / "failures", [{"rank": 0, "time": 1.0, "error": "echo"}], [])
+    (tmp_path / "train" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "train" / "checkpoints" / "latest").write_text("step-3\n")
+    cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=-9), collective_timeout_s=600)
+    assert cause.kind == "agent killed" and cause.message == (
+        "the torchrun agent (pid 9) was killed by SIGKILL; its ranks died with it (no process of this run is left); "
+        "the last complete checkpoint is step-3: continue from it with --resume")
+    signalled = failure_cause(tmp_path, RunEnd(agent_pid=9, code=-15, signalled=True), collective_timeout_s=600)
+    assert signalled.kind == "rank failed"                    # we sent it the signal: not a kill from outside
+
+
+def test_status_says_a_running_stage_whose_launcher_is_gone_was_killed(cli, tmp_path):
+    from launcher_core.manifest import update_stage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    update_stage(tmp_path, "train", "running", launcher_pid=gone.pid)
+    result = cli("status", tmp_path)
+    assert result.code == 0 and f"note: train says running, but its launcher (pid {gone.pid}) is gone" in result.out
+    update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())          # the control: a live launcher
+    assert "note:" not in cli("status", tmp_path).out
