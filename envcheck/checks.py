@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
-from envcheck.engines import DraftLayers, sglang_problems
+from envcheck.engines import SGLANG_DFLASH2, DraftLayers, sglang_problems
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import GpuFacts, Snapshot
 from envcheck.target import TargetArchitecture
@@ -289,6 +289,9 @@ def check_sglang_serves_the_drafter(ctx: CheckInput) -> list[Finding]:
     layers = DraftLayers(num_layers=drafter.num_layers, layer_types=list(drafter.layer_types) or None,
                          sliding_window=drafter.sliding_window or None)
     problems = sglang_problems(_release(version), layers)
+    if drafter.kind == "dflash2" and _release(version) < SGLANG_DFLASH2:
+        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
+                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
     if problems:
         return [Finding("engine.sglang", "WARN", f"sglang {version} ({where}) would not serve profile "
                         f"{ctx.profile.name}'s drafter as trained: {'; '.join(problems)}",

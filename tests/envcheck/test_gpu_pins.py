@@ -101,6 +101,18 @@ def test_the_audit_names_the_sglang_release_that_runs_sliding_layers_otherwise(r
     assert finding.status == status and named in finding.message, finding
 
 
+@pytest.mark.parametrize("version, status", [("0.5.18", "WARN"), ("0.5.19", "PASS")])
+def test_the_audit_warns_for_a_dflash2_drafter_on_an_sglang_before_0_5_19(rtx_baseline, version, status):
+    profile = load_profile("rtx6000-x8")
+    dflash2 = dataclasses.replace(profile, drafter=dataclasses.replace(profile.drafter, kind="dflash2"))
+    snapshot = dataclasses.replace(rtx_baseline, packages={**rtx_baseline.packages, "sglang": version})
+    [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, dflash2))
+    assert finding.status == status, finding
+    assert ("a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from 0.5.19 on" in finding.message) is (
+        status == "WARN"), finding
+    assert check_sglang_serves_the_drafter(CheckInput(snapshot, profile))[0].status == "PASS"   # the DFlash drafter
+
+
 def test_the_audit_skips_where_the_engine_is_not_sglang_or_lives_elsewhere(rtx_baseline):
     profile = load_profile("rtx6000-x8")
     elsewhere = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python="/opt/serve/bin/python"))
