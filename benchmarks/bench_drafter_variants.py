@@ -101,13 +101,14 @@ def heldout_sequences(target: Any, tokenizer: Any, path: Path, count: int, new_t
 
 
 def variant_profile(base: Profile, variant: dict[str, Any], dataset: Path, run_dir: Path, steps: int) -> Profile:
-    """cpu-demo with the variant's settings, on one process, reading `dataset`, writing `run_dir`."""
+    """cpu-demo with the variant's settings, on one process, reading `dataset`, writing `run_dir`; every
+    row of `dataset` trains (the benchmark holds out its own rows, and measures them itself)."""
     sections = {name: dataclasses.replace(getattr(base, name), **variant.get(name, {})) for name in ("drafter", "train")}
     profile = dataclasses.replace(base, **sections)
     return dataclasses.replace(
         profile, machine=dataclasses.replace(profile.machine, nproc_per_node=1),
         paths=dataclasses.replace(profile.paths, dataset=str(dataset), run_dir=str(run_dir)),
-        train=dataclasses.replace(profile.train, max_steps=steps or profile.train.max_steps))
+        train=dataclasses.replace(profile.train, max_steps=steps or profile.train.max_steps, validation_share=0.0))
 
 
 def build_variant_state(profile: Profile, run_dir: Path, variant: dict[str, Any]) -> TrainState:

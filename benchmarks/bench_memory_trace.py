@@ -1,6 +1,7 @@
 """Traced vs modelled memory of one training step at the GPU profiles' worst case (issues 18, 22).
 
     .venv/bin/python benchmarks/bench_memory_trace.py [--profiles rtx6000-x8 b200-x8 h200-x1] [--micro-batches 1 2]
+        [--train KEY=VALUE ...] [--drafter KEY=VALUE ...]     (e.g. --drafter kind=dflash2: DFlash 2)
 
 Each step is the trainer's own (dflash.train.trace: `state_from_target` + `plain_step`) on fake
 tensors under torch's fake process group at the profile's world size, counted by FSDPMemTracker: the
@@ -41,13 +42,25 @@ def smoke_case(profile):
     return small, fake.qwen36_27b_config(**SMOKE_TARGET)
 
 
-def with_train_values(profile, assignments: list[str]):
-    """The profile with `key=value` [train] values (ints, or strings as they are)."""
-    values = {}
+def parsed_values(assignments: list[str]) -> dict[str, object]:
+    """`key=value` assignments: ints, true/false, else the string as it is."""
+    values: dict[str, object] = {}
     for assignment in assignments:
         key, _, value = assignment.partition("=")
         values[key] = int(value) if value.isdigit() else (value == "true" if value in ("true", "false") else value)
+    return values
+
+
+def with_train_values(profile, assignments: list[str]):
+    """The profile with `key=value` [train] values (ints, or strings as they are)."""
+    values = parsed_values(assignments)
     return dataclasses.replace(profile, train=dataclasses.replace(profile.train, **values)) if values else profile
+
+
+def with_drafter_values(profile, assignments: list[str]):
+    """The profile with `key=value` [drafter] values, e.g. kind=dflash2 selector_rank=128."""
+    values = parsed_values(assignments)
+    return dataclasses.replace(profile, drafter=dataclasses.replace(profile.drafter, **values)) if values else profile
 
 
 def main() -> int:
@@ -58,6 +71,8 @@ def main() -> int:
                         help="train.compute_dtype for every profile (default: each profile's own)")
     parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
                         help="[train] values for every profile, e.g. num_anchors=512 activation_checkpointing=none")
+    parser.add_argument("--drafter", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="[drafter] values for every profile, e.g. kind=dflash2 (DFlash 2 at its published defaults)")
     parser.add_argument("--smoke", action="store_true", help="the smallest setting: rtx6000-x8, micro-batch 1, a tiny target")
     args = parser.parse_args()
     if args.smoke:
@@ -72,7 +87,7 @@ def main() -> int:
         if args.compute_dtype:
             profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train,
                                                                              compute_dtype=args.compute_dtype))
-        profile = with_train_values(profile, args.train)
+        profile = with_drafter_values(with_train_values(profile, args.train), args.drafter)
         profile, config = smoke_case(profile) if args.smoke else (profile, fake.target_config(profile))
         workload = fake.workload_for_config(profile, config)
         for micro_batch in args.micro_batches:

@@ -81,7 +81,8 @@ def small_workload(scratch: Path) -> tuple[Path, Path]:
 
 def training_profile(target: Path, dataset: Path, run_dir: Path, start: int, steps: int) -> Profile:
     """cpu-demo on one process with the small workload: a 1-layer drafter over a 256-token draft
-    vocabulary, GLOBAL_BATCH sequences a step, starting at micro-batch `start`."""
+    vocabulary, GLOBAL_BATCH sequences a step (every row trains: none held out for validation),
+    starting at micro-batch `start`."""
     base = load_profile("cpu-demo")
     return dataclasses.replace(
         base, machine=dataclasses.replace(base.machine, nproc_per_node=1),
@@ -90,7 +91,7 @@ def training_profile(target: Path, dataset: Path, run_dir: Path, start: int, ste
         drafter=dataclasses.replace(base.drafter, num_layers=1, target_layer_ids=(1,), init="random",
                                     draft_vocab_size=256, mask_token_id=151669),
         train=dataclasses.replace(base.train, global_batch=GLOBAL_BATCH, max_micro_batch=start, num_anchors=4,
-                                  feature_cache=False, max_steps=steps))
+                                  feature_cache=False, max_steps=steps, validation_share=0.0))
 
 
 def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tuple[int, int]:

@@ -31,9 +31,11 @@ from dflash.eval.records import MethodFigures, read_report  # noqa: E402  (after
 from launcher_core.manifest import STAGES  # noqa: E402
 
 TARGET_TOTAL_S = 15 * 60
-# --smoke: every stage for real at its smallest (answers cut at 8 tokens are all "degenerate": allowed)
+# --smoke: every stage for real at its smallest (answers cut at 8 tokens are all "degenerate": allowed),
+# generating with transformers serve (vLLM, cpu-demo's backend, needs its engine venv: tests/generate/test_gen_vllm.py)
 SMOKE_PROFILE = """extends = "cpu-demo"
 [generate]
+backend = "transformers"
 max_prompts = 8
 max_tokens = 8
 [data]

@@ -112,6 +112,7 @@ def _audit(ctx: PipelineContext) -> str:
 def _generate(ctx: PipelineContext) -> str:
     from dflash.generate import generate_from_profile
 
+    _engine_ready(ctx.profile, ctx.profile.generate.backend)
     summary = generate_from_profile(ctx.profile, run_dir=ctx.run_dir)
     if summary.selected == 0:
         return f"all {summary.total} prompts already have completions"
@@ -156,27 +157,48 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 
 
 def _eval(ctx: PipelineContext) -> str:
-    from dflash.eval.options import drafted_figures
+    from dflash.eval.options import EvalOptions, drafted_figures
     from dflash.eval.run import run_eval
 
-    report = run_eval(ctx.profile, run_dir=ctx.run_dir).report
+    checkpoint, which = eval_checkpoint(ctx.run_dir)
+    print(f"evaluating {which}", flush=True)
+    report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(checkpoint=checkpoint)).report
     sets = [(report.methods, report.num_prompts, report.context.prompt_set or report.context.prompts_file),
             *((extra.methods, extra.num_prompts, extra.label) for extra in report.also_sets)]
     line = "; also ".join(f"{drafted_figures(methods)} on {count} prompts, {label}" for methods, count, label in sets)
-    return f"{line}; {_served(ctx)}" if ctx.profile.eval.serve_engine else line
+    line = f"{which}: {line}"
+    return f"{line}; {_served(ctx, checkpoint)}" if ctx.profile.eval.serve_engine else line
 
 
-def _served(ctx: PipelineContext) -> str:
+def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
+    """The checkpoint the pipeline evaluates (None: the run's latest) and why: the best step by
+    held-out tau when training measured one and kept its checkpoint (dflash.train.validation),
+    else the last step."""
+    from dflash.drafter.checkpoint import WEIGHTS
+    from launcher_core.manifest import read_manifest
+
+    entry = read_manifest(run_dir)["stages"].get("train", {})
+    best_step, best = entry.get("validation_best_step"), entry.get("validation_best_checkpoint")
+    if best_step is None:
+        return None, "the last step (no held-out rows: train.validation_share is 0)"
+    last = f"step {entry.get('validation_last_step')}, held-out tau {entry.get('validation_last_tau')}"
+    if not best or not (Path(best) / WEIGHTS).exists():
+        return None, (f"the last step ({last}): the best held-out step {best_step} has no checkpoint "
+                      f"(train.validation_every_steps off the train.save_every_steps grid)")
+    if best_step == entry.get("validation_last_step"):
+        return best, f"step {best_step}, the last and best by held-out tau ({entry.get('validation_best_tau')})"
+    return best, f"step {best_step}, the best by held-out tau ({entry.get('validation_best_tau')}; {last})"
+
+
+def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
     """eval.serve_engine: the drafter served by the engine, its tau next to the in-process one (parity gate)."""
     from dflash.eval.options import EvalOptions
     from dflash.eval.run import run_eval
 
     engine = ctx.profile.eval.serve_engine
-    if engine == "vllm" and not ctx.profile.eval.engine_python:
-        from dflash.generate.engine_env import setup_engine_env
-
-        setup_engine_env(engine)            # `launcher.py engine setup vllm`: nothing to do once built
-    return served_line(engine, run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine)).report)
+    _engine_ready(ctx.profile, engine)
+    report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine, checkpoint=checkpoint)).report
+    return served_line(engine, report)
 
 
 def served_line(engine: str, report: EvalReport) -> str:
@@ -193,6 +215,15 @@ def served_line(engine: str, report: EvalReport) -> str:
 def _tau_speedup(tau: Optional[float], speedup: Optional[float]) -> str:
     """`tau 1.42 speedup 1.18x`: the speedup over the same decoder alone, one request in flight."""
     return f"tau {'-' if tau is None else f'{tau:.2f}'} speedup {'-' if speedup is None else f'{speedup:.2f}x'}"
+
+
+def _engine_ready(profile: Profile, engine: str) -> None:
+    """vLLM (generate.backend or eval.serve_engine) runs from its own venv: `launcher.py engine setup
+    vllm` builds it the first time (about 1 GB downloaded) and does nothing once it is built."""
+    if engine == "vllm" and not profile.eval.engine_python:
+        from dflash.generate.engine_env import setup_engine_env
+
+        setup_engine_env(engine)
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:

@@ -186,6 +186,8 @@ class TrainSection:
     # stop_gradient: the selector term trains only the selector, not the backbone it reads (SpecForge PR #793, off).
     selector_loss_alpha: float = 1.0
     selector_stop_gradient: bool = False
+    validation_share: float = 0.0            # share of the dataset's rows held out of training and measured on (0: none)
+    validation_every_steps: int = 0          # held-out loss and tau every N steps and at the end (0: at every checkpoint)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,12 @@ class EvalSection:
     temperature: float = 0.0
     seed: int = 0                            # sampling seed (temperature > 0)
     prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
+    draft_tokens: int = 0                    # DFlash draft tokens a step proposes, the target verifies k + 1
+                                             # (in-process and served: vLLM num_speculative_tokens); 0: block_size - 1
     cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
                                              # more threads stall small batch-1 forwards on a busy CPU
+    cpu_matmul: Literal["auto", "torch"] = "auto"   # float32 on CPU: auto = the faster kernel per row count for
+                                             # every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is
     engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
     engine_python: str = ""                  # python of the environment with the engine ("": this one)
     engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
@@ -357,6 +363,8 @@ RANGES: dict[str, Range] = {
     "train.heartbeat_timeout_s": Range(2, 86400),      # several beats per timeout (dflash.train.heartbeat)
     "train.collective_timeout_s": Range(10, 86400),
     "train.selector_loss_alpha": AT_LEAST_0,         # 0: the selector's loss is computed (figures) but trains nothing
+    "train.validation_share": Range(0, 1, high_open=True),    # 0: no validation; below 1: some rows must train
+    "train.validation_every_steps": Range(1, 10**9, zero="at every checkpoint (train.save_every_steps)"),
     "memory.margin": Range(0, 1, high_open=True),
     "memory.overhead_mib": Range(0, 2**24),
     "eval.num_prompts": Range(1, 10**6),
@@ -364,6 +372,7 @@ RANGES: dict[str, Range] = {
     "eval.temperature": AT_LEAST_0,
     "eval.seed": Range(0, 2**63 - 1),
     "eval.prompt_lookup_max_ngram": Range(1, 1024),
+    "eval.draft_tokens": Range(1, 4096, zero="the drafter's block_size - 1"),   # above block_size - 1: that many
     "eval.cpu_threads": Range(0, 4096),
     "eval.engine_port": PORT,
 }

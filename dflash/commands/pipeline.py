@@ -1,11 +1,13 @@
 """`launcher.py pipeline --profile P`: audit -> generate -> tokenize -> train -> eval in one run dir.
 
 Rerun it to resume: finished stages are skipped (see dflash.pipeline). At the end it prints the
-drafter's tau and speedup next to prompt lookup's.
+drafter's tau and speedup next to prompt lookup's, then a table of both, in-process and served by
+`eval.serve_engine` side by side, and how each side's plain decoding (the speedup's baseline) ran.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher_core.cli import add_profile_option, load_profile_arg
@@ -62,11 +64,53 @@ def final_figures(profile: Profile, run_dir: str | None) -> str:
     also = "".join(f"tau on {extra.num_prompts} prompts, {extra.prompt_set}: DFlash "
                    f"{_rounded(extra.methods, 'dflash')} vs prompt lookup {_rounded(extra.methods, 'prompt_lookup')}\n"
                    for extra in _also_sets(directory))
+    table = "".join(f"{line}\n" for line in side_by_side(directory, profile.eval.serve_engine))
     return (f"tau{on}: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
             f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
-            f"{also}"
+            f"{also}{table}"
             f"run directory: {directory} (report: {directory / 'eval' / 'report.md'}; "
             f"`launcher.py status {directory}`)")
+
+
+SIDE_BY_SIDE_METHODS = (("dflash", "DFlash"), ("prompt_lookup", "prompt lookup"), ("target", "target alone"))
+
+
+def side_by_side(run_dir: Path, engine: str) -> list[str]:
+    """The main prompt set's tau and speedup of each method in-process and served by `engine`
+    (eval/engine-ENGINE.json, when the pipeline served it), and how each side's target alone ran."""
+    from dflash.eval.records import read_report
+    from launcher_core.errors import InputError
+
+    try:
+        inprocess = read_report(run_dir / "eval" / "report.json")
+    except InputError:
+        return []
+    served = None
+    if engine and (run_dir / "eval" / f"engine-{engine}.json").exists():
+        try:
+            served = read_report(run_dir / "eval" / f"engine-{engine}.json")
+        except InputError:
+            served = None
+    header = f"  {'method':<14} {'in-process tau':>14} {'speedup':>8}"
+    header += f"   {('served (' + engine + ') tau'):>18} {'speedup':>8}" if served else ""
+    lines = [f"in-process{' and served' if served else ''}, {inprocess.num_prompts} prompts, "
+             f"{inprocess.context.prompt_set or inprocess.context.prompts_file}:", header]
+    for name, label in SIDE_BY_SIDE_METHODS:
+        row = f"  {label:<14} {_figures(inprocess.methods, name)}"
+        lines.append(row + (f"   {_figures(served.methods, name, width=18)}" if served else ""))
+    lines += [f"  in-process: {inprocess.context.baseline}"] if inprocess.context.baseline else []
+    lines += [f"  served: {served.context.baseline}"] if served and served.context.baseline else []
+    return lines
+
+
+def _figures(methods: dict[str, MethodFigures], name: str, width: int = 14) -> str:
+    method = methods.get(name)
+    if method is None:
+        return f"{'-':>{width}} {'-':>8}"
+    tau = "-" if name == "target" or method.mean_tau is None else f"{method.mean_tau:.3f}"
+    speedup = "-" if method.speedup is None else f"{method.speedup:.2f}x"
+    rate = f" ({method.tokens_per_s:.1f} tok/s)" if name == "target" else ""
+    return f"{tau:>{width}} {speedup:>8}{rate}"
 
 
 def _also_sets(run_dir) -> list[SetBrief]:

@@ -6,6 +6,12 @@ Slot k of the block anchored at a predicts the token at a + k (label input_ids[a
 The logits (rows x vocab, vocab up to ~152K) are computed in chunks under activation
 checkpointing, so at most one chunk of logits is alive in forward or backward.
 
+tau, here as in eval and the serving engines, is the acceptance length of a step: accepted draft
+tokens + 1 (the target's bonus token). `LossParts.accepted` / `blocks` count it as eval does: per
+block, the leading run of slots whose argmax is the label (a slot without a label, outside the
+loss mask or the draft vocabulary, ends the run), so tau = 1 + accepted / blocks
+(`counted_tau`). `simulated_tau` estimates the same figure from per-slot accuracies alone.
+
 DFlash 2 (`dflash2_block_loss`, dflash.drafter.dflash2): the same loss on the unary logits, plus
 alpha x the selector's K-way cross entropy, with the same slot weights and the same normaliser
 (SpecForge PR #772: `(ce + alpha * selector_ce) / weight_sum`, alpha `training.dflash2_selector_loss_alpha`
@@ -21,7 +27,8 @@ Figures that see the selector (`SelectorParts`): candidate recall (true token in
 K), the selector's teacher-forced accuracy, and per block position the acceptance of the unary
 argmax chain and of the selector path (a block's path is accepted through slot k when every slot
 up to k is right; with its predecessors right, the selector's pick is the teacher-forced one), so
-the selector's lift is measured, not inherited from the unary head (TorchSpec issue #177).
+the selector's lift is measured, not inherited from the unary head (TorchSpec issue #177). A DFlash 2
+block's `accepted` run is the selector path's, the one its decoder takes.
 """
 from __future__ import annotations
 
@@ -68,13 +75,16 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 @dataclass
 class LossParts:
-    """Sums over one micro-batch: weighted CE (carries grad), weight sum, per-slot correct/counted;
+    """Sums over one micro-batch: weighted CE (carries grad), weight sum, per-slot correct/counted,
+    the accepted draft tokens (leading correct slots) summed over its `blocks` counted blocks;
     `selector`: a DFlash 2 drafter's own figures (None for DFlash)."""
 
     weighted_ce: torch.Tensor
     weight_sum: torch.Tensor
     correct: torch.Tensor
     counted: torch.Tensor
+    accepted: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
     selector: Optional[SelectorParts] = None
 
     def figure_sums(self) -> torch.Tensor:
@@ -128,7 +138,8 @@ def figure_width(block_size: int, selector: bool) -> int:
 @dataclass(frozen=True)
 class SelectorStats:
     """A step's selector figures (all ranks): losses per weight, per-slot shares, simulated taus
-    (expected accepted draft tokens per block, without the bonus token) and the selector's lift."""
+    (`simulated_tau`: 1 + expected accepted draft tokens per block, as eval counts a step) and the
+    selector's lift."""
 
     unary_loss: float
     selector_loss: float
@@ -182,11 +193,29 @@ def block_loss(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Ten
     rows, labels, slot_index = rows[keep], targets.labels.reshape(-1)[keep], slot_index[keep]
     weights = decay.to(hidden.device)[slot_index] * label_mask[keep]
     weighted_ce, correct = _chunked_ce(rows, labels, weights, lm_head, chunk_rows)
+    accepted, blocks = leading_accepted(correct, keep, targets.label_mask)
     return LossParts(
         weighted_ce=weighted_ce, weight_sum=weights.sum(),
         correct=torch.zeros(slots, device=hidden.device).index_add_(0, slot_index, correct),
         counted=torch.zeros(slots, device=hidden.device).index_add_(0, slot_index, torch.ones_like(correct)),
+        accepted=accepted, blocks=blocks,
     )
+
+
+def leading_accepted(correct: torch.Tensor, keep: torch.Tensor, label_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted draft tokens summed over blocks, blocks): per block, the run of leading slots whose
+    prediction was right, as a verify step accepts them. `correct` [kept rows] in the order of the
+    flattened slots `keep` selects; label_mask [b, N, B-1]. A block counts when its slot 1 has a label."""
+    hits = torch.zeros(keep.shape[0], dtype=torch.float32, device=keep.device)
+    hits[keep] = correct.detach().float()
+    per_block = hits.view(-1, label_mask.shape[-1]).cumprod(dim=1).sum(dim=1)
+    counted = label_mask.reshape(-1, label_mask.shape[-1])[:, 0] > 0
+    return per_block[counted].sum(), counted.sum().float()
+
+
+def counted_tau(accepted: float, blocks: float) -> float:
+    """tau = 1 + accepted draft tokens per block (eval's definition); 1.0 with no block."""
+    return 1.0 + accepted / blocks if blocks > 0 else 1.0
 
 
 def _chunked_ce(rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -214,8 +243,9 @@ def _chunk_ce(rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
 
 
 def simulated_tau(acc: list[float]) -> float:
-    """sum_k prod_{i<=k} acc_i: expected accepted draft tokens per block (without the bonus token)."""
-    total, running = 0.0, 1.0
+    """1 + sum_k prod_{i<=k} acc_i: tau (accepted draft tokens + the bonus token, as eval counts a
+    step) estimated from per-slot accuracies, as if each slot were right independently."""
+    total, running = 1.0, 1.0
     for value in acc:
         running *= value
         total += running
@@ -268,8 +298,10 @@ def dflash2_block_loss(hidden: torch.Tensor, drafter: DFlash2Drafter, targets: B
     parts = SelectorParts(unary_ce=head.weighted_ce, selector_ce=selector_ce, recall=per_slot(recall),
                           selector_correct=per_slot(selector_right), unary_run=unary_run, unary_alive=unary_alive,
                           selector_run=selector_run, selector_alive=selector_alive)
+    accepted, blocks = leading_accepted(selector_right, keep, targets.label_mask)
     return LossParts(weighted_ce=head.weighted_ce + objective.alpha * selector_ce, weight_sum=weights.sum(),
-                     correct=per_slot(head.hit), counted=per_slot(torch.ones_like(head.hit)), selector=parts)
+                     correct=per_slot(head.hit), counted=per_slot(torch.ones_like(head.hit)), accepted=accepted,
+                     blocks=blocks, selector=parts)
 
 
 @dataclass

@@ -261,45 +261,61 @@ class DFlashDrafter(nn.Module):
         mapped = column[labels]
         return mapped.clamp(min=0), mapped >= 0
 
+    def inference_block(self, anchor_id: int, length: Optional[int] = None) -> torch.Tensor:
+        """[1, length] `[anchor, MASK x (length - 1)]` (length: the block size, or fewer: a shorter draft)."""
+        length = self.block_size if length is None else length
+        block = torch.full((1, length), self.mask_token_id, dtype=torch.long, device=self.fc.weight.device)
+        block[0, 0] = anchor_id
+        return block
+
     @torch.no_grad()
-    def draft_logits(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
+    def draft_logits(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int,
+                     length: Optional[int] = None) -> torch.Tensor:
         """One block at positions anchor_pos..anchor_pos+B-1 after C committed positions -> logits [B, V].
 
         context_features [1, C, L*H] are the target's tap features of positions 0..C-1 (all
         visible). Row k predicts the token at anchor_pos + k; row 0 is the anchor's own slot.
+        `length` < B drafts a shorter block (`[anchor, MASK x (length - 1)]`, as an engine asked for
+        fewer speculative tokens does).
         """
-        return self.logits(self.draft_hidden(context_features, anchor_id, anchor_pos))
+        return self.logits(self.draft_hidden(context_features, anchor_id, anchor_pos, length))
 
     @torch.no_grad()
-    def draft_hidden(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int) -> torch.Tensor:
-        """`draft_logits` before the head: the block's normed hidden states [B, H]."""
+    def draft_hidden(self, context_features: torch.Tensor, anchor_id: int, anchor_pos: int,
+                     length: Optional[int] = None) -> torch.Tensor:
+        """`draft_logits` before the head: the block's normed hidden states [length or B, H]."""
         device = context_features.device
-        block = self.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]      # [1, B]
+        block = self.inference_block(anchor_id, length).to(device)      # [1, B]
         context_positions = torch.arange(context_features.shape[1], device=device)
-        block_positions = anchor_pos + torch.arange(self.block_size, device=device)
+        block_positions = anchor_pos + torch.arange(block.shape[1], device=device)
         key_positions = torch.cat([context_positions, block_positions])[None]
         attends = [_attend_by_rule(block_positions[None], key_positions, rule) for rule in self.layer_rules]
         return cast(torch.Tensor, self(block, context_features, key_positions, attends))[0]
 
 
 @torch.no_grad()
-def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
+def draft_logits_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int,
+                        length: Optional[int] = None) -> torch.Tensor:
     """`draft_logits` from a `draft_cache.DraftContextCache` of the positions before the anchor
     (anchor position = cache.length): only the block's own tokens go through the projections."""
-    return drafter.logits(draft_hidden_cached(drafter, cache, anchor_id))
+    return drafter.logits(draft_hidden_cached(drafter, cache, anchor_id, length))
 
 
 @torch.no_grad()
-def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int) -> torch.Tensor:
-    """`draft_logits_cached` before the head: the block's normed hidden states [B, H]."""
+def draft_hidden_cached(drafter: DFlashDrafter, cache: DraftContextCache, anchor_id: int,
+                        length: Optional[int] = None) -> torch.Tensor:
+    """`draft_logits_cached` before the head: the block's normed hidden states [length or B, H]."""
     device = drafter.fc.weight.device
-    block = drafter.block_input_ids(torch.tensor([[anchor_id]], device=device))[0]
-    block_positions = (cache.length + torch.arange(drafter.block_size, device=device))[None]
+    block = drafter.inference_block(anchor_id, length)
+    block_positions = (cache.length + torch.arange(block.shape[1], device=device))[None]
     hidden = drafter.embed_tokens(block).to(drafter.fc.weight.dtype)
     rope = drafter.rotary_emb(hidden, block_positions)
     for layer, rule, kv in zip(drafter.layers, drafter.layer_rules, cache.layers):
-        key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
-        attend = _attend_by_rule(block_positions, key_positions, rule)
+        if rule.restricts:
+            key_positions = torch.cat([kv.positions(), block_positions[0]])[None]
+            attend = _attend_by_rule(block_positions, key_positions, rule)
+        else:
+            attend = _attend_all       # every key visible: no positions to compare
         hidden = layer(hidden, None, rope, attend, (kv.keys, kv.values))
     return cast(torch.Tensor, drafter.norm(hidden))[0]
 

@@ -68,6 +68,12 @@ class DFlash2Draft(DFlashDraft):
     def drafter(self) -> DFlash2Drafter:
         return cast("DFlash2Drafter", self.model)
 
+    @property
+    def drafted_length(self) -> int:
+        """The whole block: DFlash 2's convolutions run over whole blocks, so with `draft_tokens` k
+        < B - 1 the block is drafted whole and its path's first k tokens are proposed."""
+        return self.block_size
+
     def reset(self) -> None:
         super().reset()
         self._last_block = None
@@ -81,7 +87,7 @@ class DFlash2Draft(DFlashDraft):
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
         self._score_last_block(committed)
         with torch.no_grad():
-            hidden = self._block_hidden(features, int(committed[-1]))[1:1 + k]
+            hidden = self._block_hidden(features, int(committed[-1]))[1:1 + min(k, self.proposed)]
             unary = self.drafter.logits(hidden)
             walk = self.drafter.selector.walk(unary, hidden, int(committed[-1]), temperature, self.generator)
         self._last_block = (anchor_pos, walk.candidates)
@@ -121,19 +127,22 @@ class DFlash2Draft(DFlashDraft):
         return total
 
 
-def load_draft(checkpoint: str, target_model: PreTrainedModel) -> DFlashDraft:
+def load_draft(checkpoint: str, target_model: PreTrainedModel, draft_tokens: int = 0) -> DFlashDraft:
     """The checkpoint's drafter as the decoder's `dflash` method: a DFlash 2 drafter drafts its
-    selector's path (DFlash2Draft), a DFlash drafter its head's argmax (or samples)."""
+    selector's path (DFlash2Draft), a DFlash drafter its head's argmax (or samples); `draft_tokens`
+    a step (eval.draft_tokens; 0: B - 1)."""
     from dflash.drafter.checkpoint import load_drafter
     from dflash.drafter.dflash2 import DFlash2Drafter
 
     model = load_drafter(checkpoint, target_model)
-    return DFlash2Draft(model=model) if isinstance(model, DFlash2Drafter) else DFlashDraft(model=model)
+    if isinstance(model, DFlash2Drafter):
+        return DFlash2Draft(model=model, draft_tokens=draft_tokens)
+    return DFlashDraft(model=model, draft_tokens=draft_tokens)
 
 
 def unary_draft(draft: DFlash2Draft) -> DFlashDraft:
     """The same DFlash 2 drafter drafting its unary argmax (`dflash_unary`): the selector switched off."""
-    return DFlashDraft(model=draft.model, name=UNARY, use_cache=draft.use_cache)
+    return DFlashDraft(model=draft.model, name=UNARY, use_cache=draft.use_cache, draft_tokens=draft.draft_tokens)
 
 
 def with_unary(draft: DFlashDraft) -> list[DFlashDraft]:

@@ -6,18 +6,20 @@ For each method (target alone, the DFlash drafter, prompt lookup) a fresh engine
 one request at a time:
 
 * SGLang: `--speculative-algorithm DFLASH --speculative-draft-model-path DIR
-  --speculative-num-draft-tokens B` (prompt lookup: `NGRAM`); `POST /generate` with `input_ids`
-  and `sampling_params`; per request `meta_info` carries `spec_verify_ct` (verify steps),
-  `spec_num_correct_drafts` (accepted draft tokens) and `spec_correct_drafts_histogram` (steps per
-  number of accepted drafts) (SGLang 0.5.19 `tokenizer_manager._calculate_spec_decoding_metrics`).
-  Hybrid targets add `--mamba-scheduler-strategy extra_buffer` (0.5.19: a deprecated alias of
+  --speculative-num-draft-tokens k+1` (k = eval.draft_tokens, default and at most B-1; prompt
+  lookup: `NGRAM`, B); `POST /generate` with `input_ids` and `sampling_params`; per request
+  `meta_info` carries `spec_verify_ct` (verify steps), `spec_num_correct_drafts` (accepted draft
+  tokens) and `spec_correct_drafts_histogram` (steps per number of accepted drafts) (SGLang 0.5.19
+  `tokenizer_manager._calculate_spec_decoding_metrics`). Hybrid targets add
+  `--mamba-scheduler-strategy extra_buffer` (0.5.19: a deprecated alias of
   `--mamba-radix-cache-strategy`, kept because generation's SGLang 0.5.10.post1 knows only it).
-* vLLM: `--speculative-config {"method": "dflash", "model": DIR, "num_speculative_tokens": B-1}`
-  (prompt lookup: method `ngram`); `POST /v1/completions` with the token ids as `prompt` and
+* vLLM: `--speculative-config {"method": "dflash", "model": DIR, "num_speculative_tokens": k}`
+  (k = eval.draft_tokens, default and at most B-1, as the in-process drafter drafts; prompt lookup:
+  method `ngram`, B-1); `POST /v1/completions` with the token ids as `prompt` and
   `return_token_ids`; the Prometheus counters of `GET /metrics` (drafts, accepted tokens per
-  position) read before and after each request. A drafter mixing sliding and full layers, and a
-  DFlash 2 drafter, run on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; otherwise
-  `_resolve_layer_attention` raises, and the V1 runner refuses candidate-head drafts).
+  position, k of them) read before and after each request. A drafter mixing sliding and full
+  layers, and a DFlash 2 drafter, run on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`;
+  otherwise `_resolve_layer_attention` raises, and the V1 runner refuses candidate-head drafts).
 
 Tokens/s = completion tokens over the wall time of the requests (one in flight, as the in-process
 eval); speedup over the same engine's target-only run.
@@ -113,6 +115,12 @@ def drafter_layer_types(drafter: Path) -> list[str]:
     return list(json.loads(path.read_text(encoding="utf-8")).get("layer_types") or [])
 
 
+def draft_tokens(profile: Profile, block: int) -> int:
+    """k, the DFlash drafts a step: eval.draft_tokens, 0 meaning B - 1, and at most B - 1 (the
+    in-process drafter's rule, dflash.eval.dflash_drafter)."""
+    return min(profile.eval.draft_tokens or block - 1, block - 1)
+
+
 def _sglang_args(profile: Profile, target: Path, method: str, drafter: Path, block: int, port: int) -> list[str]:
     args = ["--model-path", str(target), "--host", "127.0.0.1", "--port", str(port),
             "--tp-size", str(profile.generate.tp_size), "--dtype", profile.model.dtype,
@@ -124,7 +132,7 @@ def _sglang_args(profile: Profile, target: Path, method: str, drafter: Path, blo
         args += ["--mamba-scheduler-strategy", "extra_buffer"]
     if method == "dflash":
         args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter),
-                 "--speculative-num-draft-tokens", str(block)]
+                 "--speculative-num-draft-tokens", str(draft_tokens(profile, block) + 1)]  # a block of k drafts + 1
     elif method == "prompt_lookup":
         args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(block)]
     return args
@@ -132,7 +140,8 @@ def _sglang_args(profile: Profile, target: Path, method: str, drafter: Path, blo
 
 def _vllm_args(profile: Profile, target: Path, method: str, drafter: Path, block: int, port: int) -> list[str]:
     args = vllm_base_args(profile, target, port)
-    speculative = {"dflash": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block - 1},
+    speculative = {"dflash": {"method": "dflash", "model": str(drafter),
+                              "num_speculative_tokens": draft_tokens(profile, block)},   # as in-process
                    "prompt_lookup": {"method": "ngram", "num_speculative_tokens": block - 1,
                                      "prompt_lookup_max": profile.eval.prompt_lookup_max_ngram,
                                      "prompt_lookup_min": 1}}.get(method)

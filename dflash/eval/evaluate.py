@@ -76,6 +76,18 @@ def load_target(profile: Profile) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     return model, load_tokenizer(tokenizer_dir_for(profile)), path
 
 
+def prepare_cpu_decoding(profile: Profile, model: PreTrainedModel, draft: DFlashDraft) -> int:
+    """eval.cpu_matmul = "auto": the target's and the drafter's linear layers on a float32 CPU run
+    the faster kernel per row count (dflash.eval.cpu_kernels), for every decoding method alike;
+    returns how many layers were switched (0 on a GPU or another dtype, or with "torch")."""
+    if profile.eval.cpu_matmul != "auto":
+        return 0
+    from dflash.eval.cpu_kernels import use_fast_cpu_linears
+
+    draft.model.requires_grad_(False)
+    return use_fast_cpu_linears(model) + use_fast_cpu_linears(draft.model) + use_fast_cpu_linears(draft.head())
+
+
 @contextlib.contextmanager
 def cpu_threads(model: PreTrainedModel, threads: int) -> Iterator[None]:
     """Decoding on CPU: a fixed thread count for every method (0 keeps torch's default); restored after."""
@@ -133,7 +145,8 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     model, tokenizer, target_path = load_target(profile)
-    draft = load_draft(str(checkpoint), model)
+    draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    prepare_cpu_decoding(profile, model, draft)
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
     seed = profile.eval.seed if options.seed is None else options.seed
     settings = DecodeSettings(block_size=draft.block_size, temperature=temperature,
@@ -177,10 +190,22 @@ class _SetDecoder:
             results = decode_prompts(self.model, [*with_unary(self.draft), lookup], prompts, self.settings,
                                      self.context.seed or 0, self.draft.layer_ids)
         context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
-                          prompt_set=prompt_set_label(prompts_path))
+                          prompt_set=prompt_set_label(prompts_path), baseline=inprocess_baseline(self.profile, threads))
         report = build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
                               context=context)
         return with_selector_figures(report, self.draft, len(prompts))
+
+
+def inprocess_baseline(profile: Profile, threads: int) -> str:
+    """How target-only decoding, the speedup's baseline, runs in-process (the drafting methods run the same way)."""
+    from dflash.compat import transformers_version
+
+    kernels = ("; linear layers on the faster CPU kernel per row count (eval.cpu_matmul auto)"
+               if profile.eval.cpu_matmul == "auto" and profile.machine.device == "cpu" else "")
+    return (f"target alone = this loop with no drafter: one cached forward a token (transformers "
+            f"{transformers_version()} DynamicCache), {profile.model.dtype}, {threads} torch thread(s){kernels}; "
+            f"as fast as transformers' generate on the same model and cache (benchmarks/bench_step_cost.py); "
+            f"DFlash and prompt lookup run the same loop, model, cache, dtype and threads")
 
 
 def _write_set(report: EvalReport, directory: Path, metrics_path: Optional[Path]) -> list[Path]:

@@ -28,11 +28,17 @@ When the in-process gain is itself within STANDARD_ERRORS standard errors of zer
 cannot tell a dead served drafter from this one: the row says so (`conclusive` false) and only the
 losslessness and per-prompt rules decide. Prompt lookup is shown, not gated: the engines' n-gram
 proposers match differently from ours, and vLLM counts only the steps where it proposed something.
+
+The per-position figures cover slots 1..B-1 on both sides. With `eval.draft_tokens` k < B - 1 the
+engines draft only k slots (vLLM's counters list k positions, SGLang's histogram stops at k): a
+slot one side does not list accepted nothing there and counts as 0 (`positions_of_histogram`
+pads to B - 1; the summary pads whichever list is shorter).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Optional, Sequence
 
 from dflash.eval.records import TARGET, ParityRow
@@ -271,8 +277,9 @@ def parity_summary(parity: dict[str, ParityRow]) -> list[str]:
     lines = [f"served vs in-process, same token ids (gate on dflash: {RULE}):"]
     for name, row in parity.items():
         tau = f"tau {_fmt(row.served_tau)} vs {_fmt(row.inprocess_tau)}" if row.served_tau is not None else "tau -"
-        positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(row.served_position_acceptance or [],
-                                                                  row.inprocess_position_acceptance or []))
+        positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip_longest(row.served_position_acceptance or [],
+                                                                          row.inprocess_position_acceptance or [],
+                                                                          fillvalue=0.0))
         gate = {True: "  PASS", False: "  FAIL", None: ""}[row.within_tolerance]
         diverged = "" if row.same_tokens_as_inprocess else f" (first divergence: {row.first_divergence})"
         lines.append(f"  {name:<14} {tau}  per position {positions or '-'}  lossless "

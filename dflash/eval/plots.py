@@ -1,6 +1,9 @@
 """PNG plots (matplotlib, headless): training curves and the eval's acceptance figures.
 
-* `training.png`: loss and simulated acceptance length (sim_tau) over steps, from metrics.jsonl.
+* `training.png`: loss and acceptance length tau over steps, from metrics.jsonl: on the training
+  batches (`loss`, `sim_tau`) and, with train.validation_share, on the held-out rows beside them
+  (`val_loss`, `val_tau`, the best step marked). tau is accepted draft tokens + 1 per block, as eval
+  counts it.
 * `tau_histogram.png`: share of draft steps with tau = 1..B, one bar group per drafting method.
 * `position_acceptance.png`: acceptance at each block position, one line per drafting method.
 """
@@ -61,13 +64,33 @@ def plot_training(metrics: list[dict[str, object]], path: str | Path) -> Path:
     plt = _pyplot()
     figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = [row["step"] for row in metrics]
-    loss_axis.plot(steps, [row.get("loss") for row in metrics], color="tab:red")
-    loss_axis.set(title="training loss", xlabel="step", ylabel="loss")
-    tau_axis.plot(steps, [row.get("sim_tau") for row in metrics], color="tab:blue")
-    tau_axis.set(title="simulated acceptance length", xlabel="step", ylabel="sim tau")
+    loss_axis.plot(steps, [row.get("loss") for row in metrics], color="tab:red", label="training batches")
+    tau_axis.plot(steps, [row.get("sim_tau") for row in metrics], color="tab:blue", label="training batches (estimate)")
+    held_steps, held_losses, taus = held_out_series(metrics)
+    if held_steps:
+        loss_axis.plot(held_steps, held_losses, color="tab:orange", marker="o", label="held-out rows")
+        tau_axis.plot(held_steps, taus, color="tab:green", marker="o", label="held-out rows")
+        # the trainer's rule (dflash.train.validation): highest tau, then lower loss, then the earlier step
+        best = max(range(len(taus)), key=lambda i: (taus[i], -held_losses[i], -held_steps[i]))
+        tau_axis.annotate(f"best {taus[best]:.3f} (step {held_steps[best]})", (held_steps[best], taus[best]),
+                          textcoords="offset points", xytext=(-60, 8), fontsize=8)
+    loss_axis.set(title="loss", xlabel="step", ylabel="loss")
+    tau_axis.set(title="acceptance length (accepted + 1 per block)", xlabel="step", ylabel="tau")
     for axis in (loss_axis, tau_axis):
         axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
     return _save(figure, Path(path))
+
+
+def held_out_series(metrics: list[dict[str, object]]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, held-out loss, held-out tau) of the metrics lines that carry a validation (train.validation_share)."""
+    rows = [row for row in metrics if _number(row.get("val_tau")) is not None and _number(row.get("val_loss")) is not None]
+    return ([int(_number(row["step"]) or 0) for row in rows], [_number(row["val_loss"]) or 0.0 for row in rows],
+            [_number(row["val_tau"]) or 0.0 for row in rows])
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def plot_tau_histogram(report: EvalReport, path: str | Path) -> Path:

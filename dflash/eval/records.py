@@ -6,7 +6,8 @@ and what plots, `status` (through the manifest's eval entry), the pipeline and t
 field. Layout, version 2 (version 1, without `report_version`, is read the same way):
 
     {report_version, profile, target, checkpoint, seed, prompts_file, prompt_set, max_new_tokens,
-     torch_threads (in-process), served_drafter (engine evals), engine (engine evals),
+     torch_threads (in-process), served_drafter (engine evals), baseline (how target-only decoding ran),
+     engine (engine evals),
      block_size, temperature, num_prompts,
      methods: {name: MethodFigures},
      prompts: [{id, prompt_tokens, methods: {name: MethodFigures}}]   (in-process),
@@ -172,6 +173,7 @@ class ReportContext:
     max_new_tokens: Optional[int] = None
     torch_threads: Optional[int] = None     # in-process: torch's thread count while decoding
     served_drafter: Optional[str] = None    # engine evals: the drafter exported for the engine
+    baseline: Optional[str] = None          # how target-only decoding (the speedup's baseline) ran
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -182,7 +184,8 @@ class ReportContext:
                    checkpoint=data.text_or_none("checkpoint"), seed=data.integer_or_none("seed"),
                    prompts_file=data.text_or_none("prompts_file"), prompt_set=data.text_or_none("prompt_set"),
                    max_new_tokens=data.integer_or_none("max_new_tokens"),
-                   torch_threads=data.integer_or_none("torch_threads"), served_drafter=data.text_or_none("served_drafter"))
+                   torch_threads=data.integer_or_none("torch_threads"), served_drafter=data.text_or_none("served_drafter"),
+                   baseline=data.text_or_none("baseline"))
 
 
 @dataclass(frozen=True)

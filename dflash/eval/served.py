@@ -102,7 +102,8 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
                        eval_dir / "logs", launch)
     context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
                             prompts_file=str(prompts_path), prompt_set=prompt_set_label(prompts_path),
-                            max_new_tokens=settings.max_new_tokens, seed=settings.seed, served_drafter=str(drafter))
+                            max_new_tokens=settings.max_new_tokens, seed=settings.seed, served_drafter=str(drafter),
+                            baseline=served_baseline(engine, profile))
     report = engine_report(engine, runs, block_size=settings.block_size, temperature=settings.temperature,
                            context=context)
     report = replace(report, parity=parity_rows(runs, inprocess), inprocess=inprocess.report.without_prompts())
@@ -123,6 +124,16 @@ def served_side(run: EngineRun, target: Optional[EngineRun]) -> SideFigures:
     prompts = [PromptAcceptance(p.token_ids, p.steps, p.accepted) for p in run.prompts]
     lossless = None if target is None or run is target else _same_output(run, target)
     return SideFigures(prompts, run.histogram, run.position_acceptance, lossless)
+
+
+def served_baseline(engine: str, profile: Profile) -> str:
+    """How the served target alone, the speedup's baseline, runs: the same server as each drafting method's."""
+    flags = f"--dtype {profile.model.dtype}"
+    if engine == "vllm":
+        flags += (" --enforce-eager" if profile.generate.vllm_enforce_eager else "") + \
+                 (f", KV cache {profile.generate.vllm_cpu_kvcache_gib} GiB" if profile.machine.device == "cpu" else "")
+    return (f"target alone = {engine} serving the target with the same flags ({flags}) and no speculative "
+            f"method; every method on a fresh server, one request in flight")
 
 
 def engine_settings(profile: Profile, options: EvalOptions) -> EngineSettings:
@@ -190,13 +201,21 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
                      settings: EngineSettings) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does."""
     from dflash.eval.dflash2_drafter import load_draft
-    from dflash.eval.evaluate import cpu_threads, decode_prompts, encode_prompts, load_target, stop_token_ids
+    from dflash.eval.evaluate import (
+        cpu_threads,
+        decode_prompts,
+        encode_prompts,
+        load_target,
+        prepare_cpu_decoding,
+        stop_token_ids,
+    )
     from dflash.eval.prompt_lookup import PromptLookupDrafter
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_draft(str(checkpoint), model)
+    draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    prepare_cpu_decoding(profile, model, draft)
     stops = stop_token_ids(tokenizer, model)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stops)

@@ -18,9 +18,10 @@ drafter's context is extended with the target's features of the committed tokens
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 from dflash.drafter.taps import TapCapture
 
@@ -73,11 +74,38 @@ class NoDrafter:
 
 @dataclass
 class VerifyOutput:
-    logits: "torch.Tensor"                      # [n, V], float32
+    logits: "torch.Tensor"                      # [n, V] float32 (the last n fed positions'; none when lazy)
     features: Optional["torch.Tensor"] = None   # [n, L*H] tap features, when taps were asked for
+    hidden: Optional["torch.Tensor"] = None     # lazy: [n, H] the lm_head's input, its rows put through on demand
+    head: Optional[Callable[["torch.Tensor"], "torch.Tensor"]] = None
+
+    def row(self, index: int) -> "torch.Tensor":
+        """Logits [V] (float32) of fed position `index`. A lazy output computes rows as they are
+        asked for: the first request rows 0 and 1 together (the first draft token's acceptance
+        decides whether row 1 is read, and one matmul over two rows costs about one over one),
+        later ones alone."""
+        if self.hidden is None or index < self.logits.shape[0]:
+            return self.logits[index]
+        import torch
+
+        assert self.head is not None, "a lazy output carries the lm_head"
+        end = index + 1 if self.logits.shape[0] else min(2, self.hidden.shape[0])
+        with torch.inference_mode():
+            fresh = self.head(self.hidden[self.logits.shape[0]:end]).float()
+        self.logits = torch.cat([self.logits, fresh]) if self.logits.shape[0] else fresh
+        return self.logits[index]
 
 
 ROLLBACKS = ("snapshot", "snapshot-rerun", "reprefill")
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What one target forward returns: logits of its last `logits_for` positions (0: none) and,
+    with `capture_hidden`, the final norm's output (the lm_head's input)."""
+
+    logits_for: int = 1
+    capture_hidden: bool = False
 
 
 class TargetVerifier:
@@ -113,10 +141,15 @@ class TargetVerifier:
         self.hybrid = bool(linear_attention_layers(model.config))
         self.sequential_linear = self.hybrid and not linear_state_continues(version)
         self.cache_keyword = cache_keyword(model)
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.final_norm = final_norm(model) if self.logits_to_keep else None
+        # lazy logits on a CPU (checked at the first prefill); on a GPU all rows of a block cost about one
+        self.lazy_logits: Optional[bool] = None if self.final_norm is not None and self.device.type == "cpu" else False
         self.cache: Optional[Cache] = None
         self._cached: list[int] = []     # tokens whose state the cache holds
         self._pending: list[int] = []    # committed tokens to feed again before the next tokens
         self._snapshot: Optional[tuple[int, LinearSnapshot]] = None   # (cached length, linear states) before the last forward
+        self._asked = _Asked()          # what the next forward returns besides the taps
 
     def reset(self) -> None:
         self.cache, self._cached, self._pending, self._snapshot = None, [], [], None
@@ -126,16 +159,48 @@ class TargetVerifier:
         """Committed positions (those in the cache and those waiting to be fed again)."""
         return len(self._cached) + len(self._pending)
 
-    def forward(self, token_ids: Sequence[int], with_features: bool = False) -> VerifyOutput:
-        """Feed `token_ids` after the committed prefix; logits (and taps) of every fed position."""
-        logits, features = self._run(self._pending + list(token_ids), with_features and self.layer_ids is not None)
+    def forward(self, token_ids: Sequence[int], with_features: bool = False,
+                logits_for: Optional[int] = None, lazy: bool = False) -> VerifyOutput:
+        """Feed `token_ids` after the committed prefix; taps of every fed position and logits of the
+        last `logits_for` of them (None: all; the prefill needs the last one only): the lm_head, a
+        vocabulary-wide matmul per position, runs only for those. `lazy` (greedy verification):
+        no logits yet; `VerifyOutput.row(i)` puts position i alone through the lm_head when the
+        acceptance reaches it (where this target's logits are the lm_head of its final norm's
+        output: checked once, at the first prefill)."""
         count = len(token_ids)
-        return VerifyOutput(logits=logits[-count:], features=None if features is None else features[-count:])
+        taps = with_features and self.layer_ids is not None
+        fed = self._pending + list(token_ids)
+        if lazy and self.lazy_logits:
+            self._asked = _Asked(logits_for=0, capture_hidden=True)
+            _, features, hidden = self._run(fed, taps)
+            assert hidden is not None, "the final norm's hook captured its output"
+            return VerifyOutput(logits=hidden.new_zeros(0, 0), features=None if features is None else features[-count:],
+                                hidden=hidden[-count:], head=self.model.get_output_embeddings())
+        wanted = count if logits_for is None else max(1, min(logits_for, count))
+        self._asked = _Asked(logits_for=wanted, capture_hidden=self.lazy_logits is None)
+        logits, features, hidden = self._run(fed, taps)
+        if hidden is not None:
+            self._check_lazy_logits(hidden[-1:], logits[-1])
+        return VerifyOutput(logits=logits[-wanted:], features=None if features is None else features[-count:])
 
-    def _run(self, fed: list[int], want_taps: bool) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
-        """One forward of `fed` (pending tokens first). On a hybrid target the linear-attention
-        state right after the pending tokens, i.e. right before the new ones, is kept for `rollback`."""
+    def _check_lazy_logits(self, hidden: "torch.Tensor", logits: "torch.Tensor") -> None:
+        """Lazy rows are right when the lm_head of the final norm's output gives the model's logits
+        (not, e.g., for a model that soft-caps or scales them after the head)."""
         import torch
+
+        with torch.inference_mode():
+            own = self.model.get_output_embeddings()(hidden)[0].float()
+        self.lazy_logits = bool(torch.allclose(own, logits, rtol=1e-4, atol=1e-4))
+
+    def _run(self, fed: list[int], want_taps: bool) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
+        """One forward of `fed` (pending tokens first) -> the logits of its last `logits_for` positions
+        (0: none), the taps, and with `capture_hidden` the final norm's output [n, H] (`_asked`, set
+        by `forward`, then back to one logits row). On a hybrid target the linear-attention state
+        right after the pending tokens, i.e. right before the new ones, is kept for `rollback`."""
+        import torch
+
+        logits_for, capture_hidden = self._asked.logits_for, self._asked.capture_hidden
+        self._asked = _Asked()
 
         from dflash.eval.target_cache import LinearPlan, linear_attention_plan, output_cache, snapshot_linear_state
 
@@ -145,16 +210,23 @@ class TargetVerifier:
         ids = torch.tensor([fed], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(fed), device=self.device)[None]
         cache = {self.cache_keyword: self.cache} if self.cache is not None else {}
+        kept: object = logits_for if logits_for else torch.zeros(0, dtype=torch.long, device=self.device)
+        keep_logits = {"logits_to_keep": kept} if self.logits_to_keep else {}
+        captured: list["torch.Tensor"] = []
         with torch.inference_mode(), contextlib.ExitStack() as stack:
             before = snapshot_linear_state(self._live_cache()) if keep and not split else None
             capture = stack.enter_context(TapCapture(self.model, self.layer_ids or ())) if want_taps else None
             stack.enter_context(linear_attention_plan(self.model, plan))
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache)
+            if capture_hidden and self.final_norm is not None:
+                hook = self.final_norm.register_forward_hook(lambda _m, _i, output: captured.append(output))
+                stack.callback(hook.remove)
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **cache, **keep_logits)
         self._snapshot = (start + split, before if before is not None else plan.snapshot()) if keep else None
         self.cache = output_cache(out) if self.cache is None else self.cache
         self._cached, self._pending = self._cached + fed, []
         features = capture.features()[0] if capture is not None else None
-        return out.logits[0].float(), features
+        logits = out.logits[0, -logits_for:].float() if logits_for else out.logits[0, :0].float()
+        return logits, features, (captured[-1][0] if captured else None)
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (rejected draft tokens go)."""
@@ -236,6 +308,27 @@ def accept_greedy(draft: Sequence[int], logits: "torch.Tensor") -> tuple[int, in
     return accepted, targets[accepted]
 
 
+def accept_greedy_rows(draft: Sequence[int], out: VerifyOutput) -> tuple[int, int]:
+    """`accept_greedy` reading the target's logits one position at a time (`VerifyOutput.row`):
+    a lazy verify output puts through the lm_head only the positions the acceptance reaches."""
+    accepted = 0
+    while True:
+        target = int(out.row(accepted).argmax())
+        if accepted < len(draft) and draft[accepted] == target:
+            accepted += 1
+            continue
+        return accepted, target
+
+
+def final_norm(model: "PreTrainedModel") -> Optional["torch.nn.Module"]:
+    """The decoder's final norm (its output is the lm_head's input), or None where it has none."""
+    import torch
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    return norm if isinstance(norm, torch.nn.Module) else None
+
+
 def accept_sampling(proposal: Proposal, logits: "torch.Tensor", temperature: float,
                     generator: Optional["torch.Generator"]) -> tuple[int, int]:
     """(accepted, bonus) by the speculative rejection rule; preserves the target's distribution."""
@@ -273,7 +366,7 @@ def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: S
     started = time.perf_counter()
     verifier.reset()
     drafter.reset()
-    prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features)
+    prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features, logits_for=1)
     committed = list(prompt_ids) + [pick_token(prefill.logits[-1], settings.temperature, generator)]
     state = _LoopState(committed=committed, features=prefill.features, prompt_len=len(prompt_ids))
     while not state.finished(settings):
@@ -311,9 +404,10 @@ def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, setting
 
     proposal = drafter.propose(state.committed, state.features, settings.block_size - 1, settings.temperature)
     proposal.tokens = list(proposal.tokens)[: settings.block_size - 1]
-    out = verifier.forward([state.committed[-1]] + proposal.tokens, with_features=drafter.uses_features)
-    if settings.temperature <= 0:
-        accepted, bonus = accept_greedy(proposal.tokens, out.logits)
+    greedy = settings.temperature <= 0
+    out = verifier.forward([state.committed[-1]] + proposal.tokens, with_features=drafter.uses_features, lazy=greedy)
+    if greedy:
+        accepted, bonus = accept_greedy_rows(proposal.tokens, out)
     else:
         accepted, bonus = accept_sampling(proposal, out.logits, settings.temperature, generator)
     state.committed += proposal.tokens[:accepted] + [bonus]

@@ -86,6 +86,11 @@ def build_request_body(prompt: PromptRecord, sampling: SamplingParams, backend: 
         body["model"] = model
     if prompt.tools:
         body["tools"] = list(prompt.tools)
+        if backend == "vllm":
+            # vLLM refuses tools under its default tool_choice "auto" unless it parses calls
+            # (--enable-auto-tool-choice --tool-call-parser); with "none" it still renders the tools
+            # into the prompt and returns the model's call as text, as `transformers serve` does
+            body["tool_choice"] = "none"
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 

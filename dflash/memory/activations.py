@@ -41,16 +41,28 @@ def drafter_activations_mib(workload: Workload, in_layer_backward: bool = True) 
     (transformers' Qwen3RMSNorm) still keeps its float32 upcast of the input, then a bf16 normalised
     copy and a bf16 output. With train.activation_checkpointing = "layers" each draft layer keeps
     only its input, and one layer's activations exist again while it is recomputed in its backward
-    (`in_layer_backward`; not yet in the loss's backward). Beside them, flex's BlockMasks (one per
-    layer rule, kept through the backward), or the moment the last one is built when that is
-    larger (`memory.attention_masks`)."""
+    (`in_layer_backward`; not yet in the loss's backward). A layer's backward peaks in its MLP's
+    backward (traced: `layers.k.mlp`), where the gradients of the gate and up outputs and of their
+    product are alive beside the saved intermediates (`_mlp_backward_bytes`), and by then the final
+    norm and the loss's rows have been freed by the loss's backward (`_final_bytes` counts only
+    there). Without checkpointing every layer's activations are saved and the traced peak is the
+    loss's backward: both moments count the final norm and the loss's rows. Beside them, flex's BlockMasks (one per layer rule, kept through the backward), or the
+    moment the last one is built when that is larger (`memory.attention_masks`)."""
     layer = _layer_key_bytes(workload) + _layer_block_bytes(workload)
     if workload.checkpointed:       # each layer keeps its input; one layer's activations exist again in its backward
         layers = workload.drafter_layers * _layer_input_bytes(workload) + (layer if in_layer_backward else 0)
     else:
         layers = workload.drafter_layers * layer
-    saved = (_context_bytes(workload) + layers + _final_bytes(workload)) / MIB
+    moment = _mlp_backward_bytes(workload) if in_layer_backward and workload.checkpointed else _final_bytes(workload)
+    saved = (_context_bytes(workload) + layers + moment) / MIB
     return max(saved + block_masks_mib(workload), mask_build_peak_mib(workload))
+
+
+def _mlp_backward_bytes(workload: Workload) -> int:
+    """In an MLP's backward, beyond its saved activations: down_proj's input, once used, is freed,
+    while the gradient of that product and those of the gate and up outputs exist (three new
+    [block tokens x intermediate] tensors for one freed: two more than the layer saved)."""
+    return 2 * workload.block_tokens * workload.target.intermediate * _low_bytes(workload)
 
 
 def _layer_input_bytes(workload: Workload) -> int:
@@ -107,7 +119,21 @@ def _layer_block_bytes(workload: Workload) -> int:
     norms = 2 * s.hidden * _norm_bytes(workload)
     attention = _projection_input_copies(workload, 1) * s.hidden * lo + q_dim * (f + lo + lo) + 2 * q_dim * lo
     mlp = _projection_input_copies(workload, 2) * s.hidden * lo + 4 * s.intermediate * lo
-    return workload.block_tokens * (norms + attention + mlp)
+    return workload.block_tokens * (norms + attention + mlp + 2 * _conv_bytes(workload))
+
+
+def _conv_bytes(workload: Workload) -> int:
+    """DFlash 2: one sublayer's convolutions per block token (0 for DFlash). `prepare` keeps the dynamic
+    kernels [2 x k x groups] (the projection's output) and, under autocast, the projection's bf16 copy of
+    the normed input; the convolved input is a new [H] tensor the sublayer reads (float32 as the norm's
+    output, bf16 in bf16 compute); `finish` keeps the sublayer's output [H] (the residual add saved none).
+    The convolutions themselves are checkpointed: only their inputs are kept."""
+    parts, s, lo = workload.dflash2, workload.target, _low_bytes(workload)
+    if parts is None:
+        return 0
+    kernels = 2 * parts.conv_kernel_size * (s.hidden // parts.conv_group_size) * lo
+    convolved = s.hidden * (lo if _bf16_compute(workload) else FP32_BYTES)
+    return kernels + _projection_input_copies(workload, 1) * s.hidden * lo + convolved + s.hidden * lo
 
 
 def _final_bytes(workload: Workload) -> int:
@@ -117,3 +143,19 @@ def _final_bytes(workload: Workload) -> int:
     row_bytes = _low_bytes(workload) if _bf16_compute(workload) else f
     return workload.block_tokens * s.hidden * _norm_bytes(workload) + rows * s.hidden * row_bytes
 
+
+def selector_activations_mib(workload: Workload, backward: bool = False) -> float:
+    """DFlash 2's selector over one sequence's supervised slots (dflash.drafter.loss.selector_terms), 0 for
+    DFlash. In its forward: the successor codebook's rows of K + 1 candidates [rank] each, looked up in the
+    compute dtype (and autocast's bf16 copy over float32 ones, for the batched product), the predecessor
+    rows, the projected hidden state, their product and its copy [rank]. In its backward (`backward`): the
+    product's saved candidate rows and their gradient, in the product's dtype, and the [rank] tensors."""
+    parts = workload.dflash2
+    if parts is None:
+        return 0.0
+    compute = BF16_BYTES if _bf16_compute(workload) else FP32_BYTES
+    lo = _low_bytes(workload)
+    per_candidate = 2 * lo if backward else compute + (lo if compute != lo else 0)
+    candidates = (parts.selector_top_k + 1) * parts.selector_rank * per_candidate
+    context = parts.selector_rank * (2 * compute + 2 * lo)
+    return workload.supervised_slots * (candidates + context) / MIB

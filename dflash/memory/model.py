@@ -29,6 +29,11 @@ What one rank allocates through torch is modelled as
   "every_micro_batch"`: reduce-scattered as each backward ends), or every parameter's unsharded
   float32 gradient ("last_micro_batch": reduced once, by the last micro-batch).
 
+DFlash 2 (`drafter.kind = "dflash2"`, the Workload's `dflash2`): its convolutions are part of every
+draft layer's unit, its candidate selector (two [vocab, rank] codebooks and a projection) a unit of
+its own (`conv_tensors`, `selector_tensors`); the selector's forward, backward and gradient reduction
+are moment lines of their own (docs/memory.md).
+
 The gradient reduction runs inside the backward, one unit at a time: its own buffers are the
 reduce-scatter's float32 input (the unit's unsharded, padded size) and output (this rank's shard),
 `MemoryEstimate.reduction_buffers`. Between steps (`MemoryEstimate.between_steps`, independent of
@@ -53,7 +58,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash.memory.activations import drafter_activations_mib, tap_features_mib, target_activations_mib
+from dflash.memory.activations import drafter_activations_mib, selector_activations_mib, tap_features_mib, target_activations_mib
 from dflash.memory.attention_masks import MIB
 from dflash.memory.workload import LOGITS_CHUNK_TOKENS, Workload, workload_from_profile
 
@@ -101,6 +106,14 @@ class MemoryEstimate:
     update_temporaries: float = 0.0     # during optimizer.step, on top of static + gradient shards
     checkpoint_gather: float = 0.0      # during a checkpoint save: the largest tensor, gathered whole
     accumulated: float = 0.0            # gradients alive in a later micro-batch's forward/backward
+    selector_gathered: float = 0.0      # DFlash 2: beside static in the selector's forward (0: no selector)
+    selector_backward: float = 0.0      # DFlash 2: beside static in the selector's backward (gathered again)
+    selector_reduction: float = 0.0     # DFlash 2: beside static in the selector's gradient reduction
+    selector_activations: float = 0.0   # DFlash 2: the selector's own tensors in its forward, per sequence
+    selector_backward_activations: float = 0.0  # DFlash 2: its saved tensors and their gradients, per sequence
+    selector_reduce_held: float = 0.0   # DFlash 2: of `selector_reduction`, what a tracker calls gradients (the
+                                        # reduce-scatter input; on one rank the codebook gradient still held)
+    root_gathered: float = 0.0          # the root unit gathered beside DFlash 2's selector (several ranks)
     rank_share: int = 1                 # sequences per rank per step: below it, micro-batches accumulate
     world_size: int = 1
 
@@ -127,12 +140,31 @@ class MemoryEstimate:
         """What every moment of a forward/backward stands on (the first micro-batch: no gradient yet)."""
         return self.static + self.autocast_weights + self.held_weights
 
-    def moment_lines(self) -> tuple[PeakLine, PeakLine, PeakLine]:
-        """The moments that can be a micro-batch's peak, each a line in the micro-batch: the target's
-        forward, the loss's backward, a draft layer's backward."""
-        return (PeakLine("the loss's backward", self.step_static + self.loss_moment, self.per_sequence_at_loss),
-                PeakLine("a draft layer's backward", self.step_static + self.layer_moment, self.per_sequence_in_layer),
-                PeakLine("the target's forward", self.static + self.held_weights, self.per_sequence_in_target))
+    def moment_lines(self) -> tuple[PeakLine, ...]:
+        """The moments that can be a micro-batch's peak, each a line in the micro-batch: the loss's
+        backward, a draft layer's backward, the target's forward (and DFlash 2's selector)."""
+        lines = (PeakLine("the loss's backward", self.step_static + self.loss_moment, self.per_sequence_at_loss),
+                 PeakLine("a draft layer's backward", self.step_static + self.layer_moment, self.per_sequence_in_layer),
+                 PeakLine("the target's forward", self.static + self.held_weights, self.per_sequence_in_target))
+        if self.selector_gathered <= 0:
+            return lines
+        before = self.per_sequence_at_selector - self.selector_activations     # the drafter's, beside the selector's
+        return lines + (PeakLine("the selector's forward", self.step_static + self.selector_gathered,
+                                 self.per_sequence_at_selector),
+                        PeakLine("the selector's backward", self.step_static + self.selector_backward,
+                                 before + self.selector_backward_activations),
+                        PeakLine("the selector's gradient reduction", self.step_static + self.selector_reduction, before))
+
+    def drafter_lines(self) -> tuple[PeakLine, ...]:
+        """The moments of the drafter's forward/backward (all but the target's forward)."""
+        return tuple(line for line in self.moment_lines() if line.moment != "the target's forward")
+
+    @property
+    def per_sequence_at_selector(self) -> float:
+        """The selector's forward/backward: every drafter activation the loss's backward finds, and the
+        selector's own; the logits chunks do not exist yet (the head's chunks are recomputed after)."""
+        drafter = self.drafter_activations if self.drafter_activations_at_loss < 0 else self.drafter_activations_at_loss
+        return self.tap_features + drafter + self.selector_activations
 
     def step_mib(self, micro_batch: int) -> float:
         return max(line.at(micro_batch) for line in self.moment_lines()) + self.accumulated_gradients(micro_batch)
@@ -237,10 +269,39 @@ class PeakModel:
 # --- the drafter's tensors and how FSDP2 shards them ----------------------------------------
 
 def layer_tensors(workload: Workload) -> list[Tensor]:
-    """One draft layer's parameters as (dim 0, rest): q/k/v/o, the MLP, q/k norms, two RMSNorms."""
+    """One draft layer's parameters as (dim 0, rest): q/k/v/o, the MLP, q/k norms, two RMSNorms (and
+    DFlash 2's two convolutions)."""
     h, own, i = workload.target.hidden, workload.drafter_shape, workload.target.intermediate
     return [(own.q_dim, h), (own.kv_dim, h), (own.kv_dim, h), (h, own.q_dim), (i, h), (i, h), (h, i),
-            (own.head_dim, 1), (own.head_dim, 1), (h, 1), (h, 1)]
+            (own.head_dim, 1), (own.head_dim, 1), (h, 1), (h, 1)] + conv_tensors(workload)
+
+
+def conv_tensors(workload: Workload) -> list[Tensor]:
+    """DFlash 2's convolutions of one draft layer (attention_conv, mlp_conv): each a static `base_kernel`
+    [2, k, H] and a `kernel_projection` H -> 2 x k x H / g (dflash.drafter.dflash2.GroupedDynamicCausalConv)."""
+    parts, h = workload.dflash2, workload.target.hidden
+    if parts is None:
+        return []
+    k, groups = parts.conv_kernel_size, h // parts.conv_group_size
+    return [(2, k * h), (2 * k * groups, h)] * 2
+
+
+def selector_tensors(workload: Workload) -> list[Tensor]:
+    """DFlash 2's candidate selector, its own FSDP2 unit (dflash.train.sharding): the predecessor and
+    successor codebooks [vocab, rank] and the hidden projection H -> rank."""
+    parts = workload.dflash2
+    if parts is None:
+        return []
+    rank, vocab = parts.selector_rank, workload.target.vocab
+    return [(vocab, rank), (vocab, rank), (rank, workload.target.hidden)]
+
+
+def dflash2_parameter_counts(workload: Workload) -> dict[str, int]:
+    """The parameters DFlash 2 adds: the convolutions (every layer), the codebooks, the selector's projection."""
+    convolutions = workload.drafter_layers * sum(rows * rest for rows, rest in conv_tensors(workload))
+    selector = selector_tensors(workload)
+    return {"convolutions": convolutions, "codebooks": sum(rows * rest for rows, rest in selector[:2]),
+            "projection": sum(rows * rest for rows, rest in selector[2:])}
 
 
 def root_tensors(workload: Workload) -> list[Tensor]:
@@ -250,7 +311,7 @@ def root_tensors(workload: Workload) -> list[Tensor]:
 
 
 def drafter_tensors(workload: Workload) -> list[Tensor]:
-    return layer_tensors(workload) * workload.drafter_layers + root_tensors(workload)
+    return layer_tensors(workload) * workload.drafter_layers + root_tensors(workload) + selector_tensors(workload)
 
 
 def drafter_params(workload: Workload) -> int:
@@ -294,7 +355,60 @@ def estimate(workload: Workload) -> MemoryEstimate:
         drafter_activations_at_loss=drafter_activations_mib(workload, in_layer_backward=False),
         update_temporaries=ADAMW_UPDATE_TEMPORARIES * master,
         checkpoint_gather=max(rows * rest for rows, rest in drafter_tensors(workload)) * MASTER_BYTES / MIB,
-        accumulated=_accumulated_mib(workload, master), rank_share=workload.rank_share, world_size=world)
+        accumulated=_accumulated_mib(workload, master), rank_share=workload.rank_share, world_size=world,
+        selector_gathered=_selector_gathered_mib(workload), selector_backward=_selector_gathered_mib(workload, copies=1),
+        selector_reduction=_selector_reduction_mib(workload), selector_activations=selector_activations_mib(workload),
+        selector_backward_activations=selector_activations_mib(workload, backward=True), selector_reduce_held=_selector_reduce_held_mib(workload),
+        root_gathered=_root_beside_selector_mib(workload))
+
+
+def _selector_unit(workload: Workload) -> int:
+    """Elements of DFlash 2's selector unit gathered whole (0 without one)."""
+    return gathered_numel(selector_tensors(workload), workload.world_size)
+
+
+def _root_beside_selector_mib(workload: Workload) -> float:
+    """The root unit gathered in the compute dtype while the selector runs: on several ranks it stays
+    gathered from its forward to the end of the backward; on one rank none is traced beside the selector."""
+    if workload.world_size == 1:
+        return 0.0
+    return gathered_numel(root_tensors(workload), workload.world_size) * _compute_bytes(workload) / MIB
+
+
+def _selector_gathered_mib(workload: Workload, copies: int = 2) -> float:
+    """DFlash 2's selector, its own unit, called by the loss after the drafter's forward (the root still
+    gathered): in its forward FSDP2's all-gather buffer and, on several ranks, the unsharded copy out
+    of it (`copies`, traced); gathered again in its backward, the copy alone (copies=1); 0 without a selector."""
+    unit = _selector_unit(workload)
+    if not unit:
+        return 0.0
+    root = _root_beside_selector_mib(workload)
+    return root + unit * _compute_bytes(workload) / MIB * (copies if workload.world_size > 1 else 1)
+
+
+def _selector_reduce_held_mib(workload: Workload) -> float:
+    """Of the selector's reduction (`_selector_reduction_mib`), the reduce-scatter's input on several ranks,
+    the codebook gradient still held on one."""
+    unit = _selector_unit(workload)
+    if workload.world_size == 1:
+        return unit * _compute_bytes(workload) // 2 / MIB
+    return unit * REDUCE_BYTES / MIB
+
+
+def _selector_reduction_mib(workload: Workload) -> float:
+    """The selector's gradient reduction (its weights resharded, its saved tensors freed, the root still
+    gathered), as traced: on several ranks the codebooks' dense gradients in the compute dtype, four
+    [vocab, rank] tensors (twice the gradients), beside the reduce-scatter's float32 input (FSDP2 frees the
+    gradients once copied in, before it allocates the output: `foreach_reduce`); on one rank, where no
+    collective runs, the input and its float32 copy as output with one codebook's gradient still held."""
+    unit = _selector_unit(workload)
+    if not unit:
+        return 0.0
+    world, compute = workload.world_size, _compute_bytes(workload)
+    root = _root_beside_selector_mib(workload)
+    if world == 1:
+        return root + (2 * unit * REDUCE_BYTES + unit * compute // 2) / MIB
+    return root + (2 * unit * compute + unit * REDUCE_BYTES) / MIB
 
 
 def _compute_bytes(workload: Workload) -> int:
@@ -312,21 +426,37 @@ def _reduction_mib(workload: Workload) -> float:
     """What one unit's gradient reduction allocates above what was alive: its float32 input (the
     unit gathered whole) and output (this rank's shard; on one rank as large as the input), with
     the unit's gradients still held (measured on 2 real gloo ranks, tests/train/test_measured_memory.py;
-    on one rank in bf16 compute also a float32 copy of half their size, traced)."""
-    unit = _largest_unit(workload) * REDUCE_BYTES / MIB
+    on one rank in bf16 compute also a float32 copy of half their size, traced). The largest of the
+    draft layers', the root's and DFlash 2's selector's (on one rank with one codebook's gradient in
+    the compute dtype still held, traced)."""
+    world = workload.world_size
+    backbone = max(gathered_numel(layer_tensors(workload), world), gathered_numel(root_tensors(workload), world))
+    selector = _selector_unit(workload)
+    codebook = selector_tensors(workload)[0] if selector else (0, 0)
+    held = codebook[0] * codebook[1] * _compute_bytes(workload) / MIB if world == 1 else 0.0
+    selector_mib = _unit_reduction_mib(workload, selector) + held if selector else 0.0
+    return max(_unit_reduction_mib(workload, backbone), selector_mib)
+
+
+def _unit_reduction_mib(workload: Workload, unit_numel: int) -> float:
+    """A reduction's buffers for a unit of `unit_numel` elements gathered whole (`_reduction_mib`)."""
+    unit = unit_numel * REDUCE_BYTES / MIB
     output = unit / workload.world_size
-    extra = _largest_unit(workload) * _compute_bytes(workload) / MIB if workload.world_size == 1 and workload.bf16_compute else 0.0
+    extra = unit_numel * _compute_bytes(workload) / MIB if workload.world_size == 1 and workload.bf16_compute else 0.0
     return unit + output + extra
 
 
 def _gathered_most_mib(workload: Workload) -> float:
     """The most gathered at once: in a forward's copy-out, the root, the layer, the previous all-gather's
-    kept buffer and the new one (every layer and a buffer when layers stay gathered to their backward)."""
+    kept buffer and the new one (every layer and a buffer when layers stay gathered to their backward);
+    or DFlash 2's selector gathered beside the root."""
     if workload.world_size == 1:
-        return _gathered_mib(workload, layers=1)
-    if not workload.reshard_after_forward:
-        return _gathered_mib(workload, layers=workload.drafter_layers + 2)
-    return _gathered_mib(workload, layers=PREFETCHED_LAYERS + 1)
+        layers = _gathered_mib(workload, layers=1)
+    elif not workload.reshard_after_forward:
+        layers = _gathered_mib(workload, layers=workload.drafter_layers + 2)
+    else:
+        layers = _gathered_mib(workload, layers=PREFETCHED_LAYERS + 1)
+    return max(layers, _selector_gathered_mib(workload))
 
 
 def _gathered_mib(workload: Workload, layers: int) -> float:
@@ -348,9 +478,11 @@ def _autocast_weights_mib(workload: Workload) -> float:
     (with activation checkpointing only the root's and the recomputed layer's)."""
     if workload.bf16_compute or not workload.autocast:
         return 0.0
+    projection = sum(rows * rest for rows, rest in selector_tensors(workload)[2:])    # the codebooks are looked up, not cast
     if workload.checkpointed:
-        return sum(rows * rest for rows, rest in root_tensors(workload)) * workload.dtype_bytes / MIB
-    return drafter_params(workload) * workload.dtype_bytes / MIB
+        return (sum(rows * rest for rows, rest in root_tensors(workload)) + projection) * workload.dtype_bytes / MIB
+    layers = sum(rows * rest for rows, rest in layer_tensors(workload)) * workload.drafter_layers
+    return (layers + sum(rows * rest for rows, rest in root_tensors(workload)) + projection) * workload.dtype_bytes / MIB
 
 
 def _autocast_layer_mib(workload: Workload) -> float:
@@ -361,9 +493,12 @@ def _autocast_layer_mib(workload: Workload) -> float:
 
 
 def _largest_unit(workload: Workload) -> int:
-    """Elements of the largest unit gathered whole (a draft layer, or the root with fc)."""
+    """Elements of the largest unit gathered whole (a draft layer, the root with fc, or DFlash 2's selector:
+    on several ranks its reduce-scatter input is what the next draft layer's backward finds retained; on
+    one rank no collective runs and none is traced)."""
     world = workload.world_size
-    return max(gathered_numel(layer_tensors(workload), world), gathered_numel(root_tensors(workload), world))
+    selector = _selector_unit(workload) if world > 1 else 0
+    return max(gathered_numel(layer_tensors(workload), world), gathered_numel(root_tensors(workload), world), selector)
 
 
 def _accumulated_mib(workload: Workload, master_mib: float) -> float:

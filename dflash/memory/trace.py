@@ -87,7 +87,7 @@ class TracedStep:
     reduction_peak: float           # peak of the gradient reductions (inside the backward)
     update_peak: float              # peak of clipping + optimizer.step
     peak: float
-    peak_categories: dict[str, float] = field(default_factory=dict)
+    peak_categories: dict[str, float] = field(default_factory=dict)     # by category at the micro-batches' peak
     target_layers_run: int = 0
     target_layers_loaded: int = 0
     seconds: float = 0.0
@@ -207,7 +207,7 @@ class PhaseTracking(Protocol):
 
     def live_by_category(self) -> dict[str, int]: ...
 
-    def peak_by_category(self) -> dict[str, int]: ...
+    def peak_by_category(self, phase: str | None = None) -> dict[str, int]: ...
 
     def __enter__(self) -> object: ...
 
@@ -234,6 +234,7 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             self.phase_rises: dict[str, int] = {}
             self.gathered_peak = 0
             self._peak_categories: dict[str, int] = {}
+            self._phase_categories: dict[str, dict[str, int]] = {}
             for tensor in (*frozen.parameters(), *frozen.buffers()) if frozen is not None else ():
                 self._update_and_maybe_create_winfos(tensor, _FSDPRefType.INP)     # "Inputs": read back as "Target"
 
@@ -272,6 +273,8 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             self.gathered_peak = max(self.gathered_peak, sum(categories.get(k, 0) for k in GATHERED))
             if live > sum(self._peak_categories.values()):
                 self._peak_categories = categories
+            if live > sum(self._phase_categories.get(self.phase, {}).values()):
+                self._phase_categories[self.phase] = categories
 
         def live_bytes(self) -> int:
             return sum(snap["Total"] for snap in self._curr_mem_snap.values())
@@ -281,8 +284,9 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             categories["Target"] = categories.pop("Inputs")
             return categories
 
-        def peak_by_category(self) -> dict[str, int]:
-            return dict(self._peak_categories)
+        def peak_by_category(self, phase: str | None = None) -> dict[str, int]:
+            """What was alive, by category, at the peak of the whole trace or of one phase."""
+            return dict(self._peak_categories if phase is None else self._phase_categories.get(phase, {}))
 
     return cast(PhaseTracking, PhaseTracker())
 
@@ -387,11 +391,11 @@ class ComparedFigure:
 def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigure]:
     """Each traced figure next to the analytic model's figure for the same thing: the static parts,
     the gathered weights, the step's moments (forward/backward, a gradient reduction's own buffers,
-    the update) and, at the traced peak, each category (parameters, gradients, optimizer states,
+    the update) and, at the micro-batches' peak (the moment the model breaks down), each category (parameters, gradients, optimizer states,
     activations with the loss's temporaries)."""
     e, m = memory.estimate(workload), traced.micro_batch
     line = memory.estimated_peak_model(workload)
-    drafter_step = max(moment.at(m) for moment in e.moment_lines()[:2]) + e.accumulated_gradients(m)
+    drafter_step = max(moment.at(m) for moment in e.drafter_lines()) + e.accumulated_gradients(m)
     at_peak = traced.peak_categories
     working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Buffer"))
     gathered = sum(at_peak.get(name, 0.0) for name in GATHERED)
@@ -403,7 +407,15 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
     # on one rank the retained reduce input is no "Reduce Scatter" to the tracker (no collective ran): working memory
     retained = e.retained_reduce_input if layer_moment and e.world_size > 1 else 0.0
     grads_at_peak = retained + e.accumulated_gradients(m)
-    modelled_working = drafter_step - e.static - gathered_at_peak - grads_at_peak - (e.autocast_layer if layer_moment else 0.0)
+    autocast_layer = e.autocast_layer if layer_moment else 0.0
+    deciding = max(e.drafter_lines(), key=lambda moment: moment.at(m)).moment
+    if deciding.startswith("the selector"):             # DFlash 2: the selector's own unit decides the step
+        reduction = deciding == "the selector's gradient reduction"
+        selector_weights = e.selector_backward if deciding == "the selector's backward" else e.selector_gathered
+        gathered_at_peak = e.held_weights + (e.root_gathered if reduction else selector_weights)
+        grads_at_peak = e.accumulated_gradients(m) + (e.selector_reduce_held if reduction else 0.0)
+        autocast_layer = 0.0
+    modelled_working = drafter_step - e.static - gathered_at_peak - grads_at_peak - autocast_layer
     pairs = [("target weights", traced.target_weights, e.target_weights),
              ("drafter weights (fp32 shards)", traced.drafter_weights, e.drafter_weights),
              ("drafter gradients (fp32 shards)", traced.drafter_grads, e.drafter_grads),
@@ -414,12 +426,12 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
              ("micro-batches' peak (forward/backward)", traced.step_peak, drafter_step),
              ("a gradient reduction's own buffers", traced.reduction_buffers, e.reduction_buffers),
              ("optimizer update's peak", traced.update_peak, e.update_peak),
-             ("at the peak: parameters", at_peak.get("Target", 0.0) + at_peak.get("Sharded Param", 0.0),
+             ("at the step's peak: parameters", at_peak.get("Target", 0.0) + at_peak.get("Sharded Param", 0.0),
               e.target_weights + e.drafter_weights),
-             ("at the peak: gathered weights", gathered, gathered_at_peak),
-             ("at the peak: gradients (+ reduction buffer)", grads, grads_at_peak),
-             ("at the peak: optimizer states", at_peak.get("OptState", 0.0), e.optimizer_states),
-             ("at the peak: activations + loss", working, modelled_working),
+             ("at the step's peak: gathered weights", gathered, gathered_at_peak),
+             ("at the step's peak: gradients (+ reduction buffer)", grads, grads_at_peak),
+             ("at the step's peak: optimizer states", at_peak.get("OptState", 0.0), e.optimizer_states),
+             ("at the step's peak: activations + loss", working, modelled_working),
              ("peak", traced.peak, line.peak_mib(m))]
     return [ComparedFigure(name, traced_mib, modelled) for name, traced_mib, modelled in pairs]
 
@@ -433,5 +445,5 @@ def format_comparison(profile_name: str, traced: TracedStep, figures: list[Compa
              f"  {'component':<{width}}  {'traced MiB':>11}  {'model MiB':>11}  {'model vs trace':>14}"]
     lines += [f"  {f.name:<{width}}  {f.traced:>11,.0f}  {f.modelled:>11,.0f}  {100 * f.error:>+13.1f}%" for f in figures]
     categories = ", ".join(f"{name} {mib:,.0f}" for name, mib in traced.peak_categories.items() if mib >= 1)
-    lines.append(f"  at the traced peak: {categories}")
+    lines.append(f"  at the micro-batches' peak: {categories}")
     return lines

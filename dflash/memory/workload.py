@@ -19,6 +19,19 @@ LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (t
 
 
 @dataclass(frozen=True)
+class DFlash2Parts:
+    """What DFlash 2 (`drafter.kind = "dflash2"`, dflash.drafter.dflash2) adds to the drafter: a grouped
+    dynamic causal convolution of `conv_kernel_size` taps (one dynamic kernel per `conv_group_size`
+    channels) around each attention and MLP sublayer, and the candidate selector (rank-`selector_rank`
+    codebooks over the whole vocabulary, the head's top `selector_top_k` per slot)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one training step processes, in its worst case, on one of `world_size` ranks."""
 
@@ -40,6 +53,7 @@ class Workload:
     reshard_after_forward: bool = True  # train.reshard_after_forward
     gradient_sync: str = "every_micro_batch"    # train.gradient_sync
     activation_checkpointing: str = "none"      # train.activation_checkpointing
+    dflash2: DFlash2Parts | None = None         # drafter.kind = "dflash2": its convolutions and selector (None: DFlash)
 
     @property
     def dtype_bytes(self) -> int:
@@ -84,6 +98,8 @@ class Workload:
         facts["target"].pop("source")               # the same shape read from another path is the same workload
         facts.pop("rank_share")
         facts.pop("world_size")
+        if facts["dflash2"] is None:
+            facts.pop("dflash2")                    # a DFlash workload keeps the key it had before DFlash 2
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -114,4 +130,12 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                     autocast_on=autocast_on(profile), reshard_after_forward=train.reshard_after_forward,
                     gradient_sync=train.gradient_sync, activation_checkpointing=train.activation_checkpointing,
                     sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
-                    sliding_window=profile.drafter.sliding_window)
+                    sliding_window=profile.drafter.sliding_window, dflash2=dflash2_parts(profile))
+
+
+def dflash2_parts(profile: Profile) -> DFlash2Parts | None:
+    drafter = profile.drafter
+    if drafter.kind != "dflash2":
+        return None
+    return DFlash2Parts(conv_kernel_size=drafter.conv_kernel_size, conv_group_size=drafter.conv_group_size,
+                        selector_rank=drafter.selector_rank, selector_top_k=drafter.selector_top_k)

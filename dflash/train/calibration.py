@@ -140,10 +140,10 @@ def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int,
 
 def worst_case_profile(profile: Profile, dataset: Path, rows: int, ranks: int = 1) -> Profile:
     """The profile on the worst-case dataset: `rows` sequences per rank and step at most, `ranks`
-    ranks, no feature cache. Nothing that enters the workload key (shape, lengths, anchors, block,
-    taps, chunk) changes."""
+    ranks, no feature cache, no row held out for validation (every worst-case row trains). Nothing
+    that enters the workload key (shape, lengths, anchors, block, taps, chunk) changes."""
     train = dataclasses.replace(profile.train, global_batch=rows * ranks, max_micro_batch=rows, feature_cache=False,
-                                max_steps=max(profile.train.max_steps, 1000), warmup_ratio=0.0)
+                                max_steps=max(profile.train.max_steps, 1000), warmup_ratio=0.0, validation_share=0.0)
     machine = dataclasses.replace(profile.machine, nproc_per_node=ranks, nnodes=1)
     return dataclasses.replace(profile, machine=machine, train=train,
                                paths=dataclasses.replace(profile.paths, dataset=str(dataset)))

@@ -1,8 +1,13 @@
 """Training data of one rank: the Arrow dataset, the per-epoch order, this rank's rows of a
-step, and collation into right-padded micro-batches with their anchors."""
+step, and collation into right-padded micro-batches with their anchors.
+
+`train.validation_share` holds a share of the dataset's rows out of training (`split_rows`: chosen
+once from the row count and train.seed, the same on every rank and every restart; the trainer
+records them in train/validation.json): the epochs, the steps and the draft vocabulary see only the
+training rows (`TrainData.dataset`), and dflash.train.validation measures the drafter on the others."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +36,28 @@ class MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
                           self.anchor_valid.to(device), self.tokens, self.rows, self.lengths)
 
+
+VALIDATION_STREAM = 7_417      # the random stream of the validation split (apart from the epochs' orders)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Dataset rows that train and rows held out for validation (both sorted)."""
+
+    train: tuple[int, ...]
+    validation: tuple[int, ...] = field(default=())
+
+
+def split_rows(count: int, share: float, seed: int) -> RowSplit:
+    """Hold out round(share x count) rows (at least one when share > 0), chosen at random from
+    `seed`; every caller with the same count, share and seed gets the same split."""
+    held = min(count, max(1, round(share * count))) if share > 0 else 0
+    if not held:
+        return RowSplit(tuple(range(count)))
+    order = np.random.default_rng([seed, VALIDATION_STREAM]).permutation(count)
+    return RowSplit(tuple(sorted(int(row) for row in order[held:])), tuple(sorted(int(row) for row in order[:held])))
+
+
 class StepData(Protocol):
     """What a training state reads its batches from: the rank's dataset (`TrainData`), or the
     memory trace's worst case (dflash.train.trace.WorstCaseData)."""
@@ -53,10 +80,12 @@ class TrainData:
         if not Path(path).exists():
             raise DataError(f"{path}: no dataset; run `launcher.py tokenize --profile {profile.name}` first")
         verify_dataset(Path(path), hashes=env.rank == 0)
-        self.dataset = datasets.load_from_disk(str(path)).with_format(None)
-        missing = {"input_ids", "loss_mask"} - set(self.dataset.column_names)
+        self.source = datasets.load_from_disk(str(path)).with_format(None)      # every row, held-out ones too
+        missing = {"input_ids", "loss_mask"} - set(self.source.column_names)
         if missing:
             raise DataError(f"{path}: dataset lacks columns {sorted(missing)}; re-run tokenize")
+        self.split = split_rows(len(self.source), profile.train.validation_share, profile.train.seed)
+        self.dataset = self.source.select(self.split.train) if self.split.validation else self.source
         self.global_batch, self.env, self.train = profile.train.global_batch, env, profile.train
         self.max_length = profile.data.max_length
         self._check_sizes(path)
@@ -64,7 +93,8 @@ class TrainData:
     def _check_sizes(self, path: Path) -> None:
         assert self.global_batch % self.env.world_size == 0, "the profile schema divides train.global_batch over the ranks"
         if len(self.dataset) < self.global_batch:
-            raise DataError(f"{path}: {len(self.dataset)} rows, fewer than train.global_batch {self.global_batch}")
+            held = f" after {len(self.split.validation)} held out (train.validation_share)" if self.split.validation else ""
+            raise DataError(f"{path}: {len(self.dataset)} training rows{held}, fewer than train.global_batch {self.global_batch}")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -82,7 +112,13 @@ class TrainData:
         return epoch, [int(row) for row in chosen[self.env.rank::self.env.world_size]]
 
     def collate(self, rows: list[int], epoch: int) -> MicroBatch:
-        records = [self.dataset[row] for row in rows]
+        """Rows of `dataset` (the training rows) -> a micro-batch keyed by their dataset rows."""
+        return self.collate_dataset_rows([self.split.train[row] for row in rows] if self.split.validation else rows, epoch)
+
+    def collate_dataset_rows(self, rows: list[int], epoch: int) -> MicroBatch:
+        """Rows of the whole dataset (held-out ones too) -> a micro-batch; anchors and feature-cache
+        keys follow these row numbers."""
+        records = [self.source[row] for row in rows]
         ids = [list(r["input_ids"])[: self.max_length] for r in records]
         masks = [list(r["loss_mask"])[: self.max_length] for r in records]
         return collate_rows(ids, masks, rows, self.train.num_anchors, self.train.seed, epoch)

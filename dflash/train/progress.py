@@ -27,10 +27,12 @@ class TrainProgress:
     step: int
     total_steps: int
     loss: float
-    sim_tau: float
+    sim_tau: float                      # on the training batch: accepted + 1 per block, as eval counts tau
+    val_tau: Optional[float] = None     # the last held-out tau (train.validation_share), None before one
 
     def postfix(self) -> str:
-        return f"loss={self.loss:.3f}, tau={self.sim_tau:.2f}"
+        held_out = "" if self.val_tau is None else f", held-out tau={self.val_tau:.2f}"
+        return f"loss={self.loss:.3f}, tau={self.sim_tau:.2f}{held_out}"
 
 
 def write_progress(train_dir: Path, progress: TrainProgress) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dflash.train.failures import RankFailure
     from dflash.train.setup import TrainState
     from dflash.train.step import StepStats
+    from dflash.train.validation import HeldOut
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
@@ -52,6 +53,9 @@ class MetricsLine(_MetricsLineBase, total=False):
     """One line of train/metrics.jsonl (a logged step)."""
 
     feature_cache: dict[str, float]         # train.feature_cache: rows, MiB, hits, misses (rank 0's)
+    val_loss: float                         # train.validation_share: the held-out figures at this step
+    val_tau: float                          # (dflash.train.validation; tau as eval counts it)
+    val_acc: list[Optional[float]]
     selector: dict[str, object]             # DFlash 2: unary / selector losses, recall, acceptance, taus, lift
 
 
@@ -177,23 +181,28 @@ class StopFlag:
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
     from dflash.train.dist import gather_memory_mib
     from dflash.train.step import maybe_inject_failure, run_next_step
+    from dflash.train.validation import start_validation
 
     total = state.total_steps
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
+    validation = start_validation(state, profile, run_dir)     # None without train.validation_share
     try:
         while state.step < total:
             maybe_inject_failure(state.env.rank, state.step + 1)
             stats, epoch = run_next_step(state)
+            held_out = validation.after_step(state) if validation else None     # every rank, when due
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
                 state.mem_mib = gather_memory_mib(state.device)
             if log:
-                log.record(state, stats, epoch)
+                log.record(state, stats, epoch, held_out)
             if stop.agreed():
                 _save(state, run_dir, final=False, stopped=True)
                 return
             if state.step % profile.train.save_every_steps == 0 and state.step < total:
                 _save(state, run_dir, final=False)
         _save(state, run_dir, final=True)
+        if validation and state.env.is_main:
+            validation.finish(run_dir)
         if state.env.is_main and isinstance(state.feature_cache, FeatureCache):
             state.feature_cache.remove()      # every rank is past the final barrier
     finally:
@@ -231,21 +240,26 @@ class MetricsLog:
         self.every = max(1, profile.train.log_every_steps)
         truncate_metrics(self.path, state.step)
         self.writer = SummaryWriter(str(run_dir / "train" / "tb"), purge_step=state.step + 1)
+        self.val_tau: Optional[float] = None      # the last held-out tau, shown on the progress line
 
-    def record(self, state: TrainState, stats: StepStats, epoch: int) -> None:
+    def record(self, state: TrainState, stats: StepStats, epoch: int, held_out: Optional[HeldOut] = None) -> None:
         from dflash.train.progress import TrainProgress, write_progress
 
         state.last_loss = stats.loss
-        write_progress(self.train_dir, TrainProgress(state.step, state.total_steps, stats.loss, stats.sim_tau))
-        if state.step % self.every and state.step != state.total_steps:
+        self.val_tau = held_out.tau if held_out is not None else self.val_tau
+        write_progress(self.train_dir, TrainProgress(state.step, state.total_steps, stats.loss, stats.sim_tau, self.val_tau))
+        if state.step % self.every and state.step != state.total_steps and held_out is None:
             return
-        line = metrics_line(state, stats)
+        line = metrics_line(state, stats, held_out)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
         for key in SCALARS:
             self.writer.add_scalar(f"train/{key}", line[key], state.step)
         for k, value in enumerate(stats.acc, start=1):
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
+        if held_out is not None:
+            self.writer.add_scalar("val/loss", held_out.loss, state.step)
+            self.writer.add_scalar("val/tau", held_out.tau, state.step)
         if stats.selector is not None:
             for name in ("unary_loss", "selector_loss", "unary_tau", "selector_tau", "lift"):
                 self.writer.add_scalar(f"selector/{name}", getattr(stats.selector, name), state.step)
@@ -254,7 +268,7 @@ class MetricsLog:
         self.writer.close()
 
 
-def metrics_line(state: TrainState, stats: StepStats) -> MetricsLine:
+def metrics_line(state: TrainState, stats: StepStats, held_out: Optional[HeldOut] = None) -> MetricsLine:
     line: MetricsLine = {
         "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
         "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
@@ -265,6 +279,9 @@ def metrics_line(state: TrainState, stats: StepStats) -> MetricsLine:
     }
     if isinstance(state.feature_cache, FeatureCache):   # train.feature_cache: files on the node; hits and misses of rank 0
         line["feature_cache"] = state.feature_cache.stats()
+    if held_out is not None:
+        line["val_loss"], line["val_tau"] = held_out.loss, held_out.tau
+        line["val_acc"] = [None if math.isnan(a) else a for a in held_out.acc]
     if stats.selector is not None:
         line["selector"] = stats.selector.to_json()
     return line

@@ -65,6 +65,11 @@ CASES = [
                                  r"^rtx6000-x8 cu130 upgrade \(GPU 6 -200 MiB\), calibrated +2 \| +2 +0 \| +4 +1$",
                                  r"^restarts after OOM in total: ours 0, halving from the maximum 2 ")),
     Smoke("bench_draft_cache.py", (rf"^context +32: +{NUMBER} tokens/s, draft +{NUMBER} ms/step over \d+ steps",)),
+    Smoke("bench_step_cost.py", (rf"^plain decoding, the eval loop .*: CPU {NUMBER} ms a token",
+                                 rf"^plain decoding, transformers generate: CPU {NUMBER} ms a token",
+                                 rf"^dflash k=\d+: \d+ steps, tau {NUMBER}; CPU {NUMBER} ms a step = draft {NUMBER} \+ verify "
+                                 rf"{NUMBER} \+ rollback {NUMBER} \+ rest -?{NUMBER} = {NUMBER}x a plain step.*identical to plain",
+                                 rf"^one forward alone .*: 1 token {NUMBER} ms, 8 tokens {NUMBER} ms")),
     Smoke("bench_eval_rollback.py", (rf"^target only +{NUMBER} s",
                                      rf"^wrong every 4 \(tau {NUMBER}\) +snapshot +{NUMBER} s .* reprefill +{NUMBER} s")),
     Smoke("bench_memory_trace.py", (rf"^  micro-batches' peak \(forward/backward\) +{NUMBER} +{NUMBER} +[-+]{NUMBER}%",

@@ -49,7 +49,9 @@ class Decoder:
         if args.speculative_algorithm == "DFLASH":
             from dflash.eval.dflash_drafter import load_dflash_draft
 
-            self.drafter = load_dflash_draft(args.speculative_draft_model_path, self.model)
+            # a block of --speculative-num-draft-tokens N: the anchor and N - 1 drafts (eval.draft_tokens)
+            self.drafter = load_dflash_draft(args.speculative_draft_model_path, self.model,
+                                             draft_tokens=args.speculative_num_draft_tokens - 1)
         layer_ids = getattr(self.drafter, "layer_ids", None)
         self.verifier = TargetVerifier(self.model, layer_ids)
 

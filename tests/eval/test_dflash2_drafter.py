@@ -53,6 +53,7 @@ class CheckedDraft(DFlash2Draft):
         torch.testing.assert_close(cached, self.model.draft_hidden(features[None], anchor, features.shape[0]),
                                    rtol=1e-5, atol=1e-5)
         proposal = super().propose(committed, features, k, temperature)
+        k = min(k, self.proposed)                   # eval.draft_tokens: the path's first k tokens
         if temperature <= 0:
             unary = self.model.logits(cached[1:1 + k])
             assert proposal.tokens == self.drafter.selector.walk(unary, cached[1:1 + k], anchor).tokens.tolist()
@@ -85,6 +86,19 @@ def test_the_unary_argmax_beside_it_is_the_head_and_lossless(tiny_qwen3_model, s
     assert unary.propose(PROMPT + [11], features, 3, 0.0).tokens == draft.model.logits(hidden[1:]).argmax(-1).tolist()
     result = speculative_decode(verifier, unary, PROMPT, settings)
     assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 20)
+
+
+def test_fewer_draft_tokens_walk_the_shorter_block_and_stay_lossless(tiny_qwen3_model, saved_dflash2):
+    """eval.draft_tokens k reaches a DFlash 2 drafter and its unary twin: each step proposes at most
+    k tokens, the selector walking the `[anchor, MASK x k]` block, and the output is the target's."""
+    draft = load_draft(str(saved_dflash2), tiny_qwen3_model, draft_tokens=2)
+    assert isinstance(draft, DFlash2Draft) and draft.proposed == 2 and unary_draft(draft).proposed == 2
+    checked = CheckedDraft(model=draft.model, draft_tokens=2)
+    settings = DecodeSettings(block_size=4, max_new_tokens=20)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, checked.layer_ids), checked, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 20)
+    assert max(result.proposed) == 2 and max(result.taus) <= 3
+    assert load_draft(str(saved_dflash2), tiny_qwen3_model).proposed == 3      # the default: B - 1
 
 
 def test_sampled_drafts_carry_q_over_the_candidates(tiny_qwen3_model, saved_dflash2):

@@ -206,3 +206,33 @@ def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_
     settings = DecodeSettings(block_size=4, max_new_tokens=12)
     result = speculative_decode(TargetVerifier(tiny_qwen3_model, draft.layer_ids), draft, PROMPT, settings)
     assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 12)
+
+
+def test_only_the_proposed_slots_go_through_the_draft_vocabulary_head(vocab_draft, tiny_qwen3_model):
+    """propose's logits of slots 1..k (the head's draft-vocabulary rows gathered once) are the
+    block's logits' rows 1..k; a drafter reused for another prompt gives the same ones."""
+    draft, vocabulary = vocab_draft
+    features = extract_taps(tiny_qwen3_model, torch.tensor([PROMPT]), draft.layer_ids)[0]
+    block = draft._block_logits(features[:-1], PROMPT[-1])
+    assert block.shape[-1] == len(vocabulary)
+    for k in (1, 3):
+        torch.testing.assert_close(draft._slot_logits(features[:-1], PROMPT[-1], k), block[1:1 + k], rtol=1e-5, atol=1e-5)
+    assert draft.head().weight.shape == (len(vocabulary), tiny_qwen3_model.config.hidden_size)
+
+
+def test_fewer_draft_tokens_draft_the_shorter_block_and_stay_lossless(tiny_qwen3_model, saved_draft):
+    """draft_tokens k: each step proposes at most k tokens, drafted from `[anchor, MASK x k]` (what
+    vLLM drafts with num_speculative_tokens k), and the output is still the target's greedy output."""
+    full = load_dflash_draft(str(saved_draft), tiny_qwen3_model)
+    short = load_dflash_draft(str(saved_draft), tiny_qwen3_model, draft_tokens=2)
+    assert (full.proposed, short.proposed) == (3, 2)
+    recording = RecordingDraft(short.model)
+    recording.draft_tokens = 2
+    settings = DecodeSettings(block_size=4, max_new_tokens=14)
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, short.layer_ids), recording, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 14)
+    assert max(result.proposed) == 2 and max(result.taus) <= 3
+    features = extract_taps(tiny_qwen3_model, torch.tensor([PROMPT]), short.layer_ids)[0][:-1]
+    torch.testing.assert_close(short._block_logits(features, PROMPT[-1]),
+                               short.model.draft_logits(features[None], PROMPT[-1], features.shape[0], 3), rtol=1e-5, atol=1e-5)
+    assert short._block_logits(features, PROMPT[-1]).shape[0] == 3 < full._block_logits(features, PROMPT[-1]).shape[0]

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 
 from dflash.eval.engines import engine_command
-from dflash.eval.parity import PromptAcceptance, SideFigures, check_parity, histogram_of_positions, method_parity, near_ties_allowed
+from dflash.eval.parity import (
+    PromptAcceptance,
+    SideFigures,
+    check_parity,
+    histogram_of_positions,
+    histogram_of_taus,
+    method_parity,
+    near_ties_allowed,
+    parity_summary,
+)
 from dflash.generate.servers import is_hybrid_target, sglang_server_command
 from launcher_core.errors import EXIT_PARITY, ParityFailed
 from launcher_core.profile import load_profile
@@ -313,7 +322,7 @@ def tiny_drafter(tmp_path_factory, tiny_qwen3_target) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("tiny-drafter"), DFlashDrafter(config).attach_target(target), 1, {})
 
 
-def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path: Path):
+def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path: Path, draft_tokens: int = 0):
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import evaluate_with_engine
 
@@ -322,7 +331,8 @@ def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path:
                                  for i in range(3)) + "\n")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(tiny_qwen3_target)),
-                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12))
+                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12,
+                                                           draft_tokens=draft_tokens))
     return evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)), "sglang",
                                 launch=[sys.executable, str(STANDIN), "sglang", "--mode", mode])
 
@@ -344,6 +354,21 @@ def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(
 
 
 @pytest.mark.slow
+def test_the_sglang_gate_with_fewer_draft_tokens_than_the_block_pads_the_slots_it_does_not_draft(
+        tiny_qwen3_target, tiny_drafter, tmp_path):
+    """eval.draft_tokens 2 of B - 1 = 3: SGLang gets a block of 3, its histogram stops at 2 accepted
+    drafts; slot 3 counts as 0 accepted on both sides and the honest drafter passes."""
+    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path, draft_tokens=2)
+    argv = summary.report.methods["dflash"].argv or []
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "3"
+    row = summary.report.parity["dflash"]
+    assert row.within_tolerance is True and row.failures == [] and row.same_tokens_as_inprocess, row.failures
+    assert row.prompts_same_acceptance == row.prompts_same_tokens == 3
+    assert len(row.served_position_acceptance or []) == len(row.inprocess_position_acceptance or []) == 3
+    assert (row.served_position_acceptance or [])[2] == (row.inprocess_position_acceptance or [])[2] == 0.0
+
+
+@pytest.mark.slow
 def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(tiny_qwen3_target, tiny_drafter, tmp_path):
     with pytest.raises(ParityFailed, match="3 of 3 prompts with identical tokens accepted differently"):
         standin_eval("extra-accept", tiny_qwen3_target, tiny_drafter, tmp_path)
@@ -362,3 +387,57 @@ def test_the_pipeline_prints_the_served_speedup_beside_the_served_tau_and_the_in
     served = report(2.41, 1.73, engine="vllm", inprocess=report(2.40, 0.92))
     assert served_line("vllm", served) == ("served by vllm: dflash tau 2.41 speedup 1.73x vs in-process tau 2.40 "
                                            "speedup 0.92x on the same 6 prompts, lossless")
+
+
+def test_eval_draft_tokens_sets_what_each_engine_drafts_and_prompt_lookup_keeps_the_block():
+    """eval.draft_tokens k: vLLM's DFlash gets num_speculative_tokens k (its block: the bonus token +
+    k masks, as the in-process drafter drafts), SGLang's a block of k + 1; prompt lookup keeps B - 1."""
+    base = load_profile("rtx6000-x8")
+    profile = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=3))
+
+    def speculative(method: str, engine: str = "vllm") -> object:
+        argv = engine_command(engine, profile, Path("/t"), method, Path("/ckpt"), 16, 30100).argv
+        if engine == "sglang":
+            return argv[argv.index("--speculative-num-draft-tokens") + 1]
+        return json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"]
+
+    assert speculative("dflash") == 3 and speculative("prompt_lookup") == 15
+    assert speculative("dflash", "sglang") == "4" and speculative("prompt_lookup", "sglang") == "16"
+    assert engine_command("vllm", base, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv[-1].endswith("15}")  # control
+    longer = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=40))
+    argv = engine_command("vllm", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 15   # at most B - 1
+    argv = engine_command("sglang", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "16"                           # at most B
+
+
+def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
+    """eval.draft_tokens 3 on a block of 8: vLLM's counters list the 3 drafted positions, the in-process
+    report all 7 slots; the served side's slots 4..7 are 0 accepted and the two sides match. The
+    controls: an in-process side that accepted a 4th draft on 4 steps fails the gate either way round,
+    and the summary shows a list one side left short as 0 there."""
+    from dflash.eval.engines import engine_run, vllm_served_prompt
+    from dflash.eval.report import position_acceptance
+    from dflash.eval.served import served_side
+
+    taus = [2, 1, 1, 4, 1, 2, 1, 1, 3, 1]                          # per step: at most 3 drafts accepted
+    before = {"drafts": 5.0, "accepted": 2.0, "pos0": 1.0, "pos1": 1.0, "pos2": 0.0}
+    after = {"drafts": 15.0, "accepted": 9.0, "pos0": 5.0, "pos1": 3.0, "pos2": 1.0}
+    prompt = vllm_served_prompt("", [1, 2, 3], before, after)
+    assert (prompt.steps, prompt.accepted, prompt.histogram) == (10, 7, [6, 2, 1, 1])
+    run = engine_run("dflash", [prompt], 1.0, [], block_size=8)
+    assert run.position_acceptance == pytest.approx([0.4, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
+    assert run.position_acceptance == pytest.approx(position_acceptance(taus, 8))
+    served = served_side(run, None)
+    ours = SideFigures([PromptAcceptance([1, 2, 3], 10, 7)], histogram_of_taus(taus), position_acceptance(taus, 8), True)
+    row = method_parity("dflash", served, ours, ["a"], block_size=8)
+    assert row.within_tolerance is True and row.served_position_acceptance == pytest.approx(row.inprocess_position_acceptance)
+    beyond = [5, 5, 5, 5, 1, 2, 1, 1, 3, 1]                        # 4 steps accepted slot 4 (and 4 drafts)
+    accepted_beyond = SideFigures([PromptAcceptance([1, 2, 3], 10, 19)], histogram_of_taus(beyond),
+                                  position_acceptance(beyond, 8), True)
+    assert method_parity("dflash", served, accepted_beyond, ["a"], block_size=8).within_tolerance is False
+    assert method_parity("dflash", accepted_beyond, served, ["a"], block_size=8).within_tolerance is False
+    short = dataclasses.replace(method_parity("dflash", served, accepted_beyond, ["a"], block_size=8),
+                                served_position_acceptance=[0.4, 0.2, 0.1])   # as vLLM lists them
+    assert "per position 0.40/0.60 0.20/0.50 0.10/0.40 0.00/0.40 0.00/0.00 0.00/0.00 0.00/0.00 " in \
+        parity_summary({"dflash": short})[1]

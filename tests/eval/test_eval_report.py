@@ -90,7 +90,8 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                     True, False, served_steps=40, inprocess_steps=41, tolerance=0.15, standard_error=0.05,
                     prompts_same_tokens=5, prompts_same_acceptance=4, failures=["served gain (tau - 1) ..."],
                     conclusive=True)
-    context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter")
+    context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
+                            "one cached forward a token")
     inner = EvalReport(3, 0.0, 1, {"dflash": method})
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
                         [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method})],
@@ -149,3 +150,29 @@ def test_a_report_that_is_not_an_object_or_not_json_is_named(tmp_path):
     (tmp_path / "torn.json").write_text('{"methods": ')
     with pytest.raises(InputError, match=r"torn\.json: line 1: not valid JSON"):
         read_report(tmp_path / "torn.json")
+
+
+def test_the_pipeline_summary_puts_in_process_and_served_figures_side_by_side(tmp_path):
+    from dflash.commands.pipeline import side_by_side
+
+    def report(dflash: tuple[float, float], lookup: tuple[float, float], rate: float, **extra: object) -> EvalReport:
+        figures = {"target": MethodFigures(1.0, rate, 1.0, None),
+                   "dflash": MethodFigures(dflash[0], rate * dflash[1], dflash[1], True),
+                   "prompt_lookup": MethodFigures(lookup[0], rate * lookup[1], lookup[1], True)}
+        return EvalReport(8, 0.0, 16, figures, ReportContext(prompt_set="out-of-template held-out (e.jsonl)",
+                                                             baseline=f"how {extra.get('engine') or 'in-process'}"),
+                          **extra)
+
+    (tmp_path / "eval").mkdir()
+    report((1.381, 1.05), (1.224, 0.96), 11.1).write_json(tmp_path / "eval" / "report.json")
+    lines = side_by_side(tmp_path, "vllm")
+    assert lines[0] == "in-process, 16 prompts, out-of-template held-out (e.jsonl):"        # nothing served yet
+    assert lines[2].split() == ["DFlash", "1.381", "1.05x"] and "how in-process" in lines[-1]
+    report((1.38, 1.12), (1.97, 0.87), 24.9, engine="vllm").write_json(tmp_path / "eval" / "engine-vllm.json")
+    lines = side_by_side(tmp_path, "vllm")
+    assert lines[0].startswith("in-process and served, 16 prompts") and "served (vllm) tau" in lines[1]
+    assert lines[2].split() == ["DFlash", "1.381", "1.05x", "1.380", "1.12x"]
+    assert lines[3].split() == ["prompt", "lookup", "1.224", "0.96x", "1.970", "0.87x"]
+    assert lines[4].split() == ["target", "alone", "-", "1.00x", "(11.1", "tok/s)", "-", "1.00x", "(24.9", "tok/s)"]
+    assert lines[-2:] == ["  in-process: how in-process", "  served: how vllm"]
+    assert side_by_side(tmp_path / "missing", "vllm") == []

@@ -245,3 +245,61 @@ def test_prompt_lookup_gets_tau_above_one_on_a_repetitive_prompt(smollm2_dir):
     assert lookup.tokens == plain.tokens
     assert lookup.mean_tau > 2.0, lookup.taus
     assert not math.isnan(lookup.mean_tau)
+
+
+def test_the_prefill_and_the_verify_compute_logits_only_where_they_are_read(target):
+    """The prefill keeps the last position's logits, a verify after pending tokens only the new
+    tokens' (the lm_head runs for those alone); the rows are the full forward's, and the output stays lossless."""
+    name, model = target
+    prompt = PROMPTS[1]
+    with torch.inference_mode():
+        full = model(torch.tensor([prompt])).logits[0].float()
+    verifier = TargetVerifier(model)
+    prefill = verifier.forward(prompt, logits_for=1)
+    assert prefill.logits.shape == (1, full.shape[-1])
+    torch.testing.assert_close(prefill.logits[0], full[-1], rtol=1e-4, atol=1e-4)
+    verifier.reset()
+    assert verifier.forward(prompt).logits.shape[0] == len(prompt)           # control: no logits_for, every position
+    verifier.reset()
+    verifier.forward(prompt[:4], logits_for=1)
+    block = verifier.forward(prompt[4:])
+    assert block.logits.shape[0] == len(prompt) - 4
+    torch.testing.assert_close(block.logits, full[4:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_greedy_verify_puts_only_the_positions_it_reads_through_the_lm_head(target, references):
+    """Lazy logits: a rejected first draft token costs two lm_head rows (rows 0 and 1 in one matmul,
+    about the cost of one: VerifyOutput.row), not one per fed token (the control, lazy logits off,
+    pays a row per fed token: 4 at block 4); the output is the same either way."""
+    model = target[1]
+    rows: list[int] = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda _m, inputs, _o: rows.append(inputs[0].shape[-2]))
+    try:
+        counts = {}
+        for lazy in (True, False):
+            verifier = TargetVerifier(model)
+            drafter = OracleDrafter(references[0], len(PROMPTS[0]), model.config.vocab_size, wrong_every=1)
+            rows.clear()
+            verifier.forward(PROMPTS[0], logits_for=1)      # the first prefill checks the lazy path
+            verifier.lazy_logits = lazy and verifier.lazy_logits
+            result = speculative_decode(verifier, drafter, PROMPTS[0], DecodeSettings(block_size=4, max_new_tokens=25))
+            assert result.tokens == references[0]
+            counts[lazy] = sum(rows) / len(result.taus)
+    finally:
+        handle.remove()
+    assert counts[True] < 2.5 and counts[False] >= 3.5, counts
+
+
+def test_lazy_logits_are_used_only_where_the_head_of_the_final_norm_gives_the_logits(tiny_qwen3_model):
+    verifier = TargetVerifier(tiny_qwen3_model)
+    assert verifier.lazy_logits is None and verifier.final_norm is tiny_qwen3_model.model.norm
+    verifier.forward(PROMPTS[1], logits_for=1)
+    assert verifier.lazy_logits is True
+    hidden = torch.randn(1, tiny_qwen3_model.config.hidden_size)
+    with torch.inference_mode():
+        logits = tiny_qwen3_model.get_output_embeddings()(hidden)[0]
+    verifier._check_lazy_logits(hidden, logits * 0.5)                    # a model that scales its logits after the head
+    assert verifier.lazy_logits is False
+    verifier._check_lazy_logits(hidden, logits)                          # control
+    assert verifier.lazy_logits is True

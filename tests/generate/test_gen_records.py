@@ -47,3 +47,13 @@ def test_completion_record_has_every_field_tokenize_reads():
     assert (record["finish_reason"], record["prompt_tokens"], record["completion_tokens"]) == ("stop", 11, 4)
     assert record["model"] == "served-name" and record["sampling"]["temperature"] == 0.6
     assert record["started_at"] == "2023-11-14T22:13:20.250Z" and record["finished_at"] == "2023-11-14T22:13:21.500Z"
+
+
+def test_vllm_gets_tool_choice_none_so_a_prompt_with_tools_is_answered_in_text():
+    """vLLM answers 400 to tools under its default tool_choice "auto" without a call parser; "none"
+    still renders the tools into the prompt (the model's call comes back as text, as from
+    transformers serve). Other backends and prompts without tools get no tool_choice."""
+    assert json.loads(build_request_body(PROMPT, SAMPLING, "vllm", "default"))["tool_choice"] == "none"
+    assert "tool_choice" not in json.loads(build_request_body(PROMPT, SAMPLING, "transformers", None))
+    plain = PromptRecord("p2", ({"role": "user", "content": "hi"},))
+    assert "tool_choice" not in json.loads(build_request_body(plain, SAMPLING, "vllm", "default"))

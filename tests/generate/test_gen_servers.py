@@ -51,7 +51,8 @@ def test_sglang_optional_flags_and_bind_host():
 
 
 def test_transformers_serve_command():
-    profile = load_profile("cpu-demo")
+    base = load_profile("cpu-demo")
+    profile = dataclasses.replace(base, generate=dataclasses.replace(base.generate, backend="transformers"))
     command = server_command_for(profile, Path("/cache/smollm2"))
     assert command.argv[1:5] == ["-m", "transformers.cli.transformers", "serve", "/cache/smollm2"]
     assert flag(command.argv, "--device") == "cpu" and flag(command.argv, "--host") == "127.0.0.1"

@@ -282,3 +282,64 @@ def test_offline_storage_reproduces_the_seeds_90_terabytes():
     assert storage.layers == 5 and storage.hidden == 5120 and storage.dtype_bytes == 2
     assert storage.bytes == 902_087 * 2000 * 5 * 5120 * 2
     assert 85e12 < storage.bytes < 95e12
+
+
+def dflash2_profile(name: str = "rtx6000-x8", **drafter):
+    profile = load_profile(name)
+    return dataclasses.replace(profile, drafter=dataclasses.replace(profile.drafter, kind="dflash2", **drafter))
+
+
+def test_dflash2s_additions_at_the_flagship_shape_are_the_published_counts():
+    """rtx6000-x8 as DFlash 2 (kernel 2, groups of 16, rank 256 over the 248,320-token vocabulary, five
+    layers): convolutions 65.7 M, codebooks 127.1 M (each 254 MB in float32), projection 1.3 M
+    (BENCHMARKS.md "DFlash 2 vs DFlash on the demo"); the drafter's count grows by exactly that, and a
+    DFlash workload keeps its calibration key."""
+    dflash, dflash2 = memory.workload_from_profile(load_profile("rtx6000-x8")), memory.workload_from_profile(dflash2_profile())
+    counts = memory.dflash2_parameter_counts(dflash2)
+    assert counts == {"convolutions": 5 * 2 * (2 * 2 * 5120 + 2 * 2 * 320 * 5120), "codebooks": 2 * 248_320 * 256,
+                      "projection": 256 * 5120}
+    assert [round(n / 1e6, 1) for n in counts.values()] == [65.7, 127.1, 1.3]
+    assert 248_320 * 256 * 4 / 1e6 == pytest.approx(254.3, abs=0.1)
+    assert memory.drafter_params(dflash2) - memory.drafter_params(dflash) == sum(counts.values())
+    assert memory.dflash2_parameter_counts(dflash) == {"convolutions": 0, "codebooks": 0, "projection": 0}
+    assert dflash.key() == dataclasses.replace(dflash2, dflash2=None).key() != dflash2.key()
+    static = memory.estimate(dflash2).static - memory.estimate(dflash).static
+    added = 5 * memory.shard_numel(memory.conv_tensors(dflash2), 8) + memory.shard_numel(memory.selector_tensors(dflash2), 8)
+    assert static == pytest.approx(3 * 4 * added / memory.MIB)      # this rank's fp32 shards and both AdamW states
+    assert added > sum(counts.values()) / 8                         # base_kernel's 2 rows pad to 8: one row each
+
+
+def test_dflash2s_tensors_are_the_real_modules_parameters_on_a_meta_build():
+    """The model's tensors, per FSDP2 unit, are those of DFlash2Drafter built as the trainer builds it
+    (drafter_config + with_dflash2), on the meta device at a small shape: each draft layer with its two
+    convolutions, the selector (its own unit) with both codebooks and the projection."""
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash.drafter.dflash2 import DFlash2Drafter, drafter_for_config, profile_dflash2_options, with_dflash2
+    from dflash.drafter.model import drafter_config
+    from dflash.drafter.shape import profile_shape
+    from dflash.memory.target import shape_from_config
+
+    target = Qwen3Config(hidden_size=160, intermediate_size=544, num_hidden_layers=12, num_attention_heads=6,
+                         num_key_value_heads=1, head_dim=32, vocab_size=4096)
+    profile = dflash2_profile(num_layers=3, target_layer_ids=(1, 5, 9), num_attention_heads=8, num_key_value_heads=4,
+                              head_dim=16, layer_types=(), conv_kernel_size=3, conv_group_size=32, selector_rank=64)
+    config = drafter_config(target, num_layers=3, block_size=16, target_layer_ids=[1, 5, 9], mask_token_id=4000,
+                            shape=profile_shape(profile.drafter))
+    with torch.device("meta"):
+        drafter = drafter_for_config(with_dflash2(config, profile_dflash2_options(profile.drafter)))
+    assert isinstance(drafter, DFlash2Drafter)
+    workload = memory.workload_from_profile(profile, shape_from_config(target.to_dict(), "small"), 8)
+
+    def shapes(module: torch.nn.Module) -> list[memory.Tensor]:
+        return sorted((p.shape[0], p[0].numel()) for p in module.parameters(recurse=True))
+
+    assert shapes(drafter.layers[0]) == sorted(memory.layer_tensors(workload))
+    assert shapes(drafter.candidate_selector) == sorted(memory.selector_tensors(workload))
+    assert sum(p.numel() for p in drafter.parameters()) == memory.drafter_params(workload)
+    counts = memory.dflash2_parameter_counts(workload)
+    selector = drafter.candidate_selector
+    assert counts["codebooks"] == selector.predecessor_codebook.numel() + selector.successor_codebook.numel()
+    assert counts["projection"] == selector.hidden_projection.weight.numel()
+    assert counts["convolutions"] == sum(p.numel() for name, p in drafter.named_parameters() if "_conv." in name)

@@ -168,12 +168,19 @@ def test_analytic_model_is_within_three_percent_of_the_trace_on_a_small_qwen35_w
     profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train, loss_chunk_rows=128, **train))
     workload = exact_workload(profile, config, world)
     assert_drafter_has_its_own_shape(workload)
+    assert_model_holds_to_the_trace(profile, config, workload, world)
+
+
+def assert_model_holds_to_the_trace(profile, config, workload: memory.Workload, world: int) -> list[fake.ComparedFigure]:
+    """The test above's tolerances at micro-batch 1 and 2; returns the micro-batches' peaks compared."""
+    peaks = []
     for micro_batch in (1, 2):
         traced = trace.trace_step(profile, micro_batch, config=config)
         assert traced.world_size == world
         figures = fake.compare(traced, workload)
         peak = next(f for f in figures if f.name == "micro-batches' peak (forward/backward)")
         assert abs(peak.error) < 0.03, peak
+        peaks.append(peak)
         # Every component but one: the target forward's working set cannot be held to 5 % at this shape. At 1/32 of
         # the flagship's width, transformers' PyTorch Gated DeltaNet keeps per-chunk [value heads, 64, 64] float32
         # matrices that do not scale with the value width the model counts (LINEAR_ATTENTION_FP32_COPIES, fitted at
@@ -186,6 +193,33 @@ def test_analytic_model_is_within_three_percent_of_the_trace_on_a_small_qwen35_w
         # shows the input alone: the model may be above it by the output's share, 1 / world size.
         reduction = next(f for f in figures if f.name == "a gradient reduction's own buffers")
         assert -0.05 < reduction.error <= 0.05 + 1 / world, reduction
+        # On one rank the layer's backward is over-counted by about the retained reduction input's size at micro-batch
+        # 1 (+6 % of the activations here, +1.3 % of the peak at h200-x1's own shape: BENCHMARKS.md), never under.
+        working = next(f for f in figures if f.name == "at the step's peak: activations + loss")
+        assert -0.05 < working.error < (0.08 if world == 1 else 0.05), working
         off = [f for f in figures if f.traced >= 1 and abs(f.error) >= 0.05
-               and f.name not in ("target forward working set", "peak", reduction.name)]
+               and f.name not in ("target forward working set", "peak", reduction.name, working.name)]
         assert off == [], off
+    return peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world, train", [("rtx6000-x8", 8, FP32), ("h200-x1", 1, FP32), ("rtx6000-x8", 8, {}),
+                                                ("h200-x1", 1, {})])
+def test_the_model_counts_dflash2s_convolutions_and_selector_as_the_trace_does(name, world, train):
+    """drafter.kind = "dflash2" at the same small shape and tolerances (the selector's rank-256 codebooks over
+    the 4,096-token vocabulary are most of the drafter here): the convolutions in every draft layer, the
+    selector as its own FSDP2 unit (its shards, gradients, AdamW states, its gathering and its gradient
+    reduction), its saved tensors per sequence. Negative control: the same workload without DFlash 2's terms
+    (the DFlash model) misses the traced peak by far more than the tolerance, under."""
+    config = fake.qwen36_27b_config(**SMALL)
+    profile = small_profile(name=name, kind="dflash2")
+    profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train, loss_chunk_rows=128, **train))
+    workload = exact_workload(profile, config, world)
+    assert workload.dflash2 is not None and memory.dflash2_parameter_counts(workload)["codebooks"] == 2 * 4096 * 256
+    peaks = assert_model_holds_to_the_trace(profile, config, workload, world)
+    without = memory.estimated_peak_model(dataclasses.replace(workload, dflash2=None))
+    for micro_batch, peak in zip((1, 2), peaks):
+        dflash_step = max(line.at(micro_batch) for line in without.lines if line.moment != "the target's forward")
+        dflash_step += without.accumulation_mib if micro_batch < without.rank_share else 0.0
+        assert (dflash_step - peak.traced) / peak.traced < -0.2, (micro_batch, dflash_step, peak)

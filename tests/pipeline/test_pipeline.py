@@ -191,3 +191,30 @@ def test_a_missing_also_prompts_file_stops_the_pipeline_before_the_first_stage(r
     assert recorder.calls == []
     assert [o.name for o in run_pipeline(profile, run_dir=recorder.run_dir, stop_after="train",
                                          stages=recorder.stages())] == ["audit", "generate", "tokenize", "train"]
+
+
+@pytest.mark.parametrize("backend, engine_python, builds", [
+    ("vllm", "", True),                    # cpu-demo as shipped: the engine's venv is built before generating
+    ("transformers", "", False),           # transformers serve runs from .venv: nothing to build
+    ("vllm", "/opt/my-vllm/bin/python", False),   # the user's own vLLM python (eval.engine_python)
+])
+def test_the_generate_stage_builds_vllms_venv_first_where_it_generates_with_vllm(tmp_path, monkeypatch, backend,
+                                                                                  engine_python, builds):
+    import dataclasses
+
+    import dflash.generate
+    import dflash.generate.engine_env
+    from dflash.generate.run import GenerateSummary
+    from dflash.pipeline import _generate
+
+    calls: list[str] = []
+    monkeypatch.setattr(dflash.generate.engine_env, "setup_engine_env", lambda engine: calls.append(f"setup {engine}"))
+    monkeypatch.setattr(dflash.generate, "generate_from_profile",
+                        lambda profile, run_dir: calls.append(f"generate {profile.generate.backend}")
+                        or GenerateSummary(total=2, selected=2, already_done=0))
+    base = load_profile("cpu-demo")
+    assert base.generate.backend == "vllm"
+    profile = dataclasses.replace(base, generate=dataclasses.replace(base.generate, backend=backend),
+                                  eval=dataclasses.replace(base.eval, engine_python=engine_python))
+    assert _generate(PipelineContext(profile, tmp_path)) == "2 prompts sent, 0 done before"
+    assert calls == ([f"setup {backend}"] if builds else []) + [f"generate {backend}"]

@@ -216,6 +216,25 @@ def test_a_fresh_selector_has_no_lift_and_a_trained_one_is_measured_apart(pair):
     assert read_selector_stats(block_loss_sums(), BLOCK) is None             # a DFlash drafter has none
 
 
+def test_a_dflash2_blocks_accepted_run_is_its_selector_paths(pair, monkeypatch):
+    """The held-out tau (dflash.train.validation) counts a DFlash 2 block's leading slots on the
+    selector's path, the one its decoder drafts: a selector right everywhere accepts every slot,
+    whatever the unary head got right."""
+    import dflash.drafter.loss as loss_module
+
+    _, second = pair
+    real = loss_module.selector_terms
+    with torch.no_grad():
+        measured = losses(second, 1.0)
+        assert measured.selector is not None and measured.accepted is not None and measured.blocks is not None
+        assert float(measured.accepted) == float(measured.selector.selector_run.sum())    # blocks right through k, summed
+        assert float(measured.blocks) == float(measured.selector.selector_alive[0]) == 6   # 2 rows x 3 anchors
+        monkeypatch.setattr(loss_module, "selector_terms",
+                            lambda *args: (lambda ce, right, recall: (ce, torch.ones_like(right), recall))(*real(*args)))
+        perfect = losses(second, 1.0)
+    assert float(perfect.accepted) == 6 * (BLOCK - 1) != float(perfect.selector.unary_run.sum())
+
+
 def block_loss_sums() -> torch.Tensor:
     return torch.zeros(figure_width(BLOCK, selector=False), dtype=torch.float64)
 
