@@ -1,7 +1,7 @@
 """Which transformers versions the workload supports, and what differs between them.
 
-The GPU requirement files pin transformers 5.3.0 (requirements-cu128.txt) and 5.6.0
-(requirements-cu130.txt); the CPU requirements pin 5.24.0. All three run the drafter, the online
+The GPU requirement files pin transformers 5.3.0 (requirements-cu128.txt) and 5.12.1
+(requirements-cu130.txt, before it 5.6.0); the CPU requirements pin 5.24.0. All run the drafter, the online
 extraction and speculative decoding (`tests/compat` runs those tests under the GPU pins in
 scratch venvs). What differs, and where the code adapts (`dflash.eval.target_cache`):
 
@@ -26,7 +26,7 @@ from typing import Optional
 from launcher_core.errors import ConfigError
 
 MIN_TRANSFORMERS = (5, 3, 0)
-TESTED_TRANSFORMERS = ("5.3.0", "5.6.0", "5.24.0")
+TESTED_TRANSFORMERS = ("5.3.0", "5.6.0", "5.12.1", "5.24.0")
 LINEAR_STATE_CONTINUES_SINCE = (5, 7, 0)   # multi-token cached forwards continue linear-attention state
 
 

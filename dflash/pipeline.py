@@ -12,11 +12,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from launcher_core.errors import ConfigError
 from launcher_core.manifest import STAGES
 from launcher_core.schema import Profile
+
+if TYPE_CHECKING:
+    from dflash.eval.records import EvalReport
 
 
 @dataclass(frozen=True)
@@ -195,13 +198,23 @@ def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
     engine = ctx.profile.eval.serve_engine
     _engine_ready(ctx.profile, engine)
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine, checkpoint=checkpoint)).report
+    return served_line(engine, report)
+
+
+def served_line(engine: str, report: EvalReport) -> str:
+    """`served by vllm: dflash tau T speedup S vs in-process tau T' speedup S' on the same N prompts, lossless`:
+    each speedup over the same decoder without a drafter (the engine alone; in-process, target-only)."""
     dflash = report.methods["dflash"]
-    served = "-" if dflash.mean_tau is None else f"{dflash.mean_tau:.2f}"
-    parity = report.parity.get("dflash")
-    beside = (f" vs in-process {parity.inprocess_tau:.2f} on the same {report.num_prompts} prompts"
-              if parity and parity.inprocess_tau is not None else "")
+    inprocess = report.inprocess.methods.get("dflash") if report.inprocess else None
+    beside = (f" vs in-process {_tau_speedup(inprocess.mean_tau, inprocess.speedup)} on the same "
+              f"{report.num_prompts} prompts" if inprocess else "")
     lossless = {True: ", lossless", False: ", OUTPUT DIFFERS FROM TARGET", None: ""}[dflash.identical_to_target]
-    return f"served by {engine}: dflash tau {served}{beside}{lossless}"
+    return f"served by {engine}: dflash {_tau_speedup(dflash.mean_tau, dflash.speedup)}{beside}{lossless}"
+
+
+def _tau_speedup(tau: Optional[float], speedup: Optional[float]) -> str:
+    """`tau 1.42 speedup 1.18x`: the speedup over the same decoder alone, one request in flight."""
+    return f"tau {'-' if tau is None else f'{tau:.2f}'} speedup {'-' if speedup is None else f'{speedup:.2f}x'}"
 
 
 def _engine_ready(profile: Profile, engine: str) -> None:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
+from envcheck.engines import SGLANG_DFLASH2, DraftLayers, sglang_problems
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import GpuFacts, Snapshot
 from envcheck.target import TargetArchitecture
@@ -270,6 +271,42 @@ def _kernel_install_hint(ctx: CheckInput, missing: list[str]) -> str:
     return "; then ".join(steps) + f" -- the pins of {ctx.pins_file or ctx.profile.machine.requirements}"
 
 
+def check_sglang_serves_the_drafter(ctx: CheckInput) -> list[Finding]:
+    """A profile served by SGLang: the SGLang of this environment (installed, else pinned) has DFLASH and
+    runs the profile's draft layers with the attention they are trained with (envcheck/engines.py)."""
+    evals = ctx.profile.eval
+    if "sglang" not in (evals.engine, evals.serve_engine):
+        return [Finding("engine.sglang", "SKIP", f"profile {ctx.profile.name} does not serve the drafter with SGLang")]
+    if evals.engine_python:
+        return [Finding("engine.sglang", "SKIP", f"served from eval.engine_python {evals.engine_python}: `eval --engine "
+                        "sglang` checks that environment's SGLang before it starts")]
+    installed = ctx.snapshot.packages.get("sglang")
+    version = installed or ctx.pins.get("sglang")
+    if not version:
+        return [Finding("engine.sglang", "SKIP", f"sglang is neither installed nor pinned in {ctx.pins_file or '-'}")]
+    where = "installed" if installed else f"pinned in {ctx.pins_file}"
+    drafter = ctx.profile.drafter
+    layers = DraftLayers(num_layers=drafter.num_layers, layer_types=list(drafter.layer_types) or None,
+                         sliding_window=drafter.sliding_window or None)
+    problems = sglang_problems(_release(version), layers)
+    if drafter.kind == "dflash2" and _release(version) < SGLANG_DFLASH2:
+        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
+                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
+    if problems:
+        return [Finding("engine.sglang", "WARN", f"sglang {version} ({where}) would not serve profile "
+                        f"{ctx.profile.name}'s drafter as trained: {'; '.join(problems)}",
+                        "serve it from an environment of requirements-cu130.txt (sglang 0.5.19; the driver must run "
+                        "CUDA 13.0) and set eval.engine_python to its python; `eval --engine sglang` refuses it here")]
+    kinds = ", ".join(sorted(set(layers.kinds())))
+    return [Finding("engine.sglang", "PASS", f"sglang {version} ({where}) runs the drafter's {kinds} layers as trained")]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """`0.5.13.post1` -> (0, 5, 13): the release a version belongs to."""
+    numbers = [int(part) for part in re.findall(r"\d+", public_version(version))[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
 def check_attention_backend(ctx: CheckInput) -> list[Finding]:
     backend = ctx.profile.audit.attention_backend
     capabilities = [(gpu_label(g), g.compute_capability) for g in ctx.snapshot.gpus]
@@ -439,7 +476,7 @@ def check_environment(ctx: CheckInput) -> list[Finding]:
 
 ALL_CHECKS: tuple[Callable[[CheckInput], list[Finding]], ...] = (
     check_gpu_count_and_model, check_torch_arch, check_torch_cuda, check_driver_cuda, check_toolkit, check_flashinfer_family,
-    check_pins, check_linear_attention_kernels, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
+    check_pins, check_linear_attention_kernels, check_sglang_serves_the_drafter, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
     check_cuda_probe, check_baseline_memory, check_baseline_versions, check_host, check_build_jobs, check_environment,
 )
 

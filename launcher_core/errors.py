@@ -11,7 +11,7 @@ EXIT_USAGE = 2           # bad command line, profile or input file; the environm
 EXIT_WARN_STRICT = 3     # audit --strict found a WARN (and no FAIL)
 EXIT_DATA = 4            # the data is unusable (e.g. too many degenerate samples)
 EXIT_RUN = 5             # a launched job (torchrun, server) failed
-EXIT_PARITY = 6          # eval --engine: the served acceptance differs from the in-process one beyond the tolerance
+EXIT_PARITY = 6          # eval --engine: the served drafter fails the parity gate (dflash/eval/parity.py)
 EXIT_CRASH = 70          # an unexpected error (a bug, not bad input): traceback saved, see launcher_core.crash
 EXIT_CANNOT_TEST = 125   # probe could not test this environment (git bisect run: skip)
 EXIT_INTERRUPTED = 130   # Ctrl-C
@@ -61,7 +61,7 @@ class RunFailed(LauncherError):
 
 
 class ParityFailed(LauncherError):
-    """The engine's acceptance differs from the in-process decoder's beyond the stated tolerance."""
+    """The served drafter is not the trained one: the parity gate (dflash/eval/parity.py) failed."""
 
     exit_code = EXIT_PARITY
 

@@ -1,4 +1,4 @@
-"""`launcher.py export CKPT --for sglang|vllm|reference [-o DIR] [--target DIR] [--full-vocab]`.
+"""`launcher.py export CKPT --for sglang|vllm|reference [-o DIR] [--target DIR] [--full-vocab] [--sglang-version V]`.
 
 Writes a drafter directory (config.json + model.safetensors) in the format the engine reads:
 plain RoPE keys at the top level, dflash_config / block_size / num_target_layers / architectures,
@@ -8,6 +8,7 @@ and the draft vocabulary converted where the engine can hold it, refused where i
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-vocab", action="store_true",
                         help="drop a draft vocabulary the engine cannot hold (the drafter then proposes from the "
                              "whole vocabulary)")
+    parser.add_argument("--sglang-version", metavar="VERSION",
+                        help="--for sglang: the SGLang release that will serve the drafter (default: the one installed "
+                             "here, if any); a drafter whose layers it would run with other attention than trained "
+                             "(sliding windows before 0.5.14, is_causal before 0.5.18) is refused, naming it")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing export at the output path (never a checkpoint or another folder)")
 
@@ -31,9 +36,21 @@ def run(args: argparse.Namespace) -> int:
 
     checkpoint = resolve_checkpoint_dir(Path(args.checkpoint))
     output = Path(args.output) if args.output else checkpoint.with_name(f"{checkpoint.name}-{args.engine}")
+    version = (args.sglang_version or installed_version("sglang")) if args.engine == "sglang" else None
     result = export_drafter(Path(args.checkpoint), args.engine, output, full_vocab=args.full_vocab,   # refusals: there
-                            target=Path(args.target) if args.target else None, force=args.force, flag="-o")
+                            target=Path(args.target) if args.target else None, force=args.force, flag="-o",
+                            sglang_version=version)
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.directory} (for {args.engine})")
     return 0
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    """The version of `distribution` installed in this environment, None when absent."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from dflash.drafter.layers import mixes_sliding_and_full, sglang_serving_problems
+from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
@@ -27,20 +29,23 @@ if TYPE_CHECKING:
 ENGINES = ("sglang", "vllm", "reference")
 
 # config.json keys each engine reads for a DFlash drafter (dotted: inside dflash_config), from source:
-# SGLang 0.5.11 python/sglang/srt/models/dflash.py + srt/speculative/dflash_utils.py;
+# SGLang 0.5.19 python/sglang/srt/models/dflash.py + srt/speculative/dflash_utils.py (the keys are those
+# of 0.5.11, which read no layer keys at all; `sliding` and `is_causal` are read from 0.5.14 / 0.5.18);
 # vLLM vllm/model_executor/models/qwen3_dflash.py + v1/worker/gpu/spec_decode/eagle/eagle3_utils.py;
 # reference: PyPI dflash 0.1.0 dflash/model.py under transformers 5.15 (Qwen3Config).
 ENGINE_READS: dict[str, dict[str, Any]] = {
-    "sglang": {"version": "sglang 0.5.11", "required": [
+    "sglang": {"version": "sglang 0.5.19", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
         "hidden_act", "num_target_layers", "block_size", "dflash_config.target_layer_ids",
         "dflash_config.mask_token_id"],
         "optional": ["attention_bias", "rope_scaling", "rope_is_neox_style", "dflash_config.block_size",
-                     "dflash_config.num_target_layers", "dflash_config.mask_token"],
+                     "dflash_config.num_target_layers", "dflash_config.mask_token", "is_causal"],
         "defaults_that_bite": {"rope_theta": 1000000.0},
         # speculative/dflash_utils.py get_dflash_layer_types / get_dflash_attention_sliding_window_size
-        # (window_left = sliding_window - 1); sliding layers always causal (DECODER), full ones ENCODER_ONLY
+        # (window_left = sliding_window - 1), from 0.5.14; 0.5.11-0.5.13 run every layer ENCODER_ONLY without
+        # a window. Absent is_causal: sliding DECODER, full ENCODER_ONLY; is_causal decides both from 0.5.18
+        # (dflash.drafter.layers.sglang_layer_attention)
         "sliding": ["layer_types", "sliding_window"]},
     "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -125,13 +130,16 @@ def _has(document: dict[str, Any], dotted: str) -> bool:
 
 
 def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: bool = False,
-                   target: Optional[Path] = None, force: bool = False, flag: str = "-o") -> ExportResult:
+                   target: Optional[Path] = None, force: bool = False, flag: str = "-o",
+                   sglang_version: Optional[str] = None) -> ExportResult:
     """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring.
 
     `output` obeys launcher_core.outputs' rules (ConfigError, exit 2, naming it, before anything
     is read): never the checkpoint, the target or a folder holding them, never a path that is not
     a drafter export; an existing export is replaced only with `force`. `flag` names the output
-    in those messages."""
+    in those messages. `sglang_version`: the SGLang that will serve the export (sglang only); a
+    drafter whose layers that release would run with other attention than trained is refused,
+    naming the release and the layers."""
     from safetensors.torch import save_file
 
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
@@ -145,7 +153,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     _check_output(output, [given, checkpoint, *([Path(target)] if target else [])], force, flag)
     document = config_document(read_drafter_config(checkpoint))
     weights = read_weights(checkpoint)
-    notes = (_convert_vocab(document, weights, engine, full_vocab, target) + _layer_notes(document, engine)
+    notes = (_layer_notes(document, engine, sglang_version) + _convert_vocab(document, weights, engine, full_vocab, target)
              + _dflash2_notes(document, engine))
     document = _engine_keys(document, engine)
     missing = missing_fields(document, engine)
@@ -176,17 +184,34 @@ def _engine_keys(document: dict[str, Any], engine: str) -> dict[str, Any]:
     return document
 
 
-def _layer_notes(document: dict[str, Any], engine: str) -> list[str]:
+def _layer_notes(document: dict[str, Any], engine: str, sglang_version: Optional[str]) -> list[str]:
     """Sliding layers as the engine runs them: refused where it would run them differently."""
     types = document.get("layer_types") or []
-    if "sliding_attention" not in types:
-        return []
-    if engine == "sglang" and document.get("is_causal") is False:
-        raise InputError("this drafter's sliding layers are bidirectional (is_causal: false); SGLang runs every "
-                         "sliding_attention layer causally, so it would draft with attention it was not trained with")
-    if engine == "vllm" and "full_attention" in types:
+    if engine == "sglang":
+        return sglang_layer_notes(document, sglang_version)
+    if engine == "vllm" and mixes_sliding_and_full(types):
         return ["mixed sliding_attention / full_attention layers: vLLM serves them with the V2 model runner only "
-                "(VLLM_USE_V2_MODEL_RUNNER=1)"]
+                "(VLLM_USE_V2_MODEL_RUNNER=1; `eval --engine vllm` sets it)"]
+    return []
+
+
+def sglang_layer_notes(document: dict[str, Any], sglang_version: Optional[str]) -> list[str]:
+    """InputError when SGLang `sglang_version` would run a layer with other attention than trained;
+    without a version, a note naming the releases that run these layers as trained."""
+    from dflash.compat import version_tuple
+
+    if sglang_version is None:
+        if "sliding_attention" not in (document.get("layer_types") or []) and document.get("is_causal") is None:
+            return []
+        newest = SGLANG_IS_CAUSAL if document.get("is_causal") is not None else SGLANG_SLIDING
+        return [f"sliding-window or is_causal layers: SGLang runs them as trained from "
+                f"{'.'.join(map(str, newest))} on (0.5.11-0.5.13 run every layer bidirectionally without a window); "
+                "requirements-cu130.txt pins 0.5.19"]
+    problems = sglang_serving_problems(version_tuple(sglang_version), document)
+    if problems:
+        raise InputError(f"SGLang {sglang_version} would not serve this drafter as it was trained: "
+                         f"{'; '.join(problems)}. Serve it with SGLang 0.5.19 or later (requirements-cu130.txt), or "
+                         "with vLLM (--for vllm)")
     return []
 
 

@@ -3,12 +3,15 @@
 
 The reference (PyPI `dflash` 0.1.0, `Qwen3DFlashAttention`) gives layer i the window
 `sliding_window` when `layer_types[i] == "sliding_attention"`, else none; and makes the layer causal
-when `is_causal` says so, or, when `is_causal` is absent, when the layer is a sliding one. vLLM
-(`qwen3_dflash.py`, `_resolve_layer_attention`) resolves the same way, and SGLang 0.5.11
-(`models/dflash.py`) runs every sliding layer causally (attention type DECODER) and every full
-layer bidirectionally (ENCODER_ONLY), whatever `is_causal` says. So the published convention, the
-one every loader agrees on, is: sliding layers causal with a window, full layers bidirectional.
-Our drafters follow it and leave `is_causal` out of config.json.
+when `is_causal` says so, or, when `is_causal` is absent, when the layer is a sliding one. vLLM 0.32
+(`qwen3_dflash.py`, `_resolve_layer_attention`) resolves the same way. SGLang changed across
+releases (envcheck/engines.py, read from each wheel's `models/dflash.py`): 0.5.11-0.5.13 run every
+draft layer bidirectionally (ENCODER_ONLY) without a window and read none of these keys; sliding
+layers are causal with their window from 0.5.14; `is_causal` decides both kinds from 0.5.18 (full
+layers from 0.5.17). So the convention every loader from SGLang 0.5.14 on agrees on is: sliding
+layers causal with a window, full layers bidirectional. Our drafters follow it and leave
+`is_causal` out of config.json; `sglang_serving_problems` names the layers an SGLang release would
+run otherwise.
 
 Visibility between a query at position p and a key at position j (positions, not indices):
 
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypedDict
+
+from envcheck.engines import SGLANG_DFLASH2, DraftLayers, reference_rules, sglang_problems
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -55,16 +60,7 @@ def _value(config: PretrainedConfig | Mapping[str, object], key: str) -> Any:
 
 def layer_attention(config: PretrainedConfig | Mapping[str, object]) -> list[LayerAttention]:
     """The rule of each of the config's `num_hidden_layers` layers (a config object or a mapping)."""
-    count = int(_value(config, "num_hidden_layers"))
-    types = list(_value(config, "layer_types") or [FULL] * count)
-    window = _value(config, "sliding_window")
-    explicit = _value(config, "is_causal")
-    rules = []
-    for kind in types:
-        sliding = kind == SLIDING
-        causal = sliding if explicit is None else bool(explicit)
-        rules.append(LayerAttention(window=int(window) if sliding and window else None, causal=causal))
-    return rules
+    return [LayerAttention(window=rule.window, causal=rule.causal) for rule in reference_rules(draft_layers(config))]
 
 
 def layer_type_problems(layer_types: Sequence[str], num_layers: int, sliding_window: int) -> list[str]:
@@ -131,4 +127,32 @@ def profile_layer_problems(drafter_section: DrafterSection) -> list[tuple[str, s
                          f"{drafter_section.rope_scaling!r}; a scaling factor must be > 1"))
     if drafter_section.rope_scaling == "none" and drafter_section.rope_original_max_position_embeddings:
         problems.append(("drafter.rope_original_max_position_embeddings", "set without rope_scaling = \"yarn\""))
+    return problems
+
+
+def mixes_sliding_and_full(layer_types: Sequence[str]) -> bool:
+    """Some layers slide and some do not (vLLM serves that only with its V2 model runner)."""
+    return SLIDING in layer_types and any(kind != SLIDING for kind in layer_types)
+
+
+
+def draft_layers(config: PretrainedConfig | Mapping[str, object]) -> DraftLayers:
+    """The keys of `config` (a config object or a parsed config.json) that decide its attention."""
+    types = _value(config, "layer_types")
+    window = _value(config, "sliding_window")
+    explicit = _value(config, "is_causal")
+    return DraftLayers(num_layers=int(_value(config, "num_hidden_layers")),
+                       layer_types=list(types) if types else None,
+                       sliding_window=int(window) if window else None,
+                       is_causal=None if explicit is None else bool(explicit))
+
+
+def sglang_serving_problems(version: tuple[int, ...], config: PretrainedConfig | Mapping[str, object]) -> list[str]:
+    """The layers SGLang `version` would run with other attention than the drafter was trained with
+    ([]: every layer as trained), and a DFlash 2 drafter before the release that knows it;
+    envcheck.engines holds each release's rule."""
+    problems = sglang_problems(version, draft_layers(config))
+    if "DFlash2DraftModel" in (_value(config, "architectures") or []) and version < SGLANG_DFLASH2:
+        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
+                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
     return problems

@@ -6,13 +6,13 @@ and what plots, `status` (through the manifest's eval entry), the pipeline and t
 field. Layout, version 2 (version 1, without `report_version`, is read the same way):
 
     {report_version, profile, target, checkpoint, seed, prompts_file, prompt_set, max_new_tokens,
-     torch_threads (in-process), served_drafter (vLLM), baseline (how target-only decoding ran),
+     torch_threads (in-process), served_drafter (engine evals), baseline (how target-only decoding ran),
      engine (engine evals),
      block_size, temperature, num_prompts,
      methods: {name: MethodFigures},
      prompts: [{id, prompt_tokens, methods: {name: MethodFigures}}]   (in-process),
      also_sets: [{prompt_set, prompts_file, num_prompts, report, methods}]  (eval.also_prompts),
-     parity: {name: ParityRow}, inprocess: EvalReport without prompts  (eval --engine vllm)}
+     parity: {name: ParityRow}, inprocess: EvalReport without prompts  (eval --engine)}
 
 Keys whose value is not known for a report's kind are left out (the in-process report has no
 `tau_source`; an engine report no `tau_histogram`).
@@ -128,10 +128,18 @@ class ParityRow:
     same_tokens_as_inprocess: bool
     first_divergence: Optional[str]
     gated: bool
-    within_tolerance: Optional[bool] = None    # None: not gated
+    within_tolerance: Optional[bool] = None    # the gate passed; None: not gated
+    served_steps: Optional[int] = None         # speculative steps counted on each side
+    inprocess_steps: Optional[int] = None
+    tolerance: Optional[float] = None          # gated: the tau difference allowed
+    standard_error: Optional[float] = None     # gated: of the tau difference
+    prompts_same_tokens: Optional[int] = None  # gated: prompts whose served and in-process tokens are identical
+    prompts_same_acceptance: Optional[int] = None   # ... and of those, the ones accepting the same drafts
+    failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, named
+    conclusive: Optional[bool] = None          # gated: the in-process gain stands clear of zero
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key in _PARITY_ALWAYS or value is not None}
 
     @classmethod
     def from_json(cls, data: _Fields) -> ParityRow:
@@ -139,7 +147,17 @@ class ParityRow:
                    data.numbers_or_none("served_position_acceptance"), data.numbers_or_none("inprocess_position_acceptance"),
                    data.flag_or_none("served_identical_to_target"), data.flag_or_none("inprocess_identical_to_target"),
                    data.flag("same_tokens_as_inprocess"), data.text_or_none("first_divergence"), data.flag("gated"),
-                   data.flag_or_none("within_tolerance"))
+                   data.flag_or_none("within_tolerance"), served_steps=data.integer_or_none("served_steps"),
+                   inprocess_steps=data.integer_or_none("inprocess_steps"), tolerance=data.number_or_none("tolerance"),
+                   standard_error=data.number_or_none("standard_error"),
+                   prompts_same_tokens=data.integer_or_none("prompts_same_tokens"),
+                   prompts_same_acceptance=data.integer_or_none("prompts_same_acceptance"),
+                   failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"))
+
+
+_PARITY_ALWAYS = ("served_tau", "inprocess_tau", "served_position_acceptance", "inprocess_position_acceptance",
+                  "served_identical_to_target", "inprocess_identical_to_target", "same_tokens_as_inprocess",
+                  "first_divergence", "gated", "within_tolerance")
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,7 @@ class ReportContext:
     prompt_set: Optional[str] = None
     max_new_tokens: Optional[int] = None
     torch_threads: Optional[int] = None     # in-process: torch's thread count while decoding
-    served_drafter: Optional[str] = None    # vLLM: the drafter exported for it
+    served_drafter: Optional[str] = None    # engine evals: the drafter exported for the engine
     baseline: Optional[str] = None          # how target-only decoding (the speedup's baseline) ran
 
     def to_json(self) -> dict[str, object]:
@@ -183,7 +201,7 @@ class EvalReport:
     prompts: list[PromptFigures] = field(default_factory=list)
     also_sets: list[SetBrief] = field(default_factory=list)
     parity: dict[str, ParityRow] = field(default_factory=dict)
-    inprocess: Optional[EvalReport] = None     # vLLM: the in-process figures of the same prompts
+    inprocess: Optional[EvalReport] = None     # engine evals: the in-process figures of the same prompts
 
     def drafted(self) -> dict[str, MethodFigures]:
         """The drafting methods (all but target-only decoding)."""

@@ -1,5 +1,5 @@
 """`eval`'s entry point: the drafter evaluated in-process (dflash.eval.evaluate) or served by an
-engine (dflash.eval.engines, which also decodes in-process for the parity gate), with the run
+engine (dflash.eval.served, which also decodes in-process for the parity gate), with the run
 manifest's eval entry saying running / done / failed as it goes."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
 
             summary = evaluate_in_process(profile, run_dir, checkpoint, options)
         else:
-            from dflash.eval.engines import evaluate_with_engine
+            from dflash.eval.served import evaluate_with_engine
 
             summary = evaluate_with_engine(profile, run_dir, checkpoint, options, engine)
     except BaseException as error:

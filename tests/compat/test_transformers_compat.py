@@ -1,5 +1,5 @@
 """The drafter, extraction and speculative-decoding tests under each transformers version the GPU
-requirement files pin (5.3.0 in requirements-cu128.txt, 5.6.0 in requirements-cu130.txt), in
+requirement files pin (5.3.0 in requirements-cu128.txt, 5.12.1 in requirements-cu130.txt), in
 scratch venvs built with uv (compat_venvs.py), with the CPU torch of this run. A version older
 than the supported floor is refused with a message naming it.
 
@@ -48,7 +48,7 @@ def run_in(venv, argv: list[str], timeout_s: float) -> subprocess.CompletedProce
 
 
 def test_the_gpu_pins_name_the_versions_under_test():
-    assert PINNED == ["5.3.0", "5.6.0"], "a GPU requirements file changed its transformers: update this test's docstring"
+    assert PINNED == ["5.12.1", "5.3.0"], "a GPU requirements file changed its transformers: update this test's docstring"
 
 
 @pytest.mark.parametrize("version", PINNED)

@@ -1,40 +1,95 @@
-"""A stand-in for SGLang (`python engine_standin.py sglang ARGV...`): SGLang cannot run without CUDA,
-so its eval flow is tested against this process, which parses the engine argv it is given, answers
-the engine's HTTP API (health, OpenAI chat completions, SGLang's /server_info; vLLM's /metrics is
-kept for its argv only) and reports a fixed acceptance per speculative method. vLLM runs for real
-on CPU: tests/eval/test_engine_vllm.py starts its CPU build.
-Stand-in figures: DFLASH tau 3.5, NGRAM / ngram tau 1.5."""
+"""A stand-in for SGLang (`python engine_standin.py sglang [--mode M] ARGV...`): SGLang cannot run
+without CUDA, so its eval flow is tested against this process. It speaks SGLang 0.5.19's
+`POST /generate` as that release's code shapes it (tests/fixtures/engines/sglang-0.5.19-generate.json:
+a request field or sampling parameter SGLang does not have is refused with 400, the answer carries
+only keys SGLang writes), and decodes for real with OUR decoder (dflash.eval.specdec): the target
+from `--model-path`, with `--speculative-algorithm DFLASH` the drafter directory it is given (the
+SGLang export). So the answers are what our in-process decoder gives; `--mode` bends them:
+
+* `honest`: as decoded;
+* `extra-accept`: every answer's `spec_num_correct_drafts` one higher (a served drafter that
+  accepts differently on the same tokens).
+
+vLLM runs for real on CPU: tests/eval/test_engine_vllm.py starts its CPU build."""
 import argparse
 import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-TAU = {"DFLASH": 3.5, "NGRAM": 1.5, "dflash": 3.5, "ngram": 1.5}
+REPO = Path(__file__).resolve().parents[2]
+SHAPES = json.loads((REPO / "tests" / "fixtures" / "engines" / "sglang-0.5.19-generate.json").read_text())
+sys.path.insert(0, str(REPO))
 
 
-def parse(engine: str, argv: list) -> argparse.Namespace:
+def parse(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="honest", choices=("honest", "extra-accept"))
+    parser.add_argument("--model-path")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--speculative-algorithm")
-    parser.add_argument("--speculative-config")
+    parser.add_argument("--speculative-draft-model-path")
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=1)
     args, _ = parser.parse_known_args(argv)
-    args.method = args.speculative_algorithm or (json.loads(args.speculative_config)["method"]
-                                                 if args.speculative_config else None)
     return args
 
 
-def handler(engine: str, method: str):
-    state = {"requests": 0}
+class Decoder:
+    """The target (and drafter) of the argv, decoding a token-id prompt as SGLang would answer it."""
 
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM
+
+        from dflash.eval.specdec import NoDrafter, TargetVerifier
+
+        self.args = args
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True).eval()
+        self.drafter = NoDrafter()
+        if args.speculative_algorithm == "DFLASH":
+            from dflash.eval.dflash_drafter import load_dflash_draft
+
+            # a block of --speculative-num-draft-tokens N: the anchor and N - 1 drafts (eval.draft_tokens)
+            self.drafter = load_dflash_draft(args.speculative_draft_model_path, self.model,
+                                             draft_tokens=args.speculative_num_draft_tokens - 1)
+        layer_ids = getattr(self.drafter, "layer_ids", None)
+        self.verifier = TargetVerifier(self.model, layer_ids)
+
+    def answer(self, input_ids: list, sampling: dict) -> dict:
+        from dflash.eval.specdec import DecodeSettings, speculative_decode
+
+        settings = DecodeSettings(block_size=self.args.speculative_num_draft_tokens,
+                                  max_new_tokens=int(sampling.get("max_new_tokens", 128)),
+                                  temperature=float(sampling.get("temperature", 1.0)),
+                                  eos_ids=tuple(sampling.get("stop_token_ids") or ()))
+        run = speculative_decode(self.verifier, self.drafter, input_ids, settings)
+        answer = {"text": " ".join(map(str, run.tokens)), "output_ids": run.tokens, "meta_info": {}}
+        if self.args.speculative_algorithm == "DFLASH":
+            answer["meta_info"] = self.spec_meta(run.taus)
+        return answer
+
+    def spec_meta(self, taus: list) -> dict:
+        accepted = [tau - 1 for tau in taus]
+        histogram = [0] * (max(accepted, default=0) + 1)
+        for count in accepted:
+            histogram[count] += 1
+        extra = 1 if self.args.mode == "extra-accept" else 0
+        meta = {"spec_verify_ct": len(taus), "spec_num_correct_drafts": sum(accepted) + extra,
+                "spec_correct_drafts_histogram": histogram,
+                "spec_num_proposed_drafts": len(taus) * (self.args.speculative_num_draft_tokens - 1)}
+        assert set(meta) <= set(SHAPES["meta_info_spec_keys"]), meta
+        return meta
+
+
+def handler(decoder: Decoder):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-        def _send(self, payload, content_type="application/json"):
-            body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", content_type)
+        def _send(self, payload, status=200):
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -42,33 +97,27 @@ def handler(engine: str, method: str):
         def do_GET(self):
             if self.path == "/health":
                 return self._send({})
-            if self.path == "/server_info" and engine == "sglang":
-                states = {"avg_spec_accept_length": TAU[method]} if method else {}
-                return self._send({"internal_states": [states]})
-            if self.path == "/metrics" and engine == "vllm":
-                drafts = 10 * state["requests"] if method else 0
-                accepted = (TAU[method] - 1) * drafts if method else 0
-                text = (f"vllm:spec_decode_num_drafts_total{{engine=\"0\"}} {drafts}\n"
-                        f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {accepted}\n")
-                return self._send(text.encode(), "text/plain")
             self.send_error(404)
 
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path == "/v1/chat/completions" and request["messages"]
-            state["requests"] += 1
-            words = request["messages"][-1]["content"].split()[: request["max_tokens"]]
-            self._send({"choices": [{"message": {"role": "assistant", "content": " ".join(words)}}],
-                        "usage": {"completion_tokens": len(words)}})
+            sampling = request.get("sampling_params") or {}
+            unknown = sorted(set(request) - set(SHAPES["request_fields"])) + sorted(set(sampling) - set(SHAPES["sampling_params"]))
+            if self.path != "/generate" or unknown or not all(isinstance(t, int) for t in request.get("input_ids") or [None]):
+                return self._send({"error": f"bad request: {self.path} {unknown}"}, 400)
+            answer = decoder.answer(request["input_ids"], sampling)
+            assert set(answer) <= set(SHAPES["response_keys"])
+            self._send(answer)
 
     return Handler
 
 
 def main() -> None:
     engine, argv = sys.argv[1], sys.argv[2:]
+    assert engine == "sglang", "vLLM runs for real on CPU; this stands in for SGLang only"
     print("argv:", json.dumps(argv), flush=True)
-    args = parse(engine, argv)
-    ThreadingHTTPServer((args.host, args.port), handler(engine, args.method)).serve_forever()
+    args = parse(argv)
+    ThreadingHTTPServer((args.host, args.port), handler(Decoder(args))).serve_forever()
 
 
 if __name__ == "__main__":

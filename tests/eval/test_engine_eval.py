@@ -1,7 +1,9 @@
-"""`eval --engine sglang|vllm` without starting an engine: SGLang's argv against the pinned SGLang's
-own option list (from its server_args.py, tests/fixtures/engines/) and its flow against a stand-in
-that speaks its API (tests/eval/engine_standin.py; SGLang needs CUDA); vLLM's argv builders (the real
-vLLM CPU engine runs in tests/eval/test_engine_vllm.py), the install check and the parity gate."""
+"""`eval --engine sglang|vllm` without a real engine: SGLang's argv against the pinned SGLang's own
+option list, its `/generate` requests and answers against the shapes its code declares (both from
+its wheel, tests/fixtures/engines/), its flow against a stand-in that decodes with our decoder
+behind that API (tests/eval/engine_standin.py; SGLang needs CUDA, so the SGLang gate is unproven
+until tests/gpu/test_engine_eval_gpu.py runs it on a GPU); vLLM's argv builders (the real vLLM CPU
+engine runs in tests/eval/test_engine_vllm.py), the install check and the parity gate's rules."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +14,24 @@ from pathlib import Path
 import pytest
 
 from dflash.eval.engines import engine_command
+from dflash.eval.parity import (
+    PromptAcceptance,
+    SideFigures,
+    check_parity,
+    histogram_of_positions,
+    histogram_of_taus,
+    method_parity,
+    near_ties_allowed,
+    parity_summary,
+)
 from dflash.generate.servers import is_hybrid_target, sglang_server_command
+from launcher_core.errors import EXIT_PARITY, ParityFailed
 from launcher_core.profile import load_profile
 from tests.generate.gen_helpers import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
+PINNED_SGLANG = "0.5.19"
 
 
 def sglang_options(version: str) -> tuple[set[str], str]:
@@ -32,10 +46,10 @@ def hybrid_target(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("method", ["target", "dflash", "prompt_lookup"])
-def test_sglang_engine_argv_uses_only_options_of_sglang_0_5_11(method, tmp_path):
+def test_sglang_engine_argv_uses_only_options_of_the_pinned_sglang(method, tmp_path):
     profile = load_profile("rtx6000-x8")
     command = engine_command("sglang", profile, hybrid_target(tmp_path), method, Path("/ckpt"), 16, 30100)
-    options, header = sglang_options("0.5.11")
+    options, header = sglang_options(PINNED_SGLANG)
     flags = [arg for arg in command.argv if arg.startswith("--")]
     assert set(flags) <= options, set(flags) - options
     argv = command.argv
@@ -52,16 +66,17 @@ def test_sglang_engine_argv_uses_only_options_of_sglang_0_5_11(method, tmp_path)
         assert "--speculative-algorithm" not in argv
 
 
-def test_pinned_cu128_sglang_has_no_dflash_so_the_profile_names_the_engine():
+def test_the_cu130_set_pins_an_sglang_that_runs_our_layers_and_the_cu128_set_cannot():
     _, header = sglang_options("0.5.10.post1")
     assert '"DFLASH"' not in header
-    cu128 = Path("requirements-cu128.txt").read_text()
-    assert "sglang==0.5.10.post1" in cu128 and "sglang==0.5.11" in Path("requirements-cu130.txt").read_text()
+    cu128, cu130 = Path("requirements-cu128.txt").read_text(), Path("requirements-cu130.txt").read_text()
+    assert "sglang==0.5.10.post1" in cu128 and f"sglang=={PINNED_SGLANG}" in cu130
     assert load_profile("rtx6000-x8").eval.engine == "sglang"
 
 
-def test_generate_passes_context_length_and_the_hybrid_strategy_to_the_pinned_sglang(tmp_path):
-    options, _ = sglang_options("0.5.10.post1")
+@pytest.mark.parametrize("version", ["0.5.10.post1", PINNED_SGLANG])
+def test_generate_passes_context_length_and_the_hybrid_strategy_to_both_pinned_sglangs(version, tmp_path):
+    options, _ = sglang_options(version)
     profile = load_profile("rtx6000-x8")
     argv = sglang_server_command(profile, hybrid_target(tmp_path)).argv
     assert {a for a in argv if a.startswith("--")} <= options
@@ -78,6 +93,16 @@ def test_vllm_argv_carries_the_dflash_speculative_config():
     assert config == {"method": "dflash", "model": "/ckpt", "num_speculative_tokens": 15}
     assert argv[argv.index("--served-model-name") + 1] == "default"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85" and "VLLM_CPU_KVCACHE_SPACE" not in command.env
+
+
+@pytest.mark.parametrize("layer_types, v2", [(["sliding_attention"] * 4 + ["full_attention"], True),
+                                             (["sliding_attention"] * 2, False), (["full_attention"] * 2, False)])
+def test_vllm_gets_its_v2_model_runner_for_a_drafter_mixing_sliding_and_full_layers(layer_types, v2, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"layer_types": layer_types}))
+    profile = load_profile("cpu-demo")
+    command = engine_command("vllm", profile, Path("/t"), "dflash", tmp_path, 8, 30100)
+    assert (command.env.get("VLLM_USE_V2_MODEL_RUNNER") == "1") is v2
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_command("vllm", profile, Path("/t"), "target", tmp_path, 8, 1).env
 
 
 def test_vllm_on_cpu_sizes_the_kv_cache_in_gib_instead_of_a_gpu_memory_share():
@@ -116,68 +141,252 @@ def test_the_install_check_names_the_setup_command_when_vllm_is_absent(tmp_path)
         check_engine_installed("vllm", profile)
 
 
-def test_the_parity_gate_fails_beyond_the_tolerance_and_names_the_first_divergence():
-    from dflash.eval.parity import check_parity, method_parity
-    from dflash.eval.records import MethodFigures
-    from launcher_core.errors import EXIT_PARITY, ParityFailed
+def test_an_sglang_release_that_would_run_the_layers_otherwise_is_refused_before_anything_is_decoded(tmp_path):
+    from dflash.eval.engines import check_engine_serves
+    from launcher_core.errors import ConfigError
 
-    served = MethodFigures(mean_tau=1.60, tokens_per_s=5.0, speedup=1.2, identical_to_target=True, position_acceptance=[0.4, 0.1])
-    ours = MethodFigures(mean_tau=1.40, tokens_per_s=4.0, speedup=1.1, identical_to_target=True, position_acceptance=[0.3, 0.1])
-    row = method_parity("dflash", served, ours, ["a", "b"], [[1, 2, 3], [4, 5, 9]], [[1, 2, 3], [4, 5, 6]])
-    assert row.within_tolerance is False and not row.same_tokens_as_inprocess
-    with pytest.raises(ParityFailed, match=r"prompt 2 \(b\), new token 2: served 9, in-process 6") as failed:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 5, "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048}))
+    profile = load_profile("rtx6000-x8")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.11 would not serve this drafter as it was trained: layer 0 "
+                                          r"\(sliding_attention\): trained causal, window 2048, served bidirectional"):
+        check_engine_serves("sglang", "0.5.11", profile, tmp_path)
+    check_engine_serves("sglang", PINNED_SGLANG, profile, tmp_path)
+
+
+def test_a_dflash2_drafter_is_refused_on_an_sglang_before_0_5_19(tmp_path):
+    from dflash.eval.engines import check_engine_serves
+    from launcher_core.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"], "num_hidden_layers": 2}))
+    profile = load_profile("rtx6000-x8")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.18 would not serve this drafter as it was trained: a DFlash 2 "
+                                          r"drafter \(DFlash2DraftModel\), which SGLang serves from 0\.5\.19 on"):
+        check_engine_serves("sglang", "0.5.18", profile, tmp_path)
+    check_engine_serves("sglang", PINNED_SGLANG, profile, tmp_path)
+    check_engine_serves("sglang", None, profile, tmp_path)         # a stand-in: no release to hold it against
+
+
+# -- the parity gate's rules -----------------------------------------------------------------------
+
+def side(per_prompt: list[tuple[list[int], int, int]], histogram: list[int], lossless: bool = True) -> SideFigures:
+    return SideFigures([PromptAcceptance(tokens, steps, accepted) for tokens, steps, accepted in per_prompt],
+                       histogram, [0.1] * 3, lossless)
+
+
+WEAK = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 20, 1)], [37, 3])          # tau 1.075: a weak trained drafter
+BLOCK = 4                                                                          # the drafter's B in these rows
+DEAD = side([([1, 2, 3, 4, 5, 6], 20, 0), ([7, 8, 9, 10], 20, 0)], [40])         # accepts nothing, other tokens
+
+
+def test_a_served_drafter_that_accepts_nothing_fails_the_gate_where_a_fixed_tau_tolerance_passed_it():
+    row = method_parity("dflash", DEAD, WEAK, ["a", "b"], block_size=BLOCK)
+    assert abs((row.served_tau or 0) - (row.inprocess_tau or 0)) < 0.10        # the old gate's 0.10: a pass
+    assert row.within_tolerance is False
+    assert any("served gain (tau - 1) 0.000 is below 0.9 x the in-process gain 0.075" in f for f in row.failures or [])
+    with pytest.raises(ParityFailed, match="the served drafter is not the trained one: dflash: served gain") as failed:
         check_parity({"dflash": row}, "report.json")
     assert failed.value.exit_code == EXIT_PARITY == 6
-    close = method_parity("dflash", dataclasses.replace(served, mean_tau=1.45, position_acceptance=[0.35, 0.1]), ours,
-                          ["a"], [[1]], [[1]])
-    assert close.within_tolerance is True and close.first_divergence is None
-    check_parity({"dflash": close}, "report.json")
-    lookup = method_parity("prompt_lookup", served, ours, ["a"], [[1]], [[1]])
-    assert lookup.within_tolerance is None        # shown, not gated
 
 
-def test_the_parity_gate_counts_a_slot_one_side_does_not_list_as_nothing_accepted():
-    from dflash.eval.parity import method_parity
-    from dflash.eval.records import MethodFigures
+def test_a_served_drafter_within_the_gain_tolerance_passes_and_the_tolerance_grows_with_its_standard_error():
+    ours = side([([1, 2, 3], 10, 12), ([4, 5], 10, 8)], [6, 8, 6])                   # tau 2.0
+    close = side([([1, 2, 3], 10, 12), ([4, 5, 6], 10, 7)], [6, 9, 5])               # tau 1.95, prompt 2 diverged
+    row = method_parity("dflash", close, ours, ["a", "b"], block_size=BLOCK)
+    assert row.within_tolerance is True and row.failures == [] and row.conclusive is True, row.failures
+    assert row.tolerance == pytest.approx(3 * (row.standard_error or 0)) and row.tolerance > 0.10 * 1.0
+    assert (row.prompts_same_tokens, row.prompts_same_acceptance) == (1, 1)
+    check_parity({"dflash": row}, "report.json")
+    lower = side([([1, 2, 9], 10, 6), ([4, 5, 6], 10, 6)], [10, 8, 2])               # tau 1.6: inside 3 SE,
+    assert [f[:46] for f in method_parity("dflash", lower, ours, ["a", "b"], block_size=BLOCK).failures or []] == [  # 60%
+        "served gain (tau - 1) 0.600 is below 0.9 x the"]
+    higher = side([([1, 2, 9], 10, 22), ([4, 5, 6], 10, 22)], [0, 2, 14, 4])         # tau 3.2: more than trained
+    assert [f[:52] for f in method_parity("dflash", higher, ours, ["a", "b"], block_size=BLOCK).failures or []] == [
+        "served tau 3.200 vs in-process 2.000: they differ by"]
 
-    # eval.draft_tokens 3: vLLM lists its 3 drafted slots, the in-process report all 7 of block 8
-    served = MethodFigures(mean_tau=1.351, tokens_per_s=5.0, speedup=1.1, identical_to_target=True, position_acceptance=[0.29, 0.05, 0.01])
-    ours = MethodFigures(mean_tau=1.353, tokens_per_s=4.0, speedup=0.9, identical_to_target=True,
-                         position_acceptance=[0.30, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0])
-    assert method_parity("dflash", served, ours, ["a"], [[1]], [[1]]).within_tolerance is True
-    accepted_beyond = dataclasses.replace(ours, position_acceptance=[0.30, 0.05, 0.01, 0.2, 0.0, 0.0, 0.0])
-    assert method_parity("dflash", served, accepted_beyond, ["a"], [[1]], [[1]]).within_tolerance is False
-    assert method_parity("dflash", accepted_beyond, served, ["a"], [[1]], [[1]]).within_tolerance is False
+
+def test_a_served_stream_that_is_not_lossless_fails_naming_where_it_left_the_target():
+    served = dataclasses.replace(WEAK, lossless=False)
+    row = method_parity("dflash", served, WEAK, ["a", "b"], served_target=[[1, 2, 3, 4, 5, 6], [7, 8, 0]],
+                        block_size=BLOCK)
+    assert row.within_tolerance is False
+    assert row.failures == ["the served output is not lossless: with the drafter the engine's output differs from its "
+                            "target-only output (first difference: prompt 2 (b), new token 2: with the drafter 9, "
+                            "target alone 0)"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", ["sglang"])
-def test_engine_eval_flow_reports_engine_tau_next_to_target_and_prompt_lookup(engine, tmp_path, tiny_qwen3_target):
-    from dflash.eval.engines import evaluate_with_engine
+THREE = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 20, 1), ([4, 4], 10, 3)], [47, 3])     # in-process, 3 prompts
+
+
+def identical_token_failures(row) -> list[str]:
+    return [f for f in row.failures or [] if "prompts with identical tokens accepted differently" in f]
+
+
+def test_one_prompt_with_identical_tokens_may_differ_by_one_step_a_drafter_near_tie():
+    near_tie = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 21, 0), ([4, 4], 10, 3)], [48, 2])   # prompt b: one step
+    row = method_parity("dflash", near_tie, THREE, ["a", "b", "c"], block_size=BLOCK)
+    assert (row.prompts_same_tokens, row.prompts_same_acceptance) == (3, 2)
+    assert identical_token_failures(row) == [], row.failures
+
+
+def test_two_prompts_with_identical_tokens_accepting_differently_fail_naming_the_first():
+    two = side([([1, 2, 3, 4, 5, 6], 19, 3), ([7, 8, 9], 21, 0), ([4, 4], 10, 3)], [47, 3])     # each one step
+    row = method_parity("dflash", two, THREE, ["a", "b", "c"], block_size=BLOCK)
+    assert row.within_tolerance is False and row.prompts_same_acceptance == 1
+    assert identical_token_failures(row) == [
+        "2 of 3 prompts with identical tokens accepted differently (a drafter near-tie explains at most 1, each within "
+        "one step); first: prompt 1 (a): identical tokens, but served 3 accepted drafts over 19 steps vs in-process 2 "
+        "over 20"]
+    with pytest.raises(ParityFailed, match=r"2 of 3 prompts with identical tokens accepted differently"):
+        check_parity({"dflash": row}, "report.json")
+
+
+def test_one_prompt_differing_by_more_than_one_step_fails_naming_it():
+    far = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 22, 0), ([4, 4], 10, 3)], [49, 3])     # prompt b: two steps
+    row = method_parity("dflash", far, THREE, ["a", "b", "c"], block_size=BLOCK)
+    assert row.within_tolerance is False
+    assert identical_token_failures(row) == [
+        "1 of 3 prompts with identical tokens accepted differently (a drafter near-tie explains at most 1, each within "
+        "one step); first: prompt 2 (b): identical tokens, but served 0 accepted drafts over 22 steps vs in-process 1 "
+        "over 20"]
+
+
+@pytest.mark.parametrize("block_size, passes", [(BLOCK, True), (2, False)])
+def test_one_step_may_accept_at_most_one_blocks_drafts_more_or_fewer(block_size, passes):
+    """One step more, 3 drafts fewer: within one block of B = 4 (B - 1 = 3 drafts), beyond one of B = 2."""
+    ours = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 20, 3), ([4, 4], 10, 3)], [45, 5])
+    served = side([([1, 2, 3, 4, 5, 6], 20, 2), ([7, 8, 9], 21, 0), ([4, 4], 10, 3)], [48, 2])
+    row = method_parity("dflash", served, ours, ["a", "b", "c"], block_size=block_size)
+    assert (identical_token_failures(row) == []) is passes, row.failures
+    if not passes:
+        assert "first: prompt 2 (b)" in identical_token_failures(row)[0]
+
+
+@pytest.mark.parametrize("prompts, allowed", [(1, 1), (6, 1), (19, 1), (20, 2), (35, 3)])
+def test_the_near_tie_allowance_is_one_prompt_in_ten_at_least_one(prompts, allowed):
+    assert near_ties_allowed(prompts) == allowed
+
+
+def test_on_twenty_prompts_two_near_ties_pass_and_a_third_fails():
+    ours = side([([k, k + 1], 10, 2) for k in range(20)], [180, 20])
+
+    def served(near_ties: int) -> SideFigures:
+        return side([([k, k + 1], 11, 1) if k < near_ties else ([k, k + 1], 10, 2) for k in range(20)],
+                    [180 + 2 * near_ties, 20 - near_ties])
+
+    ids = [f"p{k}" for k in range(20)]
+    assert identical_token_failures(method_parity("dflash", served(2), ours, ids, block_size=BLOCK)) == []
+    failures = identical_token_failures(method_parity("dflash", served(3), ours, ids, block_size=BLOCK))
+    assert failures and failures[0].startswith("3 of 20 prompts with identical tokens accepted differently (a drafter "
+                                               "near-tie explains at most 2, each within one step); first: prompt 1 (p0)")
+
+
+def test_a_drafter_whose_gain_is_noise_is_marked_inconclusive_and_prompt_lookup_is_shown_not_gated():
+    row = method_parity("dflash", WEAK, WEAK, ["a", "b"], block_size=BLOCK)
+    assert row.within_tolerance is True and row.conclusive is False          # 0.075 < 3 standard errors of it
+    lookup = method_parity("prompt_lookup", DEAD, WEAK, ["a", "b"], block_size=BLOCK)
+    assert lookup.within_tolerance is None and lookup.failures is None
+
+
+def test_vllm_counters_become_the_per_step_histogram():
+    assert histogram_of_positions(10, [6.0, 3.0, 1.0]) == [4, 3, 2, 1]           # 10 steps, accepted >= 1, 2, 3
+    assert histogram_of_positions(0, []) == [0]
+
+
+# -- SGLang's /generate, as its code shapes it -----------------------------------------------------
+
+def test_an_sglang_answer_becomes_the_prompt_the_gate_reads():
+    from dflash.eval.engines import sglang_served_prompt
+
+    shapes = json.loads((FIXTURES / f"sglang-{PINNED_SGLANG}-generate.json").read_text())
+    meta = {"spec_verify_ct": 4, "spec_num_correct_drafts": 5, "spec_correct_drafts_histogram": [1, 1, 1, 1],
+            "spec_accept_length": 2.5, "completion_tokens": 10}
+    assert {"spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram"} <= set(shapes["meta_info_spec_keys"])
+    prompt = sglang_served_prompt({"text": "x", "output_ids": [5, 6, 7], "meta_info": meta})
+    assert (prompt.token_ids, prompt.steps, prompt.accepted, prompt.histogram) == ([5, 6, 7], 4, 5, [1, 1, 1, 1])
+    assert sglang_served_prompt({"text": "", "output_ids": [1], "meta_info": {}}).steps == 0   # nothing drafted
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory, tiny_qwen3_target) -> Path:
+    """A drafter of the tiny target (random weights: its in-process tau is near 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()
+    torch.manual_seed(0)
+    config = drafter_config(target.config, num_layers=1, block_size=4, target_layer_ids=[1], mask_token_id=151669)
+    return save_checkpoint(tmp_path_factory.mktemp("tiny-drafter"), DFlashDrafter(config).attach_target(target), 1, {})
+
+
+def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path: Path, draft_tokens: int = 0):
     from dflash.eval.evaluate import EvalOptions
-    from dflash.eval.records import read_report
+    from dflash.eval.served import evaluate_with_engine
 
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashDraftModel"], "block_size": 4, "hidden_size": 64, "num_attention_heads": 4,
-        "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1]}}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"say {i} " * 5}]})
                                  for i in range(3)) + "\n")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(tiny_qwen3_target)),
-                                  eval=dataclasses.replace(profile.eval, engine_port=free_port()))
-    summary = evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)),
-                                   engine, launch=[sys.executable, str(STANDIN), engine])
-    methods = summary.report.methods
-    assert (methods["target"].mean_tau, methods["dflash"].mean_tau, methods["prompt_lookup"].mean_tau) == (1.0, 3.5, 1.5)
-    assert methods["dflash"].new_tokens == 30 and methods["dflash"].identical_to_target is True
-    assert methods["target"].speedup == pytest.approx(1.0)
-    assert read_report(tmp_path / "run" / "eval" / f"engine-{engine}.json") == summary.report
-    assert (tmp_path / "run" / "eval" / f"engine-{engine}.md").read_text().count("|") > 10
-    log = (tmp_path / "run" / "eval" / "logs" / f"{engine}-dflash.log").read_text()
-    assert str(checkpoint) in log
+                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12,
+                                                           draft_tokens=draft_tokens))
+    return evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)), "sglang",
+                                launch=[sys.executable, str(STANDIN), "sglang", "--mode", mode])
+
+
+@pytest.mark.slow
+def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(tiny_qwen3_target, tiny_drafter, tmp_path):
+    from dflash.eval.records import read_report
+
+    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path)
+    report, parity = summary.report, summary.report.parity
+    assert parity["target"].same_tokens_as_inprocess and parity["dflash"].same_tokens_as_inprocess
+    assert parity["dflash"].within_tolerance is True and parity["dflash"].failures == []
+    assert parity["dflash"].prompts_same_acceptance == parity["dflash"].prompts_same_tokens == 3
+    assert report.methods["dflash"].mean_tau == parity["dflash"].inprocess_tau and report.methods["dflash"].identical_to_target
+    assert read_report(tmp_path / "run" / "eval" / "engine-sglang.json") == report
+    served = tmp_path / "run" / "eval" / "engine-sglang-drafter"
+    assert report.context.served_drafter == str(served) and (served / "config.json").exists()
+    assert str(served) in (tmp_path / "run" / "eval" / "logs" / "sglang-dflash.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_sglang_gate_with_fewer_draft_tokens_than_the_block_pads_the_slots_it_does_not_draft(
+        tiny_qwen3_target, tiny_drafter, tmp_path):
+    """eval.draft_tokens 2 of B - 1 = 3: SGLang gets a block of 3, its histogram stops at 2 accepted
+    drafts; slot 3 counts as 0 accepted on both sides and the honest drafter passes."""
+    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path, draft_tokens=2)
+    argv = summary.report.methods["dflash"].argv or []
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "3"
+    row = summary.report.parity["dflash"]
+    assert row.within_tolerance is True and row.failures == [] and row.same_tokens_as_inprocess, row.failures
+    assert row.prompts_same_acceptance == row.prompts_same_tokens == 3
+    assert len(row.served_position_acceptance or []) == len(row.inprocess_position_acceptance or []) == 3
+    assert (row.served_position_acceptance or [])[2] == (row.inprocess_position_acceptance or [])[2] == 0.0
+
+
+@pytest.mark.slow
+def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(tiny_qwen3_target, tiny_drafter, tmp_path):
+    with pytest.raises(ParityFailed, match="3 of 3 prompts with identical tokens accepted differently"):
+        standin_eval("extra-accept", tiny_qwen3_target, tiny_drafter, tmp_path)
+    assert (tmp_path / "run" / "eval" / "engine-sglang.json").exists()       # the report is written first
+
+
+def test_the_pipeline_prints_the_served_speedup_beside_the_served_tau_and_the_in_process_figures():
+    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.pipeline import served_line
+
+    def report(tau: float, speedup: float, **extra) -> EvalReport:
+        methods = {"target": MethodFigures(1.0, 10.0, 1.0, None),
+                   "dflash": MethodFigures(tau, 10.0 * speedup, speedup, True)}
+        return EvalReport(block_size=8, temperature=0.0, num_prompts=6, methods=methods, **extra)
+
+    served = report(2.41, 1.73, engine="vllm", inprocess=report(2.40, 0.92))
+    assert served_line("vllm", served) == ("served by vllm: dflash tau 2.41 speedup 1.73x vs in-process tau 2.40 "
+                                           "speedup 0.92x on the same 6 prompts, lossless")
 
 
 def test_eval_draft_tokens_sets_what_each_engine_drafts_and_prompt_lookup_keeps_the_block():
@@ -198,3 +407,37 @@ def test_eval_draft_tokens_sets_what_each_engine_drafts_and_prompt_lookup_keeps_
     longer = dataclasses.replace(base, eval=dataclasses.replace(base.eval, draft_tokens=40))
     argv = engine_command("vllm", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
     assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 15   # at most B - 1
+    argv = engine_command("sglang", longer, Path("/t"), "dflash", Path("/ckpt"), 16, 30100).argv
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "16"                           # at most B
+
+
+def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
+    """eval.draft_tokens 3 on a block of 8: vLLM's counters list the 3 drafted positions, the in-process
+    report all 7 slots; the served side's slots 4..7 are 0 accepted and the two sides match. The
+    controls: an in-process side that accepted a 4th draft on 4 steps fails the gate either way round,
+    and the summary shows a list one side left short as 0 there."""
+    from dflash.eval.engines import engine_run, vllm_served_prompt
+    from dflash.eval.report import position_acceptance
+    from dflash.eval.served import served_side
+
+    taus = [2, 1, 1, 4, 1, 2, 1, 1, 3, 1]                          # per step: at most 3 drafts accepted
+    before = {"drafts": 5.0, "accepted": 2.0, "pos0": 1.0, "pos1": 1.0, "pos2": 0.0}
+    after = {"drafts": 15.0, "accepted": 9.0, "pos0": 5.0, "pos1": 3.0, "pos2": 1.0}
+    prompt = vllm_served_prompt("", [1, 2, 3], before, after)
+    assert (prompt.steps, prompt.accepted, prompt.histogram) == (10, 7, [6, 2, 1, 1])
+    run = engine_run("dflash", [prompt], 1.0, [], block_size=8)
+    assert run.position_acceptance == pytest.approx([0.4, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
+    assert run.position_acceptance == pytest.approx(position_acceptance(taus, 8))
+    served = served_side(run, None)
+    ours = SideFigures([PromptAcceptance([1, 2, 3], 10, 7)], histogram_of_taus(taus), position_acceptance(taus, 8), True)
+    row = method_parity("dflash", served, ours, ["a"], block_size=8)
+    assert row.within_tolerance is True and row.served_position_acceptance == pytest.approx(row.inprocess_position_acceptance)
+    beyond = [5, 5, 5, 5, 1, 2, 1, 1, 3, 1]                        # 4 steps accepted slot 4 (and 4 drafts)
+    accepted_beyond = SideFigures([PromptAcceptance([1, 2, 3], 10, 19)], histogram_of_taus(beyond),
+                                  position_acceptance(beyond, 8), True)
+    assert method_parity("dflash", served, accepted_beyond, ["a"], block_size=8).within_tolerance is False
+    assert method_parity("dflash", accepted_beyond, served, ["a"], block_size=8).within_tolerance is False
+    short = dataclasses.replace(method_parity("dflash", served, accepted_beyond, ["a"], block_size=8),
+                                served_position_acceptance=[0.4, 0.2, 0.1])   # as vLLM lists them
+    assert "per position 0.40/0.60 0.20/0.50 0.10/0.40 0.00/0.40 0.00/0.00 0.00/0.00 0.00/0.00 " in \
+        parity_summary({"dflash": short})[1]

@@ -50,8 +50,8 @@ def test_the_dflash_servers_environment_asks_for_the_v2_runner(dflash2_export, s
 
 
 def test_the_launcher_refuses_dflash2_on_vllms_cpu_build_before_starting_it(dflash2_export, tmp_path):
-    from dflash.eval.engines import evaluate_with_engine
     from dflash.eval.options import EvalOptions
+    from dflash.eval.served import evaluate_with_engine
 
     checkpoint, _ = dflash2_export
     with pytest.raises(ConfigError, match="Model Runner V1 does not support: DFlash candidate-head drafts"):

@@ -128,6 +128,14 @@ def test_export_command(checkpoint, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out and (tmp_path / "s" / "model.safetensors").exists()
 
 
+def test_export_command_names_the_sglang_release_it_refuses(sliding_checkpoint, tmp_path, capsys):
+    from launcher import main
+
+    code = main(["export", str(sliding_checkpoint), "--for", "sglang", "-o", str(tmp_path / "s"), "--sglang-version", "0.5.13"])
+    assert code == 2 and "SGLang 0.5.13 would not serve this drafter" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def write_published_format(drafter: DFlashDrafter, directory: Path) -> None:
     """A drafter directory as z-lab publishes them: auto_map to their code, top-level rope_theta and
     block_size, no rope_parameters, layer_types, bf16 weights with the reference's names."""
@@ -209,15 +217,24 @@ def test_sliding_layers_and_yarn_reach_every_export(sliding_checkpoint, engine, 
     assert any("VLLM_USE_V2_MODEL_RUNNER=1" in note for note in result.notes) == (engine == "vllm")
 
 
-def test_sglang_export_refuses_bidirectional_sliding_layers(sliding_checkpoint, tmp_path):
+def test_sglang_export_refuses_layers_the_serving_release_would_run_otherwise(sliding_checkpoint, tmp_path):
     import shutil
 
+    with pytest.raises(InputError, match=r"SGLang 0\.5\.11 would not serve this drafter as it was trained: layer 0 "
+                                         r"\(sliding_attention\): trained causal, window 6, served bidirectional, no window"):
+        export_drafter(sliding_checkpoint, "sglang", tmp_path / "old", sglang_version="0.5.11")
+    assert not (tmp_path / "old").exists()
+    export_drafter(sliding_checkpoint, "sglang", tmp_path / "new", sglang_version="0.5.14")
+    unknown = export_drafter(sliding_checkpoint, "sglang", tmp_path / "any")       # no release known: a note
+    assert any("from 0.5.14 on" in note for note in unknown.notes)
     copy = tmp_path / "bidirectional"
     shutil.copytree(sliding_checkpoint, copy)
     document = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**document, "is_causal": False}))
-    with pytest.raises(InputError, match="SGLang runs every sliding_attention layer causally"):
-        export_drafter(copy, "sglang", tmp_path / "out")
+    with pytest.raises(InputError, match=r"SGLang 0\.5\.17 would not serve .* trained bidirectional, window 6, served causal"):
+        export_drafter(copy, "sglang", tmp_path / "out", sglang_version="0.5.17")
+    served = export_drafter(copy, "sglang", tmp_path / "out", sglang_version="0.5.19").directory    # is_causal honoured
+    assert json.loads((served / "config.json").read_text())["is_causal"] is False
     assert json.loads((export_drafter(copy, "vllm", tmp_path / "v").directory / "config.json").read_text())["is_causal"] is False
 
 

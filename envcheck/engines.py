@@ -1,0 +1,99 @@
+"""What a serving engine release does with a DFlash drafter's layers, read from each release's code:
+which SGLang has DFLASH at all, and the attention (window, causal) it gives each draft layer of a
+config. The audit (check engine.sglang), `export --for sglang` and `eval --engine sglang` ask it.
+
+The rule a drafter is trained with is the reference's (PyPI `dflash` 0.1.0, `Qwen3DFlashAttention`;
+vLLM 0.32's `_resolve_layer_attention` agrees): a `sliding_attention` layer gets the window
+`sliding_window`; a layer is causal when `is_causal` says so, or, `is_causal` absent, when it slides.
+
+SGLang (`python/sglang/srt/models/dflash.py` of each wheel):
+
+* 0.5.11-0.5.13: `DFlashAttention` builds every layer `AttentionType.ENCODER_ONLY` (bidirectional)
+  without a window ("DFlash uses non-causal attention over the draft block"); `layer_types`,
+  `sliding_window`, `is_causal` are never read;
+* 0.5.14-0.5.16 (`_get_dflash_layer_attention_params`): a sliding layer is DECODER (causal) with
+  window_left = sliding_window - 1 (the same positions), a full layer ENCODER_ONLY;
+* 0.5.17: as 0.5.14, and a full layer is DECODER when `is_causal` is true;
+* from 0.5.18 (`_get_dflash_attention_type`): `is_causal`, when set, decides both kinds; absent,
+  sliding layers are causal and full ones bidirectional.
+
+Every release runs a config without `layer_types` all ENCODER_ONLY without a window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+SGLANG_FIRST_DFLASH = (0, 5, 11)        # the DFLASH speculative algorithm
+SGLANG_SLIDING = (0, 5, 14)             # sliding layers causal with their window (before: all bidirectional)
+SGLANG_FULL_IS_CAUSAL = (0, 5, 17)      # a full layer honours is_causal = true
+SGLANG_IS_CAUSAL = (0, 5, 18)           # is_causal honoured for both kinds
+SGLANG_DFLASH2 = (0, 5, 19)             # DFlash2DraftModel (the candidate selector)
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """One draft layer's visibility beyond the block layout: a window (None: unbounded), causal or not."""
+
+    window: Optional[int] = None
+    causal: bool = False
+
+    def describe(self) -> str:
+        window = f"window {self.window}" if self.window is not None else "no window"
+        return f"{'causal' if self.causal else 'bidirectional'}, {window}"
+
+
+@dataclass(frozen=True)
+class DraftLayers:
+    """The config.json keys that decide a drafter's attention."""
+
+    num_layers: int
+    layer_types: Optional[Sequence[str]] = None     # None: the key is absent (every layer full attention)
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+
+    def kinds(self) -> list[str]:
+        return list(self.layer_types) if self.layer_types is not None else [FULL] * self.num_layers
+
+
+def reference_rules(layers: DraftLayers) -> list[LayerRule]:
+    """The attention the drafter is trained with (the reference's rule; module doc)."""
+    rules = []
+    for kind in layers.kinds():
+        sliding = kind == SLIDING
+        causal = sliding if layers.is_causal is None else bool(layers.is_causal)
+        window = int(layers.sliding_window) if sliding and layers.sliding_window else None
+        rules.append(LayerRule(window=window, causal=causal))
+    return rules
+
+
+def sglang_rules(version: tuple[int, ...], layers: DraftLayers) -> Optional[list[LayerRule]]:
+    """The attention SGLang `version` gives each layer (None: that release has no DFLASH)."""
+    if version < SGLANG_FIRST_DFLASH:
+        return None
+    if version < SGLANG_SLIDING or layers.layer_types is None:
+        return [LayerRule(window=None, causal=False)] * layers.num_layers
+    explicit = layers.is_causal
+    rules = []
+    for kind in layers.layer_types:
+        if kind == SLIDING:
+            causal = True if version < SGLANG_IS_CAUSAL or explicit is None else bool(explicit)
+            window = int(layers.sliding_window) if layers.sliding_window else None
+            rules.append(LayerRule(window=window, causal=causal))
+        else:
+            rules.append(LayerRule(window=None, causal=bool(explicit) if version >= SGLANG_FULL_IS_CAUSAL else False))
+    return rules
+
+
+def sglang_problems(version: tuple[int, ...], layers: DraftLayers) -> list[str]:
+    """The layers SGLang `version` would run with other attention than trained ([]: all as trained)."""
+    served = sglang_rules(version, layers)
+    if served is None:
+        return [f"SGLang {'.'.join(map(str, version))} has no DFLASH speculative algorithm (from "
+                f"{'.'.join(map(str, SGLANG_FIRST_DFLASH))} on)"]
+    return [f"layer {index} ({kind}): trained {trained.describe()}, served {rule.describe()}"
+            for index, (kind, trained, rule) in enumerate(zip(layers.kinds(), reference_rules(layers), served))
+            if trained != rule]

@@ -1,0 +1,120 @@
+"""The GPU requirement sets pin what their SGLang requires (its own Requires-Dist, read as `bisect` reads
+metadata and recorded in tests/fixtures/engines/gpu-pins-metadata.json by make_pin_metadata.py),
+and the audit's engine.sglang check says whether the SGLang of a node serves the profile's drafter
+layers as trained, naming the release where it does not."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from envcheck.bisect.metadata import read_cache
+from envcheck.bisect.reqsets import load_requirement_set
+from envcheck.checks import CheckInput, check_sglang_serves_the_drafter
+from envcheck.engines import DraftLayers, sglang_problems
+from envcheck.packages import normalize
+from envcheck.snapshot import load_snapshot
+from launcher_core.profile import load_profile
+
+REPO = Path(__file__).resolve().parents[2]
+METADATA = REPO / "tests" / "fixtures" / "engines" / "gpu-pins-metadata.json"
+MARKERS = {"sys_platform": "linux", "platform_machine": "x86_64", "platform_system": "Linux",
+           "python_version": "3.12", "extra": ""}
+
+
+def engine_requirements(requirements: str) -> tuple[dict, list[Requirement]]:
+    pins = load_requirement_set(REPO / requirements)
+    wanted = {(name, pin.version): pin for name, pin in pins.items() if name in ("sglang", "sglang-kernel")}
+    metadata = read_cache(METADATA, wanted)
+    assert set(metadata) == set(wanted), f"run tests/fixtures/engines/make_pin_metadata.py: {set(wanted) - set(metadata)}"
+    required = [Requirement(line) for entry in metadata.values() for line in entry.requires]
+    return pins, [r for r in required if r.marker is None or r.marker.evaluate(MARKERS)]
+
+
+def unmet(pins: dict, required: list[Requirement]) -> tuple[list[str], list[str]]:
+    """(pins outside what the engine requires, the pinned names checked)."""
+    wrong, checked = [], []
+    for requirement in required:
+        pin = pins.get(normalize(requirement.name))
+        if pin is not None:
+            checked.append(normalize(requirement.name))
+            if not requirement.specifier.contains(pin.version.split("+")[0], prereleases=True):
+                wrong.append(f"{pin.name}=={pin.version} (needs {requirement})")
+    return wrong, checked
+
+
+@pytest.mark.parametrize("requirements", ["requirements-cu128.txt", "requirements-cu130.txt"])
+def test_every_pin_satisfies_what_the_pinned_sglang_requires(requirements):
+    pins, required = engine_requirements(requirements)
+    wrong, checked = unmet(pins, required)
+    assert wrong == []
+    assert {"torch", "sglang-kernel", "transformers", "flashinfer-python"} <= set(checked), checked
+
+
+def test_a_pin_the_sglang_does_not_accept_is_caught():
+    pins, required = engine_requirements("requirements-cu130.txt")
+    stale = {**pins, "torch": dataclasses.replace(pins["torch"], version="2.11.0")}    # the torch of sglang 0.5.11
+    assert unmet(stale, required)[0] == ["torch==2.11.0 (needs torch==2.13.0)"]
+
+
+def test_the_cu130_set_is_a_cuda_13_stack_whose_sglang_runs_the_flagship_drafter():
+    pins, required = engine_requirements("requirements-cu130.txt")
+    assert any(r.name == "cuda-python" and r.specifier.contains("13.0") and not r.specifier.contains("12.9") for r in required)
+    drafter = load_profile("rtx6000-x8").drafter
+    layers = DraftLayers(drafter.num_layers, list(drafter.layer_types), drafter.sliding_window)
+    assert layers.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    release = tuple(int(part) for part in pins["sglang"].version.split(".")[:3])
+    assert sglang_problems(release, layers) == []
+    assert sglang_problems(release, dataclasses.replace(layers, is_causal=False)) == []    # 0.5.18+: is_causal honoured
+
+
+def test_the_cu128_sglang_has_no_dflash_and_any_dflash_sglang_requires_cuda_13():
+    pins, _ = engine_requirements("requirements-cu128.txt")
+    assert pins["sglang"].version == "0.5.10.post1" and pins["torch"].version == "2.9.1"
+    assert sglang_problems((0, 5, 10), DraftLayers(5)) == ["SGLang 0.5.10 has no DFLASH speculative algorithm (from 0.5.11 on)"]
+    _, cu130 = engine_requirements("requirements-cu130.txt")        # the lowest DFLASH release to raise to is CUDA 13 too
+    assert any(r.name == "torch" and r.specifier.contains("2.13.0") for r in cu130)
+
+
+@pytest.fixture(scope="module")
+def rtx_baseline(fixtures_dir):
+    return load_snapshot(fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json")
+
+
+def test_the_audit_warns_that_the_cu128_node_cannot_serve_the_flagship_drafter(rtx_baseline):
+    profile = load_profile("rtx6000-x8")
+    [finding] = check_sglang_serves_the_drafter(CheckInput(rtx_baseline, profile, pins_file="requirements-cu128.txt"))
+    assert finding.status == "WARN" and "sglang 0.5.10.post1 (installed)" in finding.message
+    assert "has no DFLASH" in finding.message and "requirements-cu130.txt" in finding.hint
+
+
+@pytest.mark.parametrize("version, status, named", [
+    ("0.5.11", "WARN", "layer 0 (sliding_attention): trained causal, window 2048, served bidirectional, no window"),
+    ("0.5.13.post1", "WARN", "sglang 0.5.13.post1 (installed)"),
+    ("0.5.14", "PASS", "runs the drafter's full_attention, sliding_attention layers as trained"),
+    ("0.5.19", "PASS", "sglang 0.5.19 (installed)")])
+def test_the_audit_names_the_sglang_release_that_runs_sliding_layers_otherwise(rtx_baseline, version, status, named):
+    snapshot = dataclasses.replace(rtx_baseline, packages={**rtx_baseline.packages, "sglang": version})
+    [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, load_profile("rtx6000-x8")))
+    assert finding.status == status and named in finding.message, finding
+
+
+@pytest.mark.parametrize("version, status", [("0.5.18", "WARN"), ("0.5.19", "PASS")])
+def test_the_audit_warns_for_a_dflash2_drafter_on_an_sglang_before_0_5_19(rtx_baseline, version, status):
+    profile = load_profile("rtx6000-x8")
+    dflash2 = dataclasses.replace(profile, drafter=dataclasses.replace(profile.drafter, kind="dflash2"))
+    snapshot = dataclasses.replace(rtx_baseline, packages={**rtx_baseline.packages, "sglang": version})
+    [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, dflash2))
+    assert finding.status == status, finding
+    assert ("a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from 0.5.19 on" in finding.message) is (
+        status == "WARN"), finding
+    assert check_sglang_serves_the_drafter(CheckInput(snapshot, profile))[0].status == "PASS"   # the DFlash drafter
+
+
+def test_the_audit_skips_where_the_engine_is_not_sglang_or_lives_elsewhere(rtx_baseline):
+    profile = load_profile("rtx6000-x8")
+    elsewhere = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python="/opt/serve/bin/python"))
+    assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, elsewhere))[0].status == "SKIP"
+    assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, load_profile("cpu-demo")))[0].status == "SKIP"

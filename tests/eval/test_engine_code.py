@@ -1,0 +1,114 @@
+"""The attention each exported draft layer gets, from the engines' own code (tests/eval/engine_code.py),
+held against our rules: the trained rule (dflash.drafter.layers.layer_attention, the reference's)
+and the per-release SGLang rule (envcheck.engines.sglang_rules) that `audit`, `export --for sglang`
+and `eval --engine sglang` apply. SGLang's functions are executed from its wheels (downloaded once
+into the project cache); vLLM's run in the engine venv (`launcher.py engine setup vllm`)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash.drafter.layers import draft_layers, layer_attention
+from envcheck.engines import LayerRule, sglang_rules
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
+SGLANG_RELEASES = ("0.5.11", "0.5.13.post1", "0.5.14", "0.5.17", "0.5.19")   # the rule changes at each
+WINDOW = 6
+VARIANTS = {   # config.json edits of the export: our drafters write no is_causal; published ones may
+    "ours": {}, "is_causal_true": {"is_causal": True}, "is_causal_false": {"is_causal": False},
+    "all_full": {"layer_types": ["full_attention"] * 5, "sliding_window": None, "use_sliding_window": False},
+    "all_sliding": {"layer_types": ["sliding_attention"] * 5}}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_qwen3_target) -> dict[str, Path]:
+    """A sliding-window drafter of the tiny target (4 sliding + 1 full, the flagship's pattern) exported
+    for SGLang and vLLM, and the config variants of each export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.export import export_drafter
+    from dflash.drafter.model import DFlashDrafter, drafter_config
+
+    root = tmp_path_factory.mktemp("engine-code")
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()
+    torch.manual_seed(0)
+    config = drafter_config(target.config, num_layers=5, block_size=4, target_layer_ids=[1], mask_token_id=151669,
+                            layer_types=("sliding_attention",) * 4 + ("full_attention",), sliding_window=WINDOW)
+    checkpoint = save_checkpoint(root / "ckpt", DFlashDrafter(config).attach_target(target), 1, {})
+    found = {}
+    for engine in ("sglang", "vllm"):
+        exported = export_drafter(checkpoint, engine, root / engine).directory
+        for name, edits in VARIANTS.items():
+            directory = root / f"{engine}-{name}"
+            shutil.copytree(exported, directory)
+            document = {**json.loads((directory / "config.json").read_text()), **edits}
+            (directory / "config.json").write_text(json.dumps(document))
+            found[f"{engine}-{name}"] = directory
+    return found
+
+
+@pytest.fixture(scope="module")
+def sglang_sources(tmp_path_factory) -> dict[str, Path]:
+    from engine_code import download_sglang
+
+    from launcher_core.paths import cache_dir
+
+    sources = {version: download_sglang(version, cache_dir() / "engines" / "sglang-source") for version in SGLANG_RELEASES}
+    missing = [version for version, path in sources.items() if path is None]
+    if missing:
+        pytest.skip(f"the SGLang wheels {missing} cannot be downloaded here")
+    return {version: path for version, path in sources.items() if path is not None}
+
+
+def as_rule(window_left: int, kind: str) -> LayerRule:
+    """SGLang's (window_left, attention type) as a rule: window_left = sliding_window - 1, -1 for none."""
+    assert kind in ("DECODER", "ENCODER_ONLY"), kind
+    return LayerRule(window=window_left + 1 if window_left >= 0 else None, causal=kind == "DECODER")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_each_sglang_release_runs_each_exported_layer_as_our_rule_says(sglang_sources, exports, variant):
+    from engine_code import sglang_attention
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(exports[f"sglang-{variant}"])
+    ours = draft_layers(config)
+    for version, root in sglang_sources.items():
+        theirs = [as_rule(*pair) for pair in sglang_attention(root, config, config.num_hidden_layers)]
+        release = tuple(int(part) for part in version.split(".")[:3])
+        assert theirs == sglang_rules(release, ours), (version, variant, theirs)
+
+
+def test_the_pinned_sglang_runs_our_drafter_as_trained_and_its_predecessors_did_not(sglang_sources, exports):
+    from engine_code import sglang_attention
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(exports["sglang-ours"])
+    trained = [LayerRule(rule.window, rule.causal) for rule in layer_attention(config)]
+    assert trained == [LayerRule(WINDOW, True)] * 4 + [LayerRule(None, False)]
+    served = {version: [as_rule(*pair) for pair in sglang_attention(root, config, 5)] for version, root in sglang_sources.items()}
+    assert served["0.5.19"] == served["0.5.14"] == trained
+    assert served["0.5.11"] == served["0.5.13.post1"] == [LayerRule(None, False)] * 5      # bidirectional, no window
+
+
+def test_vllm_runs_each_exported_layer_as_trained_and_mixed_layers_only_on_its_v2_runner(vllm_python, exports):
+    from engine_code import vllm_layer_attention
+    from transformers import AutoConfig
+
+    names = sorted(VARIANTS)
+    results = vllm_layer_attention(vllm_python, [exports[f"vllm-{name}"] for name in names])
+    for name in names:
+        config = AutoConfig.from_pretrained(exports[f"vllm-{name}"])
+        trained = [[rule.window, rule.causal] for rule in layer_attention(config)]
+        rows = results[str(exports[f"vllm-{name}"])]
+        assert rows["v2"] == trained, (name, rows)
+        mixed = name not in ("all_full", "all_sliding")
+        if mixed:
+            assert "require the V2 model runner" in str(rows["v1"]), rows["v1"]
+        else:
+            assert rows["v1"] == trained
