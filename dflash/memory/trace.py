@@ -207,7 +207,7 @@ class PhaseTracking(Protocol):
 
     def live_by_category(self) -> dict[str, int]: ...
 
-    def peak_by_category(self, phase: str | None = None) -> dict[str, int]: ...
+    def peak_by_category(self, phase: str) -> dict[str, int]: ...
 
     def __enter__(self) -> object: ...
 
@@ -233,7 +233,6 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             self.phase_starts: dict[str, int] = {}
             self.phase_rises: dict[str, int] = {}
             self.gathered_peak = 0
-            self._peak_categories: dict[str, int] = {}
             self._phase_categories: dict[str, dict[str, int]] = {}
             for tensor in (*frozen.parameters(), *frozen.buffers()) if frozen is not None else ():
                 self._update_and_maybe_create_winfos(tensor, _FSDPRefType.INP)     # "Inputs": read back as "Target"
@@ -271,8 +270,6 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             rise = live - self.phase_starts.get(self.phase, live)
             self.phase_rises[self.phase] = max(self.phase_rises.get(self.phase, 0), rise)
             self.gathered_peak = max(self.gathered_peak, sum(categories.get(k, 0) for k in GATHERED))
-            if live > sum(self._peak_categories.values()):
-                self._peak_categories = categories
             if live > sum(self._phase_categories.get(self.phase, {}).values()):
                 self._phase_categories[self.phase] = categories
 
@@ -284,9 +281,9 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             categories["Target"] = categories.pop("Inputs")
             return categories
 
-        def peak_by_category(self, phase: str | None = None) -> dict[str, int]:
-            """What was alive, by category, at the peak of the whole trace or of one phase."""
-            return dict(self._peak_categories if phase is None else self._phase_categories.get(phase, {}))
+        def peak_by_category(self, phase: str) -> dict[str, int]:
+            """What was alive, by category, at the peak of one phase."""
+            return dict(self._phase_categories.get(phase, {}))
 
     return cast(PhaseTracking, PhaseTracker())
 
