@@ -124,7 +124,7 @@ def checkpoint_bytes_needed(run_dir: Path) -> int | None:
 
 
 def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
-    from dflash.train.dist import close_process_group, init_process_group, rank_device
+    from dflash.train.dist import barrier, close_process_group, init_process_group, rank_device
     from dflash.train.heartbeat import RankHeartbeat
     from dflash.train.setup import build_state
     from launcher_core.profile import profile_from_json
@@ -140,6 +140,7 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
                             planned_micro_batch=start.micro_batch if start else None)
         state.predicted_peak_mib = start.predicted_peak_mib if start else None
         train_loop(state, profile, args.run_dir, stop)
+        barrier()      # ranks leave together: a rank tearing gloo down while a peer still writes aborts it
     finally:
         close_process_group()
     return 0
