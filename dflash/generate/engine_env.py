@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from launcher_core.errors import ConfigError, RunFailed
-from launcher_core.paths import REPO_ROOT, cache_dir
+from launcher_core.paths import REPO_ROOT, cache_build_lock, cache_dir
 from launcher_core.processes import process_alive
 
 STAMP = ".engine-key"
@@ -127,6 +127,15 @@ def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Opt
     if _is_complete(final):
         echo(f"engine setup {engine}: up to date ({spec.requirements})")
         return EngineEnv(engine, final, False, 0.0)
+    with cache_build_lock(f"engine-{final.name}"):      # a second setup waits, then finds it built
+        if _is_complete(final):
+            echo(f"engine setup {engine}: built by another setup meanwhile ({spec.requirements})")
+            return EngineEnv(engine, final, False, 0.0)
+        return _build_into_place(engine, spec, lines, final, echo)
+
+
+def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Path,
+                      echo: Callable[[str], None]) -> EngineEnv:
     _remove_abandoned_builds(final.parent)
     staging = final.parent / f".{final.name}.build-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

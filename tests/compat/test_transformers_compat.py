@@ -56,7 +56,8 @@ def test_drafter_extraction_and_specdec_tests_pass_under_the_gpu_pins(venv_root,
     venv = ensure_venv(version, venv_root, local_torch_wheel())
     installed = run_in(venv, ["-c", "import transformers, torch; print(transformers.__version__, torch.__version__)"], 120)
     assert installed.stdout.split()[0] == version, installed.stdout + installed.stderr
-    done = run_in(venv, ["-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", DESELECT], 1500)
+    done = run_in(venv, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra --timeout=600", *TESTS,
+                       "-k", DESELECT], 1500)     # the scratch venv has no pytest-xdist: not the suite's -n
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     print(f"transformers {version}: venv built in {venv.build_s} s (0: reused); {summary}")
     assert done.returncode == 0, f"transformers {version}:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
