@@ -126,32 +126,23 @@ def no_process_group_left():
         distributed.destroy_process_group()
 
 
-SHARED_SCOPES = ("module", "class", "package")
+
 # Queued first under pytest-xdist: the real engines' modules (minutes of shared fixtures each), then the
-# other-transformers venvs, then the tests that start servers or ranks, then the rest.
+# other-transformers venvs, then the modules that start servers or ranks, then the rest.
 QUEUE_BY_MARKER = ("engine", "compat", "slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For pytest-xdist (the README's test command runs `-n` workers, pyproject's addopts): a module's
-    tests that share a module-, class- or package-scoped fixture form one xdist_group, so they run on
-    one worker in their order and the fixture is built once; tests with function and session fixtures
-    only are spread over the workers one by one. Modules are queued longest kind first (engine, compat,
-    slow, the rest), keeping their order inside each kind and each module's own test order."""
-    shared = {item.module.__name__ for item in items if isinstance(item, pytest.Function) and _shares_a_fixture(item)}
-    for item in items:
-        if isinstance(item, pytest.Function) and item.module.__name__ in shared:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """The README's test command runs pytest-xdist workers (pyproject's addopts: `-n 3 --dist loadfile`,
+    a module's tests on one worker, in order, so its module fixtures are built once), and hands the
+    modules out in this order: the longest kind first (engine, compat, slow, the rest), each kind in
+    collection order. A module keeps its own test order and stays whole (the order of a run without
+    workers too)."""
     module_rank: dict[str, int] = {}
     for item in items:
-        name = item.nodeid.split("::")[0]
-        module_rank[name] = min(module_rank.get(name, len(QUEUE_BY_MARKER)), _queue_rank(item))
-    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])    # stable: modules stay whole, in order
-
-
-def _shares_a_fixture(item: pytest.Function) -> bool:
-    definitions = item._fixtureinfo.name2fixturedefs.values()
-    return any(fixture.scope in SHARED_SCOPES for chain in definitions for fixture in chain)
+        module = item.nodeid.split("::")[0]
+        module_rank[module] = min(module_rank.get(module, len(QUEUE_BY_MARKER)), _queue_rank(item))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])     # stable
 
 
 def _queue_rank(item: pytest.Item) -> int:
