@@ -1,0 +1,191 @@
+"""What the real-vLLM gate tests share (tests/eval/test_engine_vllm.py, test_engine_vllm_sliding.py):
+the data (the target's own greedy answers to the eval prompts), the two trained drafters, the engine
+profile, and serving one variant of an export against a target-only served run and an in-process
+decoding. The data and the drafters are built once per test run, by whichever pytest-xdist worker
+asks first (`built_once`: a lock and a marker in the run's shared temporary folder); the other
+module waits for them and reuses them, so the two modules run side by side on two workers."""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from launcher_core.profile import load_profile
+from tests.generate.gen_helpers import free_port
+from tests.train.conftest import write_profile
+
+NUM_PROMPTS = 6
+MAX_NEW_TOKENS = 32
+DEMO_STEPS = 40       # with DEMO_RECIPE: see BENCHMARKS.md "The parity gate and its negative controls"
+SLIDING_STEPS = 40    # BENCHMARKS.md records tau 6.250; after 24 steps it was 1.713
+# The demo drafter's head has 129 rows (its draft vocabulary: every distinct answer token). Under the default
+# warmup (2 of 40 steps), lr 3e-3 collapses it onto one constant proposal (the same token at every position,
+# loss stuck near the answers' unigram entropy, in-process tau 1.043); warmed up over 10 steps it learns. The
+# same drafter with the whole vocabulary's head (tau 1.794) and the sliding-window drafter learn with the default.
+DEMO_RECIPE = {"warmup_ratio": 0.25}
+SLIDING_WINDOW = 16
+DEMO = {"num_layers": 3, "block_size": 8, "mask_token_id": 16, "target_layer_ids": [26], "init": "target",
+        "draft_vocab_size": 512}
+SLIDING = {"num_layers": 3, "block_size": 8, "mask_token_id": 16, "target_layer_ids": [26], "init": "target",
+           "layer_types": ["sliding_attention"] * 3, "sliding_window": SLIDING_WINDOW}
+
+
+
+def target_greedy_rows(smollm2_dir: Path, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The target's own greedy answers to the eval prompts, as (tokens, loss mask) rows: a drafter trained on
+    them accepts many drafts, so a served drafter that lost its training shows."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.eval.evaluate import encode_prompts
+    from dflash.eval.options import eval_prompts_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True).eval()
+    rows = []
+    for prompt in encode_prompts(tokenizer, eval_prompts_path(load_profile("cpu-demo"), None), count, False):
+        ids = torch.tensor([prompt.token_ids])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0].tolist()
+        rows.append((out, [0] * len(prompt.token_ids) + [1] * (len(out) - len(prompt.token_ids))))
+    return rows
+
+
+
+
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test run's temporary folder that every xdist worker sees (its own basetemp without workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(root: Path, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(root / name)` once per test run whichever worker asks first; the others wait on the lock,
+    then read the path it returned from the marker."""
+    folder, marker = root / name, root / f"{name}.built"
+    with (root / f"{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.exists():
+            shutil.rmtree(folder, ignore_errors=True)      # a build that failed in an earlier test
+            folder.mkdir(parents=True)
+            marker.write_text(str(build(folder)), encoding="utf-8")
+        return Path(marker.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory, smollm2_dir) -> Path:
+    from dflash.data.dataset_io import save_token_rows
+
+    return built_once(shared_root(tmp_path_factory), "answers", lambda folder: save_token_rows(
+        folder / "data", target_greedy_rows(smollm2_dir, NUM_PROMPTS, MAX_NEW_TOKENS)))
+
+
+def train(root: Path, smollm2_dir: Path, data: Path, drafter: dict, steps: int, **recipe: object) -> Path:
+    """`steps` steps on the answers, the whole set each step (its target features cached after the first);
+    `recipe`: [train] keys changed from these."""
+    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.train.launch import run_training
+
+    profile = write_profile(root / "p.toml", smollm2_dir, data, root / "run", machine={"nproc_per_node": 1},
+                            max_steps=steps, save_every_steps=steps, global_batch=NUM_PROMPTS,
+                            max_micro_batch=NUM_PROMPTS, num_anchors=32, lr=3e-3, decay_gamma=1.5, epochs=steps,
+                            feature_cache=True, log_every_steps=10, drafter=drafter, **recipe)
+    assert run_training(load_profile(str(profile)), run_dir=root / "run") == 0
+    checkpoint = latest_checkpoint(root / "run")
+    assert checkpoint is not None
+    return checkpoint
+
+
+
+
+@pytest.fixture(scope="module")
+def demo_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
+    return built_once(shared_root(tmp_path_factory), "demo-drafter",
+                      lambda folder: train(folder, smollm2_dir, answers, DEMO, DEMO_STEPS, **DEMO_RECIPE))
+
+
+@pytest.fixture(scope="module")
+def sliding_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
+    return built_once(shared_root(tmp_path_factory), "sliding-drafter",
+                      lambda folder: train(folder, smollm2_dir, answers, SLIDING, SLIDING_STEPS))
+
+
+@pytest.fixture(scope="module")
+def profile(vllm_python):
+    base = load_profile("cpu-demo")
+    return dataclasses.replace(base, eval=dataclasses.replace(base.eval, engine_port=free_port(),
+                                                              num_prompts=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS),
+                               generate=dataclasses.replace(base.generate, vllm_enforce_eager=True))
+
+
+
+
+def inprocess_of(profile, checkpoint: Path, prompts_file: Path):
+    """`checkpoint`'s in-process decoding of the eval prompts, as `eval` decodes them."""
+    from dflash.eval.evaluate import EvalOptions
+    from dflash.eval.served import engine_settings, inprocess_decode
+
+    return inprocess_decode(profile, checkpoint, prompts_file, NUM_PROMPTS, engine_settings(profile, EvalOptions()))
+
+
+def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str, work: Path):
+    """`checkpoint`'s vLLM export changed by `change` ('' = unchanged) and served alone with the drafter;
+    the gate's dflash row against its in-process decoding and the engine's target-only run."""
+    from dflash.eval.engines import run_engines
+    from dflash.eval.evaluate import EvalOptions
+    from dflash.eval.served import engine_settings, export_for_engine, parity_rows
+    from dflash.models import resolve_model_path
+
+    settings = dataclasses.replace(engine_settings(profile, EvalOptions()), stop_token_ids=inprocess.stop_token_ids,
+                                   block_size=inprocess.report.block_size)
+    target = resolve_model_path(profile.model.target)
+    exported = export_for_engine("vllm", checkpoint, target, work, None)
+    served = changed_export(exported, change, work / f"served-{change or 'as-trained'}")
+    runs = run_engines("vllm", profile, target, served, settings.block_size, inprocess.prompt_ids, settings,
+                       work / "logs", methods=("dflash",))
+    rows = parity_rows({"target": target_run, **runs}, inprocess)
+    return rows["dflash"], runs["dflash"]
+
+
+def changed_export(exported: Path, change: str, out: Path) -> Path:
+    """A copy of the export with one thing changed: random weights, the taps shifted, the sliding rule flipped."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(exported, out)
+    config = json.loads((out / "config.json").read_text())
+    if change == "random-weights":      # every matrix re-drawn at its own scale; norms kept
+        generator = torch.Generator().manual_seed(0)
+        weights = {name: torch.randn(w.shape, generator=generator) * w.float().std() if w.ndim >= 2 else w
+                   for name, w in load_file(str(out / "model.safetensors")).items()}
+        save_file({name: w.contiguous() for name, w in weights.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    elif change == "taps-shifted":
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    elif change == "sliding-rule-flipped":     # trained causal with a window, served bidirectional without one
+        assert set(config["layer_types"]) == {"sliding_attention"} and "is_causal" not in config
+        config.update(layer_types=["full_attention"] * len(config["layer_types"]), sliding_window=None,
+                      use_sliding_window=False)
+    else:
+        assert change == "", change
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def assert_fails_the_gate(gate, change: str) -> None:
+    """A lossless served stream that is not the trained drafter: the gate fails, naming the divergence."""
+    from dflash.eval.parity import check_parity
+    from launcher_core.errors import ParityFailed
+
+    print(f"{change}: served tau {gate.served_tau}, in-process {gate.inprocess_tau}; {gate.failures}")
+    assert gate.within_tolerance is False and gate.served_identical_to_target is True     # lossless, yet not the drafter
+    failures = " | ".join(gate.failures or [])
+    assert "served gain (tau - 1)" in failures and "prompts with identical tokens accepted differently" in failures
+    with pytest.raises(ParityFailed, match="the served drafter is not the trained one"):
+        check_parity({"dflash": gate}, "report.json")
