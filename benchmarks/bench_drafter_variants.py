@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO_ROOT))
 if TYPE_CHECKING:
 
     from dflash.train.setup import TrainState
+    from dflash.train.step import StepStats
     from launcher_core.schema import Profile
 
 PROFILE = "cpu-demo"
@@ -136,18 +137,28 @@ def fill_feature_cache(state: TrainState) -> None:
         state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
 
 
-def train(state: TrainState, after_step: Callable[[int], None]) -> float:
+def train(state: TrainState, after_step: Callable[[int, StepStats], None]) -> float:
     """The trainer's steps up to its total (the worker's loop without checkpoints and metrics);
-    `after_step(n)` runs after step n, its time not counted. Returns the training seconds."""
+    `after_step(n, stats)` runs after step n, its time not counted. Returns the training seconds."""
     from dflash.train.step import run_next_step
 
     spent = 0.0
     while state.step < state.total_steps:
         started = time.perf_counter()
-        run_next_step(state)
+        stats, _ = run_next_step(state)
         spent += time.perf_counter() - started
-        after_step(state.step)
+        after_step(state.step, stats)
     return spent
+
+
+def loss_line(name: str, step: int, stats: StepStats) -> str:
+    """One point of a variant's training curve: the loss and the training batch's simulated tau (accepted
+    + 1, as eval counts it); for DFlash 2 also its selector's figures (dflash.drafter.loss)."""
+    line = f"loss {name:<20} step {step:>5}  loss {stats.loss:.4f}  sim_tau {stats.sim_tau:.3f}"
+    if stats.selector is not None:
+        line += "".join(f"  {key} {value:.4f}" for key, value in stats.selector.to_json().items()
+                        if isinstance(value, float))
+    return line
 
 
 def walk_steps(first: int, count: int, accepted_at: dict[int, int]) -> int:
@@ -234,6 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sets", default="everyday,indist", help="held-out sets, comma-separated, of everyday, indist")
     parser.add_argument("--eval-at", default="", help="also measure tau after these steps (comma-separated), "
                         "within the one run of --steps (same schedule)")
+    parser.add_argument("--profile", default=PROFILE, help="the base profile of every variant (flagship-twin: the "
+                        "flagship's drafter on its CPU twin; --sets none there, its target is random)")
+    parser.add_argument("--loss-every", type=int, default=0, help="print the training loss (and DFlash 2's selector "
+                        "figures) every N steps: the loss curve of each variant")
     parser.add_argument("--smoke", action="store_true", help=f"the smallest setting: {SMOKE_ROWS} rows of "
                         f"{SMOKE_TOKENS} tokens written in the scratch directory, one thread, {SMOKE}")
     args = parser.parse_args(argv)
@@ -245,9 +260,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
     if unknown:
         parser.error(f"--variants: {', '.join(unknown)} not one of {', '.join(VARIANTS)}")
-    if set(args.sets.split(",")) - {"everyday", "indist"}:
-        parser.error(f"--sets {args.sets}: each of everyday, indist")
+    args.sets = "" if args.sets == "none" else args.sets
+    if set(held_out_sets(args.sets)) - {"everyday", "indist"}:
+        parser.error(f"--sets {args.sets}: each of everyday, indist (or none)")
     return args
+
+
+def held_out_sets(names: str) -> list[str]:
+    return [name for name in names.split(",") if name]
 
 
 def smoke_dataset(tokenizer: Any, path: Path) -> Path:
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1 if args.smoke else 2)
-    base = load_profile(PROFILE)
+    base = load_profile(args.profile)
     path = resolve_model_path(base.model.target)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     new_tokens = args.new_tokens or base.eval.max_new_tokens
@@ -279,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(path, dtype=base.model.dtype)
         sets = prompt_sets()
         heldout = [Heldout(name, heldout_sequences(target, tokenizer, sets[name], args.heldout, new_tokens))
-                   for name in args.sets.split(",")]
+                   for name in held_out_sets(args.sets)]
         del target
         print(f"held-out {', '.join(f'{h.name} {len(h.sequences)}' for h in heldout)} prompts x {new_tokens} greedy "
               f"tokens in {time.perf_counter() - started:.0f} s; training data {dataset}", flush=True)
@@ -289,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         eval_at = {int(s) for s in args.eval_at.split(",") if s}
         for index, name in enumerate(args.variants.split(",")):
             profile = variant_profile(base, VARIANTS[name], dataset, Path(scratch) / "run", args.steps)
-            run_variant(name, VARIANTS[name], profile, Path(scratch) / "run", heldout, eval_at, fill_cache=index == 0)
+            run_variant(name, VARIANTS[name], profile, Path(scratch) / "run", heldout, eval_at, fill_cache=index == 0,
+                        loss_every=args.loss_every)
     return 0
 
 
 def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: Path, heldout: list[Heldout],
-                eval_at: set[int], fill_cache: bool) -> None:
+                eval_at: set[int], fill_cache: bool, loss_every: int = 0) -> None:
     """Train one variant and print its tau on every held-out set (also after each step in `eval_at`)."""
     state = build_variant_state(profile, run_dir, variant)
     if fill_cache:
@@ -314,9 +335,15 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
                       flush=True)
         state.drafter.train()
 
+    def after_step(step: int, stats: StepStats) -> None:
+        if loss_every and (step % loss_every == 0 or step == state.total_steps):
+            print(loss_line(name, step, stats), flush=True)
+        if step in eval_at and step != state.total_steps:
+            report(step)
+
     if 0 in eval_at:
         report(0)
-    seconds = train(state, lambda step: report(step) if step in eval_at and step != state.total_steps else None)
+    seconds = train(state, after_step)
     steps, gamma = state.total_steps, -1.0 / math.log(float(state.decay[1]))     # decay[k-1] = exp(-(k-1) / gamma)
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
                   f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
