@@ -5,10 +5,9 @@ move the shipped profiles folder and the cache for tests and unusual installs.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import ContextManager
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_PROFILES_DIR = REPO_ROOT / "profiles"
@@ -27,19 +26,10 @@ def cache_dir() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def cache_build_lock(name: str) -> Iterator[None]:
-    """Hold `<cache>/.locks/<name>.lock` (flock, waiting for it) while building `name` into the
-    cache: two processes that need the same converted model or engine venv at once (two launcher
-    commands, parallel test workers) build it once; the second finds it done. The kernel drops the
-    lock with its process, however it ends."""
-    import fcntl
+def cache_build_lock(name: str) -> ContextManager[None]:
+    """Hold `<cache>/.locks/<name>.lock` (waiting for it) while building `name` into the cache: two
+    processes that need the same converted model or engine venv at once (two launcher commands,
+    parallel test workers) build it once; the second finds it done."""
+    from launcher_core.runlock import waiting_lock
 
-    folder = cache_dir() / ".locks"
-    folder.mkdir(exist_ok=True)
-    fd = os.open(folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return waiting_lock(cache_dir() / ".locks" / f"{name}.lock")

@@ -93,6 +93,19 @@ class RunLock:
         os.close(self.fd)
 
 
+@contextlib.contextmanager
+def waiting_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created if missing), waiting for it: for work done once by
+    whichever process comes first (a cache build). The kernel drops it with its process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def busy_message(run_dir: Path, holder: Optional[LockHolder]) -> str:
     from launcher_core.processes import process_alive
 

@@ -3,11 +3,11 @@ the data (the target's own greedy answers to the eval prompts), the two trained 
 profile, and serving one variant of an export against a target-only served run and an in-process
 decoding. The data and the drafters are built once per test run, by whichever pytest-xdist worker
 asks first (`built_once`: a lock and a marker in the run's shared temporary folder); the other
-module waits for them and reuses them, so the two modules run side by side on two workers."""
+module waits for them and reuses them, so the two modules run side by side on two workers. The
+fixtures are registered for tests/eval by its conftest.py."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -36,7 +36,6 @@ SLIDING = {"num_layers": 3, "block_size": 8, "mask_token_id": 16, "target_layer_
            "layer_types": ["sliding_attention"] * 3, "sliding_window": SLIDING_WINDOW}
 
 
-
 def target_greedy_rows(smollm2_dir: Path, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The target's own greedy answers to the eval prompts, as (tokens, loss mask) rows: a drafter trained on
     them accepts many drafts, so a served drafter that lost its training shows."""
@@ -56,8 +55,6 @@ def target_greedy_rows(smollm2_dir: Path, count: int, max_new_tokens: int) -> li
     return rows
 
 
-
-
 def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test run's temporary folder that every xdist worker sees (its own basetemp without workers)."""
     base = tmp_path_factory.getbasetemp()
@@ -67,9 +64,10 @@ def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def built_once(root: Path, name: str, build: Callable[[Path], Path]) -> Path:
     """`build(root / name)` once per test run whichever worker asks first; the others wait on the lock,
     then read the path it returned from the marker."""
+    from launcher_core.runlock import waiting_lock
+
     folder, marker = root / name, root / f"{name}.built"
-    with (root / f"{name}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with waiting_lock(root / f"{name}.lock"):
         if not marker.exists():
             shutil.rmtree(folder, ignore_errors=True)      # a build that failed in an earlier test
             folder.mkdir(parents=True)
@@ -101,8 +99,6 @@ def train(root: Path, smollm2_dir: Path, data: Path, drafter: dict, steps: int, 
     return checkpoint
 
 
-
-
 @pytest.fixture(scope="module")
 def demo_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
     return built_once(shared_root(tmp_path_factory), "demo-drafter",
@@ -116,13 +112,12 @@ def sliding_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
 
 
 @pytest.fixture(scope="module")
-def profile(vllm_python):
+def engine_profile(vllm_python):
+    """cpu-demo for the real engine: its own port, the gate's prompts and tokens, `--enforce-eager`."""
     base = load_profile("cpu-demo")
     return dataclasses.replace(base, eval=dataclasses.replace(base.eval, engine_port=free_port(),
                                                               num_prompts=NUM_PROMPTS, max_new_tokens=MAX_NEW_TOKENS),
                                generate=dataclasses.replace(base.generate, vllm_enforce_eager=True))
-
-
 
 
 def inprocess_of(profile, checkpoint: Path, prompts_file: Path):
@@ -133,16 +128,23 @@ def inprocess_of(profile, checkpoint: Path, prompts_file: Path):
     return inprocess_decode(profile, checkpoint, prompts_file, NUM_PROMPTS, engine_settings(profile, EvalOptions()))
 
 
+def served_settings(profile, inprocess):
+    """The engine's decoding settings with the in-process run's stop ids and block size."""
+    from dflash.eval.evaluate import EvalOptions
+    from dflash.eval.served import engine_settings
+
+    return dataclasses.replace(engine_settings(profile, EvalOptions()), stop_token_ids=inprocess.stop_token_ids,
+                               block_size=inprocess.report.block_size)
+
+
 def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str, work: Path):
     """`checkpoint`'s vLLM export changed by `change` ('' = unchanged) and served alone with the drafter;
     the gate's dflash row against its in-process decoding and the engine's target-only run."""
     from dflash.eval.engines import run_engines
-    from dflash.eval.evaluate import EvalOptions
-    from dflash.eval.served import engine_settings, export_for_engine, parity_rows
+    from dflash.eval.served import export_for_engine, parity_rows
     from dflash.models import resolve_model_path
 
-    settings = dataclasses.replace(engine_settings(profile, EvalOptions()), stop_token_ids=inprocess.stop_token_ids,
-                                   block_size=inprocess.report.block_size)
+    settings = served_settings(profile, inprocess)
     target = resolve_model_path(profile.model.target)
     exported = export_for_engine("vllm", checkpoint, target, work, None)
     served = changed_export(exported, change, work / f"served-{change or 'as-trained'}")

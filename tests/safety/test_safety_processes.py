@@ -132,6 +132,29 @@ def test_a_child_that_inherited_the_lock_keeps_the_directory_locked(tmp_path):
         assert lock.previous is not None and lock.previous.pid == launcher.pid
 
 
+def test_a_cache_build_waits_for_the_one_under_way_and_then_finds_it_done(tmp_path, monkeypatch):
+    """Two processes need the same cache entry: the second waits on cache_build_lock until the first
+    has built it (a real child holding the lock), so it never builds it again or sees it half-made."""
+    from launcher_core.paths import cache_build_lock
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "entry"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+        "from pathlib import Path\n"
+        "from launcher_core.paths import cache_build_lock\n"
+        "with cache_build_lock('entry'):\n"
+        "    print('held', flush=True); time.sleep(1.5); Path(sys.argv[2]).mkdir()\n"),
+        str(Path(__file__).resolve().parents[2]), str(built)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "DFLASH_CACHE": str(tmp_path / "cache")})
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with cache_build_lock("entry"):
+        waited = time.monotonic() - started
+        assert built.is_dir(), "the lock was taken before the first build finished"
+    assert holder.wait(timeout=30) == 0 and waited > 0.5
+
+
 def test_a_stopped_rank_is_found_and_a_beating_one_is_not(tmp_path):
     """find_stall: a record whose process lives but has not beaten for the timeout; the control, a
     process that beats, and a record whose process is gone, are not stalls."""
