@@ -24,14 +24,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from engine_vllm_common import (  # noqa: F401  (fixtures)
-    NUM_PROMPTS,
-    answers,
-    assert_fails_the_gate,
-    demo_drafter,
-    profile,
-    serve_variant,
-)
+from engine_vllm_common import NUM_PROMPTS, assert_fails_the_gate, serve_variant
 
 from dflash.eval.parity import near_ties_allowed
 from dflash.eval.records import read_report
@@ -40,13 +33,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="module")
-def demo_eval(profile, demo_drafter, tmp_path_factory):
+def demo_eval(engine_profile, demo_drafter, tmp_path_factory):
     """The whole `eval --engine vllm` flow on the demo's drafter; its files written as `eval` writes them."""
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import engine_eval, write_engine_reports
 
     run_dir = tmp_path_factory.mktemp("engine-run")
-    result = engine_eval(profile, run_dir, demo_drafter, EvalOptions(), "vllm")
+    result = engine_eval(engine_profile, run_dir, demo_drafter, EvalOptions(), "vllm")
     write_engine_reports(result.report, run_dir / "eval")
     return run_dir, result
 
@@ -90,9 +83,9 @@ def test_prompt_lookup_is_served_too(demo_eval):
     assert '"method": "ngram"' in " ".join(lookup.argv or [])
 
 
-def test_the_servers_bound_to_loopback_and_were_stopped(demo_eval, profile):
+def test_the_servers_bound_to_loopback_and_were_stopped(demo_eval, engine_profile):
     run_dir, result = demo_eval
-    port = profile.eval.engine_port
+    port = engine_profile.eval.engine_port
     for name, method in result.report.methods.items():
         argv = method.argv or []
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
@@ -110,8 +103,7 @@ def test_the_served_drafter_is_the_vllm_export(demo_eval):
     assert "Served vs in-process" in (run_dir / "eval" / "engine-vllm.md").read_text()
 
 
-def test_a_drafter_mixing_sliding_and_full_layers_is_refused_on_cpu_naming_the_v2_runner(profile, vllm_python,
-                                                                                        tmp_path):
+def test_a_drafter_mixing_sliding_and_full_layers_is_refused_on_cpu_naming_the_v2_runner(engine_profile, tmp_path):
     """vLLM's V2 model runner (which mixed layers need) requires Triton with a CPU backend here: the
     engine venv's triton has none (vllm/config/vllm.py: `Model Runner V2 requires Triton.`)."""
     from dflash.eval.engines import check_engine_serves
@@ -119,17 +111,17 @@ def test_a_drafter_mixing_sliding_and_full_layers_is_refused_on_cpu_naming_the_v
 
     (tmp_path / "config.json").write_text(json.dumps({"layer_types": ["sliding_attention"] * 4 + ["full_attention"]}))
     with pytest.raises(ConfigError, match="only on its V2 model runner; on CPU that runner needs Triton with a CPU backend"):
-        check_engine_serves("vllm", "0.32.0", profile, tmp_path)
+        check_engine_serves("vllm", "0.32.0", engine_profile, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"layer_types": ["sliding_attention"] * 3}))
-    check_engine_serves("vllm", "0.32.0", profile, tmp_path)
+    check_engine_serves("vllm", "0.32.0", engine_profile, tmp_path)
 
 
-def test_a_served_drafter_with_random_weights_fails_the_gate_naming_the_divergence(profile, demo_eval, demo_drafter,
-                                                                                   tmp_path):
+def test_a_served_drafter_with_random_weights_fails_the_gate_naming_the_divergence(engine_profile, demo_eval,
+                                                                                   demo_drafter, tmp_path):
     """Negative control: the demo drafter's export with every matrix re-drawn (the other two controls,
     on the sliding drafter, are in test_engine_vllm_sliding.py)."""
     _, flow = demo_eval
-    gate, _ = serve_variant(profile, flow.runs["target"], flow.inprocess, demo_drafter, "random-weights", tmp_path)
+    gate, _ = serve_variant(engine_profile, flow.runs["target"], flow.inprocess, demo_drafter, "random-weights", tmp_path)
     assert_fails_the_gate(gate, "random-weights")
 
 

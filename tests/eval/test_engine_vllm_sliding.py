@@ -18,16 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_vllm_common import (  # noqa: F401  (fixtures)
-    NUM_PROMPTS,
-    SLIDING_WINDOW,
-    answers,
-    assert_fails_the_gate,
-    inprocess_of,
-    profile,
-    serve_variant,
-    sliding_drafter,
-)
+from engine_vllm_common import NUM_PROMPTS, SLIDING_WINDOW, assert_fails_the_gate, inprocess_of, serve_variant, served_settings
 
 from dflash.eval.parity import near_ties_allowed
 
@@ -35,30 +26,25 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="module")
-def reference(profile, sliding_drafter, tmp_path_factory):
+def reference(engine_profile, sliding_drafter, tmp_path_factory):
     """The sliding drafter's in-process decoding of the eval prompts and the engine's target-only run
     of the same token ids (one start)."""
-    import dataclasses
-
     from dflash.eval.engines import run_engines
-    from dflash.eval.evaluate import EvalOptions
     from dflash.eval.options import eval_prompts_path
-    from dflash.eval.served import engine_settings
     from dflash.models import resolve_model_path
 
-    inprocess = inprocess_of(profile, sliding_drafter, eval_prompts_path(profile, None))
+    inprocess = inprocess_of(engine_profile, sliding_drafter, eval_prompts_path(engine_profile, None))
     assert len(inprocess.prompt_ids) == NUM_PROMPTS
-    settings = dataclasses.replace(engine_settings(profile, EvalOptions()), stop_token_ids=inprocess.stop_token_ids,
-                                   block_size=inprocess.report.block_size)
-    target = resolve_model_path(profile.model.target)
-    runs = run_engines("vllm", profile, target, target, settings.block_size, inprocess.prompt_ids, settings,
+    settings = served_settings(engine_profile, inprocess)
+    target = resolve_model_path(engine_profile.model.target)
+    runs = run_engines("vllm", engine_profile, target, target, settings.block_size, inprocess.prompt_ids, settings,
                        tmp_path_factory.mktemp("target-run") / "logs", methods=("target",))
     return runs["target"], inprocess
 
 
-def test_a_sliding_window_drafter_is_served_and_passes_the_gate(profile, reference, sliding_drafter, tmp_path):
+def test_a_sliding_window_drafter_is_served_and_passes_the_gate(engine_profile, reference, sliding_drafter, tmp_path):
     target_run, inprocess = reference
-    gate, _ = serve_variant(profile, target_run, inprocess, sliding_drafter, "", tmp_path)
+    gate, _ = serve_variant(engine_profile, target_run, inprocess, sliding_drafter, "", tmp_path)
     assert gate.within_tolerance is True and gate.failures == [] and gate.conclusive is True, gate
     assert gate.served_identical_to_target is True and gate.prompts_same_acceptance is not None
     same = gate.prompts_same_tokens or 0
@@ -70,7 +56,7 @@ def test_a_sliding_window_drafter_is_served_and_passes_the_gate(profile, referen
 
 @pytest.mark.parametrize("change", ["taps-shifted", "sliding-rule-flipped"])
 def test_a_served_sliding_drafter_that_is_not_the_trained_one_fails_the_gate_naming_the_divergence(
-        profile, reference, sliding_drafter, change, tmp_path: Path):
+        engine_profile, reference, sliding_drafter, change, tmp_path: Path):
     target_run, inprocess = reference
-    gate, _ = serve_variant(profile, target_run, inprocess, sliding_drafter, change, tmp_path)
+    gate, _ = serve_variant(engine_profile, target_run, inprocess, sliding_drafter, change, tmp_path)
     assert_fails_the_gate(gate, change)
