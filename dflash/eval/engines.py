@@ -32,7 +32,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from dflash.compat import version_tuple
 from dflash.drafter.checkpoint import is_dflash2_checkpoint
@@ -107,12 +107,18 @@ def engine_command(engine: str, profile: Profile, target: Path, method: str, dra
     return ServerCommand(argv, env, f"http://{client_host('127.0.0.1')}:{port}", method)
 
 
-def drafter_layer_types(drafter: Path) -> list[str]:
-    """`layer_types` of a drafter directory's config.json ([] when it has none or no config)."""
+def drafter_config(drafter: Path) -> Optional[dict[str, Any]]:
+    """A drafter directory's config.json (None without one)."""
     path = Path(drafter) / "config.json"
     if not path.is_file():
-        return []
-    return list(json.loads(path.read_text(encoding="utf-8")).get("layer_types") or [])
+        return None
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return config
+
+
+def drafter_layer_types(drafter: Path) -> list[str]:
+    """`layer_types` of a drafter directory's config.json ([] when it has none or no config)."""
+    return list((drafter_config(drafter) or {}).get("layer_types") or [])
 
 
 def draft_tokens(profile: Profile, block: int) -> int:
@@ -185,10 +191,9 @@ def check_engine_serves(engine: str, version: Optional[str], profile: Profile, d
         raise ConfigError(f"{drafter}: a DFlash 2 drafter; vLLM's CPU build cannot serve it: "
                           f"{VLLM_CPU_DFLASH2_REFUSAL}. Serve it on a CUDA node (the launcher sets {V2_RUNNER_ENV}=1), "
                           "or evaluate it in-process (eval.engine = \"transformers\")")
-    path = Path(drafter) / "config.json"
-    if version is None or not path.is_file():
+    config = drafter_config(drafter)
+    if version is None or config is None:
         return                      # loading the drafter names what is missing
-    config = json.loads(path.read_text(encoding="utf-8"))
     if engine == "sglang":
         from dflash.drafter.layers import sglang_serving_problems
 
