@@ -177,29 +177,33 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
     return k
 
 
-def drafter_tau(state: TrainState, heldout: Heldout, kind: str = "head") -> tuple[float, list[float]]:
-    """tau of the state's drafter over the set, and the share of drafts reaching each slot. `kind`:
-    "head" (the head's argmax; a DFlash 2 drafter's unary argmax) or "selector" (a DFlash 2 drafter's path)."""
+def drafter_taus(state: TrainState, heldout: Heldout, kinds: list[str]) -> dict[str, tuple[float, list[float]]]:
+    """tau of the state's drafter over the set, and the share of drafts reaching each slot, for each of
+    `kinds`: "head" (the head's argmax; a DFlash 2 drafter's unary argmax) or "selector" (a DFlash 2
+    drafter's path). One drafter forward per sequence serves every kind."""
     import torch
 
     block = state.drafter.block_size
-    tokens = steps = drafts = 0
-    reached = [0] * (block - 1)
+    tokens = drafts = 0
+    reached = {kind: [0] * (block - 1) for kind in kinds}
+    walked = dict.fromkeys(kinds, 0)
     with torch.no_grad():
         for seq in heldout.sequences:
             first = seq.mask.index(1) - 1          # the anchor before the first new token
-            accepted_at = {}
-            for anchor, proposal in zip(range(first, len(seq.ids) - 1), block_proposals(state, seq, first)[kind]):
-                accepted_at[anchor] = k = accepted(proposal, seq.ids[anchor + 1:anchor + block])
-                for slot in range(k):
-                    reached[slot] += 1
-                drafts += 1
             count = len(seq.ids) - 1 - first
-            tokens, steps = tokens + count, steps + walk_steps(first, count, accepted_at)
-    return tokens / steps, [round(r / drafts, 3) for r in reached]
+            proposals = block_proposals(state, seq, first, selector="selector" in kinds)
+            for kind in kinds:
+                accepted_at = {}
+                for anchor, proposal in zip(range(first, len(seq.ids) - 1), proposals[kind]):
+                    accepted_at[anchor] = k = accepted(proposal, seq.ids[anchor + 1:anchor + block])
+                    for slot in range(k):
+                        reached[kind][slot] += 1
+                walked[kind] += walk_steps(first, count, accepted_at)
+            drafts, tokens = drafts + count, tokens + count
+    return {kind: (tokens / walked[kind], [round(r / drafts, 3) for r in reached[kind]]) for kind in kinds}
 
 
-def block_proposals(state: TrainState, seq: Sequence, first: int) -> dict[str, list[list[int]]]:
+def block_proposals(state: TrainState, seq: Sequence, first: int, selector: bool = True) -> dict[str, list[list[int]]]:
     """The drafter's block at every anchor from `first` on (the trainer's forward over all blocks): the
     head's argmax ("head"), and a DFlash 2 drafter's selector walk from each anchor ("selector")."""
     import torch
@@ -214,9 +218,9 @@ def block_proposals(state: TrainState, seq: Sequence, first: int) -> dict[str, l
     hidden = forward_blocks(state.drafter, ids, torch.tensor([anchors]), features, state.backend)[0, :, 1:]
     logits = state.drafter.logits(hidden)
     drafts = {"head": state.drafter.token_ids(logits.argmax(dim=-1)).tolist()}
-    if isinstance(state.drafter, DFlash2Drafter):
-        selector = state.drafter.selector
-        drafts["selector"] = [selector.walk(logits[i], hidden[i], seq.ids[anchor]).tokens.tolist()
+    if selector and isinstance(state.drafter, DFlash2Drafter):
+        walker = state.drafter.selector
+        drafts["selector"] = [walker.walk(logits[i], hidden[i], seq.ids[anchor]).tokens.tolist()
                               for i, anchor in enumerate(anchors)]
     return drafts
 
@@ -249,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "flagship's drafter on its CPU twin; --sets none there, its target is random)")
     parser.add_argument("--loss-every", type=int, default=0, help="print the training loss (and DFlash 2's selector "
                         "figures) every N steps: the loss curve of each variant")
+    parser.add_argument("--save-dir", type=Path, default=None, help="keep each variant's trained drafter as a checkpoint "
+                        "under DIR/VARIANT (the trainer's own save), for `launcher.py eval --draft` (speedup)")
     parser.add_argument("--smoke", action="store_true", help=f"the smallest setting: {SMOKE_ROWS} rows of "
                         f"{SMOKE_TOKENS} tokens written in the scratch directory, one thread, {SMOKE}")
     args = parser.parse_args(argv)
@@ -310,13 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         for index, name in enumerate(args.variants.split(",")):
             profile = variant_profile(base, VARIANTS[name], dataset, Path(scratch) / "run", args.steps)
             run_variant(name, VARIANTS[name], profile, Path(scratch) / "run", heldout, eval_at, fill_cache=index == 0,
-                        loss_every=args.loss_every)
+                        loss_every=args.loss_every, save_dir=args.save_dir)
     return 0
 
 
 def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: Path, heldout: list[Heldout],
-                eval_at: set[int], fill_cache: bool, loss_every: int = 0) -> None:
-    """Train one variant and print its tau on every held-out set (also after each step in `eval_at`)."""
+                eval_at: set[int], fill_cache: bool, loss_every: int = 0, save_dir: Path | None = None) -> None:
+    """Train one variant and print its tau on every held-out set (also after each step in `eval_at`);
+    with `save_dir`, its last step saved there as the trainer saves it (DIR/NAME/checkpoints/step-N)."""
     state = build_variant_state(profile, run_dir, variant)
     if fill_cache:
         started = time.perf_counter()
@@ -329,8 +336,9 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     def report(step: int, note: str = "") -> None:
         state.drafter.eval()
         for held in heldout:
+            taus = drafter_taus(state, held, list(kinds.values()))
             for label, kind in kinds.items():
-                tau, reached = drafter_tau(state, held, kind)
+                tau, reached = taus[kind]
                 print(f"{label:<24} {held.name:<9} tau {tau:.3f}  reached slot 1..{len(reached)} {reached}  step {step}{note}",
                       flush=True)
         state.drafter.train()
@@ -347,6 +355,10 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     steps, gamma = state.total_steps, -1.0 / math.log(float(state.decay[1]))     # decay[k-1] = exp(-(k-1) / gamma)
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
                   f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
+    if save_dir is not None:
+        from dflash.train.checkpointing import save_training_checkpoint
+
+        print(f"{name}: saved {save_training_checkpoint(state, save_dir / name)}", flush=True)
 
 
 if __name__ == "__main__":

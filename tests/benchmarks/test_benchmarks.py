@@ -82,8 +82,9 @@ CASES = [
                                         rf"^cpu-demo +everyday +tau {NUMBER} .* step 2, 2 steps in .*the trainer's loss "
                                         rf"decay gamma {re.escape(profile_gamma('cpu-demo'))}, ")),
     Smoke("bench_drafter_variants.py", (rf"^dflash2 +everyday +tau {NUMBER} .* step 2, 2 steps in ",
-                                        rf"^dflash2/unary +everyday +tau {NUMBER} .* step 2, 2 steps in "),
-          args=("--smoke", "--variants", "dflash2"), marks=(SLOW,), name="bench_drafter_variants-dflash2"),
+                                        rf"^dflash2/unary +everyday +tau {NUMBER} .* step 2, 2 steps in ",
+                                        r"^dflash2: saved .*/dflash2/train/checkpoints/step-2$"),
+          args=("--smoke", "--variants", "dflash2", "--save-dir", "{tmp}"), marks=(SLOW,), name="bench_drafter_variants-dflash2"),
     Smoke("bench_fsdp_step.py", (rf"^  every_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$",
                                  rf"^  last_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$"),
           marks=(SLOW,)),
@@ -103,9 +104,11 @@ CASES = [
 ]
 
 
-def run_smoke(case: Smoke) -> subprocess.CompletedProcess:
+def run_smoke(case: Smoke, scratch: Path) -> subprocess.CompletedProcess:
+    """The benchmark as a process; "{tmp}" in its arguments is the test's own scratch directory."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(BENCHMARKS / case.script), *case.args], cwd=REPO_ROOT, env=env,
+    args = [arg.replace("{tmp}", str(scratch)) for arg in case.args]
+    return subprocess.run([sys.executable, str(BENCHMARKS / case.script), *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=case.timeout_s)
 
 
@@ -116,10 +119,10 @@ def test_every_benchmark_has_a_smoke_run():
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[*c.marks, pytest.mark.timeout(c.timeout_s + 60)], id=c.id)
                                   for c in CASES])
-def test_benchmark_smoke_prints_its_figures(case: Smoke, request: pytest.FixtureRequest):
+def test_benchmark_smoke_prints_its_figures(case: Smoke, request: pytest.FixtureRequest, tmp_path: Path):
     if ENGINE in case.marks:
         request.getfixturevalue("vllm_python")
-    done = run_smoke(case)
+    done = run_smoke(case, tmp_path)
     tail = f"\n--- stdout ---\n{done.stdout[-3000:]}\n--- stderr ---\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{case.script} {' '.join(case.args)} exited {done.returncode}{tail}"
     missing = [figure for figure in case.figures if not re.search(figure, done.stdout, re.MULTILINE)]
