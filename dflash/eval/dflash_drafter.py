@@ -127,7 +127,8 @@ class DFlashDraft:
         assert features is not None and features.shape[0] == anchor_pos, "context features must cover the prefix"
         logits = self._slot_logits(features, int(committed[-1]), min(k, self.proposed)).float()
         if temperature <= 0:
-            return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist())
+            vocab = cast("torch.Tensor", self.model.draft_vocab) if self.model.has_draft_vocab else None
+            return Proposal(tokens=self.model.token_ids(logits.argmax(dim=-1)).tolist(), logits=logits, vocab=vocab)
         probs = torch.softmax(logits / temperature, dim=-1)
         picked = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return Proposal(tokens=self.model.token_ids(picked).tolist(), probs=self._over_target_vocab(probs))

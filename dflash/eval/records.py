@@ -135,6 +135,7 @@ class ParityRow:
     standard_error: Optional[float] = None     # gated: of the tau difference
     prompts_same_tokens: Optional[int] = None  # gated: prompts whose served and in-process tokens are identical
     prompts_same_acceptance: Optional[int] = None   # ... and of those, the ones accepting the same drafts
+    prompts_near_tie: Optional[int] = None     # ... and of the others, those the in-process drafter's near-ties explain
     failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, named
     conclusive: Optional[bool] = None          # gated: the in-process gain stands clear of zero
 
@@ -152,6 +153,7 @@ class ParityRow:
                    standard_error=data.number_or_none("standard_error"),
                    prompts_same_tokens=data.integer_or_none("prompts_same_tokens"),
                    prompts_same_acceptance=data.integer_or_none("prompts_same_acceptance"),
+                   prompts_near_tie=data.integer_or_none("prompts_near_tie"),
                    failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"))
 
 

@@ -26,6 +26,7 @@ class MethodRun:
     tokens: list[int]
     taus: list[int]
     wall_s: float
+    near_ties: int = 0      # greedy: steps decided by a drafter near-tie (specdec.near_tie_step)
 
 
 @dataclass

@@ -16,7 +16,7 @@ In order:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -40,12 +40,14 @@ class InProcessDecode:
     prompt_ids: list[list[int]]
     prompt_names: list[str]
     stop_token_ids: tuple[int, ...]
+    near_ties: dict[str, list[int]] = field(default_factory=dict)   # method -> each prompt's near-tie steps
 
     def side(self, method: str) -> SideFigures:
         """The method as the parity gate reads it."""
         figures = self.report.methods[method]
-        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus))
-                   for tokens, taus in zip(self.tokens[method], self.taus[method])]
+        ties = self.near_ties.get(method) or [0] * len(self.taus[method])
+        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), near)
+                   for tokens, taus, near in zip(self.tokens[method], self.taus[method], ties)]
         return SideFigures(prompts, histogram_of_taus([t for taus in self.taus[method] for t in taus]),
                            figures.position_acceptance, figures.identical_to_target)
 
@@ -226,5 +228,6 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     report = build_report(results, block_size=draft.block_size, temperature=settings.temperature)
     tokens = {name: [entry.runs[name].tokens for entry in results] for name in METHODS}
     taus = {name: [entry.runs[name].taus for entry in results] for name in METHODS}
+    ties = {name: [entry.runs[name].near_ties for entry in results] for name in METHODS}
     return InProcessDecode(report, tokens, taus, [p.token_ids for p in prompts], [p.prompt_id for p in prompts],
-                           tuple(stops))
+                           tuple(stops), ties)

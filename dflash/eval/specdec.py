@@ -32,16 +32,52 @@ if TYPE_CHECKING:
     from dflash.eval.target_cache import LinearSnapshot
 
 
+# A draft decided by less than this many logits is a near-tie: another engine's kernels may pick the other
+# token. Measured: vLLM's CPU build (0.32) drafted differently from us where our draft led the target's token
+# by 0.0012 to 0.162 logits (the cpu-demo drafter, 16 everyday prompts, 2026-12-02; BENCHMARKS.md "The
+# parity gate and its negative controls"); our own two CPU kernels (eval.cpu_matmul auto / torch) agreed on
+# every draft of those prompts.
+NEAR_TIE_LOGITS = 0.25
+
+
 @dataclass
 class Proposal:
     """Draft tokens for one block; `probs` [len(tokens), V] are the draft distributions q.
 
     `probs` None means the tokens were chosen deterministically (q is one-hot), as prompt
-    lookup does; rejection sampling then accepts token x with probability p(x).
+    lookup does; rejection sampling then accepts token x with probability p(x). `logits`
+    [len(tokens), V'] (a greedy drafter's scores, V' its vocabulary; `vocab` the target id of each
+    of its rows, None when V' is the target's) let the loop count near-ties (`near_tie_step`).
     """
 
     tokens: list[int]
     probs: Optional["torch.Tensor"] = None
+    logits: Optional["torch.Tensor"] = None
+    vocab: Optional["torch.Tensor"] = None
+
+
+def near_tie_step(proposal: Proposal, accepted: int, bonus: int) -> bool:
+    """Whether a draft slot this step's acceptance reached was decided by less than NEAR_TIE_LOGITS:
+    an accepted draft that led the drafter's next choice by less (a kernel that flips it accepts
+    fewer), or the rejected draft leading the target's token (`bonus`) by less (a kernel that flips
+    it accepts more)."""
+    import torch
+
+    logits = proposal.logits
+    if logits is None:
+        return False
+    for slot in range(min(accepted, logits.shape[0])):
+        best = torch.topk(logits[slot], 2).values
+        if float(best[0] - best[1]) < NEAR_TIE_LOGITS:
+            return True
+    if accepted >= logits.shape[0]:
+        return False
+    if proposal.vocab is None:
+        row = bonus if bonus < logits.shape[1] else None
+    else:
+        rows = (proposal.vocab == bonus).nonzero()
+        row = int(rows[0, 0]) if rows.numel() else None
+    return row is not None and float(logits[accepted].max() - logits[accepted, row]) < NEAR_TIE_LOGITS
 
 
 class Drafter(Protocol):
@@ -268,6 +304,7 @@ class DecodeResult:
     taus: list[int] = field(default_factory=list)       # acceptance length of each draft step
     proposed: list[int] = field(default_factory=list)   # draft tokens proposed at each step
     wall_s: float = 0.0
+    near_ties: int = 0                       # greedy: steps decided by a drafter near-tie (near_tie_step)
 
     @property
     def mean_tau(self) -> float:
@@ -373,7 +410,7 @@ def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: S
         _step(verifier, drafter, state, settings, generator)
     tokens = state.new_tokens(settings)
     return DecodeResult(tokens=tokens, taus=state.taus, proposed=state.proposed,
-                        wall_s=time.perf_counter() - started)
+                        wall_s=time.perf_counter() - started, near_ties=state.near_ties)
 
 
 @dataclass
@@ -383,6 +420,7 @@ class _LoopState:
     prompt_len: int
     taus: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
+    near_ties: int = 0
 
     def new_tokens(self, settings: DecodeSettings) -> list[int]:
         """Generated tokens, cut after the first EOS and at max_new_tokens."""
@@ -408,6 +446,7 @@ def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, setting
     out = verifier.forward([state.committed[-1]] + proposal.tokens, with_features=drafter.uses_features, lazy=greedy)
     if greedy:
         accepted, bonus = accept_greedy_rows(proposal.tokens, out)
+        state.near_ties += near_tie_step(proposal, accepted, bonus)
     else:
         accepted, bonus = accept_sampling(proposal, out.logits, settings.temperature, generator)
     state.committed += proposal.tokens[:accepted] + [bonus]

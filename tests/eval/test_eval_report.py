@@ -88,7 +88,7 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                            candidate_recall=[0.9, None], selector_overrides=[0.25, 0.0])
     row = ParityRow(2.5, 2.45, [0.6, 0.2], [0.6, 0.25], True, True, False, "prompt 1 (a), new token 3: served 7, in-process 8",
                     True, False, served_steps=40, inprocess_steps=41, tolerance=0.15, standard_error=0.05,
-                    prompts_same_tokens=5, prompts_same_acceptance=4, failures=["served gain (tau - 1) ..."],
+                    prompts_same_tokens=5, prompts_same_acceptance=4, prompts_near_tie=1, failures=["served gain (tau - 1) ..."],
                     conclusive=True)
     context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
                             "one cached forward a token")

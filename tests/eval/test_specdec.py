@@ -303,3 +303,29 @@ def test_lazy_logits_are_used_only_where_the_head_of_the_final_norm_gives_the_lo
     assert verifier.lazy_logits is False
     verifier._check_lazy_logits(hidden, logits)                          # control
     assert verifier.lazy_logits is True
+
+
+class ScoredOracle(OracleDrafter):
+    """The oracle's drafts with scores: each draft leads every other token by `lead` logits."""
+
+    def __init__(self, *args, lead: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lead = lead
+
+    def propose(self, committed, features, k, temperature):
+        proposal = super().propose(committed, features, k, temperature)
+        logits = torch.zeros(len(proposal.tokens), self.vocab)
+        logits[range(len(proposal.tokens)), proposal.tokens] = self.lead
+        return Proposal(tokens=proposal.tokens, logits=logits)
+
+
+@pytest.mark.parametrize("lead, counted", [(5.0, False), (0.1, True)])
+def test_the_loop_counts_the_steps_a_drafter_near_tie_decided(target, references, lead, counted):
+    """Drafts led by 5 logits are no near-tie; led by 0.1 (< NEAR_TIE_LOGITS), every step whose
+    acceptance read a draft is one. The output is the target's either way."""
+    model = target[1]
+    settings = DecodeSettings(block_size=4, max_new_tokens=25)
+    drafter = ScoredOracle(references[1], len(PROMPTS[1]), model.config.vocab_size, wrong_every=3, lead=lead)
+    result = speculative_decode(TargetVerifier(model), drafter, PROMPTS[1], settings)
+    assert result.tokens == references[1]
+    assert result.near_ties == (len(result.taus) if counted else 0), (result.near_ties, result.taus)
