@@ -125,15 +125,18 @@ def build_variant_state(profile: Profile, run_dir: Path, variant: dict[str, Any]
     return state
 
 
+FILL_ROWS = 8     # rows per target forward while filling the feature cache (any size: features are per row)
+
+
 def fill_feature_cache(state: TrainState) -> None:
     """Every row's tap features into the run's feature cache before timing (the variants share it)."""
     from dflash.drafter.taps import extract_taps
 
     if state.feature_cache is None:
         return
-    rows = list(range(len(state.data.dataset)))
-    for first in range(0, len(rows), state.data.global_batch):
-        batch = state.data.collate(rows[first:first + state.data.global_batch], 0)
+    rows, chunk = list(range(len(state.data.dataset))), FILL_ROWS
+    for first in range(0, len(rows), chunk):
+        batch = state.data.collate(rows[first:first + chunk], 0)
         state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
 
 
@@ -184,7 +187,7 @@ def drafter_taus(state: TrainState, heldout: Heldout, kinds: list[str]) -> dict[
     import torch
 
     block = state.drafter.block_size
-    tokens = drafts = 0
+    tokens = 0                                 # new tokens walked: each is one draft position too
     reached = {kind: [0] * (block - 1) for kind in kinds}
     walked = dict.fromkeys(kinds, 0)
     with torch.no_grad():
@@ -199,8 +202,8 @@ def drafter_taus(state: TrainState, heldout: Heldout, kinds: list[str]) -> dict[
                     for slot in range(k):
                         reached[kind][slot] += 1
                 walked[kind] += walk_steps(first, count, accepted_at)
-            drafts, tokens = drafts + count, tokens + count
-    return {kind: (tokens / walked[kind], [round(r / drafts, 3) for r in reached[kind]]) for kind in kinds}
+            tokens += count
+    return {kind: (tokens / walked[kind], [round(r / tokens, 3) for r in reached[kind]]) for kind in kinds}
 
 
 def block_proposals(state: TrainState, seq: Sequence, first: int, selector: bool = True) -> dict[str, list[list[int]]]:

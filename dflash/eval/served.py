@@ -16,7 +16,7 @@ In order:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -40,14 +40,13 @@ class InProcessDecode:
     prompt_ids: list[list[int]]
     prompt_names: list[str]
     stop_token_ids: tuple[int, ...]
-    near_ties: dict[str, list[int]] = field(default_factory=dict)   # method -> each prompt's near-tie steps
+    near_ties: dict[str, list[int]]         # method -> each prompt's near-tie steps (specdec.near_tie_step)
 
     def side(self, method: str) -> SideFigures:
         """The method as the parity gate reads it."""
         figures = self.report.methods[method]
-        ties = self.near_ties.get(method) or [0] * len(self.taus[method])
         prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), near)
-                   for tokens, taus, near in zip(self.tokens[method], self.taus[method], ties)]
+                   for tokens, taus, near in zip(self.tokens[method], self.taus[method], self.near_ties[method])]
         return SideFigures(prompts, histogram_of_taus([t for taus in self.taus[method] for t in taus]),
                            figures.position_acceptance, figures.identical_to_target)
 
