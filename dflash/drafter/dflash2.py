@@ -124,6 +124,9 @@ def grouped_causal_conv(hidden: torch.Tensor, delta: torch.Tensor, base: torch.T
     base [k, H] -> [..., T, H]: out[t, c] = sum_j (base[j, c] + delta[t, j, c // g]) x[t - j, c], with
     x[t - j] = 0 when t - j falls before t's block."""
     *lead, length, width = hidden.shape
+    if length % block_size:
+        raise ValueError(f"the grouped causal convolution runs over whole blocks: {length} positions are not "
+                         f"blocks of {block_size} (draft the whole block, DFlashDrafter.whole_blocks)")
     taps, groups = base.shape[0], width // group_size
     blocks = hidden.reshape(*lead, length // block_size, block_size, groups, group_size)
     deltas = delta.reshape(*lead, length // block_size, block_size, taps, groups, 1)
@@ -221,10 +224,13 @@ class CandidateSelector(nn.Module):
     def forward(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], predecessor ids [...], candidate ids [..., K] -> <A[p] * P h, B[c]> [..., K].
         The training loss calls the module (not a method), so a wrapper's hooks (FSDP2's unsharding,
-        when the selector is its own `fully_shard` unit) run around it."""
+        when the selector is its own `fully_shard` unit) run around it. einsum returns a view of its
+        batched product; FSDP2 warns on a unit returning a view (an in-place op on it would skip the
+        pre-backward hook), so the [..., K] scores are returned as a tensor of their own."""
         context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
         successors = F.embedding(candidates, self.successor_codebook)
-        return torch.einsum("...r,...kr->...k", context.to(successors.dtype), successors)
+        scores = torch.einsum("...r,...kr->...k", context.to(successors.dtype), successors)
+        return scores.clone() if scores._base is not None else scores
 
     def transitions(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self(hidden, predecessors, candidates))
@@ -266,6 +272,7 @@ class DFlash2Drafter(DFlashDrafter):
     runs after the forward (in the loss, in the walk), on the normed hidden states the forward returns."""
 
     outside_forward = ("candidate_selector.",)
+    whole_blocks = True
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

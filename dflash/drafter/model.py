@@ -152,6 +152,7 @@ class DFlashDrafter(nn.Module):
 
     draft_vocab: torch.Tensor           # a buffer, registered only with a draft vocabulary
     outside_forward: tuple[str, ...] = ()   # parameter-name prefixes the forward never reads (DFlash 2: the selector)
+    whole_blocks: bool = False              # the forward needs whole blocks of block_size (DFlash 2's convolutions)
 
     def __init__(self, config: Qwen3Config):
         super().__init__()

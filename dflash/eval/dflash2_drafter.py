@@ -68,12 +68,6 @@ class DFlash2Draft(DFlashDraft):
     def drafter(self) -> DFlash2Drafter:
         return cast("DFlash2Drafter", self.model)
 
-    @property
-    def drafted_length(self) -> int:
-        """The whole block: DFlash 2's convolutions run over whole blocks, so with `draft_tokens` k
-        < B - 1 the block is drafted whole and its path's first k tokens are proposed."""
-        return self.block_size
-
     def reset(self) -> None:
         super().reset()
         self._last_block = None

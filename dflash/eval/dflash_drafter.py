@@ -52,8 +52,10 @@ class DFlashDraft:
 
     @property
     def drafted_length(self) -> int:
-        """Tokens of the block the drafter runs: `[anchor, MASK x proposed]`."""
-        return self.proposed + 1
+        """Tokens of the block the drafter runs: `[anchor, MASK x proposed]`; a drafter whose forward
+        needs whole blocks (DFlash 2's convolutions) drafts the whole block and proposes its first
+        `proposed` tokens."""
+        return self.block_size if self.model.whole_blocks else self.proposed + 1
 
     @property
     def layer_ids(self) -> list[int]:

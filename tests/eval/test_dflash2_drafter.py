@@ -98,6 +98,10 @@ def test_fewer_draft_tokens_walk_the_shorter_block_and_stay_lossless(tiny_qwen3_
     result = speculative_decode(TargetVerifier(tiny_qwen3_model, checked.layer_ids), checked, PROMPT, settings)
     assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 20)
     assert max(result.proposed) == 2 and max(result.taus) <= 3
+    unary = unary_draft(draft)      # the eval's `dflash_unary` beside it drafts the whole block too (its convolutions)
+    assert unary.drafted_length == draft.drafted_length == 4
+    result = speculative_decode(TargetVerifier(tiny_qwen3_model, unary.layer_ids), unary, PROMPT, settings)
+    assert result.tokens == target_greedy_tokens(tiny_qwen3_model, PROMPT, 20) and max(result.proposed) == 2
     assert load_draft(str(saved_dflash2), tiny_qwen3_model).proposed == 3      # the default: B - 1
 
 
