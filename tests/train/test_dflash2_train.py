@@ -38,6 +38,8 @@ def test_two_ranks_train_dflash2_and_log_the_selectors_figures(tmp_path, tiny_qw
         assert len(figures["candidate_recall"]) == 3 and all(0 <= r <= 1 for r in figures["candidate_recall"] if r is not None)
         assert math.isclose(figures["lift"], figures["selector_tau"] - figures["unary_tau"], abs_tol=1e-12)
     assert lines[-1]["selector"]["unary_loss"] < lines[0]["selector"]["unary_loss"]
+    rank_logs = [path.read_text(errors="replace") for path in (tmp_path / "run").rglob("stderr.log")]
+    assert rank_logs and not any("returned a view tensor" in text for text in rank_logs)   # FSDP2's warning on the selector
 
 
 def published_dflash2(target, directory, top_k: int = 4, **dflash_extra):
