@@ -134,9 +134,9 @@ def fill_feature_cache(state: TrainState) -> None:
 
     if state.feature_cache is None:
         return
-    rows, chunk = list(range(len(state.data.dataset))), FILL_ROWS
-    for first in range(0, len(rows), chunk):
-        batch = state.data.collate(rows[first:first + chunk], 0)
+    rows = list(range(len(state.data.dataset)))
+    for first in range(0, len(rows), FILL_ROWS):
+        batch = state.data.collate(rows[first:first + FILL_ROWS], 0)
         state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
 
 

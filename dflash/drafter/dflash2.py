@@ -230,7 +230,7 @@ class CandidateSelector(nn.Module):
         context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
         successors = F.embedding(candidates, self.successor_codebook)
         scores = torch.einsum("...r,...kr->...k", context.to(successors.dtype), successors)
-        return scores.clone() if scores._base is not None else scores
+        return scores.clone()
 
     def transitions(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self(hidden, predecessors, candidates))
