@@ -23,17 +23,18 @@ from tests.train.conftest import write_profile
 NUM_PROMPTS = 6
 MAX_NEW_TOKENS = 32
 DEMO_STEPS = 40       # with DEMO_RECIPE: see BENCHMARKS.md "The parity gate and its negative controls"
-SLIDING_STEPS = 40    # BENCHMARKS.md records tau 6.250; after 24 steps it was 1.713
-# The demo drafter's head has 129 rows (its draft vocabulary: every distinct answer token). Under the default
-# warmup (2 of 40 steps), lr 3e-3 collapses it onto one constant proposal (the same token at every position,
-# loss stuck near the answers' unigram entropy, in-process tau 1.043); warmed up over 10 steps it learns. The
-# same drafter with the whole vocabulary's head (tau 1.794) and the sliding-window drafter learn with the default.
+SLIDING_STEPS = 40    # with DEMO_RECIPE: in-process tau 4.000, every draft of k = 3 accepted (BENCHMARKS.md)
+# Both drafters' heads have 129 rows (their draft vocabulary: every distinct answer token; a head over the
+# whole 49,152-token vocabulary made the sliding drafter's training 2.6x as long). Under the default warmup
+# (2 of 40 steps), lr 3e-3 collapses the demo drafter onto one constant proposal (the same token at every
+# position, loss stuck near the answers' unigram entropy, in-process tau 1.043); warmed up over 10 steps it
+# learns. The same drafter with the whole vocabulary's head learned with the default (tau 1.794).
 DEMO_RECIPE = {"warmup_ratio": 0.25}
 SLIDING_WINDOW = 16
 DEMO = {"num_layers": 3, "block_size": 8, "mask_token_id": 16, "target_layer_ids": [26], "init": "target",
         "draft_vocab_size": 512}
 SLIDING = {"num_layers": 3, "block_size": 8, "mask_token_id": 16, "target_layer_ids": [26], "init": "target",
-           "layer_types": ["sliding_attention"] * 3, "sliding_window": SLIDING_WINDOW}
+           "layer_types": ["sliding_attention"] * 3, "sliding_window": SLIDING_WINDOW, "draft_vocab_size": 512}
 
 
 def target_greedy_rows(smollm2_dir: Path, count: int, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -108,7 +109,7 @@ def demo_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
 @pytest.fixture(scope="module")
 def sliding_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
     return built_once(shared_root(tmp_path_factory), "sliding-drafter",
-                      lambda folder: train(folder, smollm2_dir, answers, SLIDING, SLIDING_STEPS))
+                      lambda folder: train(folder, smollm2_dir, answers, SLIDING, SLIDING_STEPS, **DEMO_RECIPE))
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +182,17 @@ def changed_export(exported: Path, change: str, out: Path) -> Path:
 
 
 def assert_fails_the_gate(gate, change: str) -> None:
-    """A lossless served stream that is not the trained drafter: the gate fails, naming the divergence."""
+    """A lossless served stream that is not the trained drafter: the gate fails, naming the divergence.
+    The per-prompt rule sees every control; the gain rule too, except the taps shifted by one layer: the
+    neighbouring layer's features keep most of the gain (served tau 3.89 vs 4.00 with the sliding drafter,
+    the accepted drafts of 2 prompts differ: BENCHMARKS.md "The parity gate and its negative controls")."""
     from dflash.eval.parity import check_parity
     from launcher_core.errors import ParityFailed
 
     print(f"{change}: served tau {gate.served_tau}, in-process {gate.inprocess_tau}; {gate.failures}")
     assert gate.within_tolerance is False and gate.served_identical_to_target is True     # lossless, yet not the drafter
     failures = " | ".join(gate.failures or [])
-    assert "served gain (tau - 1)" in failures and "prompts with identical tokens accepted differently" in failures
+    assert "prompts with identical tokens accepted differently" in failures
+    assert change == "taps-shifted" or "served gain (tau - 1)" in failures
     with pytest.raises(ParityFailed, match="the served drafter is not the trained one"):
         check_parity({"dflash": gate}, "report.json")
