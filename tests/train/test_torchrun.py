@@ -22,6 +22,7 @@ from tests.train.conftest import write_profile
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+RESUME_STEP = 20
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -30,9 +31,11 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
-    """24 steps on 2 ranks, a checkpoint at step 12 and at the end."""
+    """24 steps on 2 ranks, a checkpoint at step 20 (mid-epoch: 8 steps an epoch) and at the end; the resume
+    tests continue from step 20, 4 steps, as many as a resume needs to show it is on the curve."""
     root = tmp_path_factory.mktemp("run")
-    profile = load_profile(str(write_profile(root / "p.toml", tiny_qwen3_target, tiny_dataset, root / "run")))
+    profile = load_profile(str(write_profile(root / "p.toml", tiny_qwen3_target, tiny_dataset, root / "run",
+                                             save_every_steps=RESUME_STEP)))
     assert run_training(profile, run_dir=root / "run") == 0
     return profile, root / "run"
 
@@ -49,22 +52,20 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
     assert any((run_dir / "train" / "tb").glob("events.out.tfevents.*"))
     checkpoints = run_dir / "train" / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-24"
-    assert {p.name for p in (checkpoints / "step-12").iterdir()} == {"model.safetensors", "config.json",
+    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"model.safetensors", "config.json",
                                                                      "training_state.pt", "dcp"}
-    assert {p.name for p in (checkpoints / "step-12" / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}" / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert stage["state"] == "done" and stage["steps"] == 24
 
 
 def test_resume_reproduces_the_uninterrupted_loss_curve(trained, tmp_path):
     profile, run_dir = trained
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run_dir / "train" / "checkpoints" / "step-12", resumed / "train" / "checkpoints" / "step-12")
-    (resumed / "train" / "checkpoints" / "latest").write_text("step-12\n")
+    resumed = copy_checkpoint(run_dir, RESUME_STEP, tmp_path / "resumed")
     assert run_training(profile, run_dir=resumed, resume=True) == 0
     again = {line["step"]: line["loss"] for line in metrics(resumed)}
     original = {line["step"]: line["loss"] for line in metrics(run_dir)}
-    assert sorted(again) == list(range(13, 25))
+    assert sorted(again) == list(range(RESUME_STEP + 1, 25))
     for step, loss in again.items():
         assert loss == pytest.approx(original[step], rel=1e-5), step
 
@@ -84,18 +85,19 @@ def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1_onto_the_same_curve(traine
     from safetensors.torch import load_file
 
     profile, run_dir = trained
-    saved = torch.load(run_dir / "train" / "checkpoints" / "step-12" / "training_state.pt", weights_only=True)
-    assert saved["world_size"] == 2 and saved["step"] == 12 and "optimizer" not in saved
-    weights = load_file(str(run_dir / "train" / "checkpoints" / "step-12" / "model.safetensors"))
+    saved_at = run_dir / "train" / "checkpoints" / f"step-{RESUME_STEP}"
+    saved = torch.load(saved_at / "training_state.pt", weights_only=True)
+    assert saved["world_size"] == 2 and saved["step"] == RESUME_STEP and "optimizer" not in saved
+    weights = load_file(str(saved_at / "model.safetensors"))
     whole = {name: torch.empty_like(tensor) for name, tensor in weights.items()}
-    dcp.load({"model": whole}, checkpoint_id=str(run_dir / "train" / "checkpoints" / "step-12" / "dcp"))
+    dcp.load({"model": whole}, checkpoint_id=str(saved_at / "dcp"))
     assert all(torch.equal(whole[name], weights[name]) for name in weights)
     one_rank = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, nproc_per_node=1))
-    resumed = copy_checkpoint(run_dir, 12, tmp_path / "one")
+    resumed = copy_checkpoint(run_dir, RESUME_STEP, tmp_path / "one")
     assert run_training(one_rank, run_dir=resumed, resume=True) == 0
     again = {line["step"]: line["loss"] for line in metrics(resumed)}
     original = {line["step"]: line["loss"] for line in metrics(run_dir)}
-    assert sorted(again) == list(range(13, 25))
+    assert sorted(again) == list(range(RESUME_STEP + 1, 25))
     for step, loss in again.items():
         assert loss == pytest.approx(original[step], rel=1e-4), step
     assert len(metrics(resumed)[-1]["mem_mib"]) == 1
