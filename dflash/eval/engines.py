@@ -99,7 +99,7 @@ def engine_command(engine: str, profile: Profile, target: Path, method: str, dra
     prefix = list(launch) if launch else [engine_python(profile, engine), *LAUNCH_MODULES[engine]]
     builder = _sglang_args if engine == "sglang" else _vllm_args
     argv = prefix + builder(profile, target, method, drafter, block_size, port)
-    env = vllm_env(profile) if engine == "vllm" else {}
+    env = vllm_env(profile, profile.eval.cpu_threads) if engine == "vllm" else {}   # in-process's threads
     if engine == "vllm" and method == "dflash" and (mixes_sliding_and_full(drafter_layer_types(drafter))
                                                     or is_dflash2_checkpoint(drafter)):
         env[V2_RUNNER_ENV] = "1"      # qwen3_dflash._resolve_layer_attention refuses mixed layers on the V1 runner,

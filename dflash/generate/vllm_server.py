@@ -10,6 +10,15 @@ from launcher_core.schema import Profile
 
 SERVED_MODEL_NAME = "default"      # the model name our requests carry (vLLM: --served-model-name)
 CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: prompt + completion of the eval
+# vLLM 0.32 on CPU by default runs the model in a worker process bound to one core and keeps another core
+# for the engine process, which waits for each step's result by spinning on shared memory (shm_broadcast
+# SpinCondition: sched_yield for busy_loop_s = 1 s after each read; ompmultiprocessing.py reserves the core,
+# "TODO: make scheduler proc sleep when idle"): two cores busy to compute on one. With the uniprocess
+# executor the model runs in the engine process on the threads we give it; platforms/cpu.py turns `uni`
+# back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING is 0. Measured: BENCHMARKS.md
+# "vLLM on CPU: the model in the engine process".
+CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
 LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm.entrypoints.openai.api_server"]}
 
 
@@ -23,12 +32,22 @@ def engine_python(profile: Profile, engine: str = "") -> str:
     return str(built) if built else sys.executable
 
 
-def vllm_env(profile: Profile) -> dict[str, str]:
-    """vLLM's environment: offline, no usage reports; on CPU the KV cache size in GiB."""
+def vllm_env(profile: Profile, cpu_threads: int = 0) -> dict[str, str]:
+    """vLLM's environment: offline, no usage reports; on CPU the KV cache size in GiB, the model run
+    inside the engine process (CPU_ONE_PROCESS) and `cpu_threads` torch threads (0: torch's default)."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if profile.machine.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.generate.vllm_cpu_kvcache_gib)
+    if runs_in_one_process(profile):
+        env.update(CPU_ONE_PROCESS)
+        if cpu_threads > 0:
+            env["OMP_NUM_THREADS"] = str(cpu_threads)
     return env
+
+
+def runs_in_one_process(profile: Profile) -> bool:
+    """vLLM on CPU with one tensor-parallel rank: the model runs in the engine process (CPU_ONE_PROCESS)."""
+    return profile.machine.device == "cpu" and profile.generate.tp_size == 1
 
 
 def vllm_base_args(profile: Profile, target: Path, port: int, host: str = "127.0.0.1") -> list[str]:
@@ -38,6 +57,8 @@ def vllm_base_args(profile: Profile, target: Path, port: int, host: str = "127.0
             "--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size", str(profile.generate.tp_size)]
     if profile.machine.device != "cpu":     # on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (vllm_env)
         args += ["--gpu-memory-utilization", str(profile.generate.mem_fraction_static)]
+    if runs_in_one_process(profile):
+        args += CPU_EXECUTOR_ARGS
     length = profile.generate.vllm_max_model_len or profile.generate.context_length
     length = length or (CPU_MAX_MODEL_LEN if profile.machine.device == "cpu" else 0)
     if length > 0:

@@ -27,7 +27,9 @@ def test_the_vllm_backend_runs_the_engine_python_on_the_bind_host_with_a_cpu_kv_
     assert argv[:3] == ["/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "9000"
     assert argv[argv.index("--served-model-name") + 1] == "default" and "--gpu-memory-utilization" not in argv
-    assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and command.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and command.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert command.argv[command.argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert "OMP_NUM_THREADS" not in command.env          # generation computes on every core
     assert command.base_url == "http://127.0.0.1:9000"
 
 
