@@ -98,7 +98,8 @@ class GenerateSection:
     max_prompts: int = 0                     # use only the first N prompts of paths.prompts (0: all)
     continuous_batching: bool = False        # transformers serve --continuous-batching (one batched forward)
     cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
-    server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: 1, unless already set)
+    server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: transformers serve 1 unless
+    #                                          already set, vLLM torch's default)
     context_length: int = 0                  # SGLang --context-length (prompt + completion); 0: the model's own
     vllm_cpu_kvcache_gib: int = 2            # vLLM on CPU: VLLM_CPU_KVCACHE_SPACE, GiB of RAM for its KV cache
                                              # (on CPU it takes no --gpu-memory-utilization share)

@@ -140,7 +140,8 @@ def server_thread_env(profile: Profile, environ: Mapping[str, str]) -> dict[str,
 def vllm_server_command(profile: Profile, model_path: Path, port: int | None = None) -> ServerCommand:
     """`python -m vllm.entrypoints.openai.api_server` from the engine's venv (`launcher.py engine setup vllm`,
     or eval.engine_python), bound to the profile's host; on CPU its KV cache is generate.vllm_cpu_kvcache_gib
-    and the model runs in the engine process on torch's default threads (every core: vllm_server.vllm_env)."""
+    and the model runs in the engine process (vllm_server.vllm_env) on generate.server_threads threads
+    (0: torch's default, every core; vLLM batches the requests in flight into one forward)."""
     import importlib.util
 
     from dflash.generate.vllm_server import LAUNCH_MODULES, engine_python, vllm_base_args, vllm_env
@@ -152,7 +153,7 @@ def vllm_server_command(profile: Profile, model_path: Path, port: int | None = N
         raise ConfigError("generate.backend 'vllm': vLLM is not installed here and eval.engine_python is not set; "
                           "run `launcher.py engine setup vllm` (its venv is then used) or set eval.engine_python")
     argv = [python, *LAUNCH_MODULES["vllm"], *vllm_base_args(profile, model_path, port, host)]
-    env = vllm_env(profile)
+    env = vllm_env(profile, profile.generate.server_threads)
     return ServerCommand(argv, env, f"http://{client_host(host)}:{port}", "vllm")
 
 

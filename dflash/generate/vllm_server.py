@@ -19,6 +19,7 @@ CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: pr
 # "vLLM on CPU: the model in the engine process".
 CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
+SEPARATE_WORKER_LOG_MARKS = ("(Worker pid=", "OpenMP thread binding info")   # what vLLM's default layout logs
 LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm.entrypoints.openai.api_server"]}
 
 

@@ -27,6 +27,7 @@ import pytest
 from engine_vllm_common import NUM_PROMPTS, assert_fails_the_gate, serve_variant
 
 from dflash.eval.records import read_report
+from dflash.generate.vllm_server import SEPARATE_WORKER_LOG_MARKS
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -92,6 +93,18 @@ def test_the_servers_bound_to_loopback_and_were_stopped(demo_eval, engine_profil
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and f"--port\0{port}\0".encode() in _cmdline(pid)]
+
+
+def test_each_server_ran_the_model_in_its_engine_process(demo_eval):
+    """vllm_server.CPU_ONE_PROCESS took effect in the real engine: its log has the engine process's
+    lines and none of what vLLM's default CPU layout logs (a worker process's lines, its OpenMP
+    binding of a core to the worker and one kept for the spinning engine process)."""
+    run_dir, result = demo_eval
+    for name, method in result.report.methods.items():
+        argv = method.argv or []
+        assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+        log = (run_dir / "eval" / "logs" / f"vllm-{name}.log").read_text()
+        assert "(EngineCore pid=" in log and not [mark for mark in SEPARATE_WORKER_LOG_MARKS if mark in log], name
 
 
 def test_the_served_drafter_is_the_vllm_export(demo_eval):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.generate.servers import server_command_for
+from dflash.generate.vllm_server import SEPARATE_WORKER_LOG_MARKS
 from launcher_core.errors import ConfigError
 from launcher_core.profile import load_profile
 from tests.generate.gen_helpers import read_output_ids, write_profile, write_prompts
@@ -29,7 +30,10 @@ def test_the_vllm_backend_runs_the_engine_python_on_the_bind_host_with_a_cpu_kv_
     assert argv[argv.index("--served-model-name") + 1] == "default" and "--gpu-memory-utilization" not in argv
     assert command.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and command.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert command.argv[command.argv.index("--distributed-executor-backend") + 1] == "uni"
-    assert "OMP_NUM_THREADS" not in command.env          # generation computes on every core
+    assert command.env["OMP_NUM_THREADS"] == "2"         # cpu-demo's generate.server_threads: both cores
+    base = vllm_profile("/engine/bin/python")
+    unset = dataclasses.replace(base, generate=dataclasses.replace(base.generate, server_threads=0))
+    assert "OMP_NUM_THREADS" not in server_command_for(unset, Path("/m"), port=9000).env   # torch's default
     assert command.base_url == "http://127.0.0.1:9000"
 
 
@@ -63,3 +67,4 @@ def test_generation_through_vllm_on_cpu_writes_every_completion(tmp_path, smollm
     assert all(r["completion_tokens"] > 0 and r["messages"][-1]["content"] for r in records), records[0]
     log = (tmp_path / "run" / "generate" / "server.log").read_text()
     assert "http://127.0.0.1:" in log and "vllm" in log.lower()
+    assert "(EngineCore pid=" in log and not [mark for mark in SEPARATE_WORKER_LOG_MARKS if mark in log]
