@@ -12,7 +12,8 @@ What the launcher knows when torchrun has exited:
 `failure_cause` ranks them: a stopped rank (the launcher ended the run); the agent killed; a rank
 killed by SIGKILL that recorded nothing (a user's kill -9 or the kernel's out-of-memory killer:
 the others' "connection closed" errors are its echoes); the earliest recorded error; the agent's
-list; torchrun's exit code alone.
+list, with the Python stack a rank's faulthandler dumped into its log at a fatal signal (SIGABRT from
+C++, SIGSEGV; the launcher sets PYTHONFAULTHANDLER for its ranks); torchrun's exit code alone.
 """
 from __future__ import annotations
 
@@ -130,9 +131,34 @@ def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> Fa
     if agent:
         ended = "; ".join(f"rank {a['rank']} (pid {a['pid']}) " + (f"was killed by {a['signal']}" if a["signal"]
                           else f"exited with code {a['exitcode']}") for a in agent)
+        dumps = fatal_dumps(logs)
+        if dumps:
+            return FailureCause("rank failed", agent[0]["rank"], f"{ended}; a rank's Python stack at its fatal signal "
+                                f"(PYTHONFAULTHANDLER):\n" + "\n".join(dumps) + f"\n(all rank logs: {logs}; {hint})")
         return FailureCause("rank failed", agent[0]["rank"], f"{ended}, recording no error; see the logs in {logs}; {hint}")
     return FailureCause("unknown", None, f"torchrun exited with code {end.code} and no rank recorded an error; see "
                         f"the logs in {logs}; {hint}")
+
+
+FATAL_MARK = "Fatal Python error: "       # how Python's faulthandler starts its dump
+DUMP_LINES = 12                           # lines of each dump in the message
+
+
+def fatal_dumps(logs: Path) -> list[str]:
+    """The faulthandler dumps in the ranks' stderr logs (torchrun's logs/<run>/attempt_N/<local rank>/):
+    each as its log's path, the signal and the innermost frames of the thread that received it."""
+    dumps = []
+    for log in sorted(logs.glob("*/attempt_*/*/stderr.log")):
+        try:
+            text = log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        start = text.find(FATAL_MARK)
+        if start >= 0:
+            start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, start))) + 1   # with the line before it: C++'s reason
+            lines = [line for line in text[start:].splitlines() if line.strip()][:DUMP_LINES]
+            dumps.append(f"{log}:\n  " + "\n  ".join(lines))
+    return dumps
 
 
 def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str, logs: Path) -> FailureCause:

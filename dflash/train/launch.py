@@ -111,6 +111,9 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     env.update({"PYTHONPATH": os.pathsep.join(dict.fromkeys(python_path)), "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env.setdefault("OMP_NUM_THREADS", str(worker_threads(profile)))
+    # a rank killed by a fatal signal of its own (SIGABRT from C++ `terminate`, SIGSEGV) writes every
+    # thread's Python stack into its log first; dflash.train.failures names it (fatal_dumps)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra_env or {})
     return env
 

@@ -211,6 +211,41 @@ def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank
     assert "no checkpoint was written yet" in cause.message
 
 
+ABORTING_RANK = """
+import os
+
+def tear_down_the_group():
+    os.abort()          # what C++ `terminate` does to a rank
+
+tear_down_the_group()
+"""
+
+
+@pytest.mark.parametrize("faulthandler", [True, False])
+def test_a_rank_aborted_by_a_signal_of_its_own_is_named_with_its_python_stack(tmp_path, faulthandler):
+    """A rank that dies by SIGABRT records no error of its own; with the PYTHONFAULTHANDLER the launcher
+    sets for its ranks, a real Python's dump in the rank's torchrun log names where it was. The control:
+    the same abort without the faulthandler leaves nothing to name."""
+    from dflash.train.failures import RunEnd, failure_cause
+
+    log = tmp_path / "train" / "logs" / "dflash-x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1" if faulthandler else ""}
+    with log.open("w") as stderr:
+        aborted = subprocess.run([sys.executable, "-c", ABORTING_RANK], env=env, stderr=stderr, timeout=60)
+    assert aborted.returncode == -signal.SIGABRT
+    write_records(tmp_path / "train" / "failures", [],
+                  [{"rank": 0, "local_rank": 0, "pid": 10, "exitcode": -15, "signal": "SIGTERM", "message": ""},
+                   {"rank": 1, "local_rank": 1, "pid": 11, "exitcode": -6, "signal": "SIGABRT", "message": ""}])
+    cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
+    assert cause.kind == "rank failed" and "rank 1 (pid 11) was killed by SIGABRT" in cause.message
+    if faulthandler:
+        assert "Fatal Python error: Aborted" in cause.message and "in tear_down_the_group" in cause.message
+        assert str(log) in cause.message and "recording no error" not in cause.message
+    else:
+        assert "recording no error" in cause.message and "Fatal Python error" not in cause.message
+
+
 def test_a_killed_agent_is_named_before_any_rank(tmp_path):
     from dflash.train.failures import RunEnd, failure_cause
 

@@ -55,7 +55,7 @@ def close(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) ->
 def test_the_fsdp2_step_on_2_ranks_is_the_one_process_step(tmp_path, tiny_qwen3_target, tiny_dataset):
     profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, tmp_path / "run",
                                  drafter={"num_layers": 2, "target_layer_ids": [1, 2]}, compute_dtype="float32")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(HERE.parents[1])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(HERE / "fsdp_step_worker.py"), "--profile", str(profile_path), "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=300)

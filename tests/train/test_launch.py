@@ -16,6 +16,7 @@ def test_single_node_rendezvous_is_on_loopback_with_the_profile_nproc(tmp_path):
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and argv[-1] == "--resume"
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
+    assert env["PYTHONFAULTHANDLER"] == "1"              # a rank's fatal signal leaves its Python stack in its log
 
 
 def test_single_node_joins_the_launchers_loopback_store_and_keeps_the_ranks_on_loopback(tmp_path):
