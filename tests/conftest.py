@@ -15,6 +15,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process unless the caller says otherwise (set before torch is imported in any
+# worker; ranks, servers and scripts started by tests inherit it where nothing sets their own). The suite
+# runs 3 pytest-xdist workers on 2 cores, and each of them starts ranks and servers: with torch's default
+# (a thread per core) every process's threads spin at each barrier while the others hold the cores.
+# Measured: two 10-step drafter trainings side by side take 60 s and 58 CPU-s each with 2 threads, 24 s
+# and 24 CPU-s with 1 (alone: 19 s and 28 CPU-s with 2). BENCHMARKS.md "The test suite's time".
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
