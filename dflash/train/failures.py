@@ -153,11 +153,11 @@ def fatal_dumps(logs: Path) -> list[str]:
             text = log.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        start = text.find(FATAL_MARK)
-        if start >= 0:
-            start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, start))) + 1   # with the line before it: C++'s reason
-            lines = [line for line in text[start:].splitlines() if line.strip()][:DUMP_LINES]
-            dumps.append(f"{log}:\n  " + "\n  ".join(lines))
+        lines = text.splitlines()
+        mark = next((i for i, line in enumerate(lines) if FATAL_MARK in line), None)
+        if mark is not None:      # from the line before the mark: C++'s reason
+            shown = [line for line in lines[max(0, mark - 1):] if line.strip()][:DUMP_LINES]
+            dumps.append(f"{log}:\n  " + "\n  ".join(shown))
     return dumps
 
 
