@@ -33,7 +33,7 @@ from typing import Any, Literal, Optional
 
 from envcheck.host import nvidia_driver_version
 from envcheck.packages import installed_versions
-from launcher_core.processes import free_port
+from launcher_core.processes import exit_without_finalization, free_port
 
 PROBE_STAGES = ("init", "collective", "model", "train_peak")
 MEMORY_SWITCHES = ("CUDA_MODULE_LOADING", "NCCL_CUMEM_ENABLE", "CUBLAS_WORKSPACE_CONFIG",
@@ -476,4 +476,4 @@ def _meta(kind: str, versions: dict[str, Any], imports: list[str]) -> dict[str, 
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))
+    exit_without_finalization(child_main(sys.argv[1:]))   # not at the interpreter's finalization, where gloo ranks have aborted

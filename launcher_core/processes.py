@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import NoReturn
 
 KILL_GRACE_S = 10.0
 
@@ -83,6 +84,19 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) ->
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
     return True
+
+
+def exit_without_finalization(code: int) -> NoReturn:
+    """End a rank whose work is done (its results written, its files closed, its process group
+    destroyed) with `code`, stdout and stderr flushed, without the interpreter's finalization. A gloo
+    rank past destroy_process_group has died there of SIGABRT ("terminate called without an active
+    exception", its main thread with no Python frame left) after a complete run, so that the launcher
+    reported a finished training as failed: in some full test runs, under load (last in
+    tests/train/test_torchrun.py's OOM drill, its last restart). pytorch/pytorch#179291 describes the
+    same teardown: gloo's C++ threads taking the GIL while the interpreter is torn down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def signal_name(code: int) -> str:

@@ -337,6 +337,7 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
 
     from dflash.train.dist import WorkerEnv, close_process_group, rank_device
     from launcher_core.fileio import write_json_atomic
+    from launcher_core.processes import exit_without_finalization
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
                       LOCAL_RANK=str(rank))
@@ -352,6 +353,7 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
         result = {"error": str(error)}
     write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
     close_process_group()
+    exit_without_finalization(0)    # not at the interpreter's finalization, where gloo ranks have aborted
 
 
 def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:

@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, TypedDict
+from typing import TYPE_CHECKING, Literal, NoReturn, Optional, TypedDict
 
 from dflash.train.feature_cache import FeatureCache
 
@@ -67,18 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     die_with_agent()
     args = parse_args(argv)
     from dflash.train.dist import WorkerEnv
 
     env = WorkerEnv.from_env()
     try:
-        return _train(args, env)
+        code = _train(args, env)
     except BaseException as error:
         if not isinstance(error, SystemExit):
             write_failure(args.run_dir, env.rank, error)
         raise
+    from launcher_core.processes import exit_without_finalization
+
+    exit_without_finalization(code)     # not at the interpreter's finalization, where gloo ranks have aborted
 
 
 def die_with_agent() -> None:

@@ -32,12 +32,42 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     """24 steps on 2 ranks, a checkpoint at step 20 (mid-epoch: 8 steps an epoch) and at the end; the resume
-    tests continue from step 20, 4 steps, as many as a resume needs to show it is on the curve."""
+    tests continue from step 20, 4 steps, as many as a resume needs to show it is on the curve. Every
+    process of the run imports an exit hook (exit_hook_env) that marks the interpreter's finalization."""
     root = tmp_path_factory.mktemp("run")
     profile = load_profile(str(write_profile(root / "p.toml", tiny_qwen3_target, tiny_dataset, root / "run",
                                              save_every_steps=RESUME_STEP)))
-    assert run_training(profile, run_dir=root / "run") == 0
+    assert run_training(profile, run_dir=root / "run", extra_env=exit_hook_env(root / "exit-hook")) == 0
     return profile, root / "run"
+
+
+EXIT_HOOK = """import atexit, os
+
+def _mark_finalization():
+    if "RANK" in os.environ:      # torchrun's ranks (and the control), not its agent
+        open(os.path.join(os.environ["EXIT_HOOK_MARKS"], f"rank-{os.environ['RANK']}-{os.getpid()}"), "w").close()
+
+atexit.register(_mark_finalization)
+"""
+
+
+def exit_hook_env(folder: Path) -> dict[str, str]:
+    """A sitecustomize on PYTHONPATH that writes a mark into folder/marks when the interpreter finalizes."""
+    (folder / "marks").mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text(EXIT_HOOK, encoding="utf-8")
+    return {"PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "EXIT_HOOK_MARKS": str(folder / "marks")}
+
+
+def test_a_rank_that_finished_ends_without_the_interpreters_finalization(trained):
+    """launcher_core.processes.exit_without_finalization: a rank past its last checkpoint and
+    destroy_process_group ends before the interpreter's finalization, where a gloo rank has died of
+    SIGABRT after a complete run. Control: the same hook in a plain Python process marks its finalization."""
+    _, run_dir = trained
+    hook = run_dir.parent / "exit-hook"
+    assert sorted(p.name for p in (hook / "marks").iterdir()) == []
+    control = {**os.environ, "PYTHONPATH": str(hook), "EXIT_HOOK_MARKS": str(hook / "marks"), "RANK": "control"}
+    subprocess.run([sys.executable, "-c", "pass"], env=control, check=True)
+    assert [p.name.rsplit("-", 1)[0] for p in (hook / "marks").iterdir()] == ["rank-control"]
 
 
 def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
