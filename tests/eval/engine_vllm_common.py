@@ -1,15 +1,18 @@
 """What the real-vLLM gate tests share (tests/eval/test_engine_vllm.py, test_engine_vllm_sliding.py):
 the data (the target's own greedy answers to the eval prompts), the two trained drafters, the engine
-profile, and serving one variant of an export against a target-only served run and an in-process
-decoding. The data and the drafters are built once per test run, by whichever pytest-xdist worker
-asks first (`built_once`: a lock and a marker in the run's shared temporary folder); the other
-module waits for them and reuses them, so the two modules run side by side on two workers. The
-fixtures are registered for tests/eval by its conftest.py."""
+profile, the demo drafter's whole `eval --engine vllm` flow (whose target-only run is also the sliding
+module's losslessness reference: the same prompt token ids, stop ids and settings, checked), and
+serving one variant of an export against a target-only served run and an in-process decoding. The
+data, the drafters and the flow are built once per test run, by whichever pytest-xdist worker asks
+first (`built_once`: a lock and a marker in the run's shared temporary folder); the other module
+waits for them and reuses them, so the two modules run side by side on two workers. The fixtures are
+registered for tests/eval by its conftest.py."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -112,6 +115,22 @@ def sliding_drafter(tmp_path_factory, smollm2_dir, answers) -> Path:
                       lambda folder: train(folder, smollm2_dir, answers, SLIDING, SLIDING_STEPS, **DEMO_RECIPE))
 
 
+def demo_flow(root: Path, profile, checkpoint: Path):
+    """The whole `eval --engine vllm` flow on the demo drafter (three engine starts: target, DFlash, prompt
+    lookup), its files written as `eval` writes them: (run directory, EngineEval), built once per test run."""
+    def build(run_dir: Path) -> Path:
+        from dflash.eval.evaluate import EvalOptions
+        from dflash.eval.served import engine_eval, write_engine_reports
+
+        result = engine_eval(profile, run_dir, checkpoint, EvalOptions(), "vllm")
+        write_engine_reports(result.report, run_dir / "eval")
+        (run_dir / "flow.pickle").write_bytes(pickle.dumps(result))
+        return run_dir
+
+    run_dir = built_once(root, "demo-flow", build)
+    return run_dir, pickle.loads((run_dir / "flow.pickle").read_bytes())
+
+
 @pytest.fixture(scope="module")
 def engine_profile(vllm_python):
     """cpu-demo for the real engine: its own port, the gate's prompts and tokens, `--enforce-eager`."""
@@ -140,7 +159,8 @@ def served_settings(profile, inprocess):
 
 def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str, work: Path):
     """`checkpoint`'s vLLM export changed by `change` ('' = unchanged) and served alone with the drafter;
-    the gate's dflash row against its in-process decoding and the engine's target-only run."""
+    the gate's dflash row against its in-process decoding and the engine's target-only run (`target_run`:
+    the run, or a function that returns it, called once the variant has been served)."""
     from dflash.eval.engines import run_engines
     from dflash.eval.served import export_for_engine, parity_rows
     from dflash.models import resolve_model_path
@@ -151,7 +171,7 @@ def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str,
     served = changed_export(exported, change, work / f"served-{change or 'as-trained'}")
     runs = run_engines("vllm", profile, target, served, settings.block_size, inprocess.prompt_ids, settings,
                        work / "logs", methods=("dflash",))
-    rows = parity_rows({"target": target_run, **runs}, inprocess)
+    rows = parity_rows({"target": target_run() if callable(target_run) else target_run, **runs}, inprocess)
     return rows["dflash"], runs["dflash"]
 
 

@@ -7,15 +7,15 @@ the demo target (SmolLM2-135M) with drafters trained here on the target's own an
 * a negative control on it: its export with random weights, served once, fails the gate with the
   divergence named (the sliding-window drafter and its two controls, the taps shifted and the sliding
   rule flipped, are in test_engine_vllm_sliding.py, which runs beside this module on another worker;
-  the data and drafters are built once for both: engine_vllm_common.py);
+  the data, the drafters and this flow are built once for both: engine_vllm_common.py);
 * the flagship's pattern, sliding layers mixed with a full one, needs vLLM's V2 model runner, which on
   CPU needs Triton with a CPU backend (triton-cpu, not on PyPI): vLLM's CPU build cannot serve it here
   and the launcher refuses it naming why (tests/eval/test_engine_code.py runs vLLM's own layer rule on
   that pattern and tests/gpu serves it).
 
-The engine's target-only run of the flow is the losslessness reference of every served variant
-(same prompts, same token ids). Skipped, with the reason, only where the engine's venv cannot be
-built (no local CPU torch wheel, no package index)."""
+The engine's target-only run of the flow is the losslessness reference of every served variant, the
+sliding module's too (same prompts, same token ids). Skipped, with the reason, only where the engine's
+venv cannot be built (no local CPU torch wheel, no package index)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from engine_vllm_common import NUM_PROMPTS, assert_fails_the_gate, serve_variant
+from engine_vllm_common import NUM_PROMPTS, assert_fails_the_gate, demo_flow, serve_variant, shared_root
 
 from dflash.eval.records import read_report
 from dflash.generate.vllm_server import SEPARATE_WORKER_LOG_MARKS
@@ -34,14 +34,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 @pytest.fixture(scope="module")
 def demo_eval(engine_profile, demo_drafter, tmp_path_factory):
-    """The whole `eval --engine vllm` flow on the demo's drafter; its files written as `eval` writes them."""
-    from dflash.eval.evaluate import EvalOptions
-    from dflash.eval.served import engine_eval, write_engine_reports
-
-    run_dir = tmp_path_factory.mktemp("engine-run")
-    result = engine_eval(engine_profile, run_dir, demo_drafter, EvalOptions(), "vllm")
-    write_engine_reports(result.report, run_dir / "eval")
-    return run_dir, result
+    """The whole `eval --engine vllm` flow on the demo's drafter; its files written as `eval` writes them
+    (built once per test run: test_engine_vllm_sliding.py reads its target-only run)."""
+    return demo_flow(shared_root(tmp_path_factory), engine_profile, demo_drafter)
 
 
 def test_the_demo_drafter_passes_the_gate_served_as_trained(demo_eval):
@@ -83,9 +78,11 @@ def test_prompt_lookup_is_served_too(demo_eval):
     assert '"method": "ngram"' in " ".join(lookup.argv or [])
 
 
-def test_the_servers_bound_to_loopback_and_were_stopped(demo_eval, engine_profile):
+def test_the_servers_bound_to_loopback_and_were_stopped(demo_eval):
     run_dir, result = demo_eval
-    port = engine_profile.eval.engine_port
+    ports = {(method.argv or [])[(method.argv or []).index("--port") + 1] for method in result.report.methods.values()}
+    assert len(ports) == 1      # the profile's eval.engine_port (the flow may have been run by the sliding module's worker)
+    port = int(ports.pop())
     for name, method in result.report.methods.items():
         argv = method.argv or []
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv

@@ -10,38 +10,51 @@ parity gate's negative controls on it.
   named: the tap layers shifted by one, and the sliding layers' rule flipped (served under the
   full-attention rule: bidirectional, no window, as SGLang 0.5.11-0.5.13 run every DFlash layer).
 
-The losslessness reference of every served variant is this module's own target-only run of the
-engine on the same prompt token ids."""
+The losslessness reference of every served variant is the engine's target-only run on the same prompt
+token ids: the demo drafter's `eval --engine vllm` flow's (test_engine_vllm.py), built once for both
+modules (engine_vllm_common.demo_flow), checked to be of the same token ids and settings."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
-from engine_vllm_common import NUM_PROMPTS, SLIDING_WINDOW, assert_fails_the_gate, inprocess_of, serve_variant, served_settings
+from engine_vllm_common import MAX_NEW_TOKENS, NUM_PROMPTS, SLIDING_WINDOW, assert_fails_the_gate, demo_flow, inprocess_of, serve_variant, served_settings, shared_root
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="module")
-def reference(engine_profile, sliding_drafter, tmp_path_factory):
-    """The sliding drafter's in-process decoding of the eval prompts and the engine's target-only run
-    of the same token ids (one start)."""
-    from dflash.eval.engines import run_engines
+def inprocess(engine_profile, sliding_drafter):
+    """The sliding drafter's in-process decoding of the eval prompts."""
     from dflash.eval.options import eval_prompts_path
-    from dflash.models import resolve_model_path
 
-    inprocess = inprocess_of(engine_profile, sliding_drafter, eval_prompts_path(engine_profile, None))
-    assert len(inprocess.prompt_ids) == NUM_PROMPTS
-    settings = served_settings(engine_profile, inprocess)
-    target = resolve_model_path(engine_profile.model.target)
-    runs = run_engines("vllm", engine_profile, target, target, settings.block_size, inprocess.prompt_ids, settings,
-                       tmp_path_factory.mktemp("target-run") / "logs", methods=("target",))
-    return runs["target"], inprocess
+    decoded = inprocess_of(engine_profile, sliding_drafter, eval_prompts_path(engine_profile, None))
+    assert len(decoded.prompt_ids) == NUM_PROMPTS
+    return decoded
 
 
-def test_a_sliding_window_drafter_is_served_and_passes_the_gate(engine_profile, reference, sliding_drafter, tmp_path):
-    target_run, inprocess = reference
+def flow_target_run(request: pytest.FixtureRequest, profile, inprocess):
+    """A function that returns the engine's target-only run of the prompts: the demo drafter's flow's
+    (test_engine_vllm.py; built once per test run, by whichever module asks first), checked to be of
+    the same prompt token ids, stop ids and settings. serve_variant calls it after serving the variant,
+    so this module serves while the other module's worker builds the flow."""
+    def target_run():
+        _, flow = demo_flow(shared_root(request.getfixturevalue("tmp_path_factory")), profile,
+                            request.getfixturevalue("demo_drafter"))
+        assert flow.inprocess.prompt_ids == inprocess.prompt_ids
+        assert flow.inprocess.stop_token_ids == inprocess.stop_token_ids
+        assert flow.report.block_size == inprocess.report.block_size == served_settings(profile, inprocess).block_size
+        assert (flow.report.context.max_new_tokens, flow.report.context.seed, flow.report.temperature) == \
+            (MAX_NEW_TOKENS, profile.eval.seed, profile.eval.temperature)
+        return flow.runs["target"]
+
+    return target_run
+
+
+def test_a_sliding_window_drafter_is_served_and_passes_the_gate(engine_profile, inprocess, sliding_drafter, request,
+                                                                tmp_path):
+    target_run = flow_target_run(request, engine_profile, inprocess)
     gate, _ = serve_variant(engine_profile, target_run, inprocess, sliding_drafter, "", tmp_path)
     assert gate.within_tolerance is True and gate.failures == [] and gate.conclusive is True, gate
     assert gate.served_identical_to_target is True and gate.prompts_same_acceptance is not None
@@ -53,7 +66,7 @@ def test_a_sliding_window_drafter_is_served_and_passes_the_gate(engine_profile, 
 
 @pytest.mark.parametrize("change", ["taps-shifted", "sliding-rule-flipped"])
 def test_a_served_sliding_drafter_that_is_not_the_trained_one_fails_the_gate_naming_the_divergence(
-        engine_profile, reference, sliding_drafter, change, tmp_path: Path):
-    target_run, inprocess = reference
+        engine_profile, inprocess, sliding_drafter, change, request, tmp_path: Path):
+    target_run = flow_target_run(request, engine_profile, inprocess)
     gate, _ = serve_variant(engine_profile, target_run, inprocess, sliding_drafter, change, tmp_path)
     assert_fails_the_gate(gate, change)
