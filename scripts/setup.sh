@@ -12,9 +12,19 @@ if [ ! -x .venv/bin/python ]; then
   "$python_bin" -m venv .venv
 fi
 
+# The project's own bytecode, next to its sources (__pycache__ is ignored by git), on every core; up to
+# date files are skipped. Where the environment sets PYTHONDONTWRITEBYTECODE, no process writes it
+# otherwise, and every rank, server and CLI process of a run compiled the modules it imports again
+# (about 0.2 CPU-s a training rank: BENCHMARKS.md "The test suite's time"). A file edited later is
+# compiled in memory as before.
+compile_project() {
+  .venv/bin/python -m compileall -q -j 0 launcher.py dflash envcheck launcher_core tests benchmarks scripts >/dev/null
+}
+
 stamp=.venv/.requirements.sha256
 wanted=$(cat requirements-cpu.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+  compile_project
   exit 0
 fi
 echo "setup: installing requirements into .venv (first run takes a few minutes)" >&2
@@ -25,4 +35,5 @@ echo "setup: installing requirements into .venv (first run takes a few minutes)"
 # way). A few files that are not valid under this Python (pip skips them too) make compileall exit 1.
 site_packages=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 .venv/bin/python -m compileall -q -j 0 "$site_packages" >/dev/null || true
+compile_project
 echo "$wanted" > "$stamp"
