@@ -137,19 +137,30 @@ def no_process_group_left():
 # Queued first under pytest-xdist: the real engines' modules (minutes of shared fixtures each), then the
 # other-transformers venvs, then the modules that start servers or ranks, then the rest.
 QUEUE_BY_MARKER = ("engine", "compat", "slow")
+# Within a kind, these go first, longest first (CPU seconds of a whole run: BENCHMARKS.md "The test suite's
+# time"), so that the run does not end on one worker running one of them while the others have finished:
+# in collection order the torchrun module (286 CPU s, 3.5 minutes on its worker) started last and ran its
+# last 90 s alone.
+LONGEST_FIRST = ("tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py", "tests/memory/test_trace.py",
+                 "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The README's test command runs pytest-xdist workers (pyproject's addopts: `-n 3 --dist loadfile`,
     a module's tests on one worker, in order, so its module fixtures are built once), and hands the
-    modules out in this order: the longest kind first (engine, compat, slow, the rest), each kind in
-    collection order. A module keeps its own test order and stays whole (the order of a run without
-    workers too)."""
+    modules out in this order: the longest kind first (engine, compat, slow, the rest), in each kind
+    LONGEST_FIRST's modules first, then collection order. A module keeps its own test order and stays
+    whole (the order of a run without workers too)."""
     module_rank: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
         module_rank[module] = min(module_rank.get(module, len(QUEUE_BY_MARKER)), _queue_rank(item))
-    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])     # stable
+    items.sort(key=lambda item: _module_order(item.nodeid.split("::")[0], module_rank))     # stable
+
+
+def _module_order(module: str, module_rank: dict[str, int]) -> tuple[int, int]:
+    longest = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+    return module_rank[module], longest
 
 
 def _queue_rank(item: pytest.Item) -> int:
