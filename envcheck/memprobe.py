@@ -476,4 +476,4 @@ def _meta(kind: str, versions: dict[str, Any], imports: list[str]) -> dict[str, 
 
 
 if __name__ == "__main__":
-    exit_without_finalization(child_main(sys.argv[1:]))   # not at the interpreter's finalization, where gloo ranks have aborted
+    exit_without_finalization(child_main(sys.argv[1:]))

@@ -353,7 +353,7 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
         result = {"error": str(error)}
     write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
     close_process_group()
-    exit_without_finalization(0)    # not at the interpreter's finalization, where gloo ranks have aborted
+    exit_without_finalization(0)
 
 
 def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         raise
     from launcher_core.processes import exit_without_finalization
 
-    exit_without_finalization(code)     # not at the interpreter's finalization, where gloo ranks have aborted
+    exit_without_finalization(code)
 
 
 def die_with_agent() -> None:

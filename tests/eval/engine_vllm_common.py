@@ -157,10 +157,10 @@ def served_settings(profile, inprocess):
                                block_size=inprocess.report.block_size)
 
 
-def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str, work: Path):
+def serve_variant(profile, target_run: Callable, inprocess, checkpoint: Path, change: str, work: Path):
     """`checkpoint`'s vLLM export changed by `change` ('' = unchanged) and served alone with the drafter;
-    the gate's dflash row against its in-process decoding and the engine's target-only run (`target_run`:
-    the run, or a function that returns it, called once the variant has been served)."""
+    the gate's dflash row against its in-process decoding and the engine's target-only run (`target_run`
+    returns it; called once the variant has been served)."""
     from dflash.eval.engines import run_engines
     from dflash.eval.served import export_for_engine, parity_rows
     from dflash.models import resolve_model_path
@@ -171,7 +171,7 @@ def serve_variant(profile, target_run, inprocess, checkpoint: Path, change: str,
     served = changed_export(exported, change, work / f"served-{change or 'as-trained'}")
     runs = run_engines("vllm", profile, target, served, settings.block_size, inprocess.prompt_ids, settings,
                        work / "logs", methods=("dflash",))
-    rows = parity_rows({"target": target_run() if callable(target_run) else target_run, **runs}, inprocess)
+    rows = parity_rows({"target": target_run(), **runs}, inprocess)
     return rows["dflash"], runs["dflash"]
 
 

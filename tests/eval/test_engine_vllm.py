@@ -130,7 +130,7 @@ def test_a_served_drafter_with_random_weights_fails_the_gate_naming_the_divergen
     """Negative control: the demo drafter's export with every matrix re-drawn (the other two controls,
     on the sliding drafter, are in test_engine_vllm_sliding.py)."""
     _, flow = demo_eval
-    gate, _ = serve_variant(engine_profile, flow.runs["target"], flow.inprocess, demo_drafter, "random-weights", tmp_path)
+    gate, _ = serve_variant(engine_profile, lambda: flow.runs["target"], flow.inprocess, demo_drafter, "random-weights", tmp_path)
     assert_fails_the_gate(gate, "random-weights")
 
 

@@ -43,16 +43,18 @@ def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
 
 EXIT_HOOK = """import atexit, os
 
-def _mark_finalization():
-    if "RANK" in os.environ:      # torchrun's ranks (and the control), not its agent
-        open(os.path.join(os.environ["EXIT_HOOK_MARKS"], f"rank-{os.environ['RANK']}-{os.getpid()}"), "w").close()
+def _mark(event):
+    open(os.path.join(os.environ["EXIT_HOOK_MARKS"], f"{event}-{os.environ['RANK']}-{os.getpid()}"), "w").close()
 
-atexit.register(_mark_finalization)
+if "RANK" in os.environ:      # torchrun's ranks (and the control), not its agent
+    _mark("imported")
+    atexit.register(_mark, "finalized")
 """
 
 
 def exit_hook_env(folder: Path) -> dict[str, str]:
-    """A sitecustomize on PYTHONPATH that writes a mark into folder/marks when the interpreter finalizes."""
+    """A sitecustomize on PYTHONPATH that marks, in folder/marks, each rank that imported it
+    (`imported-R-pid`) and each whose interpreter finalized (`finalized-R-pid`)."""
     (folder / "marks").mkdir(parents=True)
     (folder / "sitecustomize.py").write_text(EXIT_HOOK, encoding="utf-8")
     return {"PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "EXIT_HOOK_MARKS": str(folder / "marks")}
@@ -64,10 +66,14 @@ def test_a_rank_that_finished_ends_without_the_interpreters_finalization(trained
     SIGABRT after a complete run. Control: the same hook in a plain Python process marks its finalization."""
     _, run_dir = trained
     hook = run_dir.parent / "exit-hook"
-    assert sorted(p.name for p in (hook / "marks").iterdir()) == []
+
+    def marks() -> list[str]:
+        return sorted(p.name.rsplit("-", 1)[0] for p in (hook / "marks").iterdir())
+
+    assert marks() == ["imported-0", "imported-1"]      # the hook ran in both ranks; neither finalized
     control = {**os.environ, "PYTHONPATH": str(hook), "EXIT_HOOK_MARKS": str(hook / "marks"), "RANK": "control"}
     subprocess.run([sys.executable, "-c", "pass"], env=control, check=True)
-    assert [p.name.rsplit("-", 1)[0] for p in (hook / "marks").iterdir()] == ["rank-control"]
+    assert marks() == ["finalized-control", "imported-0", "imported-1", "imported-control"]
 
 
 def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
