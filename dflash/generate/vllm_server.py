@@ -18,6 +18,12 @@ CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: pr
 # back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING is 0. Measured: BENCHMARKS.md
 # "vLLM on CPU: the model in the engine process".
 CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM 0.32's n-gram proposer (prompt lookup, vllm/v1/spec_decode/ngram_proposer.py) runs a numba
+# `parallel=True` kernel on at most one thread (`num_numba_thread_available = min(1, cpu_count // 2)`),
+# but numba's OpenMP pool starts a thread per core, and the idle one spins in libgomp beside the thread
+# that decodes. One numba thread takes nothing from the proposer. Measured: BENCHMARKS.md "vLLM on CPU:
+# numba's idle thread".
+CPU_NUMBA_THREADS = {"NUMBA_NUM_THREADS": "1"}
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
 SEPARATE_WORKER_LOG_MARKS = ("(Worker pid=", "OpenMP thread binding info")   # what vLLM's default layout logs
 LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm.entrypoints.openai.api_server"]}
@@ -34,11 +40,13 @@ def engine_python(profile: Profile, engine: str = "") -> str:
 
 
 def vllm_env(profile: Profile, cpu_threads: int = 0) -> dict[str, str]:
-    """vLLM's environment: offline, no usage reports; on CPU the KV cache size in GiB, the model run
-    inside the engine process (CPU_ONE_PROCESS) and `cpu_threads` torch threads (0: torch's default)."""
+    """vLLM's environment: offline, no usage reports; on CPU the KV cache size in GiB, one numba thread
+    (CPU_NUMBA_THREADS), the model run inside the engine process (CPU_ONE_PROCESS) and `cpu_threads`
+    torch threads (0: torch's default)."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if profile.machine.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(profile.generate.vllm_cpu_kvcache_gib)
+        env.update(CPU_NUMBA_THREADS)
     if runs_in_one_process(profile):
         env.update(CPU_ONE_PROCESS)
         if cpu_threads > 0:

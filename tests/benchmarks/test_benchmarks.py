@@ -5,7 +5,7 @@ exits 0 and prints its figure lines. A benchmark that drifts from the package's 
 The figures at this size are not judged (BENCHMARKS.md holds the full-size ones), except where the
 benchmark's result is deterministic: the steps lost to OOM (emulated budgets), the bisect's probes
 and groups, and the loss decay the drafter variants train with (the profile's, through the trainer).
-Benchmarks that start servers, ranks or venvs are `slow`; the one that starts vLLM is `engine`.
+Benchmarks that start servers, ranks or venvs are `slow`; the ones that start vLLM are `engine`.
 """
 from __future__ import annotations
 
@@ -98,6 +98,9 @@ CASES = [
           marks=(SLOW,), name="bench_gen_backends-transformers"),
     Smoke("bench_gen_backends.py", (rf"^vllm +1 prompts: setup +{NUMBER} s, generation +{NUMBER} s, .* tokens/s",),
           args=("--smoke", "--backends", "vllm"), marks=(SLOW, ENGINE), timeout_s=1500, name="bench_gen_backends-vllm"),
+    Smoke("bench_served_cpu.py", (rf"^prompt_lookup +the launcher's env +decode +{NUMBER} s, \d+ tokens, +{NUMBER} tokens/s, "
+                                  rf"tau {NUMBER}, server CPU +{NUMBER} s$",),
+          marks=(SLOW, ENGINE), timeout_s=1500),
     Smoke("bench_pipeline.py", (r"^pipeline --profile cpu-demo \(smoke\): exit 0, ",
                                 *(rf"^  {stage} +done +{NUMBER} s" for stage in ("audit", "generate", "tokenize", "train", "eval")),
                                 rf"^  DFlash tau {NUMBER} vs prompt lookup {NUMBER}"), marks=(SLOW,), timeout_s=1500),

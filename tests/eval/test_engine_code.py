@@ -112,3 +112,19 @@ def test_vllm_runs_each_exported_layer_as_trained_and_mixed_layers_only_on_its_v
             assert "require the V2 model runner" in str(rows["v1"]), rows["v1"]
         else:
             assert rows["v1"] == trained
+
+
+def test_vllms_ngram_proposer_uses_one_numba_thread_and_the_launchers_env_leaves_it_no_idle_one(vllm_python):
+    """Prompt lookup on vLLM: its proposer runs numba on at most one thread however many cores the node
+    has, so the launcher's CPU environment (vllm_server.CPU_NUMBA_THREADS) takes nothing from it and
+    leaves numba's pool no idle thread (one per core otherwise); the proposer still drafts the lookup's
+    continuation under it."""
+    from engine_code import vllm_ngram_threads
+
+    from dflash.generate.vllm_server import vllm_env
+    from launcher_core.profile import load_profile
+
+    result = vllm_ngram_threads(vllm_python, vllm_env(load_profile("cpu-demo")))
+    assert result["cap"] == 1, result                        # min(1, 64 // 2)
+    assert result["pool"] == 1 and result["cores"] > 1, result
+    assert result["drafts"] == [[7, 8, 9], [], [], []], result

