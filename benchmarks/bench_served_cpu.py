@@ -64,17 +64,19 @@ def prompt_token_ids(profile, count: int) -> list[list[int]]:
     return [p.token_ids for p in encode_prompts(tokenizer, eval_prompts_path(profile, None), count, False)]
 
 
-def serve_once(profile, method: str, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
+def serve_once(profile, method: str, drafter: Path, block_size: int, prompts: list[list[int]], max_new_tokens: int,
                overrides: dict[str, str], hogs: int, log_dir: Path) -> ServedFigures:
-    """One fresh engine for `method` with the launcher's environment changed by `overrides`, `hogs`
-    busy loops beside it."""
+    """One fresh engine for `method` (drafts of a block of `block_size`, as the served eval's) with the
+    launcher's environment changed by `overrides`, `hogs` busy loops beside it."""
     from dflash.eval.engines import engine_command, serve_method
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import engine_settings
     from dflash.models import resolve_model_path
 
-    settings = dataclasses.replace(engine_settings(profile, EvalOptions()), max_new_tokens=max_new_tokens, block_size=8)
-    command = engine_command("vllm", profile, resolve_model_path(profile.model.target), method, drafter, 8, free_port())
+    settings = dataclasses.replace(engine_settings(profile, EvalOptions()), max_new_tokens=max_new_tokens,
+                                   block_size=block_size)
+    command = engine_command("vllm", profile, resolve_model_path(profile.model.target), method, drafter, block_size,
+                             free_port())
     command = dataclasses.replace(command, env={**command.env, **overrides})
     busy = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
     try:
@@ -129,17 +131,19 @@ def main() -> int:
     print(f"vLLM on CPU, {profile.model.target}, {len(prompts)} prompts x {args.max_new_tokens} tokens, one in flight, "
           f"--enforce-eager, eval.cpu_threads {profile.eval.cpu_threads}")
     with tempfile.TemporaryDirectory(prefix="bench-served-") as scratch:
-        drafter = Path(scratch)
+        drafter, block_size = Path(scratch), profile.drafter.block_size      # the served eval's block: the drafter's
         if args.drafter is not None:
+            from dflash.drafter.checkpoint import read_drafter_config
             from dflash.eval.served import export_for_engine
             from dflash.models import resolve_model_path
 
             drafter = export_for_engine("vllm", args.drafter, resolve_model_path(profile.model.target), Path(scratch), None)
+            block_size = int(read_drafter_config(args.drafter).block_size)
         for _ in range(args.repeat):
             for overrides in parse_env(args.env):
                 for method in methods:
-                    figures = serve_once(profile, method, drafter, prompts, args.max_new_tokens, overrides, args.hogs,
-                                         Path(scratch))
+                    figures = serve_once(profile, method, drafter, block_size, prompts, args.max_new_tokens, overrides,
+                                         args.hogs, Path(scratch))
                     print(figures.line(), flush=True)
     return 0
 

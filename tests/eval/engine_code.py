@@ -125,26 +125,24 @@ import json, os, types
 import numpy as np
 import numba
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-cores = os.cpu_count
 os.cpu_count = lambda: 64                  # the proposer's thread cap on a 64-core node
 spec = types.SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=3)
 config = types.SimpleNamespace(speculative_config=spec, model_config=types.SimpleNamespace(max_model_len=64),
                                scheduler_config=types.SimpleNamespace(max_num_seqs=4),
                                parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
 proposer = NgramProposer(config)           # its constructor compiles and runs the numba kernel once
-os.cpu_count = cores
 context = [5, 6, 7, 8, 9, 5, 6]            # ends with 5 6: the lookup proposes what followed 5 6 before
 tokens = np.zeros((4, 64), dtype=np.int32)
 tokens[0, :len(context)] = context
 drafts = proposer.propose(3, [[6], [], [], []], np.array([len(context), 0, 0, 0], dtype=np.int32), tokens)
 print("RESULT " + json.dumps({"cap": proposer.num_numba_thread_available, "pool": numba.config.NUMBA_NUM_THREADS,
-                              "cores": os.cpu_count(), "drafts": drafts}))
+                              "drafts": drafts}))
 """
 
 
 def vllm_ngram_threads(python: Path, env: dict[str, str]) -> dict[str, object]:
     """vLLM's n-gram proposer (prompt lookup) built in the engine venv under `env`: its numba thread cap
-    on a 64-core node, numba's pool size, this machine's cores and its drafts for a repetitive context."""
+    on a 64-core node, numba's pool size and its drafts for a repetitive context."""
     done = subprocess.run([str(python), "-c", NGRAM_PROBE], capture_output=True, text=True, timeout=600,
                           env={"PATH": "/usr/bin:/bin", **env})
     line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
