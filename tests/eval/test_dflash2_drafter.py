@@ -50,8 +50,10 @@ class CheckedDraft(DFlash2Draft):
     def propose(self, committed, features, k, temperature):
         anchor = int(committed[-1])
         cached = self._block_hidden(features, anchor)
+        # float32 rounding of the two paths' different matmul shapes: up to 1.2e-5 seen; a stale or
+        # shifted context differs by ~1e-1
         torch.testing.assert_close(cached, self.model.draft_hidden(features[None], anchor, features.shape[0]),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-4, atol=1e-4)
         proposal = super().propose(committed, features, k, temperature)
         k = min(k, self.proposed)                   # eval.draft_tokens: the path's first k tokens
         if temperature <= 0:

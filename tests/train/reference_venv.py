@@ -19,16 +19,25 @@ REFERENCE_PINS = ("dflash==0.1.0", "transformers==5.15.0", "torch==2.13.0", "saf
 
 def reference_python() -> Path:
     """The venv's python, built on first use; pytest.skip when the package index is unreachable."""
-    from launcher_core.paths import cache_dir
+    from launcher_core.paths import cache_build_lock, cache_dir
 
     key = "-".join(pin.replace("==", "-") for pin in REFERENCE_PINS)
     root = cache_dir() / "reference-venvs" / key
     python = root / "bin" / "python"
     if (root / ".complete").exists():
         return python
+    with cache_build_lock(f"reference-venv-{key}"):     # test workers that need it at once build it once
+        if not (root / ".complete").exists():
+            _build(root, python)
+    return python
+
+
+def _build(root: Path, python: Path) -> None:
+    """Build the venv at `root` (a partial one, left by a build that was killed, is cleared: only this
+    function writes there), then mark it complete."""
     _require_index()
     env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
-    steps = [[sys.executable, "-m", "uv", "venv", "--seed", "-q", "--python", sys.executable, str(root)],
+    steps = [[sys.executable, "-m", "uv", "venv", "--seed", "-q", "--clear", "--python", sys.executable, str(root)],
              [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *REFERENCE_PINS[1:]],
              [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", REFERENCE_PINS[0]]]
     for step in steps:
@@ -36,7 +45,6 @@ def reference_python() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"building the reference venv failed at {' '.join(step)}:\n{done.stderr[-3000:]}")
     (root / ".complete").write_text("\n".join(REFERENCE_PINS) + "\n")
-    return python
 
 
 def _require_index() -> None:
