@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 KILL_GRACE_S = 10.0
@@ -84,6 +85,16 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) ->
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
     return True
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process `pid` (/proc/PID/stat), None when it has ended or cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()      # after the command name, which may hold spaces
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
 def exit_without_finalization(code: int) -> NoReturn:

@@ -169,6 +169,9 @@ class TrainSection:
     save_every_steps: int = 500
     log_every_steps: int = 10
     max_restarts: int = 0                    # torchrun --max-restarts
+    rank_start: Literal["forkserver", "command"] = "forkserver"   # forkserver: ranks forked from torchrun's forkserver,
+                                             # which imports torch and the model code once; command: each rank a new
+                                             # python (`-m dflash.train.worker`) that imports them itself
     decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
     loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
     autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU

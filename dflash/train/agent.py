@@ -3,8 +3,11 @@
 It is torch.distributed.run (same arguments, same behaviour) with what keeps a run's processes
 tied to their launcher:
 
+* the ranks start from torchrun's forkserver (`--start-method forkserver --run-path`), which imports
+  what a rank needs once (`preload_rank_imports`) and forks each rank from there;
 * the ranks die with the agent: it exports its pid (`AGENT_PID_ENV`) and every rank asks the
-  kernel for SIGKILL when its parent ends (`dflash.train.worker`, `die_with_parent`);
+  kernel for SIGKILL when its parent ends (`dflash.train.worker`, `die_with_parent`; a forked rank's
+  parent is the forkserver, which ends with the agent);
 * the agent dies with the launcher: it holds the read end of a pipe whose write end only the
   launcher has (`PIPE_FD_ENV`). End of file while the agent runs means the launcher is gone
   (killed: a launcher that ends normally waits for the agent first). A thread then kills the
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 PIPE_FD_ENV = "DFLASH_LAUNCHER_PIPE_FD"
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
@@ -43,6 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     arguments = list(sys.argv[1:] if argv is None else argv)
+    preload_rank_imports()
+    report_every_failed_rank()
     run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     pipe = os.environ.pop(PIPE_FD_ENV, "")
@@ -61,14 +66,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def preload_rank_imports() -> None:
+    """Have multiprocessing's forkserver (torchrun `--start-method forkserver`) import what every rank
+    imports (dflash.train.worker RANK_IMPORTS) once, before it forks the ranks. Nothing is imported
+    here: the forkserver is a process of its own, started with the first rank."""
+    import multiprocessing
+
+    from dflash.train.worker import RANK_IMPORTS
+
+    multiprocessing.set_forkserver_preload(list(RANK_IMPORTS))
+
+
+def report_every_failed_rank() -> None:
+    """Have torchrun's multiprocessing context (ranks started with a start method) report every rank
+    that had failed when it noticed a failure, as its command context does. Its join reports one: the
+    first it looks at among the ranks that have ended. A rank killed by a signal (a kill -9, the kernel's
+    out-of-memory killer) and the peer that fails on the broken connection end in the same instant, and
+    the report then named the peer's echo instead of the killed rank (BENCHMARKS.md "Ranks from
+    torchrun's forkserver"). Added: each other rank that ended with a non-zero exit code or a signal,
+    except SIGTERM, with which the context itself stops the rest. Where torch's context lacks what this
+    reads, nothing is changed."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    poll = getattr(api.MultiprocessContext, "_poll", None)
+    if poll is None or getattr(poll, "reports_every_failed_rank", False):
+        return
+
+    def poll_every_failure(context: api.MultiprocessContext) -> Optional[api.RunProcsResult]:
+        result = poll(context)
+        processes = getattr(getattr(context, "_pc", None), "processes", None)
+        if result is None or not result.failures or processes is None:
+            return result
+        for local_rank, process in enumerate(processes):
+            if local_rank not in result.failures and process.exitcode not in (None, 0, -signal.SIGTERM):
+                result.failures[local_rank] = ProcessFailure(local_rank, process.pid, process.exitcode,
+                                                             context.error_files[local_rank])
+        return result
+
+    setattr(poll_every_failure, "reports_every_failed_rank", True)
+    setattr(api.MultiprocessContext, "_poll", poll_every_failure)
+
+
 def write_agent_record(run_dir: Path, failed: ChildFailedError) -> None:
     """train/failures/agent.json: {"ranks": [{rank, local_rank, pid, exitcode, signal, message}]}."""
     from launcher_core.fileio import write_json_atomic
 
     ranks = [{"rank": int(rank), "local_rank": failure.local_rank, "pid": failure.pid, "exitcode": failure.exitcode,
-              "signal": failure.signal_name() if failure.exitcode < 0 else "", "message": failure.message}
+              "signal": failure.signal_name() if failure.exitcode < 0 else "", "message": failure_message(failure)}
              for rank, failure in sorted(failed.failures.items())]
     write_json_atomic(Path(run_dir) / "train" / "failures" / AGENT_RECORD, {"ranks": ranks})
+
+
+def failure_message(failure: ProcessFailure) -> str:
+    """The failure's message as text: a rank torchrun ran as a function leaves an error file, whose
+    content torch gives as a dict ({"message": ..., "extraInfo": {"py_callstack": ...}})."""
+    message = failure.message
+    if isinstance(message, dict):
+        return str(message.get("message", message))
+    return str(message)
 
 
 def _watch_launcher(fd: int, run_dir: Optional[Path]) -> None:

@@ -83,14 +83,28 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     argv = [python or sys.executable, "-m", "dflash.train.agent", *_rendezvous_args(profile, store),
             "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
             "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
-            "-m", "dflash.train.worker", "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
+            *rank_start_args(profile), "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
     if resume:
         argv.append("--resume")
     single_node = {} if machine.nnodes > 1 else single_node_env(store)
     return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})})
 
 
+# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (dflash.train.worker
+# RANK_IMPORTS, the forkserver's preload set by dflash.train.agent): torchrun runs a `--run-path` script as
+# a function entrypoint, started with `--start-method`. As commands of their own (`-m
+# dflash.train.worker`), every rank imported torch and transformers' model code again: BENCHMARKS.md
+# "Ranks from torchrun's forkserver".
+WORKER_SCRIPT = REPO_ROOT / "dflash" / "train" / "worker.py"
 SINGLE_NODE_STORE_PLACEHOLDER = "127.0.0.1:PORT"   # the port LoopbackStore takes, known only at launch
+
+
+def rank_start_args(profile: Profile) -> list[str]:
+    """torchrun's arguments that start the ranks (train.rank_start): forks of its forkserver running the
+    worker script as a function entrypoint, or each rank as a command of its own."""
+    if profile.train.rank_start == "command":
+        return ["-m", "dflash.train.worker"]
+    return ["--start-method", "forkserver", "--run-path", str(WORKER_SCRIPT)]
 
 
 def _rendezvous_args(profile: Profile, store: str) -> list[str]:

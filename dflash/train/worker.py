@@ -1,4 +1,13 @@
-"""Entry point of each torchrun rank: `python -m dflash.train.worker --profile-json F --run-dir D`.
+"""Entry point of each torchrun rank: `torchrun --start-method forkserver --run-path
+dflash/train/worker.py --profile-json F --run-dir D` (dflash.train.launch), or `python -m
+dflash.train.worker ...` as a command of its own.
+
+Ranks start from torchrun's forkserver: torch.distributed.run runs a `--run-path` script as a function
+entrypoint, and its elastic agent starts the ranks with the multiprocessing start method it is given.
+The agent (dflash.train.agent) has the forkserver import `RANK_IMPORTS` once, so each rank is a fork of
+a process that has torch, torch.distributed and transformers' model code loaded, instead of a new
+interpreter importing them again (BENCHMARKS.md "Ranks from torchrun's forkserver"). A rank started
+that way reports success the way elastic collects it, by returning (`end_rank`).
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
 writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM sets a flag that all
@@ -16,7 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NoReturn, Optional, TypedDict
+from typing import TYPE_CHECKING, Literal, Optional, TypedDict
 
 from dflash.train.feature_cache import FeatureCache
 
@@ -32,6 +41,15 @@ if TYPE_CHECKING:
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
+# What a rank imports before its first step, imported once by torchrun's forkserver (the agent sets it as
+# the forkserver's preload). Nothing here starts a thread beyond torch's own or touches a device: the
+# forkserver forks every rank from it. `datasets` (pyarrow's allocator starts a background thread at
+# import) is left to each rank.
+RANK_IMPORTS = ("dflash.train.setup", "dflash.train.step", "dflash.train.sharding", "dflash.train.validation",
+                "dflash.train.checkpointing", "dflash.train.heartbeat", "dflash.drafter.checkpoint",
+                "torch.distributed.checkpoint", "torch.utils.tensorboard")
+RANK_TITLE = "dflash.train.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
+RETURNED_RANK_EXIT_S = 2.0           # a rank that returned to torchrun's elastic agent ends itself this long after
 SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss", "sim_tau", "tokens_per_s", "lr")
 
 
@@ -67,33 +85,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
+def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     args = parse_args(argv)
     from dflash.train.dist import WorkerEnv
 
     env = WorkerEnv.from_env()
+    name_forked_rank(env.rank, env.world_size, args.run_dir)
     try:
         code = _train(args, env)
     except BaseException as error:
         if not isinstance(error, SystemExit):
             write_failure(args.run_dir, env.rank, error)
         raise
+    end_rank(code)
+
+
+def started_by_elastic() -> bool:
+    """True in a rank torchrun's agent started as a function entrypoint (a multiprocessing child:
+    `--run-path` with a start method), False in a rank that is a command of its own."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
+def end_rank(code: int) -> None:
+    """End a rank whose work is done, without the interpreter's finalization (exit_without_finalization).
+    A rank forked by torchrun's agent that succeeded returns instead: elastic counts a rank done when its
+    return value arrives (one that exits 0 without one is never counted, and the agent waits forever), then
+    multiprocessing ends the process with os._exit (no finalization either). The value is written before
+    the rank waits for the agent to read it; a closing agent (a SIGTERM stop) reads none and only waits for
+    the process to go, so the rank ends itself RETURNED_RANK_EXIT_S later, or at the next SIGTERM."""
     from launcher_core.processes import exit_without_finalization
 
-    exit_without_finalization(code)
+    if code != 0 or not started_by_elastic():
+        exit_without_finalization(code)
+    import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=_exit_after, args=(RETURNED_RANK_EXIT_S,), name="returned-rank-exit", daemon=True).start()
+
+
+def _exit_after(seconds: float) -> None:
+    from launcher_core.processes import exit_without_finalization
+
+    time.sleep(seconds)
+    exit_without_finalization(0)
+
+
+def name_forked_rank(rank: int, world_size: int, run_dir: Path) -> None:
+    """A rank forked from torchrun's forkserver carries the forkserver's command line; give it a title
+    that says what it is (`ps`, `pgrep -f RUN_DIR` find it as they found a rank started as a command)."""
+    if not started_by_elastic():
+        return
+    import setproctitle
+
+    setproctitle.setproctitle(f"{RANK_TITLE} rank {rank}/{world_size} --run-dir {run_dir}")
 
 
 def die_with_agent() -> None:
     """SIGKILL this rank when its torchrun agent ends, however it ends (dflash.train.agent): a rank
-    never trains on, or writes into the run directory, without its agent and launcher."""
+    never trains on, or writes into the run directory, without its agent and launcher. A rank forked by
+    the agent's forkserver dies with the forkserver, which ends when the agent does (multiprocessing:
+    it reads end of file on the agent's pipe)."""
     import os
 
     from dflash.train.agent import AGENT_PID_ENV
-    from launcher_core.processes import die_with_parent
+    from launcher_core.processes import die_with_parent, parent_of
 
-    agent = os.environ.get(AGENT_PID_ENV, "")
-    die_with_parent(signal.SIGKILL, int(agent) if agent.isdigit() else None)
+    agent = int(os.environ[AGENT_PID_ENV]) if os.environ.get(AGENT_PID_ENV, "").isdigit() else None
+    parent = os.getppid()
+    forked_by_server = agent is not None and parent != agent and parent_of(parent) == agent
+    die_with_parent(signal.SIGKILL, parent if forked_by_server else agent)
 
 
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
@@ -310,4 +373,4 @@ def _line_step(line: str) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

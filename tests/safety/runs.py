@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 
 import psutil
 
+from dflash.train.agent import RUN_DIR_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 IN_CREATE, IN_MOVED_TO = 0x100, 0x80
 
@@ -54,11 +56,15 @@ def kill_session(process: subprocess.Popen) -> None:
 
 def run_processes(run_dir: Path) -> list[psutil.Process]:
     """Every live process whose command line names the run directory (the launcher, the agent,
-    the ranks): what `pgrep -f RUN_DIR` finds, zombies left out."""
+    the ranks: a forked rank's title names it): what `pgrep -f RUN_DIR` finds, and every process
+    started with the run directory in its environment (the agent's forkserver and multiprocessing's
+    resource tracker); zombies left out."""
     found = []
     for process in psutil.process_iter(["cmdline", "status"]):
         with contextlib.suppress(psutil.Error):
-            if process.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(process.info["cmdline"] or []):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and (
+                    str(run_dir) in " ".join(process.info["cmdline"] or [])
+                    or process.environ().get(RUN_DIR_ENV) == str(run_dir)):
                 found.append(process)
     return found
 

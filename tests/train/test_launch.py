@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash.train.launch import build_torchrun_command, describe_command
+from launcher_core.paths import REPO_ROOT as REPO
 from launcher_core.profile import load_profile, profile_from_json, profile_to_json
 
 
@@ -14,7 +15,9 @@ def test_single_node_rendezvous_is_on_loopback_with_the_profile_nproc(tmp_path):
     assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:PORT"      # filled in at launch
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and argv[-1] == "--resume"
+    # ranks forked from torchrun's forkserver, which runs the worker script as a function entrypoint
+    assert argv[argv.index("--start-method") + 1] == "forkserver" and argv[-1] == "--resume"
+    assert argv[argv.index("--run-path") + 1] == str(REPO / "dflash" / "train" / "worker.py")
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
     assert env["PYTHONFAULTHANDLER"] == "1"              # a rank's fatal signal leaves its Python stack in its log
 
@@ -64,4 +67,4 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "dflash.train.agent --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
-    assert "dflash.train.worker" in result.stdout
+    assert "--start-method forkserver --run-path " in result.stdout and "dflash/train/worker.py" in result.stdout

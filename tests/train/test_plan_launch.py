@@ -106,4 +106,4 @@ def test_print_command_shows_the_plan_it_would_use(tmp_path, tiny_qwen3_target, 
     assert done.returncode == 0, done.stderr
     assert "memory plan: micro-batch 2 x 2 accumulation steps on 2 ranks" in done.stdout
     assert f"GPUs from {snapshot}" in done.stdout and "rank 0: 4, rank 1: 2" in done.stdout
-    assert "analytic model" in done.stdout and "dflash.train.worker" in done.stdout
+    assert "analytic model" in done.stdout and "dflash/train/worker.py" in done.stdout

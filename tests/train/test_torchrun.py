@@ -44,36 +44,44 @@ def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
 EXIT_HOOK = """import atexit, os
 
 def _mark(event):
-    open(os.path.join(os.environ["EXIT_HOOK_MARKS"], f"{event}-{os.environ['RANK']}-{os.getpid()}"), "w").close()
+    open(os.path.join(os.environ["EXIT_HOOK_MARKS"], f"{event}-{os.environ.get('RANK', 'none')}-{os.getpid()}"), "w").close()
 
-if "RANK" in os.environ:      # torchrun's ranks (and the control), not its agent
-    _mark("imported")
-    atexit.register(_mark, "finalized")
+if "RANK" in os.environ:              # a rank started as a command of its own (and the control)
+    _mark("started")
+os.register_at_fork(after_in_child=lambda: _mark("started"))   # a rank forked by torchrun's forkserver
+atexit.register(lambda: _mark("finalized"))
 """
 
 
 def exit_hook_env(folder: Path) -> dict[str, str]:
-    """A sitecustomize on PYTHONPATH that marks, in folder/marks, each rank that imported it
-    (`imported-R-pid`) and each whose interpreter finalized (`finalized-R-pid`)."""
+    """A sitecustomize on PYTHONPATH that marks, in folder/marks, each process that starts with it
+    loaded, by its RANK (`started-R-pid`: at interpreter start where RANK is set, at fork, where it is
+    not yet: `started-none-pid`), and each whose interpreter finalized (`finalized-R-pid`, RANK as at exit)."""
     (folder / "marks").mkdir(parents=True)
     (folder / "sitecustomize.py").write_text(EXIT_HOOK, encoding="utf-8")
     return {"PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "EXIT_HOOK_MARKS": str(folder / "marks")}
 
 
 def test_a_rank_that_finished_ends_without_the_interpreters_finalization(trained):
-    """launcher_core.processes.exit_without_finalization: a rank past its last checkpoint and
-    destroy_process_group ends before the interpreter's finalization, where a gloo rank has died of
-    SIGABRT after a complete run. Control: the same hook in a plain Python process marks its finalization."""
+    """A rank past its last checkpoint and destroy_process_group ends before the interpreter's
+    finalization, where a gloo rank has died of SIGABRT after a complete run: a forked rank returns to
+    torchrun's elastic agent and multiprocessing ends it with os._exit (dflash.train.worker end_rank), a
+    rank started as a command of its own ends with launcher_core.processes.exit_without_finalization.
+    Controls: the same hook marks the finalization of a plain Python process and of a forked child that
+    ends through the interpreter."""
     _, run_dir = trained
     hook = run_dir.parent / "exit-hook"
 
-    def marks() -> list[str]:
-        return sorted(p.name.rsplit("-", 1)[0] for p in (hook / "marks").iterdir())
+    def marks(event: str) -> list[str]:
+        return sorted(p.name.split("-")[1] for p in (hook / "marks").glob(f"{event}-*"))
 
-    assert marks() == ["imported-0", "imported-1"]      # the hook ran in both ranks; neither finalized
+    assert len(marks("started")) == 2                   # both ranks ran with the hook loaded (forked: RANK unset yet)
+    assert not {"0", "1"} & set(marks("finalized"))     # neither rank finalized (the forkserver itself may)
     control = {**os.environ, "PYTHONPATH": str(hook), "EXIT_HOOK_MARKS": str(hook / "marks"), "RANK": "control"}
     subprocess.run([sys.executable, "-c", "pass"], env=control, check=True)
-    assert marks() == ["finalized-control", "imported-0", "imported-1", "imported-control"]
+    forked = "import os, sys\nif os.fork() == 0:\n    os.environ['RANK'] = 'forked'\n    sys.exit(0)\nos.wait()"
+    subprocess.run([sys.executable, "-c", forked], env={**control, "RANK": "parent"}, check=True)
+    assert {"control", "forked"} <= set(marks("finalized"))
 
 
 def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
@@ -287,14 +295,17 @@ def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny
 
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
+    """Two nodes of one rank each; their ranks started as commands of their own (train.rank_start =
+    "command": `-m dflash.train.worker`, the path every other run here leaves for the forkserver)."""
     from dflash.train.launch import TrainPaths, prepare_run_dir
 
     run_dir = tmp_path / "run"
     machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
     profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir,
-                                             machine=machine, max_steps=3)))
+                                             machine=machine, max_steps=3, rank_start="command")))
     prepare_run_dir(profile, TrainPaths(run_dir), resume=False, force=False)
     argv, env = build_torchrun_command(profile, run_dir)
+    assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and "--start-method" not in argv
     agents = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
               for _ in range(2)]
     assert [agent.wait(timeout=180) for agent in agents] == [0, 0]
