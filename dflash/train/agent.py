@@ -4,7 +4,7 @@ It is torch.distributed.run (same arguments, same behaviour) with what keeps a r
 tied to their launcher:
 
 * the ranks start from torchrun's forkserver (`--start-method forkserver --run-path`), which imports
-  what a rank needs once (`preload_rank_imports`) and forks each rank from there;
+  what a rank needs once (`RANK_IMPORTS`, `preload_rank_imports`) and forks each rank from there;
 * the ranks die with the agent: it exports its pid (`AGENT_PID_ENV`) and every rank asks the
   kernel for SIGKILL when its parent ends (`dflash.train.worker`, `die_with_parent`; a forked rank's
   parent is the forkserver, which ends with the agent);
@@ -38,6 +38,13 @@ AGENT_PID_ENV = "DFLASH_AGENT_PID"
 AGENT_RECORD = "agent.json"
 EXIT_LAUNCHER_GONE = 1
 STOP_RANKS_TIMEOUT_S = 10.0
+# What a rank (dflash.train.worker) imports before its first step, imported once by torchrun's forkserver
+# (`preload_rank_imports`). Nothing here starts a thread beyond torch's own or touches a device: the
+# forkserver forks every rank from it. `datasets` (pyarrow's allocator starts a background thread at
+# import) is left to each rank.
+RANK_IMPORTS = ("dflash.train.setup", "dflash.train.step", "dflash.train.sharding", "dflash.train.validation",
+                "dflash.train.checkpointing", "dflash.train.heartbeat", "dflash.drafter.checkpoint",
+                "torch.distributed.checkpoint", "torch.utils.tensorboard")
 LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main thread must not exit before it
 
 
@@ -68,11 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def preload_rank_imports() -> None:
     """Have multiprocessing's forkserver (torchrun `--start-method forkserver`) import what every rank
-    imports (dflash.train.worker RANK_IMPORTS) once, before it forks the ranks. Nothing is imported
+    imports (RANK_IMPORTS) once, before it forks the ranks. Nothing is imported
     here: the forkserver is a process of its own, started with the first rank."""
     import multiprocessing
-
-    from dflash.train.worker import RANK_IMPORTS
 
     multiprocessing.set_forkserver_preload(list(RANK_IMPORTS))
 

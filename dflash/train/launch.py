@@ -90,8 +90,8 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})})
 
 
-# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (dflash.train.worker
-# RANK_IMPORTS, the forkserver's preload set by dflash.train.agent): torchrun runs a `--run-path` script as
+# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the preload
+# dflash.train.agent sets: its RANK_IMPORTS): torchrun runs a `--run-path` script as
 # a function entrypoint, started with `--start-method`. As commands of their own (`-m
 # dflash.train.worker`), every rank imported torch and transformers' model code again: BENCHMARKS.md
 # "Ranks from torchrun's forkserver".

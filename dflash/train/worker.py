@@ -4,7 +4,7 @@ dflash.train.worker ...` as a command of its own.
 
 Ranks start from torchrun's forkserver: torch.distributed.run runs a `--run-path` script as a function
 entrypoint, and its elastic agent starts the ranks with the multiprocessing start method it is given.
-The agent (dflash.train.agent) has the forkserver import `RANK_IMPORTS` once, so each rank is a fork of
+The agent (dflash.train.agent) has the forkserver import its `RANK_IMPORTS` once, so each rank is a fork of
 a process that has torch, torch.distributed and transformers' model code loaded, instead of a new
 interpreter importing them again (BENCHMARKS.md "Ranks from torchrun's forkserver"). A rank started
 that way reports success the way elastic collects it, by returning (`end_rank`).
@@ -41,13 +41,6 @@ if TYPE_CHECKING:
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
-# What a rank imports before its first step, imported once by torchrun's forkserver (the agent sets it as
-# the forkserver's preload). Nothing here starts a thread beyond torch's own or touches a device: the
-# forkserver forks every rank from it. `datasets` (pyarrow's allocator starts a background thread at
-# import) is left to each rank.
-RANK_IMPORTS = ("dflash.train.setup", "dflash.train.step", "dflash.train.sharding", "dflash.train.validation",
-                "dflash.train.checkpointing", "dflash.train.heartbeat", "dflash.drafter.checkpoint",
-                "torch.distributed.checkpoint", "torch.utils.tensorboard")
 RANK_TITLE = "dflash.train.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
 RETURNED_RANK_EXIT_S = 2.0           # a rank that returned to torchrun's elastic agent ends itself this long after
 SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss", "sim_tau", "tokens_per_s", "lr")
