@@ -60,7 +60,9 @@ def small_workload(scratch: Path) -> tuple[Path, Path]:
 
 def launch_profile(target: Path, dataset: Path, run_dir: Path, mode: str, ranks: int, steps: int) -> Profile:
     """cpu-demo on `ranks` gloo ranks with the tiny workload, ranks started by `mode`; nothing held out."""
-    base = load_profile_once()
+    from launcher_core.profile import load_profile
+
+    base = load_profile("cpu-demo")
     return dataclasses.replace(
         base, machine=dataclasses.replace(base.machine, nproc_per_node=ranks),
         model=dataclasses.replace(base.model, target=str(target), tokenizer="", dtype="float32"),
@@ -70,12 +72,6 @@ def launch_profile(target: Path, dataset: Path, run_dir: Path, mode: str, ranks:
         train=dataclasses.replace(base.train, global_batch=ranks * 2, max_micro_batch=1, num_anchors=4,
                                   feature_cache=False, max_steps=steps, validation_share=0.0,
                                   save_every_steps=steps, log_every_steps=1, rank_start=mode))
-
-
-def load_profile_once() -> Profile:
-    from launcher_core.profile import load_profile
-
-    return load_profile("cpu-demo")
 
 
 def one_launch(profile: Profile, run_dir: Path) -> tuple[float, float]:
