@@ -195,7 +195,9 @@ def test_feature_cache_skips_the_target_after_epoch_one_and_keeps_the_loss_curve
 
 def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qwen3_target, tiny_dataset, tmp_path):
     """The CPU-demo settings together: drafter from the target's layers, a 40-token draft
-    vocabulary (the data uses 50), bf16 autocast, the feature cache; the checkpoint reloads."""
+    vocabulary (the data uses 50), the feature cache; with the flagship's numbers (bf16 autocast, the
+    drafter gathered by FSDP2 in bf16 for compute, as rtx6000-x8 runs it: the CPU twin computes in
+    float32); the checkpoint reloads."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -204,7 +206,7 @@ def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qw
 
     run_dir = tmp_path / "run"
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=16,
-                         feature_cache=True, autocast="bfloat16", lr=3e-3,
+                         feature_cache=True, autocast="bfloat16", compute_dtype="bfloat16", lr=3e-3,
                          drafter={"num_layers": 2, "target_layer_ids": [1], "init": "target", "draft_vocab_size": 40})
     profile = load_profile(str(path))
     assert run_training(profile, run_dir=run_dir) == 0
