@@ -68,13 +68,15 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def flagship_twin_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+def flagship_twin_target() -> Path:
     """A random-weight model of the flagship's architecture (Qwen3.5/3.6: Gated DeltaNet + gated
     attention every 4th layer, partial rotary, M-RoPE, vision tower, MTP weights, 248,320 rows)
-    with the real Qwen3 tokenizer, on disk (`dflash.models.build_flagship_twin`)."""
-    from dflash.models import build_flagship_twin
+    with the real Qwen3 tokenizer, on disk: `builtin:flagship-twin`, built once into the cache under
+    its lock (`dflash.models.flagship_twin_dir`), as the flagship-twin profile's runs read it, not
+    once per xdist worker (7 CPU s and 135 MB each). No test writes into it."""
+    from dflash.models import flagship_twin_dir
 
-    return build_flagship_twin(tmp_path_factory.mktemp("targets") / "flagship-twin", qwen3_tokenizer_dir)
+    return flagship_twin_dir()
 
 
 @dataclass
