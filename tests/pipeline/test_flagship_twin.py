@@ -3,6 +3,9 @@
 random Qwen3.5/3.6-architecture target), then the checkpoint reloaded onto the target, and a
 second training run continued from it (`drafter.init = "drafter"`).
 
+The shipped profile computes the drafter in float32 where rtx6000-x8 gathers it in bf16 (a CPU without
+bf16 instructions takes three times the CPU time in bf16: profiles/flagship-twin.toml); bf16 compute
+on real ranks is tested on the tiny Qwen3 target (tests/train/test_torchrun.py).
 Only the run directory and the sliding window differ from the shipped profile: the test's
 variant extends a copy of flagship-twin (and of rtx6000-x8, which it extends), sets paths.run_dir
 and shrinks rtx6000-x8's 2048-position window (SpecForge's Qwen3.6-27B recipe: four sliding layers,
