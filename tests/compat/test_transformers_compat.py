@@ -24,8 +24,12 @@ GPU_REQUIREMENTS = ("requirements-cu128.txt", "requirements-cu130.txt")
 PINNED = sorted({read_pin(REPO_ROOT / name, "transformers") for name in GPU_REQUIREMENTS})
 UNSUPPORTED = "5.2.0"             # the newest release below dflash.compat.MIN_TRANSFORMERS
 TESTS = ["tests/eval/test_specdec.py", "tests/eval/test_twin_target.py", "tests/train/test_drafter.py"]
-# Statistical and SmolLM2 tests do not depend on the transformers version (and take minutes).
-DESELECT = "not rejection_sampling and not chi_square and not prompt_lookup"
+# Statistical and SmolLM2 tests do not depend on the transformers version (and take minutes). Of the greedy
+# losslessness sweep, the drafts wrong at every slot (`-1-`: wrong_every 1, the whole draft rolled back each
+# step, the sweep's longest) are left to the suite's own run: under each pin wrong_every 3 rolls the same caches
+# back, the whole draft when its first slot is the wrong one and part of it otherwise, at every block size.
+DESELECT = ("not rejection_sampling and not chi_square and not prompt_lookup"
+            " and not (greedy_output_equals_target_greedy and -1-)")
 
 
 @pytest.fixture(scope="module")
