@@ -142,22 +142,35 @@ def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Opt
     spec = spec or engine_spec(engine)
     lines = install_lines(spec)
     final = cache_dir() / "engines" / f"{engine}-{env_key(spec, lines)}"
-    if _is_complete(final) and (final / BYTECODE_STAMP).exists():
+    if _is_complete(final) and _has_bytecode(final):
         echo(f"engine setup {engine}: up to date ({spec.requirements})")
         return EngineEnv(engine, final, False, 0.0)
     with cache_build_lock(f"engine-{final.name}"):      # a second setup waits, then finds it built
         if not _is_complete(final):
             return _build_into_place(engine, spec, lines, final, echo)
-        if (final / BYTECODE_STAMP).exists():
+        if _has_bytecode(final):
             echo(f"engine setup {engine}: built by another setup meanwhile ({spec.requirements})")
-        else:                                               # built before the bytecode step
-            echo(f"engine setup {engine}: writing the bytecode of `import {spec.import_check}` (once)")
-            _run_or_fail(_import_writing_bytecode(spec, final / "bin" / "python"),
-                         f"engine setup {engine}: `import {spec.import_check}` failed in {final}",
-                         f"Remove that folder and run `launcher.py engine setup {engine}` again")
-            (final / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
-            echo(f"engine setup {engine}: up to date ({spec.requirements})")
+        else:
+            _add_bytecode(engine, spec, final, echo)
         return EngineEnv(engine, final, False, 0.0)
+
+
+def _has_bytecode(path: Path) -> bool:
+    return (path / BYTECODE_STAMP).exists()
+
+
+def _add_bytecode(engine: str, spec: EngineSpec, final: Path, echo: Callable[[str], None]) -> None:
+    """A venv built before the bytecode step: the step's import, once, then its stamp."""
+    echo(f"engine setup {engine}: writing the bytecode of `import {spec.import_check}` (once)")
+    _run_or_fail(_import_writing_bytecode(spec, final / "bin" / "python"),
+                 f"engine setup {engine}: `import {spec.import_check}` failed in {final}",
+                 f"Remove that folder and run `launcher.py engine setup {engine}` again")
+    _write_stamp(final, BYTECODE_STAMP, final.name)
+    echo(f"engine setup {engine}: up to date ({spec.requirements})")
+
+
+def _write_stamp(folder: Path, stamp: str, key: str) -> None:
+    (folder / stamp).write_text(key + "\n", encoding="utf-8")
 
 
 def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Path,
@@ -168,8 +181,8 @@ def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Pa
     started = time.monotonic()
     try:
         _build(spec, staging, lines, echo)
-        (staging / BYTECODE_STAMP).write_text(final.name + "\n", encoding="utf-8")
-        (staging / STAMP).write_text(final.name + "\n", encoding="utf-8")
+        _write_stamp(staging, BYTECODE_STAMP, final.name)
+        _write_stamp(staging, STAMP, final.name)
         _move_into_place(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
