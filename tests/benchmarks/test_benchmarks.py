@@ -88,6 +88,8 @@ CASES = [
     Smoke("bench_fsdp_step.py", (rf"^  every_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$",
                                  rf"^  last_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$"),
           marks=(SLOW,)),
+    Smoke("bench_interpreters.py", (rf"^\S+ \(3\.11\.\d+\): rank imports CPU {NUMBER} s \(1\.00x\), 3 eager steps CPU "
+                                    rf"{NUMBER} s ",), marks=(SLOW,)),
     Smoke("bench_rank_start.py", (rf"^forkserver launch 1: 2 ranks x 1 steps: wall {NUMBER} s, machine CPU {NUMBER} s$",
                                   rf"^forkserver median of 1: wall {NUMBER} s, machine CPU {NUMBER} s$"), marks=(SLOW,)),
     Smoke("bench_bisect.py", (r"^ +128 +8 +8\.00 +8$",                      # pure search: worst / mean / bound
