@@ -1,5 +1,6 @@
-"""Every benchmark in benchmarks/ at its smallest setting (`--smoke`), run as a real process: it
-exits 0 and prints its figure lines. A benchmark that drifts from the package's entry points
+"""Every benchmark in benchmarks/ at its smallest setting (`--smoke`), run as a real process (forked
+from a server that imported torch and transformers once: smoke_process.py, tested below): it exits 0
+and prints its figure lines. A benchmark that drifts from the package's entry points
 (load_profile, build_state, run_step, the CLI) breaks here instead of on the next full-size run.
 
 The figures at this size are not judged (BENCHMARKS.md holds the full-size ones), except where the
@@ -12,11 +13,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks.smoke_process import run_smoke_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -112,11 +114,14 @@ CASES = [
 
 
 def run_smoke(case: Smoke, scratch: Path) -> subprocess.CompletedProcess:
-    """The benchmark as a process; "{tmp}" in its arguments is the test's own scratch directory."""
+    """The benchmark as a process of its own, forked from a server that imported torch and transformers once
+    (smoke_process.py: it sees the argv, environment, path and folder `python benchmarks/NAME.py` would);
+    "{tmp}" in its arguments is the test's own scratch directory."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     args = [arg.replace("{tmp}", str(scratch)) for arg in case.args]
-    return subprocess.run([sys.executable, str(BENCHMARKS / case.script), *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=case.timeout_s)
+    output = scratch / ".smoke"
+    output.mkdir()
+    return run_smoke_process(BENCHMARKS / case.script, args, env, REPO_ROOT, output, case.timeout_s)
 
 
 def test_every_benchmark_has_a_smoke_run():
@@ -134,3 +139,32 @@ def test_benchmark_smoke_prints_its_figures(case: Smoke, request: pytest.Fixture
     assert done.returncode == 0, f"{case.script} {' '.join(case.args)} exited {done.returncode}{tail}"
     missing = [figure for figure in case.figures if not re.search(figure, done.stdout, re.MULTILINE)]
     assert missing == [], f"{case.script} did not print {missing}{tail}"
+
+
+SCRIPT_CASES = {
+    "exit 3": ("import sys\nsys.exit(3)\n", 3, "", ""),
+    "an exception": ("raise ValueError('bad figure')\n", 1, "", "ValueError: bad figure"),
+    "the checkout not on its path": ("import launcher_core\n", 1, "", "No module named 'launcher_core'"),
+    "atexit at its end": ("import atexit, sys\natexit.register(lambda: print('at exit'))\nprint(sys.argv[1:])\n",
+                          0, "['--smoke']\nat exit", ""),
+}
+
+
+@pytest.mark.parametrize("name", list(SCRIPT_CASES))
+def test_a_forked_smoke_is_the_script_run_as_a_fresh_python_would_run_it(name: str, tmp_path: Path):
+    """The forkserver child behaves as `python script.py --smoke`: its exit code, its exception, no import
+    from the test run's path (the checkout is not on a fresh interpreter's path unless the script puts it
+    there, as every benchmark does), its atexit handlers."""
+    code, returncode, stdout, stderr = SCRIPT_CASES[name]
+    (tmp_path / "script.py").write_text(code, encoding="utf-8")
+    (tmp_path / "out").mkdir()
+    done = run_smoke_process(tmp_path / "script.py", ["--smoke"], dict(os.environ), tmp_path, tmp_path / "out", 60)
+    assert (done.returncode, done.stdout.strip()) == (returncode, stdout), done.stderr
+    assert stderr in done.stderr
+
+
+def test_a_smoke_past_its_time_is_killed(tmp_path: Path):
+    (tmp_path / "script.py").write_text("import time\ntime.sleep(60)\n", encoding="utf-8")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_smoke_process(tmp_path / "script.py", [], dict(os.environ), tmp_path, tmp_path / "out", 2)
