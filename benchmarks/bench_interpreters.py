@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 IMPORTS = """
 import importlib, sys
@@ -44,7 +43,6 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 torch.manual_seed(0)
-torch.set_num_threads(1)
 config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 model = Qwen3ForCausalLM(config)
@@ -59,9 +57,8 @@ print(time.process_time() - started)
 
 @dataclass(frozen=True)
 class Interpreter:
-    """One Python build: its path as given, its resolved executable and version."""
+    """One Python build: its resolved executable and its version."""
 
-    given: str
     executable: str
     version: str
 
@@ -76,7 +73,7 @@ def describe(python: str) -> Interpreter | None:
     if done.returncode != 0:
         return None
     version, executable = done.stdout.split()
-    return Interpreter(python, os.path.realpath(executable), version)
+    return Interpreter(os.path.realpath(executable), version)
 
 
 def default_pythons() -> list[str]:
@@ -106,7 +103,7 @@ def scratch_venv(interpreter: Interpreter, folder: Path) -> Path:
     return folder / "bin" / "python"
 
 
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}      # one thread: the suite's setting
 
 
 def child_cpu_s(python: Path, code: str) -> float:

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 # The interpreter of a new .venv: $PYTHON when set; else the distribution's Python 3.11 where it has
 # venv (Debian/Ubuntu: python3.11-venv); else python3.11 on PATH; else python3. A distribution builds
 # CPython with profile-guided optimisation and LTO and links the interpreter statically; a Python built
-# from source with pyenv's defaults has neither (no --enable-optimizations, libpython shared). The same
-# torch and transformers imports took a quarter less CPU with the distribution's, and the whole test suite
-# about an eighth less machine CPU (BENCHMARKS.md "The interpreter: the distribution's Python 3.11").
+# from source with pyenv's defaults has neither (no --enable-optimizations, libpython shared). Measured on a
+# machine with both: a training rank's imports 0.81x the CPU with the distribution's, the whole test suite
+# about 15 % less machine CPU (BENCHMARKS.md "The interpreter: the distribution's Python 3.11").
 # An existing .venv keeps the interpreter it was made with.
 distribution_python=/usr/bin/python3.11
 choose_python() {

@@ -23,12 +23,17 @@ def choose_python(env: dict[str, str], distribution: str = "/usr/bin/python3.11"
     return done.stdout.strip()
 
 
+def without_python() -> dict[str, str]:
+    """This environment without PYTHON (setup.sh's override)."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHON"}
+
+
 def test_python_from_the_environment_wins():
     assert choose_python({**os.environ, "PYTHON": "/opt/my/python3.11"}) == "/opt/my/python3.11"
 
 
 def test_the_distributions_python_is_preferred_where_it_makes_venvs():
-    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env = without_python()
     distribution = Path("/usr/bin/python3.11")
     has_venv = distribution.exists() and subprocess.run(
         [str(distribution), "-c", "import ensurepip, venv"], capture_output=True).returncode == 0
@@ -38,7 +43,7 @@ def test_the_distributions_python_is_preferred_where_it_makes_venvs():
 
 
 def test_without_the_distributions_python_it_takes_python3_11_on_path_then_python3(tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env = without_python()
     assert choose_python({**env, "PATH": str(tmp_path)}, distribution=str(tmp_path / "absent")) == "python3"
     (tmp_path / "python3.11").write_text("#!/bin/sh\n")
     (tmp_path / "python3.11").chmod(0o755)

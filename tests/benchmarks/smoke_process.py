@@ -7,11 +7,14 @@ working directory, `sys.path` of a fresh interpreter with that environment (the 
 none of the test run's entries, so a script that stops putting the checkout on its path fails here as
 it would for a user; no module of the project is preloaded), stdin from /dev/null, stdout and stderr
 in files; the script runs as `__main__` (runpy), its atexit handlers run at its end, and its exit code
-(SystemExit's, 1 on an exception) is the process's. Nothing is preloaded that starts a thread: the
-server forks every run from it (as torchrun's forkserver forks the ranks: dflash.train.agent)."""
+(SystemExit's, 1 on an exception) is the process's. The server forks every run from itself (as
+torchrun's forkserver forks the ranks: dflash.train.agent), so its preload must leave it one thread: it
+does under the suite's OMP_NUM_THREADS=1 (tests/conftest.py); without that setting the import starts a
+second (test_benchmarks.py checks both)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import multiprocessing
 import os
@@ -25,9 +28,15 @@ PRELOAD = ["torch", "numpy", "transformers", "transformers.modeling_utils"]
 
 def fresh_sys_path(env: dict[str, str]) -> list[str]:
     """`sys.path` of a new interpreter of this venv under `env`, without its first entry (the script's folder)."""
+    return list(_probed_sys_path(tuple(sorted(env.items()))))
+
+
+@functools.lru_cache(maxsize=None)
+def _probed_sys_path(env: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """Asked of a new interpreter once per environment (every smoke of a run has the same)."""
     probe = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                           env=env, capture_output=True, text=True, check=True, cwd="/")
-    return json.loads(probe.stdout)
+                           env=dict(env), capture_output=True, text=True, check=True, cwd="/")
+    return tuple(json.loads(probe.stdout))
 
 
 def run_script(script: str, args: list[str], env: dict[str, str], cwd: str, base_path: list[str],

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.smoke_process import run_smoke_process
+from tests.benchmarks.smoke_process import PRELOAD, run_smoke_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -168,3 +169,19 @@ def test_a_smoke_past_its_time_is_killed(tmp_path: Path):
     (tmp_path / "out").mkdir()
     with pytest.raises(subprocess.TimeoutExpired):
         run_smoke_process(tmp_path / "script.py", [], dict(os.environ), tmp_path, tmp_path / "out", 2)
+
+
+def test_the_preloaded_server_has_one_thread_to_fork_from():
+    """What the forkserver imports (PRELOAD) leaves its process one thread under the suite's environment;
+    control: without OMP_NUM_THREADS the same imports start a second one, which this count sees."""
+    code = ("import importlib, os, sys\nfor name in sys.argv[1:]: importlib.import_module(name)\n"
+            "print(len(os.listdir('/proc/self/task')))")
+
+    def threads(env: dict[str, str]) -> int:
+        done = subprocess.run([sys.executable, "-c", code, *PRELOAD], env=env, capture_output=True, text=True,
+                              check=True)
+        return int(done.stdout.split()[-1])
+
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert threads(dict(os.environ)) == 1
+    assert threads({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}) > 1
