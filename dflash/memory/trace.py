@@ -264,7 +264,10 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             return again
 
         def _update_peak_stats(self, peak_state: _State) -> None:
-            super()._update_peak_stats(peak_state)
+            # Called after every operation. MemTracker's own (not called) walks every module it tracks to
+            # keep each one's peak, and then its overall peak: the trace reads neither (each phase's peak
+            # below covers the overall one), and the walk was a sixth of a trace's CPU (BENCHMARKS.md
+            # "The memory trace without per-module peaks").
             live, categories = self.live_bytes(), self.live_by_category()
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, -1), live)
             rise = live - self.phase_starts.get(self.phase, live)
