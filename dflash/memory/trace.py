@@ -267,7 +267,7 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
             # Called after every operation. MemTracker's own (not called) walks every module it tracks to
             # keep each one's peak, and then its overall peak: the trace reads neither (each phase's peak
             # below covers the overall one), and the walk was a sixth of a trace's CPU (BENCHMARKS.md
-            # "The memory trace without per-module peaks").
+            # "The tiny target's head, the gate drafters' anchors and the trace's bookkeeping").
             live, categories = self.live_bytes(), self.live_by_category()
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, -1), live)
             rise = live - self.phase_starts.get(self.phase, live)
