@@ -69,6 +69,38 @@ def test_the_transient_per_sequence_stays_within_the_model_for_a_micro_batch():
     assert measured.retained_bytes == 4 * block_mask_bytes(queries, keys)
 
 
+def test_a_transient_does_not_count_the_frees_of_an_earlier_measurements_garbage():
+    """Cycles holding 32 MB, left by an earlier measured call, that Python's collector would free
+    during the next one, are freed before it, and no collection starts inside: each call's figures
+    are its own. With the collector free to start inside the second call (here at its first new
+    objects: thresholds 1), the frees counted as its own: peak 0, retained -31 MB."""
+    import gc
+
+    class Holder:
+        pass
+
+    def leave_garbage() -> None:
+        for _ in range(4):
+            holder = Holder()
+            holder.tensor = torch.ones(8 * MIB // 4)
+            holder.itself = holder          # a cycle: only the cyclic collector frees it
+
+    def call() -> torch.Tensor:
+        gc.set_threshold(1, 1, 1)
+        objects = [[index] for index in range(100)]     # container objects, which start collections
+        return torch.ones(MIB // 4) + len(objects)
+
+    thresholds = gc.get_threshold()
+    try:
+        earlier = measure_cpu_transient(leave_garbage)
+        measured = measure_cpu_transient(call)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert earlier.retained_bytes == 32 * MIB                  # what the cycles hold, still allocated
+    assert measured.retained_bytes == MIB and MIB <= measured.peak_bytes <= 2 * MIB + 4096, measured
+    assert gc.isenabled()
+
+
 def test_create_block_mask_materialises_the_dense_mask_the_model_no_longer_counts():
     """The earlier construction, at a quarter of the flagship's size (128 anchors x 16, 2,048
     tokens): its transient is the dense [queries x keys] mask several times over (the mask_mod's
