@@ -52,3 +52,44 @@ def test_without_the_distributions_python_it_takes_python3_11_on_path_then_pytho
     (tmp_path / "novenv").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "novenv").chmod(0o755)
     assert choose_python({**env, "PATH": str(tmp_path)}, distribution=str(tmp_path / "novenv")) == "python3.11"
+
+
+def load_installer():
+    """scripts/install_requirements.py, setup.sh's installer, as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("install_requirements", SETUP.parent / "install_requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_pin_with_a_wheel_of_its_version_in_find_links_is_installed_from_that_file(tmp_path):
+    import sys
+
+    installer = load_installer()
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheel = tmp_path / f"torch-2.13.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    lines = ["torch==2.13.0", "numpy==2.4.6", "torch-other==2.13.0"]
+    assert installer.with_local_wheels(lines, [str(tmp_path)]) == [str(wheel), "numpy==2.4.6", "torch-other==2.13.0"]
+    # another version, or no find-links, leaves the pin to the index
+    assert installer.with_local_wheels(["torch==2.12.0"], [str(tmp_path)]) == ["torch==2.12.0"]
+    assert installer.with_local_wheels(["torch==2.13.0"], []) == ["torch==2.13.0"]
+
+
+def test_the_installer_reads_the_uv_pin_and_falls_back_to_pip_without_one(tmp_path):
+    installer = load_installer()
+    project = SETUP.parents[1]
+    lines = installer.requirement_lines(project / "requirements-cpu.txt")
+    assert installer.uv_pin(lines) is not None and installer.uv_pin(lines).startswith("uv==")
+    assert installer.uv_pin(["uvicorn==0.54.0", "numpy==2.4.6"]) is None
+    no_uv = tmp_path / "requirements.txt"
+    no_uv.write_text("numpy==2.4.6  # a comment\n\n", encoding="utf-8")
+    assert installer.requirement_lines(no_uv) == ["numpy==2.4.6"]
+    why_not = installer.install_with_uv("/nonexistent/python", no_uv, no_uv)
+    assert why_not == "requirements.txt pins no uv"
+    commands = installer.pip_commands("/venv/bin/python", no_uv, no_uv)
+    assert [command[:4] for command in commands] == [["/venv/bin/python", "-m", "pip", "install"]] * 3
+    assert commands[-1][-3:] == ["--no-deps", "-r", str(no_uv)]
