@@ -1,16 +1,58 @@
-"""Child processes and their ports: the one place that picks a free loopback port and ends a
-process group (a server, a rank, a probe child and whatever it started)."""
+"""Child processes and their ports: the one place that picks a free loopback port, ends a
+process group (a server, a rank, a probe child and whatever it started) and gives a child a
+temporary folder of its own (`ChildTempDir`)."""
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 KILL_GRACE_S = 10.0
+
+
+TEMPDIR_PREFIX = "dflash-"
+
+
+def inductor_cache_dir() -> str:
+    """TORCHINDUCTOR_CACHE_DIR, else where torch 2.13's inductor keeps its cache (and Triton's) by default:
+    `torchinductor_<user>` in the system temporary folder (torch/_inductor/runtime/cache_dir_utils.py)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+@dataclass(frozen=True)
+class ChildTempDir:
+    """A temporary folder of a child and everything it starts (a server; a torchrun agent, its
+    forkserver and ranks), removed once they have ended. Its TMPDIR takes what they write to the
+    system temporary folder and never remove when stopped or killed (torchrun's and
+    multiprocessing's error files and folders, vLLM's IPC sockets and distributed-init files).
+    The compile caches stay where they were: the child gets inductor's cache folder by name."""
+
+    path: Path
+
+    @classmethod
+    def create(cls, kind: str) -> ChildTempDir:
+        return cls(Path(tempfile.mkdtemp(prefix=f"{TEMPDIR_PREFIX}{kind}-")))
+
+    def env(self) -> dict[str, str]:
+        return {"TMPDIR": str(self.path), "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Mapping
 
 from launcher_core.errors import ConfigError, RunFailed
-from launcher_core.processes import stop_group
+from launcher_core.processes import ChildTempDir, stop_group
 from launcher_core.schema import Profile
 
 # our profile's audit.attention_backend -> SGLang's --attention-backend
@@ -187,6 +187,7 @@ class ServerSupervisor:
     restarts: int = 0
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
+    _tempdir: ChildTempDir | None = field(default=None, repr=False)
 
     def start(self) -> None:
         """Start the server and block until /health answers (RunFailed if it exits or times out)."""
@@ -195,7 +196,8 @@ class ServerSupervisor:
         self._log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(self.command.argv)}\n".encode())
         self._log.flush()
         ensure_port_free(self.command.base_url, self.command.name)
-        env = {**os.environ, **self.command.env}
+        self._tempdir = ChildTempDir.create("server")       # removed by stop(), after the whole group
+        env = {**os.environ, **self._tempdir.env(), **self.command.env}
         self.process = subprocess.Popen(self.command.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -237,6 +239,9 @@ class ServerSupervisor:
         """SIGTERM the server's process group, SIGKILL it after a grace period; idempotent."""
         if self.process is not None:
             stop_group(self.process, STOP_GRACE_S)
+        if self._tempdir is not None:
+            self._tempdir.remove()
+            self._tempdir = None
         if self._log is not None:
             self._log.close()
             self._log = None
