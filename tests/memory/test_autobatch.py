@@ -128,6 +128,7 @@ def torchrun(tmp_path: Path, planned: str, run_dir: Path) -> dict[int, dict]:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--log-dir", str(tmp_path / "torchrun-logs"),      # not a torchelastic_* folder in /tmp
                str(HERE / "autobatch_worker.py"), "--out", str(out), "--run-dir", str(run_dir),
                "--planned-by-rank", planned]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

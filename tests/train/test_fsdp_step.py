@@ -57,6 +57,7 @@ def test_the_fsdp2_step_on_2_ranks_is_the_one_process_step(tmp_path, tiny_qwen3_
                                  drafter={"num_layers": 2, "target_layer_ids": [1, 2]}, compute_dtype="float32")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(HERE.parents[1])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(tmp_path / "torchrun-logs"),      # not a torchelastic_* folder in /tmp
                            str(HERE / "fsdp_step_worker.py"), "--profile", str(profile_path), "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
