@@ -41,7 +41,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0
 fi
 echo "setup: installing requirements into .venv (first run takes a few minutes)" >&2
-# uv installs the pins (7 s where pip took 20 s on 2 cores), with the local wheels pip's find-links hold;
+# uv installs the pins (3-7 s where pip took 21 s on 2 cores), with the local wheels pip's find-links hold;
 # pip where uv cannot (scripts/install_requirements.py says why).
 .venv/bin/python scripts/install_requirements.py requirements-cpu.txt requirements-nodeps.txt
 # Bytecode compiled on every core at once: pip compiles on one (on 2 cores the install took 67 s, 41 s this
