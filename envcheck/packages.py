@@ -58,6 +58,12 @@ def find_dist(name: str) -> Optional[InstalledDist]:
     return installed_dists().get(normalize(name))
 
 
+def requirement_lines(path: Path) -> list[str]:
+    """The requirement lines of a requirements file, comments and blank lines dropped."""
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line]
+
+
 def read_pins(path: Path) -> dict[str, str]:
     """`name==version` lines of a requirements file -> {normalised name: version}."""
     pins: dict[str, str] = {}

@@ -1,18 +1,16 @@
 """Child processes and their ports: the one place that picks a free loopback port, ends a
 process group (a server, a rank, a probe child and whatever it started) and gives a child a
-temporary folder of its own (`ChildTempDir`)."""
+temporary folder of its own (`child_tempdir`)."""
 from __future__ import annotations
 
 import getpass
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,25 +32,18 @@ def inductor_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
-@dataclass(frozen=True)
-class ChildTempDir:
+def child_tempdir(kind: str) -> tempfile.TemporaryDirectory[str]:
     """A temporary folder of a child and everything it starts (a server; a torchrun agent, its
-    forkserver and ranks), removed once they have ended. Its TMPDIR takes what they write to the
-    system temporary folder and never remove when stopped or killed (torchrun's and
-    multiprocessing's error files and folders, vLLM's IPC sockets and distributed-init files).
-    The compile caches stay where they were: the child gets inductor's cache folder by name."""
+    forkserver and ranks), to be removed (`cleanup()`, or the `with` block's end) once they have
+    ended. With `child_tempdir_env` as TMPDIR it takes what they write to the system temporary folder
+    and never remove when stopped or killed (torchrun's and multiprocessing's error files and
+    folders, vLLM's IPC sockets and distributed-init files)."""
+    return tempfile.TemporaryDirectory(prefix=f"{TEMPDIR_PREFIX}{kind}-", ignore_cleanup_errors=True)
 
-    path: Path
 
-    @classmethod
-    def create(cls, kind: str) -> ChildTempDir:
-        return cls(Path(tempfile.mkdtemp(prefix=f"{TEMPDIR_PREFIX}{kind}-")))
-
-    def env(self) -> dict[str, str]:
-        return {"TMPDIR": str(self.path), "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+def child_tempdir_env(folder: str) -> dict[str, str]:
+    """TMPDIR for a child's own folder; the compile caches stay where they were (inductor's folder by name)."""
+    return {"TMPDIR": folder, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

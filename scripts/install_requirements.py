@@ -14,7 +14,6 @@ after saying why. Standard library only: it runs before anything is installed.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -25,35 +24,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from envcheck.wheels import local_wheel, pip_find_links  # noqa: E402  (standard library only)
+from envcheck.bisect.venvs import installer_env  # noqa: E402  (standard library only)
+from envcheck.packages import read_pins, requirement_lines  # noqa: E402
+from envcheck.wheels import local_wheel, pip_find_links  # noqa: E402
 
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\[]+)$")
+# A plain `name==version` pin: one with extras (`transformers[serving]==...`) stays a pin, since a wheel's
+# path would drop the extras.
+PLAIN_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\[]+)$")
 PIP_QUIET = ["--quiet", "--disable-pip-version-check"]
-
-
-def requirement_lines(path: Path) -> list[str]:
-    """The requirements of a file, comments and blank lines dropped."""
-    lines = [line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if line]
 
 
 def with_local_wheels(lines: Sequence[str], links: Sequence[str]) -> list[str]:
     """Each `name==version` pin with a wheel of that version in `links` replaced by that wheel's path."""
     resolved = []
     for line in lines:
-        pin = PIN.match(line)
+        pin = PLAIN_PIN.match(line)
         wheel = local_wheel(pin.group(1), pin.group(2), list(links)) if pin else None
         resolved.append(str(wheel) if wheel is not None else line)
     return resolved
-
-
-def uv_pin(lines: Sequence[str]) -> Optional[str]:
-    """The `uv==...` pin among the requirements, if there is one."""
-    for line in lines:
-        pin = PIN.match(line)
-        if pin and pin.group(1).lower() == "uv":
-            return line
-    return None
 
 
 def uv_commands(python: str, lines: Sequence[str], no_deps_lines: Sequence[str]) -> list[list[str]]:
@@ -72,17 +60,11 @@ def pip_commands(python: str, requirements: Path, no_deps: Path) -> list[list[st
             [*pip, "--no-compile", "--no-deps", "-r", str(no_deps)]]
 
 
-def installer_env() -> dict[str, str]:
-    """This environment, with uv told never to download a Python and not to look at another venv."""
-    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
-    env.pop("VIRTUAL_ENV", None)
-    return env
-
-
 def run_all(commands: Sequence[Sequence[str]]) -> int:
     """Run the commands in order; the exit code of the first that fails, else 0."""
     for argv in commands:
-        code = subprocess.run(list(argv), env=installer_env(), check=False).returncode
+        env = {**installer_env(), "UV_PYTHON_DOWNLOADS": "never"}      # the bisect's, and no Python downloads
+        code = subprocess.run(list(argv), env=env, check=False).returncode
         if code != 0:
             return code
     return 0
@@ -90,14 +72,14 @@ def run_all(commands: Sequence[Sequence[str]]) -> int:
 
 def install_with_uv(python: str, requirements: Path, no_deps: Path) -> Optional[str]:
     """Install with uv; None when done, else why uv could not."""
-    lines = requirement_lines(requirements)
-    pin = uv_pin(lines)
-    if pin is None:
+    uv_version = read_pins(requirements).get("uv")
+    if uv_version is None:
         return f"{requirements.name} pins no uv"
+    pin = f"uv=={uv_version}"
     if run_all([[python, "-m", "pip", "install", *PIP_QUIET, "--no-compile", pin]]) != 0:
         return f"pip could not install {pin}"
     links = pip_find_links()
-    code = run_all(uv_commands(python, with_local_wheels(lines, links),
+    code = run_all(uv_commands(python, with_local_wheels(requirement_lines(requirements), links),
                                with_local_wheels(requirement_lines(no_deps), links)))
     return None if code == 0 else f"uv pip install exited with code {code} (its output is above)"
 

@@ -1,4 +1,4 @@
-"""A child's own temporary folder (launcher_core.processes.ChildTempDir): a supervised server and a
+"""A child's own temporary folder (launcher_core.processes.child_tempdir): a supervised server and a
 torchrun agent with what it starts write their temporary files there (TMPDIR), and the folder is
 gone once they have ended; inductor's cache stays where it was. Real child processes: a small
 stdlib HTTP server under ServerSupervisor, and a script with a child of its own under run_agent."""

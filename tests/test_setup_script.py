@@ -72,22 +72,22 @@ def test_a_pin_with_a_wheel_of_its_version_in_find_links_is_installed_from_that_
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     wheel = tmp_path / f"torch-2.13.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl"
     wheel.write_bytes(b"")
-    lines = ["torch==2.13.0", "numpy==2.4.6", "torch-other==2.13.0"]
-    assert installer.with_local_wheels(lines, [str(tmp_path)]) == [str(wheel), "numpy==2.4.6", "torch-other==2.13.0"]
+    lines = ["torch==2.13.0", "numpy==2.4.6", "torch-other==2.13.0", "torch[opt]==2.13.0"]
+    assert installer.with_local_wheels(lines, [str(tmp_path)]) == [str(wheel), "numpy==2.4.6", "torch-other==2.13.0",
+                                                                   "torch[opt]==2.13.0"]      # extras stay a pin
     # another version, or no find-links, leaves the pin to the index
     assert installer.with_local_wheels(["torch==2.12.0"], [str(tmp_path)]) == ["torch==2.12.0"]
     assert installer.with_local_wheels(["torch==2.13.0"], []) == ["torch==2.13.0"]
 
 
-def test_the_installer_reads_the_uv_pin_and_falls_back_to_pip_without_one(tmp_path):
+def test_the_installer_falls_back_to_pip_where_the_requirements_pin_no_uv(tmp_path):
+    from envcheck.packages import read_pins, requirement_lines
+
     installer = load_installer()
-    project = SETUP.parents[1]
-    lines = installer.requirement_lines(project / "requirements-cpu.txt")
-    assert installer.uv_pin(lines) is not None and installer.uv_pin(lines).startswith("uv==")
-    assert installer.uv_pin(["uvicorn==0.54.0", "numpy==2.4.6"]) is None
+    assert "uv" in read_pins(SETUP.parents[1] / "requirements-cpu.txt")       # what setup.sh installs uv from
     no_uv = tmp_path / "requirements.txt"
-    no_uv.write_text("numpy==2.4.6  # a comment\n\n", encoding="utf-8")
-    assert installer.requirement_lines(no_uv) == ["numpy==2.4.6"]
+    no_uv.write_text("uvicorn==0.54.0\nnumpy==2.4.6  # a comment\n\n", encoding="utf-8")
+    assert requirement_lines(no_uv) == ["uvicorn==0.54.0", "numpy==2.4.6"]
     why_not = installer.install_with_uv("/nonexistent/python", no_uv, no_uv)
     assert why_not == "requirements.txt pins no uv"
     commands = installer.pip_commands("/venv/bin/python", no_uv, no_uv)

@@ -83,9 +83,9 @@ def engine_spec(engine: str) -> EngineSpec:
 
 def read_requirement_lines(spec: EngineSpec) -> list[str]:
     """The requirement lines of the engine's file (comments and blanks dropped)."""
-    path = REPO_ROOT / spec.requirements
-    lines = [line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if line]
+    from envcheck.packages import requirement_lines
+
+    return requirement_lines(REPO_ROOT / spec.requirements)
 
 
 def install_lines(spec: EngineSpec) -> list[str]:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import IO, Mapping
 
 from launcher_core.errors import ConfigError, RunFailed
-from launcher_core.processes import ChildTempDir, stop_group
+from launcher_core.processes import child_tempdir, child_tempdir_env, stop_group
 from launcher_core.schema import Profile
 
 # our profile's audit.attention_backend -> SGLang's --attention-backend
@@ -187,7 +188,7 @@ class ServerSupervisor:
     restarts: int = 0
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
-    _tempdir: ChildTempDir | None = field(default=None, repr=False)
+    _tempdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
     def start(self) -> None:
         """Start the server and block until /health answers (RunFailed if it exits or times out)."""
@@ -196,8 +197,8 @@ class ServerSupervisor:
         self._log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(self.command.argv)}\n".encode())
         self._log.flush()
         ensure_port_free(self.command.base_url, self.command.name)
-        self._tempdir = ChildTempDir.create("server")       # removed by stop(), after the whole group
-        env = {**os.environ, **self._tempdir.env(), **self.command.env}
+        self._tempdir = child_tempdir("server")       # removed by stop(), after the whole group
+        env = {**os.environ, **child_tempdir_env(self._tempdir.name), **self.command.env}
         self.process = subprocess.Popen(self.command.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -240,7 +241,7 @@ class ServerSupervisor:
         if self.process is not None:
             stop_group(self.process, STOP_GRACE_S)
         if self._tempdir is not None:
-            self._tempdir.remove()
+            self._tempdir.cleanup()
             self._tempdir = None
         if self._log is not None:
             self._log.close()

@@ -31,7 +31,7 @@ from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.paths import REPO_ROOT
-from launcher_core.processes import ChildTempDir
+from launcher_core.processes import child_tempdir, child_tempdir_env
 from launcher_core.profile import profile_to_json
 from launcher_core.redact import redact_argv, redact_env
 from launcher_core.schema import Profile
@@ -278,12 +278,9 @@ def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: 
     pipe only we can write (its end of file: we are gone) and the run directory's lock. A SIGTERM
     to us goes to the agent (which passes it to the ranks: they save and stop); a rank that stops
     beating ends the run. When the agent has exited, no rank may outlive it. They share a temporary
-    folder of their own (TMPDIR, `ChildTempDir`), removed once they have all ended."""
-    tempdir = ChildTempDir.create("train")
-    try:
-        return _run_agent_in(argv, {**env, **tempdir.env()}, paths, lock_fd, heartbeat_timeout_s)
-    finally:
-        tempdir.remove()         # the agent, its forkserver and every rank have ended (end_stragglers)
+    folder of their own (TMPDIR, `child_tempdir`), removed once they have all ended (end_stragglers)."""
+    with child_tempdir("train") as folder:
+        return _run_agent_in(argv, {**env, **child_tempdir_env(folder)}, paths, lock_fd, heartbeat_timeout_s)
 
 
 def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,

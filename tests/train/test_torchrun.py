@@ -280,10 +280,22 @@ def listeners_by_role(root, seen: dict[str, set], rank_pids: set[int]) -> None:
                                                 for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
+def agent_tempdirs(root, found: dict[str, set[str]]) -> None:
+    """The TMPDIR of each torchrun agent under the launcher (`root`), and what is in it now."""
+    import psutil
+
+    for process in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error, OSError):
+            if "dflash.train.agent" in " ".join(process.cmdline()):
+                folder = process.environ().get("TMPDIR", "")
+                found.setdefault(folder, set()).update(os.listdir(folder) if folder else [])
+
+
 def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny_qwen3_target, tiny_dataset, tmp_path):
     """The launcher hosts the rendezvous store on 127.0.0.1, torchrun joins it, the ranks' store
     and gloo stay on loopback; rank 1 fails at step 3 of attempt 0, torchrun --max-restarts 1
-    restarts both ranks, they meet again on the same store and finish."""
+    restarts both ranks, they meet again on the same store and finish. The agent, its forkserver and
+    the ranks wrote their temporary files in the run's own folder, gone once the run has ended."""
     import psutil
 
     run_dir = tmp_path / "run"
@@ -295,11 +307,17 @@ def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seen: dict[str, set] = {}
     rank_pids: set[int] = set()
+    tempdirs: dict[str, set[str]] = {}
     deadline = time.time() + 240
     while process.poll() is None and time.time() < deadline:
         listeners_by_role(psutil.Process(process.pid), seen, rank_pids)
+        agent_tempdirs(psutil.Process(process.pid), tempdirs)
         time.sleep(0.2)
     assert process.wait(timeout=10) == 0
+    assert len(tempdirs) == 1, tempdirs                                 # one agent, both attempts
+    (folder, entries), = tempdirs.items()
+    assert Path(folder).name.startswith("dflash-train-") and any(name.startswith("pymp-") for name in entries), tempdirs
+    assert not Path(folder).exists()
     addresses = {ip for sockets in seen.values() for _, ip, _ in sockets}
     assert addresses <= {"127.0.0.1", "::1"}, seen                   # never 0.0.0.0 or ::
     assert len(seen["launcher"]) == 1, seen                            # the store, in the launcher
