@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from launcher_core.errors import ConfigError
+from launcher_core.errors import ConfigError, ParityFailed
 from launcher_core.manifest import STAGES
 from launcher_core.schema import Profile
 
@@ -167,7 +167,21 @@ def _eval(ctx: PipelineContext) -> str:
             *((extra.methods, extra.num_prompts, extra.label) for extra in report.also_sets)]
     line = "; also ".join(f"{drafted_figures(methods)} on {count} prompts, {label}" for methods, count, label in sets)
     line = f"{which}: {line}"
-    return f"{line}; {_served(ctx, checkpoint)}" if ctx.profile.eval.serve_engine else line
+    if not ctx.profile.eval.serve_engine:
+        return line
+    print(f"in-process: {line}", flush=True)
+    try:
+        return f"{line}; {_served(ctx, checkpoint)}"
+    except ParityFailed as failed:
+        raise served_check_failed(ctx.run_dir, failed) from None
+
+
+def served_check_failed(run_dir: Path, failed: ParityFailed) -> ParityFailed:
+    """The gate's failure with a last line for the pipeline: the in-process eval is kept, which rules broke,
+    and the report to read."""
+    return ParityFailed(f"{failed}\npipeline: the in-process eval is done and kept ({run_dir / 'eval' / 'report.md'}); "
+                        f"the served check failed the parity gate ({', '.join(failed.rules)}): read "
+                        f"{Path(failed.report).with_suffix('.md')} for each prompt", failed.rules, failed.report)
 
 
 def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:

@@ -61,9 +61,14 @@ class RunFailed(LauncherError):
 
 
 class ParityFailed(LauncherError):
-    """The served drafter is not the trained one: the parity gate (dflash/eval/parity.py) failed."""
+    """The served drafter is not the trained one: the parity gate (dflash/eval/parity.py) failed. `rules`:
+    the names of the rules broken; `report`: the engine report that holds the per-prompt figures."""
 
     exit_code = EXIT_PARITY
+
+    def __init__(self, message: str, rules: tuple[str, ...] = (), report: str = ""):
+        super().__init__(message)
+        self.rules, self.report = rules, report
 
 
 class CannotTest(LauncherError):

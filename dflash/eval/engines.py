@@ -16,8 +16,11 @@ one request at a time:
 * vLLM: `--speculative-config {"method": "dflash", "model": DIR, "num_speculative_tokens": k}`
   (k = eval.draft_tokens, default and at most B-1, as the in-process drafter drafts; prompt lookup:
   method `ngram`, B-1); `POST /v1/completions` with the token ids as `prompt` and
-  `return_token_ids`; the Prometheus counters of `GET /metrics` (drafts, accepted tokens per
-  position, k of them) read before and after each request. A drafter mixing sliding and full
+  `return_token_ids`; from vLLM 0.32 each answer's own acceptance, every verify step's in order
+  (`--per-request-spec-decode-metrics detailed`), before it the Prometheus counters of `GET /metrics`
+  (drafts, accepted tokens per position, k of them) read before and after each request. SGLang's
+  answer is streamed: a chunk per verify step, each with the request's running spec counters, gives
+  every step's acceptance (`sglang_per_step`). A drafter mixing sliding and full
   layers, and a DFlash 2 drafter, run on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`;
   otherwise `_resolve_layer_attention` raises, and the V1 runner refuses candidate-head drafts).
 
@@ -30,9 +33,9 @@ import json
 import subprocess
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from dflash.compat import version_tuple
 from dflash.drafter.checkpoint import is_dflash2_checkpoint
@@ -59,6 +62,8 @@ class ServedPrompt:
     steps: int = 0                    # verify steps with a draft (vLLM: drafts; SGLang: spec_verify_ct)
     accepted: int = 0                 # accepted draft tokens over them (the bonus token excluded)
     histogram: list[int] = field(default_factory=list)   # steps that accepted k drafts, k = 0, 1, ...
+    per_step: Optional[list[int]] = None   # accepted drafts of each step in order (vLLM: its per-request metrics;
+    #                                        SGLang: its stream), None where the engine gave totals only
 
 
 @dataclass(frozen=True)
@@ -93,12 +98,13 @@ class EngineSettings:
 
 
 def engine_command(engine: str, profile: Profile, target: Path, method: str, drafter: Path, block_size: int,
-                   port: int, launch: Optional[Sequence[str]] = None) -> ServerCommand:
+                   port: int, launch: Optional[Sequence[str]] = None, version: Optional[str] = None) -> ServerCommand:
     """The server for one method; `launch` replaces `python -m <engine module>` (tests: a stand-in).
-    `drafter`: the drafter directory the engine loads (an export, `launcher.py export --for ENGINE`)."""
+    `drafter`: the drafter directory the engine loads (an export, `launcher.py export --for ENGINE`);
+    `version`: the engine's (vLLM from VLLM_PER_STEP_METRICS on: asked for each request's per-step acceptance)."""
     prefix = list(launch) if launch else [engine_python(profile, engine), *LAUNCH_MODULES[engine]]
-    builder = _sglang_args if engine == "sglang" else _vllm_args
-    argv = prefix + builder(profile, target, method, drafter, block_size, port)
+    argv = prefix + (_sglang_args(profile, target, method, drafter, block_size, port) if engine == "sglang" else
+                     _vllm_args(profile, target, method, drafter, block_size, port, vllm_per_step(version)))
     env = vllm_env(profile, profile.eval.cpu_threads) if engine == "vllm" else {}   # in-process's threads
     if engine == "vllm" and method == "dflash" and (mixes_sliding_and_full(drafter_layer_types(drafter))
                                                     or is_dflash2_checkpoint(drafter)):
@@ -144,7 +150,19 @@ def _sglang_args(profile: Profile, target: Path, method: str, drafter: Path, blo
     return args
 
 
-def _vllm_args(profile: Profile, target: Path, method: str, drafter: Path, block: int, port: int) -> list[str]:
+# vLLM's per-request acceptance (`--per-request-spec-decode-metrics detailed`: the response's
+# `metrics.speculative_decoding` with `per_step_accepted`, one entry per verify step in order): added by vLLM PR
+# 48915 after 0.28; read in 0.32 (vllm/config/observability.py, v1/metrics/stats.py RequestSpecDecodeMetrics).
+VLLM_PER_STEP_METRICS = (0, 32, 0)
+
+
+def vllm_per_step(version: Optional[str]) -> bool:
+    """Whether this vLLM reports each request's per-step acceptance (None: not known, not asked)."""
+    return version is not None and version_tuple(version) >= VLLM_PER_STEP_METRICS
+
+
+def _vllm_args(profile: Profile, target: Path, method: str, drafter: Path, block: int, port: int,
+               per_step: bool = False) -> list[str]:
     args = vllm_base_args(profile, target, port)
     speculative = {"dflash": {"method": "dflash", "model": str(drafter),
                               "num_speculative_tokens": draft_tokens(profile, block)},   # as in-process
@@ -153,6 +171,8 @@ def _vllm_args(profile: Profile, target: Path, method: str, drafter: Path, block
                                      "prompt_lookup_min": 1}}.get(method)
     if speculative:
         args += ["--speculative-config", json.dumps(speculative)]
+        if per_step:
+            args += ["--per-request-spec-decode-metrics", "detailed"]
     return args
 
 
@@ -237,18 +257,53 @@ def _get(url: str) -> bytes:
 
 
 def generate_ids(base_url: str, prompt_ids: Sequence[int], settings: EngineSettings) -> ServedPrompt:
-    """SGLang: one `/generate` of a token-id prompt -> its output ids and the acceptance of its steps."""
+    """SGLang: one streamed `/generate` of a token-id prompt -> its output ids, the acceptance of its steps and,
+    where every chunk carried one verify step, each step's accepted drafts (`sglang_per_step`)."""
     sampling: dict[str, object] = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
                                    "sampling_seed": settings.seed}
     if settings.stop_token_ids:
         sampling["stop_token_ids"] = list(settings.stop_token_ids)
-    answer = _post(f"{base_url}/generate", {"input_ids": list(prompt_ids), "sampling_params": sampling},
-                   settings.request_timeout_s)
-    return sglang_served_prompt(answer)
+    chunks = list(_stream(f"{base_url}/generate", {"input_ids": list(prompt_ids), "sampling_params": sampling,
+                                                   "stream": True}, settings.request_timeout_s))
+    if not chunks:
+        raise RuntimeError(f"{base_url}/generate streamed no answer")
+    return replace(sglang_served_prompt(chunks[-1]), per_step=sglang_per_step([c.get("meta_info") for c in chunks]))
+
+
+def _stream(url: str, body: dict[str, object], timeout_s: float) -> Iterator[dict[str, Any]]:
+    """The `data: {...}` events of a server-sent stream, up to `data: [DONE]`."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (loopback URL we built)
+        for raw in response:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":
+                return
+            yield json.loads(payload)
+
+
+def sglang_per_step(metas: Sequence[object]) -> Optional[list[int]]:
+    """Each verify step's accepted drafts from the streamed chunks' running `spec_verify_ct` and
+    `spec_num_correct_drafts` (SGLang 0.5.19 writes the request's totals so far into every chunk's
+    meta_info). None where a chunk carried more than one step: the client fell behind and SGLang
+    coalesced them (tokenizer_manager `_wait_one_response` keeps the last chunk's meta_info)."""
+    steps, accepted, per_step = 0, 0, []
+    for meta in metas:
+        meta = meta if isinstance(meta, dict) else {}
+        now_steps, now_accepted = int(meta.get("spec_verify_ct") or 0), int(meta.get("spec_num_correct_drafts") or 0)
+        if now_steps - steps > 1 or (now_steps == steps and now_accepted != accepted):
+            return None
+        if now_steps == steps + 1:
+            per_step.append(now_accepted - accepted)
+        steps, accepted = now_steps, now_accepted
+    return per_step
 
 
 def sglang_served_prompt(answer: dict[str, object]) -> ServedPrompt:
-    """SGLang's `/generate` answer -> ServedPrompt; `meta_info` has no spec_* keys when nothing drafted."""
+    """SGLang's `/generate` answer (or a stream's last chunk) -> ServedPrompt; `meta_info` has no spec_* keys
+    when nothing drafted."""
     meta = answer.get("meta_info")
     meta = meta if isinstance(meta, dict) else {}
     histogram = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
@@ -262,15 +317,29 @@ def _list(value: object) -> list[int]:
     return [int(item) for item in value] if isinstance(value, list) else []
 
 
-def complete_ids(base_url: str, prompt_ids: Sequence[int], settings: EngineSettings) -> tuple[str, list[int]]:
-    """vLLM: one OpenAI completion of a token-id prompt -> (text, the completion's token ids)."""
+def complete_ids(base_url: str, prompt_ids: Sequence[int], settings: EngineSettings) -> dict[str, Any]:
+    """vLLM: one OpenAI completion of a token-id prompt -> its answer (`choices`, `metrics`)."""
     body: dict[str, object] = {"model": SERVED_MODEL_NAME, "prompt": list(prompt_ids),
                                "max_tokens": settings.max_new_tokens, "temperature": settings.temperature,
                                "seed": settings.seed, "return_token_ids": True}
     if settings.stop_token_ids:
         body["stop_token_ids"] = list(settings.stop_token_ids)
-    choices = _post(f"{base_url}/v1/completions", body, settings.request_timeout_s)["choices"]
-    choice = choices[0]  # type: ignore[index]
+    return _post(f"{base_url}/v1/completions", body, settings.request_timeout_s)
+
+
+def vllm_answer_prompt(answer: dict[str, Any]) -> Optional[ServedPrompt]:
+    """A completion answer carrying vLLM's per-request acceptance -> ServedPrompt; None without it."""
+    text, tokens = vllm_answer_tokens(answer)
+    metrics = (answer.get("metrics") or {}).get("speculative_decoding")
+    if not isinstance(metrics, dict):
+        return None
+    per_step = metrics.get("per_step_accepted")
+    return ServedPrompt(text, tokens, int(metrics["num_spec_steps"]), int(metrics["num_accepted_draft_tokens"]),
+                        _list(metrics.get("acceptance_histogram")), _list(per_step) if per_step is not None else None)
+
+
+def vllm_answer_tokens(answer: dict[str, Any]) -> tuple[str, list[int]]:
+    choice = answer["choices"][0]
     return choice.get("text") or "", [int(t) for t in choice.get("token_ids") or []]
 
 
@@ -308,18 +377,35 @@ def serve_method(engine: str, command: ServerCommand, prompt_ids: Sequence[Seque
     try:
         served, wall_s = [], 0.0
         for ids in prompt_ids:
-            before = vllm_counters(command.base_url) if engine == "vllm" else {}
-            started = time.perf_counter()
-            if engine == "vllm":
-                text, tokens = complete_ids(command.base_url, ids, settings)
-                wall_s += time.perf_counter() - started
-                served.append(vllm_served_prompt(text, tokens, before, vllm_counters(command.base_url)))
-            else:
-                served.append(generate_ids(command.base_url, ids, settings))
-                wall_s += time.perf_counter() - started
+            prompt, seconds = (serve_vllm_prompt if engine == "vllm" else serve_sglang_prompt)(command, ids, settings)
+            served.append(prompt)
+            wall_s += seconds
     finally:
         supervisor.stop()
     return engine_run(command.name, served, wall_s, list(command.argv), settings.block_size)
+
+
+def serve_vllm_prompt(command: ServerCommand, ids: Sequence[int], settings: EngineSettings) -> tuple[ServedPrompt, float]:
+    """One vLLM request and its acceptance (the per-request metrics where asked for, else the counters'
+    growth while it ran; target alone: neither), with its wall time."""
+    per_request = "--per-request-spec-decode-metrics" in command.argv
+    speculative = "--speculative-config" in command.argv
+    before = vllm_counters(command.base_url) if speculative and not per_request else {}
+    started = time.perf_counter()
+    answer = complete_ids(command.base_url, ids, settings)
+    seconds = time.perf_counter() - started
+    prompt = vllm_answer_prompt(answer) if per_request else None
+    if prompt is None:
+        text, tokens = vllm_answer_tokens(answer)
+        prompt = vllm_served_prompt(text, tokens, before, vllm_counters(command.base_url)) if speculative else \
+            ServedPrompt(text, tokens)
+    return prompt, seconds
+
+
+def serve_sglang_prompt(command: ServerCommand, ids: Sequence[int], settings: EngineSettings) -> tuple[ServedPrompt, float]:
+    started = time.perf_counter()
+    prompt = generate_ids(command.base_url, ids, settings)
+    return prompt, time.perf_counter() - started
 
 
 def engine_run(method: str, served: list[ServedPrompt], wall_s: float, argv: list[str], block_size: int) -> EngineRun:
@@ -337,9 +423,11 @@ def run_engines(engine: str, profile: Profile, target: Path, drafter: Path, bloc
                 prompt_ids: Sequence[Sequence[int]], settings: EngineSettings, log_dir: Path,
                 launch: Optional[Sequence[str]] = None, methods: Sequence[str] = METHODS) -> dict[str, EngineRun]:
     """Each method in turn, each on a fresh engine (its counters are that run's)."""
+    version = check_engine_installed(engine, profile) if launch is None else None
     runs = {}
     for method in methods:
-        command = engine_command(engine, profile, target, method, drafter, block_size, profile.eval.engine_port, launch)
+        command = engine_command(engine, profile, target, method, drafter, block_size, profile.eval.engine_port, launch,
+                                 version)
         runs[method] = serve_method(engine, command, prompt_ids, settings, log_dir / f"{engine}-{method}.log",
                                     profile.generate.server_startup_timeout_s)
     return runs

@@ -3,7 +3,7 @@ and what plots, `status` (through the manifest's eval entry), the pipeline and t
 
 `EvalReport.to_json` is the only place the report becomes JSON and `EvalReport.from_json` (or
 `read_report`) the only place it is read back; a bad field is an InputError naming the file and the
-field. Layout, version 2 (version 1, without `report_version`, is read the same way):
+field. Layout, version 3 (versions 1, without `report_version`, and 2 are read the same way):
 
     {report_version, profile, target, checkpoint, seed, prompts_file, prompt_set, max_new_tokens,
      torch_threads (in-process), served_drafter (engine evals), baseline (how target-only decoding ran),
@@ -27,7 +27,8 @@ from launcher_core.errors import InputError
 
 TARGET = "target"
 DFLASH, DFLASH_UNARY = "dflash", "dflash_unary"     # a DFlash 2 drafter: its selector's path, its unary argmax
-REPORT_VERSION = 2   # 2: `report_version` written; unknown per-method keys left out instead of null
+REPORT_VERSION = 3   # 2: `report_version` written, unknown per-method keys left out instead of null; 3: the gate's
+#                      paired-test fields and per-prompt rows (a version 2 report's gain-rule fields are not read)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,29 @@ class SetBrief:
 
 
 @dataclass(frozen=True)
+class PromptParity:
+    """One prompt of a gated method, both sides: steps and accepted drafts, the in-process first near-tie
+    (1-based step; None: none) and how the served side departed before it (None: it did not)."""
+
+    prompt_id: str
+    served_steps: int
+    served_accepted: int
+    inprocess_steps: int
+    inprocess_accepted: int
+    first_near_tie: Optional[int] = None
+    prefix_mismatch: Optional[str] = None
+
+    def to_json(self) -> dict[str, object]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_json(cls, data: _Fields) -> PromptParity:
+        return cls(data.text("prompt_id"), data.integer("served_steps"), data.integer("served_accepted"),
+                   data.integer("inprocess_steps"), data.integer("inprocess_accepted"),
+                   data.integer_or_none("first_near_tie"), data.text_or_none("prefix_mismatch"))
+
+
+@dataclass(frozen=True)
 class ParityRow:
     """One method served vs decoded in-process on the same token ids (dflash/eval/parity.py fills it)."""
 
@@ -131,30 +155,40 @@ class ParityRow:
     within_tolerance: Optional[bool] = None    # the gate passed; None: not gated
     served_steps: Optional[int] = None         # speculative steps counted on each side
     inprocess_steps: Optional[int] = None
-    tolerance: Optional[float] = None          # gated: the tau difference allowed
-    standard_error: Optional[float] = None     # gated: of the tau difference
     prompts_same_tokens: Optional[int] = None  # gated: prompts whose served and in-process tokens are identical
-    prompts_same_acceptance: Optional[int] = None   # ... and of those, the ones accepting the same drafts
-    prompts_near_tie: Optional[int] = None     # ... and of the others, those the in-process drafter's near-ties explain
-    failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, named
-    conclusive: Optional[bool] = None          # gated: the in-process gain stands clear of zero
+    prompts_same_acceptance: Optional[int] = None   # ... and of those, the ones accepting the same drafts every step
+    steps_before_near_tie: Optional[int] = None     # gated: in-process steps the deterministic rule compared
+    prompts_fewer: Optional[int] = None        # gated: prompts accepting fewer drafts per step served than in-process
+    prompts_more: Optional[int] = None         # ... and more
+    p_value: Optional[float] = None            # gated: the paired sign test's two-sided p
+    failed_rules: Optional[list[str]] = None   # gated: the names of the rules broken (parity.RULE_*)
+    failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, described
+    conclusive: Optional[bool] = None          # gated: the paired test can reach its significance on this many prompts
+    prompts: Optional[list[PromptParity]] = None   # gated: per prompt
 
     def to_json(self) -> dict[str, object]:
-        return {key: value for key, value in asdict(self).items() if key in _PARITY_ALWAYS or value is not None}
+        document = {key: value for key, value in asdict(self).items()
+                    if key != "prompts" and (key in _PARITY_ALWAYS or value is not None)}
+        if self.prompts is not None:
+            document["prompts"] = [prompt.to_json() for prompt in self.prompts]
+        return document
 
     @classmethod
     def from_json(cls, data: _Fields) -> ParityRow:
+        prompts = [PromptParity.from_json(item) for item in data.object_list("prompts")]
         return cls(data.number_or_none("served_tau"), data.number_or_none("inprocess_tau"),
                    data.numbers_or_none("served_position_acceptance"), data.numbers_or_none("inprocess_position_acceptance"),
                    data.flag_or_none("served_identical_to_target"), data.flag_or_none("inprocess_identical_to_target"),
                    data.flag("same_tokens_as_inprocess"), data.text_or_none("first_divergence"), data.flag("gated"),
                    data.flag_or_none("within_tolerance"), served_steps=data.integer_or_none("served_steps"),
-                   inprocess_steps=data.integer_or_none("inprocess_steps"), tolerance=data.number_or_none("tolerance"),
-                   standard_error=data.number_or_none("standard_error"),
+                   inprocess_steps=data.integer_or_none("inprocess_steps"),
                    prompts_same_tokens=data.integer_or_none("prompts_same_tokens"),
                    prompts_same_acceptance=data.integer_or_none("prompts_same_acceptance"),
-                   prompts_near_tie=data.integer_or_none("prompts_near_tie"),
-                   failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"))
+                   steps_before_near_tie=data.integer_or_none("steps_before_near_tie"),
+                   prompts_fewer=data.integer_or_none("prompts_fewer"), prompts_more=data.integer_or_none("prompts_more"),
+                   p_value=data.number_or_none("p_value"), failed_rules=data.texts_or_none("failed_rules"),
+                   failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"),
+                   prompts=prompts or None)
 
 
 _PARITY_ALWAYS = ("served_tau", "inprocess_tau", "served_position_acceptance", "inprocess_position_acceptance",

@@ -26,7 +26,8 @@ class MethodRun:
     tokens: list[int]
     taus: list[int]
     wall_s: float
-    near_ties: int = 0      # greedy: steps decided by a drafter near-tie (specdec.near_tie_step)
+    draft_margins: list[Optional[float]] = field(default_factory=list)    # greedy, per step (specdec.draft_margin)
+    target_margins: list[Optional[float]] = field(default_factory=list)   # greedy, per step (specdec.target_margin)
 
 
 @dataclass

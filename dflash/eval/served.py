@@ -40,13 +40,14 @@ class InProcessDecode:
     prompt_ids: list[list[int]]
     prompt_names: list[str]
     stop_token_ids: tuple[int, ...]
-    near_ties: dict[str, list[int]]         # method -> each prompt's near-tie steps (specdec.near_tie_step)
+    margins: dict[str, list[tuple[list[Optional[float]], list[Optional[float]]]]]   # method -> each prompt's
+    #                                        per-step (drafter, target) margins (specdec.draft_margin / target_margin)
 
     def side(self, method: str) -> SideFigures:
         """The method as the parity gate reads it."""
         figures = self.report.methods[method]
-        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), near)
-                   for tokens, taus, near in zip(self.tokens[method], self.taus[method], self.near_ties[method])]
+        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), [tau - 1 for tau in taus], *margins)
+                   for tokens, taus, margins in zip(self.tokens[method], self.taus[method], self.margins[method])]
         return SideFigures(prompts, histogram_of_taus([t for taus in self.taus[method] for t in taus]),
                            figures.position_acceptance, figures.identical_to_target)
 
@@ -116,13 +117,12 @@ def parity_rows(runs: dict[str, EngineRun], inprocess: InProcessDecode) -> dict[
     target = runs.get("target")
     served_target = [p.token_ids for p in target.prompts] if target else None
     return {name: method_parity(name, served_side(run, target), inprocess.side(name), inprocess.prompt_names,
-                                served_target, block_size=inprocess.report.block_size)
-            for name, run in runs.items()}
+                                served_target) for name, run in runs.items()}
 
 
 def served_side(run: EngineRun, target: Optional[EngineRun]) -> SideFigures:
     """A served method as the parity gate reads it; lossless against the engine's own target-only run."""
-    prompts = [PromptAcceptance(p.token_ids, p.steps, p.accepted) for p in run.prompts]
+    prompts = [PromptAcceptance(p.token_ids, p.steps, p.accepted, p.per_step) for p in run.prompts]
     lossless = None if target is None or run is target else _same_output(run, target)
     return SideFigures(prompts, run.histogram, run.position_acceptance, lossless)
 
@@ -187,10 +187,11 @@ def render_engine_markdown(report: EvalReport) -> str:
         speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
         lines.append(f"| {name} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
     if report.parity:
-        from dflash.eval.parity import RULE, parity_lines
+        from dflash.eval.parity import GateConstants, parity_lines, prompt_parity_lines
 
-        lines += ["", f"## Served vs in-process (the same token-id prompts; the gate on dflash: {RULE})", "",
-                  *parity_lines(report.parity)]
+        lines += ["", f"## Served vs in-process (the same token-id prompts; the gate on dflash: "
+                      f"{GateConstants().describe()})", "", *parity_lines(report.parity),
+                  *prompt_parity_lines(report.parity)]
     return "\n".join(lines) + "\n"
 
 
@@ -227,6 +228,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     report = build_report(results, block_size=draft.block_size, temperature=settings.temperature)
     tokens = {name: [entry.runs[name].tokens for entry in results] for name in METHODS}
     taus = {name: [entry.runs[name].taus for entry in results] for name in METHODS}
-    ties = {name: [entry.runs[name].near_ties for entry in results] for name in METHODS}
+    margins = {name: [(entry.runs[name].draft_margins, entry.runs[name].target_margins) for entry in results]
+               for name in METHODS}
     return InProcessDecode(report, tokens, taus, [p.token_ids for p in prompts], [p.prompt_id for p in prompts],
-                           tuple(stops), ties)
+                           tuple(stops), margins)

@@ -32,12 +32,6 @@ if TYPE_CHECKING:
     from dflash.eval.target_cache import LinearSnapshot
 
 
-# A draft decided by less than this many logits is a near-tie: another engine's kernels may pick the other
-# token. Measured: vLLM's CPU build (0.32) drafted differently from us where our draft led the target's token
-# by 0.0012 to 0.162 logits (the cpu-demo drafter, 16 everyday prompts, 2026-12-02; BENCHMARKS.md "The
-# parity gate and its negative controls"); our own two CPU kernels (eval.cpu_matmul auto / torch) agreed on
-# every draft of those prompts.
-NEAR_TIE_LOGITS = 0.25
 
 
 @dataclass
@@ -47,7 +41,7 @@ class Proposal:
     `probs` None means the tokens were chosen deterministically (q is one-hot), as prompt
     lookup does; rejection sampling then accepts token x with probability p(x). `logits`
     [len(tokens), V'] (a greedy drafter's scores, V' its vocabulary; `vocab` the target id of each
-    of its rows, None when V' is the target's) let the loop count near-ties (`near_tie_step`).
+    of its rows, None when V' is the target's) let the loop measure each step's margins (`draft_margin`).
     """
 
     tokens: list[int]
@@ -56,28 +50,42 @@ class Proposal:
     vocab: Optional["torch.Tensor"] = None
 
 
-def near_tie_step(proposal: Proposal, accepted: int, bonus: int) -> bool:
-    """Whether a draft slot this step's acceptance reached was decided by less than NEAR_TIE_LOGITS:
-    an accepted draft that led the drafter's next choice by less (a kernel that flips it accepts
-    fewer), or the rejected draft leading the target's token (`bonus`) by less (a kernel that flips
-    it accepts more)."""
-    import torch
-
+def draft_margin(proposal: Proposal, accepted: int, bonus: int) -> Optional[float]:
+    """The smallest logit margin by which the drafter decided this step's acceptance: over the accepted
+    drafts, each one's lead over the drafter's next choice (a kernel that flips it accepts fewer), and
+    over the rejected draft, its lead over the target's token `bonus` (a kernel that flips it accepts
+    more). None where the proposal carries no scores (prompt lookup) or no slot was decisive."""
     logits = proposal.logits
     if logits is None:
-        return False
-    for slot in range(min(accepted, logits.shape[0])):
-        best = torch.topk(logits[slot], 2).values
-        if float(best[0] - best[1]) < NEAR_TIE_LOGITS:
-            return True
-    if accepted >= logits.shape[0]:
-        return False
+        return None
+    margins = [_lead(logits[slot]) for slot in range(min(accepted, logits.shape[0]))]
+    row = _draft_row(proposal, bonus) if accepted < logits.shape[0] else None
+    if row is not None:
+        margins.append(float(logits[accepted].max() - logits[accepted, row]))
+    return min(margins, default=None)
+
+
+def _draft_row(proposal: Proposal, token: int) -> Optional[int]:
+    """The drafter's row of target token `token` (None where its vocabulary lacks it)."""
+    assert proposal.logits is not None
     if proposal.vocab is None:
-        row = bonus if bonus < logits.shape[1] else None
-    else:
-        rows = (proposal.vocab == bonus).nonzero()
-        row = int(rows[0, 0]) if rows.numel() else None
-    return row is not None and float(logits[accepted].max() - logits[accepted, row]) < NEAR_TIE_LOGITS
+        return token if token < proposal.logits.shape[1] else None
+    rows = (proposal.vocab == token).nonzero()
+    return int(rows[0, 0]) if rows.numel() else None
+
+
+def target_margin(out: VerifyOutput, accepted: int) -> float:
+    """The smallest lead of the target's greedy token over its runner-up at the positions this step's
+    acceptance read (0..accepted): where it is small, another engine's kernels may pick the other token."""
+    return min(_lead(out.row(index)) for index in range(accepted + 1))
+
+
+def _lead(logits: "torch.Tensor") -> float:
+    """How far the best of a row of logits leads the second best."""
+    import torch
+
+    best = torch.topk(logits, 2).values
+    return float(best[0] - best[1])
 
 
 class Drafter(Protocol):
@@ -304,7 +312,8 @@ class DecodeResult:
     taus: list[int] = field(default_factory=list)       # acceptance length of each draft step
     proposed: list[int] = field(default_factory=list)   # draft tokens proposed at each step
     wall_s: float = 0.0
-    near_ties: int = 0                       # greedy: steps decided by a drafter near-tie (near_tie_step)
+    draft_margins: list[Optional[float]] = field(default_factory=list)    # greedy, per step: draft_margin
+    target_margins: list[Optional[float]] = field(default_factory=list)   # greedy, per step: target_margin
 
     @property
     def mean_tau(self) -> float:
@@ -405,12 +414,14 @@ def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: S
     drafter.reset()
     prefill = verifier.forward(prompt_ids, with_features=drafter.uses_features, logits_for=1)
     committed = list(prompt_ids) + [pick_token(prefill.logits[-1], settings.temperature, generator)]
-    state = _LoopState(committed=committed, features=prefill.features, prompt_len=len(prompt_ids))
+    state = _LoopState(committed=committed, features=prefill.features, prompt_len=len(prompt_ids),
+                       prefill_margin=_lead(prefill.logits[-1]) if settings.temperature <= 0 else None)
     while not state.finished(settings):
         _step(verifier, drafter, state, settings, generator)
     tokens = state.new_tokens(settings)
     return DecodeResult(tokens=tokens, taus=state.taus, proposed=state.proposed,
-                        wall_s=time.perf_counter() - started, near_ties=state.near_ties)
+                        wall_s=time.perf_counter() - started, draft_margins=state.draft_margins,
+                        target_margins=state.target_margins)
 
 
 @dataclass
@@ -420,7 +431,9 @@ class _LoopState:
     prompt_len: int
     taus: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    near_ties: int = 0
+    draft_margins: list[Optional[float]] = field(default_factory=list)
+    target_margins: list[Optional[float]] = field(default_factory=list)
+    prefill_margin: Optional[float] = None     # the first token's lead, counted into the first step's target margin
 
     def new_tokens(self, settings: DecodeSettings) -> list[int]:
         """Generated tokens, cut after the first EOS and at max_new_tokens."""
@@ -446,7 +459,11 @@ def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, setting
     out = verifier.forward([state.committed[-1]] + proposal.tokens, with_features=drafter.uses_features, lazy=greedy)
     if greedy:
         accepted, bonus = accept_greedy_rows(proposal.tokens, out)
-        state.near_ties += near_tie_step(proposal, accepted, bonus)
+        state.draft_margins.append(draft_margin(proposal, accepted, bonus))
+        margin = target_margin(out, accepted)
+        if not state.target_margins and state.prefill_margin is not None:
+            margin = min(margin, state.prefill_margin)
+        state.target_margins.append(margin)
     else:
         accepted, bonus = accept_sampling(proposal, out.logits, settings.temperature, generator)
     state.committed += proposal.tokens[:accepted] + [bonus]

@@ -7,8 +7,13 @@ from `--model-path`, with `--speculative-algorithm DFLASH` the drafter directory
 SGLang export). So the answers are what our in-process decoder gives; `--mode` bends them:
 
 * `honest`: as decoded;
-* `extra-accept`: every answer's `spec_num_correct_drafts` one higher (a served drafter that
-  accepts differently on the same tokens).
+* `extra-accept`: one more accepted draft at each answer's first step not decided by a near-tie (by the
+  gate's constants; a served drafter that accepts differently on the same tokens);
+* `coalesce`: streamed two verify steps a chunk, as SGLang does when its client falls behind.
+
+With `"stream": true` the answer goes out as server-sent events, one chunk per verify step (the
+prefill's token first), each carrying the request's output ids and spec counters so far, then
+`data: [DONE]` (SGLang 0.5.19's http_server `generate_request` and tokenizer_manager, non-incremental).
 
 vLLM runs for real on CPU: tests/eval/test_engine_vllm.py starts its CPU build."""
 import argparse
@@ -24,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 def parse(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="honest", choices=("honest", "extra-accept"))
+    parser.add_argument("--mode", default="honest", choices=("honest", "extra-accept", "coalesce"))
     parser.add_argument("--model-path")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
@@ -55,7 +60,8 @@ class Decoder:
         layer_ids = getattr(self.drafter, "layer_ids", None)
         self.verifier = TargetVerifier(self.model, layer_ids)
 
-    def answer(self, input_ids: list, sampling: dict) -> dict:
+    def chunks(self, input_ids: list, sampling: dict) -> list:
+        """The answer as SGLang streams it, one chunk per verify step; the last chunk is the whole answer."""
         from dflash.eval.specdec import DecodeSettings, speculative_decode
 
         settings = DecodeSettings(block_size=self.args.speculative_num_draft_tokens,
@@ -63,20 +69,41 @@ class Decoder:
                                   temperature=float(sampling.get("temperature", 1.0)),
                                   eos_ids=tuple(sampling.get("stop_token_ids") or ()))
         run = speculative_decode(self.verifier, self.drafter, input_ids, settings)
-        answer = {"text": " ".join(map(str, run.tokens)), "output_ids": run.tokens, "meta_info": {}}
-        if self.args.speculative_algorithm == "DFLASH":
-            answer["meta_info"] = self.spec_meta(run.taus)
+        accepted = [tau - 1 for tau in run.taus]
+        if self.args.mode == "extra-accept":
+            accepted = self.bend(accepted, run)
+        chunks, committed = [self.chunk(run.tokens[:1], [])], 1
+        for step in range(len(accepted)):
+            committed += run.taus[step]
+            chunks.append(self.chunk(run.tokens[:committed], accepted[: step + 1]))
+        chunks[-1] = self.chunk(run.tokens, accepted)
+        if self.args.mode == "coalesce":
+            chunks = chunks[::2] + ([chunks[-1]] if len(chunks) % 2 == 0 else [])
+        return chunks
+
+    def bend(self, accepted: list, run) -> list:
+        from dflash.eval.parity import GateConstants, PromptAcceptance
+
+        tie = PromptAcceptance([], draft_margins=run.draft_margins, target_margins=run.target_margins).first_near_tie(
+            GateConstants())
+        step = 0 if tie is None or tie > 0 else None
+        if step is not None and accepted:
+            accepted = [count + (index == step) for index, count in enumerate(accepted)]
+        return accepted
+
+    def chunk(self, tokens: list, accepted: list) -> dict:
+        answer = {"text": " ".join(map(str, tokens)), "output_ids": list(tokens), "meta_info": {}}
+        if self.args.speculative_algorithm == "DFLASH" and accepted:
+            answer["meta_info"] = self.spec_meta(accepted)
         return answer
 
-    def spec_meta(self, taus: list) -> dict:
-        accepted = [tau - 1 for tau in taus]
+    def spec_meta(self, accepted: list) -> dict:
         histogram = [0] * (max(accepted, default=0) + 1)
         for count in accepted:
             histogram[count] += 1
-        extra = 1 if self.args.mode == "extra-accept" else 0
-        meta = {"spec_verify_ct": len(taus), "spec_num_correct_drafts": sum(accepted) + extra,
+        meta = {"spec_verify_ct": len(accepted), "spec_num_correct_drafts": sum(accepted),
                 "spec_correct_drafts_histogram": histogram,
-                "spec_num_proposed_drafts": len(taus) * (self.args.speculative_num_draft_tokens - 1)}
+                "spec_num_proposed_drafts": len(accepted) * (self.args.speculative_num_draft_tokens - 1)}
         assert set(meta) <= set(SHAPES["meta_info_spec_keys"]), meta
         return meta
 
@@ -105,9 +132,16 @@ def handler(decoder: Decoder):
             unknown = sorted(set(request) - set(SHAPES["request_fields"])) + sorted(set(sampling) - set(SHAPES["sampling_params"]))
             if self.path != "/generate" or unknown or not all(isinstance(t, int) for t in request.get("input_ids") or [None]):
                 return self._send({"error": f"bad request: {self.path} {unknown}"}, 400)
-            answer = decoder.answer(request["input_ids"], sampling)
-            assert set(answer) <= set(SHAPES["response_keys"])
-            self._send(answer)
+            chunks = decoder.chunks(request["input_ids"], sampling)
+            assert all(set(chunk) <= set(SHAPES["response_keys"]) for chunk in chunks)
+            if not request.get("stream"):
+                return self._send(chunks[-1])
+            body = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
     return Handler
 

@@ -128,3 +128,22 @@ def test_vllms_ngram_proposer_uses_one_numba_thread_and_the_launchers_env_leaves
     assert result["cap"] == 1, result                        # min(1, 64 // 2)
     assert result["pool"] == 1, result                       # numba's default: a thread per core
     assert result["drafts"] == [[7, 8, 9], [], [], []], result
+
+
+def test_vllm_answers_each_requests_per_step_acceptance_in_the_fields_we_read(vllm_python):
+    """`--per-request-spec-decode-metrics detailed` is an option of the engine's vLLM and its response model
+    has the fields dflash.eval.engines.vllm_answer_prompt reads (vllm/entrypoints/generate/base/protocol.py)."""
+    import subprocess
+
+    probe = subprocess.run([vllm_python, "-c",
+                            "from vllm.engine.arg_utils import EngineArgs\n"
+                            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+                            "from vllm.entrypoints.generate.base.protocol import SpeculativeDecodingMetrics as M\n"
+                            "parser = EngineArgs.add_cli_args(FlexibleArgumentParser())\n"
+                            "args = parser.parse_args(['--per-request-spec-decode-metrics', 'detailed'])\n"
+                            "print(args.per_request_spec_decode_metrics, ' '.join(sorted(M.model_fields)))"],
+                           capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    level, fields = probe.stdout.split()[0], set(probe.stdout.split()[1:])
+    assert level == "detailed"
+    assert {"num_spec_steps", "num_accepted_draft_tokens", "acceptance_histogram", "per_step_accepted"} <= fields

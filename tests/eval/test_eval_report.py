@@ -16,6 +16,7 @@ from dflash.eval.records import (
     MethodFigures,
     ParityRow,
     PromptFigures,
+    PromptParity,
     ReportContext,
     SetBrief,
     read_report,
@@ -87,16 +88,17 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                            tau_source="vllm (engine-reported)", argv=["python", "-m", "vllm"],
                            candidate_recall=[0.9, None], selector_overrides=[0.25, 0.0])
     row = ParityRow(2.5, 2.45, [0.6, 0.2], [0.6, 0.25], True, True, False, "prompt 1 (a), new token 3: served 7, in-process 8",
-                    True, False, served_steps=40, inprocess_steps=41, tolerance=0.15, standard_error=0.05,
-                    prompts_same_tokens=5, prompts_same_acceptance=4, prompts_near_tie=1, failures=["served gain (tau - 1) ..."],
-                    conclusive=True)
+                    True, False, served_steps=40, inprocess_steps=41, prompts_same_tokens=5, prompts_same_acceptance=4,
+                    steps_before_near_tie=17, prompts_fewer=3, prompts_more=1, p_value=0.625,
+                    failed_rules=["deterministic prefix"], failures=["1 of 5 prompts decoded differently ..."],
+                    conclusive=True, prompts=[PromptParity("a", 10, 4, 11, 5, 3, "step 2 ...")])
     context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
                             "one cached forward a token")
     inner = EvalReport(3, 0.0, 1, {"dflash": method})
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
                         [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method})],
                         {"dflash": row}, inner)
-    for record in (method, row, context, report, report.prompts[0], report.also_sets[0]):
+    for record in (method, row, (row.prompts or [])[0], context, report, report.prompts[0], report.also_sets[0]):
         assert every_field_set(record), record
     assert through_disk(report, tmp_path) == report
 

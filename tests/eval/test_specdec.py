@@ -320,13 +320,15 @@ class ScoredOracle(OracleDrafter):
         return Proposal(tokens=proposal.tokens, logits=logits)
 
 
-@pytest.mark.parametrize("lead, counted", [(5.0, False), (0.1, True)])
-def test_the_loop_counts_the_steps_a_drafter_near_tie_decided(target, references, lead, counted):
-    """Drafts led by 5 logits are no near-tie; led by 0.1 (< NEAR_TIE_LOGITS), every step whose
-    acceptance read a draft is one. The output is the target's either way."""
+@pytest.mark.parametrize("lead", [5.0, 0.1])
+def test_the_loop_records_each_steps_drafter_margin(target, references, lead):
+    """The oracle's drafts lead every other token by `lead` logits: each step's drafter margin is that lead
+    (whether its last draft read was accepted or the target's token rejected it). The output is the
+    target's either way."""
     model = target[1]
     settings = DecodeSettings(block_size=4, max_new_tokens=25)
     drafter = ScoredOracle(references[1], len(PROMPTS[1]), model.config.vocab_size, wrong_every=3, lead=lead)
     result = speculative_decode(TargetVerifier(model), drafter, PROMPTS[1], settings)
     assert result.tokens == references[1]
-    assert result.near_ties == (len(result.taus) if counted else 0), (result.near_ties, result.taus)
+    assert result.draft_margins == pytest.approx([lead] * len(result.taus)), (result.draft_margins, result.taus)
+    assert len(result.target_margins) == len(result.taus) and min(result.target_margins) >= 0

@@ -10,6 +10,7 @@ Skipped, saying why, without CUDA or without the engine."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -52,4 +53,31 @@ def test_the_served_drafter_passes_the_parity_gate(engine, layers, tmp_path, tin
     assert gate.served_identical_to_target is True and gate.prompts_same_tokens is not None
     print(f"{engine} ({'sliding' if layers else 'full'}): served tau {gate.served_tau}, in-process "
           f"{gate.inprocess_tau}, steps {gate.served_steps}/{gate.inprocess_steps}, prompts with equal acceptance "
-          f"{gate.prompts_same_acceptance} of {gate.prompts_same_tokens}")
+          f"{gate.prompts_same_acceptance} of {gate.prompts_same_tokens}, {gate.steps_before_near_tie} steps compared "
+          f"one by one before a near-tie")
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_each_verify_step_s_acceptance_is_read_from_the_engine(engine, tmp_path, tiny_qwen3_target):
+    """SGLang: from its stream (one chunk per verify step, running spec counters); vLLM: from its per-request
+    metrics. The per-step figures must add up to the request's totals. Unproven until run on a GPU."""
+    import dataclasses
+    import json
+
+    from dflash.eval.engines import EngineSettings, run_engines
+    from launcher_core.profile import load_profile
+
+    _require(engine)
+    base = load_profile("cpu-demo")
+    profile = dataclasses.replace(base, machine=dataclasses.replace(base.machine, device="cuda"),
+                                  model=dataclasses.replace(base.model, target=str(tiny_qwen3_target)),
+                                  eval=dataclasses.replace(base.eval, engine_python=sys.executable))
+    settings = EngineSettings(max_new_tokens=24, temperature=0.0, seed=0, thinking=False, request_timeout_s=300,
+                              block_size=4)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
+    run = run_engines(engine, profile, tiny_qwen3_target, tiny_qwen3_target, 4, prompts, settings, tmp_path / "logs",
+                      methods=("prompt_lookup",))["prompt_lookup"]
+    for prompt in run.prompts:
+        print(engine, json.dumps({"steps": prompt.steps, "accepted": prompt.accepted, "per_step": prompt.per_step}))
+        assert prompt.per_step is not None and len(prompt.per_step) == prompt.steps
+        assert sum(prompt.per_step) == prompt.accepted
