@@ -108,6 +108,9 @@ CASES = [
     Smoke("bench_served_cpu.py", (rf"^prompt_lookup +the launcher's env +decode +{NUMBER} s, \d+ tokens, +{NUMBER} tokens/s, "
                                   rf"tau {NUMBER}, server CPU +{NUMBER} s$",),
           marks=(SLOW, ENGINE), timeout_s=1500),
+    Smoke("bench_parity_gate.py", (r"^in-process: \d+ steps, margins \[", rf"^chosen: near-tie margins {NUMBER} \(drafter\)",
+                                   r"^  served as trained  final +false failures +\d+ of 50 ",
+                                   r"^  negative control   dead for weak +detected +\d+ of 50 ")),
     Smoke("bench_pipeline.py", (r"^pipeline --profile cpu-demo \(smoke\): exit 0, ",
                                 *(rf"^  {stage} +done +{NUMBER} s" for stage in ("audit", "generate", "tokenize", "train", "eval")),
                                 rf"^  DFlash tau {NUMBER} vs prompt lookup {NUMBER}"), marks=(SLOW,), timeout_s=1500),
