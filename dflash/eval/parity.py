@@ -71,9 +71,9 @@ class GateConstants:
     significance: float = SIGNIFICANCE
 
     def describe(self) -> str:
-        prompts = "any prompt" if self.prefix_prompts == 1 else f"no {self.prefix_prompts} prompts"
-        return (f"{prompts} departing before its first near-tie (a decisive margin under {self.draft_logits:g} "
-                f"drafter / {self.target_logits:g} target logits), a paired two-sided sign test over prompts at "
+        prompts = "no prompt" if self.prefix_prompts == 1 else f"fewer than {self.prefix_prompts} prompts"
+        return (f"{prompts} departing before their first near-tie (a decisive margin under {self.draft_logits:g} "
+                f"drafter / {self.target_logits:g} target logits), no paired two-sided sign test over prompts at "
                 f"p < {self.significance:g}, lossless")
 
 
