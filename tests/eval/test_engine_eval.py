@@ -476,11 +476,18 @@ def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path:
                                 launch=[sys.executable, str(STANDIN), "sglang", "--mode", mode])
 
 
+@pytest.fixture(scope="module")
+def honest_standin(sharp_target, tiny_drafter, tmp_path_factory):
+    """The SGLang flow against the stand-in serving the drafter as decoded: (its run's folder, the summary)."""
+    folder = tmp_path_factory.mktemp("honest")
+    return folder, standin_eval("honest", sharp_target, tiny_drafter, folder)
+
+
 @pytest.mark.slow
-def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(tiny_qwen3_target, tiny_drafter, tmp_path):
+def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(honest_standin):
     from dflash.eval.records import read_report
 
-    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path)
+    tmp_path, summary = honest_standin
     report, parity = summary.report, summary.report.parity
     assert parity["target"].same_tokens_as_inprocess and parity["dflash"].same_tokens_as_inprocess
     assert parity["dflash"].within_tolerance is True and parity["dflash"].failures == []
@@ -517,15 +524,15 @@ def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(sharp_t
 
 @pytest.mark.slow
 def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_where_steps_were_coalesced(
-        sharp_target, tiny_drafter, tmp_path):
+        honest_standin, sharp_target, tiny_drafter, tmp_path):
     """SGLang streams a chunk per verify step with the request's running spec counters: the per-step figures
     match the in-process ones; where the stream coalesced steps the gate falls back to whole prompts."""
-    streamed = standin_eval("honest", sharp_target, tiny_drafter, tmp_path / "a").report.parity["dflash"]
+    streamed = honest_standin[1].report.parity["dflash"]
     assert streamed.within_tolerance is True and streamed.prompts_same_acceptance == STANDIN_PROMPTS
     assert (streamed.steps_before_near_tie or 0) > 0, streamed.prompts
     assert streamed.steps_before_near_tie == sum(p.first_near_tie - 1 if p.first_near_tie else p.inprocess_steps
                                                  for p in streamed.prompts or [])
-    coalesced = standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path / "b").report.parity["dflash"]
+    coalesced = standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path).report.parity["dflash"]
     assert coalesced.within_tolerance is True
     assert coalesced.steps_before_near_tie == sum(p.inprocess_steps for p in coalesced.prompts or [] if not p.first_near_tie)
 
