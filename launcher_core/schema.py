@@ -167,6 +167,8 @@ class TrainSection:
     seed: int = 0
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     save_every_steps: int = 500
+    keep_checkpoints: int = 0                # the newest N checkpoints kept, with the best by held-out tau and the
+                                             # latest (dflash.train.retention); 0: every checkpoint
     log_every_steps: int = 10
     max_restarts: int = 0                    # torchrun --max-restarts
     rank_start: Literal["forkserver", "command"] = "forkserver"   # forkserver: ranks forked from torchrun's forkserver,
@@ -360,6 +362,7 @@ RANGES: dict[str, Range] = {
     "train.num_anchors": Range(1, 2**16),
     "train.seed": Range(0, 2**63 - 1),
     "train.save_every_steps": Range(1, 10**9),
+    "train.keep_checkpoints": Range(0, 10**6, zero="every checkpoint kept"),
     "train.log_every_steps": Range(1, 10**9),
     "train.max_restarts": Range(0, 1000),
     "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),

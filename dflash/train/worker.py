@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from dflash.train.failures import RankFailure
     from dflash.train.setup import TrainState
     from dflash.train.step import StepStats
-    from dflash.train.validation import HeldOut
+    from dflash.train.validation import HeldOut, Validation
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
@@ -257,10 +257,13 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
                 log.record(state, stats, epoch, held_out)
             if stop.agreed():
                 _save(state, run_dir, final=False, stopped=True)
+                _prune(state, run_dir, profile, validation)
                 return
             if state.step % profile.train.save_every_steps == 0 and state.step < total:
                 _save(state, run_dir, final=False)
+                _prune(state, run_dir, profile, validation)
         _save(state, run_dir, final=True)
+        _prune(state, run_dir, profile, validation)
         if validation and state.env.is_main:
             validation.finish(run_dir)
         if state.env.is_main and isinstance(state.feature_cache, FeatureCache):
@@ -286,6 +289,19 @@ def _save(state: TrainState, run_dir: Path, *, final: bool, stopped: bool = Fals
     if stopped:
         write_json_atomic(run_dir / "train" / STOPPED_FILE, {"step": state.step, "checkpoint": str(where)})
         print(f"stopped by SIGTERM after step {state.step}; checkpoint {where}", flush=True)
+
+
+def _prune(state: TrainState, run_dir: Path, profile: Profile, validation: Optional[Validation]) -> None:
+    """Rank 0, after a checkpoint: train.keep_checkpoints applied (dflash.train.retention)."""
+    from dflash.train.retention import prune_checkpoints
+
+    keep = profile.train.keep_checkpoints
+    if not state.env.is_main or keep <= 0:
+        return
+    best = validation.log.best() if validation and validation.log else None
+    done = prune_checkpoints(run_dir, keep, best.step if best else None)
+    if done.removed:
+        print(done.line(), flush=True)
 
 
 class MetricsLog:
