@@ -16,13 +16,13 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def collect(disk_paths: Sequence[Path] = (), cgroup_root: Path = CGROUP_ROOT) -> HostFacts:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    shm = _disk_usage(Path("/dev/shm"))
+    shm = disk_usage(Path("/dev/shm"))
     total, available = ram_mib(cgroup_root)
     return HostFacts(
         cpu_count=cpu_count(cgroup_root), ram_total_mib=total, ram_available_mib=available,
         shm_total_mib=shm.total_mib if shm else 0, shm_free_mib=shm.free_mib if shm else 0,
         open_files_soft=_limit(soft), open_files_hard=_limit(hard),
-        disks=[d for d in (_disk_usage(p) for p in dict.fromkeys(disk_paths)) if d is not None],
+        disks=[d for d in (disk_usage(p) for p in dict.fromkeys(disk_paths)) if d is not None],
     )
 
 
@@ -84,7 +84,7 @@ def _meminfo() -> dict[str, int]:
     return values
 
 
-def _disk_usage(path: Path) -> Optional[DiskFacts]:
+def disk_usage(path: Path) -> Optional[DiskFacts]:
     """Usage of the filesystem that holds `path` (its nearest existing ancestor)."""
     probe = Path(path).absolute()
     while not probe.exists() and probe != probe.parent:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
     from dflash.memory.offline import OfflineStorage
     from dflash.memory.plan import BatchPlan, Plan, RankPlan
+    from envcheck.snapshot import Snapshot
     from launcher_core.schema import Profile
 
 
@@ -51,15 +52,17 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(profile, inputs.snapshot, baseline=inputs.baseline, calibration=inputs.calibration,
                      cuda_visible_devices=args.cuda_visible_devices)
     storage, source = _storage(plan, args), model_source(plan, inputs)
+    checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
     if args.json:
-        document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source}}
+        document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
+                                                                  "checkpoints": checkpoints_json}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
-    print("\n".join(format_plan(plan, storage)))
+    print("\n".join(format_plan(plan, storage, checkpoints)))
     print(f"memory model: {source}")
     if args.trace:
         print("\n".join(traced_vs_modelled(profile)))
@@ -98,10 +101,28 @@ def _storage(plan, args: argparse.Namespace):
 
 # --- output -------------------------------------------------------------------------------
 
+def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot]) -> tuple[str, dict[str, object]]:
+    """The disk the run's checkpoints take, beside what the snapshot recorded free at its run directory (without
+    a snapshot: this machine's, read now): the plan's line and its JSON."""
+    from dataclasses import asdict
+
+    from dflash.memory.checkpoints import checkpoint_disk, run_dir_disk
+    from envcheck.host import disk_usage
+    from launcher_core.profile import expand_path
+
+    run_dir = expand_path(profile, profile.paths.run_dir)
+    disks = snapshot.host.disks if snapshot is not None else [d for d in [disk_usage(run_dir)] if d is not None]
+    disk, free = checkpoint_disk(plan, profile.train), run_dir_disk(disks, str(run_dir))
+    document = {**asdict(disk), "each_mib": disk.each_mib, "held": disk.held, "need_mib": disk.need_mib,
+                "free_mib": free.free_mib if free else None, "fits": disk.problem(free) is None}
+    return disk.line(free), document
+
+
 COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "fits", "micro", "accum")
 
 
-def format_plan(plan: Plan, storage: OfflineStorage) -> list[str]:
+def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "") -> list[str]:
+    """The plan's lines; `checkpoints`: the line of dflash.memory.checkpoints (the disk the run's checkpoints take)."""
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
@@ -109,6 +130,7 @@ def format_plan(plan: Plan, storage: OfflineStorage) -> list[str]:
                  f"worst case: {plan.workload.max_length} tokens, {plan.workload.anchors} anchors x "
                  f"{plan.workload.block_size} block tokens per sequence)"]
     lines.append(_optimizer_line(plan))
+    lines += [checkpoints] if checkpoints else []
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
     return lines
@@ -135,9 +157,7 @@ def _optimizer_line(plan: Plan) -> str:
               f"({workload.anchors} anchors x {workload.block_size - 1} slots), "
               f"{workload.supervised_slots * plan.batch.micro_batch:,} per micro-batch; activation checkpointing: "
               f"{workload.activation_checkpointing}; gradients reduced {workload.gradient_sync.replace('_', ' ')}")
-    resume = (f"checkpoints: sharded (torch.distributed.checkpoint), resumable at another world size "
-              f"(e.g. {world} -> {max(1, world // 2)} ranks)")
-    return "\n".join([sharded, signal, resume])
+    return "\n".join([sharded, signal])
 
 
 def _row(plan: Plan, rank_plan: RankPlan) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Mapping
 from dflash.train.failures import RunEnd
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
-from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.errors import ConfigError, PreflightFailed, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.processes import child_tempdir, child_tempdir_env
 from launcher_core.profile import profile_to_json
@@ -165,6 +165,17 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
     write_text_atomic(paths.profile_json, profile_to_json(profile))
 
 
+def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path) -> None:
+    """PreflightFailed, before anything starts, when the checkpoints train.keep_checkpoints keeps at once do not
+    fit the free disk at the run directory (dflash.memory.checkpoints; `--force` trains anyway)."""
+    from dflash.memory.checkpoints import checkpoint_disk
+    from envcheck.host import disk_usage
+
+    problem = checkpoint_disk(plan, profile.train).problem(disk_usage(run_dir))
+    if problem:
+        raise PreflightFailed(f"train: {problem} (or pass --force to train anyway)")
+
+
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures).
@@ -193,6 +204,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
         if plan is None:        # `launcher.py train` planned already; the pipeline has not
             inputs = read_inputs(profile)
             plan = (plan_for_launch(profile, inputs), inputs)
+        if not force:
+            check_checkpoint_disk(profile, plan[0], paths.run_dir)
         prepare_run_dir(profile, paths, resume=resume, force=force)
         write_plan(paths.run_dir, *plan)
         for restart in range(oom_restart_limit(profile) + 1):

@@ -114,3 +114,28 @@ def test_cuda_profile_without_snapshot_or_nvml_is_a_usage_error():
 def test_missing_snapshot_file_is_named():
     result = plan("--profile", "rtx6000-x8", "--snapshot", "no/such.json")
     assert result.returncode == 2 and "no/such.json: file not found" in result.stderr
+
+
+def test_the_plan_says_what_the_checkpoints_take_and_whether_the_kept_ones_fit_the_run_directory(tmp_path):
+    """rtx6000-x8's drafter: 825 MiB of float32 weights and 1,650 of AdamW states on each of 8 ranks, so a
+    checkpoint is 8 x (825 + 1,650) of shards and 8 x 825 of model.safetensors, about 25.8 GiB; keeping 3, at
+    most 5 are on disk at once. On a node with 100 GiB free at the run directory they do not fit."""
+    from envcheck.snapshot import load_snapshot, save_snapshot
+
+    node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
+    shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)["checkpoints"]
+    weights = shipped["weights_mib"]
+    assert weights == pytest.approx(8 * 825, rel=0.01) and shipped["sharded_mib"] == pytest.approx(3 * weights)
+    assert shipped["each_mib"] == pytest.approx(4 * weights) and 25 < shipped["each_mib"] / 1024 < 27
+    assert (shipped["keep"], shipped["held"], shipped["every_steps"]) == (3, 5, 500)
+    assert shipped["need_mib"] == pytest.approx(5 * shipped["each_mib"]) and shipped["fits"] is True
+    text = plan("--profile", "rtx6000-x8", "--snapshot", node).stdout
+    assert "at most 5 on disk (train.keep_checkpoints 3, the best by held-out tau, one being written) = 128.9 GiB; " \
+           "3,276.8 GiB free at /data/runs/rtx6000-x8" in text
+    small = load_snapshot(REPO / node)
+    small.host.disks[0].free_mib = 100 * 1024
+    small_node = save_snapshot(small, tmp_path / "small.json")
+    assert plan_json("--profile", "rtx6000-x8", "--snapshot", str(small_node))["checkpoints"]["fits"] is False
+    (tmp_path / "all.toml").write_text('extends = "rtx6000-x8"\n[train]\nkeep_checkpoints = 0\n')
+    every = plan("--profile", str(tmp_path / "all.toml"), "--snapshot", str(small_node)).stdout
+    assert "every one kept (train.keep_checkpoints 0); 100.0 GiB free at /data/runs/rtx6000-x8, 3 saves fill it" in every

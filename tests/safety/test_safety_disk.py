@@ -5,6 +5,7 @@ nothing the user had is changed, no staging is left on the full disk, and no cra
 written. The preflight's disk check reads the directory the command will write."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -205,3 +206,32 @@ def test_the_preflight_disk_check_reads_the_run_dir_the_command_writes(cli, smal
     control = cli("audit", "--profile", profile, "--json")          # the profile's own run_dir: the big disk
     finding = next(f for f in json.loads(control.out)["findings"] if f["id"] == "host.disk")
     assert finding["status"] == "PASS" and f"free disk at {tmp_path / 'profile-run'}" in finding["message"]
+
+
+def test_a_run_whose_kept_checkpoints_do_not_fit_the_disk_is_refused_before_it_starts(small_fs, tmp_path,
+                                                                                     tiny_qwen3_target):
+    """train.keep_checkpoints bounds what the run holds at once (the newest N, the best, one being written):
+    where that is more than the run directory's filesystem has free, the run is refused before any rank
+    starts, naming both figures and what to change (`train --force` skips the check); with every checkpoint
+    kept there is no bound to hold it to."""
+    from dflash.memory.checkpoints import checkpoint_disk
+    from dflash.memory.launch_plan import plan_for_launch, read_inputs
+    from dflash.train.launch import check_checkpoint_disk, run_training
+    from launcher_core.errors import PreflightFailed
+    from launcher_core.profile import load_profile
+    from tests.train.conftest import write_dataset, write_profile
+
+    disk = small_fs("disk", 2 * 2**20)
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"),
+                                             disk / "run", keep_checkpoints=3)))
+    plan = plan_for_launch(profile, read_inputs(profile))
+    each = checkpoint_disk(plan, profile.train).each_mib
+    assert 5 * each > 2.0 > each                              # five checkpoints of the tiny drafter do not fit 2 MiB
+    with pytest.raises(PreflightFailed) as refused:
+        run_training(profile, run_dir=disk / "run")
+    message = str(refused.value)
+    assert message.startswith("train: the run's checkpoints need ") and f"and {disk / 'run'} has " in message
+    assert "lower train.keep_checkpoints, free space or move paths.run_dir (or pass --force" in message
+    assert not (disk / "run" / "train").exists()                   # nothing of a run written
+    unbounded = dataclasses.replace(profile, train=dataclasses.replace(profile.train, keep_checkpoints=0))
+    check_checkpoint_disk(unbounded, plan, disk / "run")
