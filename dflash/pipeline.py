@@ -188,7 +188,7 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     """The checkpoint the pipeline evaluates (None: the run's latest) and why: the best step by
     held-out tau when training measured one and kept its checkpoint (dflash.train.validation),
     else the last step."""
-    from dflash.drafter.checkpoint import WEIGHTS
+    from dflash.drafter.checkpoint import has_weights
     from launcher_core.manifest import read_manifest
 
     entry = read_manifest(run_dir)["stages"].get("train", {})
@@ -196,7 +196,7 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     if best_step is None:
         return None, "the last step (no held-out rows: train.validation_share is 0)"
     last = f"step {entry.get('validation_last_step')}, held-out tau {entry.get('validation_last_tau')}"
-    if not best or not (Path(best) / WEIGHTS).exists():
+    if not best or not has_weights(Path(best)):
         return None, (f"the last step ({last}): the best held-out step {best_step} has no checkpoint "
                       f"(train.validation_every_steps off the train.save_every_steps grid)")
     if best_step == entry.get("validation_last_step"):

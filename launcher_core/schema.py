@@ -167,6 +167,10 @@ class TrainSection:
     seed: int = 0
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     save_every_steps: int = 500
+    save_every_minutes: float = 0.0          # also a checkpoint once this many minutes have passed since the last
+                                             # (0: by steps only): bounds in time the work a restart loses
+    async_save: bool = True                  # checkpoint shards written by a thread while the ranks train on
+                                             # (DCP async_save; dflash.train.checkpointing)
     keep_checkpoints: int = 0                # the newest N checkpoints kept, with the best by held-out tau and the
                                              # latest (dflash.train.retention); 0: every checkpoint
     log_every_steps: int = 10
@@ -362,6 +366,7 @@ RANGES: dict[str, Range] = {
     "train.num_anchors": Range(1, 2**16),
     "train.seed": Range(0, 2**63 - 1),
     "train.save_every_steps": Range(1, 10**9),
+    "train.save_every_minutes": Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"),
     "train.keep_checkpoints": Range(0, 10**6, zero="every checkpoint kept"),
     "train.log_every_steps": Range(1, 10**9),
     "train.max_restarts": Range(0, 1000),

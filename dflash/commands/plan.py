@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 
@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    from dataclasses import asdict
 
+    from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.plan import make_plan
     from launcher_core.profile import profile_as_dict
@@ -53,16 +55,18 @@ def run(args: argparse.Namespace) -> int:
                      cuda_visible_devices=args.cuda_visible_devices)
     storage, source = _storage(plan, args), model_source(plan, inputs)
     checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
+    restart = restart_cost(plan, profile.train, getattr(inputs.calibration, "target_load_s", None))
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
-                                                                  "checkpoints": checkpoints_json}}
+                                                                  "checkpoints": checkpoints_json,
+                                                                  "restart": {**asdict(restart), "line": restart.line()}}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
-    print("\n".join(format_plan(plan, storage, checkpoints)))
+    print("\n".join(format_plan(plan, storage, [checkpoints, restart.line()])))
     print(f"memory model: {source}")
     if args.trace:
         print("\n".join(traced_vs_modelled(profile)))
@@ -121,8 +125,9 @@ def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot
 COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "fits", "micro", "accum")
 
 
-def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "") -> list[str]:
-    """The plan's lines; `checkpoints`: the line of dflash.memory.checkpoints (the disk the run's checkpoints take)."""
+def format_plan(plan: Plan, storage: OfflineStorage, run_lines: Sequence[str] = ()) -> list[str]:
+    """The plan's lines; `run_lines`: those of dflash.memory.checkpoints (the disk the run's checkpoints take,
+    what an OOM restart costs)."""
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
@@ -130,7 +135,7 @@ def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "") -> l
                  f"worst case: {plan.workload.max_length} tokens, {plan.workload.anchors} anchors x "
                  f"{plan.workload.block_size} block tokens per sequence)"]
     lines.append(_optimizer_line(plan))
-    lines += [checkpoints] if checkpoints else []
+    lines += list(run_lines)
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
     return lines

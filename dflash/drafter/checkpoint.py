@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.checkpointing)
 CONFIG = "config.json"
 STATE = "training_state.pt"
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
@@ -52,15 +54,22 @@ def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, stat
     return publish_checkpoint(run_dir, None, step)
 
 
-def write_checkpoint_files(directory: Path, weights: Mapping[str, torch.Tensor], config: PretrainedConfig,
+def write_checkpoint_files(directory: Path, weights: Mapping[str, torch.Tensor] | None, config: PretrainedConfig,
                            state: Mapping[str, object]) -> None:
-    """model.safetensors (the full weights), config.json and training_state.pt into `directory`."""
+    """model.safetensors (the full weights; none when `weights` is None: a training checkpoint's weights are
+    then in its dcp/), config.json and training_state.pt into `directory`."""
     import torch
+
+    if weights is not None:
+        write_weights(directory, weights)
+    (directory / CONFIG).write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
+    torch.save(dict(state), directory / STATE)
+
+
+def write_weights(directory: Path, weights: Mapping[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file(dict(weights), str(directory / WEIGHTS), metadata={"format": "pt"})
-    (directory / CONFIG).write_text(json.dumps(config_document(config), indent=2) + "\n", encoding="utf-8")
-    torch.save(dict(state), directory / STATE)
 
 
 def publish_checkpoint(run_dir: str | Path, staging: Path | None, step: int) -> Path:
@@ -81,9 +90,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     target = pointer.parent / pointer.read_text(encoding="utf-8").strip()
-    if not (target / WEIGHTS).exists():
-        raise InputError(f"{pointer} names {target.name}, which has no {WEIGHTS}; remove the pointer or fix it")
+    if not has_weights(target):
+        raise InputError(f"{pointer} names {target.name}, which has no {WEIGHTS} and no {DCP_DIR}/.metadata; "
+                         "remove the pointer or fix it")
     return target
+
+
+def has_weights(directory: Path) -> bool:
+    """A drafter's weights are here: model.safetensors, a sharded safetensors index, or a training
+    checkpoint's dcp/ (whose weights `read_weights` consolidates)."""
+    return any((directory / name).is_file() for name in (WEIGHTS, INDEX, f"{DCP_DIR}/.metadata"))
 
 
 def config_document(config: PretrainedConfig) -> dict[str, Any]:
@@ -205,23 +221,58 @@ def _number(value: object) -> float:
 
 
 def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """The drafter's tensors: `model.safetensors`, or every shard an index names; a `model.`
-    prefix (some published exports) is dropped and rotary caches are skipped."""
+    """The drafter's tensors: `model.safetensors`, or every shard an index names, or (a training
+    checkpoint without them) its dcp/ shards consolidated; a `model.` prefix (some published exports)
+    is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
 
-    index = checkpoint_dir / "model.safetensors.index.json"
+    index = checkpoint_dir / INDEX
     if index.exists():
         shards = sorted(set(_index_weight_map(index).values()))
     elif (checkpoint_dir / WEIGHTS).exists():
         shards = [WEIGHTS]
+    elif (checkpoint_dir / DCP_DIR / ".metadata").is_file():
+        return read_sharded_weights(checkpoint_dir / DCP_DIR)
     else:
-        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
+        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or {INDEX}, or a training checkpoint's {DCP_DIR}/) here")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, tensor in _load_safetensors(checkpoint_dir / shard, load_file).items():
             if "rotary_emb." not in name:
                 weights[name.removeprefix("model.")] = tensor
     return weights
+
+
+def read_sharded_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The drafter's whole weights from a training checkpoint's dcp/, in this process (no process group):
+    every rank's shard of each `model` tensor, read into one full tensor (the AdamW states are not read)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    names = sharded_weight_shapes(directory)
+    wanted = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in names.items()}
+    try:
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    except Exception as error:      # noqa: BLE001 - a missing or short shard file, whatever DCP raises for it
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise InputError(f"{directory}: its shards cannot be read ({first}); the checkpoint is damaged: "
+                         "use another one") from None
+    return {key.removeprefix("model."): tensor for key, tensor in wanted.items()}
+
+
+def sharded_weight_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`model.NAME` -> (shape, dtype) of every weight tensor a dcp/ directory's metadata records."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as error:      # noqa: BLE001 - any failure to read it means the same: unusable
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise InputError(f"{directory}/.metadata: cannot be read ({first}); the checkpoint is damaged") from None
+    return {key: (tuple(int(d) for d in entry.size), entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata) and "rotary_emb." not in key}
 
 
 def _index_weight_map(index: Path) -> dict[str, str]:
@@ -308,8 +359,8 @@ def init_source_problem(path: Path) -> str:
         _check_supported(config_path, json.loads(config_path.read_text(encoding="utf-8")))
     except (OSError, ValueError, InputError) as error:
         return str(error)
-    if not (directory / WEIGHTS).exists() and not (directory / "model.safetensors.index.json").exists():
-        return f"{directory}: no {WEIGHTS} (or model.safetensors.index.json)"
+    if not has_weights(directory):
+        return f"{directory}: no {WEIGHTS} (or {INDEX}, or a training checkpoint's {DCP_DIR}/)"
     return ""
 
 

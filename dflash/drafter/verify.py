@@ -107,6 +107,16 @@ def header_shapes(path: Path) -> Shapes:
             for name, entry in header.items() if "rotary_emb." not in name and isinstance(entry, dict)}
 
 
+def checkpoint_shapes(directory: Path) -> Shapes:
+    """Tensor name -> shape of a drafter directory's weights: its safetensors header, or (an intermediate
+    training checkpoint, weights only in dcp/) the DCP metadata."""
+    from dflash.drafter.checkpoint import DCP_DIR, WEIGHTS, sharded_weight_shapes
+
+    if (directory / WEIGHTS).exists() or not (directory / DCP_DIR / ".metadata").is_file():
+        return header_shapes(directory / WEIGHTS)
+    return {key.removeprefix("model."): shape for key, (shape, _) in sharded_weight_shapes(directory / DCP_DIR).items()}
+
+
 def training_state_problems(path: Path, step: int | None, has_dcp: bool) -> list[str]:
     """What is wrong with training_state.pt (read memory-mapped with weights_only=True)."""
     import pickle
@@ -158,18 +168,19 @@ def dcp_problems(directory: Path) -> list[str]:
 
 def verify_checkpoint(path: str | Path) -> list[str]:
     """Everything wrong with checkpoint directory `path` (empty: it can be resumed)."""
-    from dflash.drafter.checkpoint import CONFIG, STATE, WEIGHTS, init_source_problem
+    from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, has_weights, init_source_problem
 
     directory = Path(path)
     if not directory.is_dir():
         return [f"{directory}: not a directory"]
     match = STEP_NAME.match(directory.name)
-    problems = safetensors_problems(directory / WEIGHTS)
+    dcp = directory / DCP_DIR
+    sharded_only = dcp.is_dir() and not (directory / WEIGHTS).exists()     # an intermediate training checkpoint
+    problems = [] if sharded_only else safetensors_problems(directory / WEIGHTS)
     if not (directory / CONFIG).is_file():
         problems.append(f"{directory / CONFIG}: missing")
-    elif (directory / WEIGHTS).is_file() and (config_problem := init_source_problem(directory)):
+    elif has_weights(directory) and (config_problem := init_source_problem(directory)):
         problems.append(config_problem)
-    dcp = directory / "dcp"
     problems += training_state_problems(directory / STATE, int(match.group(1)) if match else None, dcp.is_dir())
     if dcp.is_dir():
         problems += dcp_problems(dcp)

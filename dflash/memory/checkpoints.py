@@ -1,11 +1,16 @@
 """The disk a run's checkpoints take (dflash.train.checkpointing writes them, dflash.train.retention bounds
-them), from the memory plan's figures: `launcher.py plan` prints it and `train` refuses a run whose kept
-checkpoints do not fit the free disk at its run directory.
+them) and what one OOM restart costs, from the memory plan's figures: `launcher.py plan` prints both and
+`train` refuses a run whose kept checkpoints do not fit the free disk at its run directory.
 
-A checkpoint holds the drafter's trainable weights in float32 twice (the DCP shards and the consolidated
-`model.safetensors`) and AdamW's two float32 states once (in the shards): 4 x the float32 weights. With
+A checkpoint holds the drafter's trainable weights in float32 and AdamW's two float32 states, in the DCP
+shards: 3 x the float32 weights. Only the run's last checkpoint also holds the consolidated
+`model.safetensors` (1 x); the others' weights are read from their shards on demand. With
 `train.keep_checkpoints` N the run holds at most N + 2 at once: the newest N, the best by held-out tau,
 and the one being written before the oldest is removed. With 0 every checkpoint stays.
+
+An OOM restarts every rank from the last checkpoint (dflash.train.launch): each reloads the target and the
+run recomputes the steps since that checkpoint, at most train.save_every_steps, and with
+train.save_every_minutes at most that many minutes of them.
 """
 from __future__ import annotations
 
@@ -26,12 +31,19 @@ class CheckpointDisk:
     """One checkpoint's size and what the run's retention holds at once, in MiB."""
 
     sharded_mib: float          # dcp/: every rank's float32 weight and AdamW shards
-    weights_mib: float          # model.safetensors: the whole float32 weights
+    weights_mib: float          # model.safetensors: the whole float32 weights (the run's last checkpoint only)
     every_steps: int
     keep: int                   # train.keep_checkpoints (0: every one)
+    every_minutes: float = 0.0  # train.save_every_minutes (0: by steps only)
+    asynchronous: bool = True   # train.async_save
 
     @property
     def each_mib(self) -> float:
+        """An intermediate checkpoint: the shards (and a few KiB of config and training state)."""
+        return self.sharded_mib
+
+    @property
+    def last_mib(self) -> float:
         return self.sharded_mib + self.weights_mib
 
     @property
@@ -41,17 +53,18 @@ class CheckpointDisk:
 
     @property
     def need_mib(self) -> Optional[float]:
-        return None if self.held is None else self.held * self.each_mib
+        return None if self.held is None else self.held * self.each_mib + self.weights_mib
 
     def line(self, free: Optional[DiskFacts] = None) -> str:
-        size = (f"checkpoints: {gib(self.each_mib)} each ({gib(self.sharded_mib)} of sharded float32 weights and AdamW "
-                f"states, {gib(self.weights_mib)} of model.safetensors), every {self.every_steps} steps, resumable at "
-                f"another world size")
+        when = f"every {self.every_steps} steps" + (f" or {self.every_minutes:g} minutes" if self.every_minutes else "")
+        how = "written while the ranks train on (train.async_save)" if self.asynchronous else "written with the ranks waiting"
+        size = (f"checkpoints: {gib(self.each_mib)} each (float32 weight and AdamW shards; the last also "
+                f"{gib(self.weights_mib)} of model.safetensors), {when}, {how}\n  ")
         where = f"; {gib(free.free_mib)} free at {free.path}" if free else ""
         if self.need_mib is None:
             saves = f", {int(free.free_mib // self.each_mib)} saves fill it" if free and self.each_mib else ""
-            return f"{size}; every one kept (train.keep_checkpoints 0){where}{saves}"
-        return (f"{size}; at most {self.held} on disk (train.keep_checkpoints {self.keep}, the best by held-out tau, "
+            return f"{size}every one kept (train.keep_checkpoints 0){where}{saves}"
+        return (f"{size}at most {self.held} on disk (train.keep_checkpoints {self.keep}, the best by held-out tau, "
                 f"one being written) = {gib(self.need_mib)}{where}")
 
     def problem(self, free: Optional[DiskFacts]) -> Optional[str]:
@@ -59,8 +72,32 @@ class CheckpointDisk:
         if free is None or self.need_mib is None or self.need_mib <= free.free_mib:
             return None
         return (f"the run's checkpoints need {gib(self.need_mib)} at once ({self.held} x {gib(self.each_mib)}: "
-                f"train.keep_checkpoints {self.keep}, the best, one being written) and {free.path} has "
-                f"{gib(free.free_mib)} free; lower train.keep_checkpoints, free space or move paths.run_dir")
+                f"train.keep_checkpoints {self.keep}, the best, one being written; and the last's "
+                f"{gib(self.weights_mib)} model.safetensors) and {free.path} has {gib(free.free_mib)} free; lower "
+                f"train.keep_checkpoints, free space or move paths.run_dir")
+
+
+@dataclass(frozen=True)
+class RestartCost:
+    """What one OOM restart costs: every rank's target reload and the steps since the last checkpoint."""
+
+    ranks: int
+    target_mib: float                   # one rank's target weights
+    steps_at_risk: int                  # train.save_every_steps
+    minutes_at_risk: float              # train.save_every_minutes (0: not bounded in time)
+    target_load_s: Optional[float]      # one rank's target load, measured by `launcher.py calibrate` (None: not yet)
+
+    def line(self) -> str:
+        load = (f"{self.target_load_s:.0f} s measured by calibrate" if self.target_load_s is not None
+                else "its load time not yet measured: `launcher.py calibrate` measures it")
+        risk = f"up to {self.steps_at_risk} steps"
+        if self.minutes_at_risk:
+            risk += f" or {self.minutes_at_risk:g} minutes of them, whichever is less (train.save_every_minutes)"
+        else:
+            risk += " (not bounded in time: train.save_every_minutes is 0)"
+        return (f"an OOM restart: every rank reloads the target ({gib(self.target_mib)} a rank, "
+                f"{gib(self.target_mib * self.ranks)} read on the node; {load})\n  and the run recomputes {risk} "
+                f"since the last checkpoint")
 
 
 def gib(mib: float) -> str:
@@ -73,7 +110,14 @@ def checkpoint_disk(plan: Plan, train: TrainSection) -> CheckpointDisk:
     weights = plan.estimate.drafter_weights * plan.world_size
     states = plan.estimate.optimizer_states * plan.world_size
     return CheckpointDisk(sharded_mib=weights + states, weights_mib=weights, every_steps=train.save_every_steps,
-                          keep=train.keep_checkpoints)
+                          keep=train.keep_checkpoints, every_minutes=train.save_every_minutes,
+                          asynchronous=train.async_save)
+
+
+def restart_cost(plan: Plan, train: TrainSection, target_load_s: Optional[float] = None) -> RestartCost:
+    return RestartCost(ranks=plan.world_size, target_mib=plan.estimate.target_weights,
+                       steps_at_risk=train.save_every_steps, minutes_at_risk=train.save_every_minutes,
+                       target_load_s=target_load_s)
 
 
 def run_dir_disk(disks: Sequence[DiskFacts], run_dir: str) -> Optional[DiskFacts]:

@@ -1,65 +1,177 @@
 """Sharded training checkpoints through torch.distributed.checkpoint (DCP), resumable at any world size.
 
-`save_training_checkpoint` is a collective: every rank calls it.
+Every save is a collective: every rank calls it.
 
-    rank 0 makes a staging directory beside the checkpoints (`.step-N.*.tmp`) and tells the others;
-    every rank writes its shards of the drafter and of the AdamW states into `dcp/` (dcp.save:
-    one `__R_0.distcp` per rank, rank 0 the `.metadata`);
-    the full weights are gathered to rank 0's host memory, one parameter at a time
-    (get_model_state_dict, full_state_dict + cpu_offload), and rank 0 writes `model.safetensors`,
-    `config.json` and `training_state.pt` (scheduler, step, micro-batch, world size), renames the
-    staging directory to `step-N` and points `latest` at it (dflash.drafter.checkpoint.publish_checkpoint);
-    no rank leaves before that (barrier).
+    rank 0 makes a staging directory beside the checkpoints (`.step-N.*.tmp`) and tells the others, and
+    writes `config.json` and `training_state.pt` (scheduler, step, micro-batch, world size) into it;
+    every rank writes its shards of the drafter and of the AdamW states into `dcp/` (one `__R_0.distcp`
+    per rank, rank 0 the `.metadata` once every rank's shards are written);
+    at the run's last save only, the full weights are gathered to rank 0's host memory, one parameter at a
+    time (get_model_state_dict, full_state_dict + cpu_offload), and rank 0 writes `model.safetensors`;
+    rank 0 renames the staging directory to `step-N` and points `latest` at it
+    (dflash.drafter.checkpoint.publish_checkpoint).
 
-`model.safetensors` is what `eval`, `export` and `drafter.init_from` read (the engines' and the
-reference's format); `dcp/` is what `--resume` reads. DCP stores every tensor with its global
-shape and each shard's offsets, so `restore_checkpoint` loads it into however many ranks the
+`AsyncCheckpointer` (train.async_save, the default) writes the shards with DCP's `async_save`: each rank
+copies its shards to host memory (DCP's default stager) and a thread writes them while the rank trains
+on; the save's own collectives run on a gloo process group of their own, so they never interleave with
+the step's. Rank 0 publishes the checkpoint at the first step boundary after its write has finished
+(DCP's `.metadata` is written after every rank's shards), and every rank waits for a save still being
+written before it starts the next one, before a SIGTERM stop's save and before the last. A kill at any
+moment leaves `latest` on the previous whole checkpoint and a staging directory that `--resume` removes.
+
+Intermediate checkpoints hold no `model.safetensors` (a quarter of a checkpoint's bytes): `eval`, `export`
+and `drafter.init_from` consolidate a step's weights from its `dcp/` on demand
+(dflash.drafter.checkpoint.ensure_weights). `dcp/` is what `--resume` reads. DCP stores every tensor with
+its global shape and each shard's offsets, so `restore_checkpoint` loads it into however many ranks the
 resumed run has (resharding on load), where SpecForge's checkpoints need the same world size.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from dflash.drafter.checkpoint import DCP_DIR
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
     import torch
 
+    from dflash.train.dist import WorkerEnv
     from dflash.train.setup import TrainState
 
-DCP_DIR = "dcp"
 FORMAT = "dcp-1"
 
 
-def save_training_checkpoint(state: TrainState, run_dir: Path) -> Path:
-    """Every rank: its shards into the staging directory's dcp/; rank 0 the whole-weights files and
-    the rename. Returns step-N's path (on every rank)."""
+def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: bool = True) -> Path:
+    """Every rank, synchronously: its shards into the staging directory's dcp/, `model.safetensors` too when
+    `with_weights` (the run's last save), then rank 0's rename. Returns step-N's path (on every rank)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from dflash.train.dist import barrier
 
     staging = shared_staging_directory(run_dir, state.step, state.env.is_main)
     try:
-        model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
-        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(staging / DCP_DIR))
-        weights = full_weights(state)
+        write_small_files(state, staging)
+        dcp.save(sharded_state(state), checkpoint_id=str(staging / DCP_DIR))
+        weights = full_weights(state) if with_weights else {}
         if state.env.is_main:
-            from dflash.drafter.checkpoint import publish_checkpoint, write_checkpoint_files
+            from dflash.drafter.checkpoint import publish_checkpoint, write_weights
 
-            write_checkpoint_files(staging, weights, state.drafter.config, training_state(state))
+            if with_weights:
+                write_weights(staging, weights)
             publish_checkpoint(run_dir, staging, state.step)
     except BaseException:
-        if state.env.is_main:           # a save cut short (a full disk, a kill) leaves no staging directory behind
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging, state.env.is_main)
         raise
     barrier()
     from dflash.drafter.checkpoint import checkpoints_dir
 
     return checkpoints_dir(run_dir) / f"step-{state.step}"
+
+
+def sharded_state(state: TrainState) -> dict[str, object]:
+    """The drafter's and AdamW's sharded state dicts, as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
+    return {"model": model_state, "optim": optimizer_state}
+
+
+def write_small_files(state: TrainState, staging: Path) -> None:
+    """Rank 0: config.json and training_state.pt of the step being saved."""
+    if state.env.is_main:
+        from dflash.drafter.checkpoint import write_checkpoint_files
+
+        write_checkpoint_files(staging, None, state.drafter.config, training_state(state))
+
+
+def remove_staging(staging: Path, is_main: bool) -> None:
+    """Rank 0: a save cut short (a full disk, a kill) leaves no staging directory behind."""
+    if is_main:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass
+class PendingSave:
+    """A save whose shards are still being written by DCP's thread."""
+
+    step: int
+    staging: Path
+    done: Future
+    started: float              # time.monotonic() when the ranks went on training
+
+
+@dataclass(frozen=True)
+class Published:
+    """A checkpoint rank 0 has put in place."""
+
+    step: int
+    path: Path
+    seconds: float              # from the save's start to its publication
+    trained_steps: int          # steps the ranks trained while its shards were written
+
+    def line(self) -> str:
+        return (f"checkpoint {self.path} in place after {self.seconds:.1f} s; the ranks trained "
+                f"{self.trained_steps} step(s) while its shards were written (train.async_save)")
+
+
+class AsyncCheckpointer:
+    """train.async_save: one save at a time, its shards written by a thread while the ranks train on."""
+
+    def __init__(self, run_dir: Path, env: WorkerEnv):
+        import torch.distributed as dist
+
+        self.run_dir, self.env = run_dir, env
+        self.group = dist.new_group(backend="gloo")        # every rank, in the same order: a collective
+        self.pending: PendingSave | None = None
+
+    def start(self, state: TrainState) -> None:
+        """Every rank: wait for the previous save, then begin writing this step's shards."""
+        import time
+
+        import torch.distributed.checkpoint as dcp
+
+        self.wait(state)
+        staging = shared_staging_directory(self.run_dir, state.step, self.env.is_main)
+        try:
+            write_small_files(state, staging)
+            response = dcp.async_save(sharded_state(state), checkpoint_id=str(staging / DCP_DIR), process_group=self.group)
+        except BaseException:
+            remove_staging(staging, self.env.is_main)
+            raise
+        done = cast(Future, getattr(response, "upload_completion", response))    # a Future, or a response holding one
+        self.pending = PendingSave(state.step, staging, done, time.monotonic())
+
+    def poll(self, state: TrainState) -> Published | None:
+        """Every rank, between steps: the pending save put in place by rank 0 once its shards are written."""
+        if self.pending is None or not self.pending.done.done():
+            return None
+        return self._finish(state)
+
+    def wait(self, state: TrainState) -> Published | None:
+        """Every rank: block until the pending save (if any) is written, then put it in place."""
+        return self._finish(state) if self.pending is not None else None
+
+    def _finish(self, state: TrainState) -> Published | None:
+        import time
+
+        from dflash.drafter.checkpoint import publish_checkpoint
+
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        try:
+            pending.done.result()               # a write that failed (a full disk) raises here, on this rank
+            if not self.env.is_main:
+                return None
+            path = publish_checkpoint(self.run_dir, pending.staging, pending.step)
+        except BaseException:
+            remove_staging(pending.staging, self.env.is_main)
+            raise
+        return Published(pending.step, path, time.monotonic() - pending.started, state.step - pending.step)
 
 
 def training_state(state: TrainState) -> dict[str, object]:

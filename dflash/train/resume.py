@@ -56,9 +56,12 @@ def prepare_checkpoints(profile: Profile, facts: LaunchFacts, run_dir: Path, *, 
 def remove_partial_saves(directory: Path, log: Callable[[str], None] = say) -> list[Path]:
     """`.step-N.*.tmp` / `.step-N.old-PID` directories a killed save left; removed, each said. An
     `.old-PID` whose `step-N` is missing (a save killed between the two renames of its replace) is
-    the previous whole step-N: it is put back instead."""
+    the previous whole step-N: it is put back instead. A `.tmp` that is whole (every rank's shards and
+    DCP's metadata written, with its config and training state: an async save the run ended before
+    rank 0 put it in place) becomes its step-N when there is none."""
     import os
 
+    from dflash.drafter.verify import verify_checkpoint
     from launcher_core.diskfull import human_bytes, tree_bytes
 
     removed = []
@@ -70,6 +73,12 @@ def remove_partial_saves(directory: Path, log: Callable[[str], None] = say) -> l
             os.replace(entry, directory / f"step-{match.group('step')}")
             log(f"restored {directory / ('step-' + match.group('step'))} from {entry.name}: a save replacing it was "
                 f"interrupted between its two renames")
+            continue
+        target = directory / f"step-{match.group('step')}"
+        if not match.group("old") and not target.exists() and not verify_checkpoint(entry):
+            os.replace(entry, target)
+            log(f"put {target} in place from {entry.name}: a whole checkpoint the run ended before renaming "
+                f"(its shards were written while the ranks trained on)")
             continue
         size = tree_bytes(entry)
         shutil.rmtree(entry)
@@ -135,11 +144,11 @@ def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: in
 def drafter_differences(profile: Profile, facts: LaunchFacts, directory: Path, *, full: bool) -> list[str]:
     """How the drafter in `directory` differs from the profile's: tensors and tap layers; with
     `full` (a checkpoint to resume) also block size and mask token."""
-    from dflash.drafter.checkpoint import CONFIG, WEIGHTS
-    from dflash.drafter.verify import header_shapes, shape_differences
+    from dflash.drafter.checkpoint import CONFIG
+    from dflash.drafter.verify import checkpoint_shapes, shape_differences
     from launcher_core.fileio import read_json_object
 
-    found = header_shapes(directory / WEIGHTS)
+    found = checkpoint_shapes(directory)
     vocab = found.get("draft_vocab", (0,))[0] if profile.drafter.draft_vocab_size else 0
     vocab = vocab if 0 < vocab <= profile.drafter.draft_vocab_size else profile.drafter.draft_vocab_size
     differences = shape_differences(profile_drafter_shapes(profile, facts, vocab), found)
@@ -166,13 +175,14 @@ def check_resume_fits(profile: Profile, facts: LaunchFacts, checkpoint: Path) ->
 
 def check_init_from(profile: Profile, facts: LaunchFacts) -> None:
     """drafter.init_from against the profile's drafter, from its config.json and safetensors header."""
-    from dflash.drafter.checkpoint import WEIGHTS, resolve_checkpoint_dir
-    from dflash.drafter.verify import safetensors_problems
+    from dflash.drafter.checkpoint import DCP_DIR, INDEX, WEIGHTS, resolve_checkpoint_dir
+    from dflash.drafter.verify import dcp_problems, safetensors_problems
 
     directory = resolve_checkpoint_dir(Path(profile.drafter.init_from))
-    if (directory / "model.safetensors.index.json").exists() and not (directory / WEIGHTS).exists():
+    if (directory / INDEX).exists() and not (directory / WEIGHTS).exists():
         return                                  # sharded: the ranks check it tensor by tensor
-    damaged = safetensors_problems(directory / WEIGHTS)
+    sharded_only = (directory / DCP_DIR).is_dir() and not (directory / WEIGHTS).exists()
+    damaged = dcp_problems(directory / DCP_DIR) if sharded_only else safetensors_problems(directory / WEIGHTS)
     if damaged:
         raise ConfigError(f"drafter.init_from {directory}: cannot be read:\n" + "\n".join(f"  {p}" for p in damaged))
     differences = drafter_differences(profile, facts, directory, full=False)

@@ -4,8 +4,8 @@ steps for days keeps a bounded number of checkpoints instead of filling its disk
 After each checkpoint is published, rank 0 removes the complete `step-N` directories beyond the newest
 `keep_checkpoints`, keeping also the best step by held-out tau (train.validation_share) and whatever
 `latest` names. A checkpoint being written is a staging directory (`.step-N.*.tmp`), never a
-`step-N`, and a `step-N` without every file of a checkpoint (model.safetensors, config.json,
-training_state.pt, dcp/.metadata) is left alone: only what this trainer wrote whole is removed.
+`step-N`, and a `step-N` without every file of a checkpoint (config.json, training_state.pt,
+dcp/.metadata; model.safetensors only in the run's last) is left alone: only what this trainer wrote whole is removed.
 0 keeps every checkpoint.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash.drafter.checkpoint import CONFIG, LATEST, STATE, WEIGHTS, checkpoints_dir
+from dflash.drafter.checkpoint import CONFIG, LATEST, STATE, checkpoints_dir
 from dflash.train.checkpointing import DCP_DIR
 
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -40,7 +40,7 @@ def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
     found = {}
     for path in checkpoints_dir(run_dir).glob("step-*"):
         match = STEP_DIR.fullmatch(path.name)
-        whole = all((path / name).is_file() for name in (WEIGHTS, CONFIG, STATE, f"{DCP_DIR}/.metadata"))
+        whole = all((path / name).is_file() for name in (CONFIG, STATE, f"{DCP_DIR}/.metadata"))
         if match and path.is_dir() and not path.is_symlink() and whole:
             found[int(match.group(1))] = path
     return found

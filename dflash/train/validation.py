@@ -152,7 +152,7 @@ class Validation:
 
     def finish(self, run_dir: Path) -> None:
         """Rank 0, after the final checkpoint: name the best step and record it in the manifest."""
-        from dflash.drafter.checkpoint import WEIGHTS, checkpoints_dir
+        from dflash.drafter.checkpoint import checkpoints_dir, has_weights
         from launcher_core.manifest import update_stage
 
         assert self.log is not None, "rank 0 keeps the log"
@@ -160,7 +160,7 @@ class Validation:
         if best is None:
             return
         checkpoint = checkpoints_dir(run_dir) / f"step-{best.step}"
-        saved = (checkpoint / WEIGHTS).exists()
+        saved = has_weights(checkpoint)
         self.log.write(str(checkpoint) if saved else None)
         last = self.log.history[-1]
         update_stage(run_dir, "train", None, validation_best_step=best.step, validation_best_tau=round(best.tau, 4),

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from dflash.memory.launch_plan import RankStart
+    from dflash.train.checkpointing import Published
     from dflash.train.dist import WorkerEnv
     from dflash.train.failures import RankFailure
     from dflash.train.setup import TrainState
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 STOPPED_FILE = "stopped.json"
 RANK_TITLE = "dflash.train.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
+SETTLE_TIMEOUT_S = 120.0              # a failing rank waits this long at most for the save being written
 RETURNED_RANK_EXIT_S = 2.0           # a rank that returned to torchrun's elastic agent ends itself this long after
 SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss", "sim_tau", "tokens_per_s", "lr")
 
@@ -246,62 +248,114 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
     total = state.total_steps
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     validation = start_validation(state, profile, run_dir)     # None without train.validation_share
+    saves = CheckpointSaves(state, profile, run_dir, validation)
     try:
         while state.step < total:
             maybe_inject_failure(state.env.rank, state.step + 1)
             stats, epoch = run_next_step(state)
+            saves.poll()
             held_out = validation.after_step(state) if validation else None     # every rank, when due
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
                 state.mem_mib = gather_memory_mib(state.device)
             if log:
                 log.record(state, stats, epoch, held_out)
             if stop.agreed():
-                _save(state, run_dir, final=False, stopped=True)
-                _prune(state, run_dir, profile, validation)
+                saves.save(stopped=True)
                 return
-            if state.step % profile.train.save_every_steps == 0 and state.step < total:
-                _save(state, run_dir, final=False)
-                _prune(state, run_dir, profile, validation)
-        _save(state, run_dir, final=True)
-        _prune(state, run_dir, profile, validation)
+            if saves.due() and state.step < total:
+                saves.save()
+        saves.save(final=True)
         if validation and state.env.is_main:
             validation.finish(run_dir)
         if state.env.is_main and isinstance(state.feature_cache, FeatureCache):
             state.feature_cache.remove()      # every rank is past the final barrier
+    except BaseException:
+        saves.settle()                        # a save being written is finished, not lost with the rank
+        raise
     finally:
         if log:
             log.close()
 
 
-def _save(state: TrainState, run_dir: Path, *, final: bool, stopped: bool = False) -> None:
-    """Every rank: the sharded checkpoint is a collective (dflash.train.checkpointing); rank 0 then
-    records it in the manifest (and stopped.json after a SIGTERM)."""
-    from dflash.train.checkpointing import save_training_checkpoint
-    from launcher_core.fileio import write_json_atomic
-    from launcher_core.manifest import update_stage
+class CheckpointSaves:
+    """When the run saves (every train.save_every_steps, and train.save_every_minutes after the last save,
+    whichever comes first), how (train.async_save: shards written while the ranks train on; the last save
+    and a SIGTERM stop's are synchronous, the last with model.safetensors), and what follows a checkpoint
+    put in place: rank 0 records it in the manifest and applies train.keep_checkpoints."""
 
-    state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the weights are gathered
-    where = save_training_checkpoint(state, run_dir)
-    if not state.env.is_main:
-        return
-    update_stage(run_dir, "train", "done" if final else "running", steps=state.step,
-                 last_loss=state.last_loss, checkpoint=str(where))
-    if stopped:
-        write_json_atomic(run_dir / "train" / STOPPED_FILE, {"step": state.step, "checkpoint": str(where)})
-        print(f"stopped by SIGTERM after step {state.step}; checkpoint {where}", flush=True)
+    def __init__(self, state: TrainState, profile: Profile, run_dir: Path, validation: Optional[Validation]):
+        from dflash.train.checkpointing import AsyncCheckpointer
 
+        self.state, self.train, self.run_dir, self.validation = state, profile.train, run_dir, validation
+        self.writer = AsyncCheckpointer(run_dir, state.env) if profile.train.async_save else None
+        self.last_save = time.monotonic()
 
-def _prune(state: TrainState, run_dir: Path, profile: Profile, validation: Optional[Validation]) -> None:
-    """Rank 0, after a checkpoint: train.keep_checkpoints applied (dflash.train.retention)."""
-    from dflash.train.retention import prune_checkpoints
+    def due(self) -> bool:
+        """Every rank, after each step: the same answer on all (the clock's through all_reduce MAX)."""
+        from dflash.train.dist import any_rank
 
-    keep = profile.train.keep_checkpoints
-    if not state.env.is_main or keep <= 0:
-        return
-    best = validation.log.best() if validation and validation.log else None
-    done = prune_checkpoints(run_dir, keep, best.step if best else None)
-    if done.removed:
-        print(done.line(), flush=True)
+        by_steps = self.state.step % self.train.save_every_steps == 0
+        if self.train.save_every_minutes <= 0:
+            return by_steps
+        late = any_rank(time.monotonic() - self.last_save >= 60 * self.train.save_every_minutes)
+        return by_steps or late
+
+    def poll(self) -> None:
+        if self.writer is not None:
+            self._placed(self.writer.poll(self.state))
+
+    def save(self, *, final: bool = False, stopped: bool = False) -> None:
+        """Every rank: a collective (dflash.train.checkpointing)."""
+        from dflash.train.checkpointing import save_training_checkpoint
+
+        self.last_save = time.monotonic()
+        self.state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the shards are copied
+        if self.writer is not None:
+            self._placed(self.writer.wait(self.state))
+            if not (final or stopped):
+                self.writer.start(self.state)
+                return
+        where = save_training_checkpoint(self.state, self.run_dir, with_weights=final)
+        self._recorded(where, final=final)
+        if stopped and self.state.env.is_main:
+            from launcher_core.fileio import write_json_atomic
+
+            write_json_atomic(self.run_dir / "train" / STOPPED_FILE, {"step": self.state.step, "checkpoint": str(where)})
+            print(f"stopped by SIGTERM after step {self.state.step}; checkpoint {where}", flush=True)
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """A rank that fails (an OOM, a dead peer) lets the save being written finish before it exits, so the
+        restart resumes from it: every rank's shards are then written and rank 0 puts it in place if it can
+        (otherwise the launcher does: dflash.train.resume.remove_partial_saves). The save's own failure is
+        not this rank's: it is ignored."""
+        if self.writer is None or self.writer.pending is None:
+            return
+        try:
+            self.writer.pending.done.result(timeout=timeout_s)
+            self._placed(self.writer.wait(self.state))
+        except Exception:       # noqa: BLE001 - a save that cannot finish stays a partial one; the first error stands
+            self.writer.pending = None
+
+    def _placed(self, published: Optional[Published]) -> None:
+        if published is not None:
+            print(published.line(), flush=True)
+            self._recorded(published.path, final=False)
+
+    def _recorded(self, where: Path, *, final: bool) -> None:
+        """Rank 0: the manifest names the checkpoint, then train.keep_checkpoints is applied (dflash.train.retention)."""
+        from dflash.train.retention import prune_checkpoints
+        from launcher_core.manifest import update_stage
+
+        if not self.state.env.is_main:
+            return
+        update_stage(self.run_dir, "train", "done" if final else "running", steps=self.state.step,
+                     last_loss=self.state.last_loss, checkpoint=str(where))
+        if self.train.keep_checkpoints <= 0:
+            return
+        best = self.validation.log.best() if self.validation and self.validation.log else None
+        done = prune_checkpoints(self.run_dir, self.train.keep_checkpoints, best.step if best else None)
+        if done.removed:
+            print(done.line(), flush=True)
 
 
 class MetricsLog:

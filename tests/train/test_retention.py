@@ -117,17 +117,22 @@ def test_the_kept_checkpoints_load_export_and_start_a_drafter_and_the_run_resume
 
 @pytest.mark.slow
 def test_the_plan_s_checkpoint_size_is_what_a_checkpoint_takes_on_disk(retained):
-    """dflash.memory.checkpoints: 4 x the drafter's float32 weights (the shards' weights and AdamW states, and
-    model.safetensors), against the newest kept checkpoint's files: model.safetensors to 2 %; the whole within
-    what does not scale with the weights (config, training state, DCP's metadata and per-tensor records:
-    0.2 MiB on this 0.6 MiB drafter; the demo's step-550, 167 MiB modelled, takes 168)."""
+    """dflash.memory.checkpoints: 3 x the drafter's float32 weights (the shards' weights and AdamW states) a
+    checkpoint, and the last also model.safetensors (1 x), against the kept checkpoints' files: model.safetensors
+    to 2 %; the whole within what does not scale with the weights (config, training state, DCP's metadata and
+    per-tensor records: 0.2 MiB on this 0.6 MiB drafter; the demo's step-550, 167 MiB modelled, takes 168)."""
     from dflash.memory.checkpoints import checkpoint_disk
     from dflash.memory.launch_plan import plan_for_launch, read_inputs
 
     profile, run_dir = retained
     model = checkpoint_disk(plan_for_launch(profile, read_inputs(profile)), profile.train)
-    path = max(complete_checkpoints(run_dir).items())[1]
-    on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
-    weights = (path / WEIGHTS).stat().st_size / 2**20
+    kept = complete_checkpoints(run_dir)
+    last, earlier = kept[max(kept)], [path for step, path in kept.items() if step < max(kept)]
+    assert all(not (path / WEIGHTS).exists() for path in earlier)              # their weights are in dcp/ only
+    weights = (last / WEIGHTS).stat().st_size / 2**20
+    whole = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) / 2**20
+    intermediate = [whole - weights] + [sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+                                        for path in earlier]
     assert model.weights_mib == pytest.approx(weights, rel=0.02)
-    assert model.each_mib <= on_disk <= 1.02 * model.each_mib + 0.3, (model, on_disk)
+    assert model.last_mib <= whole <= 1.02 * model.last_mib + 0.3, (model, whole)
+    assert all(model.each_mib <= size <= 1.02 * model.each_mib + 0.3 for size in intermediate), (model, intermediate)

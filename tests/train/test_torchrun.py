@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash.drafter.checkpoint import read_weights
+from dflash.drafter.verify import verify_checkpoint
 from dflash.train.launch import build_torchrun_command, run_training
 from launcher_core.errors import RunFailed
 from launcher_core.processes import free_port
@@ -106,11 +108,13 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
         __import__("math").prod(lines[-1]["acc"][:k]) for k in range(1, 4)))
     assert any((run_dir / "train" / "tb").glob("events.out.tfevents.*"))
     checkpoints = run_dir / "train" / "checkpoints"
-    draft_vocab = load_file(str(checkpoints / f"step-{RESUME_STEP}" / "model.safetensors"))["draft_vocab"]
+    draft_vocab = read_weights(checkpoints / f"step-{RESUME_STEP}")["draft_vocab"]     # from its DCP shards
     assert draft_vocab.tolist() == list(range(1000, 1050))      # DATA_VOCAB: every token the data has
+    assert load_file(str(checkpoints / "step-24" / "model.safetensors"))["draft_vocab"].tolist() == draft_vocab.tolist()
     assert (checkpoints / "latest").read_text().strip() == "step-24"
-    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"model.safetensors", "config.json",
-                                                                     "training_state.pt", "dcp"}
+    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"config.json", "training_state.pt", "dcp"}
+    assert {p.name for p in (checkpoints / "step-24").iterdir()} == {"model.safetensors", "config.json",
+                                                                     "training_state.pt", "dcp"}     # the last one
     assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}" / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert stage["state"] == "done" and stage["steps"] == 24
@@ -136,7 +140,7 @@ def copy_checkpoint(run_dir: Path, step: int, into: Path) -> Path:
 def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1_onto_the_same_curve(trained, tmp_path):
     """Every rank wrote its shards of the weights and AdamW states (torch.distributed.checkpoint);
     one rank loads both halves (resharding on load) and continues the 2-rank run's loss curve, and
-    the checkpoint's whole weights (model.safetensors) are the DCP shards put together."""
+    the last checkpoint's whole weights (model.safetensors) are its DCP shards put together."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -145,9 +149,10 @@ def test_a_sharded_checkpoint_of_2_ranks_resumes_on_1_onto_the_same_curve(traine
     saved_at = run_dir / "train" / "checkpoints" / f"step-{RESUME_STEP}"
     saved = torch.load(saved_at / "training_state.pt", weights_only=True)
     assert saved["world_size"] == 2 and saved["step"] == RESUME_STEP and "optimizer" not in saved
-    weights = load_file(str(saved_at / "model.safetensors"))
+    last = run_dir / "train" / "checkpoints" / "step-24"
+    weights = load_file(str(last / "model.safetensors"))
     whole = {name: torch.empty_like(tensor) for name, tensor in weights.items()}
-    dcp.load({"model": whole}, checkpoint_id=str(saved_at / "dcp"))
+    dcp.load({"model": whole}, checkpoint_id=str(last / "dcp"))
     assert all(torch.equal(whole[name], weights[name]) for name in weights)
     one_rank = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, nproc_per_node=1))
     resumed = copy_checkpoint(run_dir, RESUME_STEP, tmp_path / "one")
@@ -263,7 +268,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_qwen3_target, tiny_da
     stopped = json.loads((run_dir / "train" / "stopped.json").read_text())
     assert stopped["step"] >= 2
     assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == f"step-{stopped['step']}"
-    assert (run_dir / "train" / "checkpoints" / f"step-{stopped['step']}" / "model.safetensors").exists()
+    checkpoint = run_dir / "train" / "checkpoints" / f"step-{stopped['step']}"
+    assert verify_checkpoint(checkpoint) == [] and not (checkpoint / "model.safetensors").exists()   # weights in dcp/
+    assert read_weights(checkpoint)                              # read from the shards on demand
 
 
 def listeners_by_role(root, seen: dict[str, set], rank_pids: set[int]) -> None:
