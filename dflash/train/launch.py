@@ -203,7 +203,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
     calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
     train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot
-    hold one sequence stops the launch here (PreflightFailed), before any model loads."""
+    hold one sequence stops the launch here (PreflightFailed), before any model loads. On CUDA it
+    prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
     from dflash.train.resume import prepare_checkpoints
@@ -211,7 +212,9 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
 
     paths = TrainPaths(Path(run_dir).resolve())
     facts = validate_profile_for_launch(profile)
-    print(f"allocator: {rank_allocator(profile, {**os.environ, **(extra_env or {})}).describe()}", flush=True)
+    allocator = rank_allocator(profile, {**os.environ, **(extra_env or {})})     # ConfigError before anything starts
+    if profile.machine.device == "cuda":
+        print(f"allocator: {allocator.describe()}", flush=True)
     with run_lock(paths.run_dir, "train") as lock:
         if lock.previous is not None:
             note_dead_run(paths, lock.previous.pid)
