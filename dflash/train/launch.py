@@ -132,6 +132,9 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra_env or {})
     env.update(rank_allocator(profile, env).env)
+    for name in ALLOC_CONF_VARIABLES:       # torch reads a set-but-empty variable first, and nothing from the other
+        if name in env and not env[name].strip():
+            del env[name]
     return env
 
 

@@ -96,6 +96,10 @@ def test_a_users_own_allocator_variable_is_completed_in_place_never_overridden(t
     _, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py",
                                     base_env={"PYTORCH_ALLOC_CONF": "expandable_segments:False,max_split_size_mb:64"})
     assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:False,max_split_size_mb:64"
+    _, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py",      # torch 2.9 would read the empty one
+                                    base_env={"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert "PYTORCH_ALLOC_CONF" not in env
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
 
 
 def test_users_allocator_variables_that_disagree_stop_the_launch(tmp_path):
