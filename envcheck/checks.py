@@ -474,10 +474,28 @@ def check_environment(ctx: CheckInput) -> list[Finding]:
     return findings or [Finding("env", "PASS", "no environment setting known to hurt")]
 
 
+def check_allocator(ctx: CheckInput) -> list[Finding]:
+    """Whether the ranks' CUDA caching allocator will run with expandable segments, and what decided it
+    (envcheck.allocator: the profile's memory.expandable_segments and the snapshot's allocator variables)."""
+    from envcheck.allocator import allocator_setting
+
+    if ctx.profile.machine.device != "cuda":
+        return [Finding("env.allocator", "SKIP", f"profile {ctx.profile.name} runs on CPU: no CUDA caching allocator")]
+    setting = allocator_setting(ctx.profile.memory.expandable_segments, ctx.snapshot.env)
+    if setting.conflict:
+        return [Finding("env.allocator", "FAIL", setting.conflict, "unset one of the two variables")]
+    if setting.expandable or not ctx.profile.memory.expandable_segments:
+        return [Finding("env.allocator", "PASS", setting.describe())]
+    return [Finding("env.allocator", "WARN", setting.describe() + "; variable-length batches fragment fixed segments "
+                    "and the plan's default reserve assumes expandable ones",
+                    "drop expandable_segments:False (or the cudaMallocAsync backend) from your allocator variable, or "
+                    "set memory.expandable_segments = false so the plan counts the larger reserve")]
+
+
 ALL_CHECKS: tuple[Callable[[CheckInput], list[Finding]], ...] = (
     check_gpu_count_and_model, check_torch_arch, check_torch_cuda, check_driver_cuda, check_toolkit, check_flashinfer_family,
     check_pins, check_linear_attention_kernels, check_sglang_serves_the_drafter, check_attention_backend, check_free_memory, check_foreign_processes, check_gpu_health,
-    check_cuda_probe, check_baseline_memory, check_baseline_versions, check_host, check_build_jobs, check_environment,
+    check_cuda_probe, check_baseline_memory, check_baseline_versions, check_host, check_build_jobs, check_environment, check_allocator,
 )
 
 

@@ -204,6 +204,9 @@ class TrainSection:
 class MemorySection:
     margin: float = 0.10                     # fraction of free memory held back
     overhead_mib: int = 0                    # non-torch overhead if not measured (0: from probe/baseline)
+    expandable_segments: bool = True         # CUDA ranks' caching allocator grows segments instead of fragmenting
+                                             # fixed ones (envcheck.allocator: the user's own PYTORCH_ALLOC_CONF /
+                                             # PYTORCH_CUDA_ALLOC_CONF is completed, an explicit setting kept)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """`launcher.py calibrate --profile P [--baseline FILE] [--target-override DIR] [--check 4,8] [--json]`:
 measure the profile's worst-case training step on this GPU at micro-batch 1 and 2 and store the
-fitted line in the profile's baseline (key `memory_calibration`), where `plan` reads it.
+fitted line in the profile's baseline (key `memory_calibration`), where `plan` reads it, with the
+allocator's reserve ratio (peak reserved over peak allocated, across differently shaped
+micro-batches), measured under the allocator setting the profile's ranks run with.
 
 The baseline is the file `launcher.py baseline save --profile P` writes for this host; when
 there is none yet, this machine's snapshot is saved there first (as `baseline save` would).
@@ -37,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.train.calibration import calibrate, require_cuda, store_calibration
+    from dflash.train.calibration import apply_allocator_setting, calibrate, require_cuda, store_calibration
 
     profile = with_target_override(load_profile_arg(args), args.target_override)
     require_cuda(profile)
+    apply_allocator_setting(profile)        # before this process allocates CUDA memory
     baseline = args.baseline or default_baseline(profile)
     run_result = calibrate(profile, args.scratch, parse_micro_batches(args.check))
     path = store_calibration(baseline, run_result.calibration)
@@ -91,7 +94,8 @@ def result_document(run_result, baseline: Path) -> dict:
     return {"baseline": str(baseline), "calibration": calibration_as_dict(run_result.calibration),
             "peaks_mib": {str(m): round(p, 1) for m, p in run_result.peaks_mib.items()},
             "backend": run_result.backend, "flex_error": run_result.flex_error,
-            "warmup_s": round(run_result.warmup_s, 1), "predictions": list(iter_prediction_rows(run_result))}
+            "warmup_s": round(run_result.warmup_s, 1), "reserve_ratio": run_result.calibration.reserve_ratio,
+            "predictions": list(iter_prediction_rows(run_result))}
 
 
 def describe(run_result: CalibrationRun, baseline: Path) -> list[str]:
@@ -104,7 +108,11 @@ def describe(run_result: CalibrationRun, baseline: Path) -> list[str]:
                                                       for m, p in run_result.peaks_mib.items()),
              f"calibration: peak = {cal.intercept_mib:,.0f} + {cal.slope_mib:,.0f} x micro-batch MiB, each step "
              f"{cal.micro_batches_per_step} micro-batches ({cal.device_name}, torch {cal.torch_version}; workload key "
-             f"{cal.workload_key})"]
+             f"{cal.workload_key})",
+             f"allocator reserve: reserved / allocated {cal.reserve_ratio or 1.0:.3f} across differently shaped "
+             f"micro-batches ({'with' if cal.expandable_segments else 'without'} expandable segments; reserved "
+             + ", ".join(f"{r:,.0f}" for r in cal.reserved_mib or ()) + " MiB at micro-batch "
+             + ", ".join(map(str, cal.micro_batches)) + "); the plan counts it inside each budget"]
     for check in run_result.predictions:
         lines.append(f"micro-batch {check.micro_batch}: measured {check.measured_mib:,.0f} MiB, calibrated "
                      f"{check.calibrated_mib:,.0f} ({check.calibrated_error:+.1%}), analytic estimate "

@@ -122,12 +122,15 @@ def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot
     return disk.line(free), document
 
 
-COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "fits", "micro", "accum")
+COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "reserved MiB", "fits",
+           "micro", "accum")
 
 
 def format_plan(plan: Plan, storage: OfflineStorage, run_lines: Sequence[str] = ()) -> list[str]:
     """The plan's lines; `run_lines`: those of dflash.memory.checkpoints (the disk the run's checkpoints take,
     what an OOM restart costs)."""
+    from dflash.memory.launch_plan import describe_reserve
+
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
@@ -135,6 +138,7 @@ def format_plan(plan: Plan, storage: OfflineStorage, run_lines: Sequence[str] = 
                  f"worst case: {plan.workload.max_length} tokens, {plan.workload.anchors} anchors x "
                  f"{plan.workload.block_size} block tokens per sequence)"]
     lines.append(_optimizer_line(plan))
+    lines.append(describe_reserve(plan))
     lines += list(run_lines)
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
@@ -171,7 +175,7 @@ def _row(plan: Plan, rank_plan: RankPlan) -> tuple[str, ...]:
     mark = " <" if budget.rank in plan.bottleneck_ranks else ""
     return (str(budget.rank), gpu, _mib(budget.free_mib), f"{_mib(budget.overhead_mib)} ({budget.overhead_source})",
             _mib(budget.budget_mib), _mib(plan.peak_model.static_mib), _mib(rank_plan.peak_at_agreed_mib),
-            f"{rank_plan.feasible_micro_batch}{mark}", str(batch.micro_batch), str(batch.accum_steps))
+            _mib(plan.reserve.reserved_mib(rank_plan.peak_at_agreed_mib)), f"{rank_plan.feasible_micro_batch}{mark}", str(batch.micro_batch), str(batch.accum_steps))
 
 
 def _mib(value: float) -> str:
@@ -209,6 +213,8 @@ LISTED_MICRO_BATCHES = 64
 def plan_as_dict(plan: Plan, storage: OfflineStorage) -> dict[str, object]:
     import dataclasses
 
+    from dflash.memory.launch_plan import reserve_document
+
     return {
         "world_size": plan.world_size,
         "micro_batch": plan.batch.micro_batch,
@@ -220,6 +226,7 @@ def plan_as_dict(plan: Plan, storage: OfflineStorage) -> dict[str, object]:
         "global_batch": plan.batch.global_batch,
         "bottleneck_ranks": list(plan.bottleneck_ranks),
         "peak_model": dataclasses.asdict(plan.peak_model),
+        "reserve": reserve_document(plan),
         "estimate_mib": {**dataclasses.asdict(plan.estimate), "static": plan.estimate.static,
                          "per_sequence": plan.estimate.per_sequence},
         "workload": {**dataclasses.asdict(plan.workload), "key": plan.workload.key()},

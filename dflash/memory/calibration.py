@@ -3,6 +3,11 @@ step of two micro-batches on `world_size` ranks (`launcher.py calibrate` measure
 node, `dflash.train.calibration`), and its storage inside the baseline JSON under the key
 `memory_calibration`, next to the machine facts it was measured on. `dflash.memory.model.peak_model`
 corrects the analytic estimate with it when its workload key is the profile's.
+
+It also holds the caching allocator's reserve: the peak reserved memory at the two sizes, and the
+reserve ratio (max_memory_reserved / max_memory_allocated across steps of differently shaped
+micro-batches, under the allocator setting `expandable_segments`), which the plan counts inside each
+budget (dflash.memory.reserve). A calibration stored before these keys existed reads with them None.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ class Calibration:
     measured_at: str = ""
     world_size: int = 1             # ranks the drafter was sharded over while measuring
     micro_batches_per_step: int = 1  # micro-batches of each measured step (2: the accumulated gradients are in it)
+    reserved_mib: tuple[float, float] | None = None  # peak reserved at the two sizes (None: measured before it was)
+    reserve_ratio: float | None = None   # peak reserved / peak allocated across differently shaped micro-batches
+    expandable_segments: bool | None = None   # the allocator setting the reserve was measured under
 
     @property
     def slope_mib(self) -> float:
@@ -43,13 +51,38 @@ class Calibration:
         return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
 
 
-def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload, **facts: str | int) -> Calibration:
-    """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them)."""
+@dataclass(frozen=True)
+class ReserveMeasurement:
+    """The allocator's peaks over a run of steps: what tensors held and what the allocator reserved (MiB)."""
+
+    allocated_mib: float
+    reserved_mib: float
+
+    @property
+    def ratio(self) -> float:
+        return self.reserved_mib / self.allocated_mib
+
+
+def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload,
+                    reserved_by_micro_batch: Mapping[int, float] | None = None,
+                    varied: ReserveMeasurement | None = None, **facts: str | int | bool) -> Calibration:
+    """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them); with the
+    reserved peaks at those sizes and the varied-shape steps' measurement, the reserve ratio: the larger
+    of reserved over allocated at the worst-case sizes and across the varied steps."""
     if len(peaks_by_micro_batch) != 2:
         raise ValueError(f"calibration needs exactly two micro-batch sizes, got {sorted(peaks_by_micro_batch)}")
     (m1, p1), (m2, p2) = sorted(peaks_by_micro_batch.items())
-    return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)),
-                       workload_key=workload.key(), **facts)  # type: ignore[arg-type]
+    reserved = None if reserved_by_micro_batch is None else (float(reserved_by_micro_batch[m1]),
+                                                             float(reserved_by_micro_batch[m2]))
+    return Calibration(micro_batches=(m1, m2), peaks_mib=(float(p1), float(p2)), workload_key=workload.key(),
+                       reserved_mib=reserved, reserve_ratio=_reserve_ratio((p1, p2), reserved, varied),
+                       **facts)  # type: ignore[arg-type]
+
+
+def _reserve_ratio(peaks: tuple[float, float], reserved: tuple[float, float] | None,
+                   varied: ReserveMeasurement | None) -> float | None:
+    ratios = [r / p for r, p in zip(reserved or (), peaks) if p > 0] + ([varied.ratio] if varied else [])
+    return max(1.0, *ratios) if ratios else None
 
 
 def calibration_as_dict(calibration: Calibration) -> dict[str, object]:
@@ -68,9 +101,32 @@ def calibration_from_dict(document: Mapping[str, object], where: str) -> Calibra
                            torch_version=str(document.get("torch_version", "")),
                            measured_at=str(document.get("measured_at", "")),
                            world_size=_count(document, "world_size"),
-                           micro_batches_per_step=_count(document, "micro_batches_per_step"))
+                           micro_batches_per_step=_count(document, "micro_batches_per_step"),
+                           reserved_mib=_stored_reserved(document), reserve_ratio=_stored_ratio(document),
+                           expandable_segments=_stored_expandable(document))
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
+
+
+def _stored_reserved(document: Mapping[str, object]) -> tuple[float, float] | None:
+    """The reserved peaks of a stored calibration (None: stored before they were measured)."""
+    return None if document.get("reserved_mib") is None else _pair(document, "reserved_mib")
+
+
+def _stored_ratio(document: Mapping[str, object]) -> float | None:
+    ratio = document.get("reserve_ratio")
+    if ratio is None:
+        return None
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 1.0 <= ratio < 100.0:
+        raise ValueError(f"'reserve_ratio' must be a number >= 1 (reserved over allocated), got {ratio!r}")
+    return float(ratio)
+
+
+def _stored_expandable(document: Mapping[str, object]) -> bool | None:
+    expandable = document.get("expandable_segments")
+    if expandable is not None and not isinstance(expandable, bool):
+        raise ValueError(f"'expandable_segments' must be true or false, got {expandable!r}")
+    return expandable
 
 
 def _count(document: Mapping[str, object], key: str) -> int:

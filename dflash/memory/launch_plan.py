@@ -9,7 +9,9 @@ sequence stops the launch before any model loads.
 
 Each rank starts from its own feasible micro-batch (`RankStart.micro_batch`); AutoBatch then
 agrees on the smallest over all ranks, persists it and halves it on a runtime OOM. On CUDA a
-rank also caps its allocator to its budget (`allocator_fraction`).
+rank also caps its allocator to its budget (`allocator_fraction`): the cap holds reserved memory,
+and the plan fitted the allocated peak times the reserve ratio into that same budget
+(dflash.memory.reserve), so the allocator's reserve lies inside the cap.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class RankStart:
     micro_batch: int                # this rank's feasible micro-batch (before agreement)
     budget_mib: float | None        # None: unlimited (CPU)
     total_mib: float | None         # the GPU's total memory (None on CPU)
-    predicted_peak_mib: float       # the plan's peak at the agreed micro-batch
+    predicted_peak_mib: float       # the plan's allocated peak at the agreed micro-batch
+    predicted_reserved_mib: float | None = None     # that peak times the reserve ratio: what the cap holds
 
 
 def plan_path(run_dir: str | Path) -> Path:
@@ -154,7 +157,7 @@ def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: 
                      cuda_visible_devices=visible)
     short = [rank for rank in plan.ranks if rank.feasible_micro_batch == 0]
     if short:
-        reasons = "\n  ".join(does_not_fit(rank.budget, plan.peak_model) for rank in short)
+        reasons = "\n  ".join(does_not_fit(rank.budget, plan.peak_model, plan.reserve) for rank in short)
         raise PreflightFailed(f"the memory plan does not fit (memory model: {model_source(plan, inputs)}):\n  "
                               f"{reasons}")
     return plan
@@ -162,9 +165,10 @@ def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: 
 
 def rank_starts(plan: Plan) -> list[RankStart]:
     peak = plan.peak_model.peak_mib(plan.batch.micro_batch)
+    reserved = round(plan.reserve.reserved_mib(peak), 1)
     return [RankStart(rank=r.budget.rank, micro_batch=r.feasible_micro_batch, budget_mib=_finite(r.budget.budget_mib),
-                      total_mib=r.budget.gpu.total_mib if r.budget.gpu else None, predicted_peak_mib=round(peak, 1))
-            for r in plan.ranks]
+                      total_mib=r.budget.gpu.total_mib if r.budget.gpu else None, predicted_peak_mib=round(peak, 1),
+                      predicted_reserved_mib=reserved) for r in plan.ranks]
 
 
 def _finite(value: float) -> float | None:
@@ -175,8 +179,24 @@ def write_plan(run_dir: Path, plan: Plan, inputs: PlanInputs) -> Path:
     document = {"profile": plan.profile, "world_size": plan.world_size, "micro_batch": plan.batch.micro_batch,
                 "accum_steps": plan.batch.accum_steps, "global_batch": plan.batch.global_batch,
                 "snapshot_source": inputs.snapshot_source, "memory_model": model_source(plan, inputs),
-                "peak_model": asdict(plan.peak_model), "ranks": [asdict(start) for start in rank_starts(plan)]}
+                "peak_model": asdict(plan.peak_model), "reserve": reserve_document(plan),
+                "ranks": [asdict(start) for start in rank_starts(plan)]}
     return write_json_atomic(plan_path(run_dir), document)
+
+
+def reserve_document(plan: Plan) -> dict[str, object]:
+    """The planned reserve (plan.json and `plan --json`): ratio, where it comes from, MiB at the agreed micro-batch."""
+    return {**asdict(plan.reserve), "reserve_mib": round(plan.planned_reserve_mib, 1),
+            "reserved_peak_mib": round(plan.reserve.reserved_mib(plan.peak_model.peak_mib(plan.batch.micro_batch)), 1)}
+
+
+def describe_reserve(plan: Plan) -> str:
+    """The planned reserve in words: the rule, the ratio and where it comes from."""
+    peak = plan.peak_model.peak_mib(plan.batch.micro_batch)
+    return (f"planned reserve: allocated peak {peak:,.0f} MiB x reserve ratio {plan.reserve.ratio:.3f} = "
+            f"{plan.reserve.reserved_mib(peak):,.0f} MiB reserved at micro-batch {plan.batch.micro_batch} "
+            f"({plan.planned_reserve_mib:,.0f} MiB of reserve), counted in each rank's budget, the allocator's cap "
+            f"({plan.reserve.detail})")
 
 
 def read_rank_start(run_dir: Path, rank: int) -> RankStart | None:
@@ -204,4 +224,4 @@ def describe(plan: Plan, inputs: PlanInputs) -> str:
     starts = ", ".join(f"rank {s.rank}: {s.micro_batch}" for s in rank_starts(plan))
     return (f"memory plan: micro-batch {plan.batch.micro_batch} x {plan.batch.accum_steps} accumulation steps on "
             f"{plan.world_size} ranks (GPUs from {inputs.snapshot_source}; memory model: "
-            f"{model_source(plan, inputs)}); feasible per rank: {starts}")
+            f"{model_source(plan, inputs)}); feasible per rank: {starts}\n{describe_reserve(plan)}")

@@ -1,5 +1,5 @@
-"""Measuring a training step's peak on a real GPU: torch's peak allocated memory per micro-batch
-size, what a calibration (`dflash.memory.calibration`) is fitted to; and a call's transient on
+"""Measuring a training step's peak on a real GPU: torch's peak allocated and reserved memory per
+micro-batch size, what a calibration (`dflash.memory.calibration`) is fitted to; and a call's transient on
 the CPU allocator (`measure_cpu_transient`: what the model's smaller figures, such as a BlockMask's
 build, are held to). torch is imported inside the functions, not by the torch-free model the
 launcher process plans with."""
@@ -13,20 +13,37 @@ from dflash.memory.attention_masks import MIB
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class AllocatorPeaks:
+    """The caching allocator's peaks over a run, in MiB: what tensors held, and what it reserved (the
+    segments, tensors and the free blocks between them: what `set_per_process_memory_fraction` caps)."""
+
+    allocated_mib: float
+    reserved_mib: float
+
+
+def measure_allocator_peaks(run: Callable[[], object]) -> AllocatorPeaks:
+    """Run `run` on the current CUDA device from an emptied cache and return torch's peak allocated
+    and peak reserved memory over it (`max_memory_allocated`, `max_memory_reserved`)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return AllocatorPeaks(torch.cuda.max_memory_allocated() / MIB, torch.cuda.max_memory_reserved() / MIB)
+
+
+def measure_step_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, AllocatorPeaks]:
+    """One worst-case training step per micro-batch size, each from an emptied cache: its peaks."""
+    return {micro_batch: measure_allocator_peaks(lambda: run_step(micro_batch)) for micro_batch in micro_batches}
+
+
 def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, float]:
     """Run one worst-case training step per micro-batch size on the current CUDA device and
     return torch's peak allocated memory (MiB) for each."""
-    import torch
-
-    peaks = {}
-    for micro_batch in micro_batches:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        run_step(micro_batch)
-        torch.cuda.synchronize()
-        peaks[micro_batch] = torch.cuda.max_memory_allocated() / MIB
-    return peaks
+    return {m: peaks.allocated_mib for m, peaks in measure_step_peaks(run_step, micro_batches).items()}
 
 
 @dataclass(frozen=True)

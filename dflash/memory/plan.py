@@ -10,8 +10,9 @@ enough, as CUDA accepts). The overhead is the CUDA probe's measured context cost
 the snapshot has it, else the baseline's for the same GPU (by UUID), else the profile's
 memory.overhead_mib, else DEFAULT_OVERHEAD_MIB.
 
-A rank's feasible micro-batch is the largest m <= train.max_micro_batch whose predicted peak
-(dflash.memory.model) fits its budget; the ranks agree on the minimum, and gradient accumulation keeps
+A rank's feasible micro-batch is the largest m <= train.max_micro_batch whose predicted allocated
+peak (dflash.memory.model) times the allocator's reserve ratio (dflash.memory.reserve) fits its
+budget, the cap its allocator runs under; the ranks agree on the minimum, and gradient accumulation keeps
 the global batch (train.global_batch sequences per optimizer step) exact. No torch import here.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from dflash.memory import model as memory
 from dflash.memory.calibration import Calibration
+from dflash.memory.reserve import Reserve, plan_reserve
 from dflash.memory.target import TargetShape
 from dflash.memory.workload import world_size_of
 from launcher_core.errors import ConfigError
@@ -89,6 +91,12 @@ class Plan:
     peak_model: memory.PeakModel
     estimate: memory.MemoryEstimate
     workload: memory.Workload
+    reserve: Reserve
+
+    @property
+    def planned_reserve_mib(self) -> float:
+        """The reserve above the allocated peak at the agreed micro-batch, inside every budget."""
+        return self.reserve.reserve_mib(self.peak_model.peak_mib(self.batch.micro_batch))
 
     @property
     def bottleneck_ranks(self) -> tuple[int, ...]:
@@ -200,20 +208,23 @@ def make_plan(profile: Profile, snapshot: Snapshot | None = None, *, baseline: S
     """The whole per-rank plan; pure apart from reading the target's config.json."""
     world = world_size or world_size_of(profile)
     workload = memory.workload_from_profile(profile, shape, world)
-    model = memory.peak_model(workload, calibration)
+    model, reserve = memory.peak_model(workload, calibration), plan_reserve(profile, workload, calibration)
     known = baseline_index(baseline)
     budgets = [rank_budget(r, gpu, profile, known)
                for r, gpu in enumerate(rank_gpus(profile, snapshot, world, cuda_visible_devices))]
-    feasible = [model.largest_fitting(b.budget_mib, profile.train.max_micro_batch) for b in budgets]
+    feasible = [model.largest_fitting(reserve.allocated_budget(b.budget_mib), profile.train.max_micro_batch)
+                for b in budgets]
     batch = batch_plan(profile.train.global_batch, world, max(1, min(feasible)))
     ranks = tuple(RankPlan(b, f, model.peak_mib(batch.micro_batch)) for b, f in zip(budgets, feasible))
     return Plan(profile=profile.name, world_size=world, ranks=ranks, batch=batch, peak_model=model,
-                estimate=memory.estimate(workload), workload=workload)
+                estimate=memory.estimate(workload), workload=workload, reserve=reserve)
 
 
-def does_not_fit(budget: RankBudget, model: memory.PeakModel) -> str:
+def does_not_fit(budget: RankBudget, model: memory.PeakModel, reserve: Reserve) -> str:
     gpu = f"GPU {budget.gpu.index}" if budget.gpu else "this device"
-    return (f"rank {budget.rank}: one sequence needs {model.peak_mib(1):.0f} MiB but {gpu}'s budget is "
+    needs = reserve.reserved_mib(model.peak_mib(1))
+    counted = f" ({model.peak_mib(1):.0f} allocated x reserve ratio {reserve.ratio:.3f})" if reserve.ratio != 1.0 else ""
+    return (f"rank {budget.rank}: one sequence needs {needs:.0f} MiB{counted} but {gpu}'s budget is "
             f"{budget.budget_mib:.0f} MiB (free {budget.free_mib:.0f} - overhead {budget.overhead_mib:.0f} "
             f"- margin {budget.margin_mib:.0f}); lower data.max_length or train.num_anchors, free the GPU, "
             f"or lower memory.margin")

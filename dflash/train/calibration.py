@@ -18,6 +18,15 @@ Each measured step is two micro-batches of the measured size (`MICRO_BATCHES_PER
 gradients of the first are alive in the second's forward/backward: the accumulated gradients are
 in the measured peak, as in a real step.
 
+The allocator's reserve: every measured step records torch's peak reserved memory beside the
+allocated one, and `measure_reserve` runs steps of differently shaped micro-batches one after the
+other without emptying the cache between them (sequences of `VARIED_LENGTH_FRACTIONS` of
+`data.max_length`, then the worst case), as variable-length training data does: the larger of
+reserved over allocated there and at the measured sizes is the calibration's reserve ratio, which
+the plan counts inside each budget (dflash.memory.reserve). The measuring process runs under the
+profile's allocator setting (`apply_allocator_setting`: memory.expandable_segments, the user's own
+allocator variable kept), which the calibration records.
+
 Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
 (one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
 more GPUs, so FSDP2's all-gathers and reduce-scatters run between them; otherwise in one process
@@ -43,8 +52,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import Calibration, fit_calibration, save_calibration
-from dflash.memory.measure import measure_peaks
+from dflash.memory.calibration import Calibration, ReserveMeasurement, fit_calibration, save_calibration
+from dflash.memory.measure import AllocatorPeaks, measure_allocator_peaks, measure_step_peaks
 from dflash.memory.target import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.processes import free_port
@@ -57,6 +66,7 @@ if TYPE_CHECKING:
 
 CALIBRATION_MICRO_BATCHES = (1, 2)
 MICRO_BATCHES_PER_STEP = 2          # each measured step accumulates: the earlier micro-batch's gradients are alive
+VARIED_LENGTH_FRACTIONS = (0.25, 0.75, 0.5)   # the shorter shapes of measure_reserve, in the order they run
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,9 @@ class MeasuredPeaks:
     flex_error: str
     warmup_s: float
     device_name: str
+    reserved_mib: dict[int, float] = field(default_factory=dict)    # peak reserved at each measured size
+    varied: dict[str, float] = field(default_factory=dict)          # measure_reserve's peaks (AllocatorPeaks)
+    expandable_segments: bool = False
 
 
 @dataclass
@@ -127,15 +140,31 @@ def require_cuda(profile: Profile) -> None:
 
 # --- the worst-case workload --------------------------------------------------------------
 
-def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int, seed: int = 0) -> Path:
+def varied_lengths(max_length: int) -> tuple[int, ...]:
+    """The shorter sequence lengths measure_reserve steps through (distinct, below max_length)."""
+    lengths = (max(2, int(max_length * fraction)) for fraction in VARIED_LENGTH_FRACTIONS)
+    return tuple(dict.fromkeys(length for length in lengths if length < max_length))
+
+
+def write_worst_case_dataset(path: Path, rows: int, max_length: int, vocab: int, seed: int = 0,
+                             varied_rows: int = 0) -> Path:
     """`rows` sequences of exactly max_length random token ids (the lower half of the vocabulary,
-    so never a mask row), loss on every token: the memory model's worst micro-batch."""
+    so never a mask row), loss on every token: the memory model's worst micro-batch. Then
+    `varied_rows` rows of each of `varied_lengths(max_length)` (rows `varied_row_range`)."""
     import numpy as np
 
     from dflash.data.dataset_io import save_token_rows
 
-    ids = np.random.default_rng(seed).integers(0, max(2, vocab // 2), size=(rows, max_length))
-    return save_token_rows(path, [(row.tolist(), [1] * max_length) for row in ids], id_prefix="worst-case")
+    generator, high = np.random.default_rng(seed), max(2, vocab // 2)
+    shapes = [(rows, max_length)] + [(varied_rows, length) for length in varied_lengths(max_length) if varied_rows]
+    ids = [row.tolist() for count, length in shapes for row in generator.integers(0, high, size=(count, length))]
+    return save_token_rows(path, [(row, [1] * len(row)) for row in ids], id_prefix="worst-case")
+
+
+def varied_row_range(worst_rows: int, varied_rows: int, shape: int) -> list[int]:
+    """The dataset rows of the `shape`-th shorter length (write_worst_case_dataset's order)."""
+    start = worst_rows + shape * varied_rows
+    return list(range(start, start + varied_rows))
 
 
 def worst_case_profile(profile: Profile, dataset: Path, rows: int, ranks: int = 1) -> Profile:
@@ -164,7 +193,8 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
     if env.is_main:
         for stale in (dataset, scratch / "run"):        # a kept scratch from an earlier run
             shutil.rmtree(stale, ignore_errors=True)
-        write_worst_case_dataset(dataset, rows * env.world_size, profile.data.max_length, shape.vocab)
+        write_worst_case_dataset(dataset, rows * env.world_size, profile.data.max_length, shape.vocab,
+                                 varied_rows=rows)
     barrier()
     copy = worst_case_profile(profile, dataset, rows, env.world_size)
     state = build_state(copy, scratch / "run", env, resume=False, planned_micro_batch=rows)
@@ -191,6 +221,35 @@ def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
     return run_step(bench.state, list(range(rows)), 0, batch_plan(rows, 1, micro_batch))
 
 
+def varied_step_at(bench: CalibrationBench, micro_batch: int, shape: int) -> StepStats:
+    """One optimizer step of two micro-batches of `micro_batch` sequences of the `shape`-th shorter length."""
+    from dflash.memory.plan import batch_plan
+    from dflash.train.step import run_step
+
+    rows = MICRO_BATCHES_PER_STEP * micro_batch
+    worst = bench.profile.train.global_batch            # worst_case_profile: rows per rank x ranks
+    shaped = varied_row_range(worst, worst // bench.ranks, shape)[:rows]
+    return run_step(bench.state, shaped, 0, batch_plan(len(shaped), 1, micro_batch))
+
+
+def run_varied_shapes(bench: CalibrationBench, micro_batch: int) -> list[StepStats]:
+    """A step of every shorter length, then the worst case, one after the other (nothing emptied between)."""
+    shapes = range(len(varied_lengths(bench.workload.max_length)))
+    return [*(varied_step_at(bench, micro_batch, shape) for shape in shapes), step_at(bench, micro_batch)]
+
+
+def measure_reserve(bench: CalibrationBench, micro_batch: int) -> AllocatorPeaks:
+    """Peak allocated and reserved over steps of differently shaped micro-batches (run_varied_shapes),
+    from an emptied cache: how much the allocator reserves beyond what tensors hold."""
+    import torch
+
+    try:
+        return measure_allocator_peaks(lambda: run_varied_shapes(bench, micro_batch))
+    except torch.OutOfMemoryError:
+        raise RunFailed(f"steps of differently shaped micro-batches of {micro_batch} ran out of GPU memory while "
+                        f"measuring the allocator's reserve") from None
+
+
 def warm_up(bench: CalibrationBench, micro_batches: Sequence[int] = CALIBRATION_MICRO_BATCHES) -> str:
     """A step at every measured size first (flex compiles per size; AdamW states are allocated
     lazily). If flex_attention fails (not an OOM), the state goes on with SDPA: returns the error."""
@@ -214,15 +273,20 @@ def warm_up(bench: CalibrationBench, micro_batches: Sequence[int] = CALIBRATION_
 
 def measure(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, float]:
     """Peak allocated MiB of one step per size; an OOM says which size did not fit."""
+    return {m: peaks.allocated_mib for m, peaks in measure_steps(bench, micro_batches).items()}
+
+
+def measure_steps(bench: CalibrationBench, micro_batches: Sequence[int]) -> dict[int, AllocatorPeaks]:
+    """Peak allocated and reserved MiB of one step per size; an OOM says which size did not fit."""
     import torch
 
     def one_step(size: int) -> None:
         step_at(bench, size)
 
-    peaks: dict[int, float] = {}
+    peaks: dict[int, AllocatorPeaks] = {}
     for micro_batch in micro_batches:
         try:
-            peaks.update(measure_peaks(one_step, (micro_batch,)))
+            peaks.update(measure_step_peaks(one_step, (micro_batch,)))
         except torch.OutOfMemoryError:
             peaks = {}
             break
@@ -264,16 +328,22 @@ def _predicted_at(workload: memory.Workload, calibration: Calibration, micro_bat
 # --- the whole procedure ------------------------------------------------------------------
 
 def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = ()) -> MeasuredPeaks:
-    """Warm up, measure at micro-batch 1 and 2, then at the check sizes (every rank the same steps)."""
+    """Warm up, measure at micro-batch 1 and 2, the reserve over differently shaped micro-batches of 2,
+    then the check sizes (every rank the same steps)."""
+    import dataclasses as records
+
     import torch
 
     started = time.perf_counter()
     flex_error = warm_up(bench)
     warmup_s = time.perf_counter() - started
-    peaks = measure(bench, CALIBRATION_MICRO_BATCHES)
+    steps = measure_steps(bench, CALIBRATION_MICRO_BATCHES)
+    varied = measure_reserve(bench, CALIBRATION_MICRO_BATCHES[-1])
     checks = measure(bench, check_micro_batches) if check_micro_batches else {}
-    return MeasuredPeaks(peaks, checks, bench.state.backend, flex_error, warmup_s,
-                         torch.cuda.get_device_name(bench.state.device))
+    return MeasuredPeaks({m: p.allocated_mib for m, p in steps.items()}, checks, bench.state.backend, flex_error,
+                         warmup_s, torch.cuda.get_device_name(bench.state.device),
+                         reserved_mib={m: p.reserved_mib for m, p in steps.items()}, varied=records.asdict(varied),
+                         expandable_segments=expandable_now(bench.profile))
 
 
 def calibrate(profile: Profile, scratch: Path | None = None,
@@ -284,6 +354,7 @@ def calibrate(profile: Profile, scratch: Path | None = None,
     from dflash.train.launch_checks import validate_profile_for_launch
 
     require_cuda(profile)
+    apply_allocator_setting(profile)
     validate_profile_for_launch(profile)        # the profile against its target, as `train` checks it
     rows = MICRO_BATCHES_PER_STEP * max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
     ranks = calibration_ranks(profile, torch.cuda.device_count())
@@ -293,10 +364,11 @@ def calibrate(profile: Profile, scratch: Path | None = None,
         else:
             measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
     workload = memory.workload_from_profile(profile, target_shape(profile))
-    calibration = fit_calibration(measured.peaks_mib, workload, device_name=measured.device_name,
-                                  torch_version=torch.__version__,
+    calibration = fit_calibration(measured.peaks_mib, workload, measured.reserved_mib, varied_measurement(measured),
+                                  device_name=measured.device_name, torch_version=torch.__version__,
                                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=ranks,
-                                  micro_batches_per_step=MICRO_BATCHES_PER_STEP)
+                                  micro_batches_per_step=MICRO_BATCHES_PER_STEP,
+                                  expandable_segments=measured.expandable_segments)
     return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
                           measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
 
@@ -317,8 +389,11 @@ def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batche
     failed = [document["error"] for document in found if "error" in document]
     if failed:
         raise RunFailed(failed[0])
-    peaks, checks = (_larger_peaks([d[key] for d in found]) for key in ("peaks_mib", "check_peaks_mib"))
-    return MeasuredPeaks(peaks, checks, found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"], found[0]["device_name"])
+    peaks, checks, reserved = (_larger_peaks([d[key] for d in found])
+                               for key in ("peaks_mib", "check_peaks_mib", "reserved_mib"))
+    varied = max((d["varied"] for d in found), key=lambda peaks: peaks["reserved_mib"] / peaks["allocated_mib"])
+    return MeasuredPeaks(peaks, checks, found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"],
+                         found[0]["device_name"], reserved, varied, found[0]["expandable_segments"])
 
 
 def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
@@ -354,6 +429,34 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
     write_json_atomic(Path(work) / f"calibration-rank-{rank}.json", result)
     close_process_group()
     exit_without_finalization(0)
+
+
+def varied_measurement(measured: MeasuredPeaks) -> ReserveMeasurement | None:
+    """measure_reserve's peaks as the calibration's record (None when it did not run)."""
+    return ReserveMeasurement(**measured.varied) if measured.varied else None
+
+
+def apply_allocator_setting(profile: Profile) -> None:
+    """This process's CUDA allocator as the profile's ranks run it (envcheck.allocator: expandable segments
+    unless memory.expandable_segments is off or the user's own variable says otherwise). Called before this
+    process allocates CUDA memory: torch reads the variable when its allocator is first configured."""
+    import os
+
+    from envcheck.allocator import allocator_setting
+
+    setting = allocator_setting(profile.memory.expandable_segments, os.environ)
+    if setting.conflict:
+        raise ConfigError(f"the CUDA allocator's variables: {setting.conflict}")
+    os.environ.update(setting.env)
+
+
+def expandable_now(profile: Profile) -> bool:
+    """Whether this process's allocator variables ask for expandable segments (what the calibration records)."""
+    import os
+
+    from envcheck.allocator import allocator_setting
+
+    return allocator_setting(profile.memory.expandable_segments, os.environ).expandable
 
 
 def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Mapping
 from dflash.train.failures import RunEnd
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
+from envcheck.allocator import ALLOC_CONF_VARIABLES, AllocatorSetting, allocator_setting
 from launcher_core.errors import ConfigError, PreflightFailed, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.processes import child_tempdir, child_tempdir_env
@@ -130,10 +131,26 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     # thread's Python stack into its log first; dflash.train.failures names it (fatal_dumps)
     env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra_env or {})
+    env.update(rank_allocator(profile, env).env)
+    for name in ALLOC_CONF_VARIABLES:       # torch reads a set-but-empty variable first, and nothing from the other
+        if name in env and not env[name].strip():
+            del env[name]
     return env
 
 
-SHOWN_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", STORE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME",
+def rank_allocator(profile: Profile, env: Mapping[str, str]) -> AllocatorSetting:
+    """The CUDA caching allocator's variables the ranks get (envcheck.allocator): expandable segments unless
+    memory.expandable_segments is off or the user's own variable says otherwise; none on a CPU profile.
+    ConfigError when the user's two allocator variables disagree (torch versions differ on which one wins)."""
+    if profile.machine.device != "cuda":
+        return AllocatorSetting(False, "CPU profile: no CUDA caching allocator")
+    setting = allocator_setting(profile.memory.expandable_segments, env)
+    if setting.conflict:
+        raise ConfigError(f"the CUDA allocator's variables: {setting.conflict}")
+    return setting
+
+
+SHOWN_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", *ALLOC_CONF_VARIABLES, STORE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME",
              "NCCL_SOCKET_IFNAME")
 
 
@@ -189,7 +206,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
     calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
     train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot
-    hold one sequence stops the launch here (PreflightFailed), before any model loads."""
+    hold one sequence stops the launch here (PreflightFailed), before any model loads. On CUDA it
+    prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
     from dflash.train.resume import prepare_checkpoints
@@ -197,6 +215,9 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
 
     paths = TrainPaths(Path(run_dir).resolve())
     facts = validate_profile_for_launch(profile)
+    allocator = rank_allocator(profile, {**os.environ, **(extra_env or {})})     # ConfigError before anything starts
+    if profile.machine.device == "cuda":
+        print(f"allocator: {allocator.describe()}", flush=True)
     with run_lock(paths.run_dir, "train") as lock:
         if lock.previous is not None:
             note_dead_run(paths, lock.previous.pid)

@@ -209,7 +209,9 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
 
 def apply_rank_plan(run_dir: Path, env: WorkerEnv, device: torch.device) -> RankStart | None:
     """This rank's line of train/plan.json (None without one); on CUDA the allocator is capped to
-    the rank's budget, so it cannot take memory another process on that GPU was promised."""
+    the rank's budget, so it cannot take memory another process on that GPU was promised. The cap
+    holds reserved memory; the plan fitted the allocated peak times the reserve ratio into the same
+    budget (dflash.memory.reserve), so the allocator's reserve lies inside the cap."""
     from dflash.memory.launch_plan import allocator_fraction, read_rank_start
 
     start = read_rank_start(run_dir, env.rank)
@@ -218,7 +220,9 @@ def apply_rank_plan(run_dir: Path, env: WorkerEnv, device: torch.device) -> Rank
         import torch
 
         torch.cuda.set_per_process_memory_fraction(fraction, device)
-        print(f"rank {env.rank}: allocator capped to {start.budget_mib:.0f} MiB ({fraction:.3f} of the GPU)", flush=True)
+        planned = f"; planned reserved peak {start.predicted_reserved_mib:.0f} MiB" if start.predicted_reserved_mib else ""
+        print(f"rank {env.rank}: allocator capped to {start.budget_mib:.0f} MiB ({fraction:.3f} of the GPU){planned}",
+              flush=True)
     return start
 
 

@@ -2,8 +2,9 @@
 runs): the worst-case workload's state built by `build_state`, peaks measured at micro-batch 1 and
 2 -> the calibrated line, whose prediction at micro-batch 4 and 8 must be within 10 % of
 `torch.cuda.max_memory_allocated` there. The uncalibrated analytic estimate is reported against
-the same 10 % (informational). The calibration is saved as a baseline document
-(OUT/calibration_baseline.json, key `memory_calibration`)."""
+the same 10 % (informational). The calibration also measures the allocator's reserve (peak reserved
+over peak allocated, across differently shaped micro-batches: unproven until run on a GPU). The
+calibration is saved as a baseline document (OUT/calibration_baseline.json, key `memory_calibration`)."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,8 @@ def calibrated(workload_profile, scratch, gpu_out, record):
                   backend=run.backend, warmup_s=round(run.warmup_s, 1),
                   measured_peaks_mib={str(m): round(p, 1) for m, p in run.peaks_mib.items()},
                   slope_mib=round(run.calibration.slope_mib, 1), intercept_mib=round(run.calibration.intercept_mib, 1),
+                  reserved_mib=run.calibration.reserved_mib, reserve_ratio=run.calibration.reserve_ratio,
+                  expandable_segments=run.calibration.expandable_segments,
                   predictions={str(row["micro_batch"]): row for row in iter_prediction_rows(run)})
     store_calibration(gpu_out / "calibration_baseline.json", run.calibration)
     return run
@@ -42,6 +45,14 @@ def test_calibration_slope_is_positive(calibrated, record):
     cal = calibrated.calibration
     assert record.check("calibration slope is positive", cal.slope_mib > 0,
                         f"slope {cal.slope_mib:.1f} MiB/sequence, intercept {cal.intercept_mib:.1f} MiB")
+
+
+def test_the_calibration_measures_the_allocators_reserve(calibrated, record):
+    cal = calibrated.calibration
+    assert record.check("reserve ratio measured under the profile's allocator setting",
+                        cal.reserve_ratio is not None and cal.reserve_ratio >= 1.0 and cal.expandable_segments is True,
+                        f"ratio {cal.reserve_ratio}, reserved {cal.reserved_mib} MiB at micro-batch "
+                        f"{cal.micro_batches}, expandable segments {cal.expandable_segments}")
 
 
 def test_calibrated_line_predicts_larger_micro_batches_within_10_percent(calibrated, record):

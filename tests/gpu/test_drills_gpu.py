@@ -1,7 +1,8 @@
 """Budget drills under `torch.cuda.set_per_process_memory_fraction` (the calibrate part's workload,
 its own calibration first; the cap is a fraction of the device's total memory):
 
-1. cap = (intercept + 4.5 x slope) / (1 - margin): `make_plan` on a one-GPU snapshot whose free
+1. cap = (intercept + 4.5 x slope) x reserve ratio / (1 - margin) (the plan counts the allocator's
+   reserve in the budget: dflash.memory.reserve): `make_plan` on a one-GPU snapshot whose free
    memory is the cap plans micro-batch 4; two optimizer steps of the global batch (8) through
    `run_step` with `AutoBatch` must see zero OOMs and keep micro-batch 4.
 2. the cap is lowered to peak(1) + 0.75 x slope (one sequence fits, two do not) while the plan
@@ -57,8 +58,9 @@ def drills(workload_profile, scratch, record) -> Drills:
     import torch
 
     from dflash.memory import model as memory
-    from dflash.train.calibration import CALIBRATION_MICRO_BATCHES, fit, measure, warm_up, worst_case_bench
+    from dflash.train.calibration import CALIBRATION_MICRO_BATCHES, apply_allocator_setting, fit, measure, warm_up, worst_case_bench
 
+    apply_allocator_setting(workload_profile)          # the ranks' allocator (expandable segments), before CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "drills", rows=GLOBAL_BATCH)
     record.figure(flex_error=warm_up(bench), backend=bench.state.backend)
     calibration = fit(bench, measure(bench, CALIBRATION_MICRO_BATCHES))
@@ -132,7 +134,10 @@ def run_capped(drills: Drills, cap_mib: float, planned: int, run_dir: Path) -> D
 
 @pytest.fixture(scope="module")
 def planned_run(drills, scratch, record) -> DrillOutcome:
-    cap = (drills.model.intercept_mib + 4.5 * drills.model.slope_mib) / (1 - drills.bench.profile.memory.margin)
+    from dflash.memory.reserve import plan_reserve
+
+    ratio = plan_reserve(drills.bench.profile, drills.bench.workload, drills.calibration).ratio
+    cap = (drills.model.intercept_mib + 4.5 * drills.model.slope_mib) * ratio / (1 - drills.bench.profile.memory.margin)
     planned = planned_micro_batch(drills, cap)
     assert record.check("plan under the cap", planned >= 2, f"cap {cap:.0f} MiB -> planned micro-batch {planned}")
     outcome = run_capped(drills, cap, planned, scratch / "drill-planned")

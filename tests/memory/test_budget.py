@@ -120,15 +120,19 @@ def test_batch_plan_keeps_the_global_batch_exact():
         budget.batch_plan(10, 4, 1)
 
 
-def calibration_giving(workload: memory.Workload, intercept: float = 2000.0, slope: float = 1500.0):
+def calibration_giving(workload: memory.Workload, intercept: float = 2000.0, slope: float = 1500.0,
+                       reserve_ratio: float | None = None):
     """A calibration (2 measuring ranks, steps of 2 micro-batches) whose corrected plan is exactly
-    peak = intercept + slope x m for `workload` while its micro-batches accumulate."""
+    peak = intercept + slope x m for `workload` while its micro-batches accumulate; with `reserve_ratio`,
+    reserved peaks that ratio over the allocated ones, measured under expandable segments."""
     import dataclasses
 
     measured = memory.estimated_peak_model(dataclasses.replace(workload, world_size=2, rank_share=3))
     estimated = memory.estimated_peak_model(workload)
     peaks = {m: measured.step_mib(m) + intercept + slope * m - estimated.step_mib(m) for m in (1, 2)}
-    return fit_calibration(peaks, workload, world_size=2, micro_batches_per_step=2)
+    reserved = None if reserve_ratio is None else {m: peak * reserve_ratio for m, peak in peaks.items()}
+    return fit_calibration(peaks, workload, reserved, world_size=2, micro_batches_per_step=2,
+                           expandable_segments=True)
 
 
 def calibrated_plan(profile, free: list[float], **kwargs) -> budget.Plan:
@@ -167,7 +171,8 @@ def test_launch_plan_gives_each_rank_its_start_and_refuses_when_one_sequence_can
     assert [start.micro_batch for start in starts] == [4, 2]
     assert allocator_fraction(starts[1]) == pytest.approx(starts[1].budget_mib / 97_887)
     short = PlanInputs(snapshot([10_000, 3_500], [500, 500]), None, calibration, "test", "calibration")
-    with pytest.raises(PreflightFailed, match=r"rank 1: one sequence needs 3500 MiB but GPU 1's budget is 2650 MiB"):
+    with pytest.raises(PreflightFailed, match=r"rank 1: one sequence needs 3675 MiB \(3500 allocated x reserve ratio "
+                                              r"1\.050\) but GPU 1's budget is 2650 MiB"):
         plan_for_launch(profile, short)
 
 

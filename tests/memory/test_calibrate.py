@@ -123,6 +123,23 @@ def test_worst_case_bench_builds_through_build_state_and_steps_two_micro_batches
     assert stats.tokens == 4 * 48 and stats.loss > 0
 
 
+def test_the_reserve_is_measured_over_differently_shaped_micro_batches(tmp_path, tiny_qwen3_target):
+    """The bench's dataset holds, after the worst-case rows, rows of 1/4, 3/4 and 1/2 of max_length, and
+    measure_reserve's run steps through each shape then the worst case: real steps on the CPU here (the
+    allocator's peaks themselves need CUDA: tests/gpu/test_calibrate_gpu.py)."""
+    from dflash.train.calibration import run_varied_shapes, varied_lengths, varied_row_range, worst_case_bench
+
+    profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
+    bench = worst_case_bench(profile, tmp_path, rows=4)
+    assert varied_lengths(48) == (12, 36, 24)
+    for shape, length in enumerate(varied_lengths(48)):
+        batch = bench.state.data.collate(varied_row_range(4, 4, shape)[:2], 0)
+        assert batch.input_ids.shape == (2, length), shape
+    steps = run_varied_shapes(bench, 2)                 # three shorter shapes, then the worst case
+    assert [stats.tokens for stats in steps] == [4 * 12, 4 * 36, 4 * 24, 4 * 48]
+    assert all(stats.loss > 0 for stats in steps)
+
+
 def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist():
     from dflash.train.calibration import calibration_ranks
     from launcher_core.profile import load_profile

@@ -56,8 +56,10 @@ def test_table_names_every_column_marks_rank_6_and_prints_the_storage_comparison
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(line for line in lines if "budget MiB" in line)
-    for column in ("gpu", "free MiB", "overhead MiB", "static MiB", "peak MiB", "micro", "accum"):
+    for column in ("gpu", "free MiB", "overhead MiB", "static MiB", "peak MiB", "reserved MiB", "micro", "accum"):
         assert column in header
+    assert "planned reserve: allocated peak 76,515 MiB x reserve ratio 1.040 = 79,575 MiB reserved at micro-batch 2" \
+        in result.stdout                                # the calibration's measured ratio (synthetic fixture)
     rank6 = next(line for line in lines if line.split()[:2] == ["6", "6"])
     assert "97,152" in rank6 and "2 <" in rank6
     assert "global batch per optimizer step: 64 sequences = 8 ranks x 4 micro-batches" in result.stdout
@@ -69,17 +71,23 @@ def test_table_names_every_column_marks_rank_6_and_prints_the_storage_comparison
 def test_flagship_plan_trains_1024_anchors_sharded_and_recomputed_and_says_what_each_part_buys(tmp_path):
     """rtx6000-x8 on the baseline node: the drafter sharded over 8 ranks by FSDP2 (825 MiB of float32
     weights a rank; from the second micro-batch of a step on, 825 MiB of gradient shards alive),
-    gathered in bf16, each layer recomputed: 1,024 anchors per 8,192-token sequence at micro-batch 4.
-    Without the recomputation the same sequence fits alone (micro-batch 1), and 2,048 anchors do not
-    fit it at all; the recipe's 512 fit even in float32 compute."""
+    gathered in bf16, each layer recomputed: 1,024 anchors per 8,192-token sequence at micro-batch 3, whose
+    allocated peak (78,737 MiB) times the default reserve ratio (1.05: 82,674 reserved) fits the 87,022 MiB
+    budget; micro-batch 4 (86,050 allocated) fitted only while the plan left the allocator's reserve out.
+    Without the recomputation one sequence (84,349 allocated, 88,567 reserved) no longer fits, 2,048 anchors
+    do not either; the recipe's 512 fit even in float32 compute."""
     node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
     shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)
     assert shipped["workload"]["world_size"] == 8 and shipped["peak_model"]["source"] == "estimate"
     assert shipped["workload"]["num_anchors"] == 1024 and shipped["workload"]["activation_checkpointing"] == "layers"
     assert shipped["peak_model"]["accumulation_mib"] == shipped["estimate_mib"]["drafter_grads"] == pytest.approx(825, abs=1)
-    assert [r["feasible_micro_batch"] for r in shipped["ranks"]] == [4] * 8
+    assert [r["feasible_micro_batch"] for r in shipped["ranks"]] == [3] * 8
+    reserve = shipped["reserve"]
+    assert (reserve["ratio"], reserve["source"]) == (1.05, "default") and "unproven" in reserve["detail"]
+    assert reserve["reserved_peak_mib"] == pytest.approx(1.05 * shipped["ranks"][0]["peak_at_agreed_mib"], abs=0.1)
+    assert all(reserve["reserved_peak_mib"] <= rank["budget_mib"] for rank in shipped["ranks"])
     (tmp_path / "rtx6000-x8.toml").write_text((REPO / "profiles" / "rtx6000-x8.toml").read_text())
-    for name, body, fits in (("no-recompute", 'activation_checkpointing = "none"', 1),
+    for name, body, fits in (("no-recompute", 'activation_checkpointing = "none"', 0),
                              ("2048-no-recompute", 'num_anchors = 2048\nactivation_checkpointing = "none"', 0),
                              ("recipe-fp32", 'num_anchors = 512\ncompute_dtype = "float32"\nactivation_checkpointing = "none"', 1)):
         variant = tmp_path / f"rtx-{name}.toml"

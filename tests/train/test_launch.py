@@ -68,3 +68,51 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
     assert result.returncode == 0, result.stderr
     assert "dflash.train.agent --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
     assert "--start-method forkserver --run-path " in result.stdout and "dflash/train/worker.py" in result.stdout
+
+
+def _cuda_profile(expandable: bool = True):
+    profile = load_profile("rtx6000-x8")
+    return dataclasses.replace(profile, memory=dataclasses.replace(profile.memory, expandable_segments=expandable))
+
+
+def test_cuda_ranks_get_expandable_segments_by_default_and_the_printed_command_shows_it(tmp_path):
+    argv, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py", base_env={})
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in describe_command(argv, env)
+
+
+def test_the_profile_key_turns_expandable_segments_off(tmp_path):
+    _, env = build_torchrun_command(_cuda_profile(expandable=False), tmp_path, python="py", base_env={})
+    assert "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+def test_a_users_own_allocator_variable_is_completed_in_place_never_overridden(tmp_path):
+    """torch 2.9 and 2.13 each read the first allocator variable set (in opposite orders): the setting
+    goes into the variable the user set, with the user's options kept."""
+    _, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py",
+                                    base_env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in env
+    _, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py",
+                                    base_env={"PYTORCH_ALLOC_CONF": "expandable_segments:False,max_split_size_mb:64"})
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:False,max_split_size_mb:64"
+    _, env = build_torchrun_command(_cuda_profile(), tmp_path, python="py",      # torch 2.9 would read the empty one
+                                    base_env={"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert "PYTORCH_ALLOC_CONF" not in env
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
+
+
+def test_users_allocator_variables_that_disagree_stop_the_launch(tmp_path):
+    import pytest
+
+    from launcher_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="disagree on expandable_segments"):
+        build_torchrun_command(_cuda_profile(), tmp_path, python="py",
+                               base_env={"PYTORCH_ALLOC_CONF": "expandable_segments:False",
+                                         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+
+
+def test_cpu_ranks_get_no_allocator_variable(tmp_path):
+    _, env = build_torchrun_command(load_profile("cpu-demo"), tmp_path, python="py", base_env={})
+    assert "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
