@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                      cuda_visible_devices=args.cuda_visible_devices)
     storage, source = _storage(plan, args), model_source(plan, inputs)
     checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
-    restart = restart_cost(plan, profile.train, getattr(inputs.calibration, "target_load_s", None))
+    restart = restart_cost(plan, profile.train, inputs.calibration.start_s if inputs.calibration else None)
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
                                                                   "checkpoints": checkpoints_json,

@@ -40,6 +40,8 @@ class Calibration:
     reserved_mib: tuple[float, float] | None = None  # peak reserved at the two sizes (None: measured before it was)
     reserve_ratio: float | None = None   # peak reserved / peak allocated across differently shaped micro-batches
     expandable_segments: bool | None = None   # the allocator setting the reserve was measured under
+    start_s: float | None = None    # one rank's state built (the target loaded, the drafter built and sharded):
+                                    # what every rank pays again at an OOM restart (None: measured before it was)
 
     @property
     def slope_mib(self) -> float:
@@ -65,7 +67,7 @@ class ReserveMeasurement:
 
 def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload,
                     reserved_by_micro_batch: Mapping[int, float] | None = None,
-                    varied: ReserveMeasurement | None = None, **facts: str | int | bool) -> Calibration:
+                    varied: ReserveMeasurement | None = None, **facts: str | int | bool | float) -> Calibration:
     """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them); with the
     reserved peaks at those sizes and the varied-shape steps' measurement, the reserve ratio: the larger
     of reserved over allocated at the worst-case sizes and across the varied steps."""
@@ -103,7 +105,7 @@ def calibration_from_dict(document: Mapping[str, object], where: str) -> Calibra
                            world_size=_count(document, "world_size"),
                            micro_batches_per_step=_count(document, "micro_batches_per_step"),
                            reserved_mib=_stored_reserved(document), reserve_ratio=_stored_ratio(document),
-                           expandable_segments=_stored_expandable(document))
+                           expandable_segments=_stored_expandable(document), start_s=_stored_seconds(document))
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
 
@@ -127,6 +129,15 @@ def _stored_expandable(document: Mapping[str, object]) -> bool | None:
     if expandable is not None and not isinstance(expandable, bool):
         raise ValueError(f"'expandable_segments' must be true or false, got {expandable!r}")
     return expandable
+
+
+def _stored_seconds(document: Mapping[str, object]) -> float | None:
+    seconds = document.get("start_s")
+    if seconds is None:
+        return None
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e6:
+        raise ValueError(f"'start_s' must be a number of seconds >= 0, got {seconds!r}")
+    return float(seconds)
 
 
 def _count(document: Mapping[str, object], key: str) -> int:

@@ -85,11 +85,12 @@ class RestartCost:
     target_mib: float                   # one rank's target weights
     steps_at_risk: int                  # train.save_every_steps
     minutes_at_risk: float              # train.save_every_minutes (0: not bounded in time)
-    target_load_s: Optional[float]      # one rank's target load, measured by `launcher.py calibrate` (None: not yet)
+    start_s: Optional[float]            # one rank's start (the target loaded, the drafter built and sharded),
+                                        # measured by `launcher.py calibrate` (None: not yet)
 
     def line(self) -> str:
-        load = (f"{self.target_load_s:.0f} s measured by calibrate" if self.target_load_s is not None
-                else "its load time not yet measured: `launcher.py calibrate` measures it")
+        load = (f"a rank's start, target load included, {self.start_s:.0f} s as calibrate measured it"
+                if self.start_s is not None else "its load time not yet measured: `launcher.py calibrate` measures it")
         risk = f"up to {self.steps_at_risk} steps"
         if self.minutes_at_risk:
             risk += f" or {self.minutes_at_risk:g} minutes of them, whichever is less (train.save_every_minutes)"
@@ -114,10 +115,9 @@ def checkpoint_disk(plan: Plan, train: TrainSection) -> CheckpointDisk:
                           asynchronous=train.async_save)
 
 
-def restart_cost(plan: Plan, train: TrainSection, target_load_s: Optional[float] = None) -> RestartCost:
+def restart_cost(plan: Plan, train: TrainSection, start_s: Optional[float] = None) -> RestartCost:
     return RestartCost(ranks=plan.world_size, target_mib=plan.estimate.target_weights,
-                       steps_at_risk=train.save_every_steps, minutes_at_risk=train.save_every_minutes,
-                       target_load_s=target_load_s)
+                       steps_at_risk=train.save_every_steps, minutes_at_risk=train.save_every_minutes, start_s=start_s)
 
 
 def run_dir_disk(disks: Sequence[DiskFacts], run_dir: str) -> Optional[DiskFacts]:

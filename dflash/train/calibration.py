@@ -96,6 +96,7 @@ class CalibrationBench:
     workload: memory.Workload           # the profile's (its world size)
     world_size: int
     ranks: int = 1                      # processes the bench runs on: the ranks the drafter is sharded over
+    start_s: float = 0.0                # build_state: the target loaded, the drafter built and sharded
 
 
 @dataclass
@@ -111,6 +112,7 @@ class MeasuredPeaks:
     reserved_mib: dict[int, float] = field(default_factory=dict)    # peak reserved at each measured size
     varied: dict[str, float] = field(default_factory=dict)          # measure_reserve's peaks (AllocatorPeaks)
     expandable_segments: bool = False
+    start_s: float = 0.0                                            # the bench's build_state (the slowest rank's)
 
 
 @dataclass
@@ -197,9 +199,12 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
                                  varied_rows=rows)
     barrier()
     copy = worst_case_profile(profile, dataset, rows, env.world_size)
+    started = time.perf_counter()
     state = build_state(copy, scratch / "run", env, resume=False, planned_micro_batch=rows)
+    start_s = time.perf_counter() - started
     state.autobatch = None
-    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, env.world_size)
+    return CalibrationBench(copy, state, memory.workload_from_profile(profile, shape, world), world, env.world_size,
+                            start_s)
 
 
 def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
@@ -343,7 +348,7 @@ def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = 
     return MeasuredPeaks({m: p.allocated_mib for m, p in steps.items()}, checks, bench.state.backend, flex_error,
                          warmup_s, torch.cuda.get_device_name(bench.state.device),
                          reserved_mib={m: p.reserved_mib for m, p in steps.items()}, varied=records.asdict(varied),
-                         expandable_segments=expandable_now(bench.profile))
+                         expandable_segments=expandable_now(bench.profile), start_s=bench.start_s)
 
 
 def calibrate(profile: Profile, scratch: Path | None = None,
@@ -368,7 +373,7 @@ def calibrate(profile: Profile, scratch: Path | None = None,
                                   device_name=measured.device_name, torch_version=torch.__version__,
                                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=ranks,
                                   micro_batches_per_step=MICRO_BATCHES_PER_STEP,
-                                  expandable_segments=measured.expandable_segments)
+                                  expandable_segments=measured.expandable_segments, start_s=round(measured.start_s, 1))
     return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
                           measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
 
@@ -393,7 +398,8 @@ def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batche
                                for key in ("peaks_mib", "check_peaks_mib", "reserved_mib"))
     varied = max((d["varied"] for d in found), key=lambda peaks: peaks["reserved_mib"] / peaks["allocated_mib"])
     return MeasuredPeaks(peaks, checks, found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"],
-                         found[0]["device_name"], reserved, varied, found[0]["expandable_segments"])
+                         found[0]["device_name"], reserved, varied, found[0]["expandable_segments"],
+                         max(float(d.get("start_s", 0.0)) for d in found))
 
 
 def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:

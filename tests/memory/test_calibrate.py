@@ -119,6 +119,7 @@ def test_worst_case_bench_builds_through_build_state_and_steps_two_micro_batches
     assert batch.input_ids.shape == (2, 48) and bool(batch.anchor_valid.all()) and batch.anchors.shape[1] == 8
     assert bench.state.autobatch is None and bench.workload.world_size == 4 and bench.ranks == 1
     assert is_sharded(bench.state.drafter)
+    assert 0 < bench.start_s < 120                      # build_state timed: what a restart pays again (plan)
     stats = step_at(bench, 2)
     assert stats.tokens == 4 * 48 and stats.loss > 0
 

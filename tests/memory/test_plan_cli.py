@@ -158,12 +158,24 @@ def test_the_plan_says_what_an_oom_restart_costs(tmp_path):
     document = plan_json("--profile", "rtx6000-x8", "--snapshot", node)
     restart, target = document["restart"], document["estimate_mib"]["target_weights"]
     assert (restart["ranks"], restart["steps_at_risk"], restart["minutes_at_risk"]) == (8, 500, 60)
-    assert 48 * 1024 < restart["target_mib"] < 50 * 1024 and restart["target_load_s"] is None
+    assert 48 * 1024 < restart["target_mib"] < 50 * 1024 and restart["start_s"] is None
     assert restart["target_mib"] == pytest.approx(target)
     text = plan("--profile", "rtx6000-x8", "--snapshot", node).stdout
     assert ("an OOM restart: every rank reloads the target (49.0 GiB a rank, 392.2 GiB read on the node; its load "
             "time not yet measured: `launcher.py calibrate` measures it)\n  and the run recomputes up to 500 steps or "
             "60 minutes of them, whichever is less (train.save_every_minutes) since the last checkpoint") in text
+    measured = json.loads((REPO / CALIBRATION).read_text())
+    measured["memory_calibration"]["start_s"] = 212.0            # calibrate's build_state: the target loaded and more
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    calibrated = plan_json("--profile", "rtx6000-x8", "--snapshot", node, "--baseline", str(tmp_path / "measured.json"))
+    assert calibrated["restart"]["start_s"] == 212.0
+    assert "(49.0 GiB a rank, 392.2 GiB read on the node; a rank's start, target load included, 212 s as calibrate " \
+           "measured it)" in plan("--profile", "rtx6000-x8", "--snapshot", node, "--baseline",
+                                  str(tmp_path / "measured.json")).stdout
+    measured["memory_calibration"]["start_s"] = "slow"
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    refused = plan("--profile", "rtx6000-x8", "--snapshot", node, "--baseline", str(tmp_path / "measured.json"))
+    assert refused.returncode == 2 and "'start_s' must be a number of seconds" in refused.stderr
     (tmp_path / "steps.toml").write_text('extends = "rtx6000-x8"\n[train]\nsave_every_minutes = 0\nsave_every_steps = 200\n')
     steps_only = plan("--profile", str(tmp_path / "steps.toml"), "--snapshot", node).stdout
     assert "recomputes up to 200 steps (not bounded in time: train.save_every_minutes is 0)" in steps_only
