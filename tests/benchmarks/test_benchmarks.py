@@ -91,6 +91,9 @@ CASES = [
     Smoke("bench_fsdp_step.py", (rf"^  every_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$",
                                  rf"^  last_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$"),
           marks=(SLOW,)),
+    Smoke("bench_async_save.py", (rf"^async: run {NUMBER} s; a step {NUMBER} s; the ranks stood still per save median -?{NUMBER} s",
+                                  rf"^ sync: run {NUMBER} s; a step {NUMBER} s; the ranks stood still per save median -?{NUMBER} s",
+                                  rf"^stall per save: async -?{NUMBER} s vs sync -?{NUMBER} s$"), marks=(SLOW,)),
     Smoke("bench_interpreters.py", (rf"^\S+ \(3\.11\.\d+\): rank imports CPU {NUMBER} s \(1\.00x\), 3 eager steps CPU "
                                     rf"{NUMBER} s ",), marks=(SLOW,)),
     Smoke("bench_rank_start.py", (rf"^forkserver launch 1: 2 ranks x 1 steps: wall {NUMBER} s, machine CPU {NUMBER} s$",
