@@ -345,11 +345,13 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     rank never holds a full host copy (8 ranks x ~54 GB for Qwen3.6-27B otherwise). A Qwen3.5/3.6
     checkpoint loads as the text-only causal LM (vision tower and MTP head skipped). The config
     is passed explicitly: transformers 5.6 otherwise drops `dtype` for such a composite checkpoint
-    (the text model then loads in the checkpoint's dtype). Decoder layers past `keep_layers` are
-    dropped (the trainer never runs them).
+    (the text model then loads in the checkpoint's dtype). With `keep_layers` only the first
+    `keep_layers` decoder layers are built and read (`truncate_layers`: the trainer never runs the
+    others); the embedding, final norm and lm_head load as always.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from dflash.compat import check_transformers
 
@@ -357,9 +359,35 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     check_model_files(Path(path))
     device = torch.device(device)
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
-                                                 device_map=str(device), local_files_only=True)
-    model.eval().requires_grad_(False)
     if keep_layers is not None:
-        model.model.layers = model.model.layers[:keep_layers]
+        truncate_layers(config, keep_layers)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()        # the layers not kept are "unused weights" of the checkpoint: on purpose
+    try:
+        model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
+                                                     device_map=str(device), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval().requires_grad_(False)
     return model
+
+
+def truncate_layers(config, keep_layers: int) -> None:
+    """The (text) config of the first `keep_layers` decoder layers, in place: `num_hidden_layers` and the
+    per-layer `layer_types` of a hybrid (Qwen3.5/3.6) or sliding-window config, cut consistently."""
+    text = getattr(config, "text_config", None) or config
+    count = int(text.num_hidden_layers)
+    if not 0 < keep_layers <= count:
+        raise ValueError(f"keep_layers {keep_layers}: the target has {count} decoder layers")
+    kinds = getattr(text, "layer_types", None)
+    text.num_hidden_layers = keep_layers
+    if kinds:
+        text.layer_types = list(kinds[:keep_layers])
+
+
+def target_layer_count(path: str | Path) -> int:
+    """The decoder layers of a model directory's config.json (its text config's), read without loading it."""
+    from launcher_core.fileio import read_json_object
+
+    text = text_config_dict(read_json_object(Path(path) / "config.json", "a model config"))
+    return int(text.get("num_hidden_layers") or len(text.get("layer_types") or []))

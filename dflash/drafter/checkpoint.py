@@ -15,8 +15,9 @@ the directory) is replaced atomically after it, so a crash leaves the previous c
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
 
 from launcher_core.errors import InputError
 from launcher_core.fileio import atomic_directory, write_text_atomic
@@ -209,19 +210,58 @@ def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     prefix (some published exports) is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
 
-    index = checkpoint_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(_index_weight_map(index).values()))
-    elif (checkpoint_dir / WEIGHTS).exists():
-        shards = [WEIGHTS]
-    else:
-        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
     weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in _load_safetensors(checkpoint_dir / shard, load_file).items():
+    for path in _weight_files(checkpoint_dir):
+        for name, tensor in _load_safetensors(path, load_file).items():
             if "rotary_emb." not in name:
                 weights[name.removeprefix("model.")] = tensor
     return weights
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a drafter directory's safetensors files, read only when `load` is called."""
+
+    path: Path
+    key: str                    # its name in the file (a `model.` prefix kept)
+    shape: tuple[int, ...]
+
+    def load(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as handle:
+            return handle.get_tensor(self.key)
+
+
+def stored_weights(checkpoint_dir: Path) -> dict[str, StoredTensor]:
+    """`read_weights`'s names and shapes from the files' headers, each tensor read on demand."""
+    from safetensors import SafetensorError, safe_open
+
+    stored: dict[str, StoredTensor] = {}
+    for path in _weight_files(checkpoint_dir):
+        try:
+            with safe_open(str(path), "pt") as handle:
+                for key in handle.keys():
+                    if "rotary_emb." not in key:
+                        stored[key.removeprefix("model.")] = StoredTensor(path, key, tuple(handle.get_slice(key).get_shape()))
+        except (SafetensorError, OSError) as error:
+            raise InputError(f"{path}: not a readable safetensors file ({error}); it is truncated or damaged: "
+                             "copy it again, or use another checkpoint") from None
+    return stored
+
+
+def _weight_files(checkpoint_dir: Path) -> list[Path]:
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = [checkpoint_dir / shard for shard in sorted(set(_index_weight_map(index).values()))]
+    elif (checkpoint_dir / WEIGHTS).exists():
+        files = [checkpoint_dir / WEIGHTS]
+    else:
+        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or model.safetensors.index.json) here")
+    missing = [path for path in files if not path.is_file()]
+    if missing:
+        raise InputError(f"{missing[0]}: missing (named by the checkpoint's index); restore the file or re-export")
+    return files
 
 
 def _index_weight_map(index: Path) -> dict[str, str]:
@@ -313,7 +353,14 @@ def init_source_problem(path: Path) -> str:
     return ""
 
 
-def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+class Shaped(Protocol):
+    """A tensor, or a stored tensor not read yet (StoredTensor): what `weight_differences` compares."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+def weight_differences(own: Mapping[str, Shaped], loaded: Mapping[str, Shaped]) -> list[str]:
     """Every name missing from `loaded`, every name `own` lacks, every shape that differs."""
     missing = [f"{name}: missing (profile's drafter has {tuple(own[name].shape)})" for name in own if name not in loaded]
     extra = [f"{name}: not in the profile's drafter ({tuple(loaded[name].shape)})" for name in loaded if name not in own]
@@ -323,21 +370,29 @@ def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, tor
 
 
 def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
-    """Start `drafter` (built from the profile) from a DFlash drafter directory's weights
-    (`drafter.init = "drafter"`): names and shapes must match exactly, and so must the tap layers
-    (the features fc reads) and, between DFlash 2 drafters, the selector's settings; InputError
-    listing every difference otherwise. A DFlash 2 profile may start from a DFlash (1) drafter:
-    its backbone loads, and the convolutions (identity) and the selector (a no-op: zero successor
-    codebook) keep their fresh start, so the drafter starts drafting exactly as that one. Returns
-    the directory."""
-    import torch
+    """Start the (whole) `drafter` built from the profile from a DFlash drafter directory's weights
+    (`drafter.init = "drafter"`, `drafter_init_values`); returns the directory."""
+    from dflash.drafter.model import assign_values
 
+    directory, values = drafter_init_values(drafter, path)
+    assign_values(drafter, values)
+    return directory
+
+
+def drafter_init_values(drafter: DFlashDrafter, path: str | Path) -> tuple[Path, dict[str, Callable[[], torch.Tensor]]]:
+    """The drafter's start from a DFlash drafter directory's weights (`drafter.init = "drafter"`): the
+    directory and, by name, a reader of each tensor (one at a time; only the drafter's names and global
+    shapes are read: it may be on the meta device, sharded). Names and shapes must match exactly, and so
+    must the tap layers (the features fc reads) and, between DFlash 2 drafters, the selector's settings;
+    InputError listing every difference otherwise. A DFlash 2 profile may start from a DFlash (1) drafter:
+    its backbone loads, and the convolutions (identity) and the selector (a no-op: zero successor
+    codebook) keep their fresh start, so the drafter starts drafting exactly as that one."""
     directory = resolve_checkpoint_dir(Path(path))
     source = read_drafter_config(directory)
-    own = drafter.state_dict()
+    own = drafter.state_dict(keep_vars=True)
     fresh = _dflash2_additions(own) if _is_dflash2(drafter.config) and not _is_dflash2(source) else set()
-    loaded = read_weights(directory)
-    differences = weight_differences({name: value for name, value in own.items() if name not in fresh}, loaded)
+    stored = stored_weights(directory)
+    differences = weight_differences({name: value for name, value in own.items() if name not in fresh}, stored)
     taps = list(source.dflash_config["target_layer_ids"])
     if taps != list(drafter.target_layer_ids):
         differences.append(f"dflash_config.target_layer_ids: {taps} there, {list(drafter.target_layer_ids)} in the profile")
@@ -345,11 +400,7 @@ def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     if differences:
         raise InputError(f"drafter.init_from {directory}: does not fit the profile's drafter "
                          f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences))
-    with torch.no_grad():
-        for name, value in own.items():
-            if name not in fresh:
-                value.copy_(loaded[name].to(value.dtype))
-    return directory
+    return directory, {name: stored[name].load for name in own if name not in fresh}
 
 
 def _is_dflash2(config: PretrainedConfig) -> bool:
