@@ -53,16 +53,18 @@ def run(args: argparse.Namespace) -> int:
                      cuda_visible_devices=args.cuda_visible_devices)
     storage, source = _storage(plan, args), model_source(plan, inputs)
     checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
+    host_ram, host_ram_json = host_ram_figures(profile, plan, inputs.snapshot)
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
-                                                                  "checkpoints": checkpoints_json}}
+                                                                  "checkpoints": checkpoints_json,
+                                                                  "host_ram_at_start": host_ram_json}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
-    print("\n".join(format_plan(plan, storage, checkpoints)))
+    print("\n".join(format_plan(plan, storage, checkpoints, host_ram)))
     print(f"memory model: {source}")
     if args.trace:
         print("\n".join(traced_vs_modelled(profile)))
@@ -118,11 +120,28 @@ def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot
     return disk.line(free), document
 
 
+def host_ram_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot]) -> tuple[str, dict[str, object]]:
+    """The host RAM the node's ranks need at start, beside the RAM the snapshot recorded (without a snapshot:
+    this machine's, read now): the plan's line and its JSON."""
+    from dataclasses import asdict
+
+    from dflash.memory.host_ram import host_ram_at_start
+    from envcheck.host import ram_mib
+
+    need = host_ram_at_start(profile, plan)
+    ram = snapshot.host.ram_total_mib if snapshot is not None else ram_mib()[0]
+    document = {**asdict(need), "per_rank_mib": need.per_rank_mib, "node_mib": need.node_mib,
+                "whole_per_rank_mib": need.whole_per_rank_mib, "whole_node_mib": need.whole_node_mib,
+                "ram_mib": ram or None, "fits": need.problem(ram) is None}
+    return need.line(ram), document
+
+
 COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "fits", "micro", "accum")
 
 
-def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "") -> list[str]:
-    """The plan's lines; `checkpoints`: the line of dflash.memory.checkpoints (the disk the run's checkpoints take)."""
+def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "", host_ram: str = "") -> list[str]:
+    """The plan's lines; `checkpoints`: the line of dflash.memory.checkpoints (the disk the run's checkpoints take);
+    `host_ram`: the line of dflash.memory.host_ram (the node's host RAM at start)."""
     rows = [COLUMNS] + [_row(plan, rank_plan) for rank_plan in plan.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["", f"memory plan ({plan.world_size} ranks; peak = {plan.peak_model.intercept_mib:.0f} + "
@@ -131,6 +150,7 @@ def format_plan(plan: Plan, storage: OfflineStorage, checkpoints: str = "") -> l
                  f"{plan.workload.block_size} block tokens per sequence)"]
     lines.append(_optimizer_line(plan))
     lines += [checkpoints] if checkpoints else []
+    lines += [host_ram] if host_ram else []
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += _summary(plan, storage)
     return lines
