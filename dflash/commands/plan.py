@@ -1,5 +1,6 @@
 """`launcher.py plan --profile P [--snapshot FILE] [--json]`: the resolved profile and the per-rank
-memory plan (budgets, micro-batch, accumulation). Starts nothing and never imports torch.
+memory plan (budgets, micro-batch, accumulation), the disk the checkpoints take and the host RAM the
+node's ranks need at start. Starts nothing and never imports torch.
 
 The memory model is the calibration stored in the baseline (`--baseline FILE`, else the profile's
 saved baseline for the snapshot's host, where `launcher.py calibrate` writes it) when it was
