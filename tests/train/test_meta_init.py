@@ -1,7 +1,8 @@
 """The ranks build their drafter on the meta device, shard it and materialise only their shards
-(dflash.train.materialize), and it is the drafter the whole build on the host gives: on 1 and on 2
-real gloo ranks (torchrun), every gathered parameter and buffer (the rotary inv_freq, recomputed, and
-the draft vocabulary included) equals `build_drafter`'s for the same seed, for the random start with
+(dflash.train.materialize), and it is the drafter the whole build on the host gives: on 1, 2 and 3
+real gloo ranks (torchrun; 3 shard unevenly, and DFlash 2's 2-row kernels leave rank 2 an empty
+shard), every gathered parameter and buffer (the rotary inv_freq, recomputed, and the draft
+vocabulary included) equals `build_drafter`'s for the same seed, for the random start with
 a draft vocabulary, drafter.init = "target", DFlash 2, and drafter.init = "drafter" (a DFlash 2 start
 from a saved checkpoint). Negative control: another seed's whole build differs, so the comparison
 can fail."""
@@ -59,13 +60,13 @@ def equal(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) ->
     return found.keys() == reference.keys() and all(torch.equal(found[n], reference[n]) for n in reference)
 
 
-def test_the_sharded_meta_build_is_the_whole_build_on_1_and_2_ranks(tmp_path, tiny_qwen3_target, tiny_dataset):
+def test_the_sharded_meta_build_is_the_whole_build_on_1_2_and_3_ranks(tmp_path, tiny_qwen3_target, tiny_dataset):
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.models import load_target
     from dflash.train.setup import build_drafter
 
     profiles = {name: write_profile(tmp_path / f"{name}.toml", tiny_qwen3_target, tiny_dataset, tmp_path / name,
-                                    drafter=drafter) for name, drafter in VARIANTS.items()}
+                                    drafter=drafter, global_batch=12) for name, drafter in VARIANTS.items()}
     source_profile = load_profile(str(profiles["dflash2"]))
     source = build_drafter(source_profile, load_target(tiny_qwen3_target), [1, 2], 4)
     with torch.no_grad():
@@ -73,8 +74,9 @@ def test_the_sharded_meta_build_is_the_whole_build_on_1_and_2_ranks(tmp_path, ti
             parameter.add_(0.01)        # off its fresh start, so a fresh start would not pass for the loaded one
     saved = save_checkpoint(tmp_path / "source", source, 1, {})
     profiles["drafter"] = write_profile(tmp_path / "drafter.toml", tiny_qwen3_target, tiny_dataset, tmp_path / "drafter",
-                                        drafter={**VARIANTS["dflash2"], "init": "drafter", "init_from": str(saved)})
-    outputs = {ranks: run_ranks(tmp_path, ranks, list(profiles.values())) for ranks in (1, 2)}
+                                        drafter={**VARIANTS["dflash2"], "init": "drafter", "init_from": str(saved)},
+                                        global_batch=12)
+    outputs = {ranks: run_ranks(tmp_path, ranks, list(profiles.values())) for ranks in (1, 2, 3)}
     for name, path in profiles.items():
         profile = load_profile(str(path))
         reference = whole_build(profile)
