@@ -57,6 +57,7 @@ def test_load_target_places_weights_through_device_map(flagship_twin_target, mon
     the config is passed)."""
     from transformers import AutoModelForCausalLM
 
+    from dflash.drafter.taps import extract_taps
     from dflash.models import load_target
 
     calls = []
@@ -71,6 +72,12 @@ def test_load_target_places_weights_through_device_map(flagship_twin_target, mon
     assert calls[0]["device_map"] == "cpu" and calls[0]["dtype"] == torch.bfloat16
     assert len(model.model.layers) == 4 and not model.training
     assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
+    text = calls[0]["config"].text_config          # cut before loading: the layers past 4 are never read
+    assert text.num_hidden_layers == 4 and text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    whole = load_target(flagship_twin_target, device="cpu", dtype="bfloat16")
+    assert len(whole.model.layers) == 8
+    ids = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    assert torch.equal(extract_taps(model, ids, [1, 3]), extract_taps(whole, ids, [1, 3]))
 
 
 @pytest.mark.parametrize("rollback", ROLLBACKS)
