@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import cache_dir
@@ -359,17 +359,39 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     check_model_files(Path(path))
     device = torch.device(device)
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    if keep_layers is not None:
+    arguments = {"config": config, "dtype": getattr(torch, dtype), "device_map": str(device), "local_files_only": True}
+    model: PreTrainedModel
+    if keep_layers is None:
+        model = cast("PreTrainedModel", AutoModelForCausalLM.from_pretrained(Path(path), **arguments))
+    else:
         truncate_layers(config, keep_layers)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()        # the layers not kept are "unused weights" of the checkpoint: on purpose
-    try:
-        model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
-                                                     device_map=str(device), local_files_only=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()    # its report would list every layer not kept as an unexpected weight
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(Path(path), output_loading_info=True, **arguments)
+            model, info = cast("tuple[PreTrainedModel, dict]", loaded)      # (model, loading info) with that flag
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _report_loading(Path(path), info, keep_layers)
     model.eval().requires_grad_(False)
     return model
+
+
+def _report_loading(path: Path, info: dict, keep_layers: int) -> None:
+    """What transformers' load report would have said, less the layers not kept: missing weights (left at
+    their random init), other unexpected or mismatched ones, on stderr."""
+    import re
+    import sys
+
+    dropped = re.compile(r"(^|\.)layers\.(\d+)\.")
+    unexpected = [key for key in info.get("unexpected_keys", [])
+                  if not ((found := dropped.search(key)) and int(found.group(2)) >= keep_layers)]
+    problems = {"missing (left at random init)": list(info.get("missing_keys", [])), "unexpected": unexpected,
+                "mismatched": [str(entry) for entry in info.get("mismatched_keys", [])]}
+    for what, keys in problems.items():
+        if keys:
+            print(f"{path}: {len(keys)} weight(s) {what}: {', '.join(sorted(keys)[:8])}"
+                  f"{' ...' if len(keys) > 8 else ''}", file=sys.stderr)
 
 
 def truncate_layers(config, keep_layers: int) -> None:

@@ -3,6 +3,7 @@ linear-attention state restored exactly after a rejection, on every supported tr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,24 @@ def test_an_unsupported_transformers_is_refused_naming_it():
         check_transformers("4.57.1")
     assert check_transformers("5.3.0") == "5.3.0"
     assert not linear_state_continues("5.6.0") and linear_state_continues("5.7.0") and linear_state_continues("5.24.0")
+
+
+def test_a_load_of_the_first_layers_reports_missing_weights_but_not_the_layers_it_leaves(tmp_path, tiny_qwen3_target,
+                                                                                          capsys):
+    """load_target(keep_layers) silences transformers' load report (every layer not kept would be an
+    unexpected weight there) and says itself what it would otherwise have hidden: a weight the file lacks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash.models import load_target
+
+    damaged = Path(shutil.copytree(tiny_qwen3_target, tmp_path / "target"))
+    tensors = load_file(str(damaged / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert len(load_target(damaged, keep_layers=2).model.layers) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged}: 1 weight(s) missing (left at random init): model.layers.0.mlp.up_proj.weight" in err
+    assert "unexpected" not in err and "layers.3" not in err
