@@ -81,6 +81,7 @@ class HostRamAtStart:
 
     def line(self, ram_mib: Optional[float] = None) -> str:
         node = f" of the node's {gib(ram_mib)}" if ram_mib else ""
+        node += " (DOES NOT FIT)" if self.problem(ram_mib) else ""
         return (f"host RAM at start: {self.ranks} rank(s) x {gib(self.per_rank_mib)} = {gib(self.node_mib)}{node} "
                 f"(per rank: {self.terms()}; the drafter built whole on the host would need "
                 f"{gib(self.whole_node_mib)})")

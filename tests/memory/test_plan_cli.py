@@ -166,6 +166,9 @@ def test_the_plan_says_the_host_ram_the_node_needs_at_start_and_train_refuses_a_
     small.host.ram_total_mib = 40 * 1024
     small_node = save_snapshot(small, tmp_path / "small.json")
     assert plan_json("--profile", "rtx6000-x8", "--snapshot", str(small_node))["host_ram_at_start"]["fits"] is False
+    assert "= 42.8 GiB of the node's 40.0 GiB (DOES NOT FIT) (per rank" in plan("--profile", "rtx6000-x8", "--snapshot",
+                                                                                  str(small_node)).stdout
+    assert "DOES NOT FIT" not in text
     profile = load_profile("rtx6000-x8")
     made = make_plan(profile, small)
     with pytest.raises(PreflightFailed, match="need 42.8 GiB of host RAM at start .* the node has 40.0 GiB"):
