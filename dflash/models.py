@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import cache_dir
@@ -345,11 +345,13 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     rank never holds a full host copy (8 ranks x ~54 GB for Qwen3.6-27B otherwise). A Qwen3.5/3.6
     checkpoint loads as the text-only causal LM (vision tower and MTP head skipped). The config
     is passed explicitly: transformers 5.6 otherwise drops `dtype` for such a composite checkpoint
-    (the text model then loads in the checkpoint's dtype). Decoder layers past `keep_layers` are
-    dropped (the trainer never runs them).
+    (the text model then loads in the checkpoint's dtype). With `keep_layers` only the first
+    `keep_layers` decoder layers are built and read (`truncate_layers`: the trainer never runs the
+    others); the embedding, final norm and lm_head load as always.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from dflash.compat import check_transformers
 
@@ -357,9 +359,57 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     check_model_files(Path(path))
     device = torch.device(device)
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=getattr(torch, dtype),
-                                                 device_map=str(device), local_files_only=True)
+    arguments = {"config": config, "dtype": getattr(torch, dtype), "device_map": str(device), "local_files_only": True}
+    model: PreTrainedModel
+    if keep_layers is None:
+        model = cast("PreTrainedModel", AutoModelForCausalLM.from_pretrained(Path(path), **arguments))
+    else:
+        truncate_layers(config, keep_layers)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()    # its report would list every layer not kept as an unexpected weight
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(Path(path), output_loading_info=True, **arguments)
+            model, info = cast("tuple[PreTrainedModel, dict]", loaded)      # (model, loading info) with that flag
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _report_loading(Path(path), info, keep_layers)
     model.eval().requires_grad_(False)
-    if keep_layers is not None:
-        model.model.layers = model.model.layers[:keep_layers]
     return model
+
+
+def _report_loading(path: Path, info: dict, keep_layers: int) -> None:
+    """What transformers' load report would have said, less the layers not kept: missing weights (left at
+    their random init), other unexpected or mismatched ones, on stderr."""
+    import re
+    import sys
+
+    dropped = re.compile(r"(^|\.)layers\.(\d+)\.")
+    unexpected = [key for key in info.get("unexpected_keys", [])
+                  if not ((found := dropped.search(key)) and int(found.group(2)) >= keep_layers)]
+    problems = {"missing (left at random init)": list(info.get("missing_keys", [])), "unexpected": unexpected,
+                "mismatched": [str(entry) for entry in info.get("mismatched_keys", [])]}
+    for what, keys in problems.items():
+        if keys:
+            print(f"{path}: {len(keys)} weight(s) {what}: {', '.join(sorted(keys)[:8])}"
+                  f"{' ...' if len(keys) > 8 else ''}", file=sys.stderr)
+
+
+def truncate_layers(config, keep_layers: int) -> None:
+    """The (text) config of the first `keep_layers` decoder layers, in place: `num_hidden_layers` and the
+    per-layer `layer_types` of a hybrid (Qwen3.5/3.6) or sliding-window config, cut consistently."""
+    text = getattr(config, "text_config", None) or config
+    count = int(text.num_hidden_layers)
+    if not 0 < keep_layers <= count:
+        raise ValueError(f"keep_layers {keep_layers}: the target has {count} decoder layers")
+    kinds = getattr(text, "layer_types", None)
+    text.num_hidden_layers = keep_layers
+    if kinds:
+        text.layer_types = list(kinds[:keep_layers])
+
+
+def target_layer_count(path: str | Path) -> int:
+    """The decoder layers of a model directory's config.json (its text config's), read without loading it."""
+    from launcher_core.fileio import read_json_object
+
+    text = text_config_dict(read_json_object(Path(path) / "config.json", "a model config"))
+    return int(text.get("num_hidden_layers") or len(text.get("layer_types") or []))

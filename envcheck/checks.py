@@ -43,6 +43,15 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class RamNeed:
+    """The host RAM the workload's ranks on this node need at start (the workload computes it:
+    dflash.memory.host_ram), and what it is made of."""
+
+    mib: float
+    what: str
+
+
+@dataclass(frozen=True)
 class CheckInput:
     """Everything a check may look at. `pins` are the profile's requirements-file pins."""
 
@@ -52,6 +61,7 @@ class CheckInput:
     pins: dict[str, str] = field(default_factory=dict)
     pins_file: str = ""
     target: Optional[TargetArchitecture] = None   # the profile's target's config.json (None: builtin)
+    ram_at_start: Optional[RamNeed] = None        # the ranks' host RAM at start (None: not known to the caller)
 
 
 def major_minor(text: str) -> tuple[int, ...]:
@@ -439,7 +449,17 @@ def check_host(ctx: CheckInput) -> list[Finding]:
               ("host.ram", host.ram_total_mib, audit.min_ram_gib, "RAM (cgroup limit applied)", "use a node or container with more memory")]
     findings = [_minimum(*c) for c in checks]
     findings += [_minimum("host.disk", d.free_mib, audit.min_disk_gib, f"free disk at {d.path}", "free space or move paths.run_dir") for d in host.disks]
-    return findings
+    return findings + _ram_at_start(host.ram_total_mib, ctx.ram_at_start)
+
+
+def _ram_at_start(have_mib: int, need: Optional[RamNeed]) -> list[Finding]:
+    """The node's RAM against what its ranks hold while they start (when the caller knows it)."""
+    if need is None or have_mib <= 0:
+        return []
+    if have_mib < need.mib:
+        return [Finding("host.ram_start", "FAIL", f"RAM (cgroup limit applied): {have_mib} MiB, the ranks need {need.mib:.0f} MiB at start ({need.what})",
+                        "use a node or container with more memory, or fewer ranks (machine.nproc_per_node)")]
+    return [Finding("host.ram_start", "PASS", f"RAM (cgroup limit applied): {have_mib} MiB >= {need.mib:.0f} MiB the ranks need at start ({need.what})")]
 
 
 def _minimum(check_id: str, have_mib: int, need_gib: float, what: str, hint: str) -> Finding:

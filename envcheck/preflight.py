@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from envcheck.checks import CheckInput, Finding, run_checks
+from envcheck.checks import CheckInput, Finding, RamNeed, run_checks
 from envcheck.snapshot import Snapshot
 from launcher_core.errors import ConfigError, PreflightFailed
 from launcher_core.schema import Profile
@@ -46,9 +46,10 @@ def live_snapshot(profile: Profile, cuda_probe: bool = False, run_dir: Path | No
 
 
 def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = None, *,
-          use_saved_baseline: bool = True) -> list[Finding]:
+          use_saved_baseline: bool = True, ram_at_start: Optional[RamNeed] = None) -> list[Finding]:
     """Run every check. Without an explicit baseline, the profile's saved one for the snapshot's host.
-    The target's facts come from its config.json (envcheck.target), read here."""
+    The target's facts come from its config.json (envcheck.target), read here; `ram_at_start` is the
+    workload's host RAM at start (the caller's: the machine layer does not model the workload)."""
     from envcheck.baseline import load_baseline
     from envcheck.target import read_target_architecture
 
@@ -56,17 +57,17 @@ def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = N
         baseline = load_baseline(profile.name, snapshot.hostname or None)
     context = CheckInput(snapshot=snapshot, profile=profile, baseline=baseline,
                          pins=read_profile_pins(profile), pins_file=profile.machine.requirements,
-                         target=read_target_architecture(profile))
+                         target=read_target_architecture(profile), ram_at_start=ram_at_start)
     return run_checks(context)
 
 
 def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None = None,
-                  snapshot: Snapshot | None = None) -> list[Finding]:
+                  snapshot: Snapshot | None = None, ram_at_start: Optional[RamNeed] = None) -> list[Finding]:
     """Audit before a run: print the findings, record them, raise PreflightFailed on a FAIL unless forced."""
     from envcheck import report
 
     snapshot = snapshot if snapshot is not None else live_snapshot(profile, run_dir=run_dir)
-    findings = audit(profile, snapshot)
+    findings = audit(profile, snapshot, ram_at_start=ram_at_start)
     print(scrub(report.format_table(findings, title=f"preflight audit ({profile.name})")), file=sys.stderr)
     if run_dir is not None:
         _record(Path(run_dir), profile, findings, force)

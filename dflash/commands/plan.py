@@ -1,5 +1,6 @@
 """`launcher.py plan --profile P [--snapshot FILE] [--json]`: the resolved profile and the per-rank
-memory plan (budgets, micro-batch, accumulation). Starts nothing and never imports torch.
+memory plan (budgets, micro-batch, accumulation), the disk the checkpoints take and the host RAM the
+node's ranks need at start. Starts nothing and never imports torch.
 
 The memory model is the calibration stored in the baseline (`--baseline FILE`, else the profile's
 saved baseline for the snapshot's host, where `launcher.py calibrate` writes it) when it was
@@ -56,17 +57,19 @@ def run(args: argparse.Namespace) -> int:
     storage, source = _storage(plan, args), model_source(plan, inputs)
     checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
     restart = restart_cost(plan, profile.train, inputs.calibration.start_s if inputs.calibration else None)
+    host_ram, host_ram_json = host_ram_figures(profile, plan, inputs.snapshot)
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
                                                                   "checkpoints": checkpoints_json,
-                                                                  "restart": {**asdict(restart), "line": restart.line()}}}
+                                                                  "restart": {**asdict(restart), "line": restart.line()},
+                                                                  "host_ram_at_start": host_ram_json}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
-    print("\n".join(format_plan(plan, storage, [checkpoints, restart.line()])))
+    print("\n".join(format_plan(plan, storage, [checkpoints, restart.line(), host_ram])))
     print(f"memory model: {source}")
     if args.trace:
         print("\n".join(traced_vs_modelled(profile)))
@@ -120,6 +123,22 @@ def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot
     document = {**asdict(disk), "each_mib": disk.each_mib, "held": disk.held, "need_mib": disk.need_mib,
                 "free_mib": free.free_mib if free else None, "fits": disk.problem(free) is None}
     return disk.line(free), document
+
+
+def host_ram_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot]) -> tuple[str, dict[str, object]]:
+    """The host RAM the node's ranks need at start, beside the RAM the snapshot recorded (without a snapshot:
+    this machine's, read now): the plan's line and its JSON."""
+    from dataclasses import asdict
+
+    from dflash.memory.host_ram import host_ram_at_start
+    from envcheck.host import ram_mib
+
+    need = host_ram_at_start(profile, plan)
+    ram = snapshot.host.ram_total_mib if snapshot is not None else ram_mib()[0]
+    document = {**asdict(need), "per_rank_mib": need.per_rank_mib, "node_mib": need.node_mib,
+                "whole_per_rank_mib": need.whole_per_rank_mib, "whole_node_mib": need.whole_node_mib,
+                "ram_mib": ram or None, "fits": need.problem(ram) is None}
+    return need.line(ram), document
 
 
 COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB", "peak MiB", "reserved MiB", "fits",

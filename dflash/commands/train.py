@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
+    from dflash.memory.plan import Plan
     from launcher_core.schema import Profile
 
 
@@ -44,12 +45,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with run_lock(run_dir, "train"):              # one run per directory, from the preflight on
         if not args.skip_preflight:
-            _preflight(profile, run_dir, force=args.force)
+            _preflight(profile, run_dir, force=args.force, plan=plan)
         return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
 
 
-def _preflight(profile: Profile, run_dir: Path, *, force: bool) -> None:
-    """The audit stops the run on any FAIL (its findings printed), unless --force."""
+def _preflight(profile: Profile, run_dir: Path, *, force: bool, plan: Plan) -> None:
+    """The audit stops the run on any FAIL (its findings printed), unless --force; it holds the node's RAM
+    against the host RAM the plan's ranks need at start (dflash.memory.host_ram)."""
+    from dflash.memory.host_ram import host_ram_at_start
+    from envcheck.checks import RamNeed
     from envcheck.preflight import run_preflight
 
-    run_preflight(profile, force=force, run_dir=run_dir)
+    need = host_ram_at_start(profile, plan)
+    run_preflight(profile, force=force, run_dir=run_dir,
+                  ram_at_start=RamNeed(need.node_mib, f"{need.ranks} x ({need.terms()})"))

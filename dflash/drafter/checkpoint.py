@@ -15,8 +15,9 @@ the directory) is replaced atomically after it, so a crash leaves the previous c
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
 
 from launcher_core.errors import InputError
 from launcher_core.fileio import atomic_directory, write_text_atomic
@@ -226,18 +227,11 @@ def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
 
-    index = checkpoint_dir / INDEX
-    if index.exists():
-        shards = sorted(set(_index_weight_map(index).values()))
-    elif (checkpoint_dir / WEIGHTS).exists():
-        shards = [WEIGHTS]
-    elif (checkpoint_dir / DCP_DIR / ".metadata").is_file():
+    if not _has_safetensors(checkpoint_dir) and (checkpoint_dir / DCP_DIR / ".metadata").is_file():
         return read_sharded_weights(checkpoint_dir / DCP_DIR)
-    else:
-        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or {INDEX}, or a training checkpoint's {DCP_DIR}/) here")
     weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        for name, tensor in _load_safetensors(checkpoint_dir / shard, load_file).items():
+    for path in _weight_files(checkpoint_dir):
+        for name, tensor in _load_safetensors(path, load_file).items():
             if "rotary_emb." not in name:
                 weights[name.removeprefix("model.")] = tensor
     return weights
@@ -273,6 +267,79 @@ def sharded_weight_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], t
     return {key: (tuple(int(d) for d in entry.size), entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata) and "rotary_emb." not in key}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a drafter directory's safetensors files, read only when `load` is called."""
+
+    path: Path
+    key: str                    # its name in the file (a `model.` prefix kept)
+    shape: tuple[int, ...]
+
+    def load(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as handle:
+            return handle.get_tensor(self.key)
+
+
+@dataclass(frozen=True)
+class ShardedStoredTensor:
+    """One weight of a training checkpoint's dcp/, its shards read into one tensor only when `load` is called."""
+
+    directory: Path
+    key: str                    # its name in the DCP metadata (`model.NAME`)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def load(self) -> torch.Tensor:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        dcp.load({self.key: tensor}, storage_reader=dcp.FileSystemReader(str(self.directory)), no_dist=True)
+        return tensor
+
+
+def stored_weights(checkpoint_dir: Path) -> dict[str, StoredTensor | ShardedStoredTensor]:
+    """`read_weights`'s names and shapes from the files' headers (or a training checkpoint's DCP metadata),
+    each tensor read on demand."""
+    from safetensors import SafetensorError, safe_open
+
+    if not _has_safetensors(checkpoint_dir) and (checkpoint_dir / DCP_DIR / ".metadata").is_file():
+        shards = checkpoint_dir / DCP_DIR
+        return {key.removeprefix("model."): ShardedStoredTensor(shards, key, shape, dtype)
+                for key, (shape, dtype) in sharded_weight_shapes(shards).items()}
+    stored: dict[str, StoredTensor | ShardedStoredTensor] = {}
+    for path in _weight_files(checkpoint_dir):
+        try:
+            with safe_open(str(path), "pt") as handle:
+                for key in handle.keys():
+                    if "rotary_emb." not in key:
+                        stored[key.removeprefix("model.")] = StoredTensor(path, key, tuple(handle.get_slice(key).get_shape()))
+        except (SafetensorError, OSError) as error:
+            raise InputError(f"{path}: not a readable safetensors file ({error}); it is truncated or damaged: "
+                             "copy it again, or use another checkpoint") from None
+    return stored
+
+
+def _has_safetensors(checkpoint_dir: Path) -> bool:
+    return (checkpoint_dir / INDEX).exists() or (checkpoint_dir / WEIGHTS).exists()
+
+
+def _weight_files(checkpoint_dir: Path) -> list[Path]:
+    index = checkpoint_dir / INDEX
+    if index.exists():
+        files = [checkpoint_dir / shard for shard in sorted(set(_index_weight_map(index).values()))]
+    elif (checkpoint_dir / WEIGHTS).exists():
+        files = [checkpoint_dir / WEIGHTS]
+    else:
+        raise InputError(f"{checkpoint_dir}: no {WEIGHTS} (or {INDEX}, or a training checkpoint's {DCP_DIR}/) here")
+    missing = [path for path in files if not path.is_file()]
+    if missing:
+        raise InputError(f"{missing[0]}: missing (named by the checkpoint's index); restore the file or re-export")
+    return files
 
 
 def _index_weight_map(index: Path) -> dict[str, str]:
@@ -364,7 +431,14 @@ def init_source_problem(path: Path) -> str:
     return ""
 
 
-def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+class Shaped(Protocol):
+    """A tensor, or a stored tensor not read yet (StoredTensor): what `weight_differences` compares."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+def weight_differences(own: Mapping[str, Shaped], loaded: Mapping[str, Shaped]) -> list[str]:
     """Every name missing from `loaded`, every name `own` lacks, every shape that differs."""
     missing = [f"{name}: missing (profile's drafter has {tuple(own[name].shape)})" for name in own if name not in loaded]
     extra = [f"{name}: not in the profile's drafter ({tuple(loaded[name].shape)})" for name in loaded if name not in own]
@@ -374,21 +448,29 @@ def weight_differences(own: Mapping[str, torch.Tensor], loaded: Mapping[str, tor
 
 
 def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
-    """Start `drafter` (built from the profile) from a DFlash drafter directory's weights
-    (`drafter.init = "drafter"`): names and shapes must match exactly, and so must the tap layers
-    (the features fc reads) and, between DFlash 2 drafters, the selector's settings; InputError
-    listing every difference otherwise. A DFlash 2 profile may start from a DFlash (1) drafter:
-    its backbone loads, and the convolutions (identity) and the selector (a no-op: zero successor
-    codebook) keep their fresh start, so the drafter starts drafting exactly as that one. Returns
-    the directory."""
-    import torch
+    """Start the (whole) `drafter` built from the profile from a DFlash drafter directory's weights
+    (`drafter.init = "drafter"`, `drafter_init_values`); returns the directory."""
+    from dflash.drafter.model import assign_values
 
+    directory, values = drafter_init_values(drafter, path)
+    assign_values(drafter, values)
+    return directory
+
+
+def drafter_init_values(drafter: DFlashDrafter, path: str | Path) -> tuple[Path, dict[str, Callable[[], torch.Tensor]]]:
+    """The drafter's start from a DFlash drafter directory's weights (`drafter.init = "drafter"`): the
+    directory and, by name, a reader of each tensor (one at a time; only the drafter's names and global
+    shapes are read: it may be on the meta device, sharded). Names and shapes must match exactly, and so
+    must the tap layers (the features fc reads) and, between DFlash 2 drafters, the selector's settings;
+    InputError listing every difference otherwise. A DFlash 2 profile may start from a DFlash (1) drafter:
+    its backbone loads, and the convolutions (identity) and the selector (a no-op: zero successor
+    codebook) keep their fresh start, so the drafter starts drafting exactly as that one."""
     directory = resolve_checkpoint_dir(Path(path))
     source = read_drafter_config(directory)
-    own = drafter.state_dict()
+    own = drafter.state_dict(keep_vars=True)
     fresh = _dflash2_additions(own) if _is_dflash2(drafter.config) and not _is_dflash2(source) else set()
-    loaded = read_weights(directory)
-    differences = weight_differences({name: value for name, value in own.items() if name not in fresh}, loaded)
+    stored = stored_weights(directory)
+    differences = weight_differences({name: value for name, value in own.items() if name not in fresh}, stored)
     taps = list(source.dflash_config["target_layer_ids"])
     if taps != list(drafter.target_layer_ids):
         differences.append(f"dflash_config.target_layer_ids: {taps} there, {list(drafter.target_layer_ids)} in the profile")
@@ -396,11 +478,7 @@ def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     if differences:
         raise InputError(f"drafter.init_from {directory}: does not fit the profile's drafter "
                          f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences))
-    with torch.no_grad():
-        for name, value in own.items():
-            if name not in fresh:
-                value.copy_(loaded[name].to(value.dtype))
-    return directory
+    return directory, {name: stored[name].load for name in own if name not in fresh}
 
 
 def _is_dflash2(config: PretrainedConfig) -> bool:

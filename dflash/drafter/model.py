@@ -368,41 +368,72 @@ def target_source_layers(drafter: DFlashDrafter, num_target_layers: int,
     return sources
 
 
+# A tensor's initial value: the tensor, or a function that reads it (a checkpoint's tensors, one at a time).
+InitValue = Union[torch.Tensor, Callable[[], torch.Tensor]]
+
+
+def resolved(value: InitValue) -> torch.Tensor:
+    return value() if callable(value) else value
+
+
 @torch.no_grad()
+def assign_values(module: nn.Module, values: Mapping[str, InitValue]) -> None:
+    """Copy each named value into the (whole, unsharded) module's parameter or buffer of that name."""
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    unknown = sorted(set(values) - set(tensors))
+    assert not unknown, f"values for tensors the module does not have: {unknown}"
+    for name, value in values.items():
+        tensors[name].copy_(resolved(value))
+
+
 def init_from_target(drafter: DFlashDrafter, target: PreTrainedModel, norm_scale: float = 1.0) -> list[int]:
-    """Start the drafter from the target's own weights (`drafter.init = "target"`); returns the source layers.
+    """Start the (whole) drafter from the target's own weights (`drafter.init = "target"`,
+    `target_init_values`); returns the source layers."""
+    sources, values = target_init_values(drafter, target, norm_scale)
+    assign_values(drafter, values)
+    return sources
+
+
+@torch.no_grad()
+def target_init_values(drafter: DFlashDrafter, target: PreTrainedModel,
+                       norm_scale: float = 1.0) -> tuple[list[int], dict[str, InitValue]]:
+    """The drafter's start from the target's own weights (`drafter.init = "target"`): the source layers
+    and the values by the drafter's tensor names (only names and global shapes of the drafter are read:
+    it may be on the meta device, sharded).
 
     Draft layer i copies target layer (deepest tap + 1 + i): every parameter whose name and shape
     match (q/k/v/o, MLP, norms; q_norm/k_norm too where the target has them). fc starts as the mean
     of the tap features, hidden_norm as the first source layer's input norm (so the context's keys
     and values are what that target layer would compute from the deepest tap), and the final norm
-    as the target's final norm times `norm_scale`. The target must still have all its layers, and
-    the source layers must be plain softmax attention (`target_source_layers` refuses the others).
+    as the target's final norm times `norm_scale`. The target must have its layers up to the last
+    source layer loaded (a target loaded up to the deepest tap only is refused), and the source
+    layers must be plain softmax attention (`target_source_layers` refuses the others).
     """
     from dflash.drafter.taps import decoder_layers
 
     target_layers = decoder_layers(target)
     expected = int(drafter.config.num_target_layers)
-    if len(target_layers) != expected:
-        raise ValueError(f"drafter.init = \"target\" needs all {expected} target layers, the loaded target "
-                         f"has {len(target_layers)} (initialise the drafter before truncating the target)")
     sources = target_source_layers(drafter, expected, getattr(target, "config", None))
-    for layer, source in zip(drafter.layers, sources):
-        own = layer.state_dict()
+    if max(sources) >= len(target_layers):
+        raise ValueError(f"drafter.init = \"target\" needs the target's layers up to {max(sources)} (the source "
+                         f"layers {sources} of its {expected}), the loaded target has {len(target_layers)} "
+                         f"(load them, and truncate the target after initialising the drafter)")
+    values: dict[str, InitValue] = {}
+    for index, (layer, source) in enumerate(zip(drafter.layers, sources)):
+        own = {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
         matched = {name: value for name, value in target_layers[source].state_dict().items()
-                   if name in own and own[name].shape == value.shape}
+                   if name in own and own[name] == tuple(value.shape)}
         if not any(name.startswith("self_attn.") for name in matched):
             raise ValueError(f"drafter.init = \"target\": target layer {source} "
                              f"({type(target_layers[source]).__name__}) has no attention weights named like "
                              f"the drafter's (self_attn.q_proj ...); use drafter.init = \"random\"")
-        layer.load_state_dict(matched, strict=False)
-    hidden, taps = drafter.config.hidden_size, len(drafter.target_layer_ids)
-    identity = torch.eye(hidden, dtype=drafter.fc.weight.dtype) / taps
-    drafter.fc.weight.copy_(identity.repeat(1, taps))
-    drafter.hidden_norm.weight.copy_(getattr(target_layers[sources[0]], "input_layernorm").weight)
+        values.update({f"layers.{index}.{name}": value for name, value in matched.items()})
+    hidden, taps, dtype = drafter.config.hidden_size, len(drafter.target_layer_ids), drafter.fc.weight.dtype
+    values["fc.weight"] = lambda: (torch.eye(hidden, dtype=dtype) / taps).repeat(1, taps)
+    values["hidden_norm.weight"] = getattr(target_layers[sources[0]], "input_layernorm").weight
     final_norm = getattr(getattr(target, "model", target), "norm")
-    drafter.norm.weight.copy_(final_norm.weight * norm_scale)
-    return sources
+    values["norm.weight"] = final_norm.weight * norm_scale
+    return sources, values
 
 
 def trainable_parameter_names(drafter: DFlashDrafter) -> list[str]:

@@ -193,6 +193,18 @@ def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path) -> None:
         raise PreflightFailed(f"train: {problem} (or pass --force to train anyway)")
 
 
+def check_host_ram(profile: Profile, plan: Plan, ram_mib: int | None = None) -> None:
+    """PreflightFailed, before anything starts, when this node's RAM (`ram_mib`, default: read now, the cgroup
+    limit applied) does not hold the host RAM its ranks need at start (dflash.memory.host_ram; `--force` trains
+    anyway)."""
+    from dflash.memory.host_ram import host_ram_at_start
+    from envcheck.host import ram_mib as node_ram_mib
+
+    problem = host_ram_at_start(profile, plan).problem(ram_mib if ram_mib is not None else node_ram_mib()[0])
+    if problem:
+        raise PreflightFailed(f"train: {problem} (or pass --force to train anyway)")
+
+
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures).
@@ -206,8 +218,9 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
     calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
     train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot
-    hold one sequence stops the launch here (PreflightFailed), before any model loads. On CUDA it
-    prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
+    hold one sequence, kept checkpoints that do not fit the disk, or ranks whose start does not fit the
+    node's RAM (dflash.memory.host_ram) stop the launch here (PreflightFailed), before any model loads. On CUDA
+    it prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.launch_checks import validate_profile_for_launch
     from dflash.train.resume import prepare_checkpoints
@@ -227,6 +240,7 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
             plan = (plan_for_launch(profile, inputs), inputs)
         if not force:
             check_checkpoint_disk(profile, plan[0], paths.run_dir)
+            check_host_ram(profile, plan[0])
         prepare_run_dir(profile, paths, resume=resume, force=force)
         write_plan(paths.run_dir, *plan)
         for restart in range(oom_restart_limit(profile) + 1):

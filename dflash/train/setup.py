@@ -1,10 +1,11 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
-dataset, frozen target (truncated after the deepest tap), the drafter sharded by FSDP2
+dataset, frozen target (loaded up to its deepest tap), the drafter sharded by FSDP2
 (dflash.train.sharding), optimizer and schedule, feature cache, resume from the latest sharded
 checkpoint (dflash.train.checkpointing) and the agreed micro-batch.
 
-Every rank builds the same drafter (the same seed, the same target), then keeps only its shard of
-each parameter: nothing needs to be broadcast, each shard has one owner.
+Every rank builds the same drafter (the same seed, the same target) on the meta device, shards it,
+and then materialises only its shard of each parameter (dflash.train.materialize, torchtitan's
+order): nothing needs to be broadcast, each shard has one owner, and no rank holds the whole drafter.
 
 Tests, benchmarks and the GPU checks build their state through `build_state` too.
 """
@@ -18,7 +19,7 @@ import torch
 
 from dflash.drafter.attention import make_layer_attends
 from dflash.drafter.loss import SelectorObjective
-from dflash.drafter.model import DFlashDrafter, LayerAttendsFactory
+from dflash.drafter.model import DFlashDrafter, InitValue, LayerAttendsFactory
 from dflash.train.data import StepData, TrainData
 from dflash.train.dist import WorkerEnv
 from launcher_core.schema import Profile
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim.lr_scheduler import LRScheduler
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, Qwen3Config
 
     from dflash.drafter.attention import Backend
     from dflash.train.autobatch import AutoBatch
@@ -95,11 +96,48 @@ def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:
 
 def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int], num_target_layers: int,
                   draft_vocab: list[int] | None = None) -> DFlashDrafter:
-    """The drafter of the profile; `draft_vocab` (from `choose_draft_vocab`) when drafter.draft_vocab_size is set."""
-    from dflash.drafter.checkpoint import init_from_drafter
-    from dflash.drafter.dflash2 import drafter_for_config, profile_dflash2_options, with_dflash2
+    """The whole drafter, unsharded, on the host (tests, benchmarks, the one-process tools; the ranks
+    build theirs sharded, `build_sharded_drafter`, to the same values): the profile's shape, seeded by
+    train.seed, started as drafter.init says (`initial_values`), with its draft vocabulary."""
+    from dflash.drafter.dflash2 import drafter_for_config
+    from dflash.drafter.model import assign_values
+
+    config = drafter_config_for(profile, target, layer_ids, num_target_layers, draft_vocab)
+    torch.manual_seed(profile.train.seed)
+    drafter = drafter_for_config(config).attach_target(target)
+    assign_values(drafter, initial_values(profile, drafter, target, draft_vocab))
+    return drafter
+
+
+def build_sharded_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int], num_target_layers: int,
+                          draft_vocab: list[int] | None, device: torch.device, mesh: DeviceMesh) -> DFlashDrafter:
+    """The rank's drafter in torchtitan's order: built on the meta device, sharded by FSDP2 over `mesh`
+    (dflash.train.sharding), then given memory on `device` and its values one init unit at a time
+    (dflash.train.materialize): the global parameters are `build_drafter`'s for the same seed, and the
+    rank never holds the whole drafter."""
+    from dflash.drafter.dflash2 import drafter_for_config
+    from dflash.train.materialize import materialize
+    from dflash.train.sharding import shard_drafter
+
+    config = drafter_config_for(profile, target, layer_ids, num_target_layers, draft_vocab)
+    with torch.device("meta"):
+        drafter = drafter_for_config(config)
+    drafter.attach_target(target)
+    shard_drafter(drafter, mesh, compute_dtype=profile.train.compute_dtype,
+                  reshard_after_forward=profile.train.reshard_after_forward)
+    values = initial_values(profile, drafter, target, draft_vocab)
+    torch.manual_seed(profile.train.seed)
+    materialize(drafter, device, values)
+    return drafter
+
+
+def drafter_config_for(profile: Profile, target: PreTrainedModel, layer_ids: list[int], num_target_layers: int,
+                       draft_vocab: list[int] | None) -> Qwen3Config:
+    """The profile's drafter config around the target (`draft_vocab` from `choose_draft_vocab` when
+    drafter.draft_vocab_size is set)."""
+    from dflash.drafter.dflash2 import profile_dflash2_options, with_dflash2
     from dflash.drafter.layers import profile_layer_options
-    from dflash.drafter.model import drafter_config, init_from_target
+    from dflash.drafter.model import drafter_config
     from dflash.drafter.shape import profile_shape
 
     if profile.drafter.draft_vocab_size and not draft_vocab:
@@ -110,19 +148,30 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
                             target_layer_ids=layer_ids, mask_token_id=mask_id, draft_vocab_size=len(draft_vocab or []),
                             shape=profile_shape(profile.drafter), **profile_layer_options(profile.drafter))
     config.num_target_layers = num_target_layers
-    config = with_dflash2(config, profile_dflash2_options(profile.drafter))      # drafter.kind = "dflash2"
-    torch.manual_seed(profile.train.seed)
-    drafter = drafter_for_config(config).attach_target(target)
+    return with_dflash2(config, profile_dflash2_options(profile.drafter))      # drafter.kind = "dflash2"
+
+
+def initial_values(profile: Profile, drafter: DFlashDrafter, target: PreTrainedModel,
+                   draft_vocab: list[int] | None) -> dict[str, InitValue]:
+    """What drafter.init sets over the seeded random start, by tensor name: the draft vocabulary, then
+    the target's weights ("target"), a drafter directory's ("drafter", its draft vocabulary included),
+    or the final norm filled with drafter.norm_init (the default)."""
+    from dflash.drafter.checkpoint import drafter_init_values
+    from dflash.drafter.model import target_init_values
+
+    values: dict[str, InitValue] = {}
     if draft_vocab:
-        drafter.set_draft_vocab(torch.tensor(draft_vocab, dtype=torch.long))
+        if not drafter.has_draft_vocab or drafter.draft_vocab.numel() != len(draft_vocab):
+            raise ValueError(f"the drafter was built for a draft vocabulary of "
+                             f"{drafter.draft_vocab.numel() if drafter.has_draft_vocab else 0} tokens, got {len(draft_vocab)}")
+        values["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.long)
     if profile.drafter.init == "target":
-        init_from_target(drafter, target, norm_scale=profile.drafter.norm_init)
+        values.update(target_init_values(drafter, target, norm_scale=profile.drafter.norm_init)[1])
     elif profile.drafter.init == "drafter":
-        init_from_drafter(drafter, profile.drafter.init_from)
+        values.update(drafter_init_values(drafter, profile.drafter.init_from)[1])
     else:
-        with torch.no_grad():
-            drafter.norm.weight.fill_(profile.drafter.norm_init)
-    return drafter
+        values["norm.weight"] = torch.full(tuple(drafter.norm.weight.shape), float(profile.drafter.norm_init))
+    return values
 
 
 def embedding_rows(target: PreTrainedModel) -> int:
@@ -130,20 +179,39 @@ def embedding_rows(target: PreTrainedModel) -> int:
     return cast("nn.Embedding", target.get_input_embeddings()).num_embeddings
 
 
-def load_rank_target(profile: Profile, device: torch.device) -> PreTrainedModel:
-    """The profile's frozen target, straight onto this rank's device (dflash.models.load_target)."""
+def load_rank_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> PreTrainedModel:
+    """The profile's frozen target, straight onto this rank's device (dflash.models.load_target): its
+    first `keep_layers` decoder layers only (None: all), with its embedding, final norm and lm_head."""
     from dflash.models import load_target, resolve_model_path
 
-    return cast("PreTrainedModel", load_target(resolve_model_path(profile.model.target), device, profile.model.dtype))
+    return cast("PreTrainedModel", load_target(resolve_model_path(profile.model.target), device, profile.model.dtype,
+                                               keep_layers=keep_layers))
+
+
+def target_layers_to_load(profile: Profile, layer_ids: list[int], num_target_layers: int) -> int:
+    """The decoder layers a rank loads: up to the deepest tap (the rest never run), and with
+    drafter.init = "target" up to the last layer the draft layers start from (dropped after the init)."""
+    from dflash.drafter.taps import source_layer_ids
+
+    deepest = max(layer_ids)
+    if profile.drafter.init == "target":
+        deepest = max(deepest, *source_layer_ids(layer_ids, profile.drafter.num_layers, num_target_layers))
+    return deepest + 1
 
 
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,
                 planned_micro_batch: int | None = None) -> TrainState:
     """The rank's whole training state. The micro-batch starts from `planned_micro_batch` (the
-    memory plan's), else train.max_micro_batch; the ranks then agree on the smallest."""
+    memory plan's), else train.max_micro_batch; the ranks then agree on the smallest. The target
+    loads only the layers the rank runs (and those drafter.init = "target" copies)."""
+    from dflash.models import resolve_model_path, target_layer_count
+
     device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
     data = TrainData(dataset_path(profile), profile, env)
-    state = state_from_target(profile, env, device, load_rank_target(profile, device), data)
+    num_target_layers = target_layer_count(resolve_model_path(profile.model.target))
+    keep = target_layers_to_load(profile, resolve_layer_ids(profile, num_target_layers), num_target_layers)
+    state = state_from_target(profile, env, device, load_rank_target(profile, device, keep), data,
+                              num_target_layers=num_target_layers)
     if profile.train.feature_cache:
         state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
@@ -157,24 +225,23 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
 
 
 def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, target: PreTrainedModel,
-                      data: StepData, mesh: DeviceMesh | None = None) -> TrainState:
-    """The state around a loaded target: tap layers, draft vocabulary, the drafter (target init)
-    sharded over `mesh` (default: every rank of the process group), the truncated target, loss
-    decay, optimizer and schedule. `build_state` calls it with the real target and dataset; the
-    memory trace (dflash.train.trace) with fake ones and the fake process group's mesh."""
+                      data: StepData, mesh: DeviceMesh | None = None, num_target_layers: int | None = None) -> TrainState:
+    """The state around a loaded target: tap layers, draft vocabulary, the drafter built sharded over
+    `mesh` (default: every rank of the process group; `build_sharded_drafter`), the target truncated
+    after its deepest tap, loss decay, optimizer and schedule. `num_target_layers`: the target's depth
+    when it was loaded with fewer layers (default: its config's). `build_state` calls it with the real
+    target and dataset; the memory trace (dflash.train.trace) with fake ones and the fake process
+    group's mesh."""
     from dflash.drafter.decay import default_gamma
     from dflash.drafter.loss import decay_weights
-    from dflash.train.sharding import drafter_mesh, shard_drafter
+    from dflash.train.sharding import drafter_mesh
 
-    num_target_layers = target.config.num_hidden_layers
+    num_target_layers = num_target_layers or target.config.num_hidden_layers
     layer_ids = resolve_layer_ids(profile, num_target_layers)
     vocab = choose_draft_vocab(profile, data, env) if profile.drafter.draft_vocab_size else None
-    drafter = build_drafter(profile, target, layer_ids, num_target_layers, vocab)
-    if next(drafter.parameters()).device != device:     # (a no-op move would fail on the trace's fake tensors)
-        drafter = drafter.to(device)
+    mesh = mesh if mesh is not None else drafter_mesh(device, profile.machine.backend)
+    drafter = build_sharded_drafter(profile, target, layer_ids, num_target_layers, vocab, device, mesh)
     drafter.checkpoint_layers = profile.train.activation_checkpointing == "layers"
-    shard_drafter(drafter, mesh if mesh is not None else drafter_mesh(device, profile.machine.backend),
-                  compute_dtype=profile.train.compute_dtype, reshard_after_forward=profile.train.reshard_after_forward)
     target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     return assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))

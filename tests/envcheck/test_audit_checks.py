@@ -209,6 +209,18 @@ def test_host_minimums_and_build_jobs(snapshots, rtx):
     assert jobs.status == "WARN" and jobs.hint == "export MAX_JOBS=8"
 
 
+def test_the_ranks_host_ram_at_start_is_held_against_the_node_s_ram(snapshots, rtx):
+    """The workload's figure (the caller's: dflash.memory.host_ram) against the snapshot's RAM; unknown: no finding."""
+    need = checks.RamNeed(43_784.0, "8 x (runtime, target tensor, drafter init units)")
+    small = _with(snapshots["rtx6000-x8-baseline"], host__ram_total_mib=40 * 1024)
+    failed = fails(audit(rtx, small, ram_at_start=need), "host.ram_start")
+    assert failed[0].message == ("RAM (cgroup limit applied): 40960 MiB, the ranks need 43784 MiB at start "
+                                 "(8 x (runtime, target tensor, drafter init units))")
+    passed = [f for f in audit(rtx, snapshots["rtx6000-x8-baseline"], ram_at_start=need) if f.id == "host.ram_start"]
+    assert [f.status for f in passed] == ["PASS"]
+    assert not [f for f in audit(rtx, small) if f.id == "host.ram_start"]
+
+
 def test_eager_module_loading_warns_and_strict_exit_code(snapshots, rtx):
     snap = copy.deepcopy(snapshots["rtx6000-x8-baseline"])
     snap.env["CUDA_MODULE_LOADING"] = "EAGER"

@@ -3,6 +3,7 @@ linear-attention state restored exactly after a rejection, on every supported tr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,7 @@ def test_load_target_places_weights_through_device_map(flagship_twin_target, mon
     the config is passed)."""
     from transformers import AutoModelForCausalLM
 
+    from dflash.drafter.taps import extract_taps
     from dflash.models import load_target
 
     calls = []
@@ -71,6 +73,12 @@ def test_load_target_places_weights_through_device_map(flagship_twin_target, mon
     assert calls[0]["device_map"] == "cpu" and calls[0]["dtype"] == torch.bfloat16
     assert len(model.model.layers) == 4 and not model.training
     assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
+    text = calls[0]["config"].text_config          # cut before loading: the layers past 4 are never read
+    assert text.num_hidden_layers == 4 and text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    whole = load_target(flagship_twin_target, device="cpu", dtype="bfloat16")
+    assert len(whole.model.layers) == 8
+    ids = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    assert torch.equal(extract_taps(model, ids, [1, 3]), extract_taps(whole, ids, [1, 3]))
 
 
 @pytest.mark.parametrize("rollback", ROLLBACKS)
@@ -150,3 +158,24 @@ def test_an_unsupported_transformers_is_refused_naming_it():
         check_transformers("4.57.1")
     assert check_transformers("5.3.0") == "5.3.0"
     assert not linear_state_continues("5.6.0") and linear_state_continues("5.7.0") and linear_state_continues("5.24.0")
+
+
+def test_a_load_of_the_first_layers_reports_missing_weights_but_not_the_layers_it_leaves(tmp_path, tiny_qwen3_target,
+                                                                                          capsys):
+    """load_target(keep_layers) silences transformers' load report (every layer not kept would be an
+    unexpected weight there) and says itself what it would otherwise have hidden: a weight the file lacks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash.models import load_target
+
+    damaged = Path(shutil.copytree(tiny_qwen3_target, tmp_path / "target"))
+    tensors = load_file(str(damaged / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert len(load_target(damaged, keep_layers=2).model.layers) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged}: 1 weight(s) missing (left at random init): model.layers.0.mlp.up_proj.weight" in err
+    assert "unexpected" not in err and "layers.3" not in err

@@ -179,3 +179,40 @@ def test_the_plan_says_what_an_oom_restart_costs(tmp_path):
     (tmp_path / "steps.toml").write_text('extends = "rtx6000-x8"\n[train]\nsave_every_minutes = 0\nsave_every_steps = 200\n')
     steps_only = plan("--profile", str(tmp_path / "steps.toml"), "--snapshot", node).stdout
     assert "recomputes up to 200 steps (not bounded in time: train.save_every_minutes is 0)" in steps_only
+
+
+
+def test_the_plan_says_the_host_ram_the_node_needs_at_start_and_train_refuses_a_node_without_it(tmp_path):
+    """rtx6000-x8: per rank the runtime (512 MiB + a 1,536 MiB CUDA allowance), the largest target tensor on its
+    way to the GPU (the 248,320 x 5120 embedding in bf16, 2,425 MiB) and twice the largest drafter init unit
+    (fc, 5120 x 25,600 float32, 500 MiB): 8 x 5,473 MiB = 42.8 GiB; the drafter built whole on the host (1.73 B
+    float32 parameters, 6,600 MiB a rank) needed 86.5 GiB. The fixture node's 2 TiB hold it, 40 GiB do not."""
+    from dflash.memory.host_ram import host_ram_at_start
+    from dflash.memory.plan import make_plan
+    from dflash.train.launch import check_host_ram
+    from envcheck.snapshot import load_snapshot, save_snapshot
+    from launcher_core.errors import PreflightFailed
+    from launcher_core.profile import load_profile
+
+    node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
+    shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)["host_ram_at_start"]
+    assert (shipped["ranks"], shipped["runtime_mib"], shipped["target_mib"]) == (8, 2048.0, 2425.0)
+    assert shipped["drafter_init_mib"] == 1000.0 and shipped["drafter_shards_mib"] == 0.0
+    assert shipped["node_mib"] == 8 * 5473.0 and shipped["fits"] is True
+    assert 6500 < shipped["whole_drafter_mib"] < 6700 and shipped["whole_node_mib"] > 2 * shipped["node_mib"]
+    text = plan("--profile", "rtx6000-x8", "--snapshot", node).stdout
+    assert "host RAM at start: 8 rank(s) x 5.3 GiB = 42.8 GiB of the node's 2,015.5 GiB (per rank: runtime 2.0 GiB" in text
+    assert "the drafter built whole on the host would need 86.5 GiB" in text
+    small = load_snapshot(REPO / node)
+    small.host.ram_total_mib = 40 * 1024
+    small_node = save_snapshot(small, tmp_path / "small.json")
+    assert plan_json("--profile", "rtx6000-x8", "--snapshot", str(small_node))["host_ram_at_start"]["fits"] is False
+    assert "= 42.8 GiB of the node's 40.0 GiB (DOES NOT FIT) (per rank" in plan("--profile", "rtx6000-x8", "--snapshot",
+                                                                                  str(small_node)).stdout
+    assert "DOES NOT FIT" not in text
+    profile = load_profile("rtx6000-x8")
+    made = make_plan(profile, small)
+    with pytest.raises(PreflightFailed, match="need 42.8 GiB of host RAM at start .* the node has 40.0 GiB"):
+        check_host_ram(profile, made, ram_mib=40 * 1024)
+    check_host_ram(profile, made, ram_mib=64 * 1024)          # the profile's audit.min_ram_gib holds it now
+    assert host_ram_at_start(profile, made).whole_node_mib > 64 * 1024      # and did not hold the order before

@@ -308,5 +308,5 @@ def test_target_init_refuses_a_truncated_target(tiny_target_model):
     config = drafter_config(tiny_target_model.config, num_layers=1, block_size=BLOCK, target_layer_ids=[1],
                             mask_token_id=MASK_ID)
     drafter = DFlashDrafter(config).attach_target(truncated)
-    with pytest.raises(ValueError, match="needs all 4 target layers"):
+    with pytest.raises(ValueError, match="needs the target.s layers up to 2"):
         init_from_target(drafter, truncated)

@@ -1,0 +1,57 @@
+"""One rank of the start-up RSS test (tests/train/test_start_rss.py), run by torchrun: the rank's
+training state built in the trainer's order (`--order sharded`: `build_state`, the drafter built on the
+meta device and materialised per shard, the target loaded up to its deepest tap) or in the order before
+it (`--order whole`: the whole target loaded, the whole drafter built on the host, then sharded and the
+target cut: `whole_then_sharded`); each rank writes its peak RSS (MiB) to --out/rank-N.json."""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def whole_then_sharded(profile, env) -> None:
+    """The order before: the whole target, the whole drafter on the host, moved, sharded, the target cut."""
+    import torch
+
+    from dflash.train.setup import build_drafter, load_rank_target, resolve_layer_ids
+    from dflash.train.sharding import drafter_mesh, shard_drafter
+
+    device = torch.device("cpu")
+    target = load_rank_target(profile, device)
+    count = target.config.num_hidden_layers
+    layer_ids = resolve_layer_ids(profile, count)
+    drafter = build_drafter(profile, target, layer_ids, count).to(device)
+    shard_drafter(drafter, drafter_mesh(device, "gloo"))
+    target.model.layers = target.model.layers[: max(layer_ids) + 1]
+
+
+def main() -> None:
+    from dflash.train import dist
+    from dflash.train.setup import build_state
+    from launcher_core.profile import load_profile
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--order", choices=("sharded", "whole"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    profile = load_profile(args.profile)
+    env = dist.WorkerEnv.from_env()
+    dist.init_process_group("gloo")
+    if args.order == "sharded":
+        build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
+    else:
+        whole_then_sharded(profile, env)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank-{env.rank}.json").write_text(json.dumps({"peak_rss_mib": peak_mib}), encoding="utf-8")
+    dist.close_process_group()
+
+
+if __name__ == "__main__":
+    main()
