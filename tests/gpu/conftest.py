@@ -99,3 +99,11 @@ def workload_profile(workload_target, scratch):
 
     return gpu_profile(workload_target, scratch / "unused-dataset", max_length=4096, drafter_layers=2, block_size=16,
                        num_anchors=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """tests/train's tiny dataset (its conftest does not reach tests/gpu): the counting rows the drafters learn."""
+    from tests.train.conftest import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("data") / "dataset")
