@@ -10,6 +10,7 @@ The workload: a random Qwen3 target 1024 wide (8192-wide MLP, 2 layers, 2,048-to
 drafter of --layers layers of that width (10: 284 M parameters, 1.1 GB in float32).
 
     .venv/bin/python benchmarks/bench_start_rss.py [--ranks 2] [--layers 10]
+    .venv/bin/python benchmarks/bench_start_rss.py --smoke      (a 1-layer drafter)
 """
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a 1-layer drafter")
     args = parser.parse_args()
+    args.layers = 1 if args.smoke else args.layers
     with tempfile.TemporaryDirectory(prefix="bench-start-rss-") as scratch_name:
         scratch = Path(scratch_name)
         profile_path = workload(scratch, args.layers, args.ranks)

@@ -64,8 +64,9 @@ class CheckpointDisk:
         if self.need_mib is None:
             saves = f", {int(free.free_mib // self.each_mib)} saves fill it" if free and self.each_mib else ""
             return f"{size}every one kept (train.keep_checkpoints 0){where}{saves}"
+        short = " (DOES NOT FIT: train refuses the run)" if self.problem(free) else ""
         return (f"{size}at most {self.held} on disk (train.keep_checkpoints {self.keep}, the best by held-out tau, "
-                f"one being written) = {gib(self.need_mib)}{where}")
+                f"one being written) = {gib(self.need_mib)}{where}{short}")
 
     def problem(self, free: Optional[DiskFacts]) -> Optional[str]:
         """Why the kept checkpoints do not fit the free disk (None: they do, or nothing is known)."""

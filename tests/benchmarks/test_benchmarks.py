@@ -94,6 +94,10 @@ CASES = [
     Smoke("bench_async_save.py", (rf"^async: run {NUMBER} s; a step {NUMBER} s; the ranks stood still per save median -?{NUMBER} s",
                                   rf"^ sync: run {NUMBER} s; a step {NUMBER} s; the ranks stood still per save median -?{NUMBER} s",
                                   rf"^stall per save: async -?{NUMBER} s vs sync -?{NUMBER} s$"), marks=(SLOW,)),
+    Smoke("bench_start_rss.py", (rf"^drafter: {NUMBER} MiB in float32; 2 gloo ranks$",
+                                 rf"^planned per rank: {NUMBER} MiB \(.*\); the order before: {NUMBER} MiB$",
+                                 rf"^before \(whole drafter on the host\): peak RSS per rank {NUMBER} / {NUMBER} MiB",
+                                 rf"^after \(meta, sharded\): peak RSS per rank {NUMBER} / {NUMBER} MiB"), marks=(SLOW,)),
     Smoke("bench_interpreters.py", (rf"^\S+ \(3\.11\.\d+\): rank imports CPU {NUMBER} s \(1\.00x\), 3 eager steps CPU "
                                     rf"{NUMBER} s ",), marks=(SLOW,)),
     Smoke("bench_rank_start.py", (rf"^forkserver launch 1: 2 ranks x 1 steps: wall {NUMBER} s, machine CPU {NUMBER} s$",

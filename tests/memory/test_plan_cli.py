@@ -145,6 +145,9 @@ def test_the_plan_says_what_the_checkpoints_take_and_whether_the_kept_ones_fit_t
     small.host.disks[0].free_mib = 100 * 1024
     small_node = save_snapshot(small, tmp_path / "small.json")
     assert plan_json("--profile", "rtx6000-x8", "--snapshot", str(small_node))["checkpoints"]["fits"] is False
+    assert "= 103.1 GiB; 100.0 GiB free at /data/runs/rtx6000-x8 (DOES NOT FIT: train refuses the run)" in \
+        plan("--profile", "rtx6000-x8", "--snapshot", str(small_node)).stdout
+    assert "DOES NOT FIT" not in text
     (tmp_path / "all.toml").write_text('extends = "rtx6000-x8"\n[train]\nkeep_checkpoints = 0\n')
     every = plan("--profile", str(tmp_path / "all.toml"), "--snapshot", str(small_node)).stdout
     assert "every one kept (train.keep_checkpoints 0); 100.0 GiB free at /data/runs/rtx6000-x8, 5 saves fill it" in every

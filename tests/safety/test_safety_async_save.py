@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, read_sharded_weights, read_weights
+from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, init_from_drafter, load_drafter, read_sharded_weights, read_weights
 from dflash.drafter.verify import verify_checkpoint
 from dflash.train.resume import remove_partial_saves
 from tests.safety.runs import finish, kill_session, metrics_steps, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
@@ -66,6 +67,11 @@ def test_a_kill_during_an_async_save_leaves_latest_whole_and_resume_finishes(tmp
     whole, sharded = read_weights(last), read_sharded_weights(last / DCP_DIR)
     assert sorted(whole) == sorted(sharded) and all(torch.equal(whole[k], sharded[k]) for k in whole)
     assert not all(torch.equal(read_weights(checkpoints(run_dir) / "step-6")[k], whole[k]) for k in whole)
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True)
+    drafter = load_drafter(checkpoints(run_dir) / "step-6", target)          # eval's loader, from the shards
+    assert init_from_drafter(drafter, checkpoints(run_dir) / "step-4").name == "step-4"   # drafter.init_from, too
+    step_4 = read_sharded_weights(checkpoints(run_dir) / "step-4" / DCP_DIR)
+    assert all(torch.equal(value, step_4[name]) for name, value in drafter.state_dict().items() if name in step_4)
 
     # a whole save left under its staging name is put in place; a damaged one is removed
     step_6 = checkpoints(run_dir) / "step-6"
