@@ -85,12 +85,25 @@ def publish_checkpoint(run_dir: str | Path, staging: Path | None, step: int) -> 
     return target
 
 
+def read_pointer(pointer: Path) -> str:
+    """The step directory a `latest` file names; InputError naming the file when it holds something else
+    (binary garbage, a path, several lines)."""
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not name or "/" in name or "\n" in name or name in (".", ".."):
+        raise InputError(f"{pointer}: not a checkpoint pointer (it should hold one name, e.g. step-500); remove it "
+                         "or write the step to use into it (`train --resume` points it at the newest whole checkpoint)")
+    return name
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The directory `latest` names, or None when there is no checkpoint yet."""
     pointer = checkpoints_dir(run_dir) / LATEST
     if not pointer.exists():
         return None
-    target = pointer.parent / pointer.read_text(encoding="utf-8").strip()
+    target = pointer.parent / read_pointer(pointer)
     if not has_weights(target):
         raise InputError(f"{pointer} names {target.name}, which has no {WEIGHTS} and no {DCP_DIR}/.metadata; "
                          "remove the pointer or fix it")
@@ -388,8 +401,7 @@ def load_drafter(checkpoint_dir: str | Path, target_model: PreTrainedModel) -> D
 
 def resolve_checkpoint_dir(path: Path) -> Path:
     if (path / LATEST).exists():
-        pointed = path / (path / LATEST).read_text(encoding="utf-8").strip()
-        return pointed
+        return path / read_pointer(path / LATEST)
     return path
 
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from launcher_core.errors import ConfigError, DataError
+from launcher_core.errors import ConfigError, DataError, InputError
 
 if TYPE_CHECKING:
     from dflash.drafter.verify import Shapes
@@ -93,6 +93,19 @@ def step_directories(directory: Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+def pointed_name(pointer: Path, log: Callable[[str], None] = say) -> Optional[str]:
+    """What `latest` names (None: no pointer); a damaged pointer is said and replaced by the caller."""
+    from dflash.drafter.checkpoint import read_pointer
+
+    if not pointer.exists():
+        return None
+    try:
+        return read_pointer(pointer)
+    except InputError as damaged:
+        log(f"{damaged}: replaced by the newest whole checkpoint")
+        return None
+
+
 def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Optional[Path]:
     """The newest whole checkpoint (module docstring); `latest` is pointed at it when it differs."""
     from dflash.drafter.checkpoint import LATEST
@@ -105,7 +118,8 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
         problems = verify_checkpoint(candidate)
         if not problems:
             pointer = directory / LATEST
-            if skipped or not pointer.exists() or pointer.read_text(encoding="utf-8").strip() != candidate.name:
+            named = pointed_name(pointer, log)
+            if skipped or named != candidate.name:
                 write_text_atomic(pointer, f"{candidate.name}\n")
             for line in skipped:
                 log(line)

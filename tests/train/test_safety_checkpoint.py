@@ -104,3 +104,26 @@ def test_export_of_a_checkpoints_folder_writes_next_to_its_latest(cli, checkpoin
     assert result.code == 0, result.err
     assert (checkpoint.parent / f"{checkpoint.name}-vllm" / "config.json").exists()
     assert tree_digest(checkpoint) == before
+
+
+def test_a_garbage_latest_pointer_is_named_and_resume_replaces_it(cli, checkpoint):
+    """`latest` holding binary garbage (or a path): eval and export are exit 2 naming the pointer, not a
+    traceback, and the resume's choice says so and points it at the newest whole checkpoint."""
+    from dflash.drafter.checkpoint import LATEST, latest_checkpoint, read_pointer
+    from dflash.train.resume import choose_checkpoint
+
+    pointer = checkpoint.parent / LATEST
+    for garbage in (b"\xff\xfe\x00garbage\x80", b"../../etc\n", b"\n"):
+        pointer.write_bytes(garbage)
+        with pytest.raises(InputError, match="not a checkpoint pointer"):
+            latest_checkpoint(checkpoint.parent.parent.parent)
+        result = cli("export", checkpoint.parent, "--for", "vllm")
+        assert result.code == 2 and f"{pointer}: not a checkpoint pointer" in result.err, result.err
+    state = load_training_state(checkpoint)
+    torch.save({**state, "total_steps": 10}, checkpoint / STATE)       # what a training run's state holds
+    said: list[str] = []
+    assert choose_checkpoint(checkpoint.parent, said.append) == checkpoint
+    assert said == [f"{pointer}: not a checkpoint pointer (it should hold one name, e.g. step-500); remove it or write "
+                    "the step to use into it (`train --resume` points it at the newest whole checkpoint): replaced by "
+                    "the newest whole checkpoint"]
+    assert read_pointer(pointer) == checkpoint.name
