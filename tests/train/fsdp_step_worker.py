@@ -42,6 +42,9 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(found, args.out / "fsdp.pt")
     dist.close_process_group()
+    from launcher_core.processes import exit_without_finalization
+
+    exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)
 
 
 if __name__ == "__main__":

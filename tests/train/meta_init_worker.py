@@ -35,6 +35,9 @@ def main() -> None:
             torch.save({"tensors": found, "target_layers": len(state.target.model.layers)},
                        args.out / f"{Path(path).stem}.pt")
     dist.close_process_group()
+    from launcher_core.processes import exit_without_finalization
+
+    exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)
 
 
 if __name__ == "__main__":

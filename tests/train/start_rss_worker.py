@@ -51,6 +51,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{env.rank}.json").write_text(json.dumps({"peak_rss_mib": peak_mib}), encoding="utf-8")
     dist.close_process_group()
+    from launcher_core.processes import exit_without_finalization
+
+    exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)
 
 
 if __name__ == "__main__":
