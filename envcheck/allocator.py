@@ -16,7 +16,7 @@ is absent, an explicit `expandable_segments:False` kept), and without any, the l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, MutableMapping, Optional
 
 NEW_VARIABLE = "PYTORCH_ALLOC_CONF"
 ALLOC_CONF_VARIABLES = (NEW_VARIABLE, "PYTORCH_CUDA_ALLOC_CONF")   # both pinned torch versions read either
@@ -32,6 +32,14 @@ class AllocatorSetting:
     source: str                              # the profile key or the user's variable that decided
     env: dict[str, str] = field(default_factory=dict)   # the allocator variables the ranks get
     conflict: str = ""                       # the user's two variables disagree (torch versions differ on which wins)
+
+    def require(self) -> "AllocatorSetting":
+        """This setting; ConfigError when the user's two allocator variables disagree."""
+        if self.conflict:
+            from launcher_core.errors import ConfigError
+
+            raise ConfigError(f"the CUDA allocator's variables: {self.conflict}")
+        return self
 
     def describe(self) -> str:
         state = "with expandable segments" if self.expandable else "without expandable segments"
@@ -86,3 +94,12 @@ def _from_user(user: dict[str, str], ranks: dict[str, str], enabled: bool) -> Al
         source = (f"memory.expandable_segments = {str(enabled).lower()}, "
                   f"{'added to' if enabled else 'not added to'} the user's {', '.join(user)}")
     return AllocatorSetting(any(values.values()), source, ranks, conflict)
+
+
+def apply_allocator_env(setting: AllocatorSetting, env: MutableMapping[str, str]) -> None:
+    """The setting's variables into `env` (a rank's environment, or this process's before it allocates CUDA
+    memory); a set-but-empty allocator variable is dropped: torch reads it first and nothing from the other."""
+    env.update(setting.env)
+    for name in ALLOC_CONF_VARIABLES:
+        if name in env and not env[name].strip():
+            del env[name]

@@ -39,11 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.train.calibration import apply_allocator_setting, calibrate, require_cuda, store_calibration
+    from dflash.train.calibration import calibrate, require_cuda, store_calibration
 
     profile = with_target_override(load_profile_arg(args), args.target_override)
     require_cuda(profile)
-    apply_allocator_setting(profile)        # before this process allocates CUDA memory
     baseline = args.baseline or default_baseline(profile)
     run_result = calibrate(profile, args.scratch, parse_micro_batches(args.check))
     path = store_calibration(baseline, run_result.calibration)

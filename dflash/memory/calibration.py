@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
+    from dflash.memory.measure import AllocatorPeaks
     from dflash.memory.workload import Workload
     from envcheck.snapshot import Snapshot
 
@@ -53,21 +54,9 @@ class Calibration:
         return self.peaks_mib[0] - self.slope_mib * self.micro_batches[0]
 
 
-@dataclass(frozen=True)
-class ReserveMeasurement:
-    """The allocator's peaks over a run of steps: what tensors held and what the allocator reserved (MiB)."""
-
-    allocated_mib: float
-    reserved_mib: float
-
-    @property
-    def ratio(self) -> float:
-        return self.reserved_mib / self.allocated_mib
-
-
 def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workload,
                     reserved_by_micro_batch: Mapping[int, float] | None = None,
-                    varied: ReserveMeasurement | None = None, **facts: str | int | bool | float) -> Calibration:
+                    varied: AllocatorPeaks | None = None, **facts: str | int | bool | float) -> Calibration:
     """Two measured (micro-batch, peak MiB) points -> Calibration (the line through them); with the
     reserved peaks at those sizes and the varied-shape steps' measurement, the reserve ratio: the larger
     of reserved over allocated at the worst-case sizes and across the varied steps."""
@@ -82,7 +71,7 @@ def fit_calibration(peaks_by_micro_batch: Mapping[int, float], workload: Workloa
 
 
 def _reserve_ratio(peaks: tuple[float, float], reserved: tuple[float, float] | None,
-                   varied: ReserveMeasurement | None) -> float | None:
+                   varied: AllocatorPeaks | None) -> float | None:
     ratios = [r / p for r, p in zip(reserved or (), peaks) if p > 0] + ([varied.ratio] if varied else [])
     return max(1.0, *ratios) if ratios else None
 
@@ -104,8 +93,11 @@ def calibration_from_dict(document: Mapping[str, object], where: str) -> Calibra
                            measured_at=str(document.get("measured_at", "")),
                            world_size=_count(document, "world_size"),
                            micro_batches_per_step=_count(document, "micro_batches_per_step"),
-                           reserved_mib=_stored_reserved(document), reserve_ratio=_stored_ratio(document),
-                           expandable_segments=_stored_expandable(document), start_s=_stored_seconds(document))
+                           reserved_mib=_stored_reserved(document),
+                           reserve_ratio=_stored_number(document, "reserve_ratio", 1.0, 100.0,
+                                                        "a number >= 1 (reserved over allocated)"),
+                           expandable_segments=_stored_expandable(document),
+                           start_s=_stored_number(document, "start_s", 0.0, 1e6, "a number of seconds >= 0"))
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where}: key {CALIBRATION_KEY!r} is malformed ({error}); re-run the calibration") from None
 
@@ -115,13 +107,14 @@ def _stored_reserved(document: Mapping[str, object]) -> tuple[float, float] | No
     return None if document.get("reserved_mib") is None else _pair(document, "reserved_mib")
 
 
-def _stored_ratio(document: Mapping[str, object]) -> float | None:
-    ratio = document.get("reserve_ratio")
-    if ratio is None:
+def _stored_number(document: Mapping[str, object], key: str, low: float, high: float, what: str) -> float | None:
+    """An optional number of the stored calibration in [low, high) (None: stored before it was measured)."""
+    value = document.get(key)
+    if value is None:
         return None
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 1.0 <= ratio < 100.0:
-        raise ValueError(f"'reserve_ratio' must be a number >= 1 (reserved over allocated), got {ratio!r}")
-    return float(ratio)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value < high:
+        raise ValueError(f"{key!r} must be {what}, got {value!r}")
+    return float(value)
 
 
 def _stored_expandable(document: Mapping[str, object]) -> bool | None:
@@ -129,15 +122,6 @@ def _stored_expandable(document: Mapping[str, object]) -> bool | None:
     if expandable is not None and not isinstance(expandable, bool):
         raise ValueError(f"'expandable_segments' must be true or false, got {expandable!r}")
     return expandable
-
-
-def _stored_seconds(document: Mapping[str, object]) -> float | None:
-    seconds = document.get("start_s")
-    if seconds is None:
-        return None
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e6:
-        raise ValueError(f"'start_s' must be a number of seconds >= 0, got {seconds!r}")
-    return float(seconds)
 
 
 def _count(document: Mapping[str, object], key: str) -> int:

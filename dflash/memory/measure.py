@@ -21,6 +21,11 @@ class AllocatorPeaks:
     allocated_mib: float
     reserved_mib: float
 
+    @property
+    def ratio(self) -> float:
+        """Reserved over allocated: the allocator's reserve as a factor."""
+        return self.reserved_mib / self.allocated_mib
+
 
 def measure_allocator_peaks(run: Callable[[], object]) -> AllocatorPeaks:
     """Run `run` on the current CUDA device from an emptied cache and return torch's peak allocated
@@ -38,12 +43,6 @@ def measure_allocator_peaks(run: Callable[[], object]) -> AllocatorPeaks:
 def measure_step_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, AllocatorPeaks]:
     """One worst-case training step per micro-batch size, each from an emptied cache: its peaks."""
     return {micro_batch: measure_allocator_peaks(lambda: run_step(micro_batch)) for micro_batch in micro_batches}
-
-
-def measure_peaks(run_step: Callable[[int], None], micro_batches: tuple[int, ...] = (1, 2)) -> dict[int, float]:
-    """Run one worst-case training step per micro-batch size on the current CUDA device and
-    return torch's peak allocated memory (MiB) for each."""
-    return {m: peaks.allocated_mib for m, peaks in measure_step_peaks(run_step, micro_batches).items()}
 
 
 @dataclass(frozen=True)

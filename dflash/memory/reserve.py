@@ -63,7 +63,7 @@ def plan_reserve(profile: Profile, workload: Workload, calibration: Calibration 
     expandable = profile.memory.expandable_segments
     if calibration is not None and calibration.reserve_ratio is not None and \
             calibration.workload_key == workload.key() and calibration.expandable_segments == expandable:
-        return Reserve(max(1.0, calibration.reserve_ratio), "calibration",
+        return Reserve(calibration.reserve_ratio, "calibration",
                        f"measured by `launcher.py calibrate` on {calibration.device_name or 'the GPU'} across "
                        f"differently shaped micro-batches")
     return default_reserve(expandable, calibration)

@@ -10,7 +10,7 @@ drafter, attention backend, loss chunking and optimizer. Every measured step is 
 `run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
 steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
 first update), measures the peak allocated memory of one step at each size
-(`dflash.memory.measure.measure_peaks`) and fits the line (`dflash.memory.calibration.fit_calibration`).
+(`dflash.memory.measure.measure_step_peaks`) and fits the line (`dflash.memory.calibration.fit_calibration`).
 Optionally the calibrated line is held against measured peaks at larger micro-batches
 (`check_micro_batches`).
 
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import Calibration, ReserveMeasurement, fit_calibration, save_calibration
+from dflash.memory.calibration import Calibration, fit_calibration, save_calibration
 from dflash.memory.measure import AllocatorPeaks, measure_allocator_peaks, measure_step_peaks
 from dflash.memory.target import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from dflash.train.dist import WorkerEnv
     from dflash.train.setup import TrainState
     from dflash.train.step import StepStats
+    from envcheck.allocator import AllocatorSetting
 
 CALIBRATION_MICRO_BATCHES = (1, 2)
 MICRO_BATCHES_PER_STEP = 2          # each measured step accumulates: the earlier micro-batch's gradients are alive
@@ -110,8 +111,7 @@ class MeasuredPeaks:
     warmup_s: float
     device_name: str
     reserved_mib: dict[int, float] = field(default_factory=dict)    # peak reserved at each measured size
-    varied: dict[str, float] = field(default_factory=dict)          # measure_reserve's peaks (AllocatorPeaks)
-    expandable_segments: bool = False
+    varied: AllocatorPeaks | None = None                            # measure_reserve's peaks
     start_s: float = 0.0                                            # the bench's build_state (the slowest rank's)
 
 
@@ -335,8 +335,6 @@ def _predicted_at(workload: memory.Workload, calibration: Calibration, micro_bat
 def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = ()) -> MeasuredPeaks:
     """Warm up, measure at micro-batch 1 and 2, the reserve over differently shaped micro-batches of 2,
     then the check sizes (every rank the same steps)."""
-    import dataclasses as records
-
     import torch
 
     started = time.perf_counter()
@@ -347,8 +345,8 @@ def measure_bench(bench: CalibrationBench, check_micro_batches: Sequence[int] = 
     checks = measure(bench, check_micro_batches) if check_micro_batches else {}
     return MeasuredPeaks({m: p.allocated_mib for m, p in steps.items()}, checks, bench.state.backend, flex_error,
                          warmup_s, torch.cuda.get_device_name(bench.state.device),
-                         reserved_mib={m: p.reserved_mib for m, p in steps.items()}, varied=records.asdict(varied),
-                         expandable_segments=expandable_now(bench.profile), start_s=bench.start_s)
+                         reserved_mib={m: p.reserved_mib for m, p in steps.items()}, varied=varied,
+                         start_s=bench.start_s)
 
 
 def calibrate(profile: Profile, scratch: Path | None = None,
@@ -359,7 +357,7 @@ def calibrate(profile: Profile, scratch: Path | None = None,
     from dflash.train.launch_checks import validate_profile_for_launch
 
     require_cuda(profile)
-    apply_allocator_setting(profile)
+    allocator = apply_allocator_setting(profile)
     validate_profile_for_launch(profile)        # the profile against its target, as `train` checks it
     rows = MICRO_BATCHES_PER_STEP * max((*CALIBRATION_MICRO_BATCHES, *check_micro_batches))
     ranks = calibration_ranks(profile, torch.cuda.device_count())
@@ -369,11 +367,11 @@ def calibrate(profile: Profile, scratch: Path | None = None,
         else:
             measured = measure_on_ranks(profile, Path(work), rows, check_micro_batches, ranks)
     workload = memory.workload_from_profile(profile, target_shape(profile))
-    calibration = fit_calibration(measured.peaks_mib, workload, measured.reserved_mib, varied_measurement(measured),
+    calibration = fit_calibration(measured.peaks_mib, workload, measured.reserved_mib, measured.varied,
                                   device_name=measured.device_name, torch_version=torch.__version__,
                                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=ranks,
                                   micro_batches_per_step=MICRO_BATCHES_PER_STEP,
-                                  expandable_segments=measured.expandable_segments, start_s=round(measured.start_s, 1))
+                                  expandable_segments=allocator.expandable, start_s=round(measured.start_s, 1))
     return CalibrationRun(calibration, workload, measured.peaks_mib, measured.backend, measured.flex_error,
                           measured.warmup_s, predictions_of(workload, calibration, measured.check_peaks_mib))
 
@@ -396,10 +394,9 @@ def measure_on_ranks(profile: Profile, work: Path, rows: int, check_micro_batche
         raise RunFailed(failed[0])
     peaks, checks, reserved = (_larger_peaks([d[key] for d in found])
                                for key in ("peaks_mib", "check_peaks_mib", "reserved_mib"))
-    varied = max((d["varied"] for d in found), key=lambda peaks: peaks["reserved_mib"] / peaks["allocated_mib"])
+    varied = max((AllocatorPeaks(**d["varied"]) for d in found if d.get("varied")), key=lambda p: p.ratio, default=None)
     return MeasuredPeaks(peaks, checks, found[0]["backend"], found[0]["flex_error"], found[0]["warmup_s"],
-                         found[0]["device_name"], reserved, varied, found[0]["expandable_segments"],
-                         max(float(d.get("start_s", 0.0)) for d in found))
+                         found[0]["device_name"], reserved, varied, max(float(d.get("start_s", 0.0)) for d in found))
 
 
 def _larger_peaks(by_rank: list[dict[str, float]]) -> dict[int, float]:
@@ -437,32 +434,18 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
     exit_without_finalization(0)
 
 
-def varied_measurement(measured: MeasuredPeaks) -> ReserveMeasurement | None:
-    """measure_reserve's peaks as the calibration's record (None when it did not run)."""
-    return ReserveMeasurement(**measured.varied) if measured.varied else None
-
-
-def apply_allocator_setting(profile: Profile) -> None:
+def apply_allocator_setting(profile: Profile) -> AllocatorSetting:
     """This process's CUDA allocator as the profile's ranks run it (envcheck.allocator: expandable segments
-    unless memory.expandable_segments is off or the user's own variable says otherwise). Called before this
-    process allocates CUDA memory: torch reads the variable when its allocator is first configured."""
+    unless memory.expandable_segments is off or the user's own variable says otherwise), returned for the
+    calibration's record. Called before this process allocates CUDA memory: torch reads the variable when
+    its allocator is first configured."""
     import os
 
-    from envcheck.allocator import allocator_setting
+    from envcheck.allocator import allocator_setting, apply_allocator_env
 
-    setting = allocator_setting(profile.memory.expandable_segments, os.environ)
-    if setting.conflict:
-        raise ConfigError(f"the CUDA allocator's variables: {setting.conflict}")
-    os.environ.update(setting.env)
-
-
-def expandable_now(profile: Profile) -> bool:
-    """Whether this process's allocator variables ask for expandable segments (what the calibration records)."""
-    import os
-
-    from envcheck.allocator import allocator_setting
-
-    return allocator_setting(profile.memory.expandable_segments, os.environ).expandable
+    setting = allocator_setting(profile.memory.expandable_segments, os.environ).require()
+    apply_allocator_env(setting, os.environ)
+    return setting
 
 
 def scratch_directory(scratch: Path | None) -> contextlib.AbstractContextManager[str | Path]:

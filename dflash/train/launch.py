@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Mapping
 from dflash.train.failures import RunEnd
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
-from envcheck.allocator import ALLOC_CONF_VARIABLES, AllocatorSetting, allocator_setting
+from envcheck.allocator import ALLOC_CONF_VARIABLES, AllocatorSetting, allocator_setting, apply_allocator_env
 from launcher_core.errors import ConfigError, PreflightFailed, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.processes import child_tempdir, child_tempdir_env
@@ -131,10 +131,7 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     # thread's Python stack into its log first; dflash.train.failures names it (fatal_dumps)
     env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra_env or {})
-    env.update(rank_allocator(profile, env).env)
-    for name in ALLOC_CONF_VARIABLES:       # torch reads a set-but-empty variable first, and nothing from the other
-        if name in env and not env[name].strip():
-            del env[name]
+    apply_allocator_env(rank_allocator(profile, env), env)
     return env
 
 
@@ -144,10 +141,7 @@ def rank_allocator(profile: Profile, env: Mapping[str, str]) -> AllocatorSetting
     ConfigError when the user's two allocator variables disagree (torch versions differ on which one wins)."""
     if profile.machine.device != "cuda":
         return AllocatorSetting(False, "CPU profile: no CUDA caching allocator")
-    setting = allocator_setting(profile.memory.expandable_segments, env)
-    if setting.conflict:
-        raise ConfigError(f"the CUDA allocator's variables: {setting.conflict}")
-    return setting
+    return allocator_setting(profile.memory.expandable_segments, env).require()
 
 
 SHOWN_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", *ALLOC_CONF_VARIABLES, STORE_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME",

@@ -28,6 +28,31 @@ def test_the_installed_torch_reads_the_completed_variable(tmp_path):
     assert json.loads(out.strip().splitlines()[-1]) == "max_split_size_mb:256,expandable_segments:True"
 
 
+def torch_reads(env: dict[str, str]) -> str:
+    """The allocator config the installed torch parses in a process with `env`'s allocator variables."""
+    probe = "import json, torch; print(json.dumps(torch._C._accelerator_getAllocatorSettings()))"
+    out = subprocess.run([sys.executable, "-c", probe], env={"PATH": "/usr/bin:/bin", **env},
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_an_empty_variable_is_dropped_for_the_ranks_and_for_the_calibration(monkeypatch):
+    """A set-but-empty PYTORCH_CUDA_ALLOC_CONF is what torch 2.13 reads first (and nothing from the other):
+    the ranks' environment and the calibrating process (dflash.train.calibration.apply_allocator_setting)
+    both drop it, so torch runs with the expandable segments the calibration records."""
+    from dflash.train.calibration import apply_allocator_setting
+    from dflash.train.launch import _worker_env
+
+    assert torch_reads({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == ""
+    ranks = _worker_env(_profile(), {"PYTORCH_CUDA_ALLOC_CONF": ""}, None)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in ranks and torch_reads(ranks) == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert apply_allocator_setting(_profile()).expandable is True
+    here = {name: value for name, value in __import__("os").environ.items() if name.startswith("PYTORCH_")}
+    assert torch_reads(here) == "expandable_segments:True"
+
+
 def test_the_source_names_what_decided():
     assert allocator_setting(True, {}).source == "memory.expandable_segments = true (default)"
     explicit = allocator_setting(True, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"})

@@ -97,3 +97,12 @@ def gpu_profile(target: Path, dataset: Path, *, max_length: int, drafter_layers:
 
 def relative_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else float("inf")
+
+
+def torch_allocator_expandable() -> bool | None:
+    """Whether torch's own parsed allocator settings ask for expandable segments (what it read from the
+    allocator variables, not what the launcher wrote); None where this torch has no such accessor."""
+    import torch
+
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return None if settings is None else "expandable_segments:True" in settings()

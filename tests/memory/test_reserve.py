@@ -10,7 +10,8 @@ import pytest
 from test_budget import calibration_giving, snapshot, write_profile
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import ReserveMeasurement, calibration_as_dict, calibration_from_dict, fit_calibration, load_calibration, save_calibration
+from dflash.memory.calibration import calibration_as_dict, calibration_from_dict, fit_calibration, load_calibration, save_calibration
+from dflash.memory.measure import AllocatorPeaks
 from dflash.memory.reserve import DEFAULT_RESERVE_RATIO, FIXED_SEGMENTS_RESERVE_RATIO
 
 
@@ -56,7 +57,7 @@ def test_a_cpu_profile_counts_no_reserve(tmp_path):
 def test_the_ratio_is_the_larger_of_the_worst_case_sizes_and_the_varied_shapes(tmp_path):
     workload = memory.workload_from_profile(write_profile(tmp_path, ""))
     fitted = fit_calibration({1: 1000.0, 2: 2000.0}, workload, {1: 1100.0, 2: 2060.0},
-                             ReserveMeasurement(allocated_mib=2000.0, reserved_mib=2300.0), expandable_segments=True)
+                             AllocatorPeaks(allocated_mib=2000.0, reserved_mib=2300.0), expandable_segments=True)
     assert fitted.reserve_ratio == pytest.approx(1.15) and fitted.reserved_mib == (1100.0, 2060.0)
     alone = fit_calibration({1: 1000.0, 2: 2000.0}, workload, {1: 1100.0, 2: 2060.0})
     assert alone.reserve_ratio == pytest.approx(1.1)
