@@ -77,6 +77,12 @@ class CannotTest(LauncherError):
     exit_code = EXIT_CANNOT_TEST
 
 
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """An error's first line (its type's name when it says nothing), cut to `limit` characters: for a message
+    that names what could not be read without pasting a library's whole report."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 def exit_code_for(error: BaseException) -> int:
     """The single place that decides the exit code of an exception reaching the CLI."""
     if isinstance(error, LauncherError):

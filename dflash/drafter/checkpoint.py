@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
 
-from launcher_core.errors import InputError
+from launcher_core.errors import InputError, first_line
 from launcher_core.fileio import atomic_directory, write_text_atomic
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ def read_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     is dropped and rotary caches are skipped."""
     from safetensors.torch import load_file
 
-    if not _has_safetensors(checkpoint_dir) and (checkpoint_dir / DCP_DIR / ".metadata").is_file():
+    if weights_in_shards_only(checkpoint_dir):
         return read_sharded_weights(checkpoint_dir / DCP_DIR)
     weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(checkpoint_dir):
@@ -254,17 +254,23 @@ def read_sharded_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The drafter's whole weights from a training checkpoint's dcp/, in this process (no process group):
     every rank's shard of each `model` tensor, read into one full tensor (the AdamW states are not read)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     names = sharded_weight_shapes(directory)
     wanted = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in names.items()}
+    _load_shards(directory, wanted)
+    return {key.removeprefix("model."): tensor for key, tensor in wanted.items()}
+
+
+def _load_shards(directory: Path, wanted: dict[str, torch.Tensor]) -> None:
+    """DCP's load of `wanted` (flat `model.NAME` keys) in this process; a missing or short shard file is an
+    InputError naming the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     except Exception as error:      # noqa: BLE001 - a missing or short shard file, whatever DCP raises for it
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise InputError(f"{directory}: its shards cannot be read ({first}); the checkpoint is damaged: "
+        raise InputError(f"{directory}: its shards cannot be read ({first_line(error)}); the checkpoint is damaged: "
                          "use another one") from None
-    return {key.removeprefix("model."): tensor for key, tensor in wanted.items()}
 
 
 def sharded_weight_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -275,8 +281,7 @@ def sharded_weight_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], t
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as error:      # noqa: BLE001 - any failure to read it means the same: unusable
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise InputError(f"{directory}/.metadata: cannot be read ({first}); the checkpoint is damaged") from None
+        raise InputError(f"{directory}/.metadata: cannot be read ({first_line(error)}); the checkpoint is damaged") from None
     return {key: (tuple(int(d) for d in entry.size), entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata) and "rotary_emb." not in key}
@@ -308,10 +313,9 @@ class ShardedStoredTensor:
 
     def load(self) -> torch.Tensor:
         import torch
-        import torch.distributed.checkpoint as dcp
 
         tensor = torch.empty(self.shape, dtype=self.dtype)
-        dcp.load({self.key: tensor}, storage_reader=dcp.FileSystemReader(str(self.directory)), no_dist=True)
+        _load_shards(self.directory, {self.key: tensor})
         return tensor
 
 
@@ -320,7 +324,7 @@ def stored_weights(checkpoint_dir: Path) -> dict[str, StoredTensor | ShardedStor
     each tensor read on demand."""
     from safetensors import SafetensorError, safe_open
 
-    if not _has_safetensors(checkpoint_dir) and (checkpoint_dir / DCP_DIR / ".metadata").is_file():
+    if weights_in_shards_only(checkpoint_dir):
         shards = checkpoint_dir / DCP_DIR
         return {key.removeprefix("model."): ShardedStoredTensor(shards, key, shape, dtype)
                 for key, (shape, dtype) in sharded_weight_shapes(shards).items()}
@@ -337,8 +341,10 @@ def stored_weights(checkpoint_dir: Path) -> dict[str, StoredTensor | ShardedStor
     return stored
 
 
-def _has_safetensors(checkpoint_dir: Path) -> bool:
-    return (checkpoint_dir / INDEX).exists() or (checkpoint_dir / WEIGHTS).exists()
+def weights_in_shards_only(checkpoint_dir: Path) -> bool:
+    """An intermediate training checkpoint: its weights are in dcp/ only (no safetensors file or index)."""
+    has_safetensors = (checkpoint_dir / INDEX).exists() or (checkpoint_dir / WEIGHTS).exists()
+    return not has_safetensors and (checkpoint_dir / DCP_DIR).is_dir()
 
 
 def _weight_files(checkpoint_dir: Path) -> list[Path]:
@@ -365,11 +371,9 @@ def _index_weight_map(index: Path) -> dict[str, str]:
 
 
 def _load_safetensors(path: Path, load_file: Callable[[str], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors; a truncated or foreign file is an InputError naming it."""
+    """A safetensors file's tensors (`_weight_files` found it); a truncated or foreign file is an InputError naming it."""
     from safetensors import SafetensorError
 
-    if not path.is_file():
-        raise InputError(f"{path}: missing (named by the checkpoint's index); restore the file or re-export")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as error:

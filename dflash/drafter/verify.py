@@ -26,7 +26,7 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping
 
-from launcher_core.errors import InputError
+from launcher_core.errors import InputError, first_line
 
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -110,9 +110,9 @@ def header_shapes(path: Path) -> Shapes:
 def checkpoint_shapes(directory: Path) -> Shapes:
     """Tensor name -> shape of a drafter directory's weights: its safetensors header, or (an intermediate
     training checkpoint, weights only in dcp/) the DCP metadata."""
-    from dflash.drafter.checkpoint import DCP_DIR, WEIGHTS, sharded_weight_shapes
+    from dflash.drafter.checkpoint import DCP_DIR, WEIGHTS, sharded_weight_shapes, weights_in_shards_only
 
-    if (directory / WEIGHTS).exists() or not (directory / DCP_DIR / ".metadata").is_file():
+    if not weights_in_shards_only(directory):
         return header_shapes(directory / WEIGHTS)
     return {key.removeprefix("model."): shape for key, (shape, _) in sharded_weight_shapes(directory / DCP_DIR).items()}
 
@@ -128,8 +128,8 @@ def training_state_problems(path: Path, step: int | None, has_dcp: bool) -> list
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, IndexError, KeyError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        return [f"{path}: torch cannot read it as a training state ({first}); damaged or not written by this trainer"]
+        return [f"{path}: torch cannot read it as a training state ({first_line(error)}); damaged or not written by "
+                "this trainer"]
     if not isinstance(state, dict):
         return [f"{path}: holds a {type(state).__name__}, not a dict of training state"]
     problems = [f"{path}: no `{key}`" for key in STATE_KEYS if key not in state]
@@ -148,8 +148,7 @@ def dcp_problems(directory: Path) -> list[str]:
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as error:      # noqa: BLE001 - any failure to read it means the same: unusable
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        return [f"{directory}: its metadata (.metadata) cannot be read ({type(error).__name__}: {first})"]
+        return [f"{directory}: its metadata (.metadata) cannot be read ({type(error).__name__}: {first_line(error)})"]
     sizes: dict[str, int] = {}
     problems: list[str] = []
     for info in (metadata.storage_data or {}).values():
@@ -168,15 +167,14 @@ def dcp_problems(directory: Path) -> list[str]:
 
 def verify_checkpoint(path: str | Path) -> list[str]:
     """Everything wrong with checkpoint directory `path` (empty: it can be resumed)."""
-    from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, has_weights, init_source_problem
+    from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, has_weights, init_source_problem, weights_in_shards_only
 
     directory = Path(path)
     if not directory.is_dir():
         return [f"{directory}: not a directory"]
     match = STEP_NAME.match(directory.name)
     dcp = directory / DCP_DIR
-    sharded_only = dcp.is_dir() and not (directory / WEIGHTS).exists()     # an intermediate training checkpoint
-    problems = [] if sharded_only else safetensors_problems(directory / WEIGHTS)
+    problems = [] if weights_in_shards_only(directory) else safetensors_problems(directory / WEIGHTS)
     if not (directory / CONFIG).is_file():
         problems.append(f"{directory / CONFIG}: missing")
     elif has_weights(directory) and (config_problem := init_source_problem(directory)):

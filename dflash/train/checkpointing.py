@@ -20,8 +20,8 @@ written before it starts the next one, before a SIGTERM stop's save and before t
 moment leaves `latest` on the previous whole checkpoint and a staging directory that `--resume` removes.
 
 Intermediate checkpoints hold no `model.safetensors` (a quarter of a checkpoint's bytes): `eval`, `export`
-and `drafter.init_from` consolidate a step's weights from its `dcp/` on demand
-(dflash.drafter.checkpoint.ensure_weights). `dcp/` is what `--resume` reads. DCP stores every tensor with
+and `drafter.init_from` read a step's weights from its `dcp/` on demand, in one process, writing nothing
+(dflash.drafter.checkpoint.read_weights, stored_weights). `dcp/` is what `--resume` reads. DCP stores every tensor with
 its global shape and each shard's offsets, so `restore_checkpoint` loads it into however many ranks the
 resumed run has (resharding on load), where SpecForge's checkpoints need the same world size.
 """
@@ -130,12 +130,12 @@ class AsyncCheckpointer:
         self.pending: PendingSave | None = None
 
     def start(self, state: TrainState) -> None:
-        """Every rank: wait for the previous save, then begin writing this step's shards."""
+        """Every rank, with no save pending (`wait` first): begin writing this step's shards."""
         import time
 
         import torch.distributed.checkpoint as dcp
 
-        self.wait(state)
+        assert self.pending is None, "one save at a time: wait for the pending one first"
         staging = shared_staging_directory(self.run_dir, state.step, self.env.is_main)
         try:
             write_small_files(state, staging)
@@ -152,11 +152,12 @@ class AsyncCheckpointer:
             return None
         return self._finish(state)
 
-    def wait(self, state: TrainState) -> Published | None:
-        """Every rank: block until the pending save (if any) is written, then put it in place."""
-        return self._finish(state) if self.pending is not None else None
+    def wait(self, state: TrainState, timeout_s: float | None = None) -> Published | None:
+        """Every rank: block until the pending save (if any) is written (TimeoutError after `timeout_s`), then
+        put it in place."""
+        return self._finish(state, timeout_s) if self.pending is not None else None
 
-    def _finish(self, state: TrainState) -> Published | None:
+    def _finish(self, state: TrainState, timeout_s: float | None = None) -> Published | None:
         import time
 
         from dflash.drafter.checkpoint import publish_checkpoint
@@ -164,10 +165,12 @@ class AsyncCheckpointer:
         pending, self.pending = self.pending, None
         assert pending is not None
         try:
-            pending.done.result()               # a write that failed (a full disk) raises here, on this rank
+            pending.done.result(timeout=timeout_s)      # a write that failed (a full disk) raises here, on this rank
             if not self.env.is_main:
                 return None
             path = publish_checkpoint(self.run_dir, pending.staging, pending.step)
+        except TimeoutError:
+            raise                               # still being written: the launcher judges it (remove_partial_saves)
         except BaseException:
             remove_staging(pending.staging, self.env.is_main)
             raise

@@ -135,7 +135,7 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
 
 
 def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: int) -> Shapes:
-    """Tensor name -> shape of the drafter the ranks would build (dflash.train.setup.build_drafter),
+    """Tensor name -> shape of the drafter the ranks would build (dflash.train.setup.build_sharded_drafter),
     built on the meta device from the target's config.json; `draft_vocab`: its draft vocabulary's length."""
     import torch
     from transformers import AutoConfig
@@ -189,14 +189,14 @@ def check_resume_fits(profile: Profile, facts: LaunchFacts, checkpoint: Path) ->
 
 def check_init_from(profile: Profile, facts: LaunchFacts) -> None:
     """drafter.init_from against the profile's drafter, from its config.json and safetensors header."""
-    from dflash.drafter.checkpoint import DCP_DIR, INDEX, WEIGHTS, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint import DCP_DIR, INDEX, WEIGHTS, resolve_checkpoint_dir, weights_in_shards_only
     from dflash.drafter.verify import dcp_problems, safetensors_problems
 
     directory = resolve_checkpoint_dir(Path(profile.drafter.init_from))
     if (directory / INDEX).exists() and not (directory / WEIGHTS).exists():
         return                                  # sharded: the ranks check it tensor by tensor
-    sharded_only = (directory / DCP_DIR).is_dir() and not (directory / WEIGHTS).exists()
-    damaged = dcp_problems(directory / DCP_DIR) if sharded_only else safetensors_problems(directory / WEIGHTS)
+    shards = weights_in_shards_only(directory)
+    damaged = dcp_problems(directory / DCP_DIR) if shards else safetensors_problems(directory / WEIGHTS)
     if damaged:
         raise ConfigError(f"drafter.init_from {directory}: cannot be read:\n" + "\n".join(f"  {p}" for p in damaged))
     differences = drafter_differences(profile, facts, directory, full=False)

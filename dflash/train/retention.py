@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash.drafter.checkpoint import CONFIG, LATEST, STATE, checkpoints_dir
-from dflash.train.checkpointing import DCP_DIR
+from dflash.drafter.checkpoint import CONFIG, DCP_DIR, LATEST, STATE, checkpoints_dir
 
 STEP_DIR = re.compile(r"step-(\d+)")
 

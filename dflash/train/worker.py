@@ -332,13 +332,12 @@ class CheckpointSaves:
         restart resumes from it: every rank's shards are then written and rank 0 puts it in place if it can
         (otherwise the launcher does: dflash.train.resume.remove_partial_saves). The save's own failure is
         not this rank's: it is ignored."""
-        if self.writer is None or self.writer.pending is None:
+        if self.writer is None:
             return
         try:
-            self.writer.pending.done.result(timeout=timeout_s)
-            self._placed(self.writer.wait(self.state))
+            self._placed(self.writer.wait(self.state, timeout_s))
         except Exception:       # noqa: BLE001 - a save that cannot finish stays a partial one; the first error stands
-            self.writer.pending = None
+            pass
 
     def _placed(self, published: Optional[Published]) -> None:
         if published is not None:

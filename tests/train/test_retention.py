@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.drafter.checkpoint import CONFIG, LATEST, STATE, WEIGHTS, checkpoints_dir
-from dflash.train.checkpointing import DCP_DIR
+from dflash.drafter.checkpoint import CONFIG, DCP_DIR, LATEST, STATE, WEIGHTS, checkpoints_dir
 from dflash.train.retention import complete_checkpoints, prune_checkpoints
 from tests.train.conftest import write_profile
 
