@@ -27,22 +27,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TARGET = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 8192, "num_hidden_layers": 2,
-          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": False,
-          "max_position_embeddings": 4096}
 WORKER = REPO / "tests" / "train" / "start_rss_worker.py"
 
 
 def workload(scratch: Path, layers: int, ranks: int) -> Path:
     """The target, a small dataset of its token ids, and a CPU profile of `ranks` ranks around them."""
     import numpy as np
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.data.dataset_io import save_token_rows
+    from tests.train.start_rss_worker import wide_target
 
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **TARGET)).save_pretrained(scratch / "target")
+    wide_target(scratch / "target")
     rng = np.random.default_rng(0)
     save_token_rows(scratch / "dataset", [(rng.integers(100, 2000, 64).tolist(), [0] * 16 + [1] * 48) for _ in range(16)])
     profile = scratch / "profile.toml"

@@ -39,6 +39,16 @@ def source_layer_ids(layer_ids: Sequence[int], num_draft_layers: int, num_target
     return [min(first + i, num_target_layers - 1) for i in range(num_draft_layers)]
 
 
+def target_layers_needed(layer_ids: Sequence[int], num_draft_layers: int, num_target_layers: int,
+                         from_target: bool) -> int:
+    """The decoder layers a rank loads: up to the deepest tap (the rest never run), and with
+    drafter.init = "target" (`from_target`) up to the last layer the draft layers start from."""
+    deepest = max(layer_ids)
+    if from_target:
+        deepest = max(deepest, *source_layer_ids(layer_ids, num_draft_layers, num_target_layers))
+    return deepest + 1
+
+
 def unholdable_sources(sources: Sequence[int], target_config: TargetConfig) -> str:
     """Why the draft layers cannot start as these target layers ("" when they can).
 

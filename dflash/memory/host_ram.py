@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Optional
 
 from dflash.memory.attention_masks import MIB
 from dflash.memory.checkpoints import gib
+from dflash.memory.model import MASTER_BYTES
 
 if TYPE_CHECKING:
     from dflash.memory.plan import Plan
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 RUNTIME_MIB = 512.0             # a CPU rank before its models: interpreter, torch, transformers, datasets, gloo (~420 measured)
 CUDA_RUNTIME_MIB = 1536.0       # a GPU rank's extra: CUDA context host side, cuBLAS, NCCL (estimate)
-MASTER_BYTES = 4                # the drafter is built and kept in float32
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,10 @@ def largest_init_unit(workload: Workload) -> int:
 
 
 def loaded_target_params(workload: Workload, profile: Profile) -> int:
-    """The target's parameters a rank loads (dflash.train.setup.target_layers_to_load): the embedding, the
-    head and the layers up to the deepest tap, or up to the last source layer with drafter.init = "target"."""
-    from dflash.drafter.taps import source_layer_ids
+    """The target's parameters a rank loads (dflash.train.setup.target_layers_to_load)."""
+    from dflash.drafter.taps import target_layers_needed
+    from dflash.memory import model as memory
 
-    shape = workload.target
-    loaded = workload.loaded_target_layers
-    if profile.drafter.init == "target":
-        loaded = max(loaded, 1 + max(source_layer_ids(workload.tap_layers, workload.drafter_layers, shape.num_layers)))
-    return shape.total_params() - max(0, shape.num_layers - loaded) * shape.layer_params()
+    layers = target_layers_needed(workload.tap_layers, workload.drafter_layers, workload.target.num_layers,
+                                  profile.drafter.init == "target")
+    return memory.target_params_loaded(workload, layers)

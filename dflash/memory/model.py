@@ -328,10 +328,11 @@ def gathered_numel(tensors: list[Tensor], world: int) -> int:
     return world * shard_numel(tensors, world)
 
 
-def target_params_loaded(workload: Workload) -> int:
-    """The target's parameters kept on the GPU: all but the layers after the deepest tap."""
+def target_params_loaded(workload: Workload, layers: int | None = None) -> int:
+    """The target's parameters with its first `layers` decoder layers (default: up to the deepest tap, what
+    stays on the GPU)."""
     shape = workload.target
-    dropped = max(0, shape.num_layers - workload.loaded_target_layers)
+    dropped = max(0, shape.num_layers - (workload.loaded_target_layers if layers is None else layers))
     return shape.total_params() - dropped * shape.layer_params()
 
 

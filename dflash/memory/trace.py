@@ -133,10 +133,10 @@ def truncated_config(config: PretrainedConfig, keep_layers: int) -> PretrainedCo
     """The config with only the first `keep_layers` layers (the trainer drops the rest)."""
     import copy
 
+    from dflash.models import truncate_layers
+
     truncated = copy.deepcopy(config)
-    truncated.num_hidden_layers = keep_layers
-    if getattr(truncated, "layer_types", None):
-        truncated.layer_types = list(truncated.layer_types[:keep_layers])
+    truncate_layers(truncated, keep_layers)
     truncated._attn_implementation = "sdpa"
     return truncated
 

@@ -17,7 +17,7 @@ weight matrix, or DFlash 2's selector): `dflash.memory.host_ram` counts it.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Union
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -25,9 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
-from dflash.drafter.model import DFlashDrafter
-
-InitValue = Union[torch.Tensor, Callable[[], torch.Tensor]]
+from dflash.drafter.model import DFlashDrafter, InitValue, resolved
 
 
 def rebuild_linear(module: nn.Module) -> nn.Module:
@@ -103,10 +101,6 @@ def set_value(tensor: torch.Tensor, full: torch.Tensor) -> None:
         tensor.copy_(full)
 
 
-def resolved(value: InitValue) -> torch.Tensor:
-    return value() if callable(value) else value
-
-
 @torch.no_grad()
 def materialize(drafter: DFlashDrafter, device: torch.device, initial: Mapping[str, InitValue]) -> None:
     """Give the (meta, sharded) drafter memory on `device` and its values: each init unit built again on
@@ -116,10 +110,10 @@ def materialize(drafter: DFlashDrafter, device: torch.device, initial: Mapping[s
     written: set[str] = set()
     for prefix, unit in init_units(drafter):
         fresh = rebuilt(unit)
+        targets = {**dict(unit.named_buffers()), **dict(unit.named_parameters())}
         for name, value in [*fresh.named_parameters(), *fresh.named_buffers()]:
             key = prefix + name
-            set_value(unit.get_parameter(name) if _is_parameter(unit, name) else unit.get_buffer(name),
-                      resolved(initial[key]) if key in initial else value)
+            set_value(targets[name], resolved(initial[key]) if key in initial else value)
             written.add(key)
         del fresh
     for name, buffer in drafter.named_buffers(recurse=False):      # the draft vocabulary: zeros as constructed
@@ -133,10 +127,6 @@ def rebuilt(unit: nn.Module) -> nn.Module:
     build = rebuilder(unit)
     assert build is not None, "init_units yields rebuildable units only"
     return build(unit)
-
-
-def _is_parameter(module: nn.Module, name: str) -> bool:
-    return name in dict(module.named_parameters())
 
 
 def _check_complete(drafter: nn.Module, written: set[str], initial: Mapping[str, InitValue]) -> None:

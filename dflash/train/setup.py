@@ -189,14 +189,11 @@ def load_rank_target(profile: Profile, device: torch.device, keep_layers: int | 
 
 
 def target_layers_to_load(profile: Profile, layer_ids: list[int], num_target_layers: int) -> int:
-    """The decoder layers a rank loads: up to the deepest tap (the rest never run), and with
-    drafter.init = "target" up to the last layer the draft layers start from (dropped after the init)."""
-    from dflash.drafter.taps import source_layer_ids
+    """The profile's decoder layers a rank loads (dflash.drafter.taps.target_layers_needed; the source layers of
+    drafter.init = "target" are dropped after the init)."""
+    from dflash.drafter.taps import target_layers_needed
 
-    deepest = max(layer_ids)
-    if profile.drafter.init == "target":
-        deepest = max(deepest, *source_layer_ids(layer_ids, profile.drafter.num_layers, num_target_layers))
-    return deepest + 1
+    return target_layers_needed(layer_ids, profile.drafter.num_layers, num_target_layers, profile.drafter.init == "target")
 
 
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,

@@ -13,8 +13,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+# The target of the test and benchmark: a random Qwen3 as wide as the drafter should be (its width is the
+# target's), with few layers and a small vocabulary (60 M parameters).
+TARGET = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 8192, "num_hidden_layers": 2,
+          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": False,
+          "max_position_embeddings": 4096}
 
-def whole_then_sharded(profile, env) -> None:
+
+def wide_target(directory: Path) -> Path:
+    """TARGET with random weights, saved to `directory`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **TARGET)).save_pretrained(directory)
+    return directory
+
+
+def whole_then_sharded(profile) -> None:
     """The order before: the whole target, the whole drafter on the host, moved, sharded, the target cut."""
     import torch
 
@@ -46,7 +62,7 @@ def main() -> None:
     if args.order == "sharded":
         build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
     else:
-        whole_then_sharded(profile, env)
+        whole_then_sharded(profile)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{env.rank}.json").write_text(json.dumps({"peak_rss_mib": peak_mib}), encoding="utf-8")

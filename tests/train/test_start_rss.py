@@ -16,24 +16,11 @@ import pytest
 
 from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
+from tests.train.start_rss_worker import wide_target
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
-TARGET = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 8192, "num_hidden_layers": 2,
-          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": False,
-          "max_position_embeddings": 4096}
 DRAFTER = {"num_layers": 10, "target_layer_ids": [0], "mask_token_id": 2000}
-
-
-def wide_target(directory: Path) -> Path:
-    """A random Qwen3 as wide as the drafter should be (its width is the target's), with few layers and a
-    small vocabulary (60 M parameters)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **TARGET)).save_pretrained(directory)
-    return directory
 
 
 def peak_rss_mib(tmp_path: Path, profile: Path, order: str) -> list[float]:
