@@ -5,7 +5,7 @@ find_executable_batch_size approach), on the same emulated budget.
 The device is emulated on CPU: the "true" memory of the workload is a peak model (the calibration
 fixture, optionally perturbed to emulate a calibration error); the budgets come from recorded node
 snapshots; a forward above the truly feasible micro-batch raises torch.OutOfMemoryError through
-the trainer's fault-injection switch (DFLASH_INJECT_OOM="above=N", dflash.train.autobatch). Both
+the trainer's fault injection (DFLASH_INJECT_OOM's "above=N", dflash.train.faults). Both
 strategies train a small real drafter through the trainer's own `build_state` and `run_step`
 (its AutoBatch recovery: the OOM's record, a restart at half the micro-batch, the step redone) on a
 tiny random Qwen3 target; only the starting micro-batch differs. Each OOM costs a restart of every
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -98,23 +97,23 @@ def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tu
     """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final).
     An OOM ends the step with its record (OomRestart), as it ends a rank; the restart's start
     (AutoBatch.start, reading the record) is done in this process, and the step is run again."""
-    from dflash.train.autobatch import INJECT_ENV, AutoBatch, OomRestart
+    from dflash.train.autobatch import AutoBatch, OomRestart
     from dflash.train.dist import WorkerEnv
+    from dflash.train.faults import INJECT_ENV, FaultInjection
     from dflash.train.setup import build_state
     from dflash.train.step import run_next_step
 
-    os.environ[INJECT_ENV] = f"above={feasible}"         # read by every AutoBatch.start
-    try:
-        state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=start)
-        assert state.autobatch is not None
-        state.autobatch.log = lambda line: None
-        while state.step < state.total_steps:
-            try:
-                run_next_step(state)
-            except OomRestart:
-                state.autobatch = AutoBatch.start(start, run_dir, 0, log=lambda line: None)
-    finally:
-        del os.environ[INJECT_ENV]
+    state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=start)
+    assert state.autobatch is not None
+    state.autobatch.log = lambda line: None
+    device = FaultInjection.from_env(0, {INJECT_ENV: f"above={feasible}"})    # the device's limit
+    assert device is not None
+    device.install(state.progress, state.drafter, lambda: state.micro_batch)
+    while state.step < state.total_steps:
+        try:
+            run_next_step(state)
+        except OomRestart:
+            state.autobatch = AutoBatch.start(start, run_dir, 0, log=lambda line: None)
     return len(state.autobatch.reductions), state.autobatch.micro_batch
 
 

@@ -191,6 +191,8 @@ class TrainSection:
     activation_checkpointing: Literal["none", "layers"] = "none"   # layers: each draft layer's activations recomputed in backward
     heartbeat_timeout_s: float = 120.0       # a rank whose process stops beating this long is named and the run ended
     collective_timeout_s: float = 600.0      # the process group's timeout: a collective waits this long for a rank
+    stuck_after_steps: float = 5.0           # a rank that holds the others this many measured step times is named
+    stuck_floor_s: float = 120.0             # ... never sooner than this (dflash.train.watchdog)
     # DFlash 2 (drafter.kind = "dflash2"): loss = DFlash loss on the unary logits + alpha x the selector's
     # K-way cross entropy (SpecForge PR #772 `dflash2_selector_loss_alpha`, vLLM Speculators PR #1006: 1.0);
     # stop_gradient: the selector term trains only the selector, not the backbone it reads (SpecForge PR #793, off).
@@ -377,6 +379,8 @@ RANGES: dict[str, Range] = {
     "train.loss_chunk_rows": Range(1, 2**24),
     "train.heartbeat_timeout_s": Range(2, 86400),      # several beats per timeout (dflash.train.heartbeat)
     "train.collective_timeout_s": Range(10, 86400),
+    "train.stuck_after_steps": Range(1, 1000),          # measured step times without progress (dflash.train.watchdog)
+    "train.stuck_floor_s": Range(1, 86400),
     "train.selector_loss_alpha": AT_LEAST_0,         # 0: the selector's loss is computed (figures) but trains nothing
     "train.validation_share": Range(0, 1, high_open=True),    # 0: no validation; below 1: some rows must train
     "train.validation_every_steps": Range(1, 10**9, zero="at every checkpoint (train.save_every_steps)"),
@@ -413,6 +417,10 @@ def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
     if drafter.num_key_value_heads and drafter.num_attention_heads % drafter.num_key_value_heads:
         problems.append(("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
                          f"drafter.num_attention_heads {drafter.num_attention_heads}"))
+    if train.stuck_floor_s >= train.collective_timeout_s:
+        problems.append(("train.stuck_floor_s", f"{train.stuck_floor_s:g} s is not below train.collective_timeout_s "
+                         f"{train.collective_timeout_s:g} s: a stuck rank would never be named before the collective "
+                         f"times out (valid: 1..{train.collective_timeout_s:g})"))
     return problems + drafter_kind_problems(profile)
 
 

@@ -13,8 +13,9 @@ ROOTS = ("launcher_core", "envcheck", "dflash")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("launcher_core",),                          # profiles, errors, files, processes: the floor
     ("envcheck",),                               # the machine: snapshot, checks, bisect (never the workload)
-    ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts"),  # the package's __init__, transformers
-                                                 # versions, chat JSON shapes, prompt sets
+    ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts", "dflash.torch_private"),  # the package's
+                                                 # __init__, transformers versions, chat JSON shapes, prompt
+                                                 # sets, torch's private APIs (each behind one function)
     ("dflash.models",),                          # target models: builtin targets, config readers
     ("dflash.tokenizer",),                       # the target's tokenizer, one loader for tokenize and eval
     ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
@@ -152,3 +153,32 @@ def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
 def test_the_checker_sees_a_cycle():
     graph = {"dflash.b": {"dflash.c"}, "dflash.c": {"dflash.b"}, "dflash.d": {"dflash.b"}}
     assert cycles(graph) == [["dflash.b", "dflash.c"]]
+
+
+PRIVATE_HOME = "dflash/torch_private.py"
+
+
+def private_torch_imports(path: Path) -> list[str]:
+    """The private torch modules `path` imports (a dotted part starting with "_", beyond torch._C's ops)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
+    names += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    return sorted(name for name in names if name.split(".")[0] == "torch"
+                  and any(part.startswith("_") for part in name.split(".")[1:]))
+
+
+def test_private_torch_apis_are_imported_in_one_module_only():
+    """Every private torch path the project needs is behind a function of dflash/torch_private.py, whose
+    test (tests/test_torch_private.py) fails when torch moves one."""
+    found = {str(path.relative_to(REPO)): private_torch_imports(path)
+             for root in (*ROOTS, "benchmarks", "scripts") for path in (REPO / root).rglob("*.py")}
+    found["launcher.py"] = private_torch_imports(REPO / "launcher.py")
+    assert {path: names for path, names in found.items() if names and path != PRIVATE_HOME} == {}
+    assert private_torch_imports(REPO / PRIVATE_HOME)          # the checker sees them where they are
+
+
+def test_the_private_import_checker_sees_each_form(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import torch.distributed\nfrom torch.distributed.fsdp import FSDPModule\n"
+                      "from torch._subclasses.fake_tensor import FakeTensorMode\nimport torch.testing._internal.x\n")
+    assert private_torch_imports(module) == ["torch._subclasses.fake_tensor", "torch.testing._internal.x"]

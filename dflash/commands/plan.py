@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.plan import make_plan
+    from dflash.train.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict
 
     profile = load_profile_arg(args)
@@ -58,18 +59,21 @@ def run(args: argparse.Namespace) -> int:
     checkpoints, checkpoints_json = checkpoint_figures(profile, plan, inputs.snapshot)
     restart = restart_cost(plan, profile.train, inputs.calibration.start_s if inputs.calibration else None)
     host_ram, host_ram_json = host_ram_figures(profile, plan, inputs.snapshot)
+    train = profile.train
+    stuck = plan_figures(train.stuck_floor_s, train.stuck_after_steps, train.collective_timeout_s, train.heartbeat_timeout_s)
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
                                                                   "checkpoints": checkpoints_json,
                                                                   "restart": {**asdict(restart), "line": restart.line()},
-                                                                  "host_ram_at_start": host_ram_json}}
+                                                                  "host_ram_at_start": host_ram_json,
+                                                                  "stuck_rank": stuck}}
         print(json.dumps(document, indent=2))
         return 0
     print(f"profile {profile.name}: {profile.description}")
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
-    print("\n".join(format_plan(plan, storage, [checkpoints, restart.line(), host_ram])))
+    print("\n".join(format_plan(plan, storage, [checkpoints, restart.line(), host_ram, str(stuck["line"])])))
     print(f"memory model: {source}")
     if args.trace:
         print("\n".join(traced_vs_modelled(profile)))

@@ -221,11 +221,13 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
     took. `frozen`: a model alive throughout that is no FSDP module (the frozen target): its weights
     are registered first, as "Target", so that a view of one (lm_head's transpose in the loss,
     the embedding's rows) is not taken for a new tensor of that size."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-    from torch.distributed._tools.mem_tracker import _State
     from torch.distributed.fsdp import FSDPModule
 
-    class PhaseTracker(FSDPMemTracker):
+    from dflash.torch_private import fsdp_mem_tracker
+
+    FSDPMemTracker, _FSDPRefType, _State = fsdp_mem_tracker()
+
+    class PhaseTracker(FSDPMemTracker):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__(drafter, optimizer)
             self._phase = "setup"
@@ -263,7 +265,7 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
 
             return again
 
-        def _update_peak_stats(self, peak_state: _State) -> None:
+        def _update_peak_stats(self, peak_state: Any) -> None:
             # Called after every operation. MemTracker's own (not called) walks every module it tracks to
             # keep each one's peak, and then its overall peak: the trace reads neither (each phase's peak
             # below covers the overall one), and the walk was a sixth of a trace's CPU (BENCHMARKS.md
@@ -294,9 +296,9 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
 def frozen_model_tracker() -> Any:
     """torch's plain MemTracker for a frozen model's forward (the target's): it would hook every
     parameter's gradient, which a frozen one cannot take; those hooks only name categories."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from dflash.torch_private import mem_tracker
 
-    class FrozenModelTracker(MemTracker):
+    class FrozenModelTracker(mem_tracker()):  # type: ignore[misc]
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
             trainable = all(p.requires_grad and p.is_leaf for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)

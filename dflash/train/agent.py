@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -89,30 +89,31 @@ def report_every_failed_rank() -> None:
     out-of-memory killer) and the peer that fails on the broken connection end in the same instant, and
     the report then named the peer's echo instead of the killed rank (BENCHMARKS.md "Ranks from
     torchrun's forkserver"). Added: each other rank that ended with a non-zero exit code or a signal,
-    except SIGTERM, with which the context itself stops the rest. Where torch's context lacks what this
-    reads, nothing is changed."""
+    except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
+    replacement of its private poll is dflash.torch_private's; where torch lacks it, nothing changes."""
     import signal
 
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    poll = getattr(api.MultiprocessContext, "_poll", None)
-    if poll is None or getattr(poll, "reports_every_failed_rank", False):
-        return
+    from dflash.torch_private import multiprocess_processes, wrap_multiprocess_poll
 
-    def poll_every_failure(context: api.MultiprocessContext) -> Optional[api.RunProcsResult]:
-        result = poll(context)
-        processes = getattr(getattr(context, "_pc", None), "processes", None)
-        if result is None or not result.failures or processes is None:
+    def every_failure(poll: Callable[[api.MultiprocessContext], Optional[api.RunProcsResult]]
+                      ) -> Callable[[api.MultiprocessContext], Optional[api.RunProcsResult]]:
+        def poll_every_failure(context: api.MultiprocessContext) -> Optional[api.RunProcsResult]:
+            result = poll(context)
+            processes = multiprocess_processes(context)
+            if result is None or not result.failures or processes is None:
+                return result
+            for local_rank, process in enumerate(processes):
+                if local_rank not in result.failures and process.exitcode not in (None, 0, -signal.SIGTERM):
+                    result.failures[local_rank] = ProcessFailure(local_rank, process.pid, process.exitcode,
+                                                                 context.error_files[local_rank])
             return result
-        for local_rank, process in enumerate(processes):
-            if local_rank not in result.failures and process.exitcode not in (None, 0, -signal.SIGTERM):
-                result.failures[local_rank] = ProcessFailure(local_rank, process.pid, process.exitcode,
-                                                             context.error_files[local_rank])
-        return result
 
-    setattr(poll_every_failure, "reports_every_failed_rank", True)
-    setattr(api.MultiprocessContext, "_poll", poll_every_failure)
+        return poll_every_failure
+
+    wrap_multiprocess_poll(every_failure, "reports_every_failed_rank")
 
 
 def write_agent_record(run_dir: Path, failed: ChildFailedError) -> None:

@@ -1,5 +1,5 @@
-"""Runtime side of the memory budgets: the agreed micro-batch, OOM recovery by restart, and the
-fault-injection switch. Used inside torchrun workers.
+"""Runtime side of the memory budgets: the agreed micro-batch and OOM recovery by restart. Used
+inside torchrun workers.
 
 Under FSDP2 (dflash.train.sharding) the drafter's collectives run INSIDE its forward and
 backward: an all-gather before each unit's forward (and again before its backward), a
@@ -24,111 +24,27 @@ loss of each micro-batch is divided by the GLOBAL weight of the step, the recomp
 the same gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be recovered from
 by halving: the record says so and the restart fails with what to change.
 
-Fault injection (off by default), for CPU tests and drills on real nodes:
-
-    DFLASH_INJECT_OOM="rank=1,step=3"      rank 1 raises torch.OutOfMemoryError at the first injection
-                                           point of step 3 (once; not again after a restart)
-    DFLASH_INJECT_OOM="rank=1,above=2"     rank 1 raises it in every forward with micro-batch > 2
-    DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"   ... inside the update
-    DFLASH_INJECT_OOM="rank=1,step=3,phase=sync"        ... inside the gradient reduction (FSDP2's reduce-scatter)
-    DFLASH_INJECT_OOM="rank=1,step=3,phase=backward"    ... inside a draft layer's backward
-    DFLASH_INJECT_OOM="rank=1,step=2;rank=0,step=3,phase=sync"   several, one after another
-
-`rank` may be omitted (every rank); the trainer calls `AutoBatch.inject(phase)`.
+Fault injection for drills (an OOM at a chosen step and phase) is a debugging option of its own:
+dflash.train.faults.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable
 
 from dflash.train.dist import agree_micro_batch
-from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.errors import RunFailed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Reduction = dict[str, int | str]      # one halving, as autobatch.json keeps it: step, from, to, failed_ranks, phase, at
 
-INJECT_ENV = "DFLASH_INJECT_OOM"
 RUN_STATE_NAME = "autobatch.json"
 OOM_RECORDS_DIR = "autobatch"
 OOM_EXIT_CODE = 75                    # a rank ran out of memory and recorded it: restart at a smaller micro-batch
-PHASES = ("forward", "backward", "sync", "optimizer")     # where an injected OOM can fire
-
-
-# --- fault injection ----------------------------------------------------------------------
-
-@dataclass
-class OomInjector:
-    """Raises torch.OutOfMemoryError on a chosen rank, at a step or above a micro-batch size."""
-
-    rank: int | None = None
-    step: int | None = None
-    above: int | None = None
-    phase: str = "forward"
-    fired: bool = False
-
-    def check(self, rank: int, step: int, micro_batch: int, phase: str = "forward") -> None:
-        if not self._due(rank, step, micro_batch, phase):
-            return
-        import torch
-
-        self.fired = True
-        raise torch.OutOfMemoryError(f"injected by {INJECT_ENV} (rank {rank}, step {step}, "
-                                     f"micro-batch {micro_batch}, {phase})")
-
-    def _due(self, rank: int, step: int, micro_batch: int, phase: str) -> bool:
-        if phase != self.phase or (self.rank is not None and rank != self.rank):
-            return False
-        if self.above is not None and micro_batch > self.above:
-            return True
-        return self.step is not None and step == self.step and not self.fired
-
-
-def parse_injection(text: str) -> list[OomInjector]:
-    """`rank=1,step=3` / `rank=1,above=2` / `...,phase=optimizer`, several separated by `;` ("" -> none)."""
-    return [_parse_one(part.strip(), text) for part in text.split(";") if part.strip()]
-
-
-def _parse_one(spec: str, text: str) -> OomInjector:
-    fields: dict[str, str] = {}
-    for item in spec.split(","):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("rank", "step", "above", "phase"):
-            raise ConfigError(f"{INJECT_ENV}={text!r}: {item!r} is not one of rank=N, step=N, above=N, "
-                              f"phase=forward|backward|sync|optimizer")
-        fields[key.strip()] = value.strip()
-    return _injector_from_fields(fields, text)
-
-
-def _injector_from_fields(fields: dict[str, str], text: str) -> OomInjector:
-    try:
-        numbers = {key: int(value) for key, value in fields.items() if key != "phase"}
-    except ValueError:
-        raise ConfigError(f"{INJECT_ENV}={text!r}: rank, step and above take integers") from None
-    injector = OomInjector(rank=numbers.get("rank"), step=numbers.get("step"), above=numbers.get("above"),
-                           phase=fields.get("phase", "forward"))
-    if injector.phase not in PHASES:
-        raise ConfigError(f"{INJECT_ENV}={text!r}: phase must be forward, backward, sync or optimizer")
-    if injector.step is None and injector.above is None:
-        raise ConfigError(f"{INJECT_ENV}={text!r}: say when: step=N or above=N")
-    return injector
-
-
-def injectors_from_env(environ: Mapping[str, str] | None = None,
-                       recovered: list[Reduction] | None = None) -> list[OomInjector]:
-    """The switch from the environment. A `step=` injection does not fire again once the run recovered
-    from it (autobatch.json records a reduction at that step and phase: `recovered`), so a drill
-    shows the restart resuming cleanly, and several injections can fire one after another."""
-    variables = environ if environ is not None else os.environ
-    injectors = parse_injection(variables.get(INJECT_ENV, ""))
-    done = {(r.get("step"), r.get("phase")) for r in recovered or []}
-    for injector in injectors:
-        injector.fired = (injector.step, injector.phase) in done
-    return injectors
 
 
 # --- run state (the agreed micro-batch, persisted) and OOM records -------------------------
@@ -244,20 +160,17 @@ class AutoBatch:
     Usage in a worker (after init_process_group):
 
         auto = AutoBatch.start(plan.micro_batch, run_dir, rank)   # records + persisted + agree
-        with auto.guard(step):                                    # an OOM inside -> record, exit
-            ... the step: auto.inject("forward") etc. at the injection points ...
+        with auto.guard(step, lambda: progress.phase):            # an OOM inside -> record, exit
+            ... the step ...
     """
 
     def __init__(self, micro_batch: int, rank: int, run_dir: str | Path | None = None,
-                 injectors: list[OomInjector] | None = None, log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None):
         self.micro_batch = micro_batch
         self.rank = rank
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.injectors = injectors or []
         self.log = log or (lambda line: print(line, flush=True))
         self.reductions: list[Reduction] = []
-        self.step = 0
-        self.phase = "forward"          # the last phase of the step reached (named in an OOM record)
 
     @property
     def state_path(self) -> Path | None:
@@ -265,8 +178,7 @@ class AutoBatch:
 
     @classmethod
     def start(cls, planned_micro_batch: int, run_dir: str | Path | None, rank: int,
-              group: ProcessGroup | None = None, injectors: list[OomInjector] | None = None,
-              log: Callable[[str], None] | None = None) -> "AutoBatch":
+              group: ProcessGroup | None = None, log: Callable[[str], None] | None = None) -> "AutoBatch":
         """Half of any recorded OOM's micro-batch, never above the persisted or planned one; the
         ranks agree on the smallest; rank 0 persists it with the reduction and clears the records."""
         records = read_oom_records(run_dir) if run_dir is not None else []
@@ -279,8 +191,7 @@ class AutoBatch:
         agreed = agree_micro_batch(local, group)        # every rank read the records before this collective
         reductions = (previous.reductions if previous else []) + \
             ([reduction_after(records, max(r.micro_batch for r in records))] if records else [])
-        auto = cls(agreed, rank, run_dir, injectors if injectors is not None else injectors_from_env(recovered=reductions),
-                   log)
+        auto = cls(agreed, rank, run_dir, log)
         auto.reductions = reductions
         if records:
             auto.log(f"[autobatch] restarted after an OOM on {len({r.rank for r in records})} rank(s) at step "
@@ -292,20 +203,14 @@ class AutoBatch:
                  f"agreed {auto.micro_batch}")
         return auto
 
-    def inject(self, phase: str = "forward") -> None:
-        """The step reached `phase`; the fault-injection point (raises only when DFLASH_INJECT_OOM says so)."""
-        self.phase = phase
-        for injector in self.injectors:
-            injector.check(self.rank, self.step, self.micro_batch, phase)
-
     def persist(self) -> None:
         if self.state_path is not None and self.rank == 0:
             save_run_state(self.state_path, RunState(self.micro_batch, self.reductions))
 
-    def guard(self, step: int) -> "OomGuard":
-        """Around one step: an OOM inside it is recorded and ends this rank (OomRestart)."""
-        self.step, self.phase = step, "forward"
-        return OomGuard(self)
+    def guard(self, step: int, phase: Callable[[], str]) -> "OomGuard":
+        """Around one step: an OOM inside it is recorded with the phase the step had reached (`phase()`: the
+        rank's progress mark, dflash.train.heartbeat) and ends this rank (OomRestart)."""
+        return OomGuard(self, step, phase)
 
     def record_oom(self, step: int, phase: str, error: BaseException) -> OomRecord:
         record = OomRecord(self.rank, step, self.micro_batch, phase, str(error).splitlines()[0][:300] if str(error) else "")
@@ -327,10 +232,10 @@ class OomRestart(SystemExit):
 
 class OomGuard:
     """Context manager of one step: turns torch.OutOfMemoryError into a record and OomRestart. The
-    phase it names is the last one the step reached (`AutoBatch.inject`)."""
+    phase it names is the last one the step reached."""
 
-    def __init__(self, auto: AutoBatch):
-        self.auto = auto
+    def __init__(self, auto: AutoBatch, step: int, phase: Callable[[], str]):
+        self.auto, self.step, self.phase = auto, step, phase
 
     def __enter__(self) -> "OomGuard":
         return self
@@ -340,5 +245,5 @@ class OomGuard:
 
         if error is None or not isinstance(error, torch.OutOfMemoryError):
             return
-        raise OomRestart(self.auto.record_oom(self.auto.step, self.auto.phase, error)) from None
+        raise OomRestart(self.auto.record_oom(self.step, self.phase(), error)) from None
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional, TypedDict
 
 if TYPE_CHECKING:
     from dflash.train.heartbeat import Stall
+    from dflash.train.watchdog import Stuck
 
 
 class _RankFailureBase(TypedDict):
@@ -53,17 +54,17 @@ class AgentRank(TypedDict):
 @dataclass(frozen=True)
 class RunEnd:
     """What the launcher saw of the agent: its pid and exit code, whether the launcher itself was
-    signalled (SIGTERM, Ctrl-C), and a rank it found stopped (then it ended the run)."""
+    signalled (SIGTERM, Ctrl-C), and a rank it found stopped or stuck (then it ended the run)."""
 
     agent_pid: int
     code: int
     signalled: bool = False
-    stall: Optional[Stall] = None
+    stall: Optional[Stall | Stuck] = None
 
 
 @dataclass(frozen=True)
 class FailureCause:
-    """`kind` (the manifest's `ended_by`): "rank stopped", "agent killed", "rank killed",
+    """`kind` (the manifest's `ended_by`): "rank stopped", "rank stuck", "agent killed", "rank killed",
     "rank failed", "disk full" or "unknown"; the rank to blame, when one is; the message."""
 
     kind: str
@@ -109,14 +110,16 @@ def resume_hint(run_dir: Path) -> str:
 
 def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> FailureCause:
     """The cause of a failed run (module docstring for the order)."""
+    from dflash.train.heartbeat import Stall
     from launcher_core.processes import signal_name
 
     failures, logs = run_dir / "train" / "failures", run_dir / "train" / "logs"
     hint = resume_hint(run_dir)
     if end.stall is not None:
-        return FailureCause("rank stopped", end.stall.rank, f"{end.stall.describe()}. The launcher ended the run (the "
+        kind = "rank stopped" if isinstance(end.stall, Stall) else "rank stuck"
+        return FailureCause(kind, end.stall.rank, f"{end.stall.describe()}. The launcher ended the run (the "
                             f"other ranks would have waited for it in their next collective for up to "
-                            f"train.collective_timeout_s = {collective_timeout_s:.0f} s); {hint}")
+                            f"train.collective_timeout_s = {collective_timeout_s:.0f} s); {stacks_line(failures)}{hint}")
     if end.code < 0 and not end.signalled:
         return FailureCause("agent killed", None, f"the torchrun agent (pid {end.agent_pid}) was killed by "
                             f"{signal_name(end.code)}; its ranks died with it (no process of this run is left); {hint}")
@@ -138,6 +141,20 @@ def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> Fa
         return FailureCause("rank failed", agent[0]["rank"], f"{ended}, recording no error; see the logs in {logs}; {hint}")
     return FailureCause("unknown", None, f"torchrun exited with code {end.code} and no rank recorded an error; see "
                         f"the logs in {logs}; {hint}")
+
+
+def stacks_line(failures: Path) -> str:
+    """Where the ranks' stack (and flight-recorder) dumps are, when the launcher asked for them."""
+    stacks = sorted(failures.glob("stacks-rank-*.txt"))
+    if not stacks:
+        return ""
+    line = f"every rank's Python stack: {failures}/stacks-rank-*.txt ({len(stacks)} rank(s))"
+    for folder in ("flight-recorder", "nccl-flight-recorder"):
+        dumps = sorted((failures / folder).glob("rank-*"))
+        if dumps:
+            line += (f"; the flight recorder's dumps of {len(dumps)} rank(s): `python -m "
+                     f"torch.distributed.flight_recorder.fr_trace {failures / folder} --prefix rank-`")
+    return line + "; "
 
 
 FATAL_MARK = "Fatal Python error: "       # how Python's faulthandler starts its dump

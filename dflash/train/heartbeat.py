@@ -1,54 +1,280 @@
-"""Rank heartbeats: every rank shows that its process runs; the launcher names one that stopped.
+"""Rank heartbeats: every rank shows that its process runs and how far it has got.
 
-Each rank writes `train/ranks/rank-R.json` once ({rank, pid, host, attempt}) and touches it from a
-daemon thread every `beat_interval(train.heartbeat_timeout_s)` seconds. The thread keeps beating
-while the rank computes or waits in a collective (both release the GIL); it stops only when the
-process does: SIGSTOP, a debugger, a kill. The launcher (`find_stall`) reads the files of its own
-node every second: a rank whose process still exists but whose file is older than
-`train.heartbeat_timeout_s` has stopped, and the launcher ends the run naming that rank, where the
-others would otherwise wait in their next collective for the process group's timeout
-(`train.collective_timeout_s`).
+Each rank keeps `train/ranks/rank-R.json` ({rank, pid, host, attempt} and its progress) and rewrites it
+from a daemon thread every `beat_interval(train.heartbeat_timeout_s)` seconds. Two things are in it:
 
-The files also tell the launcher which processes are the run's ranks (`rank_records`), so it
-can make sure none outlives the run. The thread is also the ranks' last guard against outliving
-their launcher: when the launcher's pid (`LAUNCHER_PID_ENV`) has been gone for `ORPHAN_GRACE_S`,
-the rank kills itself (the agent normally stops it first: dflash.train.agent).
+* liveness: the file's age. The thread beats while the rank computes or waits in a collective (both
+  release the GIL); it stops only when the process does (SIGSTOP, a debugger, a kill). The launcher
+  (`find_stall`) names a rank whose process exists but whose file is older than
+  `train.heartbeat_timeout_s`;
+* progress (`RankProgress`): the step and phase the main thread last entered (start, data, forward,
+  backward, reduction, update, validation, save) and since when, how long its steps take, how many
+  collectives it has entered on each process group (torch's flight recorder, which the launcher turns
+  on for every rank), and the collective its main thread waits in, if any (read from its Python stack).
+  A rank that lives but stops making progress (a hung collective, a deadlocked loader, a kernel that
+  never returns) is named from these by the launcher (dflash.train.watchdog), well before the process
+  group's own timeout (`train.collective_timeout_s`).
+
+Asked by the launcher, a rank writes every thread's Python stack (faulthandler, armed on STACKS_SIGNAL: it
+runs even while the main thread holds the GIL in C code) and, from its heartbeat thread (`DUMP_REQUEST` in
+the ranks' folder), the flight recorder's dump into `train/failures/flight-recorder/`.
+
+The files also tell the launcher which processes are the run's ranks (`rank_records`), so it can make
+sure none outlives the run. The thread is also the ranks' last guard against outliving their launcher:
+when the launcher's pid (`LAUNCHER_PID_ENV`) has been gone for `ORPHAN_GRACE_S`, the rank kills itself
+(the agent normally stops it first: dflash.train.agent).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import pickle
 import signal
 import socket
+import statistics
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from types import FrameType
+from typing import Any, Callable, Optional, TextIO
 
 RANKS_DIR = "ranks"
 LAUNCHER_PID_ENV = "DFLASH_LAUNCHER_PID"
 ORPHAN_GRACE_S = 10.0
+DUMP_REQUEST = "dump-request"           # the launcher's request for stacks and flight-recorder dumps
+STEP_PHASES = ("data", "forward", "backward", "reduction", "update")   # bounded by the measured step time
+PHASES = ("start", *STEP_PHASES, "validation", "save")
+STEP_TIMES_KEPT = 16
+DUMP_POLL_S = 0.5
+MARK_WRITE_S = 0.05                    # the least time between two records written for marks
+STACKS_SIGNAL = signal.SIGUSR1         # every thread's Python stack into the rank's stacks file (faulthandler)
+PhaseListener = Callable[[str, int], None]
 
 
-def beat_interval(timeout_s: float) -> float:
-    """How often a rank beats: several beats per timeout, at most every 5 s, at least every 0.2 s."""
-    return max(0.2, min(5.0, timeout_s / 6.0))
+def beat_interval(timeout_s: float, stuck_floor_s: Optional[float] = None) -> float:
+    """How often a rank beats: several beats per timeout (and per the shortest stuck bound, so the
+    launcher's view of a rank's progress is never far behind it), at most every 5 s, at least every 0.2 s."""
+    shortest = min(timeout_s / 6.0, stuck_floor_s / 4.0 if stuck_floor_s else timeout_s)
+    return max(0.2, min(5.0, shortest))
 
 
 def ranks_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "train" / RANKS_DIR
 
 
+def failures_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "train" / "failures"
+
+
+FLIGHT_RECORDER_PREFIX = "rank-"     # torch's fr_trace reads the rank from what follows the prefix
+
+
+def flight_recorder_dir(run_dir: Path) -> Path:
+    """The flight recorder's dumps the launcher asked for: `fr_trace DIR --prefix rank-` reads them."""
+    return failures_dir(run_dir) / "flight-recorder"
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where a rank's faulthandler writes every thread's stack at STACKS_SIGNAL (the launcher copies it
+    into train/failures/ when it asked for it)."""
+    return ranks_dir(run_dir) / f"rank-{rank}.stacks"
+
+
+class RankProgress:
+    """Where the rank's main thread is: `enter(phase, step)` at each phase of the step (dflash.train.step,
+    the worker's loop). Plain attribute writes: the heartbeat thread reads them without a lock (one
+    tuple, replaced whole). `listeners` (none in a plain run) are called at every phase: the fault
+    injection of tests and drills (dflash.train.faults)."""
+
+    def __init__(self) -> None:
+        self.current: tuple[int, str, float] = (0, "start", time.time())     # step, phase, since (epoch s)
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self.longest: dict[str, float] = {}          # the longest time spent in each phase so far
+        self.listeners: list[PhaseListener] = []
+        self.changed = threading.Event()             # set at every mark: the heartbeat thread writes it promptly
+        self._step_began: Optional[float] = None
+
+    @property
+    def phase(self) -> str:
+        return self.current[1]
+
+    @property
+    def step(self) -> int:
+        return self.current[0]
+
+    def enter(self, phase: str, step: Optional[int] = None) -> None:
+        now = time.time()
+        old_step, old_phase, since = self.current
+        self.longest[old_phase] = max(self.longest.get(old_phase, 0.0), now - since)
+        if step is not None and step != old_step:
+            if self._step_began is not None:
+                self.step_times.append(now - self._step_began)
+            self._step_began = now
+        self.current = (old_step if step is None else step, phase, now)
+        self.changed.set()
+        for listener in self.listeners:
+            listener(phase, self.current[0])
+
+    def step_s(self) -> Optional[float]:
+        """The median of the last steps' durations (None before one has ended)."""
+        return statistics.median(self.step_times) if self.step_times else None
+
+
+class RankHeartbeat:
+    """A rank's heartbeat thread (daemon); `start()` writes the record and begins beating."""
+
+    def __init__(self, run_dir: Path, rank: int, timeout_s: float, launcher_pid: Optional[int] = None,
+                 stuck_floor_s: Optional[float] = None):
+        self.run_dir, self.path = Path(run_dir), ranks_dir(run_dir) / f"rank-{rank}.json"
+        self.rank, self.interval, self.launcher_pid = rank, beat_interval(timeout_s, stuck_floor_s), launcher_pid
+        self.progress = RankProgress()
+        self.identity = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+                         "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        self._main = threading.main_thread().ident
+        self._dumped_for = 0.0
+        self._stacks: Optional[TextIO] = None
+        self._thread = threading.Thread(target=self._beat, name="rank-heartbeat", daemon=True)
+
+    @classmethod
+    def from_env(cls, run_dir: Path, rank: int, timeout_s: float, stuck_floor_s: Optional[float] = None) -> "RankHeartbeat":
+        pid = os.environ.get(LAUNCHER_PID_ENV, "")
+        return cls(run_dir, rank, timeout_s, int(pid) if pid.isdigit() else None, stuck_floor_s)
+
+    def start(self) -> "RankHeartbeat":
+        """Write the record, arm the stack dump (STACKS_SIGNAL) and begin beating."""
+        self.write()
+        self._stacks = stacks_path(self.run_dir, self.rank).open("w", encoding="utf-8")
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True)
+        self._thread.start()
+        return self
+
+    def record(self) -> dict[str, Any]:
+        """The file's content now (the identity, then the progress)."""
+        step, phase, since = self.progress.current
+        record: dict[str, Any] = {**self.identity, "step": step, "phase": phase, "since": since,
+                                  "beat": time.time(), "interval": self.interval, "step_s": self.progress.step_s(),
+                                  "longest": dict(self.progress.longest), "waiting": waiting_in(self._main_frame())}
+        record.update(collectives_entered(flight_recorder_entries()))
+        return record
+
+    def write(self) -> None:
+        try:
+            write_quietly(self.path, json.dumps(self.record()).encode())
+        except OSError:
+            pass                     # a full or vanished directory: the launcher sees a stale beat
+
+    def _main_frame(self) -> Optional[FrameType]:
+        return sys._current_frames().get(self._main) if self._main is not None else None
+
+    def _beat(self) -> None:
+        """Write the record at every progress mark (at most every MARK_WRITE_S) and every `interval`;
+        answer the launcher's dump request within DUMP_POLL_S."""
+        from launcher_core.processes import process_alive
+
+        gone_since: Optional[float] = None
+        next_beat = 0.0
+        while True:
+            marked = self.progress.changed.wait(timeout=min(DUMP_POLL_S, self.interval))
+            if marked or time.monotonic() >= next_beat:
+                self.progress.changed.clear()
+                self.write()
+                next_beat = time.monotonic() + self.interval
+                time.sleep(MARK_WRITE_S)
+            if self.launcher_pid is not None and not process_alive(self.launcher_pid):
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since >= ORPHAN_GRACE_S:
+                    os.kill(os.getpid(), signal.SIGKILL)       # never train on without a launcher
+            self._answer_dump_request()
+
+    def _answer_dump_request(self) -> None:
+        """The launcher asked for dumps (a newer request than the last answered): stacks, flight recorder."""
+        try:
+            asked = (ranks_dir(self.run_dir) / DUMP_REQUEST).stat().st_mtime
+        except OSError:
+            return
+        if asked <= self._dumped_for:
+            return
+        self._dumped_for = asked
+        raw = flight_recorder_raw()
+        if raw:
+            write_quietly(flight_recorder_dir(self.run_dir) / f"{FLIGHT_RECORDER_PREFIX}{self.rank}", raw)
+
+
+def write_quietly(path: Path, data: bytes) -> None:
+    """Temp file, then rename (no fsync: the files of live state are rewritten every beat)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)
+
+
+# The frames a rank's main thread waits in when it is inside a collective: torch's c10d entry points
+# (all_reduce, reduce_scatter_tensor, barrier, broadcast_object_list, ...), and a wait on one's handle
+# (FSDP2 waits for its all-gathers and reductions in functions named wait_*).
+C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
+
+
+def waiting_in(frame: Optional[FrameType]) -> str:
+    """The collective the innermost frames of a stack wait in ("" when none)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(C10D_FILE):
+            return code.co_name
+        if TORCH_DISTRIBUTED in code.co_filename and code.co_name.startswith("wait"):
+            return code.co_name
+        if TORCH_DISTRIBUTED not in code.co_filename and "torch" + os.sep not in code.co_filename:
+            return ""                # the project's own code: not inside a collective
+        frame = frame.f_back
+    return ""
+
+
+def flight_recorder_raw() -> Optional[bytes]:
+    from dflash.torch_private import flight_recorder_dump
+
+    return flight_recorder_dump() if "torch" in sys.modules else None
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    raw = flight_recorder_raw()
+    if not raw:
+        return []
+    try:
+        return list(pickle.loads(raw).get("entries") or [])
+    except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError):
+        return []
+
+
+def collectives_entered(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """{"collectives": {process group: the highest collective sequence number entered}, "last_collective":
+    the newest entry's name and state} from the flight recorder's entries (empty without any)."""
+    if not entries:
+        return {}
+    entered: dict[str, int] = {}
+    for entry in entries:
+        if entry.get("is_p2p"):
+            continue
+        group = str(entry.get("pg_id", ""))
+        entered[group] = max(entered.get(group, 0), int(entry.get("collective_seq_id") or 0))
+    newest = max(entries, key=lambda e: int(e.get("record_id") or 0))
+    return {"collectives": entered,
+            "last_collective": f"{newest.get('profiling_name', '?')} ({newest.get('state', '?')})"}
+
+
 @dataclass(frozen=True)
 class RankRecord:
-    """train/ranks/rank-R.json: which process is rank R (and on which host)."""
+    """train/ranks/rank-R.json: which process is rank R (and on which host), and its last progress."""
 
     rank: int
     pid: int
     host: str
     attempt: int
     path: Path
+    progress: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def last_beat(self) -> Optional[float]:
         try:
@@ -56,42 +282,19 @@ class RankRecord:
         except OSError:
             return None
 
+    @property
+    def phase(self) -> str:
+        return str(self.progress.get("phase", "start"))
 
-class RankHeartbeat:
-    """A rank's heartbeat thread (daemon); `start()` writes the record and begins beating."""
+    @property
+    def step(self) -> int:
+        return int(self.progress.get("step", 0) or 0)
 
-    def __init__(self, run_dir: Path, rank: int, timeout_s: float, launcher_pid: Optional[int] = None):
-        self.path = ranks_dir(run_dir) / f"rank-{rank}.json"
-        self.rank, self.interval, self.launcher_pid = rank, beat_interval(timeout_s), launcher_pid
-        self._thread = threading.Thread(target=self._beat, name="rank-heartbeat", daemon=True)
-
-    @classmethod
-    def from_env(cls, run_dir: Path, rank: int, timeout_s: float) -> "RankHeartbeat":
-        pid = os.environ.get(LAUNCHER_PID_ENV, "")
-        return cls(run_dir, rank, timeout_s, int(pid) if pid.isdigit() else None)
-
-    def start(self) -> "RankHeartbeat":
-        from launcher_core.fileio import write_json_atomic
-
-        write_json_atomic(self.path, {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                                      "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
-        self._thread.start()
-        return self
-
-    def _beat(self) -> None:
-        from launcher_core.processes import process_alive
-
-        gone_since: Optional[float] = None
-        while True:
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass                     # a full or vanished directory: the launcher sees a stale beat
-            if self.launcher_pid is not None and not process_alive(self.launcher_pid):
-                gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since >= ORPHAN_GRACE_S:
-                    os.kill(os.getpid(), signal.SIGKILL)       # never train on without a launcher
-            time.sleep(self.interval)
+    def where(self) -> str:
+        """"its backward at step 3" / "its start (before the first step)"."""
+        if self.phase == "start":
+            return "its start (before its first step)"
+        return f"its {self.phase} at step {self.step}"
 
 
 def rank_records(run_dir: Path, host: Optional[str] = None) -> list[RankRecord]:
@@ -101,7 +304,7 @@ def rank_records(run_dir: Path, host: Optional[str] = None) -> list[RankRecord]:
         try:
             document = json.loads(path.read_text(encoding="utf-8"))
             record = RankRecord(int(document["rank"]), int(document["pid"]), str(document["host"]),
-                                int(document.get("attempt", 0)), path)
+                                int(document.get("attempt", 0)), path, document)
         except (OSError, ValueError, TypeError, KeyError):
             continue
         if host is None or record.host == host:
@@ -117,13 +320,15 @@ class Stall:
     pid: int
     silent_s: float
     state: str                  # psutil's status of the process: "stopped", "running", "disk-sleep", ...
+    where: str = "an unknown phase"
 
     def describe(self) -> str:
         why = {"stopped": "its process is stopped (SIGSTOP, Ctrl-Z or a debugger holds it)",
                "tracing-stop": "its process is held by a debugger",
                "disk-sleep": "its process is stuck in the kernel (waiting on a disk or a driver)"}.get(
             self.state, f"its process is {self.state} but its heartbeat thread has not run")
-        return f"rank {self.rank} (pid {self.pid}) stopped responding: no heartbeat for {self.silent_s:.0f} s; {why}"
+        return (f"rank {self.rank} (pid {self.pid}) stopped responding in {self.where}: no heartbeat for "
+                f"{self.silent_s:.0f} s; {why}")
 
 
 def process_state(pid: int) -> Optional[str]:
@@ -144,7 +349,7 @@ def find_stall(run_dir: Path, timeout_s: float, now: Optional[float] = None) -> 
         beat = record.last_beat()
         state = process_state(record.pid)
         if beat is not None and state is not None and now - beat > timeout_s:
-            return Stall(record.rank, record.pid, now - beat, state)
+            return Stall(record.rank, record.pid, now - beat, state, record.where())
     return None
 
 

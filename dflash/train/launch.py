@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.plan import Plan
     from dflash.train.heartbeat import Stall
+    from dflash.train.watchdog import Stuck, StuckBound
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     if resume:
         argv.append("--resume")
     single_node = {} if machine.nnodes > 1 else single_node_env(store)
-    return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})})
+    return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})}, paths)
 
 
 # Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the preload
@@ -121,7 +122,7 @@ def _rendezvous_args(profile: Profile, store: str) -> list[str]:
 
 
 def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
-                extra_env: Mapping[str, str] | None) -> dict[str, str]:
+                extra_env: Mapping[str, str] | None, paths: TrainPaths) -> dict[str, str]:
     env = dict(os.environ if base_env is None else base_env)
     python_path = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update({"PYTHONPATH": os.pathsep.join(dict.fromkeys(python_path)), "HF_HUB_OFFLINE": "1",
@@ -130,9 +131,27 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
     # a rank killed by a fatal signal of its own (SIGABRT from C++ `terminate`, SIGSEGV) writes every
     # thread's Python stack into its log first; dflash.train.failures names it (fatal_dumps)
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    env.update(flight_recorder_env(profile, paths, env))
     env.update(extra_env or {})
     apply_allocator_env(rank_allocator(profile, env), env)
     return env
+
+
+FLIGHT_RECORDER_ENTRIES = 2000      # torch's recommended buffer: the last collectives of every process group
+
+
+def flight_recorder_env(profile: Profile, paths: TrainPaths, env: Mapping[str, str]) -> dict[str, str]:
+    """torch's flight recorder on every rank (a user's own settings kept): the ranks' heartbeats count the
+    collectives each has entered from it (dflash.train.watchdog). On CUDA, NCCL's watchdog also dumps it at a
+    collective's timeout into train/failures/nccl-flight-recorder/rank-R (fr_trace reads that folder). Both variable names: torch 2.9
+    reads TORCH_NCCL_*, later releases TORCH_FR_* first."""
+    entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(FLIGHT_RECORDER_ENTRIES)
+    settings = {"TORCH_FR_BUFFER_SIZE": entries, "TORCH_NCCL_TRACE_BUFFER_SIZE": entries}
+    if profile.machine.device == "cuda":
+        dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or str(paths.failures / "nccl-flight-recorder" / "rank-")
+        settings.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                         "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump})
+    return settings
 
 
 def rank_allocator(profile: Profile, env: Mapping[str, str]) -> AllocatorSetting:
@@ -258,7 +277,7 @@ def _run_torchrun(profile: Profile, paths: TrainPaths, lock_fd: int, *, resume: 
                   flush=True)
         update_stage(paths.run_dir, "train", "running", resumed=resume, launcher_pid=os.getpid())
         with ProgressBar(paths.train_dir):
-            return run_agent(argv, env, paths, lock_fd, profile.train.heartbeat_timeout_s)
+            return run_agent(argv, env, paths, lock_fd, profile.train.heartbeat_timeout_s, stuck_bound(profile))
 
 
 def oom_restart_limit(profile: Profile) -> int:
@@ -314,19 +333,26 @@ WATCH_S = 1.0             # how often the launcher looks at the ranks' heartbeat
 STRAGGLER_GRACE_S = 5.0   # after the agent exits, how long its ranks may take to go before they are killed
 
 
+def stuck_bound(profile: Profile) -> StuckBound:
+    """train.stuck_after_steps x the measured step time, at least train.stuck_floor_s (dflash.train.watchdog)."""
+    from dflash.train.watchdog import StuckBound
+
+    return StuckBound(profile.train.stuck_floor_s, profile.train.stuck_after_steps)
+
+
 def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
-              heartbeat_timeout_s: float) -> RunEnd:
+              heartbeat_timeout_s: float, stuck: StuckBound | None = None) -> RunEnd:
     """Run the torchrun agent (dflash.train.agent) tied to this process: it holds the read end of a
     pipe only we can write (its end of file: we are gone) and the run directory's lock. A SIGTERM
     to us goes to the agent (which passes it to the ranks: they save and stop); a rank that stops
-    beating ends the run. When the agent has exited, no rank may outlive it. They share a temporary
+    beating, or that holds the others past `stuck` (dflash.train.watchdog), ends the run. When the agent has exited, no rank may outlive it. They share a temporary
     folder of their own (TMPDIR, `child_tempdir`), removed once they have all ended (end_stragglers)."""
     with child_tempdir("train") as folder:
-        return _run_agent_in(argv, {**env, **child_tempdir_env(folder)}, paths, lock_fd, heartbeat_timeout_s)
+        return _run_agent_in(argv, {**env, **child_tempdir_env(folder)}, paths, lock_fd, heartbeat_timeout_s, stuck)
 
 
 def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
-                  heartbeat_timeout_s: float) -> RunEnd:
+                  heartbeat_timeout_s: float, stuck: StuckBound | None) -> RunEnd:
     from dflash.train.agent import PIPE_FD_ENV, RUN_DIR_ENV
     from dflash.train.heartbeat import LAUNCHER_PID_ENV
 
@@ -343,9 +369,9 @@ def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_
         process.send_signal(signum)
 
     previous = signal.signal(signal.SIGTERM, forward)
-    stall = None
+    stall: Stall | Stuck | None = None
     try:
-        code, stall = _wait_watching(process, paths.run_dir, heartbeat_timeout_s)
+        code, stall = _wait_watching(process, paths.run_dir, heartbeat_timeout_s, stuck)
     except KeyboardInterrupt:
         process.send_signal(signal.SIGINT)
         code = process.wait()
@@ -357,20 +383,26 @@ def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_
     return RunEnd(process.pid, code, bool(received), stall)
 
 
-def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float) -> tuple[int, Stall | None]:
-    """Wait for the agent; a rank that stops beating for `timeout_s` ends the run (agent and ranks killed)."""
+def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float,
+                   stuck: StuckBound | None) -> tuple[int, Stall | Stuck | None]:
+    """Wait for the agent; a rank that stops beating for `timeout_s`, or holds the others past `stuck`,
+    ends the run: every rank's stacks are dumped into train/failures/, then the agent and ranks are killed."""
     from dflash.train.heartbeat import find_stall
+    from dflash.train.watchdog import find_stuck, request_dumps
 
     while True:
         try:
             return process.wait(timeout=WATCH_S), None
         except subprocess.TimeoutExpired:
             pass
-        stall = find_stall(run_dir, timeout_s)
-        if stall is not None:
+        found: Stall | Stuck | None = find_stall(run_dir, timeout_s)
+        if found is None and stuck is not None:
+            found = find_stuck(run_dir, stuck)
+        if found is not None:
+            request_dumps(run_dir)
             process.kill()             # first the agent (no restart), its ranks die with it
             end_stragglers(run_dir, grace_s=0.0)
-            return process.wait(), stall
+            return process.wait(), found
 
 
 def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[int]:

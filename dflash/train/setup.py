@@ -22,6 +22,7 @@ from dflash.drafter.loss import SelectorObjective
 from dflash.drafter.model import DFlashDrafter, InitValue, LayerAttendsFactory
 from dflash.train.data import StepData, TrainData
 from dflash.train.dist import WorkerEnv
+from dflash.train.heartbeat import RankProgress
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class TrainState:
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)
     selector: SelectorObjective = field(default_factory=SelectorObjective)   # DFlash 2: train.selector_* (dflash.drafter.loss)
+    progress: RankProgress = field(default_factory=RankProgress)   # the phase marks the heartbeat reports
 
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
@@ -260,12 +262,9 @@ def choose_draft_vocab(profile: Profile, data: StepData, env: WorkerEnv) -> list
 def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
     """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
     from dflash.train.autobatch import AutoBatch
-    from dflash.train.sharding import observe_reductions
 
     log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
-    auto = AutoBatch.start(state.micro_batch, run_dir, state.env.rank, log=log)
-    observe_reductions(state.drafter, lambda: auto.inject("sync"), lambda: setattr(auto, "phase", "backward"))
-    return auto
+    return AutoBatch.start(state.micro_batch, run_dir, state.env.rank, log=log)
 
 
 def dataset_path(profile: Profile) -> Path:

@@ -100,11 +100,11 @@ def observe_reductions(drafter: nn.Module, starting: Callable[[], None], finishe
     reduce-scatter) and `finished` after it, every unit of `drafter`. FSDP2's own reduce-scatter
     runs in between: the observer only subclasses its default communication (`set_custom_reduce_scatter`)
     and uses its all-reduce hook, which FSDP2 calls after the reduce-scatter. Used for the OOM
-    record's phase and fault injection (`sync`, dflash.train.autobatch) and the memory trace's
+    record's phase and fault injection (`sync`, dflash.train.faults) and the memory trace's
     "gradient reduction" phase (dflash.train.trace)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from dflash.torch_private import fsdp_default_reduce_scatter
 
-    class ObservedReduceScatter(DefaultReduceScatter):
+    class ObservedReduceScatter(fsdp_default_reduce_scatter()):  # type: ignore[misc]
         def allocate(self, size: object, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             starting()
             return super().allocate(size, dtype=dtype, device=device)  # type: ignore[arg-type]

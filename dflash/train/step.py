@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -27,8 +26,6 @@ from dflash.train.data import MicroBatch
 if TYPE_CHECKING:
     from dflash.memory.plan import BatchPlan
     from dflash.train.setup import TrainState
-
-FAIL_RANK_ENV = "DFLASH_FAIL_RANK"       # fault injection for tests: "RANK:STEP" raises on that rank
 
 
 @dataclass
@@ -66,9 +63,6 @@ def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
     with autocast_context(state.device, state.autocast):
         hidden = forward_blocks(state.drafter, batch.input_ids, batch.anchors, features, state.backend,
                                 state.layer_attends)
-        if state.autobatch is not None and hidden.requires_grad:     # the backward's phase (and injection point)
-            autobatch = state.autobatch
-            hidden.register_hook(lambda grad: autobatch.inject("backward"))
         anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
         parts = drafter_loss(state.drafter, hidden, step_targets(state.drafter, batch), anchor_ids, state.decay,
                              state.chunk_rows, state.selector)
@@ -113,15 +107,22 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     in clipping; the update is local (AdamW on this rank's shards). With `state.autobatch`, an
     out-of-memory error anywhere in the step is recorded and ends this rank for a restart of every
     rank at half the micro-batch (dflash.train.autobatch: recovery by restart).
+
+    Each phase is marked on `state.progress` as it starts (data, reduction, forward, backward, update),
+    which the rank's heartbeat reports (dflash.train.heartbeat); nothing else is installed in the step.
     """
     started = time.perf_counter()
+    progress = state.progress
+    progress.enter("data", state.step + 1)
     local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
+    progress.enter("reduction")
     global_weight = max(dist.global_weight(local_weight), 1e-12)
     micro_batch = state.autobatch.micro_batch if state.autobatch is not None else plan.micro_batch
-    guard = state.autobatch.guard(state.step + 1) if state.autobatch is not None else contextlib.nullcontext()
+    guard = (state.autobatch.guard(state.step + 1, lambda: progress.phase) if state.autobatch is not None
+             else contextlib.nullcontext())
+    state.micro_batch = micro_batch
     with guard:
         sums, tokens = plain_step(state, rows, epoch, micro_batch, global_weight)
-    state.micro_batch = micro_batch
     return step_stats(state, sums, tokens, time.perf_counter() - started)
 
 
@@ -141,14 +142,14 @@ def accumulate_step(state: TrainState, rows: list[int], epoch: int, micro_batch:
                     global_weight: float) -> tuple[torch.Tensor, int]:
     """Fresh gradients from every micro-batch of `rows` -> (loss sums, tokens)."""
     state.optimizer.zero_grad(set_to_none=True)
+    state.progress.enter("data")
     batches = [state.data.collate(rows[i:i + micro_batch], epoch) for i in range(0, len(rows), micro_batch)]
     return accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
 
 
 def update(state: TrainState) -> None:
     """Clip (the norm over every rank's shards: one all-reduce) and step AdamW and the schedule."""
-    if state.autobatch is not None:
-        state.autobatch.inject("optimizer")
+    state.progress.enter("update")
     torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
     state.optimizer.step()
     state.scheduler.step()
@@ -165,9 +166,9 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
         set_gradient_sync(state.drafter, last or state.gradient_sync == "every_micro_batch")
-        if state.autobatch is not None:
-            state.autobatch.inject("forward")
+        state.progress.enter("forward")
         parts = forward_micro(state, batch)
+        state.progress.enter("backward")           # FSDP2's gradient reduce-scatter runs inside it
         (parts.weighted_ce / global_weight).backward()
         totals += parts.figure_sums()
     return totals
@@ -175,6 +176,7 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
 
 def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_seconds: float) -> StepStats:
     slots = state.drafter.block_size - 1
+    state.progress.enter("reduction")
     reduced = dist.all_reduce_tensor(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]))
     acc = per_slot_accuracy(reduced[2:2 + slots], reduced[2 + slots:2 + 2 * slots])
     weight = float(reduced[1])
@@ -182,12 +184,3 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
                      sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
                      tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds,
                      selector=read_selector_stats(reduced[:-1], state.drafter.block_size))
-
-
-def maybe_inject_failure(rank: int, step: int) -> None:
-    """Fault injection (tests, docs/train.md): DFLASH_FAIL_RANK=RANK:STEP raises on that rank;
-    RANK:STEP:ATTEMPT only in that torchrun attempt (TORCHELASTIC_RESTART_COUNT), so a restart runs through."""
-    spec = os.environ.get(FAIL_RANK_ENV, "")
-    here = [str(rank), str(step), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
-    if spec and spec.split(":") in (here[:2], here):
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} ({FAIL_RANK_ENV}={spec})")

@@ -1,7 +1,7 @@
 """One training step of the trainer's own code, traced on fake tensors at the profile's world size.
 
 Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` and torch's fake process
-group (`init_process_group("fake", store=FakeStore(), rank=r, world_size=N)`, as torchtitan's
+group (`init_process_group("fake", store=HashStore(), rank=r, world_size=N)`, as torchtitan's
 memory estimation runs it; its device mesh is made before fake mode), and torch's
 `FSDPMemTracker` (dflash.memory.trace.phase_tracker) counts every storage created, by category
 (sharded and unsharded parameters and gradients, all-gather and reduce-scatter buffers,
@@ -101,11 +101,12 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
     before any FakeTensorMode (FSDP2 shards the drafter over it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dflash.torch_private import register_fake_backend
 
     if dist.is_initialized():
         raise RuntimeError("the memory trace needs its own (fake) process group; one is already initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group(register_fake_backend(), store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
@@ -116,9 +117,8 @@ def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig |
                world_size: int | None = None) -> fake.TracedStep:
     """One training step of `profile` at `micro_batch` sequences per forward, traced on fake tensors
     on rank 0 (the fullest shards: FSDP2 gives rank 0 the first, largest chunk of every tensor)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dflash.memory.plan import batch_plan, world_size_of
+    from dflash.torch_private import fake_tensor_mode
 
     started = time.perf_counter()
     config = config if config is not None else fake.target_config(profile)
@@ -128,7 +128,7 @@ def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig |
     rows = list(range(min(plan.rank_share, 2 * plan.micro_batch)))      # two micro-batches stand for all
     data = WorstCaseData(profile, config.vocab_size)
     data.prepare({len(rows[i:i + plan.micro_batch]) for i in range(0, len(rows), plan.micro_batch)})
-    with fake_process_group(world) as mesh, FakeTensorMode(allow_non_fake_inputs=True), KeepEveryRow():
+    with fake_process_group(world) as mesh, fake_tensor_mode()(allow_non_fake_inputs=True), KeepEveryRow():
         state = traced_state(profile, config, data, world, mesh)
         figures, tracker = _traced(state, profile, workload, rows, plan.micro_batch, full_target)
     peak = tracker.peak_by_category("micro-batches")       # the moment the model breaks down by category

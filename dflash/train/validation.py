@@ -143,6 +143,7 @@ class Validation:
         """The held-out figures when a measurement is due after this step (every rank runs it), else None."""
         if not self.due(state.step, state.total_steps):
             return None
+        state.progress.enter("validation")
         result = measure(state, self.data, self.rows)
         self.last = result
         if self.log is not None:

@@ -191,7 +191,8 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
     from launcher_core.profile import profile_from_json
 
     profile = profile_from_json(args.profile_json)
-    RankHeartbeat.from_env(args.run_dir, env.rank, profile.train.heartbeat_timeout_s).start()
+    heartbeat = RankHeartbeat.from_env(args.run_dir, env.rank, profile.train.heartbeat_timeout_s,
+                                       profile.train.stuck_floor_s).start()
     device = rank_device(profile.machine.device, env)
     init_process_group(profile.machine.backend, device, timeout_s=profile.train.collective_timeout_s)
     stop = StopFlag.install()
@@ -200,11 +201,24 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
         state = build_state(profile, args.run_dir, env, resume=args.resume,
                             planned_micro_batch=start.micro_batch if start else None)
         state.predicted_peak_mib = start.predicted_peak_mib if start else None
+        state.progress = heartbeat.progress
+        install_fault_injection(state)
         train_loop(state, profile, args.run_dir, stop)
         barrier()      # ranks leave together: a rank tearing gloo down while a peer still writes aborts it
     finally:
         close_process_group()
     return 0
+
+
+def install_fault_injection(state: TrainState) -> None:
+    """The debugging option of tests and drills (dflash.train.faults: DFLASH_INJECT_OOM, DFLASH_INJECT_STALL,
+    DFLASH_FAIL_RANK), read once here; a plain run has none, and nothing is installed."""
+    from dflash.train.faults import FaultInjection
+
+    recovered = state.autobatch.reductions if state.autobatch is not None else []
+    faults = FaultInjection.from_env(state.env.rank, recovered=recovered)
+    if faults is not None:
+        faults.install(state.progress, state.drafter, lambda: state.micro_batch)
 
 
 def apply_rank_plan(run_dir: Path, env: WorkerEnv, device: torch.device) -> RankStart | None:
@@ -246,7 +260,7 @@ class StopFlag:
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
     from dflash.train.dist import gather_memory_mib
-    from dflash.train.step import maybe_inject_failure, run_next_step
+    from dflash.train.step import run_next_step
     from dflash.train.validation import start_validation
 
     total = state.total_steps
@@ -255,10 +269,10 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
     saves = CheckpointSaves(state, profile, run_dir, validation)
     try:
         while state.step < total:
-            maybe_inject_failure(state.env.rank, state.step + 1)
             stats, epoch = run_next_step(state)
             saves.poll()
             held_out = validation.after_step(state) if validation else None     # every rank, when due
+            state.progress.enter("reduction")
             if state.step % max(1, profile.train.log_every_steps) == 0 or state.step == total:
                 state.mem_mib = gather_memory_mib(state.device)
             if log:
@@ -313,6 +327,7 @@ class CheckpointSaves:
         from dflash.train.checkpointing import save_training_checkpoint
 
         self.last_save = time.monotonic()
+        self.state.progress.enter("save")
         self.state.optimizer.zero_grad(set_to_none=True)     # no gradients held while the shards are copied
         if self.writer is not None:
             self._placed(self.writer.wait(self.state))

@@ -41,10 +41,10 @@ def test_an_empty_variable_is_dropped_for_the_ranks_and_for_the_calibration(monk
     the ranks' environment and the calibrating process (dflash.train.calibration.apply_allocator_setting)
     both drop it, so torch runs with the expandable segments the calibration records."""
     from dflash.train.calibration import apply_allocator_setting
-    from dflash.train.launch import _worker_env
+    from dflash.train.launch import TrainPaths, _worker_env
 
     assert torch_reads({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == ""
-    ranks = _worker_env(_profile(), {"PYTORCH_CUDA_ALLOC_CONF": ""}, None)
+    ranks = _worker_env(_profile(), {"PYTORCH_CUDA_ALLOC_CONF": ""}, None, TrainPaths(Path("run")))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in ranks and torch_reads(ranks) == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)

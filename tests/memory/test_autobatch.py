@@ -14,47 +14,10 @@ from pathlib import Path
 import pytest
 
 from dflash.train import autobatch
-from launcher_core.errors import ConfigError, RunFailed
+from dflash.train.faults import INJECT_ENV
+from launcher_core.errors import RunFailed
 
 HERE = Path(__file__).resolve().parent
-
-
-# --- fault-injection switch ---------------------------------------------------------------
-
-def test_injection_switch_is_off_by_default_and_parses_its_forms():
-    assert autobatch.injectors_from_env({}) == []
-    assert autobatch.parse_injection("rank=1,step=3") == [autobatch.OomInjector(rank=1, step=3)]
-    assert autobatch.parse_injection("above=2, phase=backward") == [autobatch.OomInjector(above=2, phase="backward")]
-    assert autobatch.parse_injection("rank=1,step=2;rank=0,step=3,phase=sync") == \
-        [autobatch.OomInjector(rank=1, step=2), autobatch.OomInjector(rank=0, step=3, phase="sync")]
-    for bad, message in [("rank=1", "say when"), ("rank=x,step=1", "integers"), ("when=3", "not one of"),
-                         ("step=1,phase=loss", "phase must be")]:
-        with pytest.raises(ConfigError, match=message):
-            autobatch.parse_injection(bad)
-
-
-def test_step_injection_fires_once_on_its_rank_and_above_injection_persists():
-    import torch
-
-    at_step = autobatch.OomInjector(rank=1, step=3)
-    at_step.check(rank=0, step=3, micro_batch=4)            # other rank: nothing
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        at_step.check(rank=1, step=3, micro_batch=4)
-    at_step.check(rank=1, step=3, micro_batch=2)            # the redone step goes through
-    above = autobatch.OomInjector(rank=1, above=2)
-    for _ in range(2):
-        with pytest.raises(torch.OutOfMemoryError):
-            above.check(rank=1, step=0, micro_batch=3)
-    above.check(rank=1, step=0, micro_batch=2)
-
-
-def test_an_injection_already_recovered_from_does_not_fire_again_after_the_restart():
-    environ = {autobatch.INJECT_ENV: "rank=1,step=2;rank=1,step=3,phase=sync"}
-    recovered = [{"step": 2, "phase": "forward", "from": 4, "to": 2}]
-    first, second = autobatch.injectors_from_env(environ, recovered)
-    assert first.fired and not second.fired
-    flipped = autobatch.injectors_from_env(environ, [{"step": 2, "phase": "sync"}])
-    assert not flipped[0].fired                            # another phase at that step: still due
 
 
 # --- the record, the exit, the start after it -------------------------------------------------
@@ -62,19 +25,22 @@ def test_an_injection_already_recovered_from_does_not_fire_again_after_the_resta
 def test_an_oom_inside_a_step_is_recorded_with_its_phase_and_ends_the_rank_for_a_restart(tmp_path):
     import torch
 
+    from dflash.train.heartbeat import RankProgress
+
     auto = autobatch.AutoBatch(4, rank=1, run_dir=tmp_path, log=lambda _: None)
+    progress = RankProgress()
     with pytest.raises(autobatch.OomRestart) as ended:
-        with auto.guard(step=7):
-            auto.inject("forward")
-            auto.inject("sync")
+        with auto.guard(7, lambda: progress.phase):
+            progress.enter("forward", 7)
+            progress.enter("backward")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert ended.value.code == autobatch.OOM_EXIT_CODE
-    assert autobatch.read_oom_records(tmp_path) == [autobatch.OomRecord(1, 7, 4, "sync", "CUDA out of memory. "
+    assert autobatch.read_oom_records(tmp_path) == [autobatch.OomRecord(1, 7, 4, "backward", "CUDA out of memory. "
                                                                          "Tried to allocate 2.00 GiB")]
-    with auto.guard(step=8):                                # anything else passes through unchanged
+    with auto.guard(8, lambda: progress.phase):             # anything else passes through unchanged
         pass
     with pytest.raises(ValueError):
-        with auto.guard(step=8):
+        with auto.guard(8, lambda: progress.phase):
             raise ValueError("not an OOM")
 
 
@@ -124,7 +90,7 @@ def test_the_launcher_restarts_only_after_a_recorded_oom_and_never_for_micro_bat
 # --- real ranks: torchrun, gloo, 2 processes ----------------------------------------------
 
 def torchrun(tmp_path: Path, planned: str, run_dir: Path) -> dict[int, dict]:
-    env = {k: v for k, v in os.environ.items() if k != autobatch.INJECT_ENV}
+    env = {k: v for k, v in os.environ.items() if k != INJECT_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -184,6 +184,20 @@ def test_the_plan_says_what_an_oom_restart_costs(tmp_path):
     assert "recomputes up to 200 steps (not bounded in time: train.save_every_minutes is 0)" in steps_only
 
 
+def test_the_plan_says_when_a_stuck_rank_is_named(tmp_path):
+    """The stuck bound from the profile (dflash.train.watchdog): the floor, the step multiple, the collective
+    timeout it beats and the heartbeat timeout; a floor not below the collective timeout is refused (exit 2)."""
+    node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
+    stuck = plan_json("--profile", "rtx6000-x8", "--snapshot", node)["stuck_rank"]
+    assert (stuck["floor_s"], stuck["after_steps"], stuck["collective_timeout_s"]) == (120.0, 5.0, 600.0)
+    (tmp_path / "fast.toml").write_text('extends = "rtx6000-x8"\n[train]\nstuck_floor_s = 45\nstuck_after_steps = 3\n')
+    text = plan("--profile", str(tmp_path / "fast.toml"), "--snapshot", node).stdout
+    assert ("stuck rank: named after max(45 s, 3 x the measured step) without progress (train.stuck_floor_s, "
+            "train.stuck_after_steps), before the 600 s collective timeout; a rank silent 120 s is named stopped") in text
+    (tmp_path / "late.toml").write_text('extends = "rtx6000-x8"\n[train]\nstuck_floor_s = 600\n')
+    refused = plan("--profile", str(tmp_path / "late.toml"), "--snapshot", node)
+    assert refused.returncode == 2 and "train.stuck_floor_s" in refused.stderr and "collective_timeout_s" in refused.stderr
+
 
 def test_the_plan_says_the_host_ram_the_node_needs_at_start_and_train_refuses_a_node_without_it(tmp_path):
     """rtx6000-x8: per rank the runtime (512 MiB + a 1,536 MiB CUDA allowance), the largest target tensor on its

@@ -171,7 +171,8 @@ def test_a_stopped_rank_is_found_and_a_beating_one_is_not(tmp_path):
         time.sleep(0.5)
         stall = find_stall(tmp_path, timeout_s=2)
         assert stall is not None and (stall.rank, stall.pid, stall.state) == (1, sleeper.pid, "stopped")
-        assert stall.describe().startswith(f"rank 1 (pid {sleeper.pid}) stopped responding: no heartbeat for 3")
+        assert stall.describe().startswith(f"rank 1 (pid {sleeper.pid}) stopped responding in its start (before its "
+                                           f"first step): no heartbeat for 3")
         assert " s; its process is stopped (SIGSTOP" in stall.describe() and 30 <= stall.silent_s < 40
         assert beating.path.stat().st_mtime > time.time() - 2               # the thread keeps beating
     finally:
