@@ -118,3 +118,43 @@ def test_the_audit_skips_where_the_engine_is_not_sglang_or_lives_elsewhere(rtx_b
     elsewhere = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python="/opt/serve/bin/python"))
     assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, elsewhere))[0].status == "SKIP"
     assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, load_profile("cpu-demo")))[0].status == "SKIP"
+
+
+def exact_pins(required: list[Requirement]) -> list[Requirement]:
+    return [r for r in required if len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="]
+
+
+def test_the_cu130_set_pins_every_version_its_sglang_fixes_with_the_extras_it_asks_for():
+    """torchaudio, cuda-tile, flashinfer's cu13 extra, ...: each `==` of sglang 0.5.19's Requires-Dist is a pin here."""
+    pins, required = engine_requirements("requirements-cu130.txt")
+    missing = [str(r) for r in exact_pins(required) if normalize(r.name) not in pins]
+    assert missing == []
+    for requirement in exact_pins(required):
+        pin = pins[normalize(requirement.name)]
+        assert requirement.specifier.contains(pin.version, prereleases=True), (pin.spec, str(requirement))
+        assert requirement.extras <= Requirement(pin.spec).extras, (pin.spec, str(requirement))
+    assert {"torchaudio", "cuda-tile", "flashinfer-python"} <= {normalize(r.name) for r in exact_pins(required)}
+
+
+ENGINE_LOCK = "requirements-engine-sglang-cu130.txt"
+LEFT_OUT_OF_THE_LOCK = {"flashinfer-cubin", "flashinfer-jit-cache", "causal-conv1d"}
+
+
+def test_sglangs_own_venv_pins_the_cu130_set_and_everything_its_sglang_requires():
+    """The engine venv's file (`launcher.py engine setup sglang`) is the cu130 set, every package pinned: each pin of
+    requirements-cu130.txt at its version (but the lines setup installs otherwise), and every Requires-Dist of its
+    sglang and sglang-kernel present and satisfied (the file is complete: setup installs nothing unpinned)."""
+    from envcheck.engine_venvs import ENGINE_SPECS
+
+    cu130, required = engine_requirements("requirements-cu130.txt")
+    lock = load_requirement_set(REPO / ENGINE_LOCK)
+    differ = [f"{pin.spec} vs {lock[name].spec if name in lock else 'absent'}" for name, pin in cu130.items()
+              if name not in LEFT_OUT_OF_THE_LOCK and (name not in lock or lock[name].version != pin.version)]
+    assert differ == []
+    assert LEFT_OUT_OF_THE_LOCK.isdisjoint(lock)
+    wrong, checked = unmet(lock, required)
+    assert wrong == [] and sorted(checked) == sorted({normalize(r.name) for r in required}), \
+        sorted({normalize(r.name) for r in required} - set(checked))
+    indexed = {normalize(w.requirement.split("==")[0]): w.requirement.split("==")[1] for w in ENGINE_SPECS["sglang"].index_wheels}
+    assert indexed == {"cuda-tile": lock["cuda-tile"].version, "flashinfer-cubin": cu130["flashinfer-cubin"].version,
+                       "flashinfer-jit-cache": cu130["flashinfer-jit-cache"].version + "+cu130"}
