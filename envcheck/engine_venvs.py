@@ -1,6 +1,7 @@
 """The serving engines' own venvs (`launcher.py engine setup ENGINE`): what each holds, where it lives
 under the project cache and whether the one for the current pins is built. The build is
-dflash/generate/engine_env.py's.
+dflash/generate/engine_env.py's; the snapshot records what is built here (`collect`), so the audit's
+engine.sglang check reads it from a snapshot like any other fact of the node.
 
 A venv lives at `<cache>/engines/<engine>-<key>/`, the key hashing the engine's requirements file, the
 Python that builds it, the wheels taken from other indexes and the packages removed after the
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from envcheck.snapshot import EngineVenvFacts
 from launcher_core.errors import ConfigError
 from launcher_core.paths import REPO_ROOT, cache_dir
 
@@ -127,3 +129,31 @@ def built_engine_python(engine: str) -> Optional[Path]:
         return None
     return path / "bin" / "python" if is_complete(path) else None
 
+
+def built_venvs(engine: str) -> list[Path]:
+    """The engine's built venvs under the cache, whatever pins they were built from."""
+    folder = engines_dir()
+    return sorted(path for path in folder.glob(f"{engine}-*") if is_complete(path)) if folder.is_dir() else []
+
+
+def collect() -> list[EngineVenvFacts]:
+    """Every built engine venv under the cache, with the packages it holds (read from its dist-info
+    folders, nothing imported) and whether it is the one for the current pins (the one the launcher uses)."""
+    from envcheck.packages import installed_versions
+
+    found = []
+    for engine, spec in ENGINE_SPECS.items():
+        venvs = built_venvs(engine)
+        current = _current_dir(engine) if venvs else None
+        for path in venvs:
+            site = [str(folder) for folder in sorted(path.glob("lib/python*/site-packages"))]
+            found.append(EngineVenvFacts(engine=engine, path=str(path), requirements=spec.requirements,
+                                         current=path == current, packages=installed_versions(site)))
+    return found
+
+
+def _current_dir(engine: str) -> Optional[Path]:
+    try:
+        return engine_env_dir(engine)
+    except ConfigError:
+        return None

@@ -1,8 +1,9 @@
 """SGLang's own venv (`launcher.py engine setup sglang`) as far as a machine without a GPU goes.
 
 Real here: the steps the setup runs for SGLang (their argv, built by the code the command runs); the
-command on a venv folder laid out as the setup leaves it (a stamp and dist-info folders: a stand-in
-for the 8.7 GB of packages); and, with the package index reachable (marked `engine`), uv
+snapshot's record of built engine venvs, read by the real collection from venv folders laid out as
+the setup leaves them (a stamp and dist-info folders: stand-ins for the 8.7 GB of packages); the audit's
+engine.sglang check on those records; and, with the package index reachable (marked `engine`), uv
 resolving `requirements-engine-sglang-cu130.txt` to exactly its pins, and finding a wheel of every
 package for Linux x86_64 and the Pythons the project runs on.
 
@@ -13,6 +14,7 @@ tests/gpu/test_engine_eval_gpu.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from envcheck.engine_venvs import ENGINE_SPECS, STAMP, engine_env_dir
+from envcheck.checks import CheckInput, check_sglang_serves_the_drafter
+from envcheck.engine_venvs import ENGINE_SPECS, STAMP, collect, engine_env_dir
+from envcheck.snapshot import EngineVenvFacts, load_snapshot
+from launcher_core.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = ENGINE_SPECS["sglang"]
@@ -55,6 +60,18 @@ def venv_as_built(folder: Path, packages: dict[str, str]) -> Path:
     return folder
 
 
+def test_the_snapshot_records_the_built_engine_venvs_and_which_serves(private_cache):
+    assert collect() == []                                      # a node before any `engine setup`
+    current = venv_as_built(engine_env_dir("sglang"), {"sglang": "0.5.19", "torch": "2.13.0"})
+    older = venv_as_built(private_cache / "engines" / "sglang-000000000000", {"sglang": "0.5.18"})
+    (private_cache / "engines" / ".sglang-111111111111.build-42").mkdir()       # a build under way: not a venv yet
+    recorded = {Path(venv.path).name: venv for venv in collect()}
+    assert set(recorded) == {current.name, older.name}
+    assert recorded[current.name] == EngineVenvFacts("sglang", str(current), SPEC.requirements, True,
+                                                     {"sglang": "0.5.19", "torch": "2.13.0"})
+    assert recorded[older.name].current is False
+
+
 def test_the_cli_says_where_sglangs_venv_is_and_does_nothing_once_it_is_built(cli, private_cache):
     """`engine python sglang` before and after; `engine setup sglang` on a venv already built for these pins
     (a stand-in: the folder as a setup leaves it) is done at once, and prints its python."""
@@ -68,6 +85,57 @@ def test_the_cli_says_where_sglangs_venv_is_and_does_nothing_once_it_is_built(cl
     again = cli("engine", "setup", "sglang")
     assert again.code == 0 and again.out.strip() == str(venv / "bin" / "python")
     assert again.err.strip() == f"engine setup sglang: up to date ({SPEC.requirements})"
+
+
+@pytest.fixture(scope="module")
+def fresh(fixtures_dir):
+    return load_snapshot(fixtures_dir / "snapshots" / "rtx6000-x8-fresh.json")
+
+
+def sglang_finding(snapshot, profile_name="rtx6000-x8"):
+    [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, load_profile(profile_name)))
+    return finding
+
+
+def with_venv(snapshot, current=True, sglang="0.5.19", driver_cuda="13.0"):
+    venv = EngineVenvFacts("sglang", "/home/u/.cache/dflash-launcher/engines/sglang-0123456789ab", SPEC.requirements,
+                           current, {"sglang": sglang})
+    return dataclasses.replace(snapshot, engine_venvs=[venv],
+                               nvml=dataclasses.replace(snapshot.nvml, cuda_driver_version=driver_cuda))
+
+
+def test_the_check_passes_on_sglangs_own_venv_and_names_it(fresh):
+    finding = sglang_finding(with_venv(fresh))
+    assert finding.status == "PASS"
+    assert finding.message.startswith("sglang 0.5.19 (engine venv sglang-0123456789ab, `launcher.py engine setup sglang`)")
+
+
+def test_the_venv_on_a_driver_older_than_its_torchs_cuda_warns(fresh):
+    finding = sglang_finding(with_venv(fresh, driver_cuda="12.8"))
+    assert finding.status == "WARN" and "built for CUDA 13.0 and the driver (580.95.05) runs CUDA 12.8" in finding.message
+
+
+def test_a_venv_too_old_for_the_drafter_warns_naming_its_layers(fresh):
+    finding = sglang_finding(with_venv(fresh, sglang="0.5.13"))
+    assert finding.status == "WARN" and "layer 0 (sliding_attention): trained causal, window 2048" in finding.message
+
+
+@pytest.mark.parametrize("engine_venvs, why", [
+    ([], ""),
+    (None, "this snapshot does not record engine venvs (taken by an older launcher: take it again); "),
+    ("older", "the sglang venv built before is from older pins; ")])
+def test_without_a_venv_of_the_current_pins_the_hint_is_the_setup_command(fresh, engine_venvs, why):
+    snapshot = with_venv(fresh, current=False) if engine_venvs == "older" else dataclasses.replace(fresh, engine_venvs=engine_venvs)
+    finding = sglang_finding(snapshot)
+    assert finding.status == "WARN" and "sglang 0.5.10.post1 (installed)" in finding.message
+    assert finding.hint.startswith(f"{why}run `launcher.py engine setup sglang` (SGLang's own venv, from {SPEC.requirements}")
+
+
+def test_a_node_whose_own_sglang_serves_needs_no_venv(fixtures_dir):
+    b200 = load_snapshot(fixtures_dir / "snapshots" / "b200-x8-nvcc128-cu130.json")
+    assert b200.engine_venvs == []
+    finding = sglang_finding(b200, "b200-x8")
+    assert finding.status == "PASS" and finding.message.startswith("sglang 0.5.19 (installed)")
 
 
 def uv_compile(lines: list[str], python: str, *flags: str) -> subprocess.CompletedProcess:
