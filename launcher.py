@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("dflash.commands.status", "stage-by-stage state of a run directory"),
     "probe": ("envcheck.commands.probe", "memory probe (git bisect run exit codes)"),
     "bisect": ("envcheck.commands.bisect", "find the dependency change behind a memory regression"),
-    "engine": ("dflash.commands.engine", "build a serving engine's own venv (engine setup vllm)"),
+    "engine": ("dflash.commands.engine", "build a serving engine's own venv (engine setup vllm|sglang)"),
 }
 
 

@@ -162,6 +162,7 @@ def _eval(ctx: PipelineContext) -> str:
 
     checkpoint, which = eval_checkpoint(ctx.run_dir)
     print(f"evaluating {which}", flush=True)
+    _engine_ready(ctx.profile, ctx.profile.eval.engine, serves_drafter=True)     # eval.engine sglang / vllm: served
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(checkpoint=checkpoint)).report
     sets = [(report.methods, report.num_prompts, report.context.prompt_set or report.context.prompts_file),
             *((extra.methods, extra.num_prompts, extra.label) for extra in report.also_sets)]
@@ -210,7 +211,7 @@ def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
     from dflash.eval.run import run_eval
 
     engine = ctx.profile.eval.serve_engine
-    _engine_ready(ctx.profile, engine)
+    _engine_ready(ctx.profile, engine, serves_drafter=True)
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine, checkpoint=checkpoint)).report
     return served_line(engine, report)
 
@@ -231,13 +232,30 @@ def _tau_speedup(tau: Optional[float], speedup: Optional[float]) -> str:
     return f"tau {'-' if tau is None else f'{tau:.2f}'} speedup {'-' if speedup is None else f'{speedup:.2f}x'}"
 
 
-def _engine_ready(profile: Profile, engine: str) -> None:
-    """vLLM (generate.backend or eval.serve_engine) runs from its own venv: `launcher.py engine setup
-    vllm` builds it the first time (about 1 GB downloaded) and does nothing once it is built."""
-    if engine == "vllm" and not profile.eval.engine_python:
+def _engine_ready(profile: Profile, engine: str, serves_drafter: bool = False) -> None:
+    """An engine's own venv, where the profile names no eval.engine_python: `launcher.py engine setup ENGINE`
+    builds it the first time and does nothing once it is built. vLLM (generate.backend or the drafter served)
+    always runs from it; SGLang serving the drafter does where this environment's SGLang cannot serve it as
+    trained (the cu128 set's 0.5.10.post1 has no DFLASH: the venv holds 0.5.19, about 6.5 GB downloaded)."""
+    if profile.eval.engine_python:
+        return
+    if engine == "vllm" or (serves_drafter and engine == "sglang" and not sglang_here_serves(profile)):
         from dflash.generate.engine_env import setup_engine_env
 
         setup_engine_env(engine)
+
+
+def sglang_here_serves(profile: Profile) -> bool:
+    """Whether this environment's SGLang (read from its metadata, not imported) serves the profile's drafter as trained."""
+    import importlib.metadata
+
+    from envcheck.engines import sglang_drafter_problems
+
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not sglang_drafter_problems(version, profile.drafter)
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:

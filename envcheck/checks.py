@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Literal, Optional
 
-from envcheck.engines import SGLANG_DFLASH2, DraftLayers, sglang_problems
+from envcheck.engine_venvs import ENGINE_SPECS
+from envcheck.engines import profile_draft_layers, sglang_drafter_problems
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
-from envcheck.snapshot import GpuFacts, Snapshot
+from envcheck.snapshot import EngineVenvFacts, GpuFacts, Snapshot
 from envcheck.target import TargetArchitecture
 from launcher_core.schema import Profile
 
@@ -282,39 +284,64 @@ def _kernel_install_hint(ctx: CheckInput, missing: list[str]) -> str:
 
 
 def check_sglang_serves_the_drafter(ctx: CheckInput) -> list[Finding]:
-    """A profile served by SGLang: the SGLang of this environment (installed, else pinned) has DFLASH and
-    runs the profile's draft layers with the attention they are trained with (envcheck/engines.py)."""
+    """A profile served by SGLang: the SGLang that would serve (the venv of `launcher.py engine setup sglang`
+    when the snapshot records it built from the current pins, else this environment's, installed or pinned)
+    has DFLASH and runs the profile's draft layers with the attention they are trained with
+    (envcheck/engines.py), on a driver that runs its torch's CUDA."""
     evals = ctx.profile.eval
     if "sglang" not in (evals.engine, evals.serve_engine):
         return [Finding("engine.sglang", "SKIP", f"profile {ctx.profile.name} does not serve the drafter with SGLang")]
     if evals.engine_python:
         return [Finding("engine.sglang", "SKIP", f"served from eval.engine_python {evals.engine_python}: `eval --engine "
                         "sglang` checks that environment's SGLang before it starts")]
-    installed = ctx.snapshot.packages.get("sglang")
-    version = installed or ctx.pins.get("sglang")
+    venv = _current_engine_venv(ctx.snapshot, "sglang")
+    version, where = _serving_sglang(ctx, venv)
     if not version:
-        return [Finding("engine.sglang", "SKIP", f"sglang is neither installed nor pinned in {ctx.pins_file or '-'}")]
-    where = "installed" if installed else f"pinned in {ctx.pins_file}"
-    drafter = ctx.profile.drafter
-    layers = DraftLayers(num_layers=drafter.num_layers, layer_types=list(drafter.layer_types) or None,
-                         sliding_window=drafter.sliding_window or None)
-    problems = sglang_problems(_release(version), layers)
-    if drafter.kind == "dflash2" and _release(version) < SGLANG_DFLASH2:
-        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
-                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
+        return [Finding("engine.sglang", "WARN", f"no SGLang to serve profile {ctx.profile.name}'s drafter: none installed, "
+                        f"none pinned in {ctx.pins_file or '-'}, no engine venv built", _sglang_setup_hint(ctx.snapshot))]
+    problems = sglang_drafter_problems(version, ctx.profile.drafter) + (_driver_problems(ctx.snapshot, "sglang") if venv else [])
     if problems:
         return [Finding("engine.sglang", "WARN", f"sglang {version} ({where}) would not serve profile "
                         f"{ctx.profile.name}'s drafter as trained: {'; '.join(problems)}",
-                        "serve it from an environment of requirements-cu130.txt (sglang 0.5.19; the driver must run "
-                        "CUDA 13.0) and set eval.engine_python to its python; `eval --engine sglang` refuses it here")]
-    kinds = ", ".join(sorted(set(layers.kinds())))
+                        _sglang_setup_hint(ctx.snapshot) if venv is None else
+                        f"run the audit on a node whose driver runs CUDA {ENGINE_SPECS['sglang'].cuda} or later")]
+    kinds = ", ".join(sorted(set(profile_draft_layers(ctx.profile.drafter).kinds())))
     return [Finding("engine.sglang", "PASS", f"sglang {version} ({where}) runs the drafter's {kinds} layers as trained")]
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """`0.5.13.post1` -> (0, 5, 13): the release a version belongs to."""
-    numbers = [int(part) for part in re.findall(r"\d+", public_version(version))[:3]]
-    return tuple(numbers + [0] * (3 - len(numbers)))
+def _current_engine_venv(snapshot: Snapshot, engine: str) -> Optional[EngineVenvFacts]:
+    """The engine's venv built from the current pins, if the snapshot records one."""
+    return next((venv for venv in snapshot.engine_venvs or [] if venv.engine == engine and venv.current), None)
+
+
+def _serving_sglang(ctx: CheckInput, venv: Optional[EngineVenvFacts]) -> tuple[str, str]:
+    """(version, where it comes from) of the SGLang `eval --engine sglang` would start; ("", "") if none."""
+    if venv is not None:
+        return venv.packages.get("sglang", ""), f"engine venv {Path(venv.path).name}, `launcher.py engine setup sglang`"
+    if ctx.snapshot.packages.get("sglang"):
+        return ctx.snapshot.packages["sglang"], "installed"
+    if ctx.pins.get("sglang"):
+        return ctx.pins["sglang"], f"pinned in {ctx.pins_file}"
+    return "", ""
+
+
+def _driver_problems(snapshot: Snapshot, engine: str) -> list[str]:
+    """The engine venv's torch needs a driver that runs its CUDA ([] when it does, or NVML says nothing)."""
+    wanted, driver = ENGINE_SPECS[engine].cuda, snapshot.nvml.cuda_driver_version
+    if not wanted or not snapshot.nvml.available or not driver or major_minor(driver) >= major_minor(wanted):
+        return []
+    return [f"its torch is built for CUDA {wanted} and the driver ({snapshot.nvml.driver_version}) runs CUDA {driver}"]
+
+
+def _sglang_setup_hint(snapshot: Snapshot) -> str:
+    """What to do where no engine venv of the current pins is recorded (and why, when the snapshot says)."""
+    spec = ENGINE_SPECS["sglang"]
+    why = ("this snapshot does not record engine venvs (taken by an older launcher: take it again); " if snapshot.engine_venvs is None
+           else "the sglang venv built before is from older pins; " if any(v.engine == "sglang" for v in snapshot.engine_venvs)
+           else "")
+    return (f"{why}run `launcher.py engine setup sglang` (SGLang's own venv, from {spec.requirements}, torch for CUDA "
+            f"{spec.cuda}): `eval --engine sglang` and the pipeline then serve from it; or set eval.engine_python to such "
+            "an environment")
 
 
 def check_attention_backend(ctx: CheckInput) -> list[Finding]:

@@ -21,8 +21,11 @@ Every release runs a config without `layer_types` all ENCODER_ONLY without a win
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from launcher_core.schema import DrafterSection
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -97,3 +100,25 @@ def sglang_problems(version: tuple[int, ...], layers: DraftLayers) -> list[str]:
     return [f"layer {index} ({kind}): trained {trained.describe()}, served {rule.describe()}"
             for index, (kind, trained, rule) in enumerate(zip(layers.kinds(), reference_rules(layers), served))
             if trained != rule]
+
+
+def release(version: str) -> tuple[int, ...]:
+    """`0.5.13.post1` -> (0, 5, 13): the release a version belongs to (a local label is ignored)."""
+    numbers = [int(part) for part in re.findall(r"\d+", version.split("+", 1)[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def profile_draft_layers(drafter: DrafterSection) -> DraftLayers:
+    """The attention keys a profile's drafter is trained with (its config.json writes the same)."""
+    return DraftLayers(num_layers=drafter.num_layers, layer_types=list(drafter.layer_types) or None,
+                       sliding_window=drafter.sliding_window or None)
+
+
+def sglang_drafter_problems(version: str, drafter: DrafterSection) -> list[str]:
+    """What SGLang `version` would serve otherwise than a profile's drafter is trained ([]: nothing): its
+    layers' attention, and a DFlash 2 drafter before the release that knows DFlash2DraftModel."""
+    problems = sglang_problems(release(version), profile_draft_layers(drafter))
+    if drafter.kind == "dflash2" and release(version) < SGLANG_DFLASH2:
+        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
+                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
+    return problems

@@ -105,6 +105,17 @@ class HostFacts:
 
 
 @dataclass
+class EngineVenvFacts:
+    """A serving engine's own venv under the project cache (`launcher.py engine setup ENGINE`)."""
+
+    engine: str                              # "sglang", "vllm"
+    path: str
+    requirements: str                        # the pins file it was built from
+    current: bool                            # built from the current pins: the venv the launcher serves from
+    packages: dict[str, str] = field(default_factory=dict)     # normalised name -> version
+
+
+@dataclass
 class Snapshot:
     schema_version: int = SCHEMA_VERSION
     created_at: str = ""
@@ -119,6 +130,7 @@ class Snapshot:
     env: dict[str, str] = field(default_factory=dict)          # GPU-relevant variables, redacted
     cuda_probe_ran: bool = False
     memory_calibration: Optional[dict[str, Any]] = None   # a baseline's measured memory model (`launcher.py calibrate`)
+    engine_venvs: Optional[list[EngineVenvFacts]] = None  # built engine venvs; None: not recorded (an older snapshot)
 
     def to_dict(self) -> dict[str, Any]:
         document = dataclasses.asdict(self)

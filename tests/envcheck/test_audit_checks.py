@@ -25,7 +25,7 @@ def rtx():
     return load_profile("rtx6000-x8")
 
 
-def sglang_warning(findings) -> str:
+def sglang_finding(findings) -> str:
     return next(f.message for f in findings if f.id == "engine.sglang")
 
 
@@ -38,15 +38,25 @@ def fails(findings, check_id=None):
     return [f for f in findings if f.status == "FAIL" and (check_id is None or f.id == check_id)]
 
 
-def test_healthy_baseline_node_has_no_fail_and_warns_only_that_its_sglang_cannot_serve_the_drafter(snapshots, rtx):
-    """The baseline node trains on the cu128 set, whose SGLang (0.5.10.post1) has no DFLASH: the drafter is
-    served from a requirements-cu130.txt environment (docs/audit.md), and the audit says so."""
+def test_healthy_baseline_node_has_no_fail_nor_warn_and_serves_from_sglangs_own_venv(snapshots, rtx):
+    """The baseline node trains on the cu128 set, whose SGLang (0.5.10.post1) has no DFLASH, and serves the
+    drafter from SGLang's own venv (`launcher.py engine setup sglang`, recorded in the snapshot)."""
     base = snapshots["rtx6000-x8-baseline"]
     findings = audit(rtx, base, baseline=base)
-    assert [f.id for f in findings if f.status in ("FAIL", "WARN")] == ["engine.sglang"]
-    assert "sglang 0.5.10.post1 (installed) would not serve profile rtx6000-x8" in sglang_warning(findings)
-    assert [f for f in audit(served_apart(rtx), base, baseline=base) if f.status in ("FAIL", "WARN")] == []
-    assert {f.id for f in findings if f.status == "PASS"} >= {"gpu.count", "torch.arch", "toolkit.nvcc", "packages.pins", "baseline.memory"}
+    assert [f for f in findings if f.status in ("FAIL", "WARN")] == []
+    assert sglang_finding(findings).startswith("sglang 0.5.19 (engine venv sglang-")
+    assert {f.id for f in findings if f.status == "PASS"} >= {"gpu.count", "torch.arch", "toolkit.nvcc", "packages.pins",
+                                                              "baseline.memory", "engine.sglang"}
+
+
+def test_the_same_node_before_engine_setup_warns_only_that_its_sglang_cannot_serve_the_drafter(snapshots, rtx):
+    fresh = snapshots["rtx6000-x8-fresh"]
+    findings = audit(rtx, fresh, baseline=fresh)
+    [warning] = [f for f in findings if f.status in ("FAIL", "WARN")]
+    assert warning.id == "engine.sglang" and warning.status == "WARN"
+    assert "sglang 0.5.10.post1 (installed) would not serve profile rtx6000-x8" in warning.message
+    assert warning.hint.startswith("run `launcher.py engine setup sglang`")
+    assert [f for f in audit(served_apart(rtx), fresh, baseline=fresh) if f.status in ("FAIL", "WARN")] == []
 
 
 def test_cu130_upgrade_fails_on_gpu6_free_memory_only(snapshots, rtx):

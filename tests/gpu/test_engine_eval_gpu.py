@@ -6,7 +6,9 @@ and the gate must pass. The SGLang gate is proven only here: on CPU it runs agai
 (tests/eval/test_engine_eval.py) and against SGLang's code shapes, not SGLang itself. A drafter
 with the flagship's layer pattern (4 sliding-window layers + 1 full) is served too: SGLang runs
 its sliding layers causally with their window from 0.5.14, vLLM mixes them on its V2 model runner.
-Skipped, saying why, without CUDA or without the engine."""
+SGLang also serves from its own venv (`launcher.py engine setup sglang`, with eval.engine_python unset,
+as rtx6000-x8 ships), which these tests do not build unless DFLASH_GPU_SGLANG_SETUP=1 (it needs
+pypi.nvidia.com and flashinfer.ai besides PyPI). Skipped, saying why, without CUDA or without the engine."""
 from __future__ import annotations
 
 import importlib.util
@@ -81,3 +83,51 @@ def test_each_verify_step_s_acceptance_is_read_from_the_engine(engine, tmp_path,
         print(engine, json.dumps({"steps": prompt.steps, "accepted": prompt.accepted, "per_step": prompt.per_step}))
         assert prompt.per_step is not None and len(prompt.per_step) == prompt.steps
         assert sum(prompt.per_step) == prompt.accepted
+
+
+def _sglang_venv_python():
+    """The python of SGLang's own venv (`launcher.py engine setup sglang`): built here with DFLASH_GPU_SGLANG_SETUP=1,
+    else the one already built, else the test is skipped saying how to build it."""
+    import os
+
+    from dflash.generate.engine_env import setup_engine_env
+    from envcheck.engine_venvs import built_engine_python
+
+    if os.environ.get("DFLASH_GPU_SGLANG_SETUP") == "1":
+        return setup_engine_env("sglang", echo=print).python
+    python = built_engine_python("sglang")
+    if python is None:
+        pytest.skip("SGLang's own venv is not built: run `launcher.py engine setup sglang` first (about 6.5 GB from "
+                    "PyPI, pypi.nvidia.com and flashinfer.ai), or set DFLASH_GPU_SGLANG_SETUP=1")
+    return python
+
+
+def test_sglang_serves_the_drafter_from_its_own_venv(tmp_path, tiny_qwen3_target, tiny_dataset):
+    """`launcher.py engine setup sglang`, then `eval --engine sglang` with eval.engine_python unset, as rtx6000-x8
+    ships: the server starts from that venv (SGLang 0.5.19 on the CUDA 13.0 torch; the driver must run CUDA 13.0),
+    serves a drafter with the flagship's layer pattern, and the parity gate passes. UNPROVEN until run on a GPU node."""
+    import dataclasses
+
+    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.eval.engines import check_engine_installed
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.run import run_eval
+    from dflash.generate.vllm_server import engine_python
+    from dflash.train.launch import run_training
+    from launcher_core.profile import load_profile
+    from tests.train.conftest import write_profile
+
+    python = _sglang_venv_python()
+    drafter = dict(SLIDING)
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, tmp_path / "run",
+                                             machine={"nproc_per_node": 1}, max_steps=8, drafter=drafter)))
+    assert run_training(profile, run_dir=tmp_path / "run") == 0
+    profile = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, device="cuda"),
+                                  eval=dataclasses.replace(profile.eval, engine_python=""))
+    assert engine_python(profile, "sglang") == str(python) and check_engine_installed("sglang", profile) == "0.5.19"
+    served = run_eval(profile, run_dir=tmp_path / "run",            # ParityFailed (exit 6) if the gate fails
+                      options=EvalOptions(checkpoint=str(latest_checkpoint(tmp_path / "run")), num_prompts=4,
+                                          max_new_tokens=32, engine="sglang"))
+    gate = served.report.parity["dflash"]
+    assert gate.within_tolerance is True and gate.failures == [], gate
+    print(f"sglang from {python}: served tau {gate.served_tau}, in-process {gate.inprocess_tau}")

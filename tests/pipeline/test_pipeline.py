@@ -218,3 +218,41 @@ def test_the_generate_stage_builds_vllms_venv_first_where_it_generates_with_vllm
                                   eval=dataclasses.replace(base.eval, engine_python=engine_python))
     assert _generate(PipelineContext(profile, tmp_path)) == "2 prompts sent, 0 done before"
     assert calls == ([f"setup {backend}"] if builds else []) + [f"generate {backend}"]
+
+
+@pytest.mark.parametrize("engine, serves_drafter, engine_python, here_serves, builds", [
+    ("sglang", True, "", False, True),       # rtx6000-x8 as shipped: the cu128 set's SGLang has no DFLASH: its own venv
+    ("sglang", True, "", True, False),       # b200-x8: this environment's SGLang 0.5.19 serves the drafter
+    ("sglang", True, "/envs/cu130/bin/python", False, False),    # the user's own (eval.engine_python)
+    ("sglang", False, "", False, False),     # generation: any SGLang generates, from this environment
+    ("vllm", True, "", True, True),          # vLLM always runs from its own venv
+    ("transformers", True, "", False, False)])
+def test_serving_the_drafter_builds_the_engines_own_venv_where_this_environment_cannot(monkeypatch, engine, serves_drafter,
+                                                                                        engine_python, here_serves, builds):
+    import dataclasses
+
+    import dflash.generate.engine_env
+    import dflash.pipeline
+
+    calls: list[str] = []
+    monkeypatch.setattr(dflash.generate.engine_env, "setup_engine_env", lambda engine: calls.append(engine))
+    monkeypatch.setattr(dflash.pipeline, "sglang_here_serves", lambda profile: here_serves)
+    base = load_profile("rtx6000-x8")
+    profile = dataclasses.replace(base, eval=dataclasses.replace(base.eval, engine_python=engine_python))
+    dflash.pipeline._engine_ready(profile, engine, serves_drafter=serves_drafter)
+    assert calls == ([engine] if builds else [])
+
+
+@pytest.mark.parametrize("installed, serves", [(None, False), ("0.5.10.post1", False), ("0.5.13", False), ("0.5.19", True)])
+def test_this_environments_sglang_serves_the_flagship_drafter_from_0_5_14(monkeypatch, installed, serves):
+    import importlib.metadata
+
+    from dflash.pipeline import sglang_here_serves
+
+    def version(name: str) -> str:
+        if name != "sglang" or installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert sglang_here_serves(load_profile("rtx6000-x8")) is serves
