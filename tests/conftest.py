@@ -141,7 +141,7 @@ QUEUE_BY_MARKER = ("engine", "compat", "slow")
 # time"), so that the run does not end on one worker running one of them while the others have finished:
 # in collection order the torchrun module (286 CPU s, 3.5 minutes on its worker) started last and ran its
 # last 90 s alone. The torch compatibility lane, where it runs (its own rule: tests/compat/test_torch_compat.py),
-# is some 8 minutes on its worker.
+# is 5-6.5 minutes on its worker.
 LONGEST_FIRST = ("tests/compat/test_torch_compat.py", "tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py",
                  "tests/memory/test_trace.py", "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
 
