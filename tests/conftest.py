@@ -135,14 +135,15 @@ def no_process_group_left():
 
 
 # Queued first under pytest-xdist: the real engines' modules (minutes of shared fixtures each), then the
-# other-transformers venvs, then the modules that start servers or ranks, then the rest.
+# compatibility venvs (other transformers, other torch), then the modules that start servers or ranks, then the rest.
 QUEUE_BY_MARKER = ("engine", "compat", "slow")
 # Within a kind, these go first, longest first (CPU seconds of a whole run: BENCHMARKS.md "The test suite's
 # time"), so that the run does not end on one worker running one of them while the others have finished:
 # in collection order the torchrun module (286 CPU s, 3.5 minutes on its worker) started last and ran its
-# last 90 s alone.
-LONGEST_FIRST = ("tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py", "tests/memory/test_trace.py",
-                 "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
+# last 90 s alone. The torch compatibility lane, where it runs (its own rule: tests/compat/test_torch_compat.py),
+# is 5-6.5 minutes on its worker.
+LONGEST_FIRST = ("tests/compat/test_torch_compat.py", "tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py",
+                 "tests/memory/test_trace.py", "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -147,7 +147,23 @@ def build_target(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedMode
 
     target: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     target.requires_grad_(False)
+    unmasked_linear_attention(target)
     return target
+
+
+def unmasked_linear_attention(target: nn.Module) -> None:
+    """Without a padding mask, a hybrid model's linear-attention mask is None (what
+    `_update_linear_attn_mask` returns then), decided without reading a tensor. transformers 5.3's
+    Qwen3.5 (the cu128 set's pin) first tests `cache_position[0] > 0`, a data-dependent branch no fake
+    tensor can take; later versions test the cache object and the mask instead."""
+    for module in target.modules():
+        update = getattr(module, "_update_linear_attn_mask", None)
+        if update is not None:
+            def without_mask(attention_mask: object, *args: object, _update: Callable[..., Any] = update,
+                             **kwargs: object) -> object:
+                return None if attention_mask is None else _update(attention_mask, *args, **kwargs)
+
+            setattr(module, "_update_linear_attn_mask", without_mask)     # nn.Module's __setattr__ types modules only
 
 
 def module_layer_types(target: nn.Module) -> list[str]:
@@ -399,14 +415,19 @@ def compare(traced: TracedStep, workload: memory.Workload) -> list[ComparedFigur
     line = memory.estimated_peak_model(workload)
     drafter_step = max(moment.at(m) for moment in e.drafter_lines()) + e.accumulated_gradients(m)
     at_peak = traced.peak_categories
-    working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Buffer"))
+    # the reduce input a unit's reduction still holds is "Reduce Scatter" to the tracker once a collective has run on
+    # it: on one rank torch 2.13's FSDP2 runs none (a copy: "Temp") and 2.9's does; on one rank the model counts it
+    # as working memory, so it is working memory there in either case
+    held_reduce = at_peak.get("Reduce Scatter", 0.0)
+    one_rank = held_reduce if e.world_size == 1 else 0.0
+    working = sum(at_peak.get(name, 0.0) for name in ("Activation", "Temp", "Buffer")) + one_rank
     gathered = sum(at_peak.get(name, 0.0) for name in GATHERED)
-    grads = at_peak.get("Sharded Grad", 0.0) + at_peak.get("Unsharded Grad", 0.0) + at_peak.get("Reduce Scatter", 0.0)
+    grads = at_peak.get("Sharded Grad", 0.0) + at_peak.get("Unsharded Grad", 0.0) + held_reduce - one_rank
     loss, layer = e.moment_lines()[:2]
     layer_moment = layer.at(m) > loss.at(m)             # which moment of the drafter's step the model says peaks
     gathered_at_peak = e.held_weights + (e.gathered_weights if layer_moment else 0.0)
     # a layer's gradients are "Temp" to the tracker until its reduction takes them: they count as working memory
-    # on one rank the retained reduce input is no "Reduce Scatter" to the tracker (no collective ran): working memory
+    # on one rank the model counts the retained reduce input as working memory (above)
     retained = e.retained_reduce_input if layer_moment and e.world_size > 1 else 0.0
     grads_at_peak = retained + e.accumulated_gradients(m)
     autocast_layer = e.autocast_layer if layer_moment else 0.0

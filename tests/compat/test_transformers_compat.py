@@ -10,13 +10,11 @@ reused, and 1-3.5 minutes of tests per version (depending on load): 4-9 minutes 
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from compat_venvs import REPO_ROOT, ensure_venv, local_torch_wheel, read_pin
+from compat_venvs import REPO_ROOT, ensure_venv, local_torch_wheel, read_pin, run_in, transformers_venv
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
@@ -43,26 +41,13 @@ def venv_root() -> Path:
     return cache_dir() / "compat"
 
 
-def run_in(venv, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("VIRTUAL_ENV", None)
-    # uv installs no bytecode: each process would compile torch and transformers from source again (8.6 s
-    # instead of 3.3 s to import them here) where the environment forbids writing it. The venv keeps the
-    # bytecode of what its runs import under its own folder, never in the checkout.
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(venv.path / "pycache")
-    return subprocess.run([str(venv.python), *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
-
-
 def test_the_gpu_pins_name_the_versions_under_test():
     assert PINNED == ["5.12.1", "5.3.0"], "a GPU requirements file changed its transformers: update this test's docstring"
 
 
 @pytest.mark.parametrize("version", PINNED)
 def test_drafter_extraction_and_specdec_tests_pass_under_the_gpu_pins(venv_root, version):
-    venv = ensure_venv(version, venv_root, local_torch_wheel())
+    venv = ensure_venv(transformers_venv(version, local_torch_wheel()), venv_root)
     installed = run_in(venv, ["-c", "import transformers, torch; print(transformers.__version__, torch.__version__)"], 120)
     assert installed.stdout.split()[0] == version, installed.stdout + installed.stderr
     done = run_in(venv, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra --timeout=600", *TESTS,
@@ -74,7 +59,7 @@ def test_drafter_extraction_and_specdec_tests_pass_under_the_gpu_pins(venv_root,
 
 
 def test_an_unsupported_transformers_is_refused_naming_it(venv_root):
-    venv = ensure_venv(UNSUPPORTED, venv_root, local_torch_wheel())
+    venv = ensure_venv(transformers_venv(UNSUPPORTED, local_torch_wheel()), venv_root)
     code = ("from dflash.eval.specdec import TargetVerifier\n"
             "from launcher_core.errors import ConfigError\n"
             "try:\n    TargetVerifier(object())\nexcept ConfigError as error:\n    print('REFUSED', error)\n")

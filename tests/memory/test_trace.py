@@ -82,6 +82,22 @@ def exact_workload(profile, config, world_size: int) -> memory.Workload:
     return memory.workload_from_profile(profile, shape, world_size)
 
 
+def test_a_hybrid_targets_linear_attention_mask_is_none_without_a_mask_read_from_no_tensor():
+    """transformers 5.3's Qwen3.5 (the cu128 pin) reads `cache_position[0]` before the mask: a fake tensor has no value."""
+    from torch import nn
+
+    class Hybrid(nn.Module):
+        def _update_linear_attn_mask(self, attention_mask, cache_position):
+            if cache_position[0] > 0:           # what a fake tensor cannot answer
+                raise AssertionError("read a tensor's value")
+            return attention_mask
+
+    model = nn.Sequential(Hybrid())
+    fake.unmasked_linear_attention(model)
+    assert model[0]._update_linear_attn_mask(None, object()) is None
+    assert model[0]._update_linear_attn_mask("mask", [0]) == "mask"
+
+
 def test_peak_deciding_layers_keep_taps_and_the_last_layer_of_each_type_with_its_input():
     types = hybrid_layer_types(64, 4)
     assert types[:4] == ["linear_attention"] * 3 + ["full_attention"]
