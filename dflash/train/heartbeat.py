@@ -8,9 +8,11 @@ from a daemon thread every `beat_interval(train.heartbeat_timeout_s)` seconds. T
   (`find_stall`) names a rank whose process exists but whose file is older than
   `train.heartbeat_timeout_s`;
 * progress (`RankProgress`): the step and phase the main thread last entered (start, data, forward,
-  backward, reduction, update, validation, save) and since when, how long its steps take, how many
-  collectives it has entered on each process group (torch's flight recorder, which the launcher turns
-  on for every rank), and the collective its main thread waits in, if any (read from its Python stack).
+  backward, reduction, update, validation, save) and since when, how long its steps take, the
+  collective its main thread waits in, if any (read from its Python stack), and, once it has been
+  quiet for half of train.stuck_floor_s, how many collectives it has entered on each process group
+  (torch's flight recorder, which the launcher turns on for every rank; reading it costs tens of
+  milliseconds under the GIL, so a progressing rank is not asked).
   A rank that lives but stops making progress (a hung collective, a deadlocked loader, a kernel that
   never returns) is named from these by the launcher (dflash.train.watchdog), well before the process
   group's own timeout (`train.collective_timeout_s`).
@@ -50,7 +52,7 @@ STEP_PHASES = ("data", "forward", "backward", "reduction", "update")   # bounded
 PHASES = ("start", *STEP_PHASES, "validation", "save")
 STEP_TIMES_KEPT = 16
 DUMP_POLL_S = 0.5
-MARK_WRITE_S = 0.05                    # the least time between two records written for marks
+MARK_WRITE_S = 0.25                    # the least time between two records written for marks (0.7 ms each)
 STACKS_SIGNAL = signal.SIGUSR1         # every thread's Python stack into the rank's stacks file (faulthandler)
 PhaseListener = Callable[[str, int], None]
 
@@ -131,6 +133,9 @@ class RankHeartbeat:
                  stuck_floor_s: Optional[float] = None):
         self.run_dir, self.path = Path(run_dir), ranks_dir(run_dir) / f"rank-{rank}.json"
         self.rank, self.interval, self.launcher_pid = rank, beat_interval(timeout_s, stuck_floor_s), launcher_pid
+        # the flight recorder is read (tens of ms for its 2000 entries, under the GIL) only once the rank has
+        # been quiet this long: while it progresses nobody asks how many collectives it entered
+        self.recorder_after_s = stuck_floor_s / 2.0 if stuck_floor_s else 0.0
         self.progress = RankProgress()
         self.identity = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
@@ -158,7 +163,8 @@ class RankHeartbeat:
         record: dict[str, Any] = {**self.identity, "step": step, "phase": phase, "since": since,
                                   "beat": time.time(), "interval": self.interval, "step_s": self.progress.step_s(),
                                   "longest": dict(self.progress.longest), "waiting": waiting_in(self._main_frame())}
-        record.update(collectives_entered(flight_recorder_entries()))
+        if time.time() - since >= self.recorder_after_s:
+            record.update(collectives_entered(flight_recorder_entries()))
         return record
 
     def write(self) -> None:
