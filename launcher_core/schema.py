@@ -231,6 +231,10 @@ class EvalSection:
                                              # each reported apart and labelled (eval/<file stem>/)
     serve_engine: Literal["", "sglang", "vllm"] = ""  # the engine that will serve the drafter: the pipeline runs
                                              # `eval --engine` with it after the in-process eval (served vs in-process tau)
+    benchmarks: tuple[str, ...] = ()         # benchmarks decoded beside the default set (BENCHMARK_NAMES; `--bench`),
+                                             # one row each, eval/bench/<name>/
+    bench_dir: str = ""                      # local copies of gsm8k, math500, mbpp (DIR/<name>/<split>.jsonl or a
+                                             # save_to_disk folder DIR/<name>/); "": the hub or its cache
 
 
 @dataclass(frozen=True)
@@ -397,6 +401,10 @@ RANGES: dict[str, Range] = {
 }
 
 
+# The benchmarks `eval.benchmarks` may name (their prompts: dflash.prompts.benchmarks, which holds the same names).
+BENCHMARK_NAMES = ("humaneval", "mt-bench", "gsm8k", "math500", "mbpp")
+
+
 def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
     """(dotted key, problem) for each rule between keys that needs no target model."""
     machine, train, data, drafter = profile.machine, profile.train, profile.data, profile.drafter
@@ -421,6 +429,10 @@ def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
         problems.append(("train.stuck_floor_s", f"{train.stuck_floor_s:g} s is not below train.collective_timeout_s "
                          f"{train.collective_timeout_s:g} s: a stuck rank would never be named before the collective "
                          f"times out (valid: 1..{train.collective_timeout_s:g})"))
+    unknown = [name for name in profile.eval.benchmarks if name not in BENCHMARK_NAMES]
+    if unknown:
+        problems.append(("eval.benchmarks", f"unknown benchmark(s) {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(BENCHMARK_NAMES)}"))
     return problems + drafter_kind_problems(profile)
 
 

@@ -1,4 +1,4 @@
-"""`launcher.py eval --profile P [--draft CHECKPOINT] [--prompts FILE]`: real speculative decoding.
+"""`launcher.py eval --profile P [--draft CHECKPOINT] [--prompts FILE] [--bench NAME,...]`: real speculative decoding.
 
 Decodes held-out prompts with the target alone, with the trained DFlash drafter and with prompt
 lookup (same block size); prints mean tau and speedup of each and writes `{run_dir}/eval/`
@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("transformers", "sglang", "vllm"),
                         help="transformers: in-process decoding (default on CPU); sglang / vllm: the engine serves "
                              "the target with the drafter on 127.0.0.1 and reports tau (default: eval.engine)")
+    parser.add_argument("--bench", metavar="NAME[,NAME...]",
+                        help="benchmarks decoded beside the default set, one row each, prompts built as z-lab's "
+                             "dflash.benchmark builds them: humaneval, mt-bench, gsm8k, math500, mbpp "
+                             "(default: eval.benchmarks)")
+    parser.add_argument("--bench-dir", metavar="DIR",
+                        help="local copies of gsm8k / math500 / mbpp: DIR/<name>/<split>.jsonl or a datasets "
+                             "save_to_disk folder DIR/<name>/ (default: eval.bench_dir, else the hub or its cache)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,12 +50,17 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.temperature is not None and args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    benchmarks = None
+    if args.bench is not None:
+        from dflash.prompts.benchmarks import parse_bench_names
+
+        benchmarks = parse_bench_names(args.bench)
     profile = load_profile_arg(args)
     if args.draft:
         check_drafter_fits_target(profile, args.draft)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                          engine=args.engine)
+                          engine=args.engine, benchmarks=benchmarks, bench_dir=args.bench_dir)
     summary = run_eval(profile, run_dir=args.run_dir, options=options)
     print(summary_lines(summary.report))
     for path in summary.files:
@@ -92,8 +104,9 @@ def summary_lines(report: EvalReport) -> str:
         note = "" if same is None else ("  identical to target" if same else "  OUTPUT DIFFERS FROM TARGET")
         lines.append(f"  {name:<14} {tau}{method.tokens_per_s:8.1f} tok/s  speedup {method.speedup or 0:.2f}x{note}")
     for extra in report.also_sets:
-        lines.append(f"also {extra.num_prompts} prompts ({extra.prompt_set}): "
-                     f"{drafted_figures(extra.methods)}  (report: {extra.report})")
+        what = f"benchmark {extra.benchmark}, {extra.num_prompts} turns" if extra.benchmark else \
+            f"also {extra.num_prompts} prompts ({extra.prompt_set})"
+        lines.append(f"{what}: {drafted_figures(extra.methods)}  (report: {extra.report})")
     if report.parity:
         from dflash.eval.parity import parity_summary
 

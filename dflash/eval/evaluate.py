@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, eval_prompts_path, prompt_set_label
+from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, bench_dir, benchmark_names, benchmark_prompts_file, eval_prompts_path, prompt_set_label
 from dflash.eval.records import TARGET, EvalReport, ReportContext, SetBrief
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from dflash.eval.dflash_drafter import DFlashDraft
     from dflash.eval.report import PromptRuns
     from dflash.eval.specdec import DecodeSettings, Drafter, TargetVerifier
+    from dflash.prompts.benchmarks import BenchPrompt
 
 
 @dataclass
@@ -45,12 +46,16 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, path: Path, count: int, t
     """The first `count` prompts, rendered with the chat template and a generation prompt."""
     from dflash.generate.prompts import load_prompts
 
-    encoded = []
-    for record in load_prompts(path)[:count]:
-        text = tokenizer.apply_chat_template(list(record.messages), tools=list(record.tools) or None,  # type: ignore[arg-type]  # transformers annotates str-only messages; tool calls render too
-                                             add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
-        encoded.append(EncodedPrompt(record.id, list(tokenizer(str(text), add_special_tokens=False)["input_ids"])))
-    return encoded
+    return [encode_messages(tokenizer, record.id, list(record.messages), thinking, list(record.tools))
+            for record in load_prompts(path)[:count]]
+
+
+def encode_messages(tokenizer: PreTrainedTokenizerBase, prompt_id: str, messages: list, thinking: bool,
+                    tools: Optional[list] = None) -> EncodedPrompt:
+    """One conversation rendered with the chat template and a generation prompt, then tokenized."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None,  # transformers annotates str-only messages; tool calls render too
+                                         add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
+    return EncodedPrompt(prompt_id, list(tokenizer(str(text), add_special_tokens=False)["input_ids"]))
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
@@ -137,13 +142,16 @@ def _warm_up(verifier: TargetVerifier, methods: Sequence[Drafter], prompt_ids: l
 
 
 def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions) -> EvalSummary:
-    """The default (or `--prompts`) set into `eval/`, each of `eval.also_prompts` into `eval/<stem>/`;
-    the main report lists the extra sets' figures under `also_sets`."""
+    """The default (or `--prompts`) set into `eval/`, each of `eval.also_prompts` into `eval/<stem>/`, each
+    benchmark (`--bench`, `eval.benchmarks`) into `eval/bench/<name>/`; the main report lists the extra
+    sets' figures under `also_sets` (a benchmark's with its name)."""
     from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.specdec import DecodeSettings
 
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
+    count = options.num_prompts or profile.eval.num_prompts
+    benchmarks = load_benchmarks(profile, options, count)   # before the models: missing data ends it at once
     model, tokenizer, target_path = load_target(profile)
     draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
     prepare_cpu_decoding(profile, model, draft)
@@ -154,7 +162,7 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
                               eos_ids=stop_token_ids(tokenizer, model))
     context = ReportContext(profile=profile.name, target=str(target_path), checkpoint=str(checkpoint), seed=seed,
                             max_new_tokens=settings.max_new_tokens)
-    decode = _SetDecoder(profile, model, tokenizer, draft, settings, options.num_prompts or profile.eval.num_prompts, context)
+    decode = _SetDecoder(profile, model, tokenizer, draft, settings, count, context)
     eval_dir = run_dir / "eval"
     extra_files: list[Path] = []
     also_sets = []  # written before the main report, whose file marks the stage done
@@ -162,6 +170,11 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
         extra = decode(path)
         extra_files += _write_set(extra, eval_dir / path.stem, None)
         also_sets.append(SetBrief.of(extra, eval_dir / path.stem / "report.json"))
+    for name, samples in benchmarks.items():
+        directory = eval_dir / "bench" / name
+        extra = decode.benchmark(name, samples, benchmark_prompts_file(eval_dir, name, samples))
+        extra_files += _write_set(extra, directory, None)
+        also_sets.append(SetBrief.of(extra, directory / "report.json", benchmark=name))
     report = replace(decode(main_path), also_sets=also_sets)
     files = [*_write_set(report, eval_dir, run_dir / "train" / "metrics.jsonl"), *extra_files]
     return EvalSummary(report=report, files=files)
@@ -179,21 +192,63 @@ class _SetDecoder:
     context: ReportContext
 
     def __call__(self, prompts_path: Path) -> EvalReport:
-        from dflash.eval.dflash2_drafter import with_selector_figures, with_unary
-        from dflash.eval.prompt_lookup import PromptLookupDrafter
-        from dflash.eval.report import build_report
-
         prompts = encode_prompts(self.tokenizer, prompts_path, self.num_prompts, self.profile.generate.thinking)
+        results, threads = self._decode(prompts)
+        return self._report(results, threads, prompts_path, prompt_set_label(prompts_path))
+
+    def benchmark(self, name: str, samples: Sequence[BenchPrompt], prompts_path: Path) -> EvalReport:
+        """A benchmark's samples: every first turn, then (mt-bench) every second turn after the first
+        turn's answer (target-only greedy decoding's, which a lossless drafter's equals), in one report."""
+        thinking = self.profile.generate.thinking
+        first = [encode_messages(self.tokenizer, s.prompt_id, [_user(s.turns[0])], thinking) for s in samples]
+        results, threads = self._decode(first)
+        later = []
+        for sample, runs in zip(samples, results):
+            conversation = [_user(sample.turns[0])]
+            answer = runs.runs[TARGET].tokens
+            for number, turn in enumerate(sample.turns[1:], start=2):
+                conversation += [{"role": "assistant", "content": str(self.tokenizer.decode(answer, skip_special_tokens=True))},
+                                 _user(turn)]
+                later.append(encode_messages(self.tokenizer, f"{sample.prompt_id}-turn{number}", list(conversation), thinking))
+        if later:          # two turns at most (mt-bench): the second turns decode together
+            more, _ = self._decode(later)
+            results += more
+        turns = "both turns" if later else "one turn"
+        return self._report(results, threads, prompts_path,
+                            f"benchmark {name} ({len(samples)} samples, {turns}; {prompts_path.name}: first turns)")
+
+    def _decode(self, prompts: Sequence[EncodedPrompt]) -> tuple[list[PromptRuns], int]:
+        from dflash.eval.dflash2_drafter import with_unary
+        from dflash.eval.prompt_lookup import PromptLookupDrafter
+
         lookup = PromptLookupDrafter(max_ngram=self.profile.eval.prompt_lookup_max_ngram)
         with cpu_threads(self.model, self.profile.eval.cpu_threads):
             threads = _torch_threads()
             results = decode_prompts(self.model, [*with_unary(self.draft), lookup], prompts, self.settings,
                                      self.context.seed or 0, self.draft.layer_ids)
+        return results, threads
+
+    def _report(self, results: list[PromptRuns], threads: int, prompts_path: Path, label: str) -> EvalReport:
+        from dflash.eval.dflash2_drafter import with_selector_figures
+        from dflash.eval.report import build_report
+
         context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
-                          prompt_set=prompt_set_label(prompts_path), baseline=inprocess_baseline(self.profile, threads))
+                          prompt_set=label, baseline=inprocess_baseline(self.profile, threads))
         report = build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
                               context=context)
-        return with_selector_figures(report, self.draft, len(prompts))
+        return with_selector_figures(report, self.draft, len(results))
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def load_benchmarks(profile: Profile, options: EvalOptions, count: int) -> dict[str, list[BenchPrompt]]:
+    """Each benchmark's first `count` samples (z-lab's order), by name; InputError when its data is missing."""
+    from dflash.prompts.benchmarks import load_benchmark
+
+    directory = bench_dir(profile, options)
+    return {name: load_benchmark(name, directory, count) for name in benchmark_names(profile, options)}
 
 
 def inprocess_baseline(profile: Profile, threads: int) -> str:
@@ -232,11 +287,13 @@ def manifest_figures(report: EvalReport) -> dict[str, object]:
     if lift is not None:
         figures[f"{prefix}selector_lift"] = round(lift, 3)
     for extra in report.also_sets:
-        stem = Path(extra.prompts_file or extra.report).stem
+        stem = f"{prefix}bench_{extra.benchmark}" if extra.benchmark else Path(extra.prompts_file or extra.report).stem
         figures[f"{stem}_prompt_set"] = extra.prompt_set
         for name, brief in extra.methods.items():
             if name != TARGET and brief.mean_tau is not None:
                 figures[f"{stem}_{name}_tau"] = round(brief.mean_tau, 3)
+            if extra.benchmark and name != TARGET and brief.identical_to_target is not None:
+                figures[f"{stem}_{name}_lossless"] = brief.identical_to_target
     return figures
 
 

@@ -32,6 +32,8 @@ class EvalOptions:
     temperature: Optional[float] = None     # None: eval.temperature
     seed: Optional[int] = None              # None: eval.seed
     engine: Optional[str] = None            # None: eval.engine (transformers = in-process; sglang / vllm: served)
+    benchmarks: Optional[tuple[str, ...]] = None   # None: eval.benchmarks (dflash.prompts.benchmarks)
+    bench_dir: Optional[str] = None         # local copies of gsm8k, math500, mbpp (None: eval.bench_dir)
 
 
 @dataclass
@@ -71,3 +73,30 @@ def prompt_set_label(path: Path) -> str:
     `in-distribution held-out (...)`, `training prompts (...)`, or `your prompts (NAME)`."""
     kind = SHIPPED_SETS.get(Path(path).resolve(), "your prompts")
     return f"{kind} ({Path(path).name})"
+
+
+def benchmark_names(profile: Profile, options: EvalOptions) -> tuple[str, ...]:
+    """`--bench`, else `eval.benchmarks`; each name checked (ConfigError listing the valid ones)."""
+    from dflash.prompts.benchmarks import parse_bench_names
+
+    names = options.benchmarks if options.benchmarks is not None else profile.eval.benchmarks
+    return parse_bench_names(names) if names else ()
+
+
+def bench_dir(profile: Profile, options: EvalOptions) -> Optional[Path]:
+    if options.bench_dir:
+        return Path(options.bench_dir)
+    return expand_path(profile, profile.eval.bench_dir) if profile.eval.bench_dir else None
+
+
+def benchmark_prompts_file(eval_dir: Path, name: str, prompts: list) -> Path:
+    """The first turns of a benchmark's samples as a prompts JSONL file (`eval/bench/<name>/prompts.jsonl`):
+    what the served check sends and what the report points to."""
+    import json
+
+    from dflash.prompts.benchmarks import first_turn_records
+    from launcher_core.fileio import write_text_atomic
+
+    path = eval_dir / "bench" / name / "prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in first_turn_records(prompts)))

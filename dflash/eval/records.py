@@ -11,7 +11,8 @@ field. Layout, version 3 (versions 1, without `report_version`, and 2 are read t
      block_size, temperature, num_prompts,
      methods: {name: MethodFigures},
      prompts: [{id, prompt_tokens, methods: {name: MethodFigures}}]   (in-process),
-     also_sets: [{prompt_set, prompts_file, num_prompts, report, methods}]  (eval.also_prompts),
+     also_sets: [{prompt_set, prompts_file, num_prompts, report, methods, benchmark}]  (eval.also_prompts,
+                 eval.benchmarks: `benchmark` names the benchmark),
      parity: {name: ParityRow}, inprocess: EvalReport without prompts  (eval --engine)}
 
 Keys whose value is not known for a report's kind are left out (the in-process report has no
@@ -51,7 +52,8 @@ class MethodFigures:
 
     def brief(self) -> MethodFigures:
         """What an `also_sets` entry keeps of a method."""
-        return MethodFigures(self.mean_tau, self.tokens_per_s, self.speedup, self.identical_to_target)
+        return MethodFigures(self.mean_tau, self.tokens_per_s, self.speedup, self.identical_to_target,
+                             position_acceptance=self.position_acceptance)
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if key in _ALWAYS or value is not None}
@@ -89,27 +91,31 @@ class PromptFigures:
 
 @dataclass(frozen=True)
 class SetBrief:
-    """An extra prompt set (`eval.also_prompts`) as the main report lists it; its own report is at `report`."""
+    """An extra prompt set (`eval.also_prompts`, or a benchmark of `eval.benchmarks`) as the main report
+    lists it; its own report is at `report`."""
 
     prompt_set: Optional[str]
     prompts_file: Optional[str]
     num_prompts: int
     report: str
     methods: dict[str, MethodFigures]
+    benchmark: Optional[str] = None      # gsm8k, humaneval, ... (dflash.prompts.benchmarks); None: a prompts file
 
     @classmethod
-    def of(cls, report: EvalReport, report_path: Path) -> SetBrief:
+    def of(cls, report: EvalReport, report_path: Path, benchmark: Optional[str] = None) -> SetBrief:
         return cls(report.context.prompt_set, report.context.prompts_file, report.num_prompts, str(report_path),
-                   {name: method.brief() for name, method in report.methods.items()})
+                   {name: method.brief() for name, method in report.methods.items()}, benchmark)
 
     def to_json(self) -> dict[str, object]:
-        return {"prompt_set": self.prompt_set, "prompts_file": self.prompts_file, "num_prompts": self.num_prompts,
-                "report": self.report, "methods": _methods_json(self.methods)}
+        document: dict[str, object] = {"prompt_set": self.prompt_set, "prompts_file": self.prompts_file,
+                                       "num_prompts": self.num_prompts, "report": self.report,
+                                       "methods": _methods_json(self.methods)}
+        return {**document, "benchmark": self.benchmark} if self.benchmark else document
 
     @classmethod
     def from_json(cls, data: _Fields) -> SetBrief:
         return cls(data.text_or_none("prompt_set"), data.text_or_none("prompts_file"), data.integer("num_prompts"),
-                   data.text("report"), _methods(data))
+                   data.text("report"), _methods(data), data.text_or_none("benchmark"))
 
     @property
     def label(self) -> str:

@@ -130,6 +130,7 @@ def render_markdown(report: EvalReport) -> str:
                     [[name, m.mean_tau, m.steps, m.new_tokens, m.tokens_per_s, m.speedup, m.identical_to_target]
                      for name, m in methods.items()])
     lines += _also_sets_table(report, drafted)
+    lines += _benchmarks_table(report, drafted)
     lines += ["", "## tau histogram (steps)", ""]
     lines += _table(["tau"] + drafted, [[t] + [(methods[n].tau_histogram or {}).get(str(t)) for n in drafted]
                                         for t in range(1, block + 1)])
@@ -161,14 +162,34 @@ def _at(values: Optional[Sequence[Optional[float]]], index: int) -> Optional[flo
 
 
 def _also_sets_table(report: EvalReport, drafted: Sequence[str]) -> list[str]:
-    if not report.also_sets:
+    sets = [extra for extra in report.also_sets if not extra.benchmark]
+    if not sets:
         return []
     header = ["prompt set", "prompts"] + [f"{n} tau" for n in drafted] + [f"{n} speedup" for n in drafted] + ["report"]
     rows = [[extra.prompt_set, extra.num_prompts]
             + [extra.methods[n].mean_tau if n in extra.methods else None for n in drafted]
             + [extra.methods[n].speedup if n in extra.methods else None for n in drafted] + [extra.report]
-            for extra in report.also_sets]
+            for extra in sets]
     return ["", "## Other prompt sets", "", *_table(header, rows)]
+
+
+def _benchmarks_table(report: EvalReport, drafted: Sequence[str]) -> list[str]:
+    """`eval.benchmarks`: one row per benchmark and drafting method (tau, acceptance per block position,
+    speedup, lossless)."""
+    sets = [extra for extra in report.also_sets if extra.benchmark]
+    if not sets:
+        return []
+    header = ["benchmark", "decoded turns", "method", "mean tau", "acceptance at positions 1..B-1", "speedup",
+              "identical to target", "report"]
+    rows = [[extra.benchmark, extra.num_prompts, name, method.mean_tau, acceptance_cell(method.position_acceptance),
+             method.speedup, method.identical_to_target, extra.report]
+            for extra in sets for name in drafted if (method := extra.methods.get(name)) is not None]
+    return ["", "## Benchmarks", "", *_table(header, rows)]
+
+
+def acceptance_cell(shares: Optional[Sequence[float]]) -> Optional[str]:
+    """`0.81 0.62 0.40 ...`: the accepted share at each block position, in one cell."""
+    return None if shares is None else " ".join(f"{share:.2f}" for share in shares)
 
 
 def _per_prompt_table(report: EvalReport, drafted: Sequence[str]) -> list[str]:

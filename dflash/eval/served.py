@@ -67,11 +67,37 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     """`eval --engine`: `eval/engine-<engine>.{json,md}` written, then ParityFailed if the gate fails."""
     from dflash.eval.options import EvalSummary
     from dflash.eval.parity import check_parity
+    from dflash.eval.records import SetBrief
 
+    benchmarks = served_benchmarks(profile, options, run_dir / "eval")   # before any model loads or server starts
+    briefs, written = [], []
+    for name, (prompts_path, count) in benchmarks.items():
+        bench = engine_eval(profile, run_dir, checkpoint, options, engine, launch, prompts=(prompts_path, count),
+                            label=f"benchmark {name} ({count} samples, first turns: {prompts_path.name})")
+        bench_files = write_engine_reports(bench.report, prompts_path.parent)
+        briefs.append(SetBrief.of(bench.report, bench_files[0], benchmark=name))
+        written.append((bench.report, bench_files))
     result = engine_eval(profile, run_dir, checkpoint, options, engine, launch)
-    files = write_engine_reports(result.report, run_dir / "eval")
-    check_parity(result.report.parity, str(files[0]))
-    return EvalSummary(report=result.report, files=files)
+    report = replace(result.report, also_sets=briefs)
+    files = write_engine_reports(report, run_dir / "eval")
+    for bench_report, bench_files in written:
+        check_parity(bench_report.parity, str(bench_files[0]))
+    check_parity(report.parity, str(files[0]))
+    return EvalSummary(report=report, files=files + [path for _, paths in written for path in paths])
+
+
+def served_benchmarks(profile: Profile, options: EvalOptions, eval_dir: Path) -> dict[str, tuple[Path, int]]:
+    """`--bench` / `eval.benchmarks` for the served check: each benchmark's first turns (z-lab's OpenAI-server
+    benchmark sends the first turn only) as `eval/bench/<name>/prompts.jsonl`, and how many."""
+    from dflash.eval.options import bench_dir, benchmark_names, benchmark_prompts_file
+    from dflash.prompts.benchmarks import load_benchmark
+
+    count = options.num_prompts or profile.eval.num_prompts
+    found = {}
+    for name in benchmark_names(profile, options):
+        samples = load_benchmark(name, bench_dir(profile, options), count)
+        found[name] = (benchmark_prompts_file(eval_dir, name, samples), len(samples))
+    return found
 
 
 def write_engine_reports(report: EvalReport, eval_dir: Path) -> list[Path]:
@@ -83,8 +109,10 @@ def write_engine_reports(report: EvalReport, eval_dir: Path) -> list[Path]:
 
 
 def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions, engine: str,
-                launch: Optional[Sequence[str]] = None) -> EngineEval:
-    """Steps 1-4 of the module doc, nothing written but the export and the engine logs."""
+                launch: Optional[Sequence[str]] = None, prompts: Optional[tuple[Path, int]] = None,
+                label: Optional[str] = None) -> EngineEval:
+    """Steps 1-4 of the module doc, nothing written but the export and the engine logs; `prompts`:
+    (prompts file, count) instead of the eval's own set (a benchmark's), `label` naming them."""
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.records import ReportContext
@@ -93,17 +121,17 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     version = check_engine_installed(engine, profile) if launch is None else None
     check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))
     target = resolve_model_path(profile.model.target)
-    prompts_path = eval_prompts_path(profile, options.prompts_path)
+    prompts_path, count = prompts or (eval_prompts_path(profile, options.prompts_path),
+                                      options.num_prompts or profile.eval.num_prompts)
     settings = engine_settings(profile, options)
-    inprocess = inprocess_decode(profile, checkpoint, prompts_path, options.num_prompts or profile.eval.num_prompts,
-                                 settings)
+    inprocess = inprocess_decode(profile, checkpoint, prompts_path, count, settings)
     settings = replace(settings, stop_token_ids=inprocess.stop_token_ids, block_size=inprocess.report.block_size)
     eval_dir = run_dir / "eval"
     drafter = export_for_engine(engine, checkpoint, target, eval_dir, version)
     runs = run_engines(engine, profile, target, drafter, settings.block_size, inprocess.prompt_ids, settings,
                        eval_dir / "logs", launch)
     context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
-                            prompts_file=str(prompts_path), prompt_set=prompt_set_label(prompts_path),
+                            prompts_file=str(prompts_path), prompt_set=label or prompt_set_label(prompts_path),
                             max_new_tokens=settings.max_new_tokens, seed=settings.seed, served_drafter=str(drafter),
                             baseline=served_baseline(engine, profile))
     report = engine_report(engine, runs, block_size=settings.block_size, temperature=settings.temperature,
@@ -186,6 +214,18 @@ def render_engine_markdown(report: EvalReport) -> str:
         same = "-" if m.identical_to_target is None else ("yes" if m.identical_to_target else "NO")
         speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
         lines.append(f"| {name} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
+    if report.also_sets:
+        from dflash.eval.report import acceptance_cell
+
+        lines += ["", "## Benchmarks (served, first turns)", "",
+                  "| benchmark | prompts | method | engine tau | acceptance at positions 1..B-1 | speedup | "
+                  "same tokens as target | report |", "|---|---|---|---|---|---|---|---|"]
+        for extra in report.also_sets:
+            for name, m in extra.methods.items():
+                if name != "target":
+                    lines.append(f"| {extra.label if not extra.benchmark else extra.benchmark} | {extra.num_prompts} "
+                                 f"| {name} | {_cell(m.mean_tau)} | {acceptance_cell(m.position_acceptance) or '-'} "
+                                 f"| {_cell(m.speedup)} | {_flag(m.identical_to_target)} | {extra.report} |")
     if report.parity:
         from dflash.eval.parity import GateConstants, parity_lines, prompt_parity_lines
 
@@ -193,6 +233,14 @@ def render_engine_markdown(report: EvalReport) -> str:
                       f"{GateConstants().describe()})", "", *parity_lines(report.parity),
                   *prompt_parity_lines(report.parity)]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _flag(value: Optional[bool]) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
 
 
 def _same_output(run: EngineRun, target: EngineRun) -> bool:

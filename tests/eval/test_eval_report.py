@@ -73,7 +73,9 @@ def test_the_in_process_report_reads_back_as_written(tmp_path):
     document = json.loads(report.write_json(tmp_path / "report.json").read_text())
     assert document["report_version"] == REPORT_VERSION and document["profile"] == "p" and document["torch_threads"] == 1
     assert "engine" not in document and "parity" not in document and "tau_source" not in document["methods"]["dflash"]
-    assert set(document["also_sets"][0]["methods"]["dflash"]) == {"mean_tau", "speedup", "tokens_per_s", "identical_to_target"}
+    assert set(document["also_sets"][0]["methods"]["dflash"]) == {"mean_tau", "speedup", "tokens_per_s", "identical_to_target",
+                                                                  "position_acceptance"}
+    assert "benchmark" not in document["also_sets"][0]
     assert read_report(tmp_path / "report.json") == report
 
 
@@ -96,7 +98,7 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                             "one cached forward a token")
     inner = EvalReport(3, 0.0, 1, {"dflash": method})
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
-                        [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method})],
+                        [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method}, "humaneval")],
                         {"dflash": row}, inner)
     for record in (method, row, (row.prompts or [])[0], context, report, report.prompts[0], report.also_sets[0]):
         assert every_field_set(record), record
