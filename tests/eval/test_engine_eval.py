@@ -667,3 +667,32 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
                                 served_position_acceptance=[0.4, 0.2, 0.1])   # as vLLM lists them
     assert "per position 0.40/0.60 0.20/0.50 0.10/0.40 0.00/0.40 0.00/0.00 0.00/0.00 0.00/0.00 " in \
         parity_summary({"dflash": short})[1]
+
+
+@pytest.mark.slow
+def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_each(sharp_target, tiny_drafter, tmp_path):
+    """`eval --engine --bench humaneval`: the benchmark's samples (z-lab's choice and wrapping, first turns as its
+    served benchmark sends them) served and decoded in-process, its own engine report and parity gate, and a row
+    in the main engine report beside the default set."""
+    from dflash.eval.evaluate import EvalOptions
+    from dflash.eval.records import read_report
+    from dflash.eval.served import evaluate_with_engine
+    from dflash.prompts.benchmarks import load_benchmark
+
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(sharp_target)),
+                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8))
+    summary = evaluate_with_engine(profile, tmp_path / "run", tiny_drafter,
+                                   EvalOptions(num_prompts=2, benchmarks=("humaneval",)), "sglang",
+                                   launch=[sys.executable, str(STANDIN), "sglang", "--mode", "honest"])
+    bench_dir = tmp_path / "run" / "eval" / "bench" / "humaneval"
+    bench = read_report(bench_dir / "engine-sglang.json")
+    assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == 2
+    assert bench.inprocess is not None and bench.inprocess.num_prompts == 2
+    assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
+    sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["messages"][0]["content"]) for r in sent] == \
+        [(p.prompt_id, p.turns[0]) for p in load_benchmark("humaneval", count=2)]
+    [brief] = summary.report.also_sets
+    assert brief.benchmark == "humaneval" and brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
+    assert "## Benchmarks (served, first turns)" in (tmp_path / "run" / "eval" / "engine-sglang.md").read_text()
