@@ -304,7 +304,9 @@ def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, forc
     ctx = PipelineContext(profile, expand_path(profile, profile.paths.run_dir), force_audit, redo_from(redo))
     chosen = select_stages(stages if stages is not None else default_stages(), stop_after)
     if any(stage.name == "eval" for stage in chosen):
-        from dflash.eval.options import also_prompt_paths
+        from dflash.eval.evaluate import load_benchmarks
+        from dflash.eval.options import EvalOptions, also_prompt_paths
 
         also_prompt_paths(profile, None)   # a missing eval.also_prompts file fails now, not after training
+        load_benchmarks(profile, EvalOptions(), profile.eval.num_prompts)   # and eval.benchmarks' missing data
     return run_stages(chosen, ctx)

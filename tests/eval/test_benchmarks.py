@@ -159,3 +159,11 @@ def test_eval_bench_decodes_each_benchmark_into_its_own_row(tiny_qwen3_target, t
     markdown = (run_dir / "eval" / "report.md").read_text()
     assert "## Benchmarks" in markdown
     assert sum(line.startswith(("| humaneval | 2 |", "| mt-bench | 4 |")) for line in markdown.splitlines()) == 4
+
+
+def test_math500_from_a_save_to_disk_folder(tmp_path):
+    import datasets
+
+    rows = [{"problem": f"Problem {i}.", "answer": str(i)} for i in range(3)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "math500"))
+    assert sorted(p.turns[0] for p in load_benchmark("math500", tmp_path)) == sorted(f"Problem {i}." + BOXED for i in range(3))

@@ -256,3 +256,17 @@ def test_this_environments_sglang_serves_the_flagship_drafter_from_0_5_14(monkey
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert sglang_here_serves(load_profile("rtx6000-x8")) is serves
+
+
+def test_missing_benchmark_data_stops_the_pipeline_before_the_first_stage(recorder, tmp_path, monkeypatch):
+    import dataclasses
+
+    from launcher_core.errors import InputError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    profile = load_profile("cpu-demo")
+    profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, benchmarks=("humaneval", "mbpp"),
+                                                                    bench_dir=str(tmp_path)))
+    with pytest.raises(InputError, match=r"benchmark mbpp: dataset google-research-datasets/mbpp \(sanitized\), split test"):
+        run_pipeline(profile, run_dir=recorder.run_dir, stages=recorder.stages())
+    assert recorder.calls == []
