@@ -106,7 +106,10 @@ def summary_lines(report: EvalReport) -> str:
     for extra in report.also_sets:
         what = f"benchmark {extra.benchmark}, {extra.num_prompts} turns" if extra.benchmark else \
             f"also {extra.num_prompts} prompts ({extra.prompt_set})"
-        lines.append(f"{what}: {drafted_figures(extra.methods)}  (report: {extra.report})")
+        flags = [f"{name} {'identical to target' if m.identical_to_target else 'OUTPUT DIFFERS FROM TARGET'}"
+                 for name, m in extra.methods.items() if extra.benchmark and m.identical_to_target is not None]
+        lines.append(f"{what}: {drafted_figures(extra.methods)}{'; ' + ', '.join(flags) if flags else ''}  "
+                     f"(report: {extra.report})")
     if report.parity:
         from dflash.eval.parity import parity_summary
 

@@ -53,7 +53,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, path: Path, count: int, t
 def encode_messages(tokenizer: PreTrainedTokenizerBase, prompt_id: str, messages: list, thinking: bool,
                     tools: Optional[list] = None) -> EncodedPrompt:
     """One conversation rendered with the chat template and a generation prompt, then tokenized."""
-    text = tokenizer.apply_chat_template(messages, tools=tools or None,  # transformers annotates str-only messages; tool calls render too
+    text = tokenizer.apply_chat_template(messages, tools=tools or None,  # tool calls render too
                                          add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
     return EncodedPrompt(prompt_id, list(tokenizer(str(text), add_special_tokens=False)["input_ids"]))
 
@@ -108,8 +108,9 @@ def cpu_threads(model: PreTrainedModel, threads: int) -> Iterator[None]:
 
 
 def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts: Sequence[EncodedPrompt],
-                   settings: DecodeSettings, seed: int, layer_ids: Sequence[int]) -> list[PromptRuns]:
-    """Every prompt with target-only decoding and each drafter, in turn (same machine state)."""
+                   settings: DecodeSettings, seed: int, layer_ids: Sequence[int], warm_up: bool = True) -> list[PromptRuns]:
+    """Every prompt with target-only decoding and each drafter, in turn (same machine state); `warm_up`
+    False: no short decode first (the methods ran just before)."""
     import torch
     from tqdm import tqdm
 
@@ -118,7 +119,8 @@ def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts:
 
     verifier = TargetVerifier(model, layer_ids)
     methods: list[Drafter] = [NoDrafter(), *drafters]
-    _warm_up(verifier, methods, prompts[0].token_ids, settings)
+    if warm_up:
+        _warm_up(verifier, methods, prompts[0].token_ids, settings)
     results = []
     for prompt in tqdm(prompts, desc="eval", unit="prompt"):
         entry = PromptRuns(prompt.prompt_id, len(prompt.token_ids))
@@ -210,14 +212,14 @@ class _SetDecoder:
                 conversation += [{"role": "assistant", "content": str(self.tokenizer.decode(answer, skip_special_tokens=True))},
                                  _user(turn)]
                 later.append(encode_messages(self.tokenizer, f"{sample.prompt_id}-turn{number}", list(conversation), thinking))
-        if later:          # two turns at most (mt-bench): the second turns decode together
-            more, _ = self._decode(later)
+        if later:          # two turns at most (mt-bench): the second turns decode together, right after the first
+            more, _ = self._decode(later, warm_up=False)
             results += more
         turns = "both turns" if later else "one turn"
         return self._report(results, threads, prompts_path,
                             f"benchmark {name} ({len(samples)} samples, {turns}; {prompts_path.name}: first turns)")
 
-    def _decode(self, prompts: Sequence[EncodedPrompt]) -> tuple[list[PromptRuns], int]:
+    def _decode(self, prompts: Sequence[EncodedPrompt], warm_up: bool = True) -> tuple[list[PromptRuns], int]:
         from dflash.eval.dflash2_drafter import with_unary
         from dflash.eval.prompt_lookup import PromptLookupDrafter
 
@@ -225,7 +227,7 @@ class _SetDecoder:
         with cpu_threads(self.model, self.profile.eval.cpu_threads):
             threads = _torch_threads()
             results = decode_prompts(self.model, [*with_unary(self.draft), lookup], prompts, self.settings,
-                                     self.context.seed or 0, self.draft.layer_ids)
+                                     self.context.seed or 0, self.draft.layer_ids, warm_up)
         return results, threads
 
     def _report(self, results: list[PromptRuns], threads: int, prompts_path: Path, label: str) -> EvalReport:
@@ -236,7 +238,7 @@ class _SetDecoder:
                           prompt_set=label, baseline=inprocess_baseline(self.profile, threads))
         report = build_report(results, block_size=self.settings.block_size, temperature=self.settings.temperature,
                               context=context)
-        return with_selector_figures(report, self.draft, len(results))
+        return with_selector_figures(report, self.draft, len(results))   # the last decoded prompts, no warm-up between
 
 
 def _user(text: str) -> dict[str, str]:

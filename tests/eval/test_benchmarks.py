@@ -156,6 +156,7 @@ def test_eval_bench_decodes_each_benchmark_into_its_own_row(tiny_qwen3_target, t
             assert figures["mean_tau"] == report["methods"][method]["mean_tau"]
             assert len(figures["position_acceptance"]) == 3 and figures["speedup"] > 0
         assert f"benchmark {name}, {len(expected)} turns: dflash tau" in out
+        assert "dflash identical to target, prompt_lookup identical to target" in out
     markdown = (run_dir / "eval" / "report.md").read_text()
     assert "## Benchmarks" in markdown
     assert sum(line.startswith(("| humaneval | 2 |", "| mt-bench | 4 |")) for line in markdown.splitlines()) == 4
@@ -167,3 +168,20 @@ def test_math500_from_a_save_to_disk_folder(tmp_path):
     rows = [{"problem": f"Problem {i}.", "answer": str(i)} for i in range(3)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "math500"))
     assert sorted(p.turns[0] for p in load_benchmark("math500", tmp_path)) == sorted(f"Problem {i}." + BOXED for i in range(3))
+
+
+@pytest.mark.slow
+def test_the_demo_drafter_on_humaneval_and_mtbench_is_lossless_with_a_row_each(demo_drafter, smollm2_dir, tmp_path, capsys):
+    """The cpu-demo drafter (trained on SmolLM2's answers) on two HumanEval and two MT-Bench samples, in-process:
+    every turn decoded lossless by DFlash and prompt lookup, one row per benchmark and method."""
+    profile = write_eval_profile(tmp_path, smollm2_dir, "num_prompts = 2\nmax_new_tokens = 16\ndraft_tokens = 3")
+    assert launcher.main(["eval", "--profile", str(profile), "--draft", str(demo_drafter),
+                          "--bench", "humaneval,mt-bench", "--num-prompts", "2"]) == 0
+    main = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert {b["benchmark"]: b["num_prompts"] for b in main["also_sets"]} == {"humaneval": 2, "mt-bench": 4}
+    for brief in main["also_sets"]:
+        for method in ("dflash", "prompt_lookup"):
+            figures = brief["methods"][method]
+            assert figures["identical_to_target"] is True and figures["mean_tau"] >= 1.0
+            assert len(figures["position_acceptance"]) == 7
+    assert "benchmark mt-bench, 4 turns: dflash tau" in capsys.readouterr().out
