@@ -13,6 +13,7 @@ from test_eval_command import write_eval_profile
 import launcher
 from dflash.prompts.benchmarks import BENCHMARKS, build_prompts, humaneval_rows, load_benchmark, select
 from launcher_core.errors import ConfigError, InputError
+from launcher_core.manifest import read_manifest
 
 # z-lab's wrappers, written out by hand from its source (not through our module's constants)
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -157,6 +158,11 @@ def test_eval_bench_decodes_each_benchmark_into_its_own_row(tiny_qwen3_target, t
             assert len(figures["position_acceptance"]) == 3 and figures["speedup"] > 0
         assert f"benchmark {name}, {len(expected)} turns: dflash tau" in out
         assert "dflash identical to target, prompt_lookup identical to target" in out
+    entry = read_manifest(run_dir)["stages"]["eval"]
+    for brief in main["also_sets"]:
+        stem = f"bench_{brief['benchmark']}"
+        assert entry[f"{stem}_dflash_tau"] == pytest.approx(brief["methods"]["dflash"]["mean_tau"], abs=1e-3)
+        assert entry[f"{stem}_dflash_lossless"] is True and entry[f"{stem}_prompt_lookup_lossless"] is True
     markdown = (run_dir / "eval" / "report.md").read_text()
     assert "## Benchmarks" in markdown
     assert sum(line.startswith(("| humaneval | 2 |", "| mt-bench | 4 |")) for line in markdown.splitlines()) == 4
