@@ -3,7 +3,8 @@
 What the launcher knows when torchrun has exited:
 
 * `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
-  a full disk is recorded as such (`kind` "disk_full");
+  a full disk is recorded as such (`kind` "disk_full"), and the rank ends without a traceback, as
+  does torchrun's report of it (dflash.train.agent.cause_recorded);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
   (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
 * the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
@@ -37,7 +38,11 @@ class _RankFailureBase(TypedDict):
 class RankFailure(_RankFailureBase, total=False):
     """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
 
-    kind: str                       # "disk_full" for a full disk
+    kind: str                       # "disk_full" (a full disk)
+
+
+# The failure kinds named by their message alone: the record's kind -> FailureCause.kind (the manifest's ended_by).
+NAMED_KINDS = {"disk_full": "disk full"}
 
 
 class AgentRank(TypedDict):
@@ -188,8 +193,9 @@ def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str
 
 
 def _recorded(first: RankFailure, hint: str, logs: Path) -> FailureCause:
-    if first.get("kind") == "disk_full":
-        return FailureCause("disk full", first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
+    named = NAMED_KINDS.get(first.get("kind", ""))
+    if named is not None:
+        return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
     tail = "\n".join(first["traceback"].rstrip().splitlines()[-15:])
     return FailureCause("rank failed", first["rank"], f"rank {first['rank']} failed first: {first['error']}\n{tail}\n"
                         f"(all rank logs: {logs}; {hint})")
