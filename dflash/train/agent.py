@@ -131,8 +131,8 @@ def quiet_when_cause_recorded(run_dir: Optional[Path]) -> None:
 
 
 def cause_recorded(run_dir: Optional[Path]) -> bool:
-    """A rank recorded its failure with a `kind` (dflash.train.failures: a full disk), whose message the
-    launcher prints as the run's one line."""
+    """A rank recorded its failure with a `kind` (dflash.train.failures: a full disk, a loss that cannot
+    train), whose message the launcher prints as the run's one line."""
     import json
 
     for path in (run_dir / "train" / "failures").glob("rank-*.json") if run_dir is not None else ():

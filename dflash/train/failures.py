@@ -3,8 +3,9 @@
 What the launcher knows when torchrun has exited:
 
 * `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
-  a full disk is recorded as such (`kind` "disk_full"), and the rank ends without a traceback, as
-  does torchrun's report of it (dflash.train.agent.cause_recorded);
+  a full disk (`kind` "disk_full") and a loss that cannot train (`kind` "loss_unusable",
+  dflash.train.loss_check) are recorded as such, and the rank ends without a traceback, as does
+  torchrun's report of it (dflash.train.agent.cause_recorded);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
   (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
 * the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
@@ -38,11 +39,11 @@ class _RankFailureBase(TypedDict):
 class RankFailure(_RankFailureBase, total=False):
     """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
 
-    kind: str                       # "disk_full" (a full disk)
+    kind: str                       # "disk_full" (a full disk), "loss_unusable" (dflash.train.loss_check)
 
 
 # The failure kinds named by their message alone: the record's kind -> FailureCause.kind (the manifest's ended_by).
-NAMED_KINDS = {"disk_full": "disk full"}
+NAMED_KINDS = {"disk_full": "disk full", "loss_unusable": "loss unusable"}
 
 
 class AgentRank(TypedDict):
@@ -70,7 +71,7 @@ class RunEnd:
 @dataclass(frozen=True)
 class FailureCause:
     """`kind` (the manifest's `ended_by`): "rank stopped", "rank stuck", "agent killed", "rank killed",
-    "rank failed", "disk full" or "unknown"; the rank to blame, when one is; the message."""
+    "rank failed", "disk full", "loss unusable" or "unknown"; the rank to blame, when one is; the message."""
 
     kind: str
     rank: Optional[int]

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def end_recorded_rank() -> NoReturn:
-    """End a rank whose failure's cause is recorded and named by the launcher (a full disk) with RECORDED_EXIT and no traceback. A forked rank raises SystemExit: multiprocessing turns it into
+    """End a rank whose failure's cause is recorded and named by the launcher (a full disk, an unusable
+    loss) with RECORDED_EXIT and no traceback. A forked rank raises SystemExit: multiprocessing turns it into
     the exit code, quietly, after its own clean-up (os._exit there would leave its semaphores to the
     resource tracker's warning); a rank that is a command of its own exits without finalization (end_rank)."""
     if started_by_elastic():
@@ -168,7 +169,8 @@ def die_with_agent() -> None:
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure:
     """train/failures/rank-R.json, and the record written. A cause the user acts on is recorded as such,
     with its `kind` and its own message, not the writer's words: a full disk ("disk_full": the DiskFull
-    message with the path, bytes needed and free)."""
+    message with the path, bytes needed and free) or a loss that cannot train ("loss_unusable": the
+    DataError of dflash.train.loss_check)."""
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
@@ -189,8 +191,11 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure
 def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
     """(kind, the error to name) of a cause the launcher names by its message; ("", None) for any other."""
     from dflash.train.checkpointing import WRITING
+    from dflash.train.loss_check import UnusableLoss
     from launcher_core.diskfull import disk_full_of
 
+    if isinstance(error, UnusableLoss):
+        return "loss_unusable", error
     full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), WRITING)
     return ("disk_full", full) if full is not None else ("", None)
 
@@ -281,6 +286,7 @@ class StopFlag:
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
     from dflash.train.dist import gather_memory_mib
+    from dflash.train.loss_check import check_step
     from dflash.train.step import run_next_step
     from dflash.train.validation import start_validation
 
@@ -291,6 +297,7 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
     try:
         while state.step < total:
             stats, epoch = run_next_step(state)
+            check_step(state, stats, profile)     # every rank alike, before these weights reach a save
             saves.poll()
             held_out = validation.after_step(state) if validation else None     # every rank, when due
             state.progress.enter("reduction")
