@@ -260,6 +260,9 @@ def _check_supervision(profile: Profile, where: _KeyFiles, problems: list[str]) 
                           f"tokenized at{at}, at least {found.earliest + 2}"))
 
 
+SCAN_ROWS = 256      # rows scanned at once: a bounded slice of a record batch, whatever its size
+
+
 @dataclass(frozen=True)
 class AnchorScan:
     """What the rows of a dataset hold at a given max_length: whether one row has an anchor inside it
@@ -286,21 +289,24 @@ def anchors_within(dataset: Path, max_length: int) -> Optional[AnchorScan]:
             for batch in pa.ipc.open_stream(pa.memory_map(str(dataset / name))):
                 if "loss_mask" not in batch.schema.names:
                     return None
-                scan = _scan_batch(batch.column("loss_mask"), max_length, scan)
-                if scan.usable:
-                    return scan
+                masks = batch.column("loss_mask")
+                for start in range(0, len(masks), SCAN_ROWS):
+                    scan = _scan_rows(masks.slice(start, SCAN_ROWS), max_length, scan)
+                    if scan.usable:
+                        return scan
     except (OSError, TypeError, pa.ArrowException):
         return None
     return scan
 
 
-def _scan_batch(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
-    """One record batch's list<uint8> loss masks, vectorised: per row, the anchors (mask[i] and mask[i + 1])
-    inside its first `max_length` tokens, and its first anchor anywhere."""
+def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
+    """Rows of list<uint8> loss masks (a slice of a record batch), vectorised: per row, the anchors
+    (mask[i] and mask[i + 1]) inside its first `max_length` tokens, and its first anchor anywhere."""
     import numpy as np
 
     offsets = np.asarray(masks.offsets.to_numpy(), dtype=np.int64)
-    values = np.asarray(masks.values.to_numpy(zero_copy_only=False), dtype=bool)
+    offsets -= offsets[0]                            # a slice's offsets point into the whole batch's values
+    values = np.asarray(masks.flatten().to_numpy(zero_copy_only=False), dtype=bool)
     pair = np.zeros(len(values), dtype=bool)         # an anchor at i: mask[i] and mask[i + 1]
     pair[:-1] = values[:-1] & values[1:]
     pairs = np.concatenate([[0], np.cumsum(pair)])   # anchors before each position

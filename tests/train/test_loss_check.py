@@ -123,13 +123,17 @@ def test_a_dataset_without_two_consecutive_trained_tokens_is_refused_before_laun
     assert str(refused.value).startswith(f"{data}: none of its 8 rows has two consecutive trained tokens")
 
 
-def test_the_launch_check_reads_rows_until_one_holds_a_block(tmp_path):
-    """A late first pair is found at a max_length that reaches it, not below; a long usable dataset is
-    answered from its first rows."""
+@pytest.mark.parametrize("scan_rows", [256, 2])
+def test_the_launch_check_reads_rows_until_one_holds_a_block(tmp_path, monkeypatch, scan_rows):
+    """A late first pair is found at a max_length that reaches it, not below; the same whether the rows
+    are read in one slice or across slices of a record batch."""
     from dflash.data.dataset_io import save_token_rows
+    from dflash.train import launch_checks
     from dflash.train.launch_checks import AnchorScan, anchors_within
 
-    data = save_token_rows(tmp_path / "d", [([7] * 12, [0] * 9 + [1] * 3), ([7] * 6, [0] * 6), ([7] * 30, [0] * 25 + [1] * 5)])
+    monkeypatch.setattr(launch_checks, "SCAN_ROWS", scan_rows)
+
+    data = save_token_rows(tmp_path / "d", [([7] * 30, [0] * 25 + [1] * 5), ([7] * 6, [0] * 6), ([7] * 12, [0] * 9 + [1] * 3)])
     assert anchors_within(data, 11).usable and not anchors_within(data, 10).usable
     assert anchors_within(data, 10) == AnchorScan(usable=False, rows=3, longest=30, earliest=9)
     assert anchors_within(tmp_path / "missing", 10) is None
