@@ -56,6 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     preload_rank_imports()
     report_every_failed_rank()
     run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+    quiet_when_cause_recorded(run_dir)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     pipe = os.environ.pop(PIPE_FD_ENV, "")
     if pipe.isdigit():
@@ -65,7 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChildFailedError as failed:
         if run_dir is not None and not LAUNCHER_GONE.is_set():
             write_agent_record(run_dir, failed)
-        print(str(failed), file=sys.stderr, flush=True)
+        if not cause_recorded(run_dir):
+            print(str(failed), file=sys.stderr, flush=True)
         return 1
     finally:
         while LAUNCHER_GONE.is_set():   # the watch thread is stopping the run: it ends this process
@@ -114,6 +116,32 @@ def report_every_failed_rank() -> None:
         return poll_every_failure
 
     wrap_multiprocess_poll(every_failure, "reports_every_failed_rank")
+
+
+def quiet_when_cause_recorded(run_dir: Optional[Path]) -> None:
+    """Once a rank has recorded a cause the launcher names in one line (`cause_recorded`), torchrun's own
+    report of the failed ranks (the error it logs, with a traceback: its join's, or an echo's in another
+    rank) is left off the terminal; the ranks' logs keep everything."""
+    import logging
+
+    def not_named_elsewhere(record: logging.LogRecord) -> bool:
+        return record.exc_info is None or not cause_recorded(run_dir)
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_named_elsewhere)
+
+
+def cause_recorded(run_dir: Optional[Path]) -> bool:
+    """A rank recorded its failure with a `kind` (dflash.train.failures: a full disk, a loss that cannot
+    train), whose message the launcher prints as the run's one line."""
+    import json
+
+    for path in (run_dir / "train" / "failures").glob("rank-*.json") if run_dir is not None else ():
+        try:
+            if json.loads(path.read_text(encoding="utf-8")).get("kind"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def write_agent_record(run_dir: Path, failed: ChildFailedError) -> None:

@@ -19,6 +19,12 @@ the step's. Rank 0 publishes the checkpoint at the first step boundary after its
 written before it starts the next one, before a SIGTERM stop's save and before the last. A kill at any
 moment leaves `latest` on the previous whole checkpoint and a staging directory that `--resume` removes.
 
+A save that fails removes its staging directory, so `latest` stays on the previous whole checkpoint. A full
+disk is judged where it happens, before that removal and against what the save writes (`save_bytes`):
+DCP gathers every rank's writer error into a CheckpointException, and torch's zip writer reports ENOSPC
+as "unexpected pos ..." without the OSError; `abandon_save` raises it as DiskFull (exit 2, naming the
+bytes needed and free: launcher_core.diskfull) on every rank, not as the writer's words.
+
 Intermediate checkpoints hold no `model.safetensors` (a quarter of a checkpoint's bytes): `eval`, `export`
 and `drafter.init_from` read a step's weights from its `dcp/` on demand, in one process, writing nothing
 (dflash.drafter.checkpoint.read_weights, stored_weights). `dcp/` is what `--resume` reads. DCP stores every tensor with
@@ -30,10 +36,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Iterator, Optional, cast
 
 from dflash.drafter.checkpoint import DCP_DIR
-from launcher_core.errors import InputError
+from launcher_core.errors import DiskFull, InputError
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +48,9 @@ if TYPE_CHECKING:
     from dflash.train.setup import TrainState
 
 FORMAT = "dcp-1"
+WRITING = "a checkpoint (and the run's logs)"     # what a full disk's message says was being written
+SMALL_FILES_BYTES = 16 * 1024                      # config.json, training_state.pt
+ITEM_BYTES = 2048                                  # DCP's container of each item it writes (a torch.save zip) and its .metadata entry
 
 
 def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: bool = True) -> Path:
@@ -52,9 +61,12 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
     from dflash.train.dist import barrier
 
     staging = shared_staging_directory(run_dir, state.step, state.env.is_main)
+    needed: Optional[int] = None
     try:
+        shards = sharded_state(state)
+        needed = save_bytes(shards, with_weights)
         write_small_files(state, staging)
-        dcp.save(sharded_state(state), checkpoint_id=str(staging / DCP_DIR))
+        dcp.save(shards, checkpoint_id=str(staging / DCP_DIR))
         weights = full_weights(state) if with_weights else {}
         if state.env.is_main:
             from dflash.drafter.checkpoint import publish_checkpoint, write_weights
@@ -62,9 +74,11 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
             if with_weights:
                 write_weights(staging, weights)
             publish_checkpoint(run_dir, staging, state.step)
-    except BaseException:
-        remove_staging(staging, state.env.is_main)
-        raise
+    except BaseException as error:
+        full = abandon_save(error, staging, run_dir, state.env.is_main, needed)
+        if full is None:
+            raise
+        raise full from error
     barrier()
     from dflash.drafter.checkpoint import checkpoints_dir
 
@@ -77,6 +91,53 @@ def sharded_state(state: TrainState) -> dict[str, object]:
 
     model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
     return {"model": model_state, "optim": optimizer_state}
+
+
+def save_bytes(shards: dict[str, object], with_weights: bool) -> int:
+    """About what a save writes over all ranks: every tensor of the sharded state at its global size (DCP
+    writes each shard once) and each item's container, the small files, and the whole weights again when
+    `with_weights` (model.safetensors): 1 to 6 % above the files of the tests' drafters."""
+    stored = sum(leaf_bytes(leaf) + ITEM_BYTES * shard_count(leaf) for leaf in leaves(shards))
+    weights = sum(leaf_bytes(leaf) for leaf in leaves(shards.get("model")))
+    return stored + SMALL_FILES_BYTES + (weights if with_weights else 0)
+
+
+def leaves(tree: object) -> Iterator[object]:
+    """The values of a nested state dict (tensors, and the optimizer's numbers)."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from leaves(value)
+    elif tree is not None:
+        yield tree
+
+
+def leaf_bytes(leaf: object) -> int:
+    """A tensor's bytes at its global size (a DTensor's numel is the whole tensor's); 0 for anything else."""
+    import torch
+
+    return leaf.numel() * leaf.element_size() if isinstance(leaf, torch.Tensor) else 0
+
+
+def shard_count(leaf: object) -> int:
+    """The items DCP writes for a value: one per shard of a DTensor, one for anything else."""
+    from torch.distributed.tensor import DTensor
+
+    return leaf.device_mesh.size() if isinstance(leaf, DTensor) else 1
+
+
+def abandon_save(error: BaseException, staging: Path, run_dir: Path, is_main: bool,
+                 needed: Optional[int]) -> Optional[DiskFull]:
+    """A save that failed with `error`: rank 0 removes its staging directory. Returns the DiskFull it
+    amounts to (None: another failure), judged first, while the bytes the save wrote still fill the disk,
+    against `needed` (the whole save: launcher_core.diskfull.disk_full_of)."""
+    from launcher_core.diskfull import disk_full_of
+
+    full = disk_full_of(error, run_dir / "train", needed, WRITING)
+    remove_staging(staging, is_main)
+    return full
 
 
 def write_small_files(state: TrainState, staging: Path) -> None:
@@ -103,6 +164,7 @@ class PendingSave:
     staging: Path
     done: Future
     started: float              # time.monotonic() when the ranks went on training
+    needed: Optional[int]       # bytes the save writes (save_bytes)
 
 
 @dataclass(frozen=True)
@@ -137,14 +199,19 @@ class AsyncCheckpointer:
 
         assert self.pending is None, "one save at a time: wait for the pending one first"
         staging = shared_staging_directory(self.run_dir, state.step, self.env.is_main)
+        needed: Optional[int] = None
         try:
+            shards = sharded_state(state)
+            needed = save_bytes(shards, with_weights=False)
             write_small_files(state, staging)
-            response = dcp.async_save(sharded_state(state), checkpoint_id=str(staging / DCP_DIR), process_group=self.group)
-        except BaseException:
-            remove_staging(staging, self.env.is_main)
-            raise
+            response = dcp.async_save(shards, checkpoint_id=str(staging / DCP_DIR), process_group=self.group)
+        except BaseException as error:
+            full = abandon_save(error, staging, self.run_dir, self.env.is_main, needed)
+            if full is None:
+                raise
+            raise full from error
         done = cast(Future, getattr(response, "upload_completion", response))    # a Future, or a response holding one
-        self.pending = PendingSave(state.step, staging, done, time.monotonic())
+        self.pending = PendingSave(state.step, staging, done, time.monotonic(), needed)
 
     def poll(self, state: TrainState) -> Published | None:
         """Every rank, between steps: the pending save put in place by rank 0 once its shards are written."""
@@ -171,9 +238,11 @@ class AsyncCheckpointer:
             path = publish_checkpoint(self.run_dir, pending.staging, pending.step)
         except TimeoutError:
             raise                               # still being written: the launcher judges it (remove_partial_saves)
-        except BaseException:
-            remove_staging(pending.staging, self.env.is_main)
-            raise
+        except BaseException as error:          # the writer thread's error (DCP's CheckpointException), or publishing's
+            full = abandon_save(error, pending.staging, self.run_dir, self.env.is_main, pending.needed)
+            if full is None:
+                raise
+            raise full from error
         return Published(pending.step, path, time.monotonic() - pending.started, state.step - pending.step)
 
 

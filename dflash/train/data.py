@@ -115,6 +115,11 @@ class TrainData:
         """Rows of `dataset` (the training rows) -> a micro-batch keyed by their dataset rows."""
         return self.collate_dataset_rows([self.split.train[row] for row in rows] if self.split.validation else rows, epoch)
 
+    def loss_masks(self, rows: list[int]) -> list[list[int]]:
+        """The whole (uncut) loss masks of training rows `rows` (dflash.train.loss_check names a step's cause)."""
+        dataset_rows = [self.split.train[row] for row in rows] if self.split.validation else rows
+        return [list(self.source[row]["loss_mask"]) for row in dataset_rows]
+
     def collate_dataset_rows(self, rows: list[int], epoch: int) -> MicroBatch:
         """Rows of the whole dataset (held-out ones too) -> a micro-batch; anchors and feature-cache
         keys follow these row numbers."""

@@ -3,7 +3,9 @@
 What the launcher knows when torchrun has exited:
 
 * `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
-  a full disk is recorded as such (`kind` "disk_full");
+  a full disk (`kind` "disk_full") and a loss that cannot train (`kind` "loss_unusable",
+  dflash.train.loss_check) are recorded as such, and the rank ends without a traceback, as does
+  torchrun's report of it (dflash.train.agent.cause_recorded);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
   (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
 * the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
@@ -37,7 +39,11 @@ class _RankFailureBase(TypedDict):
 class RankFailure(_RankFailureBase, total=False):
     """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
 
-    kind: str                       # "disk_full" for a full disk
+    kind: str                       # "disk_full" (a full disk), "loss_unusable" (dflash.train.loss_check)
+
+
+# The failure kinds named by their message alone: the record's kind -> FailureCause.kind (the manifest's ended_by).
+NAMED_KINDS = {"disk_full": "disk full", "loss_unusable": "loss unusable"}
 
 
 class AgentRank(TypedDict):
@@ -65,7 +71,7 @@ class RunEnd:
 @dataclass(frozen=True)
 class FailureCause:
     """`kind` (the manifest's `ended_by`): "rank stopped", "rank stuck", "agent killed", "rank killed",
-    "rank failed", "disk full" or "unknown"; the rank to blame, when one is; the message."""
+    "rank failed", "disk full", "loss unusable" or "unknown"; the rank to blame, when one is; the message."""
 
     kind: str
     rank: Optional[int]
@@ -188,8 +194,9 @@ def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str
 
 
 def _recorded(first: RankFailure, hint: str, logs: Path) -> FailureCause:
-    if first.get("kind") == "disk_full":
-        return FailureCause("disk full", first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
+    named = NAMED_KINDS.get(first.get("kind", ""))
+    if named is not None:
+        return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
     tail = "\n".join(first["traceback"].rstrip().splitlines()[-15:])
     return FailureCause("rank failed", first["rank"], f"rank {first['rank']} failed first: {first['error']}\n{tail}\n"
                         f"(all rank logs: {logs}; {hint})")

@@ -427,7 +427,7 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
 
 def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
     from dflash.train.failures import failure_cause
-    from launcher_core.errors import DiskFull
+    from launcher_core.errors import DataError, DiskFull
     from launcher_core.fileio import read_json
     from launcher_core.manifest import update_stage
 
@@ -442,4 +442,4 @@ def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> in
     cause = failure_cause(paths.run_dir, end, collective_timeout_s)
     update_stage(paths.run_dir, "train", "failed", exit_code=end.code, failed_rank=cause.rank, ended_by=cause.kind,
                  error=cause.message.splitlines()[0][:500])
-    raise (DiskFull if cause.kind == "disk full" else RunFailed)(cause.message)
+    raise {"disk full": DiskFull, "loss unusable": DataError}.get(cause.kind, RunFailed)(cause.message)

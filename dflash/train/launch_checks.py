@@ -18,6 +18,7 @@ Each is checked here only: the rank-side code that relies on it keeps at most an
 | drafter.init_from | init = "drafter": a DFlash drafter directory (config.json + weights) | init_from_drafter |
 | drafter.conv_group_size, selector_top_k | kind = "dflash2": groups divide the target's hidden size; top K within its vocabulary | DFlash2Drafter |
 | train.global_batch | at most the dataset's rows (when the dataset exists) | TrainData |
+| data.max_length | some row of the dataset, cut to it, holds an anchor (when the dataset exists) | dflash.train.loss_check |
 
 `drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
 layers) before torchrun starts, by dflash.train.resume (it builds the drafter on the meta device,
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher_core.errors import ConfigError
+from launcher_core.errors import ConfigError, DataError
 from launcher_core.schema import Profile
 
 # A padding row past the added tokens, by embedding size (mask token ids the data never uses).
@@ -92,6 +93,7 @@ def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) 
     _check_drafter_init(profile, where, problems)
     _check_dflash2(profile, target, where, problems)
     _check_dataset_rows(profile, where, problems)
+    _check_supervision(profile, where, problems)
     if problems:
         raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
                           f"({len(problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in problems))
@@ -230,6 +232,94 @@ def _check_dataset_rows(profile: Profile, where: _KeyFiles, problems: list[str])
     if rows is not None and rows < profile.train.global_batch:
         problems.append(where("train.global_batch", f"{profile.train.global_batch} rows per optimizer step, but the "
                               f"dataset {dataset} has {rows:,}; set it to at most {rows:,} (divisible by the ranks)"))
+
+
+def _check_supervision(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+    """A block starts at an anchor (two consecutive trained tokens) inside the row as data.max_length cuts
+    it: a dataset where no row holds one trains on nothing (every step's loss weight 0). The profile's
+    data.max_length is the problem when some row holds one further on (exit 2); the data, when none does
+    (DataError, exit 4). The rows are read until the first that holds an anchor (the first, in a usable dataset)."""
+    from launcher_core.profile import expand_path
+
+    dataset = expand_path(profile, profile.paths.dataset)
+    found = anchors_within(dataset, profile.data.max_length)
+    if found is None or found.usable:
+        return
+    if found.earliest is None:
+        raise DataError(f"{dataset}: none of its {found.rows:,} rows has two consecutive trained tokens (loss_mask), "
+                        f"where a training block starts: every step would train on nothing. Tokenize it again "
+                        f"(data.min_loss_tokens drops such rows)")
+    from dflash.data.dataset_io import META_NAME
+
+    tokenized = _read_json(dataset / META_NAME).get("max_length")
+    at = f" ({tokenized:,} in its {META_NAME})" if isinstance(tokenized, int) else ""
+    problems.append(where("data.max_length", f"{profile.data.max_length} cuts every row of the dataset {dataset} "
+                          f"({found.rows:,} rows of up to {found.longest:,} tokens) before its first two consecutive "
+                          f"trained tokens (the earliest at position {found.earliest}), where a training block "
+                          f"starts: every step would train on nothing; set it to the length the dataset was "
+                          f"tokenized at{at}, at least {found.earliest + 2}"))
+
+
+SCAN_ROWS = 256      # rows scanned at once: a bounded slice of a record batch, whatever its size
+
+
+@dataclass(frozen=True)
+class AnchorScan:
+    """What the rows of a dataset hold at a given max_length: whether one row has an anchor inside it
+    (`usable`; the scan stops there), else the rows read, the longest, and the earliest anchor past it."""
+
+    usable: bool
+    rows: int = 0
+    longest: int = 0
+    earliest: Optional[int] = None
+
+
+def anchors_within(dataset: Path, max_length: int) -> Optional[AnchorScan]:
+    """Scan the loss masks of the dataset's Arrow files (memory-mapped) batch by batch; None when the
+    dataset is not there (yet) or cannot be read (the ranks' loader then names the problem)."""
+    files = [str(entry["filename"]) for entry in _read_json(dataset / "state.json").get("_data_files") or []
+             if isinstance(entry, dict) and entry.get("filename")]
+    if not files:
+        return None
+    import pyarrow as pa
+
+    scan = AnchorScan(usable=False)
+    try:
+        for name in files:
+            for batch in pa.ipc.open_stream(pa.memory_map(str(dataset / name))):
+                if "loss_mask" not in batch.schema.names:
+                    return None
+                masks = batch.column("loss_mask")
+                for start in range(0, len(masks), SCAN_ROWS):
+                    scan = _scan_rows(masks.slice(start, SCAN_ROWS), max_length, scan)
+                    if scan.usable:
+                        return scan
+    except (OSError, TypeError, pa.ArrowException):
+        return None
+    return scan
+
+
+def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
+    """Rows of list<uint8> loss masks (a slice of a record batch), vectorised: per row, the anchors
+    (mask[i] and mask[i + 1]) inside its first `max_length` tokens, and its first anchor anywhere."""
+    import numpy as np
+
+    offsets = np.asarray(masks.offsets.to_numpy(), dtype=np.int64)
+    offsets -= offsets[0]                            # a slice's offsets point into the whole batch's values
+    values = np.asarray(masks.flatten().to_numpy(zero_copy_only=False), dtype=bool)
+    pair = np.zeros(len(values), dtype=bool)         # an anchor at i: mask[i] and mask[i + 1]
+    pair[:-1] = values[:-1] & values[1:]
+    pairs = np.concatenate([[0], np.cumsum(pair)])   # anchors before each position
+    starts, ends = offsets[:-1], offsets[1:]
+    cut = np.maximum(np.minimum(ends, starts + max_length) - 1, starts)
+    if np.any(pairs[cut] > pairs[starts]):
+        return AnchorScan(usable=True)
+    whole = np.maximum(ends - 1, starts)
+    held = np.flatnonzero(pairs[whole] > pairs[starts])
+    firsts = [int(np.searchsorted(pairs, pairs[starts[r]] + 1) - 1 - starts[r]) for r in held[:1000]]
+    earliest = min([*firsts, *([before.earliest] if before.earliest is not None else [])], default=None)
+    longest = max(before.longest, int((ends - starts).max(initial=0)))
+    return AnchorScan(usable=False, rows=before.rows + len(starts), longest=longest, earliest=earliest)
 
 
 def dataset_rows(dataset: Path) -> Optional[int]:

@@ -37,6 +37,7 @@ class StepStats:
     weight_sum: float
     seconds: float
     selector: SelectorStats | None = None      # DFlash 2: the selector's own figures (dflash.drafter.loss)
+    grad_norm: float | None = None             # the global gradient norm before clipping (None: not measured)
 
 
 def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
@@ -122,20 +123,19 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
              else contextlib.nullcontext())
     state.micro_batch = micro_batch
     with guard:
-        sums, tokens = plain_step(state, rows, epoch, micro_batch, global_weight)
-    return step_stats(state, sums, tokens, time.perf_counter() - started)
+        sums, tokens, norm = plain_step(state, rows, epoch, micro_batch, global_weight)
+    return step_stats(state, sums, tokens, time.perf_counter() - started, grad_norm=global_value(norm))
 
 
 def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int, global_weight: float,
-               mark: Callable[[str], None] = lambda phase: None) -> tuple[torch.Tensor, int]:
+               mark: Callable[[str], None] = lambda phase: None) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The step's work: every micro-batch's forward/backward (the gradient reductions run inside
     the backward), then the update. `mark` names each phase as it starts (the memory trace,
-    dflash.train.trace, keeps a peak per phase)."""
+    dflash.train.trace, keeps a peak per phase). Returns the loss sums, the tokens and the gradient norm."""
     mark("micro-batches")
-    sums = accumulate_step(state, rows, epoch, micro_batch, global_weight)
+    sums, tokens = accumulate_step(state, rows, epoch, micro_batch, global_weight)
     mark("update")
-    update(state)
-    return sums
+    return sums, tokens, update(state)
 
 
 def accumulate_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int,
@@ -147,12 +147,21 @@ def accumulate_step(state: TrainState, rows: list[int], epoch: int, micro_batch:
     return accumulate_micro_batches(state, batches, global_weight), sum(b.tokens for b in batches)
 
 
-def update(state: TrainState) -> None:
-    """Clip (the norm over every rank's shards: one all-reduce) and step AdamW and the schedule."""
+def update(state: TrainState) -> torch.Tensor:
+    """Clip (the norm over every rank's shards: one all-reduce) and step AdamW and the schedule. Returns
+    the gradient norm before clipping (a DTensor under FSDP2: `global_value` reads it)."""
     state.progress.enter("update")
-    torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), state.grad_clip)
     state.optimizer.step()
     state.scheduler.step()
+    return norm
+
+
+def global_value(norm: torch.Tensor) -> float:
+    """A scalar every rank has alike: a sharded (DTensor) norm's whole value (every rank calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], global_weight: float) -> torch.Tensor:
@@ -174,7 +183,8 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
     return totals
 
 
-def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_seconds: float) -> StepStats:
+def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_seconds: float,
+               grad_norm: float | None = None) -> StepStats:
     slots = state.drafter.block_size - 1
     state.progress.enter("reduction")
     reduced = dist.all_reduce_tensor(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]))
@@ -183,4 +193,4 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,
                      sim_tau=simulated_tau([0.0 if math.isnan(a) else a for a in acc]),
                      tokens=int(reduced[-1]), weight_sum=weight, seconds=local_seconds,
-                     selector=read_selector_stats(reduced[:-1], state.drafter.block_size))
+                     selector=read_selector_stats(reduced[:-1], state.drafter.block_size), grad_norm=grad_norm)

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, TypedDict
+from typing import TYPE_CHECKING, Literal, NoReturn, Optional, TypedDict
 
 from dflash.train.feature_cache import FeatureCache
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
+RECORDED_EXIT = 3       # a rank whose failure's cause is recorded with a `kind` (end_recorded_rank) ends with it
 RANK_TITLE = "dflash.train.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
 SETTLE_TIMEOUT_S = 120.0              # a failing rank waits this long at most for the save being written
 RETURNED_RANK_EXIT_S = 2.0           # a rank that returned to torchrun's elastic agent ends itself this long after
@@ -90,10 +91,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = _train(args, env)
     except BaseException as error:
-        if not isinstance(error, SystemExit):
-            write_failure(args.run_dir, env.rank, error)
+        if not isinstance(error, SystemExit) and "kind" in write_failure(args.run_dir, env.rank, error):
+            end_recorded_rank()
         raise
     end_rank(code)
+
+
+def end_recorded_rank() -> NoReturn:
+    """End a rank whose failure's cause is recorded and named by the launcher (a full disk, an unusable
+    loss) with RECORDED_EXIT and no traceback. A forked rank raises SystemExit: multiprocessing turns it into
+    the exit code, quietly, after its own clean-up (os._exit there would leave its semaphores to the
+    resource tracker's warning); a rank that is a command of its own exits without finalization (end_rank)."""
+    if started_by_elastic():
+        raise SystemExit(RECORDED_EXIT)
+    end_rank(RECORDED_EXIT)
+    raise AssertionError("end_rank exits with a non-zero code")
 
 
 def started_by_elastic() -> bool:
@@ -154,24 +166,38 @@ def die_with_agent() -> None:
     die_with_parent(signal.SIGKILL, parent if forked_by_server else agent)
 
 
-def write_failure(run_dir: Path, rank: int, error: BaseException) -> None:
-    """train/failures/rank-R.json; a full disk is recorded as such (`kind` "disk_full", the
-    DiskFull message with the path, bytes needed and free), not as the writer's own words."""
-    from launcher_core.diskfull import disk_full_of
+def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure:
+    """train/failures/rank-R.json, and the record written. A cause the user acts on is recorded as such,
+    with its `kind` and its own message, not the writer's words: a full disk ("disk_full": the DiskFull
+    message with the path, bytes needed and free) or a loss that cannot train ("loss_unusable": the
+    DataError of dflash.train.loss_check)."""
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
-    full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), "a checkpoint (and the run's logs)")
-    record: RankFailure = {"rank": rank, "time": time.time(), "error": str(full) if full else repr(error),
+    kind, cause = recorded_cause(run_dir, error)
+    record: RankFailure = {"rank": rank, "time": time.time(), "error": str(cause) if cause else repr(error),
                            "traceback": text}
-    if full is not None:
-        record["kind"] = "disk_full"
+    if kind:
+        record["kind"] = kind
     try:
         write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
     except OSError:
-        if full is None:
+        if kind != "disk_full":
             raise
-        print(f"rank {rank}: {full}", file=sys.stderr, flush=True)    # no room even for the record
+        print(f"rank {rank}: {cause}", file=sys.stderr, flush=True)    # no room even for the record
+    return record
+
+
+def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
+    """(kind, the error to name) of a cause the launcher names by its message; ("", None) for any other."""
+    from dflash.train.checkpointing import WRITING
+    from dflash.train.loss_check import UnusableLoss
+    from launcher_core.diskfull import disk_full_of
+
+    if isinstance(error, UnusableLoss):
+        return "loss_unusable", error
+    full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), WRITING)
+    return ("disk_full", full) if full is not None else ("", None)
 
 
 def checkpoint_bytes_needed(run_dir: Path) -> int | None:
@@ -260,6 +286,7 @@ class StopFlag:
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
     from dflash.train.dist import gather_memory_mib
+    from dflash.train.loss_check import check_step
     from dflash.train.step import run_next_step
     from dflash.train.validation import start_validation
 
@@ -270,6 +297,7 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
     try:
         while state.step < total:
             stats, epoch = run_next_step(state)
+            check_step(state, stats, profile)     # every rank alike, before these weights reach a save
             saves.poll()
             held_out = validation.after_step(state) if validation else None     # every rank, when due
             state.progress.enter("reduction")

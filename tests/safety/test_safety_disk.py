@@ -179,14 +179,121 @@ def test_a_full_disk_inside_a_checkpoint_save(small_fs, tmp_path, tiny_qwen3_tar
     latest = pointer.read_text().strip()
     assert latest != "step-40", out                           # the full disk stopped the run
     assert f"then the last complete checkpoint is {latest}: continue from it with --resume" in out
-    assert "unexpected pos" not in out.split("error: ")[-1] and "failed unexpectedly" not in out
+    assert "unexpected pos" not in out and "failed unexpectedly" not in out and "Traceback" not in out
     step = run_dir / "train" / "checkpoints" / latest
-    assert needed_bytes(out) == sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    whole = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    assert whole < needed_bytes(out) < 1.2 * whole           # what the save writes, judged from the drafter's state
     assert verify_checkpoint(step) == [] and not list(step.parent.glob(".step-*"))
     records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
     assert any(record["kind"] == "disk_full" for record in records)
     entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert entry["state"] == "failed" and entry["ended_by"] == "disk full"
+
+
+def test_a_checkpoint_writer_error_is_a_full_disk_only_where_the_save_does_not_fit(small_fs):
+    """What both ranks of a save get when torch's zip writer met ENOSPC: DCP's CheckpointException holding
+    each rank's "unexpected pos" RuntimeError (the OSError is lost). It is a full disk where the save needs
+    more than the filesystem has free (judged before the staging directory goes), and not where the save
+    fits: a writer error on a disk with room keeps its own words. An ENOSPC OSError inside it is a full
+    disk whatever the figures. The staging directory is removed either way."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dflash.train.checkpointing import abandon_save
+    from launcher_core.errors import DiskFull
+
+    disk = small_fs("disk", 3 * 2**20)
+    run_dir = disk / "run"
+    writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    gathered = CheckpointException("write", {0: (writer, []), 1: (writer, [])})
+
+    folder = run_dir / "train" / "checkpoints" / ".step-2.x.tmp"
+
+    def staging() -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    full = abandon_save(gathered, staging(), run_dir, True, 6_900_000)
+    assert isinstance(full, DiskFull) and str(full).startswith(f"disk full: writing a checkpoint (and the run's logs) "
+                                                               f"to {run_dir / 'train'} needs about 6,900,000 bytes")
+    assert not folder.exists()
+    assert abandon_save(gathered, staging(), run_dir, True, 200_000) is None and not folder.exists()
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    assert isinstance(abandon_save(CheckpointException("write", {1: (enospc, [])}), staging(), run_dir, False, 100), DiskFull)
+
+
+BIG_DRAFTER = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128}   # checkpoints of 6.9 MB, the last 9.1
+FREE = re.compile(r"; ([\d,]+) bytes(?: \([\d.]+ [KMG]iB\))? free on that filesystem")
+
+
+def assert_one_disk_full_line(code: int, out: str, run_dir: Path) -> str:
+    """Exit 2 and one line naming the full disk, with the bytes the save needs (more than were free), and
+    no traceback, torch writer's words or torchrun failure report anywhere in the output."""
+    assert code == 2, out
+    [line] = [line for line in out.splitlines() if "disk full" in line]
+    assert re.match(rf"error: rank [01]: disk full: writing a checkpoint \(and the run's logs\) to "
+                    rf"{re.escape(str(run_dir / 'train'))} needs about [\d,]+ bytes", line), out
+    free = FREE.search(line)
+    assert free and needed_bytes(line) > int(free.group(1).replace(",", "")), line
+    for noise in ("Traceback", "unexpected pos", "CheckpointException", "FAILED", "failed (exitcode"):
+        assert noise not in out, out
+    return line
+
+
+def assert_ended_by_disk_full(run_dir: Path) -> None:
+    records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
+    assert any(record.get("kind") == "disk_full" for record in records)
+    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+    assert entry["state"] == "failed" and entry["ended_by"] == "disk full"
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_fs, tmp_path, tiny_qwen3_target):
+    """Issue 55 item 1, the run directory on a 3 MB filesystem: the first checkpoint (6.9 MB, written by
+    DCP's thread, train.async_save) cannot fit. The writer's ENOSPC reaches both ranks as DCP's
+    CheckpointException holding torch's zip writer's "unexpected pos 704 vs 598"; once the staging
+    directory was removed the disk had 2.9 MB free again, more than the 1 MiB the error was held against
+    without a checkpoint to measure, and the run ended exit 5 with that error and tracebacks. Judged
+    where the save fails, against what it writes, it is the full disk: exit 2, one line, nothing written."""
+    from tests.safety.runs import finish, start_train
+    from tests.train.conftest import write_dataset, write_profile
+
+    disk = small_fs("disk", 3 * 2**20)
+    run_dir = disk / "run"
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
+                            max_steps=4, save_every_steps=2, drafter=BIG_DRAFTER)
+    code, out = finish(start_train(profile, run_dir))
+    line = assert_one_disk_full_line(code, out, run_dir)
+    assert needed_bytes(line) > 3 * 2**20 and line.endswith("then no checkpoint was written yet: train again to start over")
+    assert list((run_dir / "train" / "checkpoints").iterdir()) == []          # no step, no staging, no `latest`
+    assert_ended_by_disk_full(run_dir)
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_last_save_keeps_the_previous_checkpoint(small_fs, tmp_path, tiny_qwen3_target):
+    """The last save also writes model.safetensors (9.1 MB where step-2 took 6.9): on a 14.8 MB filesystem
+    step-2 fits and the last save does not. Rank 0 meets the full disk writing the weights; rank 1, waiting
+    at the save's barrier, the closed connection (an echo, whose traceback stays off the terminal). Before,
+    the message said the save needed the 6.8 MB of step-2 with 8.2 MB free; now it names the last save's
+    own bytes. step-2 stays whole and `latest`; nothing of step-4 is left."""
+    from dflash.drafter.verify import verify_checkpoint
+    from tests.safety.runs import finish, start_train
+    from tests.train.conftest import write_dataset, write_profile
+
+    disk = small_fs("disk", 15155 * 1024)
+    run_dir = disk / "run"
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
+                            max_steps=4, save_every_steps=2, drafter=BIG_DRAFTER)
+    code, out = finish(start_train(profile, run_dir))
+    line = assert_one_disk_full_line(code, out, run_dir)
+    assert line.endswith("then the last complete checkpoint is step-2: continue from it with --resume")
+    checkpoints = run_dir / "train" / "checkpoints"
+    step = checkpoints / "step-2"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-2"] and verify_checkpoint(step) == []
+    assert (checkpoints / "latest").read_text().strip() == "step-2"
+    assert needed_bytes(line) > 1.25 * sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    assert_ended_by_disk_full(run_dir)
 
 
 def test_the_preflight_disk_check_reads_the_run_dir_the_command_writes(cli, small_fs, tmp_path, tiny_qwen3_target):

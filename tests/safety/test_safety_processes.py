@@ -202,6 +202,10 @@ def write_records(failures: Path, records: list[dict], agent: list[dict]) -> Non
     # a full disk recorded by rank 0
     ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], [],
      "disk full", 0, "rank 0: disk full: writing a checkpoint"),
+    # a loss that cannot train, recorded by both ranks alike (dflash.train.loss_check): the earliest names it
+    ([{"rank": 0, "time": 2.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"},
+      {"rank": 1, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], [],
+     "loss unusable", 1, "rank 1: step 2: the loss is nan"),
 ])
 def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank, start):
     from dflash.train.failures import RunEnd, failure_cause

@@ -1,0 +1,171 @@
+"""A step whose loss cannot train the drafter stops the run before its weights are saved (issue 55, item 3;
+dflash.train.loss_check): a non-finite loss or gradient norm, or a step without a supervised position,
+ends a real 2-rank gloo run with exit 4 and one line naming the cause and the keys that decide it; the
+last good checkpoint stays `latest`. A profile whose data.max_length leaves every row of the dataset
+without a block is refused before any rank starts (exit 2, the key named; exit 4 when the data itself has none)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.train.conftest import write_dataset, write_profile
+
+
+def with_data(profile: Path, **data: object) -> Path:
+    """Add a [data] section to a profile written by write_profile."""
+    profile.write_text(profile.read_text(encoding="utf-8") + "[data]\n" + "".join(f"{k} = {v}\n" for k, v in data.items()),
+                       encoding="utf-8")
+    return profile
+
+
+def ended(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+
+
+def checkpoint_steps(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "train" / "checkpoints").iterdir() if p.name != "latest")
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.slow
+def test_a_loss_that_turns_nan_stops_the_run_before_its_weights_are_saved(tmp_path, tiny_qwen3_target):
+    """train.lr = 1e30: step 1 trains (its checkpoint is written), its update throws the weights to ~1e30,
+    and step 2's loss is NaN. Before: the run went on to exit 0 with checkpoints of NaN weights. Now every
+    rank stops after step 2, before its save: exit 4, one line naming train.lr; step-1 stays `latest`."""
+    from dflash.drafter.checkpoint import read_weights
+    from tests.safety.runs import finish, start_train
+
+    run_dir = tmp_path / "run"
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
+                            max_steps=6, save_every_steps=1, lr=1e30)
+    code, out = finish(start_train(profile, run_dir))
+    assert code == 4, out
+    [line] = error_lines(out)
+    assert line.startswith("error: rank ") and ": step 2: the loss is nan" in line, out
+    assert "train.lr = 1e+30 too high" in line and "then the last complete checkpoint is step-1" in line
+    assert "Traceback" not in out and "FAILED" not in out
+    assert checkpoint_steps(run_dir) == ["step-1"]
+    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-1"
+    assert all(bool(tensor.isfinite().all()) for tensor in read_weights(run_dir / "train" / "checkpoints" / "step-1").values())
+    assert ended(run_dir)["ended_by"] == "loss unusable"
+    records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
+    assert {r["kind"] for r in records} == {"loss_unusable"} and len(records) == 2     # every rank stopped alike
+
+
+def rows_with_late_answers(path: Path, seed: int, global_batch: int) -> Path:
+    """8 rows whose trained tokens start at position 20, except one that starts at 2 and falls in the
+    first step of epoch 0 (TrainData's order for `seed`): at data.max_length 12 only step 1 has a block."""
+    from dflash.data.dataset_io import save_token_rows
+
+    first_step = set(np.random.default_rng([seed, 0]).permutation(8)[:global_batch].tolist())
+    early = min(first_step)
+    rows = [([1000 + j for j in range(40)], [0] * (2 if row == early else 20) + [1] * (38 if row == early else 20))
+            for row in range(8)]
+    return save_token_rows(path, rows)
+
+
+@pytest.mark.slow
+def test_a_step_without_a_supervised_position_stops_the_run_naming_data_max_length(tmp_path, tiny_qwen3_target):
+    """data.max_length = 12 cuts seven of the eight rows before their first trained pair: the launch check
+    passes (one row has a block), step 1 trains, step 2's rows have none (loss weight 0, loss NaN). Before:
+    NaN losses, a checkpoint at every step, exit 0. Now: exit 4 at step 2, naming data.max_length and the
+    position of the rows' first trained pair; no checkpoint of step 2."""
+    from tests.safety.runs import finish, start_train
+
+    run_dir = tmp_path / "run"
+    data = rows_with_late_answers(tmp_path / "data", seed=0, global_batch=4)
+    profile = with_data(write_profile(tmp_path / "p.toml", tiny_qwen3_target, data, run_dir, max_steps=2,
+                                      save_every_steps=1, seed=0), max_length=12, min_loss_tokens=1)
+    code, out = finish(start_train(profile, run_dir))
+    assert code == 4, out
+    [line] = error_lines(out)
+    assert "step 2 trained on nothing: no supervised position in its 4 rows (loss weight 0, loss NaN)" in line, out
+    assert "the profile decides it: data.max_length = 12 cuts each of rank " in line and "(the earliest at position 20)" in line
+    assert "at least 22" in line and "Traceback" not in out
+    assert checkpoint_steps(run_dir) == ["step-1"] and ended(run_dir)["ended_by"] == "loss unusable"
+
+
+def test_data_max_length_below_every_rows_first_trained_pair_is_refused_before_launch(cli, tmp_path, tiny_qwen3_target,
+                                                                                        private_cache):
+    """The issue's run: data.max_length = 2 on a dataset whose rows' answers start at 5..14: no row of any
+    step can hold a block. Refused before any rank starts, naming the key, the earliest position and the
+    length to set; nothing of a run is written."""
+    run_dir = tmp_path / "run"
+    profile = with_data(write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir),
+                        max_length=2, min_loss_tokens=0)
+    result = cli("train", "--profile", profile, "--skip-preflight")
+    assert result.code == 2, result.err
+    assert f"{profile}: key 'data.max_length': 2 cuts every row of the dataset {tmp_path / 'data'} (32 rows of up to" in result.err
+    assert "before its first two consecutive trained tokens (the earliest at position 5)" in result.err
+    assert "at least 7" in result.err and "Traceback" not in result.err
+    assert not (run_dir / "train").exists()
+
+
+def test_a_dataset_without_two_consecutive_trained_tokens_is_refused_before_launch(tmp_path, tiny_qwen3_target):
+    """No row holds a block at any max_length: the data's problem (DataError, exit 4), not a key's."""
+    from dflash.data.dataset_io import save_token_rows
+    from dflash.train.launch_checks import validate_profile_for_launch
+    from launcher_core.errors import EXIT_DATA, DataError
+    from launcher_core.profile import load_profile
+
+    data = save_token_rows(tmp_path / "data", [([1000 + j for j in range(30)], [0, 1] * 15) for _ in range(8)])
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, data, tmp_path / "run")
+    with pytest.raises(DataError) as refused:
+        validate_profile_for_launch(load_profile(str(profile)), source=str(profile))
+    assert refused.value.exit_code == EXIT_DATA
+    assert str(refused.value).startswith(f"{data}: none of its 8 rows has two consecutive trained tokens")
+
+
+@pytest.mark.parametrize("scan_rows", [256, 2])
+def test_the_launch_check_reads_rows_until_one_holds_a_block(tmp_path, monkeypatch, scan_rows):
+    """A late first pair is found at a max_length that reaches it, not below; the same whether the rows
+    are read in one slice or across slices of a record batch."""
+    from dflash.data.dataset_io import save_token_rows
+    from dflash.train import launch_checks
+    from dflash.train.launch_checks import AnchorScan, anchors_within
+
+    monkeypatch.setattr(launch_checks, "SCAN_ROWS", scan_rows)
+
+    data = save_token_rows(tmp_path / "d", [([7] * 30, [0] * 25 + [1] * 5), ([7] * 6, [0] * 6), ([7] * 12, [0] * 9 + [1] * 3)])
+    assert anchors_within(data, 11).usable and not anchors_within(data, 10).usable
+    assert anchors_within(data, 10) == AnchorScan(usable=False, rows=3, longest=30, earliest=9)
+    assert anchors_within(tmp_path / "missing", 10) is None
+
+
+@pytest.mark.parametrize("masks, max_length, cause", [
+    ([[0, 1, 0, 1], [0, 0, 0]], 512, "the data decides it: none of rank 1's 2 row(s) of 3..4 tokens has two consecutive trained tokens"),
+    ([[0] * 20 + [1] * 5, [0] * 30 + [1] * 5], 16, "the profile decides it: data.max_length = 16 cuts each of rank 1's row(s) of "
+                                                   "25..35 tokens before its first two consecutive trained tokens (the earliest at position 20)"),
+    ([[0, 1, 1, 1]], 512, "the profile decides it: drafter.draft_vocab_size = 64 leaves every trained label"),
+])
+def test_the_cause_of_a_step_without_supervision_is_named(masks, max_length, cause):
+    from dflash.train.loss_check import supervision_cause
+
+    assert supervision_cause(masks, max_length, 64, rank=1).startswith(cause)
+
+
+def test_a_finite_step_passes_and_a_non_finite_gradient_norm_alone_stops_it():
+    """The loss may still be finite when the gradients overflow: the norm stops the run as well."""
+    from types import SimpleNamespace
+
+    from dflash.train.loss_check import UnusableLoss, check_step
+    from dflash.train.step import StepStats
+    from launcher_core.profile import load_profile
+
+    profile = load_profile("cpu-demo")
+    state = SimpleNamespace(step=3)
+    stats = StepStats(loss=2.5, acc=[], sim_tau=1.0, tokens=10, weight_sum=4.0, seconds=0.1, grad_norm=1.5)
+    check_step(state, stats, profile)
+    stats.grad_norm = math.inf
+    with pytest.raises(UnusableLoss) as stopped:
+        check_step(state, stats, profile)
+    assert stopped.value.exit_code == 4
+    assert str(stopped.value).startswith("step 3: the loss is 2.5 and the gradient norm inf, not finite")
+    assert "train.lr = 0.002 too high" in str(stopped.value) and "this run computes in float32" in str(stopped.value)
