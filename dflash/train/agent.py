@@ -15,19 +15,25 @@ tied to their launcher:
   so no process is left writing into the run directory;
 * the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
   to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
-  error of its own) rather than the one that noticed (dflash.train.launch).
+  error of its own) rather than the one that noticed (dflash.train.launch);
+* torchrun's own words, its logging (the elastic agent's warnings and errors, with tracebacks) and
+  its ChildFailedError report (whose "Root Cause" is the first rank it looked at, not the cause), go
+  to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps the rank lines torchrun
+  tees and ends with the launcher's diagnosis.
 
 Without the environment the launcher sets (a node started by hand from `train --print-command`),
-it is plain torchrun, and its ranks still die with it.
+it is plain torchrun, writing its own words to stderr, and its ranks still die with it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -36,6 +42,7 @@ PIPE_FD_ENV = "DFLASH_LAUNCHER_PIPE_FD"
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 AGENT_PID_ENV = "DFLASH_AGENT_PID"
 AGENT_RECORD = "agent.json"
+TORCHRUN_LOG = "torchrun.log"          # under train/logs/: torchrun's own words (route_torchrun_output)
 EXIT_LAUNCHER_GONE = 1
 STOP_RANKS_TIMEOUT_S = 10.0
 # What a rank (dflash.train.worker) imports before its first step, imported once by torchrun's forkserver
@@ -56,6 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     preload_rank_imports()
     report_every_failed_rank()
     run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+    report = route_torchrun_output(run_dir)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     pipe = os.environ.pop(PIPE_FD_ENV, "")
     if pipe.isdigit():
@@ -65,12 +73,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChildFailedError as failed:
         if run_dir is not None and not LAUNCHER_GONE.is_set():
             write_agent_record(run_dir, failed)
-        print(str(failed), file=sys.stderr, flush=True)
+        print(str(failed), file=report, flush=True)
+        return 1
+    except Exception as error:
+        if report is sys.stderr:
+            raise
+        traceback.print_exc(file=report)
+        print(f"torchrun failed: {type(error).__name__}: {error} (its traceback: {report.name})", file=sys.stderr,
+              flush=True)
         return 1
     finally:
         while LAUNCHER_GONE.is_set():   # the watch thread is stopping the run: it ends this process
             time.sleep(1.0)
     return 0
+
+
+def route_torchrun_output(run_dir: Optional[Path]) -> TextIO:
+    """Where torchrun's own words go, opened: with a run directory, `train/logs/torchrun.log` (appended to);
+    without one, stderr. The log takes this process's file descriptor 2: what torch's loggers write there
+    (their handlers hold the stream of fd 2: the elastic agent's warnings and errors, their tracebacks), C++
+    warnings of the agent, and the stderr of the processes it starts that keep it (multiprocessing's
+    forkserver and resource tracker; the ranks' own output goes to their files under train/logs). sys.stderr
+    becomes a copy of the terminal's: the rank lines torchrun tees there (`--tee`) and what this module
+    prints for the terminal stay on it."""
+    if run_dir is None:
+        return sys.stderr
+    path = run_dir / "train" / "logs" / TORCHRUN_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.open("a", encoding="utf-8", buffering=1)
+    print(f"== torchrun agent pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}", file=log)
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):        # no terminal (fd 2 closed): everything goes to the log
+        sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    os.dup2(log.fileno(), 2)
+    return log
 
 
 def preload_rank_imports() -> None:
