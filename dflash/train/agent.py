@@ -16,26 +16,34 @@ tied to their launcher:
 * the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
   to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
   error of its own) rather than the one that noticed (dflash.train.launch);
+* SIGTERM and SIGINT (a Ctrl-C reaches the whole process group) ask every rank once to stop after
+  its step (`StopOnSignal`): the ranks save, return, and torchrun ends as after a whole run. torchrun's
+  own handler would raise SignalException, signal the ranks, kill them after its shutdown timeout
+  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s: a save can take longer) and end in a traceback;
 * torchrun's own words, its logging (the elastic agent's warnings and errors, with tracebacks) and
   its ChildFailedError report (whose "Root Cause" is the first rank it looked at, not the cause), go
   to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps the rank lines torchrun
   tees and ends with the launcher's diagnosis.
 
 Without the environment the launcher sets (a node started by hand from `train --print-command`),
-it is plain torchrun, writing its own words to stderr, and its ranks still die with it.
+it is torchrun with the same stop on SIGTERM and SIGINT, writing its own words to stderr, and its
+ranks still die with it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.api import PContext
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 PIPE_FD_ENV = "DFLASH_LAUNCHER_PIPE_FD"
@@ -43,6 +51,7 @@ RUN_DIR_ENV = "DFLASH_RUN_DIR"
 AGENT_PID_ENV = "DFLASH_AGENT_PID"
 AGENT_RECORD = "agent.json"
 TORCHRUN_LOG = "torchrun.log"          # under train/logs/: torchrun's own words (route_torchrun_output)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_LAUNCHER_GONE = 1
 STOP_RANKS_TIMEOUT_S = 10.0
 # What a rank (dflash.train.worker) imports before its first step, imported once by torchrun's forkserver
@@ -56,6 +65,7 @@ LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main threa
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -64,6 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report_every_failed_rank()
     run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
     report = route_torchrun_output(run_dir)
+    StopOnSignal(report).install()
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     pipe = os.environ.pop(PIPE_FD_ENV, "")
     if pipe.isdigit():
@@ -75,6 +86,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_agent_record(run_dir, failed)
         print(str(failed), file=report, flush=True)
         return 1
+    except SignalException as stopped:      # SIGHUP, SIGQUIT: torchrun signalled its ranks and reaped them
+        print(f"torchrun stopped its ranks on {stopped.sigval.name}", file=report, flush=True)
+        return 128 + int(stopped.sigval)
     except Exception as error:
         if report is sys.stderr:
             raise
@@ -107,6 +121,86 @@ def route_torchrun_output(run_dir: Optional[Path]) -> TextIO:
         sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
     os.dup2(log.fileno(), 2)
     return log
+
+
+class StopOnSignal:
+    """SIGTERM and SIGINT to the agent: every rank of the running group is asked once to stop after its step
+    (SIGTERM to each: dflash.train.worker's StopFlag, which SIGINT from a terminal also sets) and the agent waits
+    for them as for any end. torchrun puts its own handler back each time it starts ranks (PContext.start):
+    this one replaces it there again. A signal before any rank started ends the agent (exit 128 + the signal):
+    there is nothing to save. What it does is noted in `report` (the handler writes with os.write: a buffered
+    write there could be one the main thread is inside)."""
+
+    def __init__(self, report: TextIO):
+        self.report = report
+        self.context: Optional[PContext] = None
+        self.requested: Optional[signal.Signals] = None
+
+    def install(self) -> None:
+        global STOP
+        STOP = self
+        self._handle()
+        stop_on_signal_at_every_start()
+
+    def _handle(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self.on_signal)
+
+    def started(self, context: PContext) -> None:
+        self.context = context
+        self._handle()
+        if self.requested is not None:
+            self.forward()
+
+    def on_signal(self, signum: int, _frame: Optional[FrameType]) -> None:
+        name = signal.Signals(signum).name
+        if self.context is None:
+            self.note(f"{name} before any rank started: the agent ends")
+            raise SystemExit(128 + signum)
+        if self.requested is not None:
+            self.note(f"{name}: the ranks were asked to stop already ({self.requested.name})")
+            return
+        self.requested = signal.Signals(signum)
+        self.forward()
+
+    def forward(self) -> None:
+        """SIGTERM to each rank of the current group that is still a process of this agent (a pid that
+        could be another process's by now is not signalled)."""
+        import psutil
+
+        assert self.context is not None and self.requested is not None
+        ours = {child.pid for child in psutil.Process().children(recursive=True)}
+        ranks = [pid for pid in self.context.pids().values() if pid in ours]
+        self.note(f"{self.requested.name}: asking the rank processes {ranks} to stop after their step")
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def note(self, line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            os.write(self.report.fileno(), f"{line}\n".encode())
+
+
+STOP: Optional[StopOnSignal] = None     # the agent's StopOnSignal, told each time torchrun starts its ranks
+
+
+def stop_on_signal_at_every_start() -> None:
+    """Have torchrun's PContext.start (it starts a group of ranks and installs its own handler of SIGTERM and
+    SIGINT) hand the started group to STOP, which installs its handler again; once per process."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    start = api.PContext.start
+    if getattr(start, "stops_on_signal", False):
+        return
+
+    def start_then_stop_on_signal(context: PContext) -> None:
+        start(context)
+        if STOP is not None:
+            STOP.started(context)
+
+    setattr(start_then_stop_on_signal, "stops_on_signal", True)
+    setattr(api.PContext, "start", start_then_stop_on_signal)
 
 
 def preload_rank_imports() -> None:

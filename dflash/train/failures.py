@@ -54,12 +54,14 @@ class AgentRank(TypedDict):
 @dataclass(frozen=True)
 class RunEnd:
     """What the launcher saw of the agent: its pid and exit code, whether the launcher itself was
-    signalled (SIGTERM, Ctrl-C), and a rank it found stopped or stuck (then it ended the run)."""
+    signalled (SIGTERM, Ctrl-C) and with what (`signals`, names in order: a second one stopped the run
+    at once), and a rank it found stopped or stuck (then it ended the run)."""
 
     agent_pid: int
     code: int
     signalled: bool = False
     stall: Optional[Stall | Stuck] = None
+    signals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
-"""What the terminal shows when a rank fails, on 2 real gloo ranks.
+"""How a training run ends on a signal, and what the terminal shows when a rank fails, on 2 real gloo ranks.
 
-The terminal holds the launcher's words and rank 0's lines only: torchrun's own (its logging, tracebacks,
-the ChildFailedError report whose "Root Cause" names the rank torchrun looked at first) go to
-train/logs/torchrun.log, and the launcher's diagnosis is the last thing printed.
+Ctrl-C (SIGINT to the whole process group, as a terminal sends it, or to the launcher alone) and SIGTERM
+are one stop: the ranks finish their step and save, the launcher exits 130 and the manifest says
+`pending` with what to resume; a second one stops the run at once. The terminal holds the launcher's
+words and rank 0's lines only: torchrun's own (its logging, tracebacks, the ChildFailedError report whose
+"Root Cause" names the rank torchrun looked at first) go to train/logs/torchrun.log, and the launcher's
+diagnosis is the last thing printed.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dflash.drafter.checkpoint import read_weights
+from dflash.drafter.verify import verify_checkpoint
 from tests.safety.runs import finish, metrics_steps, start_train, wait_for, wait_for_ranks, wait_until_gone
 from tests.train.conftest import write_dataset, write_profile
 
@@ -50,6 +55,70 @@ def assert_nothing_of_torchruns(out: str) -> None:
     for word in ("Traceback", "SignalException", "Root Cause", "KeyboardInterrupt", "FAILED"):
         assert word not in out, out
     assert not re.search(r"^[IWE]\d{4} \d\d:", out, re.M), out
+
+
+def assert_stopped_with_a_checkpoint(code: int, out: str, run_dir: Path, by: str) -> int:
+    assert code == 130, out
+    step = json.loads((run_dir / "train" / "stopped.json").read_text())["step"]
+    assert step >= 2 and (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
+    assert verify_checkpoint(run_dir / "train" / "checkpoints" / f"step-{step}") == []
+    entry = manifest_train(run_dir)
+    assert entry["state"] == "pending" and entry["stopped_at_step"] == step and entry["ended_by"] == f"stopped ({by})"
+    assert entry["hint"] == f"continue from step-{step} with `launcher.py train --resume`"
+    assert out.rstrip().splitlines()[-1] == (f"interrupted: training stopped by {by} after step {step}; "
+                                             f"checkpoint step-{step} saved. Continue with --resume.")
+    assert_nothing_of_torchruns(out)
+    assert not (run_dir / "train" / "failures").exists() or not list((run_dir / "train" / "failures").iterdir())
+    return step
+
+
+def test_ctrl_c_to_the_process_group_finishes_the_step_saves_and_exits_130(tmp_path, tiny_qwen3_target):
+    """The launcher, the agent and both ranks get SIGINT at once, as from a terminal."""
+    process, run_dir, _, members = start(tmp_path, tiny_qwen3_target)
+    os.killpg(process.pid, signal.SIGINT)
+    code, out = finish(process)
+    step = assert_stopped_with_a_checkpoint(code, out, run_dir, "SIGINT")
+    assert f"stopped by SIGINT after step {step}; checkpoint" in out          # rank 0's own line, teed
+    assert wait_until_gone(run_dir, members) == []
+
+
+def test_sigint_to_the_launcher_alone_is_the_same_stop(tmp_path, tiny_qwen3_target):
+    process, run_dir, _, members = start(tmp_path, tiny_qwen3_target)
+    process.send_signal(signal.SIGINT)
+    code, out = finish(process)
+    assert_stopped_with_a_checkpoint(code, out, run_dir, "SIGINT")
+    assert "SIGTERM: asking the rank processes" in torchrun_log(run_dir)   # passed on by the launcher
+    assert wait_until_gone(run_dir, members) == []
+
+
+def test_sigterm_stops_the_same_way_with_no_traceback_of_torchrun(tmp_path, tiny_qwen3_target):
+    process, run_dir, _, members = start(tmp_path, tiny_qwen3_target)
+    process.send_signal(signal.SIGTERM)
+    code, out = finish(process)
+    step = assert_stopped_with_a_checkpoint(code, out, run_dir, "SIGTERM")
+    checkpoint = run_dir / "train" / "checkpoints" / f"step-{step}"
+    assert not (checkpoint / "model.safetensors").exists() and read_weights(checkpoint)   # weights in dcp/, readable
+    assert wait_until_gone(run_dir, members) == []
+
+
+def test_a_second_ctrl_c_stops_the_run_at_once(tmp_path, tiny_qwen3_target):
+    """Rank 0 held (SIGSTOP) cannot finish its step: the second Ctrl-C kills the agent, the ranks die with it."""
+    process, run_dir, ranks, members = start(tmp_path, tiny_qwen3_target)
+    os.kill(ranks[0], signal.SIGSTOP)
+    os.killpg(process.pid, signal.SIGINT)
+    wait_for(lambda: "SIGINT:" in torchrun_log(run_dir) and "SIGTERM:" in torchrun_log(run_dir), 60,
+             "the agent to have both the Ctrl-C and the launcher's SIGTERM")
+    os.killpg(process.pid, signal.SIGINT)
+    code, out = finish(process, timeout=60)
+    assert code == 130, out
+    assert out.rstrip().splitlines()[-1] == ("interrupted: training interrupted by a second SIGINT: stopped at once, "
+                                             "without a checkpoint at the stop; no checkpoint was written yet: "
+                                             "train again to start over")
+    entry = manifest_train(run_dir)
+    assert entry["state"] == "pending" and entry["ended_by"] == "interrupted (forced)"
+    assert not (run_dir / "train" / "stopped.json").exists()
+    assert_nothing_of_torchruns(out)
+    assert wait_until_gone(run_dir, members) == []
 
 
 def assert_the_diagnosis_ends_the_output(out: str, run_dir: Path, first_line: str) -> None:
