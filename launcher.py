@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launcher_core.redact import mask_secrets
 
         message = mask_secrets(str(error) or type(error).__name__)
-        print(f"error: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
+        print(f"{error.label}: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
         return exit_code_for(error)
     except Exception as error:  # the funnel: anything else is a bug, reported in one line
         return _report_crash(args.command, argv, error)

@@ -18,9 +18,10 @@ EXIT_INTERRUPTED = 130   # Ctrl-C
 
 
 class LauncherError(Exception):
-    """Base class: a failure the user can act on. `exit_code` is what the CLI returns."""
+    """Base class: a failure the user can act on. `exit_code` is what the CLI returns; `label` starts its line."""
 
     exit_code = EXIT_USAGE
+    label = "error"
 
 
 class ConfigError(LauncherError):
@@ -52,6 +53,13 @@ class PreflightFailed(LauncherError):
     """The preflight audit found a FAIL before a run (use --force to run anyway)."""
 
     exit_code = EXIT_FAIL
+
+
+class Interrupted(LauncherError):
+    """A run stopped before its end by Ctrl-C or SIGTERM; the message says what was saved and how to continue."""
+
+    exit_code = EXIT_INTERRUPTED
+    label = "interrupted"
 
 
 class RunFailed(LauncherError):

@@ -19,7 +19,7 @@ MANIFEST_NAME = "manifest.json"
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
 StageState = Literal["pending", "running", "done", "failed", "skipped"]
 # Figures that describe how a stage last stopped; a stage that runs again or finishes drops them.
-STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step", "ended_by")
+STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step", "ended_by", "hint")
 
 
 def manifest_path(run_dir: str | Path) -> Path:

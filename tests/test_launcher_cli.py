@@ -47,3 +47,20 @@ def test_every_registered_command_has_its_module_and_help(capsys):
             launcher.main([name, "--help"])
         assert info.value.code == 0, name
         assert "usage: launcher.py " + name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error, line", [
+    (KeyboardInterrupt(), "interrupted"),
+    ("interrupted", "interrupted: training stopped by SIGINT after step 7; checkpoint step-7 saved."),
+])
+def test_an_interruption_is_exit_130_and_says_what_was_kept(monkeypatch, capsys, error, line):
+    """Ctrl-C anywhere is 130; a run that stopped on it (launcher_core.errors.Interrupted) says how to go on."""
+    from dflash.commands import profiles
+    from launcher_core.errors import Interrupted
+
+    def run(_args):
+        raise Interrupted(line.removeprefix("interrupted: ")) if error == "interrupted" else error
+
+    monkeypatch.setattr(profiles, "run", run)
+    assert launcher.main(["profiles"]) == 130
+    assert capsys.readouterr().err.strip() == line

@@ -15,27 +15,43 @@ tied to their launcher:
   so no process is left writing into the run directory;
 * the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
   to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
-  error of its own) rather than the one that noticed (dflash.train.launch).
+  error of its own) rather than the one that noticed (dflash.train.launch);
+* SIGTERM and SIGINT (a Ctrl-C reaches the whole process group) ask every rank once to stop after
+  its step (`StopOnSignal`): the ranks save, return, and torchrun ends as after a whole run. torchrun's
+  own handler would raise SignalException, signal the ranks, kill them after its shutdown timeout
+  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s: a save can take longer) and end in a traceback;
+* torchrun's own words, its logging (the elastic agent's warnings and errors, with tracebacks) and
+  its ChildFailedError report (whose "Root Cause" is the first rank it looked at, not the cause), go
+  to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps the rank lines torchrun
+  tees and ends with the launcher's diagnosis.
 
 Without the environment the launcher sets (a node started by hand from `train --print-command`),
-it is plain torchrun, and its ranks still die with it.
+it is torchrun with the same stop on SIGTERM and SIGINT, writing its own words to stderr, and its
+ranks still die with it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TextIO
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.api import PContext
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 PIPE_FD_ENV = "DFLASH_LAUNCHER_PIPE_FD"
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 AGENT_PID_ENV = "DFLASH_AGENT_PID"
 AGENT_RECORD = "agent.json"
+TORCHRUN_LOG = "torchrun.log"          # under train/logs/: torchrun's own words (route_torchrun_output)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_LAUNCHER_GONE = 1
 STOP_RANKS_TIMEOUT_S = 10.0
 # What a rank (dflash.train.worker) imports before its first step, imported once by torchrun's forkserver
@@ -49,6 +65,7 @@ LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main threa
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -56,7 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     preload_rank_imports()
     report_every_failed_rank()
     run_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
-    quiet_when_cause_recorded(run_dir)
+    report = route_torchrun_output(run_dir)
+    StopOnSignal(report).install()
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     pipe = os.environ.pop(PIPE_FD_ENV, "")
     if pipe.isdigit():
@@ -66,13 +84,123 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChildFailedError as failed:
         if run_dir is not None and not LAUNCHER_GONE.is_set():
             write_agent_record(run_dir, failed)
-        if not cause_recorded(run_dir):
-            print(str(failed), file=sys.stderr, flush=True)
+        print(str(failed), file=report, flush=True)
+        return 1
+    except SignalException as stopped:      # SIGHUP, SIGQUIT: torchrun signalled its ranks and reaped them
+        print(f"torchrun stopped its ranks on {stopped.sigval.name}", file=report, flush=True)
+        return 128 + int(stopped.sigval)
+    except Exception as error:
+        if report is sys.stderr:
+            raise
+        traceback.print_exc(file=report)
+        print(f"torchrun failed: {type(error).__name__}: {error} (its traceback: {report.name})", file=sys.stderr,
+              flush=True)
         return 1
     finally:
         while LAUNCHER_GONE.is_set():   # the watch thread is stopping the run: it ends this process
             time.sleep(1.0)
     return 0
+
+
+def route_torchrun_output(run_dir: Optional[Path]) -> TextIO:
+    """Where torchrun's own words go, opened: with a run directory, `train/logs/torchrun.log` (appended to);
+    without one, stderr. The log takes this process's file descriptor 2: what torch's loggers write there
+    (their handlers hold the stream of fd 2: the elastic agent's warnings and errors, their tracebacks), C++
+    warnings of the agent, and the stderr of the processes it starts that keep it (multiprocessing's
+    forkserver and resource tracker; the ranks' own output goes to their files under train/logs). sys.stderr
+    becomes a copy of the terminal's: the rank lines torchrun tees there (`--tee`) and what this module
+    prints for the terminal stay on it."""
+    if run_dir is None:
+        return sys.stderr
+    path = run_dir / "train" / "logs" / TORCHRUN_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.open("a", encoding="utf-8", buffering=1)
+    print(f"== torchrun agent pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}", file=log)
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):        # no terminal (fd 2 closed): everything goes to the log
+        sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    os.dup2(log.fileno(), 2)
+    return log
+
+
+class StopOnSignal:
+    """SIGTERM and SIGINT to the agent: every rank of the running group is asked once to stop after its step
+    (SIGTERM to each: dflash.train.worker's StopFlag, which SIGINT from a terminal also sets) and the agent waits
+    for them as for any end. torchrun puts its own handler back each time it starts ranks (PContext.start):
+    this one replaces it there again. A signal before any rank started ends the agent (exit 128 + the signal):
+    there is nothing to save. What it does is noted in `report` (the handler writes with os.write: a buffered
+    write there could be one the main thread is inside)."""
+
+    def __init__(self, report: TextIO):
+        self.report = report
+        self.context: Optional[PContext] = None
+        self.requested: Optional[signal.Signals] = None
+
+    def install(self) -> None:
+        global STOP
+        STOP = self
+        self._handle()
+        stop_on_signal_at_every_start()
+
+    def _handle(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self.on_signal)
+
+    def started(self, context: PContext) -> None:
+        self.context = context
+        self._handle()
+        if self.requested is not None:
+            self.forward()
+
+    def on_signal(self, signum: int, _frame: Optional[FrameType]) -> None:
+        name = signal.Signals(signum).name
+        if self.context is None:
+            self.note(f"{name} before any rank started: the agent ends")
+            raise SystemExit(128 + signum)
+        if self.requested is not None:
+            self.note(f"{name}: the ranks were asked to stop already ({self.requested.name})")
+            return
+        self.requested = signal.Signals(signum)
+        self.forward()
+
+    def forward(self) -> None:
+        """SIGTERM to each rank of the current group that is still a process of this agent (a pid that
+        could be another process's by now is not signalled)."""
+        import psutil
+
+        assert self.context is not None and self.requested is not None
+        ours = {child.pid for child in psutil.Process().children(recursive=True)}
+        ranks = [pid for pid in self.context.pids().values() if pid in ours]
+        self.note(f"{self.requested.name}: asking the rank processes {ranks} to stop after their step")
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def note(self, line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            os.write(self.report.fileno(), f"{line}\n".encode())
+
+
+STOP: Optional[StopOnSignal] = None     # the agent's StopOnSignal, told each time torchrun starts its ranks
+
+
+def stop_on_signal_at_every_start() -> None:
+    """Have torchrun's PContext.start (it starts a group of ranks and installs its own handler of SIGTERM and
+    SIGINT) hand the started group to STOP, which installs its handler again; once per process."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    start = api.PContext.start
+    if getattr(start, "stops_on_signal", False):
+        return
+
+    def start_then_stop_on_signal(context: PContext) -> None:
+        start(context)
+        if STOP is not None:
+            STOP.started(context)
+
+    setattr(start_then_stop_on_signal, "stops_on_signal", True)
+    setattr(api.PContext, "start", start_then_stop_on_signal)
 
 
 def preload_rank_imports() -> None:
@@ -116,32 +244,6 @@ def report_every_failed_rank() -> None:
         return poll_every_failure
 
     wrap_multiprocess_poll(every_failure, "reports_every_failed_rank")
-
-
-def quiet_when_cause_recorded(run_dir: Optional[Path]) -> None:
-    """Once a rank has recorded a cause the launcher names in one line (`cause_recorded`), torchrun's own
-    report of the failed ranks (the error it logs, with a traceback: its join's, or an echo's in another
-    rank) is left off the terminal; the ranks' logs keep everything."""
-    import logging
-
-    def not_named_elsewhere(record: logging.LogRecord) -> bool:
-        return record.exc_info is None or not cause_recorded(run_dir)
-
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_named_elsewhere)
-
-
-def cause_recorded(run_dir: Optional[Path]) -> bool:
-    """A rank recorded its failure with a `kind` (dflash.train.failures: a full disk, a loss that cannot
-    train), whose message the launcher prints as the run's one line."""
-    import json
-
-    for path in (run_dir / "train" / "failures").glob("rank-*.json") if run_dir is not None else ():
-        try:
-            if json.loads(path.read_text(encoding="utf-8")).get("kind"):
-                return True
-        except (OSError, ValueError, AttributeError):
-            continue
-    return False
 
 
 def write_agent_record(run_dir: Path, failed: ChildFailedError) -> None:

@@ -4,8 +4,8 @@ What the launcher knows when torchrun has exited:
 
 * `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
   a full disk (`kind` "disk_full") and a loss that cannot train (`kind` "loss_unusable",
-  dflash.train.loss_check) are recorded as such, and the rank ends without a traceback, as does
-  torchrun's report of it (dflash.train.agent.cause_recorded);
+  dflash.train.loss_check) are recorded as such, and the rank ends without a traceback (torchrun's own
+  report goes to train/logs/torchrun.log: dflash.train.agent.route_torchrun_output);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
   (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
 * the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
@@ -60,12 +60,14 @@ class AgentRank(TypedDict):
 @dataclass(frozen=True)
 class RunEnd:
     """What the launcher saw of the agent: its pid and exit code, whether the launcher itself was
-    signalled (SIGTERM, Ctrl-C), and a rank it found stopped or stuck (then it ended the run)."""
+    signalled (SIGTERM, Ctrl-C) and with what (`signals`, names in order: a second one stopped the run
+    at once), and a rank it found stopped or stuck (then it ended the run)."""
 
     agent_pid: int
     code: int
     signalled: bool = False
     stall: Optional[Stall | Stuck] = None
+    signals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

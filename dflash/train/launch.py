@@ -30,7 +30,7 @@ from dflash.train.failures import RunEnd
 from dflash.train.progress import ProgressBar
 from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from envcheck.allocator import ALLOC_CONF_VARIABLES, AllocatorSetting, allocator_setting, apply_allocator_env
-from launcher_core.errors import ConfigError, PreflightFailed, RunFailed
+from launcher_core.errors import ConfigError, Interrupted, PreflightFailed, RunFailed
 from launcher_core.paths import REPO_ROOT
 from launcher_core.processes import child_tempdir, child_tempdir_env
 from launcher_core.profile import profile_to_json
@@ -220,7 +220,8 @@ def check_host_ram(profile: Profile, plan: Plan, ram_mib: int | None = None) -> 
 
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
-    """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures).
+    """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures), or
+    Interrupted (exit 130) when SIGTERM or SIGINT stopped it (`LauncherStop`: the ranks save after their step).
 
     The run directory is locked for the run's life (launcher_core.runlock: a second run there is
     refused, exit 2). The profile is checked against its target's config.json and tokenizer
@@ -343,12 +344,49 @@ def stuck_bound(profile: Profile) -> StuckBound:
 def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
               heartbeat_timeout_s: float, stuck: StuckBound | None = None) -> RunEnd:
     """Run the torchrun agent (dflash.train.agent) tied to this process: it holds the read end of a
-    pipe only we can write (its end of file: we are gone) and the run directory's lock. A SIGTERM
-    to us goes to the agent (which passes it to the ranks: they save and stop); a rank that stops
-    beating, or that holds the others past `stuck` (dflash.train.watchdog), ends the run. When the agent has exited, no rank may outlive it. They share a temporary
+    pipe only we can write (its end of file: we are gone) and the run directory's lock. SIGTERM or SIGINT
+    to us stops the run (`LauncherStop`); a rank that stops beating, or that holds the others past `stuck`
+    (dflash.train.watchdog), ends the run. When the agent has exited, no rank may outlive it. They share a temporary
     folder of their own (TMPDIR, `child_tempdir`), removed once they have all ended (end_stragglers)."""
     with child_tempdir("train") as folder:
         return _run_agent_in(argv, {**env, **child_tempdir_env(folder)}, paths, lock_fd, heartbeat_timeout_s, stuck)
+
+
+class LauncherStop:
+    """SIGTERM and SIGINT to the launcher while its agent runs (a terminal's Ctrl-C reaches the agent and the
+    ranks as well: they take it as the same stop). The first is passed on to the agent as SIGTERM: it asks every
+    rank to stop after its step, and they save and end (dflash.train.agent.StopOnSignal). A second, of either
+    kind, stops the run at once: the agent is killed, its ranks die with it, and the run keeps its last
+    complete checkpoint (none at the stop)."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.agent: subprocess.Popen | None = None
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        self.previous = {signum: signal.signal(signum, self.on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)      # type: ignore[arg-type]
+
+    def attach(self, agent: subprocess.Popen) -> None:
+        self.agent = agent
+        if self.received:
+            self.pass_on()
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum).name)
+        self.pass_on()
+
+    def pass_on(self) -> None:
+        if self.agent is None:
+            return
+        if len(self.received) == 1:
+            self.agent.send_signal(signal.SIGTERM)
+        else:
+            self.agent.kill()
 
 
 def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
@@ -358,29 +396,26 @@ def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_
 
     read_fd, write_fd = os.pipe()
     env = {**env, PIPE_FD_ENV: str(read_fd), RUN_DIR_ENV: str(paths.run_dir), LAUNCHER_PID_ENV: str(os.getpid())}
+    stop = LauncherStop()
+    stop.install()              # before the agent starts: a Ctrl-C is a stop from here on, never a KeyboardInterrupt
     try:
-        process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT), pass_fds=(read_fd, lock_fd))
+        try:
+            process = subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT), pass_fds=(read_fd, lock_fd))
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        stop.attach(process)
+        stall: Stall | Stuck | None = None
+        try:
+            code, stall = _wait_watching(process, paths.run_dir, heartbeat_timeout_s, stuck)
+        finally:
+            os.close(write_fd)            # the agent, if it still runs (an error here), stops its ranks
+        end_stragglers(paths.run_dir)
     finally:
-        os.close(read_fd)
-    received: list[int] = []
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
-        process.send_signal(signum)
-
-    previous = signal.signal(signal.SIGTERM, forward)
-    stall: Stall | Stuck | None = None
-    try:
-        code, stall = _wait_watching(process, paths.run_dir, heartbeat_timeout_s, stuck)
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        code = process.wait()
-        received.append(signal.SIGINT)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        os.close(write_fd)            # the agent, if it still runs (an error here), stops its ranks
-    end_stragglers(paths.run_dir)
-    return RunEnd(process.pid, code, bool(received), stall)
+        stop.restore()
+    return RunEnd(process.pid, code, bool(stop.received), stall, tuple(stop.received))
 
 
 def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float,
@@ -426,20 +461,49 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
 
 
 def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
-    from dflash.train.failures import failure_cause
+    """0 for a whole run; Interrupted for a run stopped by a signal (manifest `pending`, what to resume);
+    otherwise RunFailed or DiskFull naming the cause (dflash.train.failures)."""
+    from dflash.train.failures import failure_cause, read_rank_failures
     from launcher_core.errors import DataError, DiskFull
     from launcher_core.fileio import read_json
     from launcher_core.manifest import update_stage
 
     stopped = paths.train_dir / "stopped.json"
     if stopped.exists():
-        info = read_json(stopped)
-        update_stage(paths.run_dir, "train", "pending", stopped_at_step=info["step"], ended_by="stopped (SIGTERM)")
-        print(f"training stopped after step {info['step']}; checkpoint saved. Continue with --resume.", flush=True)
+        raise stopped_run(paths, end, read_json(stopped))
+    if end.code == 0:
         return 0
-    if end.code == 0 and not end.signalled:
-        return 0
+    if end.signalled and (len(end.signals) > 1 or not read_rank_failures(paths.failures)):
+        raise interrupted_run(paths, end)
     cause = failure_cause(paths.run_dir, end, collective_timeout_s)
     update_stage(paths.run_dir, "train", "failed", exit_code=end.code, failed_rank=cause.rank, ended_by=cause.kind,
                  error=cause.message.splitlines()[0][:500])
     raise {"disk full": DiskFull, "loss unusable": DataError}.get(cause.kind, RunFailed)(cause.message)
+
+
+def stopped_run(paths: TrainPaths, end: RunEnd, info: dict) -> Interrupted:
+    """The ranks stopped after a step and saved (train/stopped.json): the manifest's train stage `pending`."""
+    from launcher_core.manifest import update_stage
+
+    by = end.signals[0] if end.signals else "a signal to torchrun or its ranks"
+    checkpoint = Path(str(info.get("checkpoint", ""))).name or f"step-{info['step']}"
+    update_stage(paths.run_dir, "train", "pending", stopped_at_step=info["step"],
+                 ended_by=f"stopped ({end.signals[0] if end.signals else 'signal'})",
+                 hint=f"continue from {checkpoint} with `launcher.py train --resume`")
+    return Interrupted(f"training stopped by {by} after step {info['step']}; checkpoint {checkpoint} saved. "
+                       f"Continue with --resume.")
+
+
+def interrupted_run(paths: TrainPaths, end: RunEnd) -> Interrupted:
+    """Signalled, and no checkpoint at the stop: a second signal stopped the run at once, or the first came
+    before the ranks could save (before their first step). The manifest's train stage `pending`."""
+    from dflash.train.failures import resume_hint
+    from launcher_core.manifest import update_stage
+
+    twice = len(end.signals) > 1
+    how = (f"by a second {end.signals[1]}: stopped at once, without a checkpoint at the stop" if twice
+           else f"by {end.signals[0]} before the ranks could save a checkpoint at the stop")
+    hint = resume_hint(paths.run_dir)
+    update_stage(paths.run_dir, "train", "pending", ended_by=f"interrupted ({'forced' if twice else end.signals[0]})",
+                 hint=hint)
+    return Interrupted(f"training interrupted {how}; {hint}")

@@ -10,10 +10,10 @@ interpreter importing them again (BENCHMARKS.md "Ranks from torchrun's forkserve
 that way reports success the way elastic collects it, by returning (`end_rank`).
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
-writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM sets a flag that all
-ranks agree on after the current step: a checkpoint is saved and the ranks exit cleanly. An
-exception is written to `train/failures/rank-R.json` (rank + traceback) before the rank exits,
-so the launcher can name the rank that failed first.
+writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM or SIGINT (a terminal's
+Ctrl-C reaches every rank) sets a flag that all ranks agree on after the current step: a checkpoint
+is saved and the ranks exit cleanly. An exception is written to `train/failures/rank-R.json` (rank +
+traceback) before the rank exits, so the launcher can name the rank that failed first.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def end_rank(code: int) -> None:
     A rank forked by torchrun's agent that succeeded returns instead: elastic counts a rank done when its
     return value arrives (one that exits 0 without one is never counted, and the agent waits forever), then
     multiprocessing ends the process with os._exit (no finalization either). The value is written before
-    the rank waits for the agent to read it; a closing agent (a SIGTERM stop) reads none and only waits for
+    the rank waits for the agent to read it; a closing agent (another rank failed) reads none and only waits for
     the process to go, so the rank ends itself RETURNED_RANK_EXIT_S later, or at the next SIGTERM."""
     from launcher_core.processes import exit_without_finalization
 
@@ -216,12 +216,12 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
     from dflash.train.setup import build_state
     from launcher_core.profile import profile_from_json
 
+    stop = StopFlag.install()
     profile = profile_from_json(args.profile_json)
     heartbeat = RankHeartbeat.from_env(args.run_dir, env.rank, profile.train.heartbeat_timeout_s,
                                        profile.train.stuck_floor_s).start()
     device = rank_device(profile.machine.device, env)
     init_process_group(profile.machine.backend, device, timeout_s=profile.train.collective_timeout_s)
-    stop = StopFlag.install()
     try:
         start = apply_rank_plan(args.run_dir, env, device)
         state = build_state(profile, args.run_dir, env, resume=args.resume,
@@ -267,16 +267,22 @@ def apply_rank_plan(run_dir: Path, env: WorkerEnv, device: torch.device) -> Rank
 
 
 class StopFlag:
-    """Set by SIGTERM; ranks agree on it (all_reduce MAX) between steps."""
+    """Set by SIGTERM or SIGINT (`signal`: the first one's name); ranks agree on it (all_reduce MAX) between steps."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal = ""
 
     @classmethod
     def install(cls) -> "StopFlag":
         flag = cls()
-        signal.signal(signal.SIGTERM, lambda *_: setattr(flag, "requested", True))
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, flag.set)
         return flag
+
+    def set(self, signum: int, _frame: object) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+        self.requested = True
 
     def agreed(self) -> bool:
         from dflash.train.dist import any_rank
@@ -306,7 +312,7 @@ def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFla
             if log:
                 log.record(state, stats, epoch, held_out)
             if stop.agreed():
-                saves.save(stopped=True)
+                saves.save(stopped=stop.signal or "a signal")
                 return
             if saves.due() and state.step < total:
                 saves.save()
@@ -350,8 +356,8 @@ class CheckpointSaves:
         if self.writer is not None:
             self._placed(self.writer.poll(self.state))
 
-    def save(self, *, final: bool = False, stopped: bool = False) -> None:
-        """Every rank: a collective (dflash.train.checkpointing)."""
+    def save(self, *, final: bool = False, stopped: str = "") -> None:
+        """Every rank: a collective (dflash.train.checkpointing); `stopped`: the signal that stopped the run."""
         from dflash.train.checkpointing import save_training_checkpoint
 
         self.last_save = time.monotonic()
@@ -368,7 +374,7 @@ class CheckpointSaves:
             from launcher_core.fileio import write_json_atomic
 
             write_json_atomic(self.run_dir / "train" / STOPPED_FILE, {"step": self.state.step, "checkpoint": str(where)})
-            print(f"stopped by SIGTERM after step {self.state.step}; checkpoint {where}", flush=True)
+            print(f"stopped by {stopped} after step {self.state.step}; checkpoint {where}", flush=True)
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """A rank that fails (an OOM, a dead peer) lets the save being written finish before it exits, so the

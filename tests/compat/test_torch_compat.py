@@ -37,7 +37,8 @@ TESTS = ["tests/train/test_fsdp_step.py", "tests/train/test_meta_init.py", "test
          "tests/train/test_retention.py", "tests/train/test_safety_checkpoint.py",
          "tests/safety/test_safety_async_save.py", "tests/safety/test_safety_checkpoints.py",
          "tests/memory/test_autobatch.py", "tests/memory/test_trace.py", "tests/test_torch_private.py",
-         "tests/train/test_faults.py", "tests/train/test_plain_run.py", "tests/safety/test_safety_stuck.py"]
+         "tests/train/test_faults.py", "tests/train/test_plain_run.py", "tests/safety/test_safety_stuck.py",
+         "tests/safety/test_safety_signals.py"]
 TRIGGERS = ("requirements-cu", "dflash/train/", "dflash/memory/trace.py", "dflash/drafter/checkpoint.py",
             "dflash/torch_private.py",
             "tests/compat/compat_venvs.py", "tests/compat/test_torch_compat.py", *TESTS)
