@@ -326,7 +326,7 @@ def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
 def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
     """The training dataset (paths.dataset) as the ranks will open it; InputError (exit 2) naming the path and
     the command that writes it when it is not there, before any audit, torchrun or model load. A directory
-    that is there but damaged is the ranks' to name (dflash.train.data.verify_dataset: exit 4)."""
+    that is there but damaged is the ranks' to name (dflash.train.data.verify_dataset)."""
     from dflash.data.dataset_io import META_NAME
     from launcher_core.errors import InputError
     from launcher_core.profile import expand_path
