@@ -186,3 +186,29 @@ def test_generate_and_eval_on_a_damaged_manifest_are_exit_2_naming_it(cli, tmp_p
         assert result.err.startswith(f"error: {manifest}: ") and said in result.err, result.err
         assert "Traceback" not in result.err and manifest.read_text() == text
     assert not (private_cache / "crashes").exists()
+
+
+@pytest.mark.parametrize("field, value", [("host.ram_total_mib", -1), ("host.ram_available_mib", -65536),
+                                          ("gpus.0.memory_free_mib", -5), ("host.disks.0.free_mib", -1)])
+def test_a_snapshot_with_a_negative_size_is_exit_2_naming_the_field_and_the_range(cli, tmp_path, fixtures_dir,
+                                                                                  field, value):
+    """Row "a snapshot with negative RAM": refused as a damaged file (exit 2: the file, the field, the value and
+    the valid range), not audited or planned as a machine with less than no memory. The control: the intact
+    file audits."""
+    document = json.loads((fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json").read_text())
+    node = document
+    *parents, last = field.split(".")
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[last] = value
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps(document))
+    shown = field.replace(".0.", "[0].").replace(".0", "[0]")
+    for command in (["audit", "--profile", "rtx6000-x8", "--snapshot", damaged],
+                    ["plan", "--profile", "rtx6000-x8", "--snapshot", damaged]):
+        result = cli(*command)
+        assert result.code == 2 and "Traceback" not in result.err, result.err
+        assert result.err.strip() == (f"error: {damaged}: not a valid snapshot: snapshot.{shown}: {value} is out of "
+                                      "range; valid: an integer >= 0"), result.err
+    control = cli("audit", "--profile", "rtx6000-x8", "--snapshot", fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json")
+    assert control.code != 2 and "not a valid snapshot" not in control.err
