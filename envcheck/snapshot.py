@@ -182,15 +182,20 @@ def _required(field_: dataclasses.Field) -> bool:
 
 
 SCALARS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+# Every number a snapshot records is a size, a count, an index, a pid or a version: 0 or more. The one
+# difference it records may be negative (the CUDA probe's context cost: memory in use after minus before).
+SIGNED = frozenset({"context_mib"})
 
 
 def _checked_scalar(hint: Any, value: Any, where: str) -> Any:
-    """A JSON scalar of the field's type (a bool is not a number here)."""
+    """A JSON scalar of the field's type (a bool is not a number here); a number at least 0 (SIGNED aside)."""
     allowed = SCALARS.get(hint)
     if allowed is None:
         return value
     if not isinstance(value, allowed) or (hint is not bool and isinstance(value, bool)):
         raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
+    if hint is not bool and isinstance(value, (int, float)) and value < 0 and where.rsplit(".", 1)[-1] not in SIGNED:
+        raise ValueError(f"{where}: {value} is out of range; valid: {'an integer' if hint is int else 'a number'} >= 0")
     return value
 
 

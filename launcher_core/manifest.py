@@ -2,7 +2,10 @@
 
 `launcher.py status RUN_DIR` reads it; every stage calls `update_stage` as it goes, so nobody
 keeps a progress file by hand. Updates are read-modify-write under an exclusive lock and land
-with an atomic rename, so concurrent writers and crashes never corrupt it.
+with an atomic rename, so concurrent writers and crashes never corrupt it. A manifest damaged by
+other hands (not JSON, cut short, `stages` or a stage entry not an object, a `state` that is not a
+stage state, a path or time that is not a string) is an InputError naming the file and the key
+(exit 2), whichever command reads or updates it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ STAGES = ("audit", "generate", "tokenize", "train", "eval")
 StageState = Literal["pending", "running", "done", "failed", "skipped"]
 # Figures that describe how a stage last stopped; a stage that runs again or finishes drops them.
 STOP_KEYS = ("error", "exit_code", "failed_rank", "stopped_at_step", "ended_by", "hint")
+STATES = ("pending", "running", "done", "failed", "skipped")
+# Entry keys the commands read as text (paths, times), or null: any other type is damage, not a figure.
+TEXT_KEYS = ("updated_at", "output", "dataset", "checkpoint", "validation_best_checkpoint", "ended_by", "error", "hint")
 
 
 def manifest_path(run_dir: str | Path) -> Path:
@@ -35,11 +41,34 @@ def read_manifest(run_dir: str | Path) -> dict[str, Any]:
         return {"stages": {}}
     document = read_json_object(path, "a run manifest")    # damaged: InputError naming it
     document.setdefault("stages", {})
-    if not isinstance(document["stages"], dict):
-        from launcher_core.errors import InputError
+    from launcher_core.errors import InputError
 
+    if not isinstance(document["stages"], dict):
         raise InputError(f"{path}: `stages` is not an object; the manifest is damaged (move it aside to start over)")
+    for name, entry in document["stages"].items():
+        problem = entry_problem(entry)
+        if problem:
+            raise InputError(f"{path}: stages.{name}{problem}; the manifest is damaged (move it aside to start over)")
     return document
+
+
+def entry_problem(entry: object) -> str:
+    """What is wrong with one stage entry ("" when nothing), as the tail of `stages.NAME...`."""
+    if not isinstance(entry, dict):
+        return f" is {_kind(entry)}, not an object"
+    state = entry.get("state", "pending")
+    if state not in STATES:
+        return f".state is {state!r}; valid: {', '.join(STATES)}"
+    wrong = next((key for key in TEXT_KEYS if not isinstance(entry.get(key), (str, type(None)))), None)
+    if wrong is not None:
+        return f".{wrong} is {_kind(entry[wrong])}; valid: a string (or null)"
+    return ""
+
+
+def _kind(value: object) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 @contextlib.contextmanager

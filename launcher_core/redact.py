@@ -4,7 +4,8 @@ printed or written, and the environment variables that change GPU behaviour.
 The one helper for every place that prints or writes an endpoint, an argv or a message:
 
 * `redact_url`: a URL's user info (`user:password@`) and the values of secret query keys
-  (`api_key`, `token`, `key`, `access_token`, `secret`, `password`, `sig`, ...: `is_secret_key`);
+  (`api_key`, `token`, `key`, `access_token`, `secret`, `password`, `sig`, ...: `is_secret_key`),
+  in its query string or its fragment (`#access_token=...`);
 * `redact_argv`: every element's URLs, the value of a secret-looking flag (`--api-key X`,
   `--token=X`) and of a `NAME=VALUE` with a secret-looking NAME;
 * `redact_text` (and `redact_value`, `redact_document` built on it): the URLs and secret flags
@@ -52,7 +53,7 @@ SECRET_KEY = re.compile(r"(?:^|[-_.])(?:api[-_]?key|apikey|key|token|access[-_]?
                         re.IGNORECASE)
 URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>`]+")
 USER_INFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#@\s]*)@")
-QUERY_PAIR = re.compile(r"([?&;])([^=&;#\s]+)=([^&;#\s]*)")
+QUERY_PAIR = re.compile(r"([?&;#])([^=&;#\s]+)=([^&;#\s]*)")
 FLAG_VALUE = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*)(=|\s+)(?!-)(\S+)")
 ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.+)$", re.DOTALL)
 
@@ -63,10 +64,10 @@ def is_secret_key(name: str) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its user info and the values of its secret query keys masked."""
+    """The URL with its user info and the values of its secret query (and fragment) keys masked."""
     masked = USER_INFO.sub(lambda m: f"{m.group(1)}{REDACTED}@" if m.group(2) else m.group(0), url)
-    return QUERY_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}={REDACTED}" if is_secret_key(m.group(2))
-                          else m.group(0), masked)
+    return QUERY_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}={REDACTED}" if is_secret_key(m.group(2)) and m.group(3)
+                          else m.group(0), masked)       # an empty value holds no secret (nor a masked one's '<')
 
 
 def _redact_url_in_text(found: str) -> str:

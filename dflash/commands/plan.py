@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.plan import make_plan
+    from dflash.memory.target import describe_target
     from dflash.train.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict
 
@@ -61,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
     host_ram, host_ram_json = host_ram_figures(profile, plan, inputs.snapshot)
     train = profile.train
     stuck = plan_figures(train.stuck_floor_s, train.stuck_after_steps, train.collective_timeout_s, train.heartbeat_timeout_s)
+    shape = plan.workload.target
+    target = {"model_target": profile.model.target, "source": shape.source, "assumed": shape.assumed,
+              "line": describe_target(shape)}
     if args.json:
         document = {"profile": profile_as_dict(profile), "plan": {**plan_as_dict(plan, storage), "model_source": source,
+                                                                  "target": target,
                                                                   "checkpoints": checkpoints_json,
                                                                   "restart": {**asdict(restart), "line": restart.line()},
                                                                   "host_ram_at_start": host_ram_json,
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for section, values in document_sections(profile_as_dict(profile)):
         print(f"[{section}]")
         print("\n".join(f"  {key} = {value!r}" for key, value in values.items()))
+    print(f"\n{target['line']}")
     print("\n".join(format_plan(plan, storage, [checkpoints, restart.line(), host_ram, str(stuck["line"])])))
     print(f"memory model: {source}")
     if args.trace:

@@ -1,6 +1,8 @@
 """`launcher.py status RUN_DIR`: each stage's state and figures, read from the run's manifest.
 
-Every stage updates `manifest.json` atomically as it goes; this only reads it.
+Every stage updates `manifest.json` atomically as it goes; this only reads it. A training run that
+ended before its last step (a rank failed or was killed, Ctrl-C, SIGTERM, its launcher killed) gets a
+note naming its last checkpoint and the `train --resume` that continues from it (`resume_notes`).
 """
 from __future__ import annotations
 
@@ -34,9 +36,43 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(manifest.get("stages"), dict):
         raise ConfigError(f"{manifest_path(run_dir)}: expected an object with 'stages'")
     print(json.dumps(manifest, indent=2, sort_keys=True) if args.json else format_status(run_dir, manifest))
-    for line in orphaned_stages(run_dir, manifest):
+    for line in orphaned_stages(run_dir, manifest) + resume_notes(run_dir, manifest, args.profile):
         print(line)
     return 0
+
+
+def resume_notes(run_dir: Path, manifest: dict[str, Any], profile: str | None = None) -> list[str]:
+    """A train stage that ended before its last step (failed, or stopped and pending again): what ended it
+    and the command that continues it, from its last checkpoint when it has one. `profile`: the --profile
+    status was given (else `P` stands for the run's own)."""
+    entry = manifest["stages"].get("train") or {}
+    state, ended_by = entry.get("state"), entry.get("ended_by")
+    if state != "failed" and not (state == "pending" and (ended_by or "stopped_at_step" in entry)):
+        return []
+    verb = "failed" if state == "failed" else "stopped"
+    how = str(ended_by) if str(ended_by).startswith(verb) else f"{verb} ({ended_by})" if ended_by else verb
+    command = f"launcher.py train --profile {profile or 'P'} --run-dir {run_dir}"
+    checkpoint = last_checkpoint(run_dir)
+    if checkpoint is None:
+        return [f"note: train {how} before its first checkpoint; `{command}` starts it again"]
+    return [f"note: train {how}; its last checkpoint is {checkpoint}: `{command} --resume` continues from it"]
+
+
+def last_checkpoint(run_dir: Path) -> str | None:
+    """The step directory `latest` names when it is there, else the newest `step-N` (None: none yet).
+    Read only: `train --resume` verifies it and falls back to an older whole one when it is damaged."""
+    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.train.resume import step_directories
+
+    directory = checkpoints_dir(run_dir)
+    try:
+        named = (directory / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    if named and "/" not in named and (directory / named).is_dir():
+        return named
+    steps = step_directories(directory) if directory.is_dir() else []
+    return steps[0].name if steps else None
 
 
 def orphaned_stages(run_dir: Path, manifest: dict[str, Any]) -> list[str]:

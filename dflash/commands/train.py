@@ -30,13 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
     from dflash.train.launch import build_torchrun_command, describe_command, run_training
-    from dflash.train.launch_checks import validate_profile_for_launch
+    from dflash.train.launch_checks import require_dataset, validate_profile_for_launch
     from launcher_core.profile import expand_path
     from launcher_core.runlock import run_lock
 
     profile = load_profile_arg(args)
     run_dir = Path(args.run_dir).resolve() if args.run_dir else expand_path(profile, profile.paths.run_dir)
     validate_profile_for_launch(profile, source=args.profile)
+    if not args.print_command:
+        require_dataset(profile, source=args.profile)   # train before tokenize: said here, not by a rank after launch
     inputs = read_inputs(profile, args.snapshot, args.baseline)
     plan = plan_for_launch(profile, inputs)
     print(describe(plan, inputs), flush=True)

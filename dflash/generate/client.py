@@ -5,6 +5,10 @@ serve`, or anything compatible. `EndpointPool` rotates requests over the healthy
 endpoint that refuses connections, drops them, or fails several requests in a row is taken out of
 rotation and probed on `/health` until it answers again. Every failure is a `RequestFailure` that
 says whether a retry makes sense and whether the endpoint (not the request) is to blame.
+
+An endpoint URL is parsed (`parse_endpoint`): its path up to `/v1` is the server's base, and its
+query string (e.g. `?api_key=KEY` for a gateway that reads one) goes with every request it is sent,
+`/health` and `/v1/models` included; a fragment (`#...`), which no request carries, is refused.
 """
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from launcher_core.errors import ConfigError, RunFailed
+from launcher_core.redact import REDACTED, redact_url
 
 if TYPE_CHECKING:
     import aiohttp
@@ -26,16 +32,27 @@ PROBE_INTERVAL_S = 1.0
 
 @dataclass
 class Endpoint:
-    """One server: its base URL (without /v1) and its health as this client sees it."""
+    """One server: its base URL (without /v1 and without a query), the query string every request
+    to it carries, and its health as this client sees it."""
 
     base_url: str
+    query: str = ""
     healthy: bool = True
     consecutive_failures: int = 0
     requests: int = 0
 
+    def url(self, path: str) -> str:
+        """The URL of `path` (e.g. "/health") on this server, with the endpoint's query string."""
+        return f"{self.base_url}{path}" + (f"?{self.query}" if self.query else "")
+
     @property
     def chat_url(self) -> str:
-        return f"{self.base_url}/v1/chat/completions"
+        return self.url("/v1/chat/completions")
+
+    @property
+    def label(self) -> str:
+        """The endpoint as messages show it: credentials and secret query values masked."""
+        return redact_url(self.url(""))
 
 
 class RequestFailure(Exception):
@@ -49,14 +66,34 @@ class RequestFailure(Exception):
         self.endpoint_down = endpoint_down
 
 
-def normalize_endpoint(url: str) -> str:
-    """`http://host:port`, `.../v1` or `.../v1/chat/completions` -> the base URL."""
-    base = url.strip().rstrip("/")
+def parse_endpoint(url: str) -> Endpoint:
+    """`http://host:port`, `.../v1` or `.../v1/chat/completions`, each with an optional query string
+    (`?api_key=KEY`) -> the Endpoint (base URL + query). ConfigError naming the endpoint, its secrets
+    masked, when it is not an http(s) URL with a host, or has a fragment."""
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        parts.port                                  # a port that is not a number raises here
+    except ValueError as error:
+        raise ConfigError(f"--endpoint {_shown(text)}: not a valid URL ({error}); give an http(s) URL such as "
+                          "http://127.0.0.1:30000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--endpoint {_shown(text)}: must be an http(s) URL with a host, such as "
+                          "http://127.0.0.1:30000 (optionally ending in /v1, and with a query string)")
+    if parts.fragment or text.endswith("#"):
+        raise ConfigError(f"--endpoint {_shown(text)}: a URL fragment (#...) is never sent to a server, so it can "
+                          "carry neither a key nor a setting; remove it. A key the server reads from the URL goes in "
+                          "its query string (after the ?), which is sent with every request")
+    path = parts.path.rstrip("/")
     for suffix in ("/chat/completions", "/v1"):
-        base = base.removesuffix(suffix)
-    if not base.startswith(("http://", "https://")):
-        raise ConfigError(f"endpoint {url!r} must be an http(s) URL such as http://127.0.0.1:30000")
-    return base
+        path = path.removesuffix(suffix)
+    return Endpoint(urlunsplit((parts.scheme, parts.netloc, path, "", "")), parts.query)
+
+
+def _shown(url: str) -> str:
+    """An endpoint as an error shows it: credentials and secret query values masked, a fragment hidden."""
+    head, mark, _fragment = url.partition("#")
+    return redact_url(head) + (f"#{REDACTED}" if mark else "")
 
 
 @dataclass
@@ -69,10 +106,11 @@ class EndpointPool:
 
     @classmethod
     def from_urls(cls, urls: Sequence[str]) -> "EndpointPool":
-        unique = list(dict.fromkeys(normalize_endpoint(url) for url in urls))
+        parsed = [parse_endpoint(url) for url in urls]
+        unique = list(dict.fromkeys((endpoint.base_url, endpoint.query) for endpoint in parsed))
         if not unique:
             raise ConfigError("no endpoint to send requests to; pass --endpoint URL")
-        return cls([Endpoint(url) for url in unique])
+        return cls([Endpoint(base, query) for base, query in unique])
 
     def healthy(self) -> list[Endpoint]:
         return [endpoint for endpoint in self.endpoints if endpoint.healthy]
@@ -89,7 +127,7 @@ class EndpointPool:
         started = time.monotonic()
         while endpoint is None:
             if unavailable_timeout_s is not None and time.monotonic() - started > unavailable_timeout_s:
-                urls = ", ".join(e.base_url for e in self.endpoints)
+                urls = ", ".join(e.label for e in self.endpoints)
                 raise RunFailed(f"no endpoint answered for {unavailable_timeout_s:.0f} s ({urls}); "
                                 "everything completed so far is saved, rerun to continue")
             await asyncio.sleep(0.05)
@@ -116,27 +154,27 @@ class EndpointPool:
         while True:
             await asyncio.sleep(interval_s)
             for endpoint in self.endpoints:
-                if not endpoint.healthy and await probe_health(session, endpoint.base_url):
+                if not endpoint.healthy and await probe_health(session, endpoint):
                     endpoint.consecutive_failures = 0
                     endpoint.healthy = True
 
 
-async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 2.0) -> bool:
+async def probe_health(session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float = 2.0) -> bool:
     import aiohttp
 
     try:
-        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.get(endpoint.url("/health"), timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             return response.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
 
 
-async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str | None:
+async def fetch_model_name(session: aiohttp.ClientSession, endpoint: Endpoint) -> str | None:
     """The first model id from /v1/models (None when the server does not say)."""
     import aiohttp
 
     try:
-        async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
+        async with session.get(endpoint.url("/v1/models"), timeout=aiohttp.ClientTimeout(total=10)) as response:
             document = await response.json(content_type=None)
         return str(document["data"][0]["id"])
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError):

@@ -21,6 +21,10 @@ def generation_plan(profile: Profile, input_path: str | None, output_path: str |
     plan: dict[str, object] = {"backend": backend, "prompts": str(paths.prompts), "output": str(paths.output),
                             "state_dir": str(paths.state_dir), "concurrency": profile.generate.concurrency}
     if endpoints:
+        from dflash.generate.client import parse_endpoint
+
+        for url in endpoints:
+            parse_endpoint(url)                     # refused here as the run would refuse it
         plan["endpoints"] = [redact_url(url) for url in endpoints]
     elif backend != "endpoint":
         plan["server"] = _server_plan(profile, paths.state_dir / "server.log")

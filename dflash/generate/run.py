@@ -4,7 +4,9 @@
 (or uses `--endpoint`s), and drives `concurrency` async workers through the OpenAI-compatible
 client. Transient errors and timeouts are retried with exponential backoff; what still fails is
 recorded in `generate/failures.jsonl`. A server that dies is restarted (bounded) and the run goes
-on (`dflash.generate.workers`). The manifest's "generate" stage is updated as it goes.
+on (`dflash.generate.workers`). A run whose every request failed is RunFailed (exit 5): nothing
+was generated, and a script must not carry on as if it had been. The manifest's "generate" stage
+is updated as it goes.
 """
 from __future__ import annotations
 
@@ -16,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dflash.generate.client import EndpointPool
+from dflash.generate.client import EndpointPool, parse_endpoint
 from dflash.generate.prompts import PromptRecord, load_prompts
 from dflash.generate.records import SamplingParams
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore, check_output
 from dflash.generate.workers import GenerateSummary, GenerationRun
 from launcher_core.diskfull import disk_full_guard
-from launcher_core.errors import ConfigError
+from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.manifest import StageState, update_stage
 from launcher_core.schema import Profile
 
@@ -73,8 +75,11 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
 
     `endpoints` use already-running servers instead of starting the profile's backend.
     `retry_failed` sends only the prompts in the failures file. `preflight` runs the preflight
-    audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage.
+    audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage. RunFailed
+    when prompts were sent and every one of them failed (`all_failed`).
     """
+    for url in endpoints:
+        parse_endpoint(url)                         # a malformed endpoint is refused before anything is touched
     paths = resolve_paths(profile, input_path, output_path, run_dir)
     check_output(paths.output, paths.prompts, paths.run_dir)
     if limit is None and profile.generate.max_prompts > 0:
@@ -101,8 +106,22 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
             _finish_manifest(paths.run_dir, summary, store, "failed", error)
             raise
         store.close()
-    _finish_manifest(paths.run_dir, summary, store, "done", None)
+    failed = all_failed(summary)
+    _finish_manifest(paths.run_dir, summary, store, "done" if failed is None else "failed", failed)
+    if failed is not None:
+        raise failed
     return summary
+
+
+def all_failed(summary: GenerateSummary) -> RunFailed | None:
+    """The error of a run that sent prompts and got no completion back: each failed after its retries
+    (a wrong endpoint path or key, a server that rejects every request)."""
+    if summary.completed or not summary.failed:
+        return None
+    return RunFailed(f"every request failed: {summary.failed} of {summary.selected} prompt(s) sent, no completion "
+                     f"(the first failure: {summary.first_failure}); each prompt's reason is in "
+                     f"{summary.failures_path}. Check the server or --endpoint (its address, path and key), then "
+                     f"rerun with --retry-failed")
 
 
 def _close_after_failure(store: CompletionStore) -> None:

@@ -46,6 +46,7 @@ class GenerateSummary:
     server_restarts: int = 0
     output_path: str = ""
     failures_path: str = ""
+    first_failure: str = ""         # the reason of this run's first prompt that failed for good
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,7 +101,7 @@ class GenerationRun:
         for prompt in prompts:
             queue.put_nowait(prompt)
         async with new_session(self.concurrency) as session:
-            self._model = await fetch_model_name(session, self.pool.endpoints[0].base_url)
+            self._model = await fetch_model_name(session, self.pool.endpoints[0])
             helpers = [asyncio.create_task(self.pool.probe_forever(session)),
                        asyncio.create_task(self._report_forever(len(prompts)))]
             if self.supervisor is not None:
@@ -201,6 +202,7 @@ class GenerationRun:
     def _record_failure(self, prompt: PromptRecord, reason: str, attempts: int) -> None:
         self.store.add_failure(prompt.id, reason, attempts)
         self.summary.failed += 1
+        self.summary.first_failure = self.summary.first_failure or reason
         self._advance()
 
     def _advance(self) -> None:

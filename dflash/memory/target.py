@@ -3,12 +3,16 @@
 From the target's `config.json` when its directory exists (`dflash.models.local_model_dir`: a
 builtin's cache directory or the profile's path; a nested `text_config` is used for multimodal
 configs; the parameter count from the safetensors index when there is one), else from the
-builtin's known config (SmolLM2-135M, the flagship twin) or, for any other target, Qwen3.6-27B's
-published text config (`dflash.models.QWEN36_27B_TEXT`). Reads files only: no torch, no
+builtin's known config (SmolLM2-135M, the flagship twin) or, for a target that is not on this
+machine (a path on the GPU node a plan is made for, a hub id), Qwen3.6-27B's published text config
+(`dflash.models.QWEN36_27B_TEXT`): ASSUMED dimensions, which the shape's `source` says and `plan`
+prints (`describe_target`). A target that is here but is not a model directory (a file, a folder
+without config.json) is refused (ConfigError naming model.target). Reads files only: no torch, no
 conversion, no download.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +20,11 @@ from typing import Mapping
 
 from dflash.drafter.shape import target_rope_theta
 from dflash.models import FLAGSHIP_TEXT, FLAGSHIP_TWIN, QWEN36_27B_PARAMS, QWEN36_27B_TEXT, SMOLLM2, SMOLLM2_135M_CONFIG, local_model_dir, with_layer_types
-from launcher_core.errors import InputError
+from launcher_core.errors import ConfigError, InputError
 from launcher_core.schema import Profile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ASSUMED = "assumed dimensions"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,11 @@ class TargetShape:
     source: str = "defaults"
     linear_value_dim: int = 0       # Gated DeltaNet value heads x head dim (hybrid targets; 0: none)
     rope_theta: float = 0.0         # RoPE base (a derived drafter shape takes it; 0: the default)
+
+    @property
+    def assumed(self) -> bool:
+        """Dimensions that stand in for a target this machine does not have (`target_shape`)."""
+        return self.source.startswith(ASSUMED)
 
     @property
     def q_dim(self) -> int:
@@ -126,8 +136,28 @@ QWEN36_27B_LIKE = shape_from_config(with_layer_types(QWEN36_27B_TEXT), "Qwen3.6-
 
 
 def target_shape(profile: Profile) -> TargetShape:
-    """The profile's target shape, read from disk when possible (never converts or downloads)."""
-    directory = local_model_dir(profile.model.target)
+    """The profile's target shape, read from disk when possible (never converts or downloads); a target
+    not on this machine gets Qwen3.6-27B's, marked assumed (module docstring)."""
+    target = profile.model.target
+    directory = local_model_dir(target)
     if (directory / "config.json").exists():
         return shape_from_directory(directory, DTYPE_BYTES[profile.model.dtype])
-    return {SMOLLM2: SMOLLM2_135M, FLAGSHIP_TWIN: FLAGSHIP_TWIN_SHAPE}.get(profile.model.target, QWEN36_27B_LIKE)
+    known = {SMOLLM2: SMOLLM2_135M, FLAGSHIP_TWIN: FLAGSHIP_TWIN_SHAPE}.get(target)
+    if known is not None:
+        return known
+    if directory.exists():
+        what = "a directory without config.json" if directory.is_dir() else "not a directory"
+        raise ConfigError(f"model.target {target!r}: {directory} is {what}; set model.target to a model directory "
+                          f"(config.json and weights), or to a path that is on the GPU node the plan is for")
+    return dataclasses.replace(QWEN36_27B_LIKE, source=f"{ASSUMED}: model.target {target!r} is not on this machine, "
+                                                       f"so Qwen3.6-27B's published text config stands in for it")
+
+
+def describe_target(shape: TargetShape) -> str:
+    """The plan's line about the target: where its dimensions come from, and what they are."""
+    figures = (f"hidden {shape.hidden}, {shape.num_layers} layers, {shape.num_heads} x {shape.head_dim} attention, "
+               f"vocabulary {shape.vocab:,}, {shape.total_params() / 1e9:.3g} B parameters")
+    if shape.assumed:
+        return (f"target: {ASSUMED.upper()}{shape.source.removeprefix(ASSUMED)} ({figures}); the plan holds only for "
+                f"a target of this shape: plan where model.target is, or point model.target at its config.json's folder")
+    return f"target: {shape.source} ({figures})"

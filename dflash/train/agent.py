@@ -274,11 +274,24 @@ def _watch_launcher(fd: int, run_dir: Optional[Path]) -> None:
         pass
     LAUNCHER_GONE.set()
     try:
-        stopped_at = stop_ranks()
+        ranks = count_live_ranks(run_dir)
+        stop_ranks()
         if run_dir is not None:
-            record_launcher_gone(run_dir, stopped_at)
+            record_launcher_gone(run_dir, ranks)
     finally:
         os._exit(EXIT_LAUNCHER_GONE)
+
+
+def count_live_ranks(run_dir: Optional[Path]) -> int:
+    """The run's rank processes alive on this node (their heartbeat records), not every process `stop_ranks`
+    ends (torchrun's forkserver, multiprocessing's resource tracker, a rank's own children); 0 when they
+    cannot be read, which never keeps the ranks from being stopped."""
+    try:
+        from dflash.train.heartbeat import live_rank_pids
+
+        return len(live_rank_pids(run_dir)) if run_dir is not None else 0
+    except Exception:
+        return 0
 
 
 def stop_ranks() -> int:
@@ -297,7 +310,8 @@ def stop_ranks() -> int:
 
 
 def record_launcher_gone(run_dir: Path, ranks: int) -> None:
-    """The manifest's train stage: failed, and why (the launcher's pid, the step, the checkpoint)."""
+    """The manifest's train stage: failed, and why (the launcher's pid, the step, the rank processes
+    stopped, the checkpoint)."""
     from dflash.drafter.checkpoint import checkpoints_dir
     from dflash.train.heartbeat import LAUNCHER_PID_ENV
     from dflash.train.progress import read_progress
@@ -311,7 +325,8 @@ def record_launcher_gone(run_dir: Path, ranks: int) -> None:
               else "no checkpoint was complete: train again")
     update_stage(run_dir, "train", "failed", ended_by="launcher gone", exit_code=None,
                  error=f"the launcher (pid {os.environ.get(LAUNCHER_PID_ENV, '?')}) ended while training{step} "
-                       f"(it was killed); its torchrun agent stopped the {ranks} rank process(es) before exiting; "
+                       f"(it was killed); its torchrun agent stopped "
+                       f"{f'the {ranks} rank process(es)' if ranks else 'the processes it had started'} before exiting; "
                        f"{resume}")
 
 

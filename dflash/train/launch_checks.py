@@ -19,6 +19,7 @@ Each is checked here only: the rank-side code that relies on it keeps at most an
 | drafter.conv_group_size, selector_top_k | kind = "dflash2": groups divide the target's hidden size; top K within its vocabulary | DFlash2Drafter |
 | train.global_batch | at most the dataset's rows (when the dataset exists) | TrainData |
 | data.max_length | some row of the dataset, cut to it, holds an anchor (when the dataset exists) | dflash.train.loss_check |
+| paths.dataset | a dataset directory is there (`train`: `require_dataset`, before the audit) | TrainData |
 
 `drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
 layers) before torchrun starts, by dflash.train.resume (it builds the drafter on the meta device,
@@ -320,6 +321,27 @@ def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
     earliest = min([*firsts, *([before.earliest] if before.earliest is not None else [])], default=None)
     longest = max(before.longest, int((ends - starts).max(initial=0)))
     return AnchorScan(usable=False, rows=before.rows + len(starts), longest=longest, earliest=earliest)
+
+
+def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
+    """The training dataset (paths.dataset) as the ranks will open it; InputError (exit 2) naming the path and
+    the command that writes it when it is not there, before any audit, torchrun or model load. A directory
+    that is there but damaged is the ranks' to name (dflash.train.data.verify_dataset)."""
+    from dflash.data.dataset_io import META_NAME
+    from launcher_core.errors import InputError
+    from launcher_core.profile import expand_path
+
+    dataset = expand_path(profile, profile.paths.dataset)
+    tokenize = f"`launcher.py tokenize --profile {source or profile.name}`"
+    if not dataset.exists():
+        raise InputError(f"{dataset}: no training dataset there (paths.dataset of profile {profile.name}); run "
+                         f"{tokenize} first, or `launcher.py pipeline --profile {source or profile.name}`, which "
+                         "generates and tokenizes before it trains")
+    if not dataset.is_dir() or not ((dataset / META_NAME).is_file() or (dataset / "state.json").is_file()):
+        raise InputError(f"{dataset}: not a dataset (paths.dataset of profile {profile.name}: a directory with "
+                         f"{META_NAME} or state.json, as tokenize and merge write it); run {tokenize}, or set "
+                         "paths.dataset to the dataset's directory")
+    return dataset
 
 
 def dataset_rows(dataset: Path) -> Optional[int]:

@@ -7,7 +7,8 @@ it and `drafter.init_from` against the profile's drafter.
   run removes them (it holds the run directory's lock, so no live save owns them) and says so.
 * The checkpoint to resume: the newest `step-N` that `dflash.drafter.verify.verify_checkpoint`
   finds whole. A damaged newer one is skipped with its problems printed, and `latest` is pointed
-  at the one chosen (the ranks resume what `latest` names); none whole: DataError (exit 4).
+  at the one chosen (the ranks resume what `latest` names), in one line naming what it named and
+  why that is not resumed (missing, damaged, or older); none whole: DataError (exit 4).
 * Shape: the tensors of the chosen checkpoint (from its safetensors header), its tap layers,
   block size and mask token against the drafter the profile builds on its target (built on the
   meta device: no memory, no weights): ConfigError (exit 2) listing every difference. The same for
@@ -106,6 +107,15 @@ def pointed_name(pointer: Path, log: Callable[[str], None] = say) -> Optional[st
         return None
 
 
+def repointed(pointer: Path, named: str, chosen: str, damaged: bool = False) -> str:
+    """The line that says `latest` was changed, and why: what it named does not exist, is damaged (its
+    problems said above), or is not the newest whole checkpoint."""
+    there = pointer.parent / named
+    why = ("which does not exist" if not there.exists() else "which is damaged (above)" if damaged
+           else "which is not a checkpoint directory" if not there.is_dir() else "not the newest whole checkpoint")
+    return f"{pointer} named {named}, {why}; it now names {chosen}, the newest whole checkpoint, which the run resumes"
+
+
 def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Optional[Path]:
     """The newest whole checkpoint (module docstring); `latest` is pointed at it when it differs."""
     from dflash.drafter.checkpoint import LATEST
@@ -126,6 +136,8 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
             if skipped:
                 log(f"resuming from {candidate.name}, the newest whole checkpoint (the skipped ones stay where they "
                     f"are; a save of the same step replaces them)")
+            if named is not None and named != candidate.name:
+                log(repointed(pointer, named, candidate.name, damaged=f"skipped {named}: damaged:" in "\n".join(skipped)))
             return candidate
         skipped.append(f"skipped {candidate.name}: damaged:\n" + "\n".join(f"  {p}" for p in problems))
     if candidates:

@@ -3,7 +3,9 @@
 The proxy is our own loopback aiohttp app in a background thread. It forwards to an upstream
 server and, per prompt, injects the faults named by a marker in the prompt text:
 `[500]` (one HTTP 500), `[trunc]` (one 200 with truncated JSON), `[slow]` (one response held past
-the client's timeout), `[poison]` (HTTP 500 every time). It counts what it forwarded.
+the client's timeout), `[poison]` (HTTP 500 every time). It counts what it forwarded. Started with a
+`key`, it is a gateway that reads one from the URL: every request without `?api_key=KEY` gets HTTP
+401 (counted in `refused`). Its router answers 404 to any other path, as a real server does.
 """
 from __future__ import annotations
 
@@ -92,7 +94,9 @@ def served_tiny_model(tiny_qwen3_target):
 class FaultProxy:
     upstream: str
     slow_s: float = 5.0
+    key: str | None = None
     forwarded: int = 0
+    refused: int = 0
     injected: dict[str, int] = field(default_factory=dict)
     url: str = ""
     _seen: dict[str, int] = field(default_factory=dict)
@@ -113,8 +117,8 @@ def fault_proxy_factory():
     """start(upstream) -> FaultProxy listening on a free loopback port; all stopped after the test."""
     started = []
 
-    def start(upstream: str, slow_s: float = 5.0) -> FaultProxy:
-        proxy = FaultProxy(upstream, slow_s)
+    def start(upstream: str, slow_s: float = 5.0, key: str | None = None) -> FaultProxy:
+        proxy = FaultProxy(upstream, slow_s, key)
         ready = threading.Event()
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_serve_proxy, args=(proxy, loop, ready), daemon=True)
@@ -137,7 +141,16 @@ def _serve_proxy(proxy: FaultProxy, loop: asyncio.AbstractEventLoop, ready: thre
     asyncio.set_event_loop(loop)
     session: aiohttp.ClientSession | None = None
 
+    def unauthorized(request: web.Request) -> web.Response | None:
+        if proxy.key is None or request.query.get("api_key") == proxy.key:
+            return None
+        proxy.refused += 1
+        return web.Response(status=401, text='{"error": "invalid or missing api_key"}', content_type="application/json")
+
     async def forward(request: web.Request) -> web.Response:
+        refusal = unauthorized(request)
+        if refusal is not None:
+            return refusal
         body = await request.read()
         async with session.request(request.method, proxy.upstream + request.path, data=body or None,
                                    headers={"Content-Type": "application/json"}) as upstream:
@@ -145,6 +158,9 @@ def _serve_proxy(proxy: FaultProxy, loop: asyncio.AbstractEventLoop, ready: thre
                                 content_type="application/json")
 
     async def chat(request: web.Request) -> web.Response:
+        refusal = unauthorized(request)
+        if refusal is not None:
+            return refusal
         body = await request.read()
         text = json.loads(body)["messages"][-1]["content"]
         fault = proxy.fault_for(text)

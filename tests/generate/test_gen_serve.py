@@ -2,7 +2,8 @@
 
 Covers: a normal managed run; the client SIGKILLed and resumed; the server SIGKILLed and
 restarted; faults (500s, truncated JSON, timeouts) retried or recorded; `--retry-failed`; several
-endpoints sharing load with a dead one taken out of rotation.
+endpoints sharing load with a dead one taken out of rotation; a key in an endpoint's query string
+sent with every request; a run whose every request failed is exit 5; malformed endpoints exit 2.
 """
 from __future__ import annotations
 
@@ -183,3 +184,79 @@ def test_continuous_batching_server_serves_only_the_first_max_prompts(tmp_path, 
     assert sorted(r["id"] for r in records) == ids[:3]
     assert all(r["completion_tokens"] == 6 for r in records)
     assert "--continuous-batching" in (tmp_path / "run" / "generate" / "server.log").read_text()
+
+
+KEY = "k3yInTheUrl0123"
+
+
+def run_launcher(profile_path, *extra):
+    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path),
+            "--skip-preflight", "--no-progress", *extra]
+    return subprocess.run(argv, cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_key_in_the_endpoint_query_goes_with_every_request(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                            fault_proxy_factory):
+    """`--endpoint http://HOST:PORT/v1?api_key=KEY` against a gateway that wants the key on every request and
+    answers 404 off its paths: the query goes to /v1/chat/completions (and /health, /v1/models), not into
+    the path (`/v1?api_key=KEY/v1/chat/completions`); the key is printed and written nowhere."""
+    gateway = fault_proxy_factory(served_tiny_model, key=KEY)
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 4)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts, retries=0)
+    done = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}")
+    assert done.returncode == 0, done.stderr
+    assert "completed 4, failed 0" in done.stdout
+    assert (gateway.forwarded, gateway.refused) == (4, 0)
+    assert sorted(read_output_ids(tmp_path / "run" / "completions.jsonl")) == ids
+    assert KEY not in done.stdout + done.stderr
+    assert all(KEY not in path.read_text() for path in (tmp_path / "run").rglob("*") if path.is_file())
+
+
+def test_every_request_failing_is_exit_5_not_a_quiet_success(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                            fault_proxy_factory):
+    """A wrong key: the gateway answers 401 to every request. The run ends with exit 5 naming the first
+    failure and the failures file (the key masked), and the manifest says failed; with the right key
+    `--retry-failed` then completes them all."""
+    gateway = fault_proxy_factory(served_tiny_model, key=KEY)
+    prompts = tmp_path / "prompts.jsonl"
+    ids = write_prompts(prompts, 3)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts, retries=1)
+    wrong = "wr0ngK3yValue99"
+    failed = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={wrong}")
+    assert failed.returncode == 5, failed.stderr
+    failures = tmp_path / "run" / "generate" / "failures.jsonl"
+    assert (f"error: every request failed: 3 of 3 prompt(s) sent, no completion (the first failure: HTTP 401: "
+            f'{{"error": "invalid or missing api_key"}}); each prompt\'s reason is in {failures}') in failed.stderr
+    assert "rerun with --retry-failed" in failed.stderr and "Traceback" not in failed.stderr
+    assert wrong not in failed.stdout + failed.stderr and gateway.forwarded == 0
+    stage = read_manifest(tmp_path / "run")["stages"]["generate"]
+    assert stage["state"] == "failed" and stage["failed"] == 3 and "every request failed" in stage["error"]
+    assert len(failures.read_text().splitlines()) == 3
+    again = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}", "--retry-failed")
+    assert again.returncode == 0, again.stderr
+    assert "completed 3, failed 0" in again.stdout
+    assert sorted(read_output_ids(tmp_path / "run" / "completions.jsonl")) == ids
+    assert read_manifest(tmp_path / "run")["stages"]["generate"]["state"] == "done"
+
+
+@pytest.mark.parametrize("endpoint, shown", [
+    ("{url}/v1#api_key={key}", "{url}/v1#<redacted>"),
+    ("{url}/v1?api_key={key}#frag", "{url}/v1?api_key=<redacted>#<redacted>"),
+    ("ftp://127.0.0.1:1/v1?api_key={key}", "ftp://127.0.0.1:1/v1?api_key=<redacted>"),
+    ("http://127.0.0.1:port/v1?api_key={key}", "http://127.0.0.1:port/v1?api_key=<redacted>"),
+])
+def test_a_malformed_endpoint_is_exit_2_with_its_key_masked(tmp_path, tiny_qwen3_target, cli, endpoint, shown):
+    """A fragment (never sent: it can carry no key), a scheme that is not http(s), a port that is not a
+    number: exit 2 before anything is read or written, naming the endpoint with its secrets masked."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts)
+    url = f"http://127.0.0.1:{free_port()}"
+    result = cli("generate", "--profile", profile_path, "--skip-preflight", "--no-progress",
+                 "--endpoint", endpoint.format(url=url, key=KEY))
+    assert result.code == 2, result.err
+    assert f"error: --endpoint {shown.format(url=url)}: " in result.err
+    assert KEY not in result.out + result.err and not (tmp_path / "run").exists()
+    dry = cli("generate", "--profile", profile_path, "--dry-run", "--endpoint", endpoint.format(url=url, key=KEY))
+    assert dry.code == 2 and KEY not in dry.out + dry.err

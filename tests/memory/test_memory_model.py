@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,9 +59,46 @@ def test_parameter_formula_matches_a_real_qwen3_model(tiny_qwen3_target):
     assert shape.layer_params() == sum(p.numel() for p in model.model.layers[0].parameters())
 
 
-def test_profile_without_local_target_uses_the_27b_like_shape():
+def test_profile_without_local_target_uses_the_27b_like_shape_marked_assumed():
     shape = target_shape(load_profile("rtx6000-x8"))
-    assert shape == QWEN36_27B_LIKE and shape.hidden == 5120 and shape.num_layers == 64
+    assert dataclasses.replace(shape, source=QWEN36_27B_LIKE.source) == QWEN36_27B_LIKE
+    assert shape.hidden == 5120 and shape.num_layers == 64 and shape.assumed
+    assert shape.source == ("assumed dimensions: model.target '/models/Qwen3.6-27B' is not on this machine, so "
+                            "Qwen3.6-27B's published text config stands in for it")
+
+
+def test_plan_says_its_dimensions_are_assumed_for_a_target_not_here_and_refuses_one_that_is_no_model(cli, tmp_path):
+    """`plan` with a model.target this machine does not have: the plan is for Qwen3.6-27B's dimensions, and
+    its text and JSON say so plainly (before: a confident plan, the stand-in named nowhere but the JSON's
+    workload). A model.target that is here but is not a model directory is exit 2 naming it."""
+    def profile_for(target: str) -> Path:
+        path = tmp_path / "p.toml"
+        path.write_text(f'extends = "cpu-demo"\n[model]\ntarget = "{target}"\n', encoding="utf-8")
+        return path
+
+    missing = tmp_path / "no-such-model"
+    result = cli("plan", "--profile", profile_for(str(missing)))
+    assert result.code == 0, result.err
+    line = next(line for line in result.out.splitlines() if line.startswith("target: "))
+    assert line.startswith(f"target: ASSUMED DIMENSIONS: model.target '{missing}' is not on this machine, so "
+                           "Qwen3.6-27B's published text config stands in for it (hidden 5120, 64 layers, 24 x 256 "
+                           "attention, vocabulary 248,320, 27 B parameters); the plan holds only for a target of this "
+                           "shape"), line
+    document = json.loads(cli("plan", "--profile", profile_for(str(missing)), "--json").out)["plan"]["target"]
+    assert document["assumed"] is True and document["model_target"] == str(missing)
+    assert document["source"].startswith("assumed dimensions: ") and document["line"] == line
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    for target, what in ((tmp_path / "empty", "a directory without config.json"), (tmp_path / "weights.bin",
+                                                                                  "not a directory")):
+        refused = cli("plan", "--profile", profile_for(str(target)))
+        assert refused.code == 2 and "Traceback" not in refused.err
+        assert refused.err.startswith(f"error: model.target '{target}': {target} is {what}; set model.target to a "
+                                      "model directory"), refused.err
+
+    control = json.loads(cli("plan", "--profile", "cpu-demo", "--json").out)["plan"]["target"]
+    assert control["assumed"] is False and "ASSUMED" not in control["line"]
 
 
 def test_the_flagship_shape_is_its_published_config_and_the_trace_builds_the_same():

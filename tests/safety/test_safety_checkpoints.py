@@ -136,6 +136,31 @@ def test_the_newest_whole_checkpoint_is_chosen_and_latest_points_at_it(setup, tm
     assert (checkpoints(run_dir) / "step-2").is_dir()                  # left where it is: nothing deleted
 
 
+def test_a_latest_naming_a_missing_or_older_step_is_repointed_and_said(cli, setup, tmp_path):
+    """`latest` naming a step that is not there (deleted, or the pointer edited): `train --resume` says in one
+    line what it named and what it names now, rather than repointing it silently; the same for an older whole
+    step. Driven through the CLI up to the shape check (the wider profile's drafter is refused, exit 2, after
+    the choice), so no rank starts."""
+    from dflash.train.resume import choose_checkpoint
+
+    run_dir = fresh_run(setup, tmp_path)
+    pointer = checkpoints(run_dir) / "latest"
+    pointer.write_text("step-40\n")
+    result = train_cli(cli, setup.wider, run_dir, "--resume")
+    assert result.code == 2 and "holds a drafter of another shape" in result.err, result.err
+    assert (f"{pointer} named step-40, which does not exist; it now names step-2, the newest whole checkpoint, "
+            "which the run resumes") in result.err
+    assert pointer.read_text() == "step-2\n"
+    pointer.write_text("step-1\n")
+    said: list[str] = []
+    assert choose_checkpoint(checkpoints(run_dir), said.append) == checkpoints(run_dir) / "step-2"
+    assert said == [f"{pointer} named step-1, not the newest whole checkpoint; it now names step-2, the newest "
+                    "whole checkpoint, which the run resumes"]
+    said.clear()
+    assert choose_checkpoint(checkpoints(run_dir), said.append) == checkpoints(run_dir) / "step-2"
+    assert said == []                                          # the control: a pointer already right is not said
+
+
 def test_partial_saves_are_removed_and_said(setup, tmp_path):
     from dflash.train.resume import remove_partial_saves
 

@@ -148,3 +148,67 @@ def test_a_snapshot_without_a_key_it_always_has_is_exit_2_naming_the_key(cli, tm
     assert "not installed" not in result.out + result.err
     control = cli("audit", "--profile", "rtx6000-x8", "--snapshot", intact)
     assert control.code != 2 and "not a valid snapshot" not in control.err
+
+
+
+# A damage to both stage entries (generate's and eval's): what the error says about the first, generate's.
+DAMAGED_MANIFESTS = {
+    "entry_a_number": ("5", "stages.generate is a number, not an object"),
+    "entry_a_list": ("[1]", "stages.generate is an array, not an object"),
+    "state_unknown": ('{"state": 3}', "stages.generate.state is 3; valid: pending, running, done, failed, skipped"),
+    "path_a_number": ('{"state": "done", "output": 7, "checkpoint": 7}',
+                      "stages.generate.output is a number; valid: a string (or null)"),
+}
+
+
+@pytest.mark.parametrize("damage", [*sorted(DAMAGED_MANIFESTS), "truncated"])
+def test_generate_and_eval_on_a_damaged_manifest_are_exit_2_naming_it(cli, tmp_path, tiny_qwen3_target, damage,
+                                                                     private_cache):
+    """Row "a damaged manifest.json": wrong JSON types in a stage entry, or a file cut short, is exit 2
+    naming the file and the key, for the commands that update it (generate, eval) as for status; the
+    file is left as it is. Before: a TypeError in launcher_core.manifest, exit 70."""
+    from tests.generate.gen_helpers import write_profile, write_prompts
+
+    entry, said = DAMAGED_MANIFESTS.get(damage, ("", "line 1: not valid JSON"))
+    text = f'{{"stages": {{"generate": {entry}, "eval": {entry}}}}}' if entry else '{"stages": {"generate": {"sta'
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    manifest = run_dir / "manifest.json"
+    manifest.write_text(text)
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, run_dir, tmp_path / "prompts.jsonl")
+    (tmp_path / "draft").mkdir()
+    for argv in (["generate", "--profile", profile, "--skip-preflight", "--no-progress", "--endpoint", "http://127.0.0.1:9"],
+                 ["eval", "--profile", profile, "--draft", tmp_path / "draft", "--run-dir", run_dir],
+                 ["status", run_dir]):
+        result = cli(*argv)
+        assert result.code == 2, (argv[0], result.err)
+        assert result.err.startswith(f"error: {manifest}: ") and said in result.err, result.err
+        assert "Traceback" not in result.err and manifest.read_text() == text
+    assert not (private_cache / "crashes").exists()
+
+
+@pytest.mark.parametrize("field, value", [("host.ram_total_mib", -1), ("host.ram_available_mib", -65536),
+                                          ("gpus.0.memory_free_mib", -5), ("host.disks.0.free_mib", -1)])
+def test_a_snapshot_with_a_negative_size_is_exit_2_naming_the_field_and_the_range(cli, tmp_path, fixtures_dir,
+                                                                                  field, value):
+    """Row "a snapshot with negative RAM": refused as a damaged file (exit 2: the file, the field, the value and
+    the valid range), not audited or planned as a machine with less than no memory. The control: the intact
+    file audits."""
+    document = json.loads((fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json").read_text())
+    node = document
+    *parents, last = field.split(".")
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[last] = value
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps(document))
+    shown = field.replace(".0.", "[0].").replace(".0", "[0]")
+    for command in (["audit", "--profile", "rtx6000-x8", "--snapshot", damaged],
+                    ["plan", "--profile", "rtx6000-x8", "--snapshot", damaged]):
+        result = cli(*command)
+        assert result.code == 2 and "Traceback" not in result.err, result.err
+        assert result.err.strip() == (f"error: {damaged}: not a valid snapshot: snapshot.{shown}: {value} is out of "
+                                      "range; valid: an integer >= 0"), result.err
+    control = cli("audit", "--profile", "rtx6000-x8", "--snapshot", fixtures_dir / "snapshots" / "rtx6000-x8-baseline.json")
+    assert control.code != 2 and "not a valid snapshot" not in control.err

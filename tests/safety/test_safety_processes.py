@@ -275,3 +275,32 @@ def test_status_says_a_running_stage_whose_launcher_is_gone_was_killed(cli, tmp_
     assert result.code == 0 and f"note: train says running, but its launcher (pid {gone.pid}) is gone" in result.out
     update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())          # the control: a live launcher
     assert "note:" not in cli("status", tmp_path).out
+
+
+def test_status_names_the_last_checkpoint_and_the_resume_after_a_run_that_ended_early(cli, tmp_path):
+    """A train stage the launcher recorded as failed (a rank killed, Ctrl-C) or stopped (SIGTERM: pending
+    again): `status` names the last checkpoint and the `train --resume` that continues from it; before the
+    first checkpoint, the `train` that starts it again. Before: no hint at all."""
+    from launcher_core.manifest import update_stage
+
+    checkpoints = tmp_path / "train" / "checkpoints"
+    update_stage(tmp_path, "train", "failed", ended_by="rank killed", failed_rank=1, exit_code=1)
+    result = cli("status", tmp_path)
+    assert result.code == 0 and result.out.splitlines()[-1] == (
+        f"note: train failed (rank killed) before its first checkpoint; `launcher.py train --profile P --run-dir "
+        f"{tmp_path}` starts it again")
+    for step in (1, 2, 3):
+        (checkpoints / f"step-{step}").mkdir(parents=True)
+    (checkpoints / "latest").write_text("step-2\n")         # the newest whole one, as the last save left it
+    assert cli("status", tmp_path).out.splitlines()[-1] == (
+        f"note: train failed (rank killed); its last checkpoint is step-2: `launcher.py train --profile P "
+        f"--run-dir {tmp_path} --resume` continues from it")
+    update_stage(tmp_path, "train", "pending", stopped_at_step=3, ended_by="stopped (SIGTERM)")
+    (checkpoints / "latest").write_text("step-9\n")         # names nothing there: the newest step instead
+    assert cli("status", tmp_path).out.splitlines()[-1] == (
+        f"note: train stopped (SIGTERM); its last checkpoint is step-3: `launcher.py train --profile P "
+        f"--run-dir {tmp_path} --resume` continues from it")
+    update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())   # the controls: running, then done
+    assert "note:" not in cli("status", tmp_path).out
+    update_stage(tmp_path, "train", "done", steps=10)
+    assert "note:" not in cli("status", tmp_path).out

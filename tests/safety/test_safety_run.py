@@ -20,13 +20,15 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.safety.runs import finish, metrics_steps, role, run_processes, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
+from tests.safety.runs import REPO, finish, metrics_steps, role, run_processes, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
 from tests.train.conftest import write_dataset, write_profile
 
 pytestmark = pytest.mark.slow
@@ -91,10 +93,17 @@ def test_1_kill_9_of_the_launcher_mid_save_leaves_no_process_and_says_how_the_ru
     entry = manifest_train(chain.run_dir)
     assert entry["state"] == "failed" and entry["ended_by"] == "launcher gone"
     assert f"the launcher (pid {process.pid}) ended while training" in entry["error"] and "--resume" in entry["error"]
+    # its 2 ranks, not every process the agent ended (the forkserver and the resource tracker besides)
+    assert "its torchrun agent stopped the 2 rank process(es) before exiting" in entry["error"], entry["error"]
     assert latest(chain.run_dir) == "step-1" and metrics_steps(chain.run_dir) == [1, 2]
     time.sleep(2)                                              # nothing writes after the launcher's death
     assert latest(chain.run_dir) == "step-1" and metrics_steps(chain.run_dir) == [1, 2]
     assert not (chain.run_dir / "train" / "checkpoints" / "step-2").exists()
+    status = subprocess.run([sys.executable, "launcher.py", "status", str(chain.run_dir)], cwd=REPO, text=True,
+                            capture_output=True, timeout=120)
+    assert status.returncode == 0 and (f"note: train failed (launcher gone); its last checkpoint is step-1: "
+                                       f"`launcher.py train --profile P --run-dir {chain.run_dir} --resume` "
+                                       "continues from it") in status.stdout, status.stdout + status.stderr
     chain.outputs["partial"] = (0, " ".join(partial_saves(chain.run_dir)))
 
 

@@ -32,6 +32,8 @@ def files_holding(root: Path, secrets: tuple[str, ...]) -> dict[str, list[str]]:
     ("https://TOKEN@host:8443/v1/chat/completions?model=m&token=KEY&x=1",
      f"https://{REDACTED}@host:8443/v1/chat/completions?model=m&token={REDACTED}&x=1"),
     ("http://host/v1?access_token=KEY&signature=S&max_tokens=5", f"http://host/v1?access_token={REDACTED}&signature={REDACTED}&max_tokens=5"),
+    ("http://host/v1#access_token=KEY&state=s", f"http://host/v1#access_token={REDACTED}&state=s"),   # a fragment too
+    ("http://host/v1?api_key=", "http://host/v1?api_key="),                  # an empty value holds no secret
     ("http://127.0.0.1:30000/v1", "http://127.0.0.1:30000/v1"),              # the control: nothing to mask
 ])
 def test_urls_lose_their_credentials_and_secret_query_keys(url, shown):

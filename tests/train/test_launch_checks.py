@@ -203,3 +203,27 @@ def test_dflash2_groups_must_tile_the_hidden_size_and_top_k_fit_the_vocabulary(p
     text = problems_of(variant(profiles_dir, body, base="rtx6000-x8", target=str(qwen36_config_dir)))
     assert "key 'drafter.conv_group_size': 48 does not divide the target's hidden size 5120" in text
     assert "key 'drafter.selector_top_k': 300000 exceeds the target's vocabulary (248320)" in text
+
+
+@pytest.mark.parametrize("dataset_state", ["missing", "empty_folder"])
+def test_train_before_tokenize_is_exit_2_before_the_audit_naming_the_dataset_and_tokenize(
+        cli, tmp_path, tiny_qwen3_target, private_cache, dataset_state):
+    """`train` with no dataset at paths.dataset (tokenize never ran, or wrote elsewhere): exit 2 from the
+    launcher naming the path and `launcher.py tokenize --profile P`, before the preflight audit, torchrun
+    or any model load. Before: the ranks found it after launch (exit 5, a traceback per rank)."""
+    from tests.train.conftest import write_profile
+
+    dataset, run_dir = tmp_path / "data" / "dataset", tmp_path / "run"
+    if dataset_state == "empty_folder":
+        dataset.mkdir(parents=True)
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, dataset, run_dir)
+    result = cli("train", "--profile", profile)
+    assert result.code == 2, result.err
+    said = ("no training dataset there (paths.dataset of profile p); run "
+            f"`launcher.py tokenize --profile {profile}` first" if dataset_state == "missing" else
+            "not a dataset (paths.dataset of profile p: a directory with dflash_meta.json or state.json")
+    assert result.err.startswith(f"error: {dataset}: {said}"), result.err
+    assert "Traceback" not in result.err and "preflight" not in result.out + result.err
+    assert not (run_dir / "train").exists() and not (run_dir / "audit").exists()
+    printed = cli("train", "--profile", profile, "--print-command")       # starts nothing: no dataset needed
+    assert printed.code == 0 and "dflash.train.agent" in printed.out, printed.err
