@@ -197,6 +197,9 @@ def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str
 
 def _recorded(first: RankFailure, hint: str, logs: Path) -> FailureCause:
     named = NAMED_KINDS.get(first.get("kind", ""))
+    if named == "loss unusable":      # the same profile would diverge again from the same checkpoint
+        return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; once the key named is "
+                            f"changed, {hint}")
     if named is not None:
         return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
     tail = "\n".join(first["traceback"].rstrip().splitlines()[-15:])

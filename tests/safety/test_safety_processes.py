@@ -205,7 +205,7 @@ def write_records(failures: Path, records: list[dict], agent: list[dict]) -> Non
     # a loss that cannot train, recorded by both ranks alike (dflash.train.loss_check): the earliest names it
     ([{"rank": 0, "time": 2.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"},
       {"rank": 1, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], [],
-     "loss unusable", 1, "rank 1: step 2: the loss is nan"),
+     "loss unusable", 1, "rank 1: step 2: the loss is nan; once the key named is changed, "),
 ])
 def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank, start):
     from dflash.train.failures import RunEnd, failure_cause
