@@ -49,7 +49,7 @@ def test_a_loss_that_turns_nan_stops_the_run_before_its_weights_are_saved(tmp_pa
     assert code == 4, out
     [line] = error_lines(out)
     assert line.startswith("error: rank ") and ": step 2: the loss is nan" in line, out
-    assert "train.lr = 1e+30 too high" in line and "then the last complete checkpoint is step-1" in line
+    assert "train.lr = 1e+30 too high" in line and "once the key named is changed, the last complete checkpoint is step-1" in line
     assert "Traceback" not in out and "FAILED" not in out
     assert checkpoint_steps(run_dir) == ["step-1"]
     assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-1"
