@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from launcher_core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from dflash.train.heartbeat import RankProgress
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
@@ -178,21 +180,17 @@ class FaultInjection:
             injector.fired = (injector.step, RECORDED_PHASE[injector.phase]) in done
         return cls(rank, ooms, stalls, fail_at, int(variables.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    def install(self, progress: RankProgress, drafter: object, micro_batch: Callable[[], int]) -> None:
+    def install(self, progress: RankProgress, drafter: nn.Module, micro_batch: Callable[[], int]) -> None:
         """Listen to the rank's phase marks; hook the drafter only for the points inside torch's work."""
         self.micro_batch = micro_batch
         progress.listeners.append(self.at_mark)
         points = {i.phase for i in self.ooms} | {s.phase for s in self.stalls}
         if "backward" in points:
-            from torch import nn
-
-            assert isinstance(drafter, nn.Module)
             drafter.register_full_backward_pre_hook(lambda _module, _grads: self.inside("backward", progress.step))
         if "sync" in points:
             from dflash.train.sharding import observe_reductions
 
-            assert hasattr(drafter, "parameters")
-            observe_reductions(drafter, lambda: self.inside("sync", progress.step), lambda: None)   # type: ignore[arg-type]
+            observe_reductions(drafter, lambda: self.inside("sync", progress.step), lambda: None)
 
     def at_mark(self, phase: str, step: int) -> None:
         if phase == "data" and self.fail_at is not None:

@@ -49,7 +49,6 @@ LAUNCHER_PID_ENV = "DFLASH_LAUNCHER_PID"
 ORPHAN_GRACE_S = 10.0
 DUMP_REQUEST = "dump-request"           # the launcher's request for stacks and flight-recorder dumps
 STEP_PHASES = ("data", "forward", "backward", "reduction", "update")   # bounded by the measured step time
-PHASES = ("start", *STEP_PHASES, "validation", "save")
 STEP_TIMES_KEPT = 16
 DUMP_POLL_S = 0.5
 MARK_WRITE_S = 0.25                    # the least time between two records written for marks (0.7 ms each)
