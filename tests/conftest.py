@@ -154,9 +154,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     whole (the order of a run without workers too)."""
     module_rank: dict[str, int] = {}
     for item in items:
+        _mark_long_kinds_slow(item)
         module = item.nodeid.split("::")[0]
         module_rank[module] = min(module_rank.get(module, len(QUEUE_BY_MARKER)), _queue_rank(item))
     items.sort(key=lambda item: _module_order(item.nodeid.split("::")[0], module_rank))     # stable
+
+
+def _mark_long_kinds_slow(item: pytest.Item) -> None:
+    """The engine and compat kinds take minutes: they are `slow` too, so that the development lane,
+    `pytest -m "not slow"`, leaves out every kind that starts a server, a rank or a venv."""
+    if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in ("engine", "compat")):
+        item.add_marker(pytest.mark.slow)
 
 
 def _module_order(module: str, module_rank: dict[str, int]) -> tuple[int, int]:
