@@ -4,8 +4,7 @@
     .venv/bin/python scripts/install_requirements.py REQUIREMENTS NO_DEPS_REQUIREMENTS
 
 uv (pinned in REQUIREMENTS, installed first with pip) resolves and installs the pins from its cache;
-pip took 21 s of a fresh setup on 2 cores where uv takes 3-7 s (BENCHMARKS.md "setup.sh with uv; the measured
-transient's garbage").
+pip took 21 s of a fresh setup on 2 cores where uv takes 3-7 s (benchmarks/results/setup-uv_cpu-2core_2026-12-06.md).
 uv reads none of pip's configuration, so a pin with a wheel of that version in pip's find-links (the
 CPU torch build kept on disk) is installed from that file, the wheel pip itself takes. The packages'
 bytecode is left to setup.sh's compile on every core. Where uv cannot do the install (no uv wheel,

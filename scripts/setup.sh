@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # CPython with profile-guided optimisation and LTO and links the interpreter statically; a Python built
 # from source with pyenv's defaults has neither (no --enable-optimizations, libpython shared). Measured on a
 # machine with both: a training rank's imports 0.81x the CPU with the distribution's, the whole test suite
-# about 15 % less machine CPU (BENCHMARKS.md "The interpreter: the distribution's Python 3.11").
+# about 15 % less machine CPU (benchmarks/results/interpreters_cpu-2core_2026-12-06.md).
 # An existing .venv keeps the interpreter it was made with.
 distribution_python=/usr/bin/python3.11
 choose_python() {
@@ -28,7 +28,7 @@ fi
 # The project's own bytecode, next to its sources (__pycache__ is ignored by git), on every core; up to
 # date files are skipped. Where the environment sets PYTHONDONTWRITEBYTECODE, no process writes it
 # otherwise, and every rank, server and CLI process of a run compiled the modules it imports again
-# (about 0.2 CPU-s a training rank: BENCHMARKS.md "The test suite's time"). A file edited later is
+# (about 0.2 CPU-s a training rank: benchmarks/results/test-suite-cpu_cpu-2core_2026-12-05.md). A file edited later is
 # compiled in memory as before.
 compile_project() {
   .venv/bin/python -m compileall -q -j 0 launcher.py dflash envcheck launcher_core tests benchmarks scripts >/dev/null

@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # runs 3 pytest-xdist workers on 2 cores, and each of them starts ranks and servers: with torch's default
 # (a thread per core) every process's threads spin at each barrier while the others hold the cores.
 # Measured: two 10-step drafter trainings side by side take 60 s and 58 CPU-s each with 2 threads, 24 s
-# and 24 CPU-s with 1 (alone: 19 s and 28 CPU-s with 2). BENCHMARKS.md "The test suite's time".
+# and 24 CPU-s with 1 (alone: 19 s and 28 CPU-s with 2). benchmarks/results/test-suite-cpu_cpu-2core_2026-12-05.md.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -137,8 +137,9 @@ def no_process_group_left():
 # Queued first under pytest-xdist: the real engines' modules (minutes of shared fixtures each), then the
 # compatibility venvs (other transformers, other torch), then the modules that start servers or ranks, then the rest.
 QUEUE_BY_MARKER = ("engine", "compat", "slow")
-# Within a kind, these go first, longest first (CPU seconds of a whole run: BENCHMARKS.md "The test suite's
-# time"), so that the run does not end on one worker running one of them while the others have finished:
+# Within a kind, these go first, longest first (CPU seconds of a whole run:
+# benchmarks/results/test-suite-cpu_cpu-2core_2026-12-05.md), so that the run does not end on one worker running one of
+# them while the others have finished:
 # in collection order the torchrun module (286 CPU s, 3.5 minutes on its worker) started last and ran its
 # last 90 s alone. The torch compatibility lane, where it runs (its own rule: tests/compat/test_torch_compat.py),
 # is 5-6.5 minutes on its worker.

@@ -2,7 +2,7 @@
 
 Reads only the small per-sample columns, shard by shard from a memory map (the token lists are
 never paged in). First every shard's size and sha256 are checked against dflash_meta.json (the
-hashing reads each shard once; see BENCHMARKS.md for its cost per GB). Degenerate reasons:
+hashing reads each shard once; its cost per GB: benchmarks/results/integrity-sha256_cpu-2core_2026-12-01.md). Degenerate reasons:
 
     low_loss_tokens  fewer than data.min_loss_tokens loss tokens (the seeds' 6-token empty answers)
     finish_length    the generation hit max_tokens (finish_reason == "length")

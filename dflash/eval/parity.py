@@ -26,7 +26,7 @@ gate is built from what is deterministic and what is not (docs/eval.md "The pari
 The constants (the two near-tie margins and the significance) were chosen from measurements on the
 real vLLM CPU engine: the false-failure rate of this gate on drafters served as trained and its
 detection rate on each negative control, over resampled prompt sets
-(benchmarks/bench_parity_gate.py; BENCHMARKS.md "The parity gate: measured error rates").
+(benchmarks/bench_parity_gate.py; benchmarks/results/parity-gate_cpu-2core_2026-12-06.md).
 Prompt lookup is shown, not gated: the engines' n-gram proposers match differently from ours.
 
 The per-position figures cover slots 1..B-1 on both sides. With `eval.draft_tokens` k < B - 1 the

@@ -15,14 +15,14 @@ CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: pr
 # SpinCondition: sched_yield for busy_loop_s = 1 s after each read; ompmultiprocessing.py reserves the core,
 # "TODO: make scheduler proc sleep when idle"): two cores busy to compute on one. With the uniprocess
 # executor the model runs in the engine process on the threads we give it; platforms/cpu.py turns `uni`
-# back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING is 0. Measured: BENCHMARKS.md
-# "vLLM on CPU: the model in the engine process".
+# back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING is 0. Measured:
+# benchmarks/results/vllm-cpu-one-process_cpu-2core_2026-12-05.md.
 CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # vLLM 0.32's n-gram proposer (prompt lookup, vllm/v1/spec_decode/ngram_proposer.py) runs a numba
 # `parallel=True` kernel on at most one thread (`num_numba_thread_available = min(1, cpu_count // 2)`),
 # but numba's OpenMP pool starts a thread per core, and the idle one spins in libgomp beside the thread
-# that decodes. One numba thread takes nothing from the proposer. Measured: BENCHMARKS.md "vLLM on CPU:
-# numba's idle thread".
+# that decodes. One numba thread takes nothing from the proposer. Measured:
+# benchmarks/results/vllm-cpu-numba-thread_cpu-2core_2026-12-05.md.
 CPU_NUMBA_THREADS = {"NUMBA_NUM_THREADS": "1"}
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
 SEPARATE_WORKER_LOG_MARKS = ("(Worker pid=", "OpenMP thread binding info")   # what vLLM's default layout logs

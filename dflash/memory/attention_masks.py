@@ -22,7 +22,7 @@ build's peak above what was live before it:
   (counted here as all four: a bound).
 0.64 MiB a sequence at 512 anchors x 16 and 8,192 tokens (measured: 0.58 to 0.64 MiB, by the rule,
 tests/memory/test_attention_masks.py), where `create_block_mask` made 1,280 MiB (full rule) and
-1,665 MiB (sliding) of dense mask and its reductions (BENCHMARKS.md, "flex BlockMask"). The row
+1,665 MiB (sliding) of dense mask and its reductions (benchmarks/results/block-mask_cpu-2core_2026-12-02.md). The row
 phase's [queries] position tensors are shared by the micro-batch's sequences: per sequence, the
 figure is exact at one sequence and a bound above.
 

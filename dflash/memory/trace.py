@@ -284,8 +284,8 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # Called after every operation. MemTracker's own (not called) walks every module it tracks to
             # keep each one's peak, and then its overall peak: the trace reads neither (each phase's peak
-            # below covers the overall one), and the walk was a sixth of a trace's CPU (BENCHMARKS.md
-            # "The tiny target's head, the gate drafters' anchors and the trace's bookkeeping").
+            # below covers the overall one), and the walk was a sixth of a trace's CPU
+            # (benchmarks/results/test-suite-cpu_cpu-2core_2026-12-06.md).
             live, categories = self.live_bytes(), self.live_by_category()
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, -1), live)
             rise = live - self.phase_starts.get(self.phase, live)

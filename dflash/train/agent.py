@@ -217,9 +217,9 @@ def report_every_failed_rank() -> None:
     that had failed when it noticed a failure, as its command context does. Its join reports one: the
     first it looks at among the ranks that have ended. A rank killed by a signal (a kill -9, the kernel's
     out-of-memory killer) and the peer that fails on the broken connection end in the same instant, and
-    the report then named the peer's echo instead of the killed rank (BENCHMARKS.md "Ranks from
-    torchrun's forkserver"). Added: each other rank that ended with a non-zero exit code or a signal,
-    except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
+    the report then named the peer's echo instead of the killed rank
+    (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md). Added: each other rank that ended with a
+    non-zero exit code or a signal, except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
     replacement of its private poll is dflash.torch_private's; where torch lacks it, nothing changes."""
     import signal
 

@@ -96,8 +96,8 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
 # Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the preload
 # dflash.train.agent sets: its RANK_IMPORTS): torchrun runs a `--run-path` script as
 # a function entrypoint, started with `--start-method`. As commands of their own (`-m
-# dflash.train.worker`), every rank imported torch and transformers' model code again: BENCHMARKS.md
-# "Ranks from torchrun's forkserver".
+# dflash.train.worker`), every rank imported torch and transformers' model code again:
+# benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md.
 WORKER_SCRIPT = REPO_ROOT / "dflash" / "train" / "worker.py"
 SINGLE_NODE_STORE_PLACEHOLDER = "127.0.0.1:PORT"   # the port LoopbackStore takes, known only at launch
 

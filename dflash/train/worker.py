@@ -6,7 +6,7 @@ Ranks start from torchrun's forkserver: torch.distributed.run runs a `--run-path
 entrypoint, and its elastic agent starts the ranks with the multiprocessing start method it is given.
 The agent (dflash.train.agent) has the forkserver import its `RANK_IMPORTS` once, so each rank is a fork of
 a process that has torch, torch.distributed and transformers' model code loaded, instead of a new
-interpreter importing them again (BENCHMARKS.md "Ranks from torchrun's forkserver"). A rank started
+interpreter importing them again (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md). A rank started
 that way reports success the way elastic collects it, by returning (`end_rank`).
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0

@@ -7,7 +7,7 @@ transformers, accelerate, datasets and pyarrow, as the nodes train with them, an
 CPU pins. The selected test files run in it, their torchrun ranks started by the venv's python.
 
 When it runs. A cold venv downloads 4.3 GB (kept in uv's cache and the project cache, reused while the pins
-stay) and the tests take 5-6.5 minutes on the 2-core machine (BENCHMARKS.md "Training under torch 2.9.1"), so the
+stay) and the tests take 5-6.5 minutes on the 2-core machine (benchmarks/results/torch-2.9.1-lane_cpu-2core_2026-12-07.md), so the
 lane runs only when something it guards changed, else it is skipped, saying why:
 * DFLASH_TORCH_COMPAT=1 runs it, DFLASH_TORCH_COMPAT=0 skips it;
 * otherwise it runs when a path in TRIGGERS (the GPU requirement files, dflash/train/, the trace and checkpoint

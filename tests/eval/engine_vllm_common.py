@@ -27,11 +27,11 @@ NUM_PROMPTS = 10      # the drafters train on the target's answers to the first 
 #                       to depart before their first near-tie, the deterministic rule's count
 SUBSET = 9            # a drafter served as trained passes the gate on every 9 of the 10 prompts
 MAX_NEW_TOKENS = 32
-DEMO_STEPS = 40       # with DEMO_RECIPE: see BENCHMARKS.md "The parity gate and its negative controls"
-SLIDING_STEPS = 40    # with DEMO_RECIPE: in-process tau 3.783 (BENCHMARKS.md)
+DEMO_STEPS = 40       # with DEMO_RECIPE: see benchmarks/results/parity-gate-controls_cpu-2core_2026-12-02.md
+SLIDING_STEPS = 40    # with DEMO_RECIPE: in-process tau 3.783 (the record named below)
 # 16 anchors a row (32 before): each drafter trains in about 60 % of the CPU, with a gain the controls
-# lose by far (demo 2.612, sliding 3.783 in-process; each control fails the gate: BENCHMARKS.md
-# "The gate drafters on 16 anchors").
+# lose by far (demo 2.612, sliding 3.783 in-process; each control fails the gate:
+# benchmarks/results/parity-gate-drafters-16-anchors_cpu-2core_2026-12-06.md).
 ANCHORS = 16
 # Both drafters' heads have 129 rows (their draft vocabulary: every distinct answer token; a head over the
 # whole 49,152-token vocabulary made the sliding drafter's training 2.6x as long). Under the default warmup

@@ -330,7 +330,7 @@ def dflash2_profile(name: str = "rtx6000-x8", **drafter):
 def test_dflash2s_additions_at_the_flagship_shape_are_the_published_counts():
     """rtx6000-x8 as DFlash 2 (kernel 2, groups of 16, rank 256 over the 248,320-token vocabulary, five
     layers): convolutions 65.7 M, codebooks 127.1 M (each 254 MB in float32), projection 1.3 M
-    (BENCHMARKS.md "DFlash 2 vs DFlash on the demo"); the drafter's count grows by exactly that, and a
+    (benchmarks/results/dflash2-vs-dflash_cpu-2core_2026-12-04.md); the drafter's count grows by exactly that, and a
     DFlash workload keeps its calibration key."""
     dflash, dflash2 = memory.workload_from_profile(load_profile("rtx6000-x8")), memory.workload_from_profile(dflash2_profile())
     counts = memory.dflash2_parameter_counts(dflash2)

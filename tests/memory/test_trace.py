@@ -233,7 +233,8 @@ def assert_model_holds_to_the_trace(profile, config, workload: memory.Workload, 
         reduction = next(f for f in figures if f.name == "a gradient reduction's own buffers")
         assert -0.05 < reduction.error <= 0.05 + 1 / world, reduction
         # On one rank the layer's backward is over-counted by about the retained reduction input's size at micro-batch
-        # 1 (+6 % of the activations here, +1.3 % of the peak at h200-x1's own shape: BENCHMARKS.md), never under.
+        # 1 (+6 % of the activations here, +1.3 % of the peak at h200-x1's own shape:
+        # benchmarks/results/fsdp2-drafter_cpu-2core_2026-12-02.md), never under.
         working = next(f for f in figures if f.name == "at the step's peak: activations + loss")
         assert -0.05 < working.error < (0.08 if world == 1 else 0.05), working
         off = [f for f in figures if f.traced >= 1 and abs(f.error) >= 0.05
