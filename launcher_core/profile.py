@@ -2,8 +2,9 @@
 
 A profile file holds sections whose fields are the dataclasses in `launcher_core.schema`. A variant
 names its base with `extends = "NAME"` and states only what differs; tables merge key by key.
-An unknown key, a wrong type, a value outside its choices or a missing required value is a
-ConfigError naming the file, the key and what would be valid.
+An unknown key, a wrong type, a value outside its choices or its range (the field's `valid`), a
+missing required value or a broken cross-field rule is a ConfigError naming the file, the key and
+what would be valid.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from launcher_core.errors import ConfigError
 from launcher_core.paths import REPO_ROOT, profile_dir
-from launcher_core.schema import RANGES, REMOVED_KEYS, Profile, cross_field_problems
+from launcher_core.schema import REMOVED_KEYS, Profile, Range, cross_field_problems
 
 REQUIRED = dataclasses.MISSING
 
@@ -133,7 +134,7 @@ def _build(cls: type, table: dict, origin: dict[str, Path], prefix: str, name: s
                 _fail(origin, dotted, name, f"no longer a profile key: {REMOVED_KEYS[dotted]}")
             _fail(origin, dotted, name, f"unknown key; valid keys here: {', '.join(sorted(fields))}")
         values[key] = _coerce(hints[key], value, origin, dotted, name)
-        _check_range(values[key], origin, dotted, name)
+        _check_range(values[key], fields[key].metadata.get("valid"), origin, dotted, name)
     for field in fields.values():
         if field.name in values or field.name == "name":
             continue
@@ -158,9 +159,8 @@ def _coerce(hint: Any, value: Any, origin: dict, dotted: str, name: str) -> Any:
     _fail(origin, dotted, name, f"got {value!r}; expected {_describe(hint)}")
 
 
-def _check_range(value: Any, origin: dict, dotted: str, name: str) -> None:
-    """The key's Range (`launcher_core.schema.RANGES`), for a number or each number of a list."""
-    rule = RANGES.get(dotted)
+def _check_range(value: Any, rule: Range | None, origin: dict, dotted: str, name: str) -> None:
+    """The key's Range (its field's `valid`), for a number or each number of a list."""
     if rule is None:
         return
     for item in value if isinstance(value, tuple) else (value,):

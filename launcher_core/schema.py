@@ -1,268 +1,24 @@
-"""The profile schema: one frozen dataclass per TOML section.
+"""The profile schema: one frozen dataclass per TOML section, each rule declared once.
 
-Every field has a type (checked strictly by `launcher_core.profile`) and, unless it is required, a
-default. `Literal[...]` fields list their valid choices. Paths are strings, relative to the
-repository root unless absolute; `{run_dir}` in a path expands to the profile's run directory.
+Every key is a field declared with `key(default, meaning, valid=Range(...))`: its type (checked
+strictly by `launcher_core.profile`), its default (none: required), its meaning and, for a number,
+its range live on the field itself. `Literal[...]` fields list their valid choices. The rules between
+keys that need no target model are the `@cross_field_rule` functions below the sections, each naming
+the keys it involves; the rules that need the target are `dflash.train.launch_checks.LAUNCH_CHECKS`.
+docs/profile-keys.md is generated from all three (scripts/gen_docs_tables.py; a test fails when it
+differs). Paths are strings, relative to the repository root unless absolute; `{run_dir}` in a path
+expands to the profile's run directory.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 AttentionBackend = Literal["flashinfer", "fa3", "trtllm", "triton", "torch_sdpa"]
 
-
-@dataclass(frozen=True)
-class MachineSection:
-    """What the node is and how ranks are launched on it."""
-
-    device: Literal["cuda", "cpu"]
-    gpu_count: int = 0                       # GPUs the profile expects (0 on CPU)
-    gpu_name: str = ""                       # substring of the NVML name, e.g. "RTX PRO 6000"
-    gpu_memory_gib: float = 0.0              # total memory per GPU
-    compute_capability: str = ""             # "12.0" for SM120
-    cuda: str = ""                           # torch CUDA tag the pins use, "12.8" / "13.0"; "" on CPU
-    requirements: str = "requirements-cpu.txt"
-    backend: Literal["nccl", "gloo"] = "nccl"
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    rdzv_endpoint: str = ""                  # host:port of the c10d rendezvous for nnodes > 1
-    bind_host: str = "127.0.0.1"             # where servers listen
-
-
-@dataclass(frozen=True)
-class AuditSection:
-    """Thresholds of the preflight audit."""
-
-    attention_backend: AttentionBackend = "flashinfer"
-    min_free_gib_per_gpu: float = 0.0
-    baseline_free_tolerance_mib: int = 128
-    baseline_context_tolerance_mib: int = 64
-    min_shm_gib: float = 1.0
-    min_disk_gib: float = 10.0
-    min_ram_gib: float = 4.0
-    gib_per_nvcc_job: float = 5.0
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    """The target model. `target` is a local directory, or `builtin:smollm2-135m-instruct`."""
-
-    target: str
-    tokenizer: str = ""                      # defaults to the target's directory
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-
-
-@dataclass(frozen=True)
-class PathsSection:
-    run_dir: str = "runs/{profile}"
-    prompts: str = "{run_dir}/prompts.jsonl"
-    completions: str = "{run_dir}/completions.jsonl"
-    dataset: str = "{run_dir}/dataset"
-    eval_prompts: str = ""
-
-
-@dataclass(frozen=True)
-class DataSection:
-    """Tokenization and data-quality gates."""
-
-    max_length: int = 8192
-    num_workers: int = 0                     # 0: one per core
-    shard_rows: int = 20000
-    min_loss_tokens: int = 16                # fewer is degenerate (the seeds' 6-token empties)
-    max_degenerate_share: float = 0.05
-    tool_call_repeat_limit: int = 8
-    rewritten_turns: Literal["split", "context"] = "split"  # turns the template rewrites later: own sample, or context only
-
-
-@dataclass(frozen=True)
-class GenerateSection:
-    backend: Literal["sglang", "transformers", "endpoint", "vllm"] = "sglang"
-    port: int = 30000
-    concurrency: int = 256
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    max_tokens: int = 8192
-    thinking: bool = True
-    request_timeout_s: float = 600.0
-    retries: int = 3
-    max_server_restarts: int = 3
-    tp_size: int = 1
-    dp_size: int = 1
-    mem_fraction_static: float = 0.85
-    reasoning_parser: str = "qwen3"
-    flush_every: int = 32
-    tool_call_parser: str = ""               # SGLang --tool-call-parser (e.g. "qwen25"); "" leaves tool calls in content
-    server_startup_timeout_s: float = 900.0  # how long a started server may take to answer /health
-    max_prompts: int = 0                     # use only the first N prompts of paths.prompts (0: all)
-    continuous_batching: bool = False        # transformers serve --continuous-batching (one batched forward)
-    cb_num_blocks: int = 0                   # its KV cache in blocks of 256 tokens (0: sized from free memory)
-    server_threads: int = 0                  # OMP_NUM_THREADS of a CPU server (0: transformers serve 1 unless
-    #                                          already set, vLLM torch's default)
-    context_length: int = 0                  # SGLang --context-length (prompt + completion); 0: the model's own
-    vllm_cpu_kvcache_gib: int = 2            # vLLM on CPU: VLLM_CPU_KVCACHE_SPACE, GiB of RAM for its KV cache
-                                             # (on CPU it takes no --gpu-memory-utilization share)
-    vllm_max_model_len: int = 0              # vLLM --max-model-len (0: generate.context_length, else the model's own)
-    vllm_enforce_eager: bool = False         # vLLM --enforce-eager: starts in ~30 s on CPU instead of 100-140 s of compile
-
-
-DrafterKind = Literal["dflash", "dflash2"]
-# The DFlash 2 keys (`drafter.kind = "dflash2"`) and their published values: z-lab's Qwen3.8-27B-DFlash2
-# and SpecForge's configs/qwen3.6-27b-dflash2.json (kernel 2, groups of 16 channels, rank 256, top-16),
-# the defaults of vLLM Speculators' `dflash2` (PR #1006); a unit multiplier and no softcap as the
-# reference `DFlash2DraftModel.compute_logits` reads their absence. docs/train.md, "DFlash 2".
-DFLASH2_DEFAULTS: dict[str, float] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                                      "selector_top_k": 16, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
-
-
-@dataclass(frozen=True)
-class DrafterSection:
-    kind: DrafterKind = "dflash"             # dflash2: the causal convolutions and the candidate selector (DFlash2DraftModel)
-    num_layers: int = 5
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] = ()   # empty: spaced from layer 1 to N-3 (DESIGN.md)
-    mask_token_id: Optional[int] = None      # None: the tokenizer's mask token, else an error
-    norm_init: float = 1.0                   # final norm's start: its weight (random init), a factor on the target's (target init)
-    init: Literal["random", "target", "drafter"] = "random"  # target: layers start as the target's layers after the deepest tap; drafter: from init_from
-    draft_vocab_size: int = 0                # 0: the target's vocabulary; N: only the N most frequent training tokens
-    # The drafter's own attention shape and RoPE (docs/train.md, "Drafter shape"); 0 derives from the
-    # target: head dim min(target's, 128), the target's query/KV widths, plain RoPE at the target's theta.
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0                        # <= 128 on SM12x: flex_attention's bf16 backward runs out of shared memory above
-    rope_theta: float = 0.0                  # plain RoPE base, written as top-level `rope_theta` in config.json
-    # Per-layer attention and RoPE scaling (docs/train.md, "Drafter layers"): empty layer_types = every
-    # layer full_attention; sliding_attention layers see `sliding_window` positions back (causal, as published).
-    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] = ()
-    sliding_window: int = 0
-    rope_scaling: Literal["none", "linear", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0
-    rope_original_max_position_embeddings: int = 0   # yarn: the context the RoPE was made for (0: max_position_embeddings)
-    init_from: str = ""                      # init = "drafter": a DFlash drafter directory (z-lab format) or our checkpoint
-    # DFlash 2 only (kind = "dflash2"; published defaults, DFLASH2_DEFAULTS): a grouped dynamic causal
-    # convolution of `conv_kernel_size` taps (one dynamic kernel per `conv_group_size` channels) around
-    # every attention and MLP sublayer, and a candidate selector re-ranking the head's top `selector_top_k`
-    # tokens per slot with rank-`selector_rank` predecessor/successor codebooks. The unary logits are
-    # lm_head * output_multiplier, then tanh-softcapped at final_logit_softcapping (0: none).
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float = 0.0
-
-
-@dataclass(frozen=True)
-class TrainSection:
-    epochs: int = 6
-    max_steps: int = 0                       # 0: run all epochs
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    global_batch: int = 64                   # sequences per optimizer step, across all ranks
-    max_micro_batch: int = 4                 # sequences per forward on one rank, at most
-    num_anchors: int = 512
-    seed: int = 0
-    attention: Literal["auto", "flex", "sdpa"] = "auto"
-    save_every_steps: int = 500
-    save_every_minutes: float = 0.0          # also a checkpoint once this many minutes have passed since the last
-                                             # (0: by steps only): bounds in time the work a restart loses
-    async_save: bool = True                  # checkpoint shards written by a thread while the ranks train on
-                                             # (DCP async_save; dflash.train.checkpointing)
-    keep_checkpoints: int = 0                # the newest N checkpoints kept, with the best by held-out tau and the
-                                             # latest (dflash.train.retention); 0: every checkpoint
-    log_every_steps: int = 10
-    max_restarts: int = 0                    # torchrun --max-restarts
-    rank_start: Literal["forkserver", "command"] = "forkserver"   # forkserver: ranks forked from torchrun's forkserver,
-                                             # which imports torch and the model code once; command: each rank a new
-                                             # python (`-m dflash.train.worker`) that imports them itself
-    decay_gamma: float = 0.0                 # loss decay exp(-(k-1)/gamma); 0: 7/5/4 for B = 16/10/8
-    loss_chunk_rows: int = 2048              # drafter logits rows per chunk (vocab-sized rows)
-    autocast: Literal["auto", "bfloat16", "off"] = "auto"  # drafter forward: auto = bf16 on CUDA, fp32 on CPU
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # drafter's residual stream and norms (bf16: on bf16 weight copies)
-    feature_cache: bool = False              # each row's tap features extracted once, kept as files for later epochs
-    # The drafter under FSDP2 (docs/memory.md, "Sharding"): parameters, gradients and AdamW states sharded over the ranks.
-    reshard_after_forward: bool = True       # draft layers' gathered weights freed after forward, gathered again in backward
-                                             # (False: kept from forward to backward, FSDP1's SHARD_GRAD_OP)
-    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"   # reduce-scatter each
-                                             # micro-batch's gradients (sharded accumulation), or hold unsharded ones until the last
-    activation_checkpointing: Literal["none", "layers"] = "none"   # layers: each draft layer's activations recomputed in backward
-    heartbeat_timeout_s: float = 120.0       # a rank whose process stops beating this long is named and the run ended
-    collective_timeout_s: float = 600.0      # the process group's timeout: a collective waits this long for a rank
-    stuck_after_steps: float = 5.0           # a rank that holds the others this many measured step times is named
-    stuck_floor_s: float = 120.0             # ... never sooner than this (dflash.train.watchdog)
-    # DFlash 2 (drafter.kind = "dflash2"): loss = DFlash loss on the unary logits + alpha x the selector's
-    # K-way cross entropy (SpecForge PR #772 `dflash2_selector_loss_alpha`, vLLM Speculators PR #1006: 1.0);
-    # stop_gradient: the selector term trains only the selector, not the backbone it reads (SpecForge PR #793, off).
-    selector_loss_alpha: float = 1.0
-    selector_stop_gradient: bool = False
-    validation_share: float = 0.0            # share of the dataset's rows held out of training and measured on (0: none)
-    validation_every_steps: int = 0          # held-out loss and tau every N steps and at the end (0: at every checkpoint)
-
-
-@dataclass(frozen=True)
-class MemorySection:
-    margin: float = 0.10                     # fraction of free memory held back
-    overhead_mib: int = 0                    # non-torch overhead if not measured (0: from probe/baseline)
-    expandable_segments: bool = True         # CUDA ranks' caching allocator grows segments instead of fragmenting
-                                             # fixed ones (envcheck.allocator: the user's own PYTORCH_ALLOC_CONF /
-                                             # PYTORCH_CUDA_ALLOC_CONF is completed, an explicit setting kept)
-
-
-@dataclass(frozen=True)
-class EvalSection:
-    num_prompts: int = 32
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0                            # sampling seed (temperature > 0)
-    prompt_lookup_max_ngram: int = 3         # the n-gram baseline's longest suffix match
-    draft_tokens: int = 0                    # DFlash draft tokens a step proposes, the target verifies k + 1
-                                             # (in-process and served: vLLM num_speculative_tokens); 0: block_size - 1
-    cpu_threads: int = 1                     # torch threads when decoding on CPU (0: torch's default);
-                                             # more threads stall small batch-1 forwards on a busy CPU
-    cpu_matmul: Literal["auto", "torch"] = "auto"   # float32 on CPU: auto = the faster kernel per row count for
-                                             # every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is
-    engine: Literal["transformers", "sglang", "vllm"] = "transformers"  # who decodes: in-process, or the serving engine
-    engine_python: str = ""                  # python of the environment with the engine ("": this one)
-    engine_port: int = 30100                 # where the engine eval's servers listen (127.0.0.1)
-    also_prompts: tuple[str, ...] = ()       # more prompt sets measured beside the default one (not with --prompts),
-                                             # each reported apart and labelled (eval/<file stem>/)
-    serve_engine: Literal["", "sglang", "vllm"] = ""  # the engine that will serve the drafter: the pipeline runs
-                                             # `eval --engine` with it after the in-process eval (served vs in-process tau)
-    benchmarks: tuple[str, ...] = ()         # benchmarks decoded beside the default set (BENCHMARK_NAMES; `--bench`),
-                                             # one row each, eval/bench/<name>/
-    bench_dir: str = ""                      # local copies of gsm8k, math500, mbpp (DIR/<name>/<split>.jsonl or a
-                                             # save_to_disk folder DIR/<name>/); "": the hub or its cache
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    machine: MachineSection
-    model: ModelSection
-    description: str = ""
-    audit: AuditSection = field(default_factory=AuditSection)
-    paths: PathsSection = field(default_factory=PathsSection)
-    data: DataSection = field(default_factory=DataSection)
-    generate: GenerateSection = field(default_factory=GenerateSection)
-    drafter: DrafterSection = field(default_factory=DrafterSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    memory: MemorySection = field(default_factory=MemorySection)
-    eval: EvalSection = field(default_factory=EvalSection)
-
-
-# Keys that profiles once had: a profile that still sets one is told what replaced it.
-REMOVED_KEYS: dict[str, str] = {
-    "train.optimizer_sharding": "the drafter's parameters, gradients and AdamW states are now always sharded over the "
-                                "ranks by FSDP2 (fully_shard); delete the key (train.reshard_after_forward = false keeps "
-                                "the gathered weights from forward to backward, as SHARD_GRAD_OP)",
-    "train.grad_bucket_mib": "gradients are reduced by FSDP2's reduce-scatter, not by buckets of ours; delete the key",
-}
-
-
-# --- range rules: one declarative table, checked by launcher_core.profile for every source -------
 
 @dataclass(frozen=True)
 class Range:
@@ -277,8 +33,6 @@ class Range:
     zero: str = ""
 
     def admits(self, value: float) -> bool:
-        import math
-
         if not math.isfinite(value):
             return False
         if self.zero and value == 0:
@@ -299,165 +53,474 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+# Sizes and counts have an upper bound too, far above any real run and low enough that nothing sized by
+# them (the plan's lists and lines, a rank's buffers, a pool of workers) grows without limit: 2**20
+# sequences per optimizer step, 1024 ranks per node, 2**22 tokens per sequence.
 AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
 SHARE, PORT = Range(0, 1), Range(1, 65535)
+DAY_S = 86400
 
-# dotted key -> Range. Every int/float key of the schema has a line here (tests/test_safety_profile.py
-# holds it): a new numeric key gets its rule with one line. Sizes and counts have an upper bound
-# too, far above any real run and low enough that nothing sized by them (the plan's lists and lines,
-# a rank's buffers, a pool of workers) grows without limit: 2**20 sequences per optimizer step,
-# 1024 ranks per node, 2**22 tokens per sequence.
-RANGES: dict[str, Range] = {
-    "machine.gpu_count": Range(0, 1024),
-    "machine.gpu_memory_gib": Range(0, 16384),
-    "machine.nproc_per_node": Range(1, 1024),
-    "machine.nnodes": Range(1, 4096),
-    "audit.min_free_gib_per_gpu": AT_LEAST_0,
-    "audit.baseline_free_tolerance_mib": AT_LEAST_0,
-    "audit.baseline_context_tolerance_mib": AT_LEAST_0,
-    "audit.min_shm_gib": AT_LEAST_0,
-    "audit.min_disk_gib": AT_LEAST_0,
-    "audit.min_ram_gib": AT_LEAST_0,
-    "audit.gib_per_nvcc_job": POSITIVE,
-    "data.max_length": Range(2, 2**22),
-    "data.num_workers": Range(0, 1024),
-    "data.shard_rows": Range(1, 10**8),
-    "data.min_loss_tokens": AT_LEAST_0,
-    "data.max_degenerate_share": SHARE,
-    "data.tool_call_repeat_limit": Range(1, 10**6),
-    "generate.port": PORT,
-    "generate.concurrency": Range(1, 65536),
-    "generate.temperature": AT_LEAST_0,
-    "generate.top_p": Range(0, 1, low_open=True),
-    "generate.top_k": Range(-1),
-    "generate.max_tokens": Range(1, 2**22),
-    "generate.request_timeout_s": POSITIVE,
-    "generate.retries": Range(0, 1000),
-    "generate.max_server_restarts": Range(0, 1000),
-    "generate.tp_size": Range(1, 1024),
-    "generate.dp_size": Range(1, 1024),
-    "generate.mem_fraction_static": Range(0, 1, low_open=True),
-    "generate.vllm_cpu_kvcache_gib": Range(1, 16384),
-    "generate.vllm_max_model_len": Range(0, 2**24),       # 0: generate.context_length, else the model's own
-    "generate.flush_every": Range(1, 10**6),
-    "generate.server_startup_timeout_s": POSITIVE,
-    "generate.max_prompts": Range(0, 10**9),
-    "generate.cb_num_blocks": Range(0, 10**8),
-    "generate.server_threads": Range(0, 4096),
-    "generate.context_length": Range(0, 2**24),
-    "drafter.num_layers": Range(1, 1024),
-    "drafter.block_size": Range(2, 4096),
-    "drafter.sliding_window": Range(0, 2**24),            # 0: no window (>= 1 needed with a sliding layer: launch checks)
-    "drafter.rope_scaling_factor": Range(1),         # > 1 with rope_scaling: launch checks
-    "drafter.rope_original_max_position_embeddings": Range(0, 2**24),   # 0: max_position_embeddings
-    "drafter.target_layer_ids": Range(0, 4096),
-    "drafter.mask_token_id": Range(0, 2**31 - 1),
-    "drafter.norm_init": POSITIVE,
-    "drafter.draft_vocab_size": Range(0, 2**24),
-    "drafter.num_attention_heads": Range(0, 4096),
-    "drafter.num_key_value_heads": Range(0, 4096),
-    "drafter.head_dim": Range(0, 4096),
-    "drafter.rope_theta": Range(0, low_open=True, zero="the target's theta"),
-    "drafter.conv_kernel_size": AT_LEAST_1,          # <= drafter.block_size (cross-field rule)
-    "drafter.conv_group_size": AT_LEAST_1,           # divides the target's hidden size (launch checks)
-    "drafter.selector_rank": AT_LEAST_1,
-    "drafter.selector_top_k": AT_LEAST_1,            # <= the target's vocabulary (launch checks)
-    "drafter.output_multiplier": POSITIVE,           # SGLang refuses a non-positive one; it keeps the top-K order
-    "drafter.final_logit_softcapping": Range(0, low_open=True, zero="no softcapping"),
-    "train.epochs": Range(1, 10**6),
-    "train.max_steps": Range(0, 10**9),
-    "train.lr": POSITIVE,
-    "train.warmup_ratio": Range(0, 1, high_open=True),
-    "train.weight_decay": AT_LEAST_0,
-    "train.grad_clip": POSITIVE,
-    "train.global_batch": Range(1, 2**20),
-    "train.max_micro_batch": Range(1, 2**16),
-    "train.num_anchors": Range(1, 2**16),
-    "train.seed": Range(0, 2**63 - 1),
-    "train.save_every_steps": Range(1, 10**9),
-    "train.save_every_minutes": Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"),
-    "train.keep_checkpoints": Range(0, 10**6, zero="every checkpoint kept"),
-    "train.log_every_steps": Range(1, 10**9),
-    "train.max_restarts": Range(0, 1000),
-    "train.decay_gamma": Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"),
-    "train.loss_chunk_rows": Range(1, 2**24),
-    "train.heartbeat_timeout_s": Range(2, 86400),      # several beats per timeout (dflash.train.heartbeat)
-    "train.collective_timeout_s": Range(10, 86400),
-    "train.stuck_after_steps": Range(1, 1000),          # measured step times without progress (dflash.train.watchdog)
-    "train.stuck_floor_s": Range(1, 86400),
-    "train.selector_loss_alpha": AT_LEAST_0,         # 0: the selector's loss is computed (figures) but trains nothing
-    "train.validation_share": Range(0, 1, high_open=True),    # 0: no validation; below 1: some rows must train
-    "train.validation_every_steps": Range(1, 10**9, zero="at every checkpoint (train.save_every_steps)"),
-    "memory.margin": Range(0, 1, high_open=True),
-    "memory.overhead_mib": Range(0, 2**24),
-    "eval.num_prompts": Range(1, 10**6),
-    "eval.max_new_tokens": Range(1, 2**22),
-    "eval.temperature": AT_LEAST_0,
-    "eval.seed": Range(0, 2**63 - 1),
-    "eval.prompt_lookup_max_ngram": Range(1, 1024),
-    "eval.draft_tokens": Range(1, 4096, zero="the drafter's block_size - 1"),   # above block_size - 1: that many
-    "eval.cpu_threads": Range(0, 4096),
-    "eval.engine_port": PORT,
+
+def key(default: Any = dataclasses.MISSING, meaning: str = "", valid: Optional[Range] = None,
+        dflash2: bool = False) -> Any:
+    """A profile key: a dataclass field whose metadata holds its `meaning` (the docs' text), its
+    `valid` Range (every int/float key has one: tests/safety/test_safety_profile.py holds it) and
+    `dflash2` (the key applies to drafter.kind = "dflash2" only). No default: the key is required."""
+    metadata: dict[str, Any] = {"meaning": meaning, "dflash2": dflash2}
+    if valid is not None:
+        metadata["valid"] = valid
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, meaning: str) -> Any:
+    """A `[section]` table of the profile (all its keys have defaults)."""
+    return field(default_factory=cls, metadata={"meaning": meaning, "dflash2": False})
+
+
+@dataclass(frozen=True)
+class MachineSection:
+    """What the node is and how ranks are launched on it."""
+
+    device: Literal["cuda", "cpu"] = key(meaning="where the ranks compute")
+    gpu_count: int = key(0, "GPUs the profile expects (0 on CPU)", Range(0, 1024))
+    gpu_name: str = key("", "substring of the NVML name, e.g. \"RTX PRO 6000\"")
+    gpu_memory_gib: float = key(0.0, "total memory per GPU", Range(0, 16384))
+    compute_capability: str = key("", "\"12.0\" for SM120")
+    cuda: str = key("", "torch CUDA tag the pins use, \"12.8\" / \"13.0\"; \"\" on CPU")
+    requirements: str = key("requirements-cpu.txt", "the pinned requirements file the audit compares installed packages with")
+    backend: Literal["nccl", "gloo"] = key("nccl", "torch.distributed backend of the ranks")
+    nproc_per_node: int = key(1, "ranks on this node (torchrun --nproc-per-node)", Range(1, 1024))
+    nnodes: int = key(1, "nodes of the run (torchrun --nnodes)", Range(1, 4096))
+    rdzv_endpoint: str = key("", "host:port of the c10d rendezvous for nnodes > 1")
+    bind_host: str = key("127.0.0.1", "where servers listen")
+
+
+@dataclass(frozen=True)
+class AuditSection:
+    """Thresholds of the preflight audit (docs/audit.md)."""
+
+    attention_backend: AttentionBackend = key("flashinfer", "SGLang --attention-backend; the audit checks it can run here")
+    min_free_gib_per_gpu: float = key(0.0, "a GPU with less free memory fails the audit (gpu.free_memory)", AT_LEAST_0)
+    baseline_free_tolerance_mib: int = key(128, "a GPU's free memory may drop this much below the saved baseline", AT_LEAST_0)
+    baseline_context_tolerance_mib: int = key(64, "the CUDA context's cost may rise this much above the saved baseline", AT_LEAST_0)
+    min_shm_gib: float = key(1.0, "least /dev/shm", AT_LEAST_0)
+    min_disk_gib: float = key(10.0, "least free disk at each path the run writes", AT_LEAST_0)
+    min_ram_gib: float = key(4.0, "least RAM (cgroup limit applied)", AT_LEAST_0)
+    gib_per_nvcc_job: float = key(5.0, "RAM an nvcc job takes, for the MAX_JOBS the audit recommends", POSITIVE)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The target model."""
+
+    target: str = key(meaning="a local model directory, or `builtin:smollm2-135m-instruct`")
+    tokenizer: str = key("", "its tokenizer; \"\": the target's directory")
+    dtype: Literal["bfloat16", "float16", "float32"] = key("bfloat16", "the target's weights and activations")
+
+
+@dataclass(frozen=True)
+class PathsSection:
+    """Where a run's files are."""
+
+    run_dir: str = key("runs/{profile}", "the run directory; {profile}: the profile's name")
+    prompts: str = key("{run_dir}/prompts.jsonl", "prompts that generate reads")
+    completions: str = key("{run_dir}/completions.jsonl", "completions that generate writes and tokenize reads")
+    dataset: str = key("{run_dir}/dataset", "the tokenized training dataset")
+    eval_prompts: str = key("", "eval's prompts; \"\": the built-in out-of-template held-out set")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Tokenization and data-quality gates."""
+
+    max_length: int = key(8192, "tokens a sample is cut to", Range(2, 2**22))
+    num_workers: int = key(0, "tokenizer processes (0: one per core)", Range(0, 1024))
+    shard_rows: int = key(20000, "rows per dataset shard file", Range(1, 10**8))
+    min_loss_tokens: int = key(16, "fewer loss tokens is degenerate (the seeds' 6-token empties)", AT_LEAST_0)
+    max_degenerate_share: float = key(0.05, "above this share of degenerate samples tokenize fails (exit 4)", SHARE)
+    tool_call_repeat_limit: int = key(8, "one identical tool call this many times in a turn is degenerate", Range(1, 10**6))
+    rewritten_turns: Literal["split", "context"] = key("split", "turns the template rewrites later: own sample, or context only")
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    """Generating the training completions with the target (docs/generate.md)."""
+
+    backend: Literal["sglang", "transformers", "endpoint", "vllm"] = key("sglang", "what serves the target")
+    port: int = key(30000, "the first server's port", PORT)
+    concurrency: int = key(256, "requests in flight", Range(1, 65536))
+    temperature: float = key(0.6, "sampling temperature", AT_LEAST_0)
+    top_p: float = key(0.95, "nucleus sampling", Range(0, 1, low_open=True))
+    top_k: int = key(20, "top-k sampling (-1: off)", Range(-1))
+    max_tokens: int = key(8192, "tokens per completion, at most", Range(1, 2**22))
+    thinking: bool = key(True, "the chat template's thinking mode")
+    request_timeout_s: float = key(600.0, "a request not answered in this time is sent again", POSITIVE)
+    retries: int = key(3, "times a failed request is sent again", Range(0, 1000))
+    max_server_restarts: int = key(3, "times a server that died is restarted", Range(0, 1000))
+    tp_size: int = key(1, "SGLang --tp-size", Range(1, 1024))
+    dp_size: int = key(1, "SGLang --dp-size", Range(1, 1024))
+    mem_fraction_static: float = key(0.85, "SGLang --mem-fraction-static (vLLM --gpu-memory-utilization)", Range(0, 1, low_open=True))
+    reasoning_parser: str = key("qwen3", "SGLang --reasoning-parser (\"\": none)")
+    flush_every: int = key(32, "completions written to disk together", Range(1, 10**6))
+    tool_call_parser: str = key("", "SGLang --tool-call-parser (e.g. \"qwen25\"); \"\" leaves tool calls in content")
+    server_startup_timeout_s: float = key(900.0, "how long a started server may take to answer /health", POSITIVE)
+    max_prompts: int = key(0, "use only the first N prompts of paths.prompts (0: all)", Range(0, 10**9))
+    continuous_batching: bool = key(False, "transformers serve --continuous-batching (one batched forward)")
+    cb_num_blocks: int = key(0, "its KV cache in blocks of 256 tokens (0: sized from free memory)", Range(0, 10**8))
+    server_threads: int = key(0, "OMP_NUM_THREADS of a CPU server (0: transformers serve 1 unless already set, "
+                                 "vLLM torch's default)", Range(0, 4096))
+    context_length: int = key(0, "SGLang --context-length (prompt + completion); 0: the model's own", Range(0, 2**24))
+    vllm_cpu_kvcache_gib: int = key(2, "vLLM on CPU: VLLM_CPU_KVCACHE_SPACE, GiB of RAM for its KV cache (on CPU it "
+                                       "takes no --gpu-memory-utilization share)", Range(1, 16384))
+    vllm_max_model_len: int = key(0, "vLLM --max-model-len (0: generate.context_length, else the model's own)", Range(0, 2**24))
+    vllm_enforce_eager: bool = key(False, "vLLM --enforce-eager: starts in ~30 s on CPU instead of 100-140 s of compile")
+
+
+DrafterKind = Literal["dflash", "dflash2"]
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    """The drafter (docs/train.md, "Drafter shape", "Drafter layers", "DFlash 2"). Its attention shape and
+    RoPE are its own; 0 derives them from the target: head dim min(target's, 128), the target's query/KV
+    widths, plain RoPE at the target's theta. The DFlash 2 keys (kind = "dflash2") default to the published
+    values: z-lab's Qwen3.8-27B-DFlash2 and SpecForge's configs/qwen3.6-27b-dflash2.json (kernel 2, groups
+    of 16 channels, rank 256, top-16), the defaults of vLLM Speculators' `dflash2` (PR #1006); a unit
+    multiplier and no softcap as the reference `DFlash2DraftModel.compute_logits` reads their absence."""
+
+    kind: DrafterKind = key("dflash", "dflash2: the causal convolutions and the candidate selector (DFlash2DraftModel)")
+    num_layers: int = key(5, "draft decoder layers", Range(1, 1024))
+    block_size: int = key(16, "tokens a block drafts: the anchor and block_size - 1 masks", Range(2, 4096))
+    target_layer_ids: tuple[int, ...] = key((), "the target layers whose outputs feed the drafter; empty: spaced "
+                                                "from layer 1 to N-3 (dflash.drafter.taps)", Range(0, 4096))
+    mask_token_id: Optional[int] = key(None, "the token of a block's masked slots; unset: the tokenizer's mask "
+                                             "token, else an error", Range(0, 2**31 - 1))
+    norm_init: float = key(1.0, "final norm's start: its weight (random init), a factor on the target's (target init)", POSITIVE)
+    init: Literal["random", "target", "drafter"] = key("random", "target: layers start as the target's layers after "
+                                                                 "the deepest tap; drafter: from init_from")
+    draft_vocab_size: int = key(0, "0: the target's vocabulary; N: only the N most frequent training tokens", Range(0, 2**24))
+    num_attention_heads: int = key(0, "query heads (0: the target's query width / head_dim)", Range(0, 4096))
+    num_key_value_heads: int = key(0, "key/value heads (0: the target's KV width / head_dim)", Range(0, 4096))
+    head_dim: int = key(0, "<= 128 on SM12x: flex_attention's bf16 backward runs out of shared memory above "
+                           "(0: min(target's, 128))", Range(0, 4096))
+    rope_theta: float = key(0.0, "plain RoPE base, written as top-level `rope_theta` in config.json",
+                            Range(0, low_open=True, zero="the target's theta"))
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] = key(
+        (), "per layer; empty: every layer full_attention")
+    sliding_window: int = key(0, "positions a sliding_attention layer sees back (causal, as published); 0: no window",
+                              Range(0, 2**24))
+    rope_scaling: Literal["none", "linear", "yarn"] = key("none", "RoPE scaling of the drafter's layers")
+    rope_scaling_factor: float = key(1.0, "its factor", Range(1))
+    rope_original_max_position_embeddings: int = key(0, "yarn: the context the RoPE was made for "
+                                                        "(0: max_position_embeddings)", Range(0, 2**24))
+    init_from: str = key("", "init = \"drafter\": a DFlash drafter directory (z-lab format) or our checkpoint")
+    conv_kernel_size: int = key(2, "taps of the grouped dynamic causal convolution around every attention and MLP "
+                                   "sublayer", AT_LEAST_1, dflash2=True)
+    conv_group_size: int = key(16, "channels that share one dynamic kernel", AT_LEAST_1, dflash2=True)
+    selector_rank: int = key(256, "rank of the candidate selector's predecessor/successor codebooks", AT_LEAST_1,
+                             dflash2=True)
+    selector_top_k: int = key(16, "the head's top tokens per slot the selector re-ranks", AT_LEAST_1, dflash2=True)
+    output_multiplier: float = key(1.0, "the unary logits are lm_head x this (SGLang refuses a non-positive one; "
+                                        "it keeps the top-K order)", POSITIVE, dflash2=True)
+    final_logit_softcapping: float = key(0.0, "the unary logits tanh-softcapped at this",
+                                         Range(0, low_open=True, zero="no softcapping"), dflash2=True)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """Training the drafter (docs/train.md)."""
+
+    epochs: int = key(6, "passes over the dataset", Range(1, 10**6))
+    max_steps: int = key(0, "optimizer steps at most (0: run all epochs)", Range(0, 10**9))
+    lr: float = key(6e-4, "AdamW peak learning rate (cosine schedule)", POSITIVE)
+    warmup_ratio: float = key(0.04, "share of the steps the learning rate warms up", Range(0, 1, high_open=True))
+    weight_decay: float = key(0.0, "AdamW weight decay", AT_LEAST_0)
+    grad_clip: float = key(1.0, "gradient norm clipped to this", POSITIVE)
+    global_batch: int = key(64, "sequences per optimizer step, across all ranks", Range(1, 2**20))
+    max_micro_batch: int = key(4, "sequences per forward on one rank, at most", Range(1, 2**16))
+    num_anchors: int = key(512, "blocks per sequence and step, at most", Range(1, 2**16))
+    seed: int = key(0, "seed of initialisation and anchor sampling", Range(0, 2**63 - 1))
+    attention: Literal["auto", "flex", "sdpa"] = key("auto", "the drafter's attention kernel")
+    save_every_steps: int = key(500, "a checkpoint every N steps", Range(1, 10**9))
+    save_every_minutes: float = key(0.0, "also a checkpoint once this many minutes have passed since the last: "
+                                         "bounds in time the work a restart loses",
+                                    Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"))
+    async_save: bool = key(True, "checkpoint shards written by a thread while the ranks train on "
+                                 "(DCP async_save; dflash.train.checkpointing)")
+    keep_checkpoints: int = key(0, "the newest N checkpoints kept, with the best by held-out tau and the latest "
+                                   "(dflash.train.retention)", Range(0, 10**6, zero="every checkpoint kept"))
+    log_every_steps: int = key(10, "a metrics line every N steps", Range(1, 10**9))
+    max_restarts: int = key(0, "torchrun --max-restarts", Range(0, 1000))
+    rank_start: Literal["forkserver", "command"] = key(
+        "forkserver", "forkserver: ranks forked from torchrun's forkserver, which imports torch and the model code "
+                      "once; command: each rank a new python (`-m dflash.train.worker`) that imports them itself")
+    decay_gamma: float = key(0.0, "loss decay exp(-(k-1)/gamma)",
+                             Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"))
+    loss_chunk_rows: int = key(2048, "drafter logits rows per chunk (vocab-sized rows)", Range(1, 2**24))
+    autocast: Literal["auto", "bfloat16", "off"] = key("auto", "drafter forward: auto = bf16 on CUDA, fp32 on CPU")
+    compute_dtype: Literal["float32", "bfloat16"] = key("float32", "drafter's residual stream and norms "
+                                                                   "(bf16: on bf16 weight copies)")
+    feature_cache: bool = key(False, "each row's tap features extracted once, kept as files for later epochs")
+    reshard_after_forward: bool = key(True, "FSDP2 (docs/memory.md, \"Sharding: FSDP2\"): draft layers' gathered "
+                                            "weights freed after forward, gathered again in backward (false: kept "
+                                            "from forward to backward, FSDP1's SHARD_GRAD_OP)")
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = key(
+        "every_micro_batch", "reduce-scatter each micro-batch's gradients (sharded accumulation), or hold unsharded "
+                             "ones until the last")
+    activation_checkpointing: Literal["none", "layers"] = key("none", "layers: each draft layer's activations "
+                                                                      "recomputed in backward")
+    heartbeat_timeout_s: float = key(120.0, "a rank whose process stops beating this long is named and the run "
+                                            "ended (several beats per timeout: dflash.train.heartbeat)", Range(2, DAY_S))
+    collective_timeout_s: float = key(600.0, "the process group's timeout: a collective waits this long for a rank",
+                                      Range(10, DAY_S))
+    stuck_after_steps: float = key(5.0, "a rank that holds the others this many measured step times is named "
+                                        "(dflash.train.watchdog)", Range(1, 1000))
+    stuck_floor_s: float = key(120.0, "... never sooner than this", Range(1, DAY_S))
+    selector_loss_alpha: float = key(1.0, "loss = DFlash loss on the unary logits + alpha x the selector's K-way "
+                                          "cross entropy (SpecForge PR #772, vLLM Speculators PR #1006: 1.0); 0: "
+                                          "computed for the figures, trains nothing", AT_LEAST_0, dflash2=True)
+    selector_stop_gradient: bool = key(False, "the selector term trains only the selector, not the backbone it reads "
+                                              "(SpecForge PR #793, off)", dflash2=True)
+    validation_share: float = key(0.0, "share of the dataset's rows held out of training and measured on (0: none; "
+                                       "below 1: some rows must train)", Range(0, 1, high_open=True))
+    validation_every_steps: int = key(0, "held-out loss and tau every N steps and at the end",
+                                      Range(1, 10**9, zero="at every checkpoint (train.save_every_steps)"))
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    """The memory plan (docs/memory.md)."""
+
+    margin: float = key(0.10, "fraction of free memory held back", Range(0, 1, high_open=True))
+    overhead_mib: int = key(0, "non-torch overhead if not measured (0: from probe/baseline)", Range(0, 2**24))
+    expandable_segments: bool = key(True, "CUDA ranks' caching allocator grows segments instead of fragmenting fixed "
+                                          "ones (envcheck.allocator: the user's own PYTORCH_ALLOC_CONF / "
+                                          "PYTORCH_CUDA_ALLOC_CONF is completed, an explicit setting kept)")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Speculative-decoding evaluation (docs/eval.md)."""
+
+    num_prompts: int = key(32, "prompts decoded", Range(1, 10**6))
+    max_new_tokens: int = key(256, "tokens decoded per prompt, at most", Range(1, 2**22))
+    temperature: float = key(0.0, "sampling temperature (0: greedy)", AT_LEAST_0)
+    seed: int = key(0, "sampling seed (temperature > 0)", Range(0, 2**63 - 1))
+    prompt_lookup_max_ngram: int = key(3, "the n-gram baseline's longest suffix match", Range(1, 1024))
+    draft_tokens: int = key(0, "DFlash draft tokens a step proposes, the target verifies k + 1 (in-process and "
+                               "served: vLLM num_speculative_tokens); above block_size - 1: that many",
+                            Range(1, 4096, zero="the drafter's block_size - 1"))
+    cpu_threads: int = key(1, "torch threads when decoding on CPU (0: torch's default); more threads stall small "
+                              "batch-1 forwards on a busy CPU", Range(0, 4096))
+    cpu_matmul: Literal["auto", "torch"] = key("auto", "float32 on CPU: auto = the faster kernel per row count for "
+                                                       "every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is")
+    engine: Literal["transformers", "sglang", "vllm"] = key("transformers", "who decodes: in-process, or the serving engine")
+    engine_python: str = key("", "python of the environment with the engine (\"\": this one)")
+    engine_port: int = key(30100, "where the engine eval's servers listen (127.0.0.1)", PORT)
+    also_prompts: tuple[str, ...] = key((), "more prompt sets measured beside the default one (not with --prompts), "
+                                            "each reported apart and labelled (eval/<file stem>/)")
+    serve_engine: Literal["", "sglang", "vllm"] = key("", "the engine that will serve the drafter: the pipeline runs "
+                                                          "`eval --engine` with it after the in-process eval (served vs "
+                                                          "in-process tau)")
+    benchmarks: tuple[str, ...] = key((), "benchmarks decoded beside the default set (`--bench`), one row each, "
+                                          "eval/bench/<name>/")
+    bench_dir: str = key("", "local copies of gsm8k, math500, mbpp (DIR/<name>/<split>.jsonl or a save_to_disk "
+                             "folder DIR/<name>/); \"\": the hub or its cache")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = key(meaning="the profile file's stem (set by the loader, not a key of the file)")
+    machine: MachineSection = key(meaning="[machine] (required)")
+    model: ModelSection = key(meaning="[model] (required)")
+    description: str = key("", "one line shown by `launcher.py profiles`")
+    audit: AuditSection = section(AuditSection, "[audit]")
+    paths: PathsSection = section(PathsSection, "[paths]")
+    data: DataSection = section(DataSection, "[data]")
+    generate: GenerateSection = section(GenerateSection, "[generate]")
+    drafter: DrafterSection = section(DrafterSection, "[drafter]")
+    train: TrainSection = section(TrainSection, "[train]")
+    memory: MemorySection = section(MemorySection, "[memory]")
+    eval: EvalSection = section(EvalSection, "[eval]")
+
+
+# Keys that profiles once had: a profile that still sets one is told what replaced it.
+REMOVED_KEYS: dict[str, str] = {
+    "train.optimizer_sharding": "the drafter's parameters, gradients and AdamW states are now always sharded over the "
+                                "ranks by FSDP2 (fully_shard); delete the key (train.reshard_after_forward = false keeps "
+                                "the gathered weights from forward to backward, as SHARD_GRAD_OP)",
+    "train.grad_bucket_mib": "gradients are reduced by FSDP2's reduce-scatter, not by buckets of ours; delete the key",
 }
 
+
+def _section_keys() -> dict[str, dataclasses.Field]:
+    hints = typing.get_type_hints(Profile)
+    return {f"{part.name}.{spec.name}": spec for part in dataclasses.fields(Profile)
+            if dataclasses.is_dataclass(hints[part.name]) for spec in dataclasses.fields(hints[part.name])}
+
+
+# dotted key -> its field (type, default, metadata: meaning, valid, dflash2), in the order of the sections.
+KEYS: dict[str, dataclasses.Field] = _section_keys()
+# dotted key -> Range, read from the fields (the loader reads each field's own).
+RANGES: dict[str, Range] = {dotted: spec.metadata["valid"] for dotted, spec in KEYS.items() if "valid" in spec.metadata}
+# The keys of drafter.kind = "dflash2" only, and their published values.
+DFLASH2_KEYS: tuple[str, ...] = tuple(dotted for dotted, spec in KEYS.items() if spec.metadata["dflash2"])
+DFLASH2_DEFAULTS: dict[str, Any] = {dotted.split(".")[1]: KEYS[dotted].default for dotted in DFLASH2_KEYS
+                                    if dotted.startswith("drafter.")}
 
 # The benchmarks `eval.benchmarks` may name (their prompts: dflash.prompts.benchmarks, which holds the same names).
 BENCHMARK_NAMES = ("humaneval", "mt-bench", "gsm8k", "math500", "mbpp")
 
 
-def cross_field_problems(profile: "Profile") -> list[tuple[str, str]]:
+# --- rules between keys that need no target model: checked by launcher_core.profile for every source ----------
+
+Problems = list[tuple[str, str]]        # (dotted key, what is wrong and what is valid)
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """One rule between keys: `check(profile)` -> its problems; `keys` it involves (docs/profile-keys.md)."""
+
+    name: str
+    keys: tuple[str, ...]
+    description: str
+    check: Callable[[Profile], Problems]
+
+
+CROSS_FIELD_RULES: list[CrossFieldRule] = []     # in the order they are checked (the first problem is the error)
+
+
+def cross_field_rule(*keys: str, description: str) -> Callable[[Callable[[Profile], Problems]], Callable[[Profile], Problems]]:
+    """Declares the decorated `check(profile) -> problems` as a rule over `keys`, described for the docs."""
+    def register(check: Callable[[Profile], Problems]) -> Callable[[Profile], Problems]:
+        CROSS_FIELD_RULES.append(CrossFieldRule(check.__name__, keys, description, check))
+        return check
+    return register
+
+
+def cross_field_problems(profile: Profile) -> Problems:
     """(dotted key, problem) for each rule between keys that needs no target model."""
-    machine, train, data, drafter = profile.machine, profile.train, profile.data, profile.drafter
+    return [problem for rule in CROSS_FIELD_RULES for problem in rule.check(profile)]
+
+
+@cross_field_rule("train.global_batch", "machine.nproc_per_node", "machine.nnodes",
+                  description="train.global_batch is divisible by the ranks (machine.nproc_per_node x machine.nnodes)")
+def global_batch_divides(profile: Profile) -> Problems:
+    machine, batch = profile.machine, profile.train.global_batch
     world = machine.nproc_per_node * machine.nnodes
-    problems = []
-    if train.global_batch % world:
-        problems.append(("train.global_batch", f"{train.global_batch} is not divisible by the {world} ranks "
-                         f"(machine.nproc_per_node {machine.nproc_per_node} x machine.nnodes {machine.nnodes})"))
-    if machine.gpu_count and machine.device == "cuda" and machine.nproc_per_node > machine.gpu_count:
-        problems.append(("machine.nproc_per_node", f"{machine.nproc_per_node} ranks on a node with "
-                         f"machine.gpu_count {machine.gpu_count}; valid: 1..{machine.gpu_count}"))
-    if machine.nnodes > 1 and not machine.rdzv_endpoint:
-        problems.append(("machine.rdzv_endpoint", f"machine.nnodes = {machine.nnodes} needs it (host:port "
-                         "of the c10d rendezvous, reachable from every node)"))
-    if data.min_loss_tokens >= data.max_length:
-        problems.append(("data.min_loss_tokens", f"{data.min_loss_tokens} is not below data.max_length "
-                         f"{data.max_length}: every sample would be degenerate"))
-    if drafter.num_key_value_heads and drafter.num_attention_heads % drafter.num_key_value_heads:
-        problems.append(("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
-                         f"drafter.num_attention_heads {drafter.num_attention_heads}"))
-    if train.stuck_floor_s >= train.collective_timeout_s:
-        problems.append(("train.stuck_floor_s", f"{train.stuck_floor_s:g} s is not below train.collective_timeout_s "
-                         f"{train.collective_timeout_s:g} s: a stuck rank would never be named before the collective "
-                         f"times out (valid: 1..{train.collective_timeout_s:g})"))
+    if batch % world == 0:
+        return []
+    return [("train.global_batch", f"{batch} is not divisible by the {world} ranks "
+             f"(machine.nproc_per_node {machine.nproc_per_node} x machine.nnodes {machine.nnodes})")]
+
+
+@cross_field_rule("machine.nproc_per_node", "machine.gpu_count", "machine.device",
+                  description="on CUDA with machine.gpu_count set, at most one rank per GPU")
+def ranks_fit_gpus(profile: Profile) -> Problems:
+    machine = profile.machine
+    if not (machine.gpu_count and machine.device == "cuda" and machine.nproc_per_node > machine.gpu_count):
+        return []
+    return [("machine.nproc_per_node", f"{machine.nproc_per_node} ranks on a node with "
+             f"machine.gpu_count {machine.gpu_count}; valid: 1..{machine.gpu_count}")]
+
+
+@cross_field_rule("machine.rdzv_endpoint", "machine.nnodes",
+                  description="several nodes need the rendezvous endpoint")
+def nodes_have_rendezvous(profile: Profile) -> Problems:
+    machine = profile.machine
+    if machine.nnodes <= 1 or machine.rdzv_endpoint:
+        return []
+    return [("machine.rdzv_endpoint", f"machine.nnodes = {machine.nnodes} needs it (host:port "
+             "of the c10d rendezvous, reachable from every node)")]
+
+
+@cross_field_rule("data.min_loss_tokens", "data.max_length",
+                  description="data.min_loss_tokens is below data.max_length (else every sample is degenerate)")
+def loss_tokens_fit_length(profile: Profile) -> Problems:
+    data = profile.data
+    if data.min_loss_tokens < data.max_length:
+        return []
+    return [("data.min_loss_tokens", f"{data.min_loss_tokens} is not below data.max_length "
+             f"{data.max_length}: every sample would be degenerate")]
+
+
+@cross_field_rule("drafter.num_key_value_heads", "drafter.num_attention_heads",
+                  description="drafter.num_key_value_heads (when set) divides drafter.num_attention_heads")
+def kv_heads_divide_heads(profile: Profile) -> Problems:
+    drafter = profile.drafter
+    if not drafter.num_key_value_heads or drafter.num_attention_heads % drafter.num_key_value_heads == 0:
+        return []
+    return [("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
+             f"drafter.num_attention_heads {drafter.num_attention_heads}")]
+
+
+@cross_field_rule("train.stuck_floor_s", "train.collective_timeout_s",
+                  description="train.stuck_floor_s is below train.collective_timeout_s, so a stuck rank is named "
+                              "before the collective times out")
+def stuck_rank_named_in_time(profile: Profile) -> Problems:
+    train = profile.train
+    if train.stuck_floor_s < train.collective_timeout_s:
+        return []
+    return [("train.stuck_floor_s", f"{train.stuck_floor_s:g} s is not below train.collective_timeout_s "
+             f"{train.collective_timeout_s:g} s: a stuck rank would never be named before the collective "
+             f"times out (valid: 1..{train.collective_timeout_s:g})")]
+
+
+@cross_field_rule("eval.benchmarks", description=f"eval.benchmarks names known benchmarks: {', '.join(BENCHMARK_NAMES)}")
+def benchmarks_known(profile: Profile) -> Problems:
     unknown = [name for name in profile.eval.benchmarks if name not in BENCHMARK_NAMES]
-    if unknown:
-        problems.append(("eval.benchmarks", f"unknown benchmark(s) {', '.join(map(repr, unknown))}; "
-                         f"valid: {', '.join(BENCHMARK_NAMES)}"))
-    return problems + drafter_kind_problems(profile)
+    if not unknown:
+        return []
+    return [("eval.benchmarks", f"unknown benchmark(s) {', '.join(map(repr, unknown))}; "
+             f"valid: {', '.join(BENCHMARK_NAMES)}")]
 
 
-def drafter_kind_problems(profile: "Profile") -> list[tuple[str, str]]:
-    """The DFlash 2 keys only with drafter.kind = "dflash2"; its head needs the whole vocabulary."""
-    drafter, train = profile.drafter, profile.train
-    if drafter.kind == "dflash":
-        changed = [key for key, default in DFLASH2_DEFAULTS.items() if getattr(drafter, key) != default]
-        changed = [f"drafter.{key}" for key in changed]
-        changed += [key for key, moved in (("train.selector_loss_alpha", train.selector_loss_alpha != 1.0),
-                                           ("train.selector_stop_gradient", train.selector_stop_gradient)) if moved]
-        return [(key, "set, but drafter.kind is \"dflash\"; it applies to drafter.kind = \"dflash2\" only")
-                for key in changed]
-    problems = []
-    if drafter.draft_vocab_size:
-        problems.append(("drafter.draft_vocab_size", f"{drafter.draft_vocab_size} with drafter.kind = \"dflash2\": "
-                         "its candidate selector and the engines that serve it (vLLM, SGLang) need the target's whole "
-                         "vocabulary at the head; set drafter.draft_vocab_size = 0"))
-    if drafter.conv_kernel_size > drafter.block_size:
-        problems.append(("drafter.conv_kernel_size", f"{drafter.conv_kernel_size} taps exceed drafter.block_size "
-                         f"{drafter.block_size}; the convolution stays inside a block (valid: 1..{drafter.block_size})"))
-    if profile.machine.device == "cpu":      # vLLM 0.32's CPU build: V1 refuses candidate heads, V2 needs Triton's GPU backend
-        for key, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\"")):
-            if getattr(profile.eval, key.split(".")[1]) == "vllm":
-                problems.append((key, "\"vllm\" with drafter.kind = \"dflash2\" on CPU: vLLM's CPU build cannot serve "
-                                 "a DFlash 2 drafter (its V1 model runner refuses candidate-head drafts, its V2 runner "
-                                 f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node"))
-    return problems
+def _value(profile: Profile, dotted: str) -> Any:
+    section_name, name = dotted.split(".")
+    return getattr(getattr(profile, section_name), name)
+
+
+@cross_field_rule("drafter.kind", *DFLASH2_KEYS,
+                  description="the DFlash 2 keys keep their defaults unless drafter.kind = \"dflash2\"")
+def dflash2_keys_need_dflash2(profile: Profile) -> Problems:
+    if profile.drafter.kind != "dflash":
+        return []
+    return [(dotted, "set, but drafter.kind is \"dflash\"; it applies to drafter.kind = \"dflash2\" only")
+            for dotted in DFLASH2_KEYS if _value(profile, dotted) != KEYS[dotted].default]
+
+
+@cross_field_rule("drafter.draft_vocab_size", "drafter.kind",
+                  description="drafter.kind = \"dflash2\" needs the target's whole vocabulary at the head "
+                              "(drafter.draft_vocab_size = 0)")
+def dflash2_whole_vocabulary(profile: Profile) -> Problems:
+    drafter = profile.drafter
+    if drafter.kind != "dflash2" or not drafter.draft_vocab_size:
+        return []
+    return [("drafter.draft_vocab_size", f"{drafter.draft_vocab_size} with drafter.kind = \"dflash2\": "
+             "its candidate selector and the engines that serve it (vLLM, SGLang) need the target's whole "
+             "vocabulary at the head; set drafter.draft_vocab_size = 0")]
+
+
+@cross_field_rule("drafter.conv_kernel_size", "drafter.block_size", "drafter.kind",
+                  description="drafter.kind = \"dflash2\": the convolution's taps stay inside a block "
+                              "(drafter.conv_kernel_size <= drafter.block_size)")
+def dflash2_kernel_in_block(profile: Profile) -> Problems:
+    drafter = profile.drafter
+    if drafter.kind != "dflash2" or drafter.conv_kernel_size <= drafter.block_size:
+        return []
+    return [("drafter.conv_kernel_size", f"{drafter.conv_kernel_size} taps exceed drafter.block_size "
+             f"{drafter.block_size}; the convolution stays inside a block (valid: 1..{drafter.block_size})")]
+
+
+@cross_field_rule("eval.engine", "eval.serve_engine", "drafter.kind", "machine.device",
+                  description="drafter.kind = \"dflash2\" on CPU: no vLLM engine (its CPU build cannot serve "
+                              "a DFlash 2 drafter)")
+def dflash2_not_on_cpu_vllm(profile: Profile) -> Problems:
+    # vLLM 0.32's CPU build: V1 refuses candidate heads, V2 needs Triton's GPU backend
+    if profile.drafter.kind != "dflash2" or profile.machine.device != "cpu":
+        return []
+    return [(dotted, "\"vllm\" with drafter.kind = \"dflash2\" on CPU: vLLM's CPU build cannot serve "
+             "a DFlash 2 drafter (its V1 model runner refuses candidate-head drafts, its V2 runner "
+             f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node")
+            for dotted, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\""))
+            if _value(profile, dotted) == "vllm"]

@@ -3,23 +3,11 @@ only after loading the target (exit 5, minutes and ~54 GB per rank in) is found 
 starts (ConfigError, exit 2), naming the profile file and the key to change.
 
 Reads the target's config.json and tokenizer files, never its weights. The rules that need no
-target (ranges, divisibility, heads) are the schema's (launcher_core.schema RANGES and
-cross_field_problems), checked when the profile loads; these are the ones that need the target.
-Each is checked here only: the rank-side code that relies on it keeps at most an internal assert.
-
-| key | rule | relied on by |
-|---|---|---|
-| train.decay_gamma | > 0 unless the block size has a default (8, 10, 16) | decay.default_gamma |
-| drafter.target_layer_ids | inside the target's layers; or the default spacing fits the target | resolve_layer_ids |
-| drafter.mask_token_id | set, or the tokenizer has a mask token; a row of the target's embedding | resolve_mask_token_id |
-| drafter.init | "target": the source layers are plain softmax attention | init_from_target |
-| drafter.draft_vocab_size | 0, or 1 .. the target's vocabulary | draft vocabulary |
-| drafter.layer_types, sliding_window, rope_scaling* | one known type per layer; a window >= 1 for sliding layers; a scaling factor > 1 | drafter config |
-| drafter.init_from | init = "drafter": a DFlash drafter directory (config.json + weights) | init_from_drafter |
-| drafter.conv_group_size, selector_top_k | kind = "dflash2": groups divide the target's hidden size; top K within its vocabulary | DFlash2Drafter |
-| train.global_batch | at most the dataset's rows (when the dataset exists) | TrainData |
-| data.max_length | some row of the dataset, cut to it, holds an anchor (when the dataset exists) | dflash.train.loss_check |
-| paths.dataset | a dataset directory is there (`train`: `require_dataset`, before the audit) | TrainData |
+target (ranges, divisibility, heads) are the schema's (launcher_core.schema: each key's `valid`
+range and the `@cross_field_rule`s), checked when the profile loads; these are the ones that need
+the target (or the dataset), declared once in `LAUNCH_CHECKS` (name, keys, rule: docs/profile-keys.md
+is generated from it). Each is checked here only: the rank-side code that relies on it keeps at most
+an internal assert.
 
 `drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
 layers) before torchrun starts, by dflash.train.resume (it builds the drafter on the meta device,
@@ -28,9 +16,9 @@ so it imports torch: it runs in `train` after the plan is printed, not here).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from launcher_core.errors import ConfigError, DataError
 from launcher_core.schema import Profile
@@ -78,27 +66,18 @@ def read_target_facts(profile: Profile) -> TargetFacts:
 
 
 def validate_profile_for_launch(profile: Profile, source: Optional[str] = None) -> LaunchFacts:
-    """Check the profile against its target; ConfigError listing every problem, each as
-    `FILE: key 'section.key': what is wrong and what to set`. `source`: the --profile argument
-    (name or TOML path) the profile was loaded from, default its name."""
+    """Check the profile against its target (every check of `LAUNCH_CHECKS`, in order); ConfigError listing
+    every problem, each as `FILE: key 'section.key': what is wrong and what to set`. `source`: the --profile
+    argument (name or TOML path) the profile was loaded from, default its name."""
     where = _KeyFiles(profile, source)
-    target = read_target_facts(profile)
-    problems: list[str] = []
-    gamma = _check_sizes(profile, where, problems)
-    layer_ids = _check_layer_ids(profile, target, where, problems)
-    mask_id = _check_mask_token(profile, target, where, problems)
-    if layer_ids and profile.drafter.init == "target":
-        _check_target_init(profile, target, layer_ids, where, problems)
-    _check_draft_vocab(profile, target, where, problems)
-    _check_drafter_layers(profile, where, problems)
-    _check_drafter_init(profile, where, problems)
-    _check_dflash2(profile, target, where, problems)
-    _check_dataset_rows(profile, where, problems)
-    _check_supervision(profile, where, problems)
-    if problems:
-        raise ConfigError(f"profile {profile.name} does not fit its target {target.path} "
-                          f"({len(problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in problems))
-    return LaunchFacts(target=target, layer_ids=layer_ids, mask_token_id=int(mask_id), decay_gamma=gamma)
+    launch = _Launch(profile, read_target_facts(profile), where)
+    for check in LAUNCH_CHECKS:
+        check.run(launch)
+    if launch.problems:
+        raise ConfigError(f"profile {profile.name} does not fit its target {launch.target.path} "
+                          f"({len(launch.problems)} problem(s)):\n" + "\n".join(f"  {p}" for p in launch.problems))
+    return LaunchFacts(target=launch.target, layer_ids=launch.layer_ids, mask_token_id=int(launch.mask_id),
+                       decay_gamma=launch.gamma)
 
 
 class _KeyFiles:
@@ -117,37 +96,66 @@ class _KeyFiles:
         return f"{self.origin.get(dotted, self.own)}: key '{dotted}': {problem}"
 
 
-def _check_sizes(profile: Profile, where: _KeyFiles, problems: list[str]) -> float:
+@dataclass
+class _Launch:
+    """What the checks read (the profile, its target, where each key is set) and write: the problems
+    found, and what the ranks will resolve (loss decay, tap layers, mask token id)."""
+
+    profile: Profile
+    target: TargetFacts
+    where: _KeyFiles
+    problems: list[str] = field(default_factory=list)
+    gamma: float = 0.0
+    layer_ids: list[int] = field(default_factory=list)
+    mask_id: int = -1
+
+    def problem(self, dotted: str, text: str) -> None:
+        self.problems.append(self.where(dotted, text))
+
+
+@dataclass(frozen=True)
+class LaunchCheck:
+    """One launch-time rule: `run(launch)` appends its problems (and what it resolves); `keys` it involves,
+    the first the one it usually names; `description`: the rule, for docs/profile-keys.md."""
+
+    name: str
+    keys: tuple[str, ...]
+    description: str
+    run: Callable[[_Launch], None]
+
+
+def _check_decay(launch: _Launch) -> None:
     from dflash.drafter.decay import DEFAULT_GAMMA, default_gamma, has_default_gamma
 
-    block_size = profile.drafter.block_size
-    if profile.train.decay_gamma > 0 or has_default_gamma(block_size):
-        return default_gamma(block_size, profile.train.decay_gamma)
-    problems.append(where("train.decay_gamma", f"unset, and no default loss decay for block size {block_size} "
-                          f"(defaults exist for {sorted(DEFAULT_GAMMA)}); set train.decay_gamma in the profile"))
-    return 0.0
+    block_size = launch.profile.drafter.block_size
+    if launch.profile.train.decay_gamma > 0 or has_default_gamma(block_size):
+        launch.gamma = default_gamma(block_size, launch.profile.train.decay_gamma)
+        return
+    launch.problem("train.decay_gamma", f"unset, and no default loss decay for block size {block_size} "
+                   f"(defaults exist for {sorted(DEFAULT_GAMMA)}); set train.decay_gamma in the profile")
 
 
-def _check_layer_ids(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> list[int]:
+def _check_layer_ids(launch: _Launch) -> None:
     from dflash.drafter.taps import MIN_SPACED_TARGET_LAYERS, default_target_layer_ids
 
-    count, taps = target.num_layers, profile.drafter.num_layers
-    if profile.drafter.target_layer_ids:
-        ids = list(profile.drafter.target_layer_ids)
+    target, count, taps = launch.target, launch.target.num_layers, launch.profile.drafter.num_layers
+    if launch.profile.drafter.target_layer_ids:
+        ids = list(launch.profile.drafter.target_layer_ids)
         bad = [k for k in ids if not 0 <= k < count]
         if bad:
-            problems.append(where("drafter.target_layer_ids", f"{bad} outside the target's layers 0..{count - 1} "
-                                  f"({target.path.name}: {count} layers)"))
-            return []
-        return ids
-    if taps > 1 and count < MIN_SPACED_TARGET_LAYERS:
-        problems.append(where("drafter.num_layers", f"a target with {count} layers is too shallow for {taps} tap "
-                              f"layers; set drafter.target_layer_ids or fewer draft layers"))
-        return []
-    return default_target_layer_ids(count, taps)
+            launch.problem("drafter.target_layer_ids", f"{bad} outside the target's layers 0..{count - 1} "
+                           f"({target.path.name}: {count} layers)")
+            return
+        launch.layer_ids = ids
+    elif taps > 1 and count < MIN_SPACED_TARGET_LAYERS:
+        launch.problem("drafter.num_layers", f"a target with {count} layers is too shallow for {taps} tap "
+                       f"layers; set drafter.target_layer_ids or fewer draft layers")
+    else:
+        launch.layer_ids = default_target_layer_ids(count, taps)
 
 
-def _check_mask_token(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> int:
+def _check_mask_token(launch: _Launch) -> None:
+    profile, target = launch.profile, launch.target
     mask_id = profile.drafter.mask_token_id
     suggestion = SUGGESTED_MASK_IDS.get(target.vocab_rows)
     hint = f" (for this {target.vocab_rows:,}-row vocabulary: {suggestion}, a row past the added tokens)" if suggestion else ""
@@ -155,93 +163,97 @@ def _check_mask_token(profile: Profile, target: TargetFacts, where: _KeyFiles, p
         tokenizer_dir = _tokenizer_dir(profile, target)
         mask_id = tokenizer_mask_token_id(tokenizer_dir)
         if mask_id is None:
-            problems.append(where("drafter.mask_token_id", f"unset, and the tokenizer in {tokenizer_dir} has no mask "
-                                  f"token; set it to an embedding row the data never uses{hint}"))
-            return -1
+            launch.problem("drafter.mask_token_id", f"unset, and the tokenizer in {tokenizer_dir} has no mask "
+                           f"token; set it to an embedding row the data never uses{hint}")
+            return
     if not 0 <= mask_id < target.vocab_rows:
-        problems.append(where("drafter.mask_token_id", f"{mask_id} is not a row of the target's embedding "
-                              f"(0..{target.vocab_rows - 1}){hint}"))
-    return mask_id
+        launch.problem("drafter.mask_token_id", f"{mask_id} is not a row of the target's embedding "
+                       f"(0..{target.vocab_rows - 1}){hint}")
+    launch.mask_id = mask_id
 
 
-def _check_target_init(profile: Profile, target: TargetFacts, layer_ids: list[int], where: _KeyFiles,
-                       problems: list[str]) -> None:
+def _check_target_init(launch: _Launch) -> None:
     from dflash.drafter.taps import source_layer_ids, unholdable_sources
 
-    sources = source_layer_ids(layer_ids, profile.drafter.num_layers, target.num_layers)
-    problem = unholdable_sources(sources, target.config)
+    if not launch.layer_ids or launch.profile.drafter.init != "target":
+        return
+    sources = source_layer_ids(launch.layer_ids, launch.profile.drafter.num_layers, launch.target.num_layers)
+    problem = unholdable_sources(sources, launch.target.config)
     if problem:
-        problems.append(where("drafter.init", f"\"target\": {problem}"))
+        launch.problem("drafter.init", f"\"target\": {problem}")
 
 
-def _check_draft_vocab(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> None:
-    size = profile.drafter.draft_vocab_size
-    if not 0 <= size <= target.vocab_rows:
-        problems.append(where("drafter.draft_vocab_size", f"{size}; must be 0 (the whole vocabulary) or "
-                              f"1..{target.vocab_rows} (the target's vocabulary)"))
+def _check_draft_vocab(launch: _Launch) -> None:
+    size, rows = launch.profile.drafter.draft_vocab_size, launch.target.vocab_rows
+    if not 0 <= size <= rows:
+        launch.problem("drafter.draft_vocab_size", f"{size}; must be 0 (the whole vocabulary) or "
+                       f"1..{rows} (the target's vocabulary)")
 
 
-def _check_drafter_layers(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+def _check_drafter_layers(launch: _Launch) -> None:
     from dflash.drafter.layers import profile_layer_problems
 
-    problems.extend(where(key, problem) for key, problem in profile_layer_problems(profile.drafter))
+    for dotted, problem in profile_layer_problems(launch.profile.drafter):
+        launch.problem(dotted, problem)
 
 
-def _check_drafter_init(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+def _check_drafter_init(launch: _Launch) -> None:
     """init = "drafter" needs init_from naming a DFlash drafter directory; init_from alone does nothing."""
     from dflash.drafter.checkpoint import init_source_problem
 
-    drafter = profile.drafter
+    drafter = launch.profile.drafter
     if drafter.init != "drafter":
         if drafter.init_from:
-            problems.append(where("drafter.init_from", f"{drafter.init_from!r} is set but drafter.init is "
-                                  f"{drafter.init!r}; set drafter.init = \"drafter\" to start from it"))
+            launch.problem("drafter.init_from", f"{drafter.init_from!r} is set but drafter.init is "
+                           f"{drafter.init!r}; set drafter.init = \"drafter\" to start from it")
         return
     if not drafter.init_from:
-        problems.append(where("drafter.init_from", "unset; drafter.init = \"drafter\" needs the directory of a DFlash "
-                              "drafter (a published z-lab-format one, or a checkpoint step-N/)"))
+        launch.problem("drafter.init_from", "unset; drafter.init = \"drafter\" needs the directory of a DFlash "
+                       "drafter (a published z-lab-format one, or a checkpoint step-N/)")
         return
     problem = init_source_problem(Path(drafter.init_from))
     if problem:
-        problems.append(where("drafter.init_from", problem))
+        launch.problem("drafter.init_from", problem)
 
 
-def _check_dflash2(profile: Profile, target: TargetFacts, where: _KeyFiles, problems: list[str]) -> None:
+def _check_dflash2(launch: _Launch) -> None:
     """The convolution's channel groups tile the target's hidden size; the selector's K fits its vocabulary."""
     from dflash.models import text_config_dict
 
-    drafter = profile.drafter
+    drafter, target = launch.profile.drafter, launch.target
     if drafter.kind != "dflash2":
         return
     hidden = int(text_config_dict(target.config).get("hidden_size") or 0)
     if hidden and hidden % drafter.conv_group_size:
         divisors = [g for g in (8, 16, 32, 64, 128) if hidden % g == 0]
-        problems.append(where("drafter.conv_group_size", f"{drafter.conv_group_size} does not divide the target's "
-                              f"hidden size {hidden} (channels are grouped; e.g. {divisors or [1]})"))
+        launch.problem("drafter.conv_group_size", f"{drafter.conv_group_size} does not divide the target's "
+                       f"hidden size {hidden} (channels are grouped; e.g. {divisors or [1]})")
     if drafter.selector_top_k > target.vocab_rows:
-        problems.append(where("drafter.selector_top_k", f"{drafter.selector_top_k} exceeds the target's vocabulary "
-                              f"({target.vocab_rows}); valid: 1..{target.vocab_rows}"))
+        launch.problem("drafter.selector_top_k", f"{drafter.selector_top_k} exceeds the target's vocabulary "
+                       f"({target.vocab_rows}); valid: 1..{target.vocab_rows}")
 
 
-def _check_dataset_rows(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+def _check_dataset_rows(launch: _Launch) -> None:
     """train.global_batch rows per optimizer step: the dataset must have them (when it exists yet;
     its dflash_meta.json says how many rows it has)."""
     from launcher_core.profile import expand_path
 
+    profile = launch.profile
     dataset = expand_path(profile, profile.paths.dataset)
     rows = dataset_rows(dataset)
     if rows is not None and rows < profile.train.global_batch:
-        problems.append(where("train.global_batch", f"{profile.train.global_batch} rows per optimizer step, but the "
-                              f"dataset {dataset} has {rows:,}; set it to at most {rows:,} (divisible by the ranks)"))
+        launch.problem("train.global_batch", f"{profile.train.global_batch} rows per optimizer step, but the "
+                       f"dataset {dataset} has {rows:,}; set it to at most {rows:,} (divisible by the ranks)")
 
 
-def _check_supervision(profile: Profile, where: _KeyFiles, problems: list[str]) -> None:
+def _check_supervision(launch: _Launch) -> None:
     """A block starts at an anchor (two consecutive trained tokens) inside the row as data.max_length cuts
     it: a dataset where no row holds one trains on nothing (every step's loss weight 0). The profile's
     data.max_length is the problem when some row holds one further on (exit 2); the data, when none does
     (DataError, exit 4). The rows are read until the first that holds an anchor (the first, in a usable dataset)."""
     from launcher_core.profile import expand_path
 
+    profile = launch.profile
     dataset = expand_path(profile, profile.paths.dataset)
     found = anchors_within(dataset, profile.data.max_length)
     if found is None or found.usable:
@@ -254,11 +266,49 @@ def _check_supervision(profile: Profile, where: _KeyFiles, problems: list[str]) 
 
     tokenized = _read_json(dataset / META_NAME).get("max_length")
     at = f" ({tokenized:,} in its {META_NAME})" if isinstance(tokenized, int) else ""
-    problems.append(where("data.max_length", f"{profile.data.max_length} cuts every row of the dataset {dataset} "
-                          f"({found.rows:,} rows of up to {found.longest:,} tokens) before its first two consecutive "
-                          f"trained tokens (the earliest at position {found.earliest}), where a training block "
-                          f"starts: every step would train on nothing; set it to the length the dataset was "
-                          f"tokenized at{at}, at least {found.earliest + 2}"))
+    launch.problem("data.max_length", f"{profile.data.max_length} cuts every row of the dataset {dataset} "
+                   f"({found.rows:,} rows of up to {found.longest:,} tokens) before its first two consecutive "
+                   f"trained tokens (the earliest at position {found.earliest}), where a training block "
+                   f"starts: every step would train on nothing; set it to the length the dataset was "
+                   f"tokenized at{at}, at least {found.earliest + 2}")
+
+
+# Every launch-time rule, in the order it is checked (docs/profile-keys.md, "Launch checks", is generated from it).
+LAUNCH_CHECKS: tuple[LaunchCheck, ...] = (
+    LaunchCheck("loss_decay", ("train.decay_gamma", "drafter.block_size"),
+                "train.decay_gamma > 0 unless the block size has a default (8, 10, 16)", _check_decay),
+    LaunchCheck("tap_layers", ("drafter.target_layer_ids", "drafter.num_layers"),
+                "drafter.target_layer_ids inside the target's layers; unset: the default spacing fits the target",
+                _check_layer_ids),
+    LaunchCheck("mask_token", ("drafter.mask_token_id", "model.tokenizer"),
+                "drafter.mask_token_id set, or the tokenizer has a mask token; a row of the target's embedding "
+                "(the message suggests 248070 for the 248,320-row Qwen3.5/3.6 vocabulary, 151669 for Qwen3's)",
+                _check_mask_token),
+    LaunchCheck("target_init", ("drafter.init",),
+                "drafter.init = \"target\" only where the source layers are plain softmax attention",
+                _check_target_init),
+    LaunchCheck("draft_vocabulary", ("drafter.draft_vocab_size",),
+                "drafter.draft_vocab_size 0, or at most the target's vocabulary", _check_draft_vocab),
+    LaunchCheck("drafter_layers", ("drafter.layer_types", "drafter.sliding_window", "drafter.rope_scaling",
+                                   "drafter.rope_scaling_factor", "drafter.rope_original_max_position_embeddings"),
+                "one layer type per layer; sliding layers need a window >= 1, a window needs a sliding layer; "
+                "a scaling factor > 1 with rope_scaling; the original length only with \"yarn\"",
+                _check_drafter_layers),
+    LaunchCheck("drafter_init_from", ("drafter.init_from", "drafter.init"),
+                "drafter.init = \"drafter\" needs drafter.init_from, a DFlash drafter directory (config.json + "
+                "weights); init_from without it is an error", _check_drafter_init),
+    LaunchCheck("dflash2_target", ("drafter.conv_group_size", "drafter.selector_top_k", "drafter.kind"),
+                "drafter.kind = \"dflash2\": conv_group_size divides the target's hidden size, selector_top_k "
+                "at most its vocabulary", _check_dflash2),
+    LaunchCheck("dataset_rows", ("train.global_batch", "paths.dataset"),
+                "train.global_batch at most the dataset's rows (when the dataset exists)", _check_dataset_rows),
+    LaunchCheck("anchors_within_max_length", ("data.max_length", "paths.dataset"),
+                "some row of the dataset, cut to data.max_length, holds two consecutive trained tokens (a block's "
+                "anchor; when the dataset exists): rows are read until the first that does, and the message names the "
+                "earliest such position, the length to set and the dataset's own tokenize length; no row at any "
+                "length: the data's problem (DataError, exit 4)",
+                _check_supervision),
+)
 
 
 SCAN_ROWS = 256      # rows scanned at once: a bounded slice of a record batch, whatever its size

@@ -1,6 +1,7 @@
 """Rows 14-15 of the safety table: numeric profile keys out of range (and cross-field rules that
 need no target) are refused with exit 2 by plan, train, the pipeline and the ranks alike, naming
-file, key, value and the valid range. The rules live in one table, `launcher_core.schema.RANGES`."""
+file, key, value and the valid range. Each range is declared on its key's field (`launcher_core.schema`,
+`key(default, meaning, valid=Range(...))`), each cross-field rule once, as a `@cross_field_rule`."""
 from __future__ import annotations
 
 import dataclasses
@@ -100,10 +101,28 @@ def _numeric_keys() -> dict[str, typing.Any]:
     return keys
 
 
-def test_every_numeric_key_has_a_range_and_every_range_a_key():
+def test_every_numeric_key_declares_its_range_and_no_other_key_one():
     numeric = _numeric_keys()
-    assert sorted(set(numeric) - set(schema.RANGES)) == [], "add a line to launcher_core.schema.RANGES"
-    assert sorted(set(schema.RANGES) - set(numeric)) == []
+    assert len(numeric) > 80 and set(numeric) <= set(schema.KEYS)
+    missing = sorted(key for key in numeric if not isinstance(schema.KEYS[key].metadata.get("valid"), schema.Range))
+    assert missing == [], "declare the key with key(default, meaning, valid=Range(...)) in launcher_core/schema.py"
+    assert sorted(set(schema.RANGES) - set(numeric)) == [], "a range on a key that is not a number is never checked"
+    assert schema.RANGES == {key: schema.KEYS[key].metadata["valid"] for key in numeric}
+
+
+def test_every_key_says_what_it_means():
+    fields = [*schema.KEYS.items(), *((f.name, f) for f in dataclasses.fields(schema.Profile))]
+    assert [name for name, spec in fields if len(spec.metadata.get("meaning", "")) < 3] == []
+
+
+def test_every_rule_names_real_keys_and_says_what_it_holds():
+    from dflash.train.launch_checks import LAUNCH_CHECKS
+
+    for rule in [*schema.CROSS_FIELD_RULES, *LAUNCH_CHECKS]:
+        assert rule.keys and set(rule.keys) <= set(schema.KEYS), (rule.name, rule.keys)
+        assert rule.description and "\n" not in rule.description, rule.name
+    assert len({rule.name for rule in schema.CROSS_FIELD_RULES}) == len(schema.CROSS_FIELD_RULES)
+    assert len({check.name for check in LAUNCH_CHECKS}) == len(LAUNCH_CHECKS)
 
 
 def test_every_default_is_in_its_range():
