@@ -1,20 +1,44 @@
 """The project's error types and the one table that maps them to exit codes.
 
 User errors raise one of these with a message that says what to do; `launcher.main`
-turns them into the exit code below. `assert` is only for internal invariants.
+turns them into the exit code below. `assert` is only for internal invariants. Each code is declared
+once, with its meaning in `EXIT_MEANINGS`: docs/exit-codes.md is generated from them
+(scripts/gen_docs_tables.py; a test fails when it differs).
 """
 from __future__ import annotations
 
 EXIT_OK = 0
-EXIT_FAIL = 1            # audit found a FAIL; probe: memory regression ("bad" for git bisect run)
-EXIT_USAGE = 2           # bad command line, profile or input file; the environment (a full disk)
-EXIT_WARN_STRICT = 3     # audit --strict found a WARN (and no FAIL)
-EXIT_DATA = 4            # the data is unusable (e.g. too many degenerate samples)
-EXIT_RUN = 5             # a launched job (torchrun, server) failed
-EXIT_PARITY = 6          # eval --engine: the served drafter fails the parity gate (dflash/eval/parity.py)
-EXIT_CRASH = 70          # an unexpected error (a bug, not bad input): traceback saved, see launcher_core.crash
-EXIT_CANNOT_TEST = 125   # probe could not test this environment (git bisect run: skip)
-EXIT_INTERRUPTED = 130   # Ctrl-C
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_WARN_STRICT = 3
+EXIT_DATA = 4
+EXIT_RUN = 5
+EXIT_PARITY = 6
+EXIT_CRASH = 70
+EXIT_CANNOT_TEST = 125
+EXIT_INTERRUPTED = 130
+
+# Every exit code -> what it means (every EXIT_* above has its entry: tests/test_docs_tables.py holds it).
+EXIT_MEANINGS: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_FAIL: "the audit found a FAIL (`--force` runs anyway); `probe`: a memory regression (\"bad\" for `git bisect run`)",
+    EXIT_USAGE: "bad command line, profile or input file: one line names the file, the key or flag, the value and what is "
+                "valid; also a refused output path (docs/data.md), a run directory in use by another run, and a full disk "
+                "(`disk full: writing X to PATH needs about N bytes; M free`)",
+    EXIT_WARN_STRICT: "`audit --strict` found a WARN (and no FAIL)",
+    EXIT_DATA: "the data is unusable or damaged (too many degenerate samples; `train --resume` when no checkpoint is "
+               "whole; a training step whose loss is not finite or that has no supervised position: the run stops "
+               "before saving it)",
+    EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
+              "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed",
+    EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate (docs/eval.md)",
+    EXIT_CRASH: "an unexpected error (a bug, not bad input): one line names the command and the file its traceback "
+                "was written to (launcher_core.crash)",
+    EXIT_CANNOT_TEST: "`probe` / `calibrate` cannot test this environment (`git bisect run`: skip); `probe` exits "
+                      "125 on an unexpected error too",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM): training stops after its step with a checkpoint to `--resume` "
+                      "from; a second one stops it at once",
+}
 
 
 class LauncherError(Exception):
