@@ -104,7 +104,7 @@ class AuditSection:
     baseline_free_tolerance_mib: int = key(128, "a GPU's free memory may drop this much below the saved baseline", AT_LEAST_0)
     baseline_context_tolerance_mib: int = key(64, "the CUDA context's cost may rise this much above the saved baseline", AT_LEAST_0)
     min_shm_gib: float = key(1.0, "least /dev/shm", AT_LEAST_0)
-    min_disk_gib: float = key(10.0, "least free disk at each path the run writes", AT_LEAST_0)
+    min_disk_gib: float = key(10.0, "least free disk where the run writes (its run directory)", AT_LEAST_0)
     min_ram_gib: float = key(4.0, "least RAM (cgroup limit applied)", AT_LEAST_0)
     gib_per_nvcc_job: float = key(5.0, "RAM an nvcc job takes, for the MAX_JOBS the audit recommends", POSITIVE)
 
@@ -147,7 +147,7 @@ class GenerateSection:
     """Generating the training completions with the target (docs/generate.md)."""
 
     backend: Literal["sglang", "transformers", "endpoint", "vllm"] = key("sglang", "what serves the target")
-    port: int = key(30000, "the first server's port", PORT)
+    port: int = key(30000, "where the target's server listens", PORT)
     concurrency: int = key(256, "requests in flight", Range(1, 65536))
     temperature: float = key(0.6, "sampling temperature", AT_LEAST_0)
     top_p: float = key(0.95, "nucleus sampling", Range(0, 1, low_open=True))
@@ -239,7 +239,7 @@ class TrainSection:
     global_batch: int = key(64, "sequences per optimizer step, across all ranks", Range(1, 2**20))
     max_micro_batch: int = key(4, "sequences per forward on one rank, at most", Range(1, 2**16))
     num_anchors: int = key(512, "blocks per sequence and step, at most", Range(1, 2**16))
-    seed: int = key(0, "seed of initialisation and anchor sampling", Range(0, 2**63 - 1))
+    seed: int = key(0, "seed of the drafter's initialisation, the rows' order and the validation split", Range(0, 2**63 - 1))
     attention: Literal["auto", "flex", "sdpa"] = key("auto", "the drafter's attention kernel")
     save_every_steps: int = key(500, "a checkpoint every N steps", Range(1, 10**9))
     save_every_minutes: float = key(0.0, "also a checkpoint once this many minutes have passed since the last: "
@@ -275,7 +275,7 @@ class TrainSection:
                                       Range(10, DAY_S))
     stuck_after_steps: float = key(5.0, "a rank that holds the others this many measured step times is named "
                                         "(dflash.train.watchdog)", Range(1, 1000))
-    stuck_floor_s: float = key(120.0, "... never sooner than this", Range(1, DAY_S))
+    stuck_floor_s: float = key(120.0, "the least time without progress before a rank is named stuck", Range(1, DAY_S))
     selector_loss_alpha: float = key(1.0, "loss = DFlash loss on the unary logits + alpha x the selector's K-way "
                                           "cross entropy (SpecForge PR #772, vLLM Speculators PR #1006: 1.0); 0: "
                                           "computed for the figures, trains nothing", AT_LEAST_0, dflash2=True)
