@@ -8,9 +8,13 @@ trained on thinking-off text and served thinking on (or the reverse) loses most 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, TypedDict
+from typing import TYPE_CHECKING, Literal, Mapping, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ThinkingMode = Literal["on", "off", "mixed"]
 # The `sampling` keys of a completion record (dflash.generate.records.SamplingParams) that shape the text.
@@ -93,6 +97,11 @@ def describe_rendering(block: RenderingBlock) -> str:
                          if key != "thinking")
     return f"{thinking}, chat template {short_fingerprint(block['chat_template_fingerprint'])}" + \
         (f", generated with {settings}" if settings else "")
+
+
+def chat_template_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the tokenizer's chat template (tokenize records it; eval compares it)."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
 
 
 def short_fingerprint(fingerprint: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from dflash.data.records import Reject, RejectsFile
-from dflash.data.rendering import RenderingTally
+from dflash.data.rendering import RenderingTally, chat_template_fingerprint
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
@@ -367,7 +367,7 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerFast, directory: Path) -> T
     """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
     return {"path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
             "fingerprint": _vocab_fingerprint(tokenizer),
-            "chat_template_fingerprint": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer)}
 
 
 def _vocab_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
