@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dflash.data import merge_datasets, tokenize_completions
+from dflash.data import inspect_dataset, merge_datasets, tokenize_completions
 from dflash.data.dataset_io import META_NAME, read_meta
 from tests.data.conftest import make_profile, turn, write_jsonl
 
@@ -42,6 +42,8 @@ def test_thinking_off_records_the_mode_template_and_generation_settings(profile,
     assert block["chat_template_fingerprint"] == meta["tokenizer"]["chat_template_fingerprint"]
     assert block["generation"] == {key: [value] for key, value in SAMPLING.items()}
     assert block["records_without_sampling"] == 0
+    text = inspect_dataset(tmp_path / "off").format_text()       # tokenize and inspect print it
+    assert f"rendered thinking off (4 records), chat template {block['chat_template_fingerprint'][:8]}" in text
 
 
 def test_thinking_on_and_mixed_count_each_records_own_mode(profile, tmp_path):
