@@ -55,8 +55,8 @@ class RenderMode:
 
     def describe(self) -> str:
         """One line for the report: the mode, where it came from, and the data's."""
-        alike = "" if self.template_renders_thinking else " (this chat template renders both modes alike)"
-        line = (f"thinking {'on' if self.thinking else 'off'} ({self.asked_by}){alike}, "
+        alike = "" if self.template_renders_thinking else "; this chat template renders both modes alike"
+        line = (f"thinking {'on' if self.thinking else 'off'} ({self.asked_by}{alike}), "
                 f"chat template {short_fingerprint(self.template_fingerprint)}")
         if self.data is None or self.data.block is None:
             return f"{line}; {self.data.note() if self.data else 'no training data to compare with'}"

@@ -127,6 +127,16 @@ def test_another_chat_template_than_the_datas_is_refused(setup, smollm2_dir, tin
     assert f"chat template: data {meta} rendering.chat_template_fingerprint = {data_fingerprint}, eval model.target" in err
     assert str(tiny_qwen3_target) in err and "--allow-mode-mismatch" in err
 
+    # SmolLM2's template ignores enable_thinking: thinking on renders the data's prompts, nothing to refuse
+    from dflash.eval.mode import resolve_render_mode
+    from dflash.tokenizer import load_tokenizer
+
+    mode = resolve_render_mode(load_profile(str(smol)), root / "run" / "train" / "checkpoints",
+                               load_tokenizer(smollm2_dir), thinking=True, allow_mismatch=False)
+    assert mode.thinking and mode.mismatch is None
+    assert mode.describe().startswith(f"thinking on (--thinking; this chat template renders both modes alike), "
+                                      f"chat template {data_fingerprint}; matches the training data's (thinking off")
+
 
 def test_the_training_runs_own_dataset_is_the_one_compared(setup, tiny_qwen3_target, tmp_path, capsys):
     """A drafter whose run recorded its profile (train/profile.json) is held against that profile's
