@@ -140,11 +140,13 @@ def training_data(profile: Profile, checkpoint: Path) -> TrainingData:
 
 
 def trained_dataset(checkpoint: Path) -> Optional[tuple[Path, str]]:
-    """`paths.dataset` of the resolved profile a training run wrote (RUN/train/profile.json), with
-    `{run_dir}` as that run's directory; None for a checkpoint outside a run's train/checkpoints/."""
+    """The dataset a training run read: `paths.dataset` of the resolved profile it wrote
+    (RUN/train/profile.json) expanded as the trainer expanded it, else (the run was moved) with
+    `{run_dir}` as the run's directory now. None when the checkpoint is not in a run's
+    train/checkpoints/, the run wrote no profile, or neither path holds a dataset."""
+    from dflash.data.dataset_io import META_NAME
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from launcher_core.fileio import read_json_object
-    from launcher_core.paths import REPO_ROOT
 
     step = resolve_checkpoint_dir(Path(checkpoint))
     recorded = step.parent.parent / "profile.json"
@@ -155,14 +157,28 @@ def trained_dataset(checkpoint: Path) -> Optional[tuple[Path, str]]:
     except InputError:
         return None
     paths = document.get("paths")
-    template = paths.get("dataset") if isinstance(paths, dict) else None
-    if not isinstance(template, str):
+    paths = paths if isinstance(paths, dict) else {}
+    name, template, run_dir = str(document.get("name", "")), paths.get("dataset"), paths.get("run_dir")
+    if not isinstance(template, str) or not isinstance(run_dir, str):
         return None
     try:
-        path = Path(template.format(profile=document.get("name", ""), run_dir=step.parent.parent.parent)).expanduser()
-    except (KeyError, ValueError, IndexError):         # a placeholder other than {profile} / {run_dir}
+        trained_run_dir = run_dir.format(profile=name)
+    except (KeyError, ValueError, IndexError):
         return None
-    return (path if path.is_absolute() else REPO_ROOT / path), f"paths.dataset in {recorded} (the drafter's training run)"
+    candidates = [_expanded(template, name, trained_run_dir), _expanded(template, name, str(step.parents[2]))]
+    found = next((path for path in candidates if path is not None and (path / META_NAME).is_file()), None)
+    return None if found is None else (found, f"paths.dataset in {recorded} (the drafter's training run)")
+
+
+def _expanded(template: str, name: str, run_dir: str) -> Optional[Path]:
+    """A profile path as launcher_core.profile.expand_path expands it; None for a placeholder it does not know."""
+    from launcher_core.paths import REPO_ROOT
+
+    try:
+        path = Path(template.format(profile=name, run_dir=run_dir)).expanduser()
+    except (KeyError, ValueError, IndexError):
+        return None
+    return path if path.is_absolute() else REPO_ROOT / path
 
 
 def rendering_block(meta_path: Path) -> Optional[RenderingBlock]:

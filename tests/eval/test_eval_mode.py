@@ -153,6 +153,14 @@ def test_the_training_runs_own_dataset_is_the_one_compared(setup, tiny_qwen3_tar
     assert launcher.main(["eval", "--profile", str(elsewhere), "--run-dir", str(trained)]) == 2
     err = capsys.readouterr().err
     assert f'data {meta} rendering.thinking = "off"' in err
+
+    # a run moved since it trained: its `{run_dir}` paths are found under its directory now
+    document = json.loads((trained / "train" / "profile.json").read_text())
+    document["paths"].update(run_dir=str(tmp_path / "moved-from"), dataset="{run_dir}/dataset")
+    (trained / "train" / "profile.json").write_text(json.dumps(document))
+    shutil.copytree(meta.parent, trained / "dataset")
+    assert launcher.main(["eval", "--profile", str(elsewhere), "--run-dir", str(trained)]) == 2
+    assert f'data {trained / "dataset" / META_NAME} rendering.thinking = "off"' in capsys.readouterr().err
     with pytest.raises(ConfigError, match="rendering.thinking"):
         evaluate_with_engine(load_profile(str(elsewhere)), trained, trained / "train" / "checkpoints",
                              EvalOptions(), "vllm", launch=["false"])
