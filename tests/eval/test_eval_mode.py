@@ -164,3 +164,36 @@ def test_the_training_runs_own_dataset_is_the_one_compared(setup, tiny_qwen3_tar
     with pytest.raises(ConfigError, match="rendering.thinking"):
         evaluate_with_engine(load_profile(str(elsewhere)), trained, trained / "train" / "checkpoints",
                              EvalOptions(), "vllm", launch=["false"])
+
+
+def test_the_served_check_renders_in_the_same_mode_and_marks_its_report(setup, tmp_path):
+    """`eval --engine` with --allow-mode-mismatch: engine-<engine>.md / .json carry the mode and the mark;
+    the token ids it serves are rendered (by inprocess_decode) with the settings' mode, the eval's.
+    The stand-in engine serves our own decoder behind SGLang's API (tests/eval/engine_standin.py)."""
+    import contextlib
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.records import read_report
+    from dflash.eval.served import evaluate_with_engine
+    from launcher_core.errors import ParityFailed
+    from tests.generate.gen_helpers import free_port
+
+    root, off, on, meta = setup
+    profile = load_profile(str(on))
+    profile = dataclasses.replace(profile, eval=dataclasses.replace(profile.eval, engine_port=free_port()))
+    standin = Path(__file__).resolve().parent / "engine_standin.py"
+    with contextlib.suppress(ParityFailed):       # a random target's near-ties may fail the gate; the report is written first
+        evaluate_with_engine(profile, root / "run", root / "run" / "train" / "checkpoints",
+                             EvalOptions(allow_mode_mismatch=True), "sglang",
+                             launch=[sys.executable, str(standin), "sglang", "--mode", "honest"])
+    report = read_report(root / "run" / "eval" / "engine-sglang.json")
+    assert report.context.mode_mismatch and "thinking: data" in report.context.mode_mismatch
+    assert report.context.rendering.startswith(f"thinking on (generate.thinking of profile {on.stem})")
+    markdown = (root / "run" / "eval" / "engine-sglang.md").read_text()
+    assert f"**{report.context.mode_mismatch}**" in markdown and "| dflash (mode mismatch, on purpose) |" in markdown
+    from dflash.eval.served import engine_settings
+
+    assert engine_settings(profile, EvalOptions(thinking=False)).thinking is False and engine_settings(profile, EvalOptions()).thinking
