@@ -119,11 +119,15 @@ def mode_differences(mode: RenderMode, profile: Profile) -> list[str]:
 
 
 def renders_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the chat template renders a generation prompt differently with thinking on and off."""
+    """Whether the chat template renders a generation prompt differently with thinking on and off
+    (a template that refuses the one-message probe is taken to)."""
     def render(thinking: bool) -> str:
         return str(tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=False,
                                                  enable_thinking=thinking))
-    return render(True) != render(False)
+    try:
+        return render(True) != render(False)
+    except Exception:    # jinja TemplateError, raise_exception(...) in a template: compare the modes as they are
+        return True
 
 
 def training_data(profile: Profile, checkpoint: Path) -> TrainingData:
