@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-dir", metavar="DIR",
                         help="local copies of gsm8k / math500 / mbpp: DIR/<name>/<split>.jsonl or a datasets "
                              "save_to_disk folder DIR/<name>/ (default: eval.bench_dir, else the hub or its cache)")
+    parser.add_argument("--thinking", choices=("on", "off"),
+                        help="render the prompts with thinking on or off (default: generate.thinking); refused "
+                             "when the drafter's training data was rendered otherwise (its dflash_meta.json)")
+    parser.add_argument("--allow-mode-mismatch", action="store_true",
+                        help="render the prompts otherwise than the training data (thinking mode, chat template) "
+                             "on purpose, to measure what it costs; the report marks every row")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         check_drafter_fits_target(profile, args.draft)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                          engine=args.engine, benchmarks=benchmarks, bench_dir=args.bench_dir)
+                          engine=args.engine, benchmarks=benchmarks, bench_dir=args.bench_dir,
+                          thinking=None if args.thinking is None else args.thinking == "on",
+                          allow_mode_mismatch=args.allow_mode_mismatch)
     summary = run_eval(profile, run_dir=args.run_dir, options=options)
     print(summary_lines(summary.report))
     for path in summary.files:
@@ -98,6 +106,10 @@ def summary_lines(report: EvalReport) -> str:
     prompt_set = report.context.prompt_set
     lines = [f"eval{' (' + report.engine + ', engine-reported tau)' if report.engine else ''}: "
              f"{report.num_prompts} prompts{' (' + prompt_set + ')' if prompt_set else ''}, block size {report.block_size}, temperature {report.temperature}"]
+    if report.context.rendering:
+        lines.append(f"  prompts rendered {report.context.rendering}")
+    if report.context.mode_mismatch:
+        lines.append(f"  {report.context.mode_mismatch}")
     for name, method in report.methods.items():
         tau = f"tau {method.mean_tau:.2f}  " if name != "target" and method.mean_tau is not None else " " * 11
         same = method.identical_to_target

@@ -50,6 +50,7 @@ class InspectReport:
     degenerate_samples: int = 0
     examples: dict[str, list[str]] = field(default_factory=lambda: {reason: [] for reason in REASONS})
     thresholds: InspectThresholds = field(default_factory=InspectThresholds)
+    rendering: str | None = None     # how the completions were rendered (the meta's block, described)
 
     @property
     def degenerate_share(self) -> float:
@@ -73,6 +74,7 @@ class InspectReport:
             shown = ", ".join(self.examples[reason])
             lines.append(f"    {reason:<16} {self.degenerate[reason]:>9,}" + (f"   e.g. {shown}" if shown else ""))
         lines.append("  thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(self.thresholds).items()))
+        lines.append(f"  rendered {self.rendering or 'in a mode not recorded (written before the rendering block)'}")
         return "\n".join(lines)
 
 
@@ -93,13 +95,15 @@ def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_c
     Each shard's size is checked against dflash_meta.json, and with `verify` its sha256 too: a
     damaged dataset is a DataError naming the shard and the backup to restore, not a report."""
     from dflash.data import dataset_io
+    from dflash.data.rendering import describe_rendering
 
     path = Path(path)
     meta = dataset_io.read_meta(path)
     settings = meta.get("settings", {})
     thresholds = InspectThresholds(_int_setting(min_loss_tokens, settings.get("min_loss_tokens"), 16),
                                    _int_setting(tool_call_repeat_limit, settings.get("tool_call_repeat_limit"), 8))
-    report = InspectReport(str(path), thresholds=thresholds)
+    block = meta.get("rendering")
+    report = InspectReport(str(path), thresholds=thresholds, rendering=describe_rendering(block) if block else None)
     counts = np.zeros(len(HISTOGRAM_EDGES), dtype=np.int64)
     for shard in dataset_io.verify_shards(path, meta, hashes=verify):
         for batch in dataset_io.iter_batches(shard, SMALL_COLUMNS, mapped=True):

@@ -23,6 +23,7 @@ import numpy as np
 
 from dflash.data import dataset_io, publish
 from dflash.data.meta import DatasetMeta, RejectsEntry
+from dflash.data.rendering import merged_rendering
 from launcher_core.errors import ConfigError, DataError, InputError
 
 if TYPE_CHECKING:
@@ -353,12 +354,16 @@ def merged_meta(base: DatasetOnDisk, add: DatasetOnDisk, summary: MergeSummary) 
     event: dict[str, object] = {"merged_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base": str(base.path), "base_rows": base.rows,
              "add": str(add.path), "add_rows": add.rows, "dedup": summary.dedup,
              "dropped_duplicates": summary.dropped_duplicates, "backup": summary.backup}
-    return {"tokenizer": base.meta["tokenizer"], "max_length": base.meta.get("max_length"),
+    merged: DatasetMeta = {"tokenizer": base.meta["tokenizer"], "max_length": base.meta.get("max_length"),
             "settings": base.meta.get("settings", {}),
             "sources": base.meta.get("sources", []) + add.meta.get("sources", []),
             "rejects": {"total": sum(by_reason.values()), "by_reason": by_reason, "file": None},
             "created_at": base.meta.get("created_at"),
             "history": base.meta.get("history", []) + add.meta.get("history", []) + [event]}
+    rendering = merged_rendering(base.meta.get("rendering"), add.meta.get("rendering"))
+    if rendering is not None:      # none when either dataset predates the block
+        merged["rendering"] = rendering
+    return merged
 
 
 def _publish(staging: Path, target: Path, in_place: bool, plan: OutputPlan | None) -> None:

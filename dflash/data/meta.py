@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from dflash.data.rendering import RenderingBlock
+
 # `class` is a keyword, hence the functional form.
 TokenizerIdentity = TypedDict("TokenizerIdentity", {
     "path": str,                        # the tokenizer directory it was loaded from
@@ -46,6 +48,7 @@ class DatasetMeta(TypedDict, total=False):
     tokenizer: TokenizerIdentity
     max_length: int | None
     settings: dict[str, object]         # TokenizeSettings and the degenerate thresholds at tokenize time
+    rendering: RenderingBlock           # how the completions were rendered (absent in datasets written before it)
     sources: list[SourceEntry]
     rejects: RejectsEntry
     created_at: str | None

@@ -1,8 +1,8 @@
 """Completion records: parse one JSONL line, validate it, or say precisely why it is rejected.
 
 A record is `{"id", "messages", "tools"?, "finish_reason"?, "chat_template_kwargs"?, ...}` with
-OpenAI-style messages (system/user/assistant/tool). Anything else in the record (model, sampling,
-timestamps, token counts) is ignored. A bad record never raises: it becomes a `Reject` with a
+OpenAI-style messages (system/user/assistant/tool). Of the rest, only the generation settings in
+`sampling` are kept (the dataset's meta records them); model, timestamps, token counts are ignored. A bad record never raises: it becomes a `Reject` with a
 reason code (see `REJECT_REASONS`) that the tokenize summary counts and `RejectsFile` writes.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.chat import ChatMessage, Tool, ToolCall
+from dflash.data.rendering import generation_settings
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -63,6 +64,7 @@ class Conversation:
     tools: list[Tool] | None = None
     finish_reason: str = ""
     template_kwargs: dict[str, object] = field(default_factory=dict)   # the record's chat_template_kwargs
+    sampling: tuple[tuple[str, object], ...] = ()   # the generation settings its `sampling` records (rendering.GENERATION_KEYS)
 
     def assistant_indices(self) -> list[int]:
         return [i for i, message in enumerate(self.messages) if message["role"] == "assistant"]
@@ -115,7 +117,8 @@ def _conversation(record: dict[str, object], record_id: str) -> Conversation:
     kwargs = record.get("chat_template_kwargs")
     return Conversation(id=record_id, messages=clean, tools=_tools(record.get("tools")),
                         finish_reason=_finish_reason(record.get("finish_reason")),
-                        template_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
+                        template_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {},
+                        sampling=generation_settings(record.get("sampling")))
 
 
 def _message(message: object, index: int) -> ChatMessage:

@@ -37,6 +37,8 @@ class TokenizedSample:
     finish_reason: str
     tool_call_repeats: int
     empty_reasoning: bool
+    thinking: bool = False       # the enable_thinking its record was rendered with
+    sampling: tuple[tuple[str, object], ...] = ()   # its record's generation settings (rendering.GENERATION_KEYS)
 
 
 class SampleTokenizer:
@@ -58,17 +60,20 @@ class SampleTokenizer:
 
     def process(self, conversation: Conversation) -> list[TokenizedSample]:
         rendered = self.renderer.render(conversation)
-        return [self._sample(text, conversation, rendered.tool_call_repeats, rendered.empty_reasoning)
+        thinking = bool(self.renderer.template_kwargs(conversation)["enable_thinking"])
+        return [self._sample(text, conversation, rendered.tool_call_repeats, rendered.empty_reasoning, thinking)
                 for text in rendered.texts]
 
-    def _sample(self, rendered: RenderedText, conversation: Conversation, repeats: int, empty: bool) -> TokenizedSample:
+    def _sample(self, rendered: RenderedText, conversation: Conversation, repeats: int, empty: bool,
+                thinking: bool) -> TokenizedSample:
         encoding = self.backend.encode(rendered.text, add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.int32)
         mask = loss_mask_from_spans(encoding, len(ids), rendered.spans)
         cut = max(0, len(ids) - self.settings.max_length)
         if cut:
             ids, mask = ids[: self.settings.max_length], mask[: self.settings.max_length]
-        return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty)
+        return TokenizedSample(rendered.id, conversation.id, ids, mask, cut, conversation.finish_reason, repeats, empty,
+                               thinking, conversation.sampling)
 
 
 def loss_mask_from_spans(encoding: Encoding, length: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from dflash.data.records import Reject, RejectsFile
+from dflash.data.rendering import RenderingTally, chat_template_fingerprint
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
@@ -136,6 +137,7 @@ class TokenizeJob:
     consumed_bytes: int = 0          # input behind the batches written so far (the disk-full estimate)
     written_bytes: int = 0           # bytes of those batches
     pending_bytes: int = 0           # input read since the last batch
+    rendering: RenderingTally = field(default_factory=RenderingTally)   # the meta's `rendering` block
 
     @classmethod
     def from_profile(cls, profile: Profile, input_path: InputPaths | None, output_path: str | Path | None,
@@ -242,6 +244,7 @@ class TokenizeJob:
                 rejects.add(result)
                 continue
             seen.add(_id_key(result[0].record_id))
+            self.rendering.add(result[0].thinking, result[0].sampling)
             summary.rewritten_turns += len(result) - 1
             for sample in result:
                 buffer.add(sample, summary)
@@ -259,8 +262,10 @@ class TokenizeJob:
 
     def _meta(self, tokenizer: PreTrainedTokenizerFast, sources: list[SourceFile],
               summary: TokenizeSummary) -> DatasetMeta:
-        return {"tokenizer": tokenizer_identity(tokenizer, self.tokenizer_dir), "max_length": self.settings.max_length,
+        identity = tokenizer_identity(tokenizer, self.tokenizer_dir)
+        return {"tokenizer": identity, "max_length": self.settings.max_length,
                 "settings": {**asdict(self.settings), **asdict(self.thresholds)},
+                "rendering": self.rendering.block(identity["chat_template_fingerprint"]),
                 "sources": [source.describe() for source in sources],
                 "rejects": {"total": summary.rejected, "by_reason": summary.rejects, "file": self.rejects_path.name},
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": []}
@@ -362,7 +367,7 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerFast, directory: Path) -> T
     """Fingerprints a merge compares: the vocabulary + special tokens, and the chat template."""
     return {"path": str(directory), "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
             "fingerprint": _vocab_fingerprint(tokenizer),
-            "chat_template_fingerprint": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer)}
 
 
 def _vocab_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:

@@ -148,12 +148,14 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     benchmark (`--bench`, `eval.benchmarks`) into `eval/bench/<name>/`; the main report lists the extra
     sets' figures under `also_sets` (a benchmark's with its name)."""
     from dflash.eval.dflash2_drafter import load_draft
+    from dflash.eval.mode import render_mode_for
     from dflash.eval.specdec import DecodeSettings
 
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     count = options.num_prompts or profile.eval.num_prompts
     benchmarks = load_benchmarks(profile, options, count)   # before the models: missing data ends it at once
+    mode = render_mode_for(profile, checkpoint, options)    # so does a mode other than the training data's
     model, tokenizer, target_path = load_target(profile)
     draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
     prepare_cpu_decoding(profile, model, draft)
@@ -163,8 +165,9 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
                               max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
                               eos_ids=stop_token_ids(tokenizer, model))
     context = ReportContext(profile=profile.name, target=str(target_path), checkpoint=str(checkpoint), seed=seed,
-                            max_new_tokens=settings.max_new_tokens)
-    decode = _SetDecoder(profile, model, tokenizer, draft, settings, count, context)
+                            max_new_tokens=settings.max_new_tokens, rendering=mode.describe(),
+                            mode_mismatch=mode.mismatch)
+    decode = _SetDecoder(profile, model, tokenizer, draft, settings, count, context, mode.thinking)
     eval_dir = run_dir / "eval"
     extra_files: list[Path] = []
     also_sets = []  # written before the main report, whose file marks the stage done
@@ -192,16 +195,17 @@ class _SetDecoder:
     settings: DecodeSettings
     num_prompts: int
     context: ReportContext
+    thinking: bool                  # the prompts' mode (dflash.eval.mode)
 
     def __call__(self, prompts_path: Path) -> EvalReport:
-        prompts = encode_prompts(self.tokenizer, prompts_path, self.num_prompts, self.profile.generate.thinking)
+        prompts = encode_prompts(self.tokenizer, prompts_path, self.num_prompts, self.thinking)
         results, threads = self._decode(prompts)
         return self._report(results, threads, prompts_path, prompt_set_label(prompts_path))
 
     def benchmark(self, name: str, samples: Sequence[BenchPrompt], prompts_path: Path) -> EvalReport:
         """A benchmark's samples: every first turn, then (mt-bench) every second turn after the first
         turn's answer (target-only greedy decoding's, which a lossless drafter's equals), in one report."""
-        thinking = self.profile.generate.thinking
+        thinking = self.thinking
         first = [encode_messages(self.tokenizer, s.prompt_id, [_user(s.turns[0])], thinking) for s in samples]
         results, threads = self._decode(first)
         later = []
@@ -277,6 +281,8 @@ def manifest_figures(report: EvalReport) -> dict[str, object]:
     for an engine eval: `sglang_dflash_tau`)."""
     prefix = f"{report.engine}_" if report.engine else ""
     figures: dict[str, object] = {"prompts": report.num_prompts, "block_size": report.block_size}
+    if report.context.mode_mismatch:
+        figures[f"{prefix}mode_mismatch"] = True
     if report.context.prompt_set:
         figures[f"{prefix}prompt_set"] = report.context.prompt_set
     figures[f"{prefix}target_tokens_per_s"] = round(report.methods[TARGET].tokens_per_s, 2)

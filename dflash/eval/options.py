@@ -34,6 +34,8 @@ class EvalOptions:
     engine: Optional[str] = None            # None: eval.engine (transformers = in-process; sglang / vllm: served)
     benchmarks: Optional[tuple[str, ...]] = None   # None: eval.benchmarks (dflash.prompts.benchmarks)
     bench_dir: Optional[str] = None         # local copies of gsm8k, math500, mbpp (None: eval.bench_dir)
+    thinking: Optional[bool] = None         # --thinking on|off: the prompts' mode (None: generate.thinking)
+    allow_mode_mismatch: bool = False       # render in another mode than the training data's (dflash.eval.mode)
 
 
 @dataclass

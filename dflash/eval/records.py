@@ -216,6 +216,8 @@ class ReportContext:
     torch_threads: Optional[int] = None     # in-process: torch's thread count while decoding
     served_drafter: Optional[str] = None    # engine evals: the drafter exported for the engine
     baseline: Optional[str] = None          # how target-only decoding (the speedup's baseline) ran
+    rendering: Optional[str] = None         # the prompts' mode and the training data's (dflash.eval.mode)
+    mode_mismatch: Optional[str] = None     # rendered otherwise than the training data, on purpose
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -227,7 +229,8 @@ class ReportContext:
                    prompts_file=data.text_or_none("prompts_file"), prompt_set=data.text_or_none("prompt_set"),
                    max_new_tokens=data.integer_or_none("max_new_tokens"),
                    torch_threads=data.integer_or_none("torch_threads"), served_drafter=data.text_or_none("served_drafter"),
-                   baseline=data.text_or_none("baseline"))
+                   baseline=data.text_or_none("baseline"), rendering=data.text_or_none("rendering"),
+                   mode_mismatch=data.text_or_none("mode_mismatch"))
 
 
 @dataclass(frozen=True)

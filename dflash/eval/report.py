@@ -126,8 +126,9 @@ def render_markdown(report: EvalReport) -> str:
     lines += [f"Target `{context.target or ''}`, drafter `{context.checkpoint or ''}`, "
               f"block size {block}, temperature {report.temperature}, {report.num_prompts} prompts"
               f"{': ' + context.prompt_set if context.prompt_set else ''}.", ""]
+    lines += mode_lines(context)
     lines += _table(["method", "mean tau", "steps", "new tokens", "tokens/s", "speedup", "identical to target"],
-                    [[name, m.mean_tau, m.steps, m.new_tokens, m.tokens_per_s, m.speedup, m.identical_to_target]
+                    [[row_name(name, context), m.mean_tau, m.steps, m.new_tokens, m.tokens_per_s, m.speedup, m.identical_to_target]
                      for name, m in methods.items()])
     lines += _also_sets_table(report, drafted)
     lines += _benchmarks_table(report, drafted)
@@ -138,6 +139,16 @@ def render_markdown(report: EvalReport) -> str:
     lines += _table(["position"] + drafted, [[k] + [_at(methods[n].position_acceptance, k - 1) for n in drafted]
                                              for k in range(1, block)])
     return "\n".join(lines + _selector_table(report) + _per_prompt_table(report, drafted)) + "\n"
+
+
+def mode_lines(context: ReportContext) -> list[str]:
+    """How the prompts were rendered (dflash.eval.mode), and the mismatch measured on purpose."""
+    lines = [f"Prompts rendered {context.rendering}.", ""] if context.rendering else []
+    return lines + ([f"**{context.mode_mismatch}**", ""] if context.mode_mismatch else [])
+
+
+def row_name(name: str, context: ReportContext) -> str:
+    return f"{name} (mode mismatch, on purpose)" if context.mode_mismatch else name
 
 
 def _selector_table(report: EvalReport) -> list[str]:

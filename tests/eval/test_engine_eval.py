@@ -498,7 +498,8 @@ def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path:
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(tiny_qwen3_target)),
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12,
-                                                           draft_tokens=draft_tokens))
+                                                           draft_tokens=draft_tokens),
+                                  paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
     return evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)), "sglang",
                                 launch=[sys.executable, str(STANDIN), "sglang", "--mode", mode])
 
@@ -681,7 +682,8 @@ def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_e
 
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(sharp_target)),
-                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8))
+                                  eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8),
+                                  paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
     summary = evaluate_with_engine(profile, tmp_path / "run", tiny_drafter,
                                    EvalOptions(num_prompts=2, benchmarks=("humaneval",)), "sglang",
                                    launch=[sys.executable, str(STANDIN), "sglang", "--mode", "honest"])
