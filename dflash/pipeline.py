@@ -134,8 +134,8 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 def _train(ctx: PipelineContext) -> str:
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.launch import run_training
-    from dflash.train.resume import step_directories
+    from dflash.train.supervisor.launch import run_training
+    from dflash.train.supervisor.resume import step_directories
     from launcher_core.manifest import read_manifest
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")

@@ -11,7 +11,7 @@ A rank holds on the host while it starts (until its training state is built, bef
   kernel's page cache, shared by the ranks and reclaimable: not counted); on a CPU rank its weights
   live there: the layers it loads (up to the deepest tap, up to the last source layer with
   drafter.init = "target"), the embedding and the head;
-* the drafter (dflash.train.materialize): built on the meta device and sharded, each init unit is built
+* the drafter (dflash.train.rank.materialize): built on the meta device and sharded, each init unit is built
   again on the host alone (one weight matrix, or DFlash 2's selector) and its value may be replaced by
   one of the same size (a target or checkpoint tensor): twice the largest unit in float32, transient;
   on a CPU rank also its float32 shards (those of the fullest rank).
@@ -117,7 +117,7 @@ def host_ram_at_start(profile: Profile, plan: Plan) -> HostRamAtStart:
 
 
 def largest_init_unit(workload: Workload) -> int:
-    """Elements of the largest module dflash.train.materialize builds again at once: a weight matrix, one
+    """Elements of the largest module dflash.train.rank.materialize builds again at once: a weight matrix, one
     of DFlash 2's convolutions (its two tensors) or its selector (both codebooks and the projection)."""
     from dflash.memory import model as memory
 
@@ -127,7 +127,7 @@ def largest_init_unit(workload: Workload) -> int:
 
 
 def loaded_target_params(workload: Workload, profile: Profile) -> int:
-    """The target's parameters a rank loads (dflash.train.setup.target_layers_to_load)."""
+    """The target's parameters a rank loads (dflash.train.rank.setup.target_layers_to_load)."""
     from dflash.drafter.taps import target_layers_needed
     from dflash.memory import model as memory
 

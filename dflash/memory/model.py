@@ -1,7 +1,7 @@
 """Memory model of online DFlash training on one rank, and its calibration.
 
 Every rank holds the full frozen target (replicated) and 1/N of the drafter: FSDP2 shards each
-draft layer and the drafter's root (fc, the norms) over the N ranks (dflash.train.sharding).
+draft layer and the drafter's root (fc, the norms) over the N ranks (dflash.train.rank.parallel).
 What one rank allocates through torch is modelled as
 
     peak(m) = intercept + slope * m (+ accumulated gradients while micro-batches accumulate)
@@ -287,7 +287,7 @@ def conv_tensors(workload: Workload) -> list[Tensor]:
 
 
 def selector_tensors(workload: Workload) -> list[Tensor]:
-    """DFlash 2's candidate selector, its own FSDP2 unit (dflash.train.sharding): the predecessor and
+    """DFlash 2's candidate selector, its own FSDP2 unit (dflash.train.rank.parallel): the predecessor and
     successor codebooks [vocab, rank] and the hidden projection H -> rank."""
     parts = workload.dflash2
     if parts is None:
@@ -426,7 +426,7 @@ def _layers_in_backward(workload: Workload) -> int:
 def _reduction_mib(workload: Workload) -> float:
     """What one unit's gradient reduction allocates above what was alive: its float32 input (the
     unit gathered whole) and output (this rank's shard; on one rank as large as the input), with
-    the unit's gradients still held (measured on 2 real gloo ranks, tests/train/test_measured_memory.py;
+    the unit's gradients still held (measured on 2 real gloo ranks, tests/measure/test_measured_memory.py;
     on one rank in bf16 compute also a float32 copy of half their size, traced). The largest of the
     draft layers', the root's and DFlash 2's selector's (on one rank with one codebook's gradient in
     the compute dtype still held, traced)."""

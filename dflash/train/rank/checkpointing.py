@@ -44,8 +44,8 @@ from launcher_core.errors import DiskFull, InputError
 if TYPE_CHECKING:
     import torch
 
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import TrainState
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import TrainState
 
 FORMAT = "dcp-1"
 WRITING = "a checkpoint (and the run's logs)"     # what a full disk's message says was being written
@@ -58,7 +58,7 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
     `with_weights` (the run's last save), then rank 0's rename. Returns step-N's path (on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    from dflash.train.dist import barrier
+    from dflash.train.rank.parallel import barrier
 
     staging = shared_staging_directory(run_dir, state.step, state.env.is_main)
     needed: Optional[int] = None
@@ -259,7 +259,7 @@ def shared_staging_directory(run_dir: Path, step: int, is_main: bool) -> Path:
     import torch.distributed as dist
 
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.dist import distributed
+    from dflash.train.rank.parallel import distributed
 
     chosen: list[str | None] = [None]
     if is_main:

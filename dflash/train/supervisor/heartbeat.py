@@ -14,7 +14,7 @@ from a daemon thread every `beat_interval(train.heartbeat_timeout_s)` seconds. T
   (torch's flight recorder, which the launcher turns on for every rank; reading it costs tens of
   milliseconds under the GIL, so a progressing rank is not asked).
   A rank that lives but stops making progress (a hung collective, a deadlocked loader, a kernel that
-  never returns) is named from these by the launcher (dflash.train.watchdog), well before the process
+  never returns) is named from these by the launcher (dflash.train.supervisor.watchdog), well before the process
   group's own timeout (`train.collective_timeout_s`).
 
 Asked by the launcher, a rank writes every thread's Python stack (faulthandler, armed on STACKS_SIGNAL: it
@@ -24,7 +24,7 @@ the ranks' folder), the flight recorder's dump into `train/failures/flight-recor
 The files also tell the launcher which processes are the run's ranks (`rank_records`), so it can make
 sure none outlives the run. The thread is also the ranks' last guard against outliving their launcher:
 when the launcher's pid (`LAUNCHER_PID_ENV`) has been gone for `ORPHAN_GRACE_S`, the rank kills itself
-(the agent normally stops it first: dflash.train.agent).
+(the agent normally stops it first: dflash.train.supervisor.agent).
 """
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ def stacks_path(run_dir: Path, rank: int) -> Path:
 
 
 class RankProgress:
-    """Where the rank's main thread is: `enter(phase, step)` at each phase of the step (dflash.train.step,
+    """Where the rank's main thread is: `enter(phase, step)` at each phase of the step (dflash.train.rank.step,
     the worker's loop). Plain attribute writes: the heartbeat thread reads them without a lock (one
     tuple, replaced whole). `listeners` (none in a plain run) are called at every phase: the fault
-    injection of tests and drills (dflash.train.faults)."""
+    injection of tests and drills (dflash.train.rank.faults)."""
 
     def __init__(self) -> None:
         self.current: tuple[int, str, float] = (0, "start", time.time())     # step, phase, since (epoch s)

@@ -7,7 +7,7 @@ and unsharded parameters and gradients, all-gather and reduce-scatter buffers, a
 backward temporaries, optimizer states), and the peak. On a CPU-only torch the fake tensors are
 CPU tensors: sizes are what count.
 
-The step is the trainer's (`dflash.train.step`: forward_micro, accumulate_micro_batches, update), at the
+The step is the trainer's (`dflash.train.rank.step`: forward_micro, accumulate_micro_batches, update), at the
 profile's worst case (every sequence `data.max_length` tokens, `train.num_anchors` anchors, every
 label counted):
 
@@ -71,7 +71,7 @@ MemorySnapshot = dict["torch.device", dict[str, int]]     # MemTracker's: device
 
 @dataclass(frozen=True)
 class TracedStep:
-    """What one traced step (dflash.train.trace) allocated, in MiB (one rank: rank 0, the fullest shards)."""
+    """What one traced step (dflash.measure.trace) allocated, in MiB (one rank: rank 0, the fullest shards)."""
 
     micro_batch: int
     target_weights: float

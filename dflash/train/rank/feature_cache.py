@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Callable, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from dflash.train.data import MicroBatch
+    from dflash.train.rank.data import MicroBatch
 
 CACHE_DIR = "feature_cache"
 
 
 class FeatureSource(Protocol):
     """Where a step reads a micro-batch's tap features instead of the online forward: the
-    feature cache, or the memory trace's fake features (dflash.train.trace.FakeFeatures)."""
+    feature cache, or the memory trace's fake features (dflash.measure.trace.FakeFeatures)."""
 
     def features(self, batch: MicroBatch, extract: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 

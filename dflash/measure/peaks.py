@@ -9,22 +9,9 @@ from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
 from dflash.memory.attention_masks import MIB
+from dflash.memory.calibration import AllocatorPeaks
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class AllocatorPeaks:
-    """The caching allocator's peaks over a run, in MiB: what tensors held, and what it reserved (the
-    segments, tensors and the free blocks between them: what `set_per_process_memory_fraction` caps)."""
-
-    allocated_mib: float
-    reserved_mib: float
-
-    @property
-    def ratio(self) -> float:
-        """Reserved over allocated: the allocator's reserve as a factor."""
-        return self.reserved_mib / self.allocated_mib
 
 
 def measure_allocator_peaks(run: Callable[[], object]) -> AllocatorPeaks:
