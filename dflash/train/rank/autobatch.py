@@ -1,31 +1,16 @@
-"""Runtime side of the memory budgets: the agreed micro-batch and OOM recovery by restart. Used
-inside torchrun workers.
+"""The agreed micro-batch and OOM recovery by restart, inside each torchrun worker.
 
-Under FSDP2 (dflash.train.rank.parallel) the drafter's collectives run INSIDE its forward and
-backward: an all-gather before each unit's forward (and again before its backward), a
-reduce-scatter as each unit's backward ends, an all-reduce in gradient clipping. A rank that runs
-out of memory inside one of them never reaches a later agreement point, while the other ranks wait
-in the collective it left. So no rank tries to recover in place. Instead:
+FSDP2's collectives run inside the forward and backward, so a rank out of memory in one of them
+leaves the others waiting there: no rank recovers in place. It writes an OOM record
+(dflash.train.supervisor.oom_records) and exits with OOM_EXIT_CODE; the launcher starts every rank
+again with --resume; at start (`AutoBatch.start`) each rank takes half the recorded micro-batch (never
+above the persisted or planned one), the ranks agree on the smallest (all_reduce MIN), and rank 0
+persists it with the reduction in `train/autobatch.json`.
 
-    a rank that runs out of memory anywhere in a step (forward, backward, the gradient reduction,
-    the update) writes an OOM record (`train/autobatch/oom-rank-R.json`: step, micro-batch,
-    phase) and exits with OOM_EXIT_CODE; the others fail in the collective it left (or are
-    stopped by torchrun's agent);
-    the launcher (dflash.train.supervisor.launch) sees the record and starts every rank again with --resume
-    (as torchrun's own --max-restarts would: the record is read the same way);
-    at start (`AutoBatch.start`) every rank reads the records, takes half the micro-batch that ran
-    out of memory (never above the persisted or planned one), the ranks agree on the smallest
-    (all_reduce MIN), rank 0 persists it in `train/autobatch.json` with the reduction, and
-    training continues from the last complete checkpoint at that micro-batch.
-
-Nothing done is lost beyond the steps since the last checkpoint, which are recomputed (and their
-metrics lines rewritten, never counted twice: dflash.train.rank.worker.truncate_metrics). Because the
-loss of each micro-batch is divided by the GLOBAL weight of the step, the recomputed steps give
-the same gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be recovered from
-by halving: the record says so and the restart fails with what to change.
-
-Fault injection for drills (an OOM at a chosen step and phase) is a debugging option of its own:
-dflash.train.rank.faults.
+Only the steps since the last checkpoint are recomputed (their metrics lines rewritten, never counted
+twice), and since each micro-batch's loss is divided by the step's global weight they give the same
+gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be halved: the restart fails
+saying what to change. Drills inject OOMs through dflash.train.rank.faults.
 """
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ class TrainData:
 
 def verify_dataset(path: Path, hashes: bool) -> None:
     """A dataset written by tokenize or merge: every shard's recorded size on every rank, and its
-    sha256 on rank 0 (one read of the data: 1.45 s per GiB from the page cache on this 2-core machine, BENCHMARKS.md), before
-    anything is trained on it. A mismatch is a DataError naming the shard and the backup."""
+    sha256 on rank 0 (one read of the data; figures: BENCHMARKS.md), before anything is trained on it. A
+    mismatch is a DataError naming the shard and the backup."""
     from dflash.data import dataset_io
 
     if (path / dataset_io.META_NAME).exists():

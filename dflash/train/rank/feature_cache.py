@@ -8,8 +8,8 @@ the ranks of the node: a row extracted by one rank in epoch 1 is read by whichev
 it later. Each file is written to a temporary name and renamed, so a killed run leaves only
 whole files (a resumed run reuses them). The directory is removed when training finishes.
 
-Size: rows x tokens x taps x hidden x dtype bytes (the CPU demo: 300 rows, ~85 MiB). Meant for
-small datasets trained for many epochs; the GPU profiles read the target online.
+Size: rows x tokens x taps x hidden x dtype bytes. Meant for small datasets trained for many epochs;
+the GPU profiles read the target online.
 """
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """Entry point of each torchrun rank: `torchrun --start-method forkserver --run-path
-dflash/train/rank/worker.py --profile-json F --run-dir D` (dflash.train.supervisor.launch), or `python -m
-dflash.train.rank.worker ...` as a command of its own.
+dflash/train/rank/worker.py --profile-json F --run-dir D` (dflash.train.supervisor.launch), or
+`python -m dflash.train.rank.worker ...` as a command of its own (train.rank_start).
 
-Ranks start from torchrun's forkserver: torch.distributed.run runs a `--run-path` script as a function
-entrypoint, and its elastic agent starts the ranks with the multiprocessing start method it is given.
-The agent (dflash.train.supervisor.agent) has the forkserver import its `RANK_IMPORTS` once, so each rank is a fork of
-a process that has torch, torch.distributed and transformers' model code loaded, instead of a new
-interpreter importing them again (BENCHMARKS.md "Ranks from torchrun's forkserver"). A rank started
-that way reports success the way elastic collects it, by returning (`end_rank`).
+A forked rank is a fork of the forkserver that imported the agent's `RANK_IMPORTS` once, rather than
+a new interpreter importing torch again (figures: BENCHMARKS.md, "Ranks from torchrun's forkserver");
+it reports success the way elastic collects it, by returning (`end_rank`).
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
-writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM or SIGINT (a terminal's
-Ctrl-C reaches every rank) sets a flag that all ranks agree on after the current step: a checkpoint
-is saved and the ranks exit cleanly. An exception is written to `train/failures/rank-R.json` (rank +
-traceback) before the rank exits, so the launcher can name the rank that failed first.
+writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM or SIGINT sets a flag the
+ranks agree on after the current step: a checkpoint is saved and the ranks exit cleanly. An exception
+is written to `train/failures/rank-R.json` before the rank exits, so the launcher can name the rank
+that failed first.
 """
 from __future__ import annotations
 

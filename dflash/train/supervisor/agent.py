@@ -1,33 +1,21 @@
 """The torchrun agent of a node: `python -m dflash.train.supervisor.agent TORCHRUN_ARGUMENTS...`.
 
-It is torch.distributed.run (same arguments, same behaviour) with what keeps a run's processes
-tied to their launcher:
+It is torch.distributed.run (same arguments, same behaviour) with what ties a run's processes to
+their launcher:
 
-* the ranks start from torchrun's forkserver (`--start-method forkserver --run-path`), which imports
-  what a rank needs once (`RANK_IMPORTS`, `preload_rank_imports`) and forks each rank from there;
-* the ranks die with the agent: it exports its pid (`AGENT_PID_ENV`) and every rank asks the
-  kernel for SIGKILL when its parent ends (`dflash.train.rank.worker`, `die_with_parent`; a forked rank's
-  parent is the forkserver, which ends with the agent);
-* the agent dies with the launcher: it holds the read end of a pipe whose write end only the
-  launcher has (`PIPE_FD_ENV`). End of file while the agent runs means the launcher is gone
-  (killed: a launcher that ends normally waits for the agent first). A thread then kills the
-  ranks, waits until they are gone, records in the run's manifest how the run ended, and exits,
-  so no process is left writing into the run directory;
-* the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
-  to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
-  error of its own) rather than the one that noticed (dflash.train.supervisor.launch);
-* SIGTERM and SIGINT (a Ctrl-C reaches the whole process group) ask every rank once to stop after
-  its step (`StopOnSignal`): the ranks save, return, and torchrun ends as after a whole run. torchrun's
-  own handler would raise SignalException, signal the ranks, kill them after its shutdown timeout
-  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s: a save can take longer) and end in a traceback;
-* torchrun's own words, its logging (the elastic agent's warnings and errors, with tracebacks) and
-  its ChildFailedError report (whose "Root Cause" is the first rank it looked at, not the cause), go
-  to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps the rank lines torchrun
-  tees and ends with the launcher's diagnosis.
+* the ranks fork from torchrun's forkserver, which imports what a rank needs once (`RANK_IMPORTS`);
+* the ranks die with the agent (`AGENT_PID_ENV`: each asks the kernel for SIGKILL when its parent
+  ends), and the agent with the launcher: end of file on a pipe only the launcher writes
+  (`PIPE_FD_ENV`) makes it kill the ranks, record the end in the run's manifest and exit;
+* the ranks that failed, with exit codes and signals, go to `train/failures/agent.json`, so the
+  launcher names a killed rank rather than the one that noticed (dflash.train.supervisor.failures);
+* SIGTERM and SIGINT ask every rank once to stop after its step (`StopOnSignal`): torchrun's own
+  handler would kill them after its shutdown timeout (a save can take longer) and end in a traceback;
+* torchrun's own words go to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps
+  the ranks' lines and the launcher's diagnosis.
 
-Without the environment the launcher sets (a node started by hand from `train --print-command`),
-it is torchrun with the same stop on SIGTERM and SIGINT, writing its own words to stderr, and its
-ranks still die with it.
+Without the launcher's environment (a node started by hand from `train --print-command`) it is
+torchrun with the same stop on SIGTERM and SIGINT, writing to stderr, its ranks still dying with it.
 """
 from __future__ import annotations
 
@@ -217,8 +205,7 @@ def report_every_failed_rank() -> None:
     that had failed when it noticed a failure, as its command context does. Its join reports one: the
     first it looks at among the ranks that have ended. A rank killed by a signal (a kill -9, the kernel's
     out-of-memory killer) and the peer that fails on the broken connection end in the same instant, and
-    the report then named the peer's echo instead of the killed rank (BENCHMARKS.md "Ranks from
-    torchrun's forkserver"). Added: each other rank that ended with a non-zero exit code or a signal,
+    the report then named the peer's echo instead of the killed rank. Added: each other rank that ended with a non-zero exit code or a signal,
     except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
     replacement of its private poll is dflash.torch_private's; where torch lacks it, nothing changes."""
     import signal

@@ -93,11 +93,9 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})}, paths)
 
 
-# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the preload
-# dflash.train.supervisor.agent sets: its RANK_IMPORTS): torchrun runs a `--run-path` script as
-# a function entrypoint, started with `--start-method`. As commands of their own (`-m
-# dflash.train.rank.worker`), every rank imported torch and transformers' model code again: BENCHMARKS.md
-# "Ranks from torchrun's forkserver".
+# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the agent's
+# RANK_IMPORTS), rather than interpreters of their own importing torch again: torchrun runs a
+# `--run-path` script as a function entrypoint (figures: BENCHMARKS.md, "Ranks from torchrun's forkserver").
 WORKER_SCRIPT = REPO_ROOT / "dflash" / "train" / "rank" / "worker.py"
 SINGLE_NODE_STORE_PLACEHOLDER = "127.0.0.1:PORT"   # the port LoopbackStore takes, known only at launch
 
