@@ -1,44 +1,18 @@
 """The memory calibration of a profile, measured on GPUs (`launcher.py calibrate --profile P`).
 
-A client of the trainer, so it lives with it (dflash.memory, below, never imports dflash.train).
-The worst case the memory model describes (`dflash.memory.model`): every sequence at
-`data.max_length` with a loss on every token, so each has the full `train.num_anchors` anchors.
-`worst_case_bench` writes that workload as a small Arrow dataset in a scratch directory, points
-a copy of the profile at it (`dataclasses.replace`) and builds the training state through the
-trainer's own entry point, `dflash.train.rank.setup.build_state`: the profile's target, dtype,
-drafter, attention backend, loss chunking and optimizer. Every measured step is the trainer's
-`run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
-steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
-first update), measures the peak allocated memory of one step at each size
-(`dflash.measure.peaks.measure_step_peaks`) and fits the line (`dflash.memory.calibration.fit_calibration`).
-Optionally the calibrated line is held against measured peaks at larger micro-batches
-(`check_micro_batches`).
+The workload is the memory model's worst case (every sequence at `data.max_length` with a loss on
+every token: `worst_case_bench` writes it as a small Arrow dataset) and the state and step are the
+trainer's own (`dflash.train.rank.setup.build_state`, `run_step`), so what is measured is what
+training runs. After warm-up steps at each size (flex compiles per size; AdamW's states exist after
+a first update) it measures the allocated peak of one step of two micro-batches
+(`MICRO_BATCHES_PER_STEP`: the accumulated gradients are in it) at micro-batch 1 and 2 and fits the
+line (dflash.memory.calibration). The reserve ratio comes from steps of differently shaped
+micro-batches without emptying the cache (`measure_reserve`), under the profile's allocator setting.
 
-Each measured step is two micro-batches of the measured size (`MICRO_BATCHES_PER_STEP`), so the
-gradients of the first are alive in the second's forward/backward: the accumulated gradients are
-in the measured peak, as in a real step.
-
-The allocator's reserve: every measured step records torch's peak reserved memory beside the
-allocated one, and `measure_reserve` runs steps of differently shaped micro-batches one after the
-other without emptying the cache between them (sequences of `VARIED_LENGTH_FRACTIONS` of
-`data.max_length`, then the worst case), as variable-length training data does: the larger of
-reserved over allocated there and at the measured sizes is the calibration's reserve ratio, which
-the plan counts inside each budget (dflash.memory.reserve). The measuring process runs under the
-profile's allocator setting (`apply_allocator_setting`: memory.expandable_segments, the user's own
-allocator variable kept), which the calibration records.
-
-Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
-(one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
-more GPUs, so FSDP2's all-gathers and reduce-scatters run between them; otherwise in one process
-(FSDP2 over a process group of one). Either way the drafter is sharded over the measuring ranks,
-not the profile's N: the calibration records how many (`Calibration.world_size`), and the plan
-subtracts the estimate of THAT step from the measurement and adds the difference to its estimate
-for N ranks (dflash.memory.model.peak_model), so the shard share, the accumulated gradients and
-the reduction's buffers are counted as the estimate counts them.
-
-Runs on CUDA only: a CPU profile is a ConfigError (exit 2: nothing to calibrate); a CUDA
-profile on a machine without a CUDA device is CannotTest (exit 125: this machine cannot
-measure it, the same meaning as `launcher.py probe`).
+A profile of 2 or more ranks is calibrated on 2 ranks where this node has 2 GPUs, so FSDP2's
+collectives run between them, else in one process; the calibration records how many, and the plan
+corrects its estimate for N ranks by what it missed there (dflash.memory.model.peak_model). CUDA
+only: a CPU profile is a ConfigError (exit 2), a machine without a CUDA device CannotTest (exit 125).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Measuring a training step's peak on a real GPU: torch's peak allocated and reserved memory per
-micro-batch size, what a calibration (`dflash.memory.calibration`) is fitted to; and a call's transient on
-the CPU allocator (`measure_cpu_transient`: what the model's smaller figures, such as a BlockMask's
-build, are held to). torch is imported inside the functions, not by the torch-free model the
-launcher process plans with."""
+"""Measured peaks: torch's allocated and reserved peaks of a step on a GPU, what a calibration
+(dflash.memory.calibration) is fitted to, and a call's transient on the CPU allocator
+(`measure_cpu_transient`), what the model's smaller figures, such as a BlockMask's build, are held
+to. torch is imported inside the functions.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,10 +46,9 @@ def measure_cpu_transient(run: Callable[[], T]) -> CpuTransient[T]:
     """Run `run` under torch's profiler with memory events (every allocation and free of the CPU
     allocator, temporaries inside ops included, in time order) and sum them up.
 
-    Python's cyclic garbage collector is run before and held off during the call: a collection it
-    started inside the call freed tensors an earlier measured call had left in reference cycles, and
-    the profiler counted those frees as the call's (78 MB in a pytest worker, where the full-attention
-    create_block_mask measured after the sliding one came out at 5.5-30.8 MB instead of 83.9 MB)."""
+    Python's cyclic garbage collector is run before and held off during the call: a collection inside
+    it would free tensors an earlier call left in reference cycles, and the profiler would count those
+    frees as this call's."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
