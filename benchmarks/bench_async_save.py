@@ -47,7 +47,7 @@ def write_run_profile(scratch: Path, target: Path, dataset: Path, steps: int, ev
 
 
 def measure(profile_path: Path, every: int) -> SaveCost:
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     profile = load_profile(str(profile_path))
     run_dir = Path(profile.paths.run_dir)

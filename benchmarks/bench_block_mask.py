@@ -11,7 +11,7 @@ drawn as the sampler draws them (sorted valid positions, the last two of the las
 * after: `dflash.drafter.attention.block_mask` (the tables from the anchors);
 * with `--compiled`: `torch.compile(create_block_mask)`, the alternative (first call: compile).
 Per construction: the transient (torch's CPU allocator, peak above what was live before:
-`dflash.memory.measure.measure_cpu_transient`), what stays (the BlockMask), the CPU seconds of one
+`dflash.measure.peaks.measure_cpu_transient`), what stays (the BlockMask), the CPU seconds of one
 build (median of `--repeat`; the first compiled call is reported alone, its wall time too, as
 inductor compiles in worker processes), and whether the tables equal the first mask_mod
 construction's (the eager one, else the compiled one). Then the
@@ -82,8 +82,8 @@ def main() -> int:
 
     from dflash.drafter.attention import block_mask
     from dflash.drafter.layers import LayerAttention
+    from dflash.measure.peaks import measure_cpu_transient
     from dflash.memory.attention_masks import MIB, block_mask_build_bytes, block_mask_bytes, dense_mask_bytes
-    from dflash.memory.measure import measure_cpu_transient
 
     compiled = torch.compile(create_block_mask) if args.compiled else None
     rules = {"sliding 2048 causal": LayerAttention(window=2048, causal=True), "full": LayerAttention()}

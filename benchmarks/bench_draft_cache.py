@@ -40,12 +40,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_drafter(target, sliding_window: int):
-    """The trainer's drafter construction (dflash.train.setup.build_drafter) for a cpu-demo variant:
+    """The trainer's drafter construction (dflash.train.rank.setup.build_drafter) for a cpu-demo variant:
     5 random layers, block 16, taps spaced over the target, the full vocabulary."""
     import dataclasses
 
     from dflash.drafter.taps import default_target_layer_ids
-    from dflash.train.setup import build_drafter as trainer_drafter
+    from dflash.train.rank.setup import build_drafter as trainer_drafter
     from launcher_core.profile import load_profile
 
     base = load_profile("cpu-demo")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 if TYPE_CHECKING:
 
-    from dflash.train.setup import TrainState
-    from dflash.train.step import StepStats
+    from dflash.train.rank.setup import TrainState
+    from dflash.train.rank.step import StepStats
     from launcher_core.schema import Profile
 
 PROFILE = "cpu-demo"
@@ -114,8 +114,8 @@ def variant_profile(base: Profile, variant: dict[str, Any], dataset: Path, run_d
 
 def build_variant_state(profile: Profile, run_dir: Path, variant: dict[str, Any]) -> TrainState:
     """The trainer's state (`build_state`), with the variant's frozen weights taken out of training."""
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_state
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
 
     state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False)
     if variant.get("freeze"):      # no gradient, so AdamW and the clipping leave them as they are
@@ -143,7 +143,7 @@ def fill_feature_cache(state: TrainState) -> None:
 def train(state: TrainState, after_step: Callable[[int, StepStats], None]) -> float:
     """The trainer's steps up to its total (the worker's loop without checkpoints and metrics);
     `after_step(n, stats)` runs after step n, its time not counted. Returns the training seconds."""
-    from dflash.train.step import run_next_step
+    from dflash.train.rank.step import run_next_step
 
     spent = 0.0
     while state.step < state.total_steps:
@@ -359,7 +359,7 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
                   f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
     if save_dir is not None:
-        from dflash.train.checkpointing import save_training_checkpoint
+        from dflash.train.rank.checkpointing import save_training_checkpoint
 
         print(f"{name}: saved {save_training_checkpoint(state, save_dir / name)}", flush=True)
 

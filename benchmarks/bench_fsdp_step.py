@@ -63,11 +63,11 @@ def rank_main(rank: int, port: int, profile_path: str, out: str, steps: int) -> 
     import torch
     import torch.distributed
 
-    from dflash.memory import trace as fake
+    from dflash.measure import fake
     from dflash.memory.plan import batch_plan
-    from dflash.train.dist import WorkerEnv, close_process_group
-    from dflash.train.setup import build_state
-    from dflash.train.step import run_step
+    from dflash.train.rank.parallel import WorkerEnv, close_process_group
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.step import run_step
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@
 For each interpreter (the same minor version as the project's venv), a scratch venv without pip whose
 site-packages point at the project venv's (a .pth file: the same wheels, the same bytecode), then, in a
 fresh process each time, two workloads: what a training rank imports before its first step (torch,
-torch.distributed's FSDP and checkpoint, transformers' model code, the trainer: dflash.train.agent's
+torch.distributed's FSDP and checkpoint, transformers' model code, the trainer: dflash.train.supervisor.agent's
 RANK_IMPORTS), and eager forward + backward steps of a tiny random Qwen3 (hidden 64, 2 layers, 16 tokens:
 per-op Python and dispatch overhead, as most of the test suite's in-process work is). Prints each
 interpreter's median CPU (user + sys of the child) per workload and its ratio to the first interpreter.
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 IMPORTS = """
 import importlib, sys
 sys.path.insert(0, {repo!r})
-from dflash.train.agent import RANK_IMPORTS
-for name in (*RANK_IMPORTS, "dflash.train.worker", "transformers.models.qwen3.modeling_qwen3"):
+from dflash.train.supervisor.agent import RANK_IMPORTS
+for name in (*RANK_IMPORTS, "dflash.train.rank.worker", "transformers.models.qwen3.modeling_qwen3"):
     importlib.import_module(name)
 """
 STEPS = """

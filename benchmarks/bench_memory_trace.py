@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_memory_trace.py [--profiles rtx6000-x8 b200-x8 h200-x1] [--micro-batches 1 2]
         [--train KEY=VALUE ...] [--drafter KEY=VALUE ...]     (e.g. --drafter kind=dflash2: DFlash 2)
 
-Each step is the trainer's own (dflash.train.trace: `state_from_target` + `plain_step`) on fake
+Each step is the trainer's own (dflash.measure.trace: `state_from_target` + `plain_step`) on fake
 tensors under torch's fake process group at the profile's world size, counted by FSDPMemTracker: the
 Qwen3.6-27B-shaped target's tap forward, two micro-batches' forward/backward with the chunked loss
 (the drafter sharded by FSDP2: all-gathers, reduce-scatters inside the backward), clipping and AdamW
@@ -34,7 +34,7 @@ SMOKE_DRAFTER = dict(num_layers=2, target_layer_ids=(1, 5), num_attention_heads=
 
 def smoke_case(profile):
     """The profile at the smoke size, and its tiny target config."""
-    from dflash.memory import trace as fake
+    from dflash.measure import fake
 
     small = dataclasses.replace(profile, data=dataclasses.replace(profile.data, max_length=64),
                                 train=dataclasses.replace(profile.train, num_anchors=4),
@@ -77,8 +77,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.profiles, args.micro_batches = ["rtx6000-x8"], [1]
-    from dflash.memory import trace as fake
-    from dflash.train import trace
+    from dflash.measure import fake, trace
     from launcher_core.profile import load_profile
 
     worst_total, worst_part, done = 0.0, 0.0, {}

@@ -5,7 +5,7 @@ find_executable_batch_size approach), on the same emulated budget.
 The device is emulated on CPU: the "true" memory of the workload is a peak model (the calibration
 fixture, optionally perturbed to emulate a calibration error); the budgets come from recorded node
 snapshots; a forward above the truly feasible micro-batch raises torch.OutOfMemoryError through
-the trainer's fault injection (DFLASH_INJECT_OOM's "above=N", dflash.train.faults). Both
+the trainer's fault injection (DFLASH_INJECT_OOM's "above=N", dflash.train.rank.faults). Both
 strategies train a small real drafter through the trainer's own `build_state` and `run_step`
 (its AutoBatch recovery: the OOM's record, a restart at half the micro-batch, the step redone) on a
 tiny random Qwen3 target; only the starting micro-batch differs. Each OOM costs a restart of every
@@ -97,11 +97,11 @@ def lost_steps(profile: Profile, run_dir: Path, start: int, feasible: int) -> tu
     """The trainer's steps from micro-batch `start` on a device allowing `feasible`; (lost, final).
     An OOM ends the step with its record (OomRestart), as it ends a rank; the restart's start
     (AutoBatch.start, reading the record) is done in this process, and the step is run again."""
-    from dflash.train.autobatch import AutoBatch, OomRestart
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.faults import INJECT_ENV, FaultInjection
-    from dflash.train.setup import build_state
-    from dflash.train.step import run_next_step
+    from dflash.train.rank.autobatch import AutoBatch, OomRestart
+    from dflash.train.rank.faults import INJECT_ENV, FaultInjection
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.step import run_next_step
 
     state = build_state(profile, run_dir, WorkerEnv(0, 1, 0), resume=False, planned_micro_batch=start)
     assert state.autobatch is not None

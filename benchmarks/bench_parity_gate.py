@@ -604,7 +604,7 @@ def smoke() -> int:
     committed records on 50 sets (figures printed, not judged)."""
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.eval.evaluate import load_target
-    from dflash.train.setup import build_drafter, resolve_layer_ids
+    from dflash.train.rank.setup import build_drafter, resolve_layer_ids
     from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")

@@ -76,7 +76,7 @@ def launch_profile(target: Path, dataset: Path, run_dir: Path, mode: str, ranks:
 
 def one_launch(profile: Profile, run_dir: Path) -> tuple[float, float]:
     """(wall s, machine CPU s) of run_training for `profile` into a new `run_dir`."""
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     busy, start = machine_busy_s(), time.perf_counter()
     code = run_training(profile, run_dir=run_dir)

@@ -232,7 +232,7 @@ def forward_alone(target: Any, prompt: list[int], block: int) -> str:
 
 def load_drafter(profile: Any, target: Any, checkpoint: str) -> Any:
     from dflash.eval.dflash_drafter import DFlashDraft, load_dflash_draft
-    from dflash.train.setup import build_drafter, resolve_layer_ids
+    from dflash.train.rank.setup import build_drafter, resolve_layer_ids
 
     if checkpoint:
         return load_dflash_draft(checkpoint, target)

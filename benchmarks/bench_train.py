@@ -145,9 +145,9 @@ def training_throughput(tokens: int, steps: int, anchors: int, threads: int) -> 
     from dflash.data.dataset_io import save_token_rows
     from dflash.memory.plan import batch_plan
     from dflash.models import smollm2_dir
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_state
-    from dflash.train.step import run_step
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.step import run_step
 
     torch.set_num_threads(threads or cpu_count())
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)

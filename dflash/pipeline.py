@@ -134,8 +134,8 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 def _train(ctx: PipelineContext) -> str:
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.launch import run_training
-    from dflash.train.resume import step_directories
+    from dflash.train.supervisor.launch import run_training
+    from dflash.train.supervisor.resume import step_directories
     from launcher_core.manifest import read_manifest
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
@@ -187,7 +187,7 @@ def served_check_failed(run_dir: Path, failed: ParityFailed) -> ParityFailed:
 
 def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     """The checkpoint the pipeline evaluates (None: the run's latest) and why: the best step by
-    held-out tau when training measured one and kept its checkpoint (dflash.train.validation),
+    held-out tau when training measured one and kept its checkpoint (dflash.train.rank.validation),
     else the last step."""
     from dflash.drafter.checkpoint import has_weights
     from launcher_core.manifest import read_manifest

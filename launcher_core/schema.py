@@ -4,7 +4,7 @@ Every key is a field declared with `key(default, meaning, valid=Range(...))`: it
 strictly by `launcher_core.profile`), its default (none: required), its meaning and, for a number,
 its range live on the field itself. `Literal[...]` fields list their valid choices. The rules between
 keys that need no target model are the `@cross_field_rule` functions below the sections, each naming
-the keys it involves; the rules that need the target are `dflash.train.launch_checks.LAUNCH_CHECKS`.
+the keys it involves; the rules that need the target are `dflash.train.supervisor.launch_checks.LAUNCH_CHECKS`.
 docs/profile-keys.md is generated from all three (scripts/gen_docs_tables.py; a test fails when it
 differs). Paths are strings, relative to the repository root unless absolute; `{run_dir}` in a path
 expands to the profile's run directory.
@@ -246,14 +246,14 @@ class TrainSection:
                                          "bounds in time the work a restart loses",
                                     Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"))
     async_save: bool = key(True, "checkpoint shards written by a thread while the ranks train on "
-                                 "(DCP async_save; dflash.train.checkpointing)")
+                                 "(DCP async_save; dflash.train.rank.checkpointing)")
     keep_checkpoints: int = key(0, "the newest N checkpoints kept, with the best by held-out tau and the latest "
-                                   "(dflash.train.retention)", Range(0, 10**6, zero="every checkpoint kept"))
+                                   "(dflash.train.rank.retention)", Range(0, 10**6, zero="every checkpoint kept"))
     log_every_steps: int = key(10, "a metrics line every N steps", Range(1, 10**9))
     max_restarts: int = key(0, "torchrun --max-restarts", Range(0, 1000))
     rank_start: Literal["forkserver", "command"] = key(
         "forkserver", "forkserver: ranks forked from torchrun's forkserver, which imports torch and the model code "
-                      "once; command: each rank a new python (`-m dflash.train.worker`) that imports them itself")
+                      "once; command: each rank a new python (`-m dflash.train.rank.worker`) that imports them itself")
     decay_gamma: float = key(0.0, "loss decay exp(-(k-1)/gamma)",
                              Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"))
     loss_chunk_rows: int = key(2048, "drafter logits rows per chunk (vocab-sized rows)", Range(1, 2**24))
@@ -270,11 +270,11 @@ class TrainSection:
     activation_checkpointing: Literal["none", "layers"] = key("none", "layers: each draft layer's activations "
                                                                       "recomputed in backward")
     heartbeat_timeout_s: float = key(120.0, "a rank whose process stops beating this long is named and the run "
-                                            "ended (several beats per timeout: dflash.train.heartbeat)", Range(2, DAY_S))
+                                            "ended (several beats per timeout: dflash.train.supervisor.heartbeat)", Range(2, DAY_S))
     collective_timeout_s: float = key(600.0, "the process group's timeout: a collective waits this long for a rank",
                                       Range(10, DAY_S))
     stuck_after_steps: float = key(5.0, "a rank that holds the others this many measured step times is named "
-                                        "(dflash.train.watchdog)", Range(1, 1000))
+                                        "(dflash.train.supervisor.watchdog)", Range(1, 1000))
     stuck_floor_s: float = key(120.0, "the least time without progress before a rank is named stuck", Range(1, DAY_S))
     selector_loss_alpha: float = key(1.0, "loss = DFlash loss on the unary logits + alpha x the selector's K-way "
                                           "cross entropy (SpecForge PR #772, vLLM Speculators PR #1006: 1.0); 0: "

@@ -9,7 +9,7 @@ Each generated part of a doc lies between `<!-- generated: NAME ... -->` and `<!
 
   profile-keys       launcher_core.schema: every key's type, default, `valid` Range and meaning
   cross-field-rules  launcher_core.schema.CROSS_FIELD_RULES (the rules that need no target)
-  launch-checks      dflash.train.launch_checks.LAUNCH_CHECKS (the rules that need the target)
+  launch-checks      dflash.train.supervisor.launch_checks.LAUNCH_CHECKS (the rules that need the target)
   exit-codes         launcher_core.errors: every EXIT_* code, EXIT_MEANINGS and the error types
 
 tests/test_docs_tables.py runs `--check`, so a doc that disagrees with the code fails the suite.
@@ -66,7 +66,7 @@ def describe_default(spec: dataclasses.Field) -> str:
 
 def describe_valid(dotted: str, hint: Any) -> str:
     """The key's Range, and the names of the rules between keys and launch checks that involve it."""
-    from dflash.train.launch_checks import LAUNCH_CHECKS
+    from dflash.train.supervisor.launch_checks import LAUNCH_CHECKS
     from launcher_core.schema import CROSS_FIELD_RULES, RANGES
 
     parts = []
@@ -111,7 +111,7 @@ def render_cross_field_rules() -> str:
 
 
 def render_launch_checks() -> str:
-    from dflash.train.launch_checks import LAUNCH_CHECKS
+    from dflash.train.supervisor.launch_checks import LAUNCH_CHECKS
 
     return _table(["check", "keys", "holds"], [[f"`{check.name}`", ", ".join(f"`{k}`" for k in check.keys),
                                                check.description] for check in LAUNCH_CHECKS])

@@ -125,7 +125,7 @@ def vllm_python() -> Path:
 @pytest.fixture(autouse=True)
 def no_process_group_left():
     """A test that built a training state in this process (FSDP2 needs a process group, so one of a
-    single rank is made: dflash.train.dist.single_process_group) leaves none behind for the next
+    single rank is made: dflash.train.rank.parallel.single_process_group) leaves none behind for the next
     (the memory trace makes its own fake one)."""
     yield
     distributed = sys.modules.get("torch.distributed")
@@ -144,7 +144,7 @@ QUEUE_BY_MARKER = ("engine", "compat", "slow")
 # last 90 s alone. The torch compatibility lane, where it runs (its own rule: tests/compat/test_torch_compat.py),
 # is 5-6.5 minutes on its worker.
 LONGEST_FIRST = ("tests/compat/test_torch_compat.py", "tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py",
-                 "tests/memory/test_trace.py", "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
+                 "tests/measure/test_trace.py", "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

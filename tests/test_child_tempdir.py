@@ -79,7 +79,7 @@ def test_a_supervised_server_and_its_children_write_to_a_folder_removed_when_it_
 
 
 def test_the_agent_and_what_it_starts_write_to_a_folder_removed_after_them(tmp_path):
-    from dflash.train.launch import TrainPaths, run_agent
+    from dflash.train.supervisor.launch import TrainPaths, run_agent
 
     paths, record = TrainPaths(tmp_path / "run"), tmp_path / "facts.json"
     paths.run_dir.mkdir(parents=True)

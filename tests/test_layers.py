@@ -19,13 +19,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dflash.models",),                          # target models: builtin targets, config readers
     ("dflash.tokenizer",),                       # the target's tokenizer, one loader for tokenize and eval
     ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
-    ("dflash.memory",),                          # memory model and plan: run in the launcher process, below the trainer
-    ("dflash.train", "dflash.eval"),             # the trainer (and calibration, which runs its step); evaluation
+    ("dflash.memory",),                          # the analytic memory model and plan: the launcher process plans with it
+    ("dflash.train", "dflash.train.supervisor"),  # the launcher's side of a run (the launcher process, the torchrun
+                                                 # agent), and the records and variables the ranks report through
+    ("dflash.train.rank",),                      # what runs inside each torchrun worker: never imported by the supervisor
+    ("dflash.measure", "dflash.eval"),           # memory measured (trace, GPU calibration) by the rank's own step; evaluation
     ("dflash.pipeline",),                        # all stages in one run dir
     ("dflash.commands",),                        # the CLI's subcommands
 )
 # Packages whose subpackages are declared one by one: a module of an undeclared subpackage is an error.
-SPLIT = {"dflash"}
+SPLIT = {"dflash", "dflash.train"}
 
 
 def modules() -> dict[str, Path]:
@@ -139,15 +142,20 @@ def test_no_import_cycle():
 
 
 def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
-    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration": {"dflash.train.setup", "dflash.drafter.shape"},
-             "dflash.memoryless": {"dflash.train.step"}, "dflash.train.step": {"dflash.memory.model", "dflash.eval.run"},
+    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration": {"dflash.train.rank.setup", "dflash.drafter.shape"},
+             "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
+             "dflash.train.supervisor.launch": {"dflash.train.rank.worker", "dflash.train.supervisor.heartbeat"},
+             "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.run"},
              "dflash.data.tokenize": {"dflash.data.render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
     assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
-                                  ("dflash.memory.calibration", "dflash.train.setup", "up"),
-                                  ("dflash.train.step", "dflash.eval.run", "sideways"),
+                                  ("dflash.measure.trace", "dflash.eval.run", "sideways"),
+                                  ("dflash.memory.calibration", "dflash.train.rank.setup", "up"),
+                                  ("dflash.train.rank.step", "dflash.eval.run", "up"),
+                                  ("dflash.train.supervisor.launch", "dflash.train.rank.worker", "up"),
                                   ("launcher_core.a", "dflash.data.b", "up")]
     assert undeclared(graph) == ["dflash.memoryless"]
     assert undeclared({"dflash": set(), "dflash.data": set(), "envcheck.x.y": set()}) == []
+    assert undeclared({"dflash.train": set(), "dflash.train.rank.step": set(), "dflash.train.step": set()}) == ["dflash.train.step"]
 
 
 def test_the_checker_sees_a_cycle():

@@ -88,7 +88,7 @@ def test_the_compiled_arch_list_reader_of_the_audit_is_there():
 FLIGHT_RECORDER_RANK = textwrap.dedent("""
     import pickle, sys, torch, torch.distributed as dist
     from dflash.torch_private import flight_recorder_dump
-    from dflash.train.heartbeat import collectives_entered
+    from dflash.train.supervisor.heartbeat import collectives_entered
     dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     for _ in range(3):
         dist.all_reduce(torch.ones(2))
@@ -99,7 +99,7 @@ FLIGHT_RECORDER_RANK = textwrap.dedent("""
 
 
 def test_the_flight_recorder_counts_each_ranks_collectives_on_gloo(tmp_path):
-    """The heartbeat's collective count (dflash.train.heartbeat.collectives_entered) from torch's flight
+    """The heartbeat's collective count (dflash.train.supervisor.heartbeat.collectives_entered) from torch's flight
     recorder, on two real gloo ranks with TORCH_FR_BUFFER_SIZE set as the launcher sets it."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

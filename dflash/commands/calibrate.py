@@ -6,7 +6,7 @@ micro-batches), measured under the allocator setting the profile's ranks run wit
 
 The baseline is the file `launcher.py baseline save --profile P` writes for this host; when
 there is none yet, this machine's snapshot is saved there first (as `baseline save` would).
-Exit 2 for a CPU profile, 125 where there is no CUDA device (see dflash.train.calibration).
+Exit 2 for a CPU profile, 125 where there is no CUDA device (see dflash.measure.gpu_calibration).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
-    from dflash.train.calibration import CalibrationRun
+    from dflash.measure.gpu_calibration import CalibrationRun
     from launcher_core.schema import Profile
 
 
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.train.calibration import calibrate, require_cuda, store_calibration
+    from dflash.measure.gpu_calibration import calibrate, require_cuda, store_calibration
 
     profile = with_target_override(load_profile_arg(args), args.target_override)
     require_cuda(profile)
@@ -87,8 +87,8 @@ def default_baseline(profile: Profile) -> Path:
 
 
 def result_document(run_result, baseline: Path) -> dict:
+    from dflash.measure.gpu_calibration import iter_prediction_rows
     from dflash.memory.calibration import calibration_as_dict
-    from dflash.train.calibration import iter_prediction_rows
 
     return {"baseline": str(baseline), "calibration": calibration_as_dict(run_result.calibration),
             "peaks_mib": {str(m): round(p, 1) for m, p in run_result.peaks_mib.items()},

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.plan import make_plan
     from dflash.memory.target import describe_target
-    from dflash.train.watchdog import plan_figures
+    from dflash.train.supervisor.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict
 
     profile = load_profile_arg(args)
@@ -87,9 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def traced_vs_modelled(profile: Profile, micro_batches: tuple[int, ...] = (1, 2)) -> list[str]:
-    """`plan --trace`: the trainer's own step (dflash.train.trace) traced per micro-batch against the model."""
-    from dflash.memory import trace as fake
-    from dflash.train import trace
+    """`plan --trace`: the trainer's own step (dflash.measure.trace) traced per micro-batch against the model."""
+    from dflash.measure import fake, trace
 
     lines = ["", "traced vs modelled (the trainer's step on fake tensors at the profile's world size; "
                  "the plan above uses the model):"]

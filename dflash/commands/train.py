@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
-    from dflash.train.launch import build_torchrun_command, describe_command, run_training
-    from dflash.train.launch_checks import require_dataset, validate_profile_for_launch
+    from dflash.train.supervisor.launch import build_torchrun_command, describe_command, run_training
+    from dflash.train.supervisor.launch_checks import require_dataset, validate_profile_for_launch
     from launcher_core.profile import expand_path
     from launcher_core.runlock import run_lock
 

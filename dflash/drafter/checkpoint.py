@@ -8,7 +8,7 @@ target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoP
 agreed micro-batch, world size: tensors, numbers, strings and containers only, read back with
 `torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
 `dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
-per rank (dflash.train.checkpointing; they resume at any world size). It is
+per rank (dflash.train.rank.checkpointing; they resume at any world size). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.checkpointing)
+DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.rank.checkpointing)
 CONFIG = "config.json"
 STATE = "training_state.pt"
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
@@ -48,7 +48,7 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:
     """Write step-N of an unsharded drafter (one process) atomically, then point `latest` at it.
-    Training writes its sharded checkpoints through dflash.train.checkpointing, with the same files."""
+    Training writes its sharded checkpoints through dflash.train.rank.checkpointing, with the same files."""
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
     with atomic_directory(checkpoints_dir(run_dir) / f"step-{step}") as staging:
         write_checkpoint_files(staging, weights, drafter.config, {"step": step, **state})

@@ -7,7 +7,7 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 def has_default_gamma(block_size: int) -> bool:
     """Whether the paper gives a gamma for this block size (otherwise train.decay_gamma must be set:
-    the launch checks, dflash.train.launch_checks, say so)."""
+    the launch checks, dflash.train.supervisor.launch_checks, say so)."""
     return block_size in DEFAULT_GAMMA
 
 

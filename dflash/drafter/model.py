@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "DFlashDraftModel"
 # What makes the training forward's per-layer attention: `make_layer_attends` (flex or SDPA under
-# the block mask); the memory trace passes its own (flex's memory on CPU, dflash.memory.trace).
+# the block mask); the memory trace passes its own (flex's memory on CPU, dflash.measure.fake).
 LayerAttendsFactory = Callable[[BlockLayout, Backend, "list[LayerAttention]"], "list[Attend]"]
 
 

@@ -24,7 +24,7 @@ MIN_SPACED_TARGET_LAYERS = 5     # the spacing from layer 1 to N-3 needs N >= 5 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Tap layer ids spaced from layer 1 to N-3: `[N // 2]` for one draft layer. (A target too
-    shallow for the spacing is the launch checks' to refuse, dflash.train.launch_checks.)"""
+    shallow for the spacing is the launch checks' to refuse, dflash.train.supervisor.launch_checks.)"""
     n, count = num_target_layers, num_draft_layers
     assert count >= 1, "the profile schema holds drafter.num_layers >= 1"
     if count == 1:

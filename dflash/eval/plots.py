@@ -70,7 +70,7 @@ def plot_training(metrics: list[dict[str, object]], path: str | Path) -> Path:
     if held_steps:
         loss_axis.plot(held_steps, held_losses, color="tab:orange", marker="o", label="held-out rows")
         tau_axis.plot(held_steps, taus, color="tab:green", marker="o", label="held-out rows")
-        # the trainer's rule (dflash.train.validation): highest tau, then lower loss, then the earlier step
+        # the trainer's rule (dflash.train.rank.validation): highest tau, then lower loss, then the earlier step
         best = max(range(len(taus)), key=lambda i: (taus[i], -held_losses[i], -held_steps[i]))
         tau_axis.annotate(f"best {taus[best]:.3f} (step {held_steps[best]})", (held_steps[best], taus[best]),
                           textcoords="offset points", xytext=(-60, 8), fontsize=8)

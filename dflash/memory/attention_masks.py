@@ -1,41 +1,19 @@
-"""What flex attention's BlockMasks cost in a training step, and what sliding-window layers save.
+"""What flex attention's BlockMasks cost in a training step, and why sliding-window layers save none.
 
-Training (flex_attention on CUDA) builds one BlockMask per distinct layer rule
-(`dflash.drafter.attention.make_layer_attends`) at the start of every micro-batch's drafter
-forward, and keeps it through the backward: a drafter with sliding layers and full ones holds two.
+Training builds one BlockMask per distinct layer rule (`dflash.drafter.attention.make_layer_attends`)
+at the start of every micro-batch's drafter forward and keeps it through the backward.
+Resident (`block_mask_bytes`): per sequence, the int32 block counts and indices of the partial and
+the full tiles, for the query side and transposed for the key side, in tiles of FLEX_TILE.
+Transient (`block_mask_build_bytes`): the larger of the two phases of
+`dflash.drafter.attention.block_mask` (per-row key and tile ranges beside two counting grids; the
+key-side transpose of `BlockMask.from_kv_blocks`), a bound on what the CPU allocator measures
+(tests/memory/test_attention_masks.py). The model counts both per sequence beside the drafter's
+activations (`dflash.memory.activations.drafter_activations_mib`).
 
-Resident (`block_mask_bytes`): a BlockMask stores, per sequence, int32 block counts and block
-indices of the partial and the full tiles, for the query side and again transposed for the key
-side: 4 x (query tiles x key tiles) x 4 bytes plus the per-row counts, tiles of FLEX_TILE = 128
-(queries: anchors x B block tokens; keys: context + block tokens). 0.13 MiB a sequence at 512
-anchors x 16 and 8,192 tokens.
-
-Transient (`block_mask_build_bytes`): `dflash.drafter.attention.block_mask` builds the tables from
-the anchors, never from a dense [queries x keys] mask, in two phases, the larger of which is the
-build's peak above what was live before it:
-* rows: per query row, int64 key ranges and tile ranges (`visible_key_ranges`, `tile_kinds`: at
-  most BUILD_ROW_INT64 of them alive at once, and BUILD_ROW_FLAGS booleans) while two int32
-  counting grids of query tiles x (key tiles + 1) fill (the touched tiles', then the covered ones');
-* tables: `BlockMask.from_kv_blocks` transposes the partial and the full tables for the key side
-  (torch's `_ordered_to_dense`: an int32 dense grid, the valid indices, their boolean mask and
-  index_put's two int64 index grids, TRANSPOSE_BYTES_PER_TILE in all) beside the tables made so far
-  (counted here as all four: a bound).
-0.64 MiB a sequence at 512 anchors x 16 and 8,192 tokens (measured: 0.58 to 0.64 MiB, by the rule,
-tests/memory/test_attention_masks.py), where `create_block_mask` made 1,280 MiB (full rule) and
-1,665 MiB (sliding) of dense mask and its reductions (benchmarks/results/block-mask_cpu-2core_2026-12-02.md). The row
-phase's [queries] position tensors are shared by the micro-batch's sequences: per sequence, the
-figure is exact at one sequence and a bound above.
-
-The model (`dflash.memory.activations.drafter_activations_mib`) counts, per sequence, every rule's
-resident mask beside the drafter's saved activations, and the moment the last mask is built (the
-others resident, the build's transient) when that is larger: it never is at a real shape, the
-transient being a few hundred KiB against GiBs of activations.
-
-Saving: none in a training step's memory. Every context position is some block's window (the
-anchors spread over the whole sequence), so every layer still projects and keeps the K/V of all
-S context positions, and flex_attention saves q, k, v, its output and the log-sum-exp whatever
-the mask; the window only skips score blocks (compute, not memory). The saving is at inference:
-the draft cache keeps `window` positions per sliding layer (`dflash.drafter.draft_cache`).
+A sliding window saves no training memory: the anchors spread over the whole sequence, so every
+layer keeps the K/V of all context positions and flex saves the same tensors whatever the mask; the
+window skips score blocks (compute). The saving is the draft cache's at inference
+(dflash.drafter.draft_cache). Figures: benchmarks/results/block-mask_cpu-2core_2026-12-02.md.
 """
 from __future__ import annotations
 

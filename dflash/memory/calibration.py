@@ -1,6 +1,6 @@
 """A measured memory model: peak allocated memory at two micro-batch sizes on one workload, each a
 step of two micro-batches on `world_size` ranks (`launcher.py calibrate` measures it on the GPU
-node, `dflash.train.calibration`), and its storage inside the baseline JSON under the key
+node, `dflash.measure.gpu_calibration`), and its storage inside the baseline JSON under the key
 `memory_calibration`, next to the machine facts it was measured on. `dflash.memory.model.peak_model`
 corrects the analytic estimate with it when its workload key is the profile's.
 
@@ -19,11 +19,24 @@ from typing import TYPE_CHECKING, Mapping
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
-    from dflash.memory.measure import AllocatorPeaks
     from dflash.memory.workload import Workload
     from envcheck.snapshot import Snapshot
 
 CALIBRATION_KEY = "memory_calibration"
+
+
+@dataclass(frozen=True)
+class AllocatorPeaks:
+    """The caching allocator's peaks over a run, in MiB: what tensors held, and what it reserved (the
+    segments, tensors and the free blocks between them: what `set_per_process_memory_fraction` caps)."""
+
+    allocated_mib: float
+    reserved_mib: float
+
+    @property
+    def ratio(self) -> float:
+        """Reserved over allocated: the allocator's reserve as a factor."""
+        return self.reserved_mib / self.allocated_mib
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The disk a run's checkpoints take (dflash.train.checkpointing writes them, dflash.train.retention bounds
+"""The disk a run's checkpoints take (dflash.train.rank.checkpointing writes them, dflash.train.rank.retention bounds
 them) and what one OOM restart costs, from the memory plan's figures: `launcher.py plan` prints both and
 `train` refuses a run whose kept checkpoints do not fit the free disk at its run directory.
 
@@ -8,7 +8,7 @@ shards: 3 x the float32 weights. Only the run's last checkpoint also holds the c
 `train.keep_checkpoints` N the run holds at most N + 2 at once: the newest N, the best by held-out tau,
 and the one being written before the oldest is removed. With 0 every checkpoint stays.
 
-An OOM restarts every rank from the last checkpoint (dflash.train.launch): each reloads the target and the
+An OOM restarts every rank from the last checkpoint (dflash.train.supervisor.launch): each reloads the target and the
 run recomputes the steps since that checkpoint, at most train.save_every_steps, and with
 train.save_every_minutes at most that many minutes of them.
 """

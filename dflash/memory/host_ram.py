@@ -1,28 +1,14 @@
 """The host RAM a node needs while its ranks start (every rank of the node at once): `launcher.py plan`
 prints it, and `train` and the preflight hold it against the node's RAM.
 
-A rank holds on the host while it starts (until its training state is built, before the first step):
-
-* the runtime: the interpreter, torch, transformers, datasets and the trainer's modules (measured on a
-  CPU rank, `RUNTIME_MIB`), on a GPU node plus an allowance for the CUDA context's host side, cuBLAS
-  and NCCL (`CUDA_RUNTIME_MIB`, an estimate: not measured on a GPU node yet);
-* the target: on a GPU rank it loads straight onto the GPU (dflash.models.load_target), one tensor at a
-  time through the host: the largest tensor in model.dtype (the safetensors files' pages are the
-  kernel's page cache, shared by the ranks and reclaimable: not counted); on a CPU rank its weights
-  live there: the layers it loads (up to the deepest tap, up to the last source layer with
-  drafter.init = "target"), the embedding and the head;
-* the drafter (dflash.train.materialize): built on the meta device and sharded, each init unit is built
-  again on the host alone (one weight matrix, or DFlash 2's selector) and its value may be replaced by
-  one of the same size (a target or checkpoint tensor): twice the largest unit in float32, transient;
-  on a CPU rank also its float32 shards (those of the fullest rank).
-
-On a CPU rank the target's weights are counted whole although, read from a file in the same dtype, they
-are memory-mapped pages shared by the ranks, resident only once read: the figure is an upper bound there
-(tests/train/test_start_rss.py measures a CPU rank below it, and the order before above it).
-
-The order before (the drafter built whole on the host, then moved and sharded; the target loaded whole
-and cut) is `whole_*`: the whole drafter in float32 on every rank, and on a CPU rank the whole target.
-No torch import here.
+A starting rank holds: the runtime (interpreter, torch, transformers, datasets, the trainer:
+`RUNTIME_MIB`, measured on a CPU rank; on a GPU node also `CUDA_RUNTIME_MIB`, an estimate); the
+target, on a GPU rank one tensor at a time on its way to the GPU (the largest), on a CPU rank its
+weights up to the deepest tap (an upper bound there: memory-mapped pages are shared by the ranks);
+the drafter's largest init unit twice in float32 while it is materialised
+(dflash.train.rank.materialize) and, on a CPU rank, its float32 shards. `whole_*` is the order
+before (drafter built whole on the host, target loaded whole), for comparison.
+tests/train/test_start_rss.py holds a CPU rank below the figure. No torch import here.
 """
 from __future__ import annotations
 
@@ -117,7 +103,7 @@ def host_ram_at_start(profile: Profile, plan: Plan) -> HostRamAtStart:
 
 
 def largest_init_unit(workload: Workload) -> int:
-    """Elements of the largest module dflash.train.materialize builds again at once: a weight matrix, one
+    """Elements of the largest module dflash.train.rank.materialize builds again at once: a weight matrix, one
     of DFlash 2's convolutions (its two tensors) or its selector (both codebooks and the projection)."""
     from dflash.memory import model as memory
 
@@ -127,7 +113,7 @@ def largest_init_unit(workload: Workload) -> int:
 
 
 def loaded_target_params(workload: Workload, profile: Profile) -> int:
-    """The target's parameters a rank loads (dflash.train.setup.target_layers_to_load)."""
+    """The target's parameters a rank loads (dflash.train.rank.setup.target_layers_to_load)."""
     from dflash.drafter.taps import target_layers_needed
     from dflash.memory import model as memory
 

@@ -1,55 +1,18 @@
-"""Memory model of online DFlash training on one rank, and its calibration.
+"""Memory model of online DFlash training on one rank: what torch allocates at a step's worst moment.
 
-Every rank holds the full frozen target (replicated) and 1/N of the drafter: FSDP2 shards each
-draft layer and the drafter's root (fc, the norms) over the N ranks (dflash.train.sharding).
-What one rank allocates through torch is modelled as
+Every rank holds the frozen target up to its deepest tap (replicated) and 1/N of the drafter: FSDP2
+shards each draft layer and the root over the N ranks (dflash.train.rank.parallel). The peak is a line
+in the micro-batch m, `PeakModel`: intercept + slope x m, plus the earlier micro-batches' gradients
+while a step accumulates, and never below what the update and a checkpoint save hold between steps.
+The intercept counts the static state (target weights, this rank's float32 shards with their gradients
+and AdamW states) and what a forward/backward adds (the units FSDP2 gathers in the compute dtype, one
+logits chunk, the gradient reduction's buffers); the slope is one sequence of the worst micro-batch
+the data allows (`dflash.memory.activations`).
 
-    peak(m) = intercept + slope * m (+ accumulated gradients while micro-batches accumulate)
-
-* static (alive through the run): the target's weights in model.dtype (embedding, lm_head and
-  the layers up to the deepest tap: the trainer drops the rest); this rank's float32 shards of the
-  drafter's parameters (each tensor's dim 0 split in N chunks, padded to a multiple of N: rank 0
-  holds the fullest) and their two AdamW states;
-* in a forward/backward (the intercept, beside static): the gathered weights FSDP2 all-gathers
-  in the compute dtype (`train.compute_dtype`: bf16, or float32) -- the root unit from its forward
-  to the end of the backward, a draft layer from its forward to its end (`reshard_after_forward`,
-  default; without it every layer stays gathered until its backward) and again in its backward,
-  where the next layer's gathering is prefetched: two layers at once; under bf16 autocast with
-  float32 weights, autocast's bf16 copy of every weight, which the matmuls keep for the backward;
-  the largest unit's unsharded gradients in the compute dtype during its backward; one logits
-  chunk (`train.loss_chunk_rows` rows x vocab: bf16 logits, their fp32 upcast and both gradients);
-* slope = memory per sequence of the WORST micro-batch the data allows: every sequence at
-  `data.max_length` with the full anchor count (`train.num_anchors` x `drafter.block_size` block
-  tokens): the tap features kept from the target, plus the larger of the target's transient no-grad
-  activations (one layer's working set; the forward stops after the deepest tap) and the drafter's
-  saved activations (`dflash.memory.activations`; with activation checkpointing each layer keeps
-  only its input and one layer's activations exist again in its backward);
-* accumulated gradients: from the second micro-batch of a step on, the gradients of the earlier
-  ones are alive -- this rank's float32 gradient shards (`train.gradient_sync =
-  "every_micro_batch"`: reduce-scattered as each backward ends), or every parameter's unsharded
-  float32 gradient ("last_micro_batch": reduced once, by the last micro-batch).
-
-DFlash 2 (`drafter.kind = "dflash2"`, the Workload's `dflash2`): its convolutions are part of every
-draft layer's unit, its candidate selector (two [vocab, rank] codebooks and a projection) a unit of
-its own (`conv_tensors`, `selector_tensors`); the selector's forward, backward and gradient reduction
-are moment lines of their own (docs/memory.md).
-
-The gradient reduction runs inside the backward, one unit at a time: its own buffers are the
-reduce-scatter's float32 input (the unit's unsharded, padded size) and output (this rank's shard),
-`MemoryEstimate.reduction_buffers`. Between steps (`MemoryEstimate.between_steps`, independent of
-the micro-batch; `PeakModel.peak_mib(m)` is never below it): the update (static + the gradient
-shards + one float32 temporary over the shards: foreach AdamW's sqrt(exp_avg_sq)) and a
-checkpoint save (static + the largest tensor gathered whole on its way to rank 0's host memory).
-
-The analytic figures are an estimate; a measured step on a real GPU (`launcher.py calibrate`,
-peaks at two micro-batch sizes, each a step of two micro-batches) corrects them
-(`dflash.memory.calibration`, stored with the baseline; `peak_model`). Non-torch memory (CUDA
-context, NCCL, cuBLAS workspace) is not part of this model: `dflash.memory.plan` subtracts it
-from the free memory.
-
-The workload is `dflash.memory.workload`, the target's shape `dflash.memory.target`, the
-per-sequence activations `dflash.memory.activations`. No torch import here: `plan` runs in the
-launcher process.
+The figures are an estimate: a calibration measured on a GPU corrects them (`peak_model`). Non-torch
+memory (CUDA context, NCCL, cuBLAS) is the plan's (`dflash.memory.plan`). No torch import: `plan`
+runs in the launcher process. Each moment and why it counts what it does: docs/memory.md, "The
+memory model".
 """
 from __future__ import annotations
 
@@ -287,7 +250,7 @@ def conv_tensors(workload: Workload) -> list[Tensor]:
 
 
 def selector_tensors(workload: Workload) -> list[Tensor]:
-    """DFlash 2's candidate selector, its own FSDP2 unit (dflash.train.sharding): the predecessor and
+    """DFlash 2's candidate selector, its own FSDP2 unit (dflash.train.rank.parallel): the predecessor and
     successor codebooks [vocab, rank] and the hidden projection H -> rank."""
     parts = workload.dflash2
     if parts is None:
@@ -426,7 +389,7 @@ def _layers_in_backward(workload: Workload) -> int:
 def _reduction_mib(workload: Workload) -> float:
     """What one unit's gradient reduction allocates above what was alive: its float32 input (the
     unit gathered whole) and output (this rank's shard; on one rank as large as the input), with
-    the unit's gradients still held (measured on 2 real gloo ranks, tests/train/test_measured_memory.py;
+    the unit's gradients still held (measured on 2 real gloo ranks, tests/measure/test_measured_memory.py;
     on one rank in bf16 compute also a float32 copy of half their size, traced). The largest of the
     draft layers', the root's and DFlash 2's selector's (on one rank with one codebook's gradient in
     the compute dtype still held, traced)."""

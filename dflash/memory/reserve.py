@@ -1,7 +1,7 @@
 """The caching allocator's reserve, counted inside each rank's budget.
 
 On CUDA a rank caps its allocator at its budget (`torch.cuda.set_per_process_memory_fraction`,
-dflash.train.worker.apply_rank_plan), and that cap holds RESERVED memory: the segments the caching
+dflash.train.rank.worker.apply_rank_plan), and that cap holds RESERVED memory: the segments the caching
 allocator holds, tensors and the free blocks between them. The memory model predicts ALLOCATED memory
 (tensors, `max_memory_allocated`). One rule makes the two agree:
 

@@ -109,7 +109,7 @@ def world_size_of(profile: Profile) -> int:
 
 
 def autocast_on(profile: Profile) -> bool:
-    """The trainer's rule (dflash.train.step.autocast_wanted): bf16 autocast on CUDA ("auto") or
+    """The trainer's rule (dflash.train.rank.step.autocast_wanted): bf16 autocast on CUDA ("auto") or
     when train.autocast = "bfloat16"."""
     setting = profile.train.autocast
     return setting == "bfloat16" or (setting == "auto" and profile.machine.device == "cuda")

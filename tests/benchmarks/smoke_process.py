@@ -8,7 +8,7 @@ none of the test run's entries, so a script that stops putting the checkout on i
 it would for a user; no module of the project is preloaded), stdin from /dev/null, stdout and stderr
 in files; the script runs as `__main__` (runpy), its atexit handlers run at its end, and its exit code
 (SystemExit's, 1 on an exception) is the process's. The server forks every run from itself (as
-torchrun's forkserver forks the ranks: dflash.train.agent), so its preload must leave it one thread: it
+torchrun's forkserver forks the ranks: dflash.train.supervisor.agent), so its preload must leave it one thread: it
 does under the suite's OMP_NUM_THREADS=1 (tests/conftest.py); without that setting the import starts a
 second (test_benchmarks.py checks both)."""
 from __future__ import annotations

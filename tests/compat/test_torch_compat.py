@@ -10,7 +10,7 @@ When it runs. A cold venv downloads 4.3 GB (kept in uv's cache and the project c
 stay) and the tests take 5-6.5 minutes on the 2-core machine (benchmarks/results/torch-2.9.1-lane_cpu-2core_2026-12-07.md), so the
 lane runs only when something it guards changed, else it is skipped, saying why:
 * DFLASH_TORCH_COMPAT=1 runs it, DFLASH_TORCH_COMPAT=0 skips it;
-* otherwise it runs when a path in TRIGGERS (the GPU requirement files, dflash/train/, the trace and checkpoint
+* otherwise it runs when a path in TRIGGERS (the GPU requirement files, dflash/train/, dflash/measure/, the checkpoint
   modules, this lane and the tests it runs) differs between the working tree and the commit it is compared
   with: the merge base with origin/main (or main) where HEAD is not on it, else HEAD's first parent (on a merge
   commit: everything it merged);
@@ -36,10 +36,10 @@ OTHER_TORCH = sorted(name for name, pin in TORCH_PINS.items() if pin != read_pin
 TESTS = ["tests/train/test_fsdp_step.py", "tests/train/test_meta_init.py", "tests/train/test_torchrun.py",
          "tests/train/test_retention.py", "tests/train/test_safety_checkpoint.py",
          "tests/safety/test_safety_async_save.py", "tests/safety/test_safety_checkpoints.py",
-         "tests/memory/test_autobatch.py", "tests/memory/test_trace.py", "tests/test_torch_private.py",
+         "tests/memory/test_autobatch.py", "tests/measure/test_trace.py", "tests/test_torch_private.py",
          "tests/train/test_faults.py", "tests/train/test_plain_run.py", "tests/safety/test_safety_stuck.py",
          "tests/safety/test_safety_signals.py"]
-TRIGGERS = ("requirements-cu", "dflash/train/", "dflash/memory/trace.py", "dflash/drafter/checkpoint.py",
+TRIGGERS = ("requirements-cu", "dflash/train/", "dflash/measure/", "dflash/drafter/checkpoint.py",
             "dflash/torch_private.py",
             "tests/compat/compat_venvs.py", "tests/compat/test_torch_compat.py", *TESTS)
 
@@ -99,7 +99,7 @@ def test_a_shallow_clone_or_a_forced_setting_decides_the_lane(monkeypatch):
     assert lane_decision()[0]
 
 
-@pytest.mark.parametrize("changed, runs", [("README.md\ndocs/train.md\n", False), ("docs/x.md\ndflash/train/step.py\n", True),
+@pytest.mark.parametrize("changed, runs", [("README.md\ndocs/train.md\n", False), ("docs/x.md\ndflash/train/rank/step.py\n", True),
                                             ("requirements-cu128.txt\n", True), ("", False)])
 def test_the_lane_runs_when_a_path_it_guards_changed(monkeypatch, changed, runs):
     monkeypatch.delenv("DFLASH_TORCH_COMPAT", raising=False)

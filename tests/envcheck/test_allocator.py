@@ -38,10 +38,10 @@ def torch_reads(env: dict[str, str]) -> str:
 
 def test_an_empty_variable_is_dropped_for_the_ranks_and_for_the_calibration(monkeypatch):
     """A set-but-empty PYTORCH_CUDA_ALLOC_CONF is what torch 2.13 reads first (and nothing from the other):
-    the ranks' environment and the calibrating process (dflash.train.calibration.apply_allocator_setting)
+    the ranks' environment and the calibrating process (dflash.measure.gpu_calibration.apply_allocator_setting)
     both drop it, so torch runs with the expandable segments the calibration records."""
-    from dflash.train.calibration import apply_allocator_setting
-    from dflash.train.launch import TrainPaths, _worker_env
+    from dflash.measure.gpu_calibration import apply_allocator_setting
+    from dflash.train.supervisor.launch import TrainPaths, _worker_env
 
     assert torch_reads({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == ""
     ranks = _worker_env(_profile(), {"PYTORCH_CUDA_ALLOC_CONF": ""}, None, TrainPaths(Path("run")))

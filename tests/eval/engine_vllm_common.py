@@ -97,7 +97,7 @@ def train(root: Path, smollm2_dir: Path, data: Path, drafter: dict, steps: int, 
     """`steps` steps on the answers, the whole set each step (its target features cached after the first);
     `recipe`: [train] keys changed from these."""
     from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     profile = write_profile(root / "p.toml", smollm2_dir, data, root / "run", machine={"nproc_per_node": 1},
                             max_steps=steps, save_every_steps=steps, global_batch=NUM_PROMPTS,

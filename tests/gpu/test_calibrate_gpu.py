@@ -1,4 +1,4 @@
-"""The memory calibration on a GPU (`dflash.train.calibration.calibrate`, what `launcher.py calibrate`
+"""The memory calibration on a GPU (`dflash.measure.gpu_calibration.calibrate`, what `launcher.py calibrate`
 runs): the worst-case workload's state built by `build_state`, peaks measured at micro-batch 1 and
 2 -> the calibrated line, whose prediction at micro-batch 4 and 8 must be within 10 % of
 `torch.cuda.max_memory_allocated` there. The uncalibrated analytic estimate is reported against
@@ -17,7 +17,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def calibrated(workload_profile, scratch, gpu_out, record):
-    from dflash.train.calibration import calibrate, iter_prediction_rows, store_calibration
+    from dflash.measure.gpu_calibration import calibrate, iter_prediction_rows, store_calibration
 
     run = calibrate(workload_profile, scratch / "calibrate", PROBE_MICRO_BATCHES)
     workload = run.workload

@@ -20,7 +20,7 @@ def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     import json
 
     from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
 

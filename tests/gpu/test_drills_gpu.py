@@ -57,8 +57,8 @@ class Drills:
 def drills(workload_profile, scratch, record) -> Drills:
     import torch
 
+    from dflash.measure.gpu_calibration import CALIBRATION_MICRO_BATCHES, apply_allocator_setting, fit, measure, warm_up, worst_case_bench
     from dflash.memory import model as memory
-    from dflash.train.calibration import CALIBRATION_MICRO_BATCHES, apply_allocator_setting, fit, measure, warm_up, worst_case_bench
 
     apply_allocator_setting(workload_profile)          # the ranks' allocator (expandable segments), before CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "drills", rows=GLOBAL_BATCH)
@@ -95,8 +95,8 @@ def run_capped(drills: Drills, cap_mib: float, planned: int, run_dir: Path) -> D
     import torch
 
     from dflash.memory.plan import batch_plan
-    from dflash.train.autobatch import AutoBatch, OomRestart, load_run_state, run_state_path
-    from dflash.train.step import run_step
+    from dflash.train.rank.autobatch import AutoBatch, OomRestart, load_run_state, run_state_path
+    from dflash.train.rank.step import run_step
 
     state, device = drills.bench.state, drills.bench.state.device
     torch.cuda.empty_cache()

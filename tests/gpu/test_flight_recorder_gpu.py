@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_the_nccl_flight_recorder_is_on_and_dumps_into_the_run(record, tmp_path, tiny_qwen3_target, tiny_dataset):
-    from dflash.train.heartbeat import flight_recorder_dir, rank_records
-    from dflash.train.launch import run_training
-    from dflash.train.watchdog import request_dumps
+    from dflash.train.supervisor.heartbeat import flight_recorder_dir, rank_records
+    from dflash.train.supervisor.launch import run_training
+    from dflash.train.supervisor.watchdog import request_dumps
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
 

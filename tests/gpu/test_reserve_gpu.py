@@ -33,8 +33,8 @@ class Reserved:
 
 @pytest.fixture(scope="module")
 def reserved(workload_profile, scratch, record) -> Reserved:
+    from dflash.measure.gpu_calibration import CALIBRATION_MICRO_BATCHES, MICRO_BATCHES_PER_STEP, apply_allocator_setting, measure_reserve, measure_steps, warm_up, worst_case_bench
     from dflash.memory.calibration import fit_calibration
-    from dflash.train.calibration import CALIBRATION_MICRO_BATCHES, MICRO_BATCHES_PER_STEP, apply_allocator_setting, measure_reserve, measure_steps, warm_up, worst_case_bench
 
     allocator = apply_allocator_setting(workload_profile)          # before this process allocates CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "reserve", rows=MICRO_BATCHES_PER_STEP * (PLANNED + 1))
@@ -88,7 +88,7 @@ def expandable_segments_in_use() -> bool | None:
 def test_varied_lengths_at_the_planned_micro_batch_stay_within_the_cap(reserved, record):
     import torch
 
-    from dflash.train.calibration import run_varied_shapes
+    from dflash.measure.gpu_calibration import run_varied_shapes
 
     plan = capped_plan(reserved)
     budget, device = plan.ranks[0].budget.budget_mib, reserved.bench.state.device

@@ -50,8 +50,8 @@ def state(tiny_target, tokenizer_dir, tmp_path_factory) -> Any:
     from gpu_helpers import gpu_profile
 
     from dflash.data.dataset_io import save_token_rows
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_state
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
 
     work = tmp_path_factory.mktemp("train-gpu")
     dataset = save_token_rows(work / "dataset", pattern_rows(cycle_token_ids(tokenizer_dir), TRAIN_ROWS))
@@ -66,7 +66,7 @@ def state(tiny_target, tokenizer_dir, tmp_path_factory) -> Any:
 @pytest.fixture(scope="module")
 def losses(state, record) -> list[float]:
     from dflash.memory.plan import batch_plan
-    from dflash.train.step import run_step
+    from dflash.train.rank.step import run_step
 
     losses, slot1, started = [], [], time.perf_counter()
     for step in range(TRAIN_STEPS):
@@ -97,7 +97,7 @@ def loss_and_grads(state: Any, batch: Any, backend: str) -> tuple[float, Any]:
     """Normalised loss and the flattened drafter gradient of one batch through `backend`."""
     import torch
 
-    from dflash.train.step import forward_micro
+    from dflash.train.rank.step import forward_micro
 
     state.backend = backend
     state.optimizer.zero_grad(set_to_none=True)

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash.train import autobatch  # noqa: E402
-from dflash.train.dist import init_process_group  # noqa: E402
+from dflash.train.rank import autobatch  # noqa: E402
+from dflash.train.rank.parallel import init_process_group  # noqa: E402
 
 
 def main() -> None:

@@ -10,9 +10,9 @@ import torch
 
 from dflash.drafter.attention import BlockLayout, block_mask
 from dflash.drafter.layers import layer_attention
+from dflash.measure.peaks import measure_cpu_transient
 from dflash.memory.activations import drafter_activations_mib
 from dflash.memory.attention_masks import MIB, block_mask_build_bytes, block_mask_bytes, block_masks_mib, dense_mask_bytes, mask_build_peak_mib
-from dflash.memory.measure import measure_cpu_transient
 from dflash.memory.model import estimate, workload_from_profile
 from launcher_core.profile import load_profile
 

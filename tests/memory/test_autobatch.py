@@ -1,4 +1,4 @@
-"""The agreed micro-batch and recovery by restart (dflash.train.autobatch): the fault-injection
+"""The agreed micro-batch and recovery by restart (dflash.train.rank.autobatch): the fault-injection
 switch, the OOM record a rank writes before it exits, the halving every rank takes from the
 records at its start (real torchrun gloo ranks for the agreement), and the launcher's decision to
 restart. The whole recovery, in each phase of the real trainer's step, is in tests/train/test_torchrun.py."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train import autobatch
-from dflash.train.faults import INJECT_ENV
+from dflash.train.rank import autobatch
+from dflash.train.rank.faults import INJECT_ENV
 from launcher_core.errors import RunFailed
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 def test_an_oom_inside_a_step_is_recorded_with_its_phase_and_ends_the_rank_for_a_restart(tmp_path):
     import torch
 
-    from dflash.train.heartbeat import RankProgress
+    from dflash.train.supervisor.heartbeat import RankProgress
 
     auto = autobatch.AutoBatch(4, rank=1, run_dir=tmp_path, log=lambda _: None)
     progress = RankProgress()
@@ -70,7 +70,7 @@ def test_an_oom_at_micro_batch_one_fails_the_restart_with_what_to_change(tmp_pat
 def test_the_launcher_restarts_only_after_a_recorded_oom_and_never_for_micro_batch_one(tmp_path):
     import dataclasses
 
-    from dflash.train.launch import TrainPaths, oom_restart_limit, restart_after_oom
+    from dflash.train.supervisor.launch import TrainPaths, oom_restart_limit, restart_after_oom
     from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")

@@ -34,7 +34,7 @@ def fixture_calibration():
 @pytest.fixture
 def calibrated_baseline(tmp_path) -> Path:
     """`baseline save --from` the recorded node, then the calibration written into it."""
-    from dflash.train.calibration import store_calibration
+    from dflash.measure.gpu_calibration import store_calibration
 
     saved = run_launcher("baseline", "save", "--profile", "rtx6000-x8", "--from", str(SNAPSHOT), baselines=tmp_path)
     assert saved.returncode == 0, saved.stderr
@@ -110,8 +110,8 @@ def test_calibrate_without_a_cuda_device_cannot_test(tmp_path):
 def test_worst_case_bench_builds_through_build_state_and_steps_two_micro_batches(tmp_path, tiny_qwen3_target):
     """On the CPU: every row at max_length with the full anchors, the state from build_state (the
     drafter sharded by FSDP2 over the measuring process), a real step of two micro-batches of 2."""
-    from dflash.train.calibration import MICRO_BATCHES_PER_STEP, step_at, worst_case_bench
-    from dflash.train.sharding import is_sharded
+    from dflash.measure.gpu_calibration import MICRO_BATCHES_PER_STEP, step_at, worst_case_bench
+    from dflash.train.rank.parallel import is_sharded
 
     profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
     bench = worst_case_bench(profile, tmp_path, rows=MICRO_BATCHES_PER_STEP * 2)
@@ -128,7 +128,7 @@ def test_the_reserve_is_measured_over_differently_shaped_micro_batches(tmp_path,
     """The bench's dataset holds, after the worst-case rows, rows of 1/4, 3/4 and 1/2 of max_length, and
     measure_reserve's run steps through each shape then the worst case: real steps on the CPU here (the
     allocator's peaks themselves need CUDA: tests/gpu/test_calibrate_gpu.py)."""
-    from dflash.train.calibration import run_varied_shapes, varied_lengths, varied_row_range, worst_case_bench
+    from dflash.measure.gpu_calibration import run_varied_shapes, varied_lengths, varied_row_range, worst_case_bench
 
     profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
     bench = worst_case_bench(profile, tmp_path, rows=4)
@@ -142,7 +142,7 @@ def test_the_reserve_is_measured_over_differently_shaped_micro_batches(tmp_path,
 
 
 def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist():
-    from dflash.train.calibration import calibration_ranks
+    from dflash.measure.gpu_calibration import calibration_ranks
     from launcher_core.profile import load_profile
 
     rtx, h200 = load_profile("rtx6000-x8"), load_profile("h200-x1")
@@ -184,7 +184,7 @@ def tiny_worst_case_profile(tiny_qwen3_target, nproc: int, backend: str = "gloo"
 
 def step_and_report(bench) -> dict:
     """A calibration rank's hook on the CPU: one real step at micro-batch 2, its gradients and weights."""
-    from dflash.train.calibration import step_at
+    from dflash.measure.gpu_calibration import step_at
 
     stats = step_at(bench, 2)
     grads = [p.grad.full_tensor().double().norm().item() for p in bench.state.drafter.parameters() if p.grad is not None]
@@ -200,7 +200,7 @@ def test_on_2_ranks_the_calibration_step_is_the_trainers_with_fsdp2_between_them
     one-process gradient; both ranks see the same whole weights."""
     import torch.multiprocessing as mp
 
-    from dflash.train.calibration import calibration_rank, free_port, worst_case_bench
+    from dflash.measure.gpu_calibration import calibration_rank, free_port, worst_case_bench
 
     profile = tiny_worst_case_profile(tiny_qwen3_target, nproc=4)
     alone = step_and_report(worst_case_bench(profile, tmp_path / "one", rows=4))

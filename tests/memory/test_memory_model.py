@@ -104,7 +104,7 @@ def test_plan_says_its_dimensions_are_assumed_for_a_target_not_here_and_refuses_
 def test_the_flagship_shape_is_its_published_config_and_the_trace_builds_the_same():
     """One definition (dflash.models.QWEN36_27B_TEXT): the model's shape, the trace's transformers config
     and the twin's architecture ratios all come from it."""
-    from dflash.memory import trace as fake
+    from dflash.measure import fake
     from dflash.models import FLAGSHIP_TEXT, QWEN36_27B_TEXT
 
     s = QWEN36_27B_LIKE
@@ -128,7 +128,7 @@ def test_builtin_targets_resolve_through_one_directory_function(tmp_path, monkey
     (dflash.models.local_model_dir): the SmolLM2 conversion's config.json, once there, gives the shape."""
     import shutil
 
-    from dflash.memory import trace as fake
+    from dflash.measure import fake
     from dflash.models import SMOLLM2, local_model_dir
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))

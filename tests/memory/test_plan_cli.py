@@ -185,7 +185,7 @@ def test_the_plan_says_what_an_oom_restart_costs(tmp_path):
 
 
 def test_the_plan_says_when_a_stuck_rank_is_named(tmp_path):
-    """The stuck bound from the profile (dflash.train.watchdog): the floor, the step multiple, the collective
+    """The stuck bound from the profile (dflash.train.supervisor.watchdog): the floor, the step multiple, the collective
     timeout it beats and the heartbeat timeout; a floor not below the collective timeout is refused (exit 2)."""
     node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
     stuck = plan_json("--profile", "rtx6000-x8", "--snapshot", node)["stuck_rank"]
@@ -206,7 +206,7 @@ def test_the_plan_says_the_host_ram_the_node_needs_at_start_and_train_refuses_a_
     float32 parameters, 6,600 MiB a rank) needed 86.5 GiB. The fixture node's 2 TiB hold it, 40 GiB do not."""
     from dflash.memory.host_ram import host_ram_at_start
     from dflash.memory.plan import make_plan
-    from dflash.train.launch import check_host_ram
+    from dflash.train.supervisor.launch import check_host_ram
     from envcheck.snapshot import load_snapshot, save_snapshot
     from launcher_core.errors import PreflightFailed
     from launcher_core.profile import load_profile

@@ -10,8 +10,14 @@ import pytest
 from test_budget import calibration_giving, snapshot, write_profile
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import calibration_as_dict, calibration_from_dict, fit_calibration, load_calibration, save_calibration
-from dflash.memory.measure import AllocatorPeaks
+from dflash.memory.calibration import (
+    AllocatorPeaks,
+    calibration_as_dict,
+    calibration_from_dict,
+    fit_calibration,
+    load_calibration,
+    save_calibration,
+)
 from dflash.memory.reserve import DEFAULT_RESERVE_RATIO, FIXED_SEGMENTS_RESERVE_RATIO
 
 

@@ -87,8 +87,7 @@ def save_real_checkpoint(profile_path: Path, run_dir: Path, step: int) -> Path:
 
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.models import resolve_model_path
-    from dflash.train.optim import cosine_schedule
-    from dflash.train.setup import build_drafter, resolve_layer_ids
+    from dflash.train.rank.setup import build_drafter, cosine_schedule, resolve_layer_ids
     from launcher_core.profile import load_profile
 
     profile = load_profile(str(profile_path))

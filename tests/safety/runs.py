@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import psutil
 
-from dflash.train.agent import RUN_DIR_ENV
+from dflash.train.supervisor.agent import RUN_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 IN_CREATE, IN_MOVED_TO = 0x100, 0x80
@@ -71,7 +71,7 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
 
 def role(process: psutil.Process) -> str:
     command = " ".join(process.cmdline())
-    return ("agent" if "dflash.train.agent" in command else "rank" if "dflash.train.worker" in command
+    return ("agent" if "dflash.train.supervisor.agent" in command else "rank" if "dflash.train.rank.worker" in command
             else "launcher" if "launcher.py" in command else "other")
 
 

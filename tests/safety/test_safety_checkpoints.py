@@ -124,7 +124,7 @@ def test_verify_checkpoint_reads_the_dcp_beside_the_weights(setup, tmp_path):
 
 
 def test_the_newest_whole_checkpoint_is_chosen_and_latest_points_at_it(setup, tmp_path):
-    from dflash.train.resume import choose_checkpoint
+    from dflash.train.supervisor.resume import choose_checkpoint
 
     run_dir = fresh_run(setup, tmp_path)
     (checkpoints(run_dir) / "step-2" / "training_state.pt").write_bytes(b"garbage")
@@ -141,7 +141,7 @@ def test_a_latest_naming_a_missing_or_older_step_is_repointed_and_said(cli, setu
     line what it named and what it names now, rather than repointing it silently; the same for an older whole
     step. Driven through the CLI up to the shape check (the wider profile's drafter is refused, exit 2, after
     the choice), so no rank starts."""
-    from dflash.train.resume import choose_checkpoint
+    from dflash.train.supervisor.resume import choose_checkpoint
 
     run_dir = fresh_run(setup, tmp_path)
     pointer = checkpoints(run_dir) / "latest"
@@ -162,7 +162,7 @@ def test_a_latest_naming_a_missing_or_older_step_is_repointed_and_said(cli, setu
 
 
 def test_partial_saves_are_removed_and_said(setup, tmp_path):
-    from dflash.train.resume import remove_partial_saves
+    from dflash.train.supervisor.resume import remove_partial_saves
 
     run_dir = fresh_run(setup, tmp_path)
     partial = checkpoints(run_dir) / ".step-3.k2j4h1.tmp"
@@ -179,7 +179,7 @@ def test_partial_saves_are_removed_and_said(setup, tmp_path):
 
 
 def test_a_save_killed_between_its_renames_gets_the_old_checkpoint_back(setup, tmp_path):
-    from dflash.train.resume import remove_partial_saves
+    from dflash.train.supervisor.resume import remove_partial_saves
 
     run_dir = fresh_run(setup, tmp_path)
     step = checkpoints(run_dir) / "step-2"
@@ -222,8 +222,8 @@ def test_resume_with_a_drafter_of_another_shape_is_exit_2_listing_the_difference
 
 def test_the_profile_a_checkpoint_was_trained_with_fits_it(setup, tmp_path):
     """The control of the shape refusal: the same check passes the checkpoint's own profile."""
-    from dflash.train.launch_checks import validate_profile_for_launch
-    from dflash.train.resume import prepare_checkpoints
+    from dflash.train.supervisor.launch_checks import validate_profile_for_launch
+    from dflash.train.supervisor.resume import prepare_checkpoints
     from launcher_core.profile import load_profile
 
     run_dir = fresh_run(setup, tmp_path)

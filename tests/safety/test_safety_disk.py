@@ -200,7 +200,7 @@ def test_a_checkpoint_writer_error_is_a_full_disk_only_where_the_save_does_not_f
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dflash.train.checkpointing import abandon_save
+    from dflash.train.rank.checkpointing import abandon_save
     from launcher_core.errors import DiskFull
 
     disk = small_fs("disk", 3 * 2**20)
@@ -323,7 +323,7 @@ def test_a_run_whose_kept_checkpoints_do_not_fit_the_disk_is_refused_before_it_s
     kept there is no bound to hold it to."""
     from dflash.memory.checkpoints import checkpoint_disk
     from dflash.memory.launch_plan import plan_for_launch, read_inputs
-    from dflash.train.launch import check_checkpoint_disk, run_training
+    from dflash.train.supervisor.launch import check_checkpoint_disk, run_training
     from launcher_core.errors import PreflightFailed
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_dataset, write_profile

@@ -52,7 +52,7 @@ def test_inspect_of_garbage_meta_names_the_file(cli, dataset):
 
 
 def test_inspect_and_the_loader_refuse_flipped_bytes_naming_the_backup(cli, dataset, tmp_path):
-    from dflash.train.data import verify_dataset
+    from dflash.train.rank.data import verify_dataset
     from launcher_core.errors import DataError
 
     backup = tmp_path / "ds.backup-20260101-000000"
@@ -68,7 +68,7 @@ def test_inspect_and_the_loader_refuse_flipped_bytes_naming_the_backup(cli, data
 
 
 def test_the_loader_checks_sizes_on_every_rank(dataset):
-    from dflash.train.data import verify_dataset
+    from dflash.train.rank.data import verify_dataset
     from launcher_core.errors import DataError
 
     truncate(first_shard(dataset), 100)

@@ -158,7 +158,7 @@ def test_a_cache_build_waits_for_the_one_under_way_and_then_finds_it_done(tmp_pa
 def test_a_stopped_rank_is_found_and_a_beating_one_is_not(tmp_path):
     """find_stall: a record whose process lives but has not beaten for the timeout; the control, a
     process that beats, and a record whose process is gone, are not stalls."""
-    from dflash.train.heartbeat import RankHeartbeat, find_stall, ranks_dir
+    from dflash.train.supervisor.heartbeat import RankHeartbeat, find_stall, ranks_dir
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -202,13 +202,13 @@ def write_records(failures: Path, records: list[dict], agent: list[dict]) -> Non
     # a full disk recorded by rank 0
     ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], [],
      "disk full", 0, "rank 0: disk full: writing a checkpoint"),
-    # a loss that cannot train, recorded by both ranks alike (dflash.train.loss_check): the earliest names it
+    # a loss that cannot train, recorded by both ranks alike (dflash.train.rank.loss_check): the earliest names it
     ([{"rank": 0, "time": 2.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"},
       {"rank": 1, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], [],
      "loss unusable", 1, "rank 1: step 2: the loss is nan; once the key named is changed, "),
 ])
 def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank, start):
-    from dflash.train.failures import RunEnd, failure_cause
+    from dflash.train.supervisor.failures import RunEnd, failure_cause
 
     write_records(tmp_path / "train" / "failures", records, agent)
     cause = failure_cause(tmp_path, RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
@@ -231,7 +231,7 @@ def test_a_rank_aborted_by_a_signal_of_its_own_is_named_with_its_python_stack(tm
     """A rank that dies by SIGABRT records no error of its own; with the PYTHONFAULTHANDLER the launcher
     sets for its ranks, a real Python's dump in the rank's torchrun log names where it was. The control:
     the same abort without the faulthandler leaves nothing to name."""
-    from dflash.train.failures import RunEnd, failure_cause
+    from dflash.train.supervisor.failures import RunEnd, failure_cause
 
     log = tmp_path / "train" / "logs" / "dflash-x" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)
@@ -252,7 +252,7 @@ def test_a_rank_aborted_by_a_signal_of_its_own_is_named_with_its_python_stack(tm
 
 
 def test_a_killed_agent_is_named_before_any_rank(tmp_path):
-    from dflash.train.failures import RunEnd, failure_cause
+    from dflash.train.supervisor.failures import RunEnd, failure_cause
 
     write_records(tmp_path / "train" / "failures", [{"rank": 0, "time": 1.0, "error": "echo"}], [])
     (tmp_path / "train" / "checkpoints").mkdir(parents=True)

@@ -116,7 +116,7 @@ def test_every_key_says_what_it_means():
 
 
 def test_every_rule_names_real_keys_and_says_what_it_holds():
-    from dflash.train.launch_checks import LAUNCH_CHECKS
+    from dflash.train.supervisor.launch_checks import LAUNCH_CHECKS
 
     for rule in [*schema.CROSS_FIELD_RULES, *LAUNCH_CHECKS]:
         assert rule.keys and set(rule.keys) <= set(schema.KEYS), (rule.name, rule.keys)

@@ -176,7 +176,7 @@ def test_5_a_stopped_rank_is_named_within_the_heartbeat_timeout(chain):
 
 
 def test_6_a_truncated_latest_falls_back_and_a_second_run_is_refused_while_it_lives(chain, cli):
-    from dflash.train.resume import remove_partial_saves
+    from dflash.train.supervisor.resume import remove_partial_saves
 
     checkpoints = chain.run_dir / "train" / "checkpoints"
     # the newest whole checkpoint, which a resume takes: `latest` may lag it, and an async save whose shards were

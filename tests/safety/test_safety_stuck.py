@@ -1,4 +1,4 @@
-"""A rank alive but stuck is named by its progress (dflash.train.watchdog), on 2 real gloo ranks under
+"""A rank alive but stuck is named by its progress (dflash.train.supervisor.watchdog), on 2 real gloo ranks under
 `launcher.py train`, well before the process group's timeout (train.collective_timeout_s = 600 s here):
 
 1. rank 1 sleeps inside its backward (DFLASH_INJECT_STALL, a hook at the start of the drafter's backward):

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> None:
     import torch
 
-    from dflash.train import dist
-    from dflash.train.setup import build_state
-    from dflash.train.step import accumulate_step, micro_weight_sum, step_stats
+    from dflash.train.rank import parallel
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.step import accumulate_step, micro_weight_sum, step_stats
     from launcher_core.profile import load_profile
 
     parser = argparse.ArgumentParser()
@@ -25,12 +25,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     profile = load_profile(args.profile)
-    env = dist.WorkerEnv.from_env()
-    dist.init_process_group("gloo")
+    env = parallel.WorkerEnv.from_env()
+    parallel.init_process_group("gloo")
     state = build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
     state.autobatch = None
     epoch, rows = state.data.step_rows(0)
-    weight = dist.global_weight(micro_weight_sum(state, state.data.collate(rows, epoch)))
+    weight = parallel.global_weight(micro_weight_sum(state, state.data.collate(rows, epoch)))
     found = {}
     for sync in ("every_micro_batch", "last_micro_batch"):
         state.gradient_sync = sync
@@ -41,7 +41,7 @@ def main() -> None:
     if env.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(found, args.out / "fsdp.pt")
-    dist.close_process_group()
+    parallel.close_process_group()
     from launcher_core.processes import exit_without_finalization
 
     exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)

@@ -15,16 +15,16 @@ def main() -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from dflash.train import dist
-    from dflash.train.setup import build_state
+    from dflash.train.rank import parallel
+    from dflash.train.rank.setup import build_state
     from launcher_core.profile import load_profile
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("profiles", nargs="+")
     args = parser.parse_args()
-    env = dist.WorkerEnv.from_env()
-    dist.init_process_group("gloo")
+    env = parallel.WorkerEnv.from_env()
+    parallel.init_process_group("gloo")
     for path in args.profiles:
         profile = load_profile(path)
         state = build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
@@ -34,7 +34,7 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save({"tensors": found, "target_layers": len(state.target.model.layers)},
                        args.out / f"{Path(path).stem}.pt")
-    dist.close_process_group()
+    parallel.close_process_group()
     from launcher_core.processes import exit_without_finalization
 
     exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)

@@ -34,8 +34,8 @@ def whole_then_sharded(profile) -> None:
     """The order before: the whole target, the whole drafter on the host, moved, sharded, the target cut."""
     import torch
 
-    from dflash.train.setup import build_drafter, load_rank_target, resolve_layer_ids
-    from dflash.train.sharding import drafter_mesh, shard_drafter
+    from dflash.train.rank.parallel import drafter_mesh, shard_drafter
+    from dflash.train.rank.setup import build_drafter, load_rank_target, resolve_layer_ids
 
     device = torch.device("cpu")
     target = load_rank_target(profile, device)
@@ -47,8 +47,8 @@ def whole_then_sharded(profile) -> None:
 
 
 def main() -> None:
-    from dflash.train import dist
-    from dflash.train.setup import build_state
+    from dflash.train.rank import parallel
+    from dflash.train.rank.setup import build_state
     from launcher_core.profile import load_profile
 
     parser = argparse.ArgumentParser()
@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     profile = load_profile(args.profile)
-    env = dist.WorkerEnv.from_env()
-    dist.init_process_group("gloo")
+    env = parallel.WorkerEnv.from_env()
+    parallel.init_process_group("gloo")
     if args.order == "sharded":
         build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
     else:
@@ -66,7 +66,7 @@ def main() -> None:
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{env.rank}.json").write_text(json.dumps({"peak_rss_mib": peak_mib}), encoding="utf-8")
-    dist.close_process_group()
+    parallel.close_process_group()
     from launcher_core.processes import exit_without_finalization
 
     exit_without_finalization(0)      # gloo's threads can abort the interpreter's teardown (SIGABRT)

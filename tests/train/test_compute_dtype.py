@@ -10,7 +10,7 @@ import torch
 from dflash.drafter.loss import block_loss, block_targets, decay_weights
 from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import extract_taps
-from dflash.train.sharding import drafter_mesh, shard_drafter
+from dflash.train.rank.parallel import drafter_mesh, shard_drafter
 
 BLOCK, LAYERS, MASK_ID = 4, [1, 2], 151669
 

@@ -217,7 +217,7 @@ def test_a_fresh_selector_has_no_lift_and_a_trained_one_is_measured_apart(pair):
 
 
 def test_a_dflash2_blocks_accepted_run_is_its_selector_paths(pair, monkeypatch):
-    """The held-out tau (dflash.train.validation) counts a DFlash 2 block's leading slots on the
+    """The held-out tau (dflash.train.rank.validation) counts a DFlash 2 block's leading slots on the
     selector's path, the one its decoder drafts: a selector right everywhere accepts every slot,
     whatever the unary head got right."""
     import dflash.drafter.loss as loss_module
@@ -243,7 +243,7 @@ def test_bf16_compute_under_fsdp2_runs_the_convolutions_in_bf16_and_the_selector
     """train.compute_dtype = "bfloat16" under FSDP2: the forward on the bf16-gathered weights, its
     float32 gradients reach the convolutions' float32 shards; the selector, which the loss calls after
     the drafter's forward, is its own FSDP2 unit (gathered when the loss calls it)."""
-    from dflash.train.sharding import drafter_mesh, is_sharded, shard_drafter
+    from dflash.train.rank.parallel import drafter_mesh, is_sharded, shard_drafter
 
     _, second = pair
     ids, anchors, features, _ = batch()

@@ -25,7 +25,7 @@ def profile_for(root, name, target, dataset, nproc: int = 1, **drafter):
 
 @pytest.mark.slow
 def test_two_ranks_train_dflash2_and_log_the_selectors_figures(tmp_path, tiny_qwen3_target, tiny_dataset):
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, tmp_path / "run", max_steps=4,
                          save_every_steps=4, selector_loss_alpha=0.5, drafter=DFLASH2)
@@ -74,7 +74,7 @@ def published_dflash2(target, directory, top_k: int = 4, **dflash_extra):
 
 
 def test_a_published_dflash2_directory_starts_a_dflash2_profile(tmp_path, tiny_target_model, tiny_qwen3_target, tiny_dataset):
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
 
     directory, tensors = published_dflash2(tiny_target_model, tmp_path / "published")
     profile = profile_for(tmp_path, "from-published", tiny_qwen3_target, tiny_dataset, init="drafter",
@@ -88,7 +88,7 @@ def test_a_published_dflash2_directory_starts_a_dflash2_profile(tmp_path, tiny_t
 def test_a_dflash_drafter_starts_a_dflash2_profile_as_itself(tmp_path, tiny_target_model, tiny_qwen3_target, tiny_dataset):
     """Backbone from the DFlash checkpoint; identity convolutions and a no-op selector: the same drafts."""
     from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
 
     plain = profile_for(tmp_path, "plain", tiny_qwen3_target, tiny_dataset, kind="dflash", conv_group_size=16,
                         selector_rank=256, selector_top_k=16)
@@ -108,7 +108,7 @@ def test_a_dflash_drafter_starts_a_dflash2_profile_as_itself(tmp_path, tiny_targ
 
 def test_a_dflash2_directory_with_other_selector_settings_is_refused_listing_them(tmp_path, tiny_target_model,
                                                                                  tiny_qwen3_target, tiny_dataset):
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
 
     directory, _ = published_dflash2(tiny_target_model, tmp_path / "published", top_k=6, output_multiplier=2.0)
     profile = profile_for(tmp_path, "mismatch", tiny_qwen3_target, tiny_dataset, init="drafter", init_from=str(directory),

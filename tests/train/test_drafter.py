@@ -215,7 +215,7 @@ def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, 
 def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
     import dataclasses
 
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
     from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")
@@ -230,7 +230,7 @@ def test_drafter_norm_init_sets_the_final_norm_only(tiny_target_model):
 def test_profile_drafter_init_target_starts_from_the_layer_after_the_deepest_tap(tiny_target_model):
     import dataclasses
 
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
     from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")

@@ -1,4 +1,4 @@
-"""The fault-injection debugging option (dflash.train.faults): its switches' forms, each refused form named,
+"""The fault-injection debugging option (dflash.train.rank.faults): its switches' forms, each refused form named,
 an injection already recovered from not firing again, and what it installs on a real FSDP2-sharded drafter
 (a world of one gloo rank): hooks only for the points inside torch's work, none without a switch."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from dflash.train import faults
-from dflash.train.heartbeat import RankProgress
+from dflash.train.rank import faults
+from dflash.train.supervisor.heartbeat import RankProgress
 from launcher_core.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ def sharded_drafter() -> torch.nn.Module:
 def test_only_the_points_inside_torchs_work_install_anything():
     """A forward OOM: a listener only, no hook on the drafter; backward and sync: a backward hook and
     FSDP2's reduce-scatter observer, which fire inside a real backward."""
-    from dflash.train.dist import single_process_group
+    from dflash.train.rank.parallel import single_process_group
 
     single_process_group("gloo")
     plain = sharded_drafter()

@@ -26,10 +26,10 @@ def one_process_step(profile, rows_of_rank: int | None = None) -> tuple[float, d
     """The unsharded drafter over step 0's global rows in one process (or one rank's share of them)."""
     from dflash.drafter.decay import default_gamma
     from dflash.drafter.loss import decay_weights
-    from dflash.train.data import TrainData
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import assemble_state, build_drafter, dataset_path, load_rank_target, resolve_layer_ids
-    from dflash.train.step import accumulate_step, micro_weight_sum, step_stats
+    from dflash.train.rank.data import TrainData
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import assemble_state, build_drafter, dataset_path, load_rank_target, resolve_layer_ids
+    from dflash.train.rank.step import accumulate_step, micro_weight_sum, step_stats
 
     env, device = WorkerEnv(0, 1, 0), torch.device("cpu")
     target = load_rank_target(profile, device)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash.train.launch import build_torchrun_command, describe_command
+from dflash.train.supervisor.launch import build_torchrun_command, describe_command
 from launcher_core.paths import REPO_ROOT as REPO
 from launcher_core.profile import load_profile, profile_from_json, profile_to_json
 
@@ -11,19 +11,19 @@ from launcher_core.profile import load_profile, profile_from_json, profile_to_js
 def test_single_node_rendezvous_is_on_loopback_with_the_profile_nproc(tmp_path):
     profile = load_profile("cpu-demo")
     argv, env = build_torchrun_command(profile, tmp_path, resume=True, python="py", base_env={"PATH": "/bin"})
-    assert argv[:3] == ["py", "-m", "dflash.train.agent"] and "--standalone" not in argv
+    assert argv[:3] == ["py", "-m", "dflash.train.supervisor.agent"] and "--standalone" not in argv
     assert argv[argv.index("--nnodes") + 1] == "1" and argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:PORT"      # filled in at launch
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     # ranks forked from torchrun's forkserver, which runs the worker script as a function entrypoint
     assert argv[argv.index("--start-method") + 1] == "forkserver" and argv[-1] == "--resume"
-    assert argv[argv.index("--run-path") + 1] == str(REPO / "dflash" / "train" / "worker.py")
+    assert argv[argv.index("--run-path") + 1] == str(REPO / "dflash" / "train" / "rank" / "worker.py")
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
     assert env["PYTHONFAULTHANDLER"] == "1"              # a rank's fatal signal leaves its Python stack in its log
 
 
 def test_single_node_joins_the_launchers_loopback_store_and_keeps_the_ranks_on_loopback(tmp_path):
-    from dflash.train.rendezvous import STORE_ENV, loopback_interface
+    from dflash.train.supervisor.rendezvous import STORE_ENV, loopback_interface
 
     argv, env = build_torchrun_command(load_profile("cpu-demo"), tmp_path, python="py", base_env={}, store="127.0.0.1:4242")
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:4242"
@@ -66,8 +66,8 @@ def test_train_print_command_starts_nothing_and_imports_no_torch(repo_root):
             "assert 'torch' not in sys.modules, 'train --print-command imported torch'; sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "dflash.train.agent --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
-    assert "--start-method forkserver --run-path " in result.stdout and "dflash/train/worker.py" in result.stdout
+    assert "dflash.train.supervisor.agent --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false" in result.stdout
+    assert "--start-method forkserver --run-path " in result.stdout and "dflash/train/rank/worker.py" in result.stdout
 
 
 def _cuda_profile(expandable: bool = True):
@@ -121,7 +121,7 @@ def test_cpu_ranks_get_no_allocator_variable(tmp_path):
 def test_every_rank_runs_with_the_flight_recorder_and_cuda_ranks_dump_it_into_the_run(tmp_path):
     """torch's flight recorder on every rank (both variable names: torch 2.9 reads TORCH_NCCL_*), a user's own
     size kept; on CUDA, NCCL's dump at a collective's timeout goes to train/failures/nccl-flight-recorder/."""
-    from dflash.train.launch import build_torchrun_command
+    from dflash.train.supervisor.launch import build_torchrun_command
     from launcher_core.profile import load_profile
 
     cuda = load_profile("rtx6000-x8")

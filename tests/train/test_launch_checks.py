@@ -1,4 +1,4 @@
-"""Launch-time profile checks (dflash.train.launch_checks): each mistake a training rank would find
+"""Launch-time profile checks (dflash.train.supervisor.launch_checks): each mistake a training rank would find
 after loading the target is a ConfigError (exit 2) before launch, naming the file and the key."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train.launch_checks import tokenizer_mask_token_id, validate_profile_for_launch
+from dflash.train.supervisor.launch_checks import tokenizer_mask_token_id, validate_profile_for_launch
 from launcher_core.errors import EXIT_USAGE, ConfigError
 from launcher_core.profile import load_profile
 
@@ -226,4 +226,4 @@ def test_train_before_tokenize_is_exit_2_before_the_audit_naming_the_dataset_and
     assert "Traceback" not in result.err and "preflight" not in result.out + result.err
     assert not (run_dir / "train").exists() and not (run_dir / "audit").exists()
     printed = cli("train", "--profile", profile, "--print-command")       # starts nothing: no dataset needed
-    assert printed.code == 0 and "dflash.train.agent" in printed.out, printed.err
+    assert printed.code == 0 and "dflash.train.supervisor.agent" in printed.out, printed.err

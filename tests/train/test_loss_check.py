@@ -1,5 +1,5 @@
 """A step whose loss cannot train the drafter stops the run before its weights are saved (issue 55, item 3;
-dflash.train.loss_check): a non-finite loss or gradient norm, or a step without a supervised position,
+dflash.train.rank.loss_check): a non-finite loss or gradient norm, or a step without a supervised position,
 ends a real 2-rank gloo run with exit 4 and one line naming the cause and the keys that decide it; the
 last good checkpoint stays `latest`. A profile whose data.max_length leaves every row of the dataset
 without a block is refused before any rank starts (exit 2, the key named; exit 4 when the data itself has none)."""
@@ -111,7 +111,7 @@ def test_data_max_length_below_every_rows_first_trained_pair_is_refused_before_l
 def test_a_dataset_without_two_consecutive_trained_tokens_is_refused_before_launch(tmp_path, tiny_qwen3_target):
     """No row holds a block at any max_length: the data's problem (DataError, exit 4), not a key's."""
     from dflash.data.dataset_io import save_token_rows
-    from dflash.train.launch_checks import validate_profile_for_launch
+    from dflash.train.supervisor.launch_checks import validate_profile_for_launch
     from launcher_core.errors import EXIT_DATA, DataError
     from launcher_core.profile import load_profile
 
@@ -128,8 +128,8 @@ def test_the_launch_check_reads_rows_until_one_holds_a_block(tmp_path, monkeypat
     """A late first pair is found at a max_length that reaches it, not below; the same whether the rows
     are read in one slice or across slices of a record batch."""
     from dflash.data.dataset_io import save_token_rows
-    from dflash.train import launch_checks
-    from dflash.train.launch_checks import AnchorScan, anchors_within
+    from dflash.train.supervisor import launch_checks
+    from dflash.train.supervisor.launch_checks import AnchorScan, anchors_within
 
     monkeypatch.setattr(launch_checks, "SCAN_ROWS", scan_rows)
 
@@ -146,7 +146,7 @@ def test_the_launch_check_reads_rows_until_one_holds_a_block(tmp_path, monkeypat
     ([[0, 1, 1, 1]], 512, "the profile decides it: drafter.draft_vocab_size = 64 leaves every trained label"),
 ])
 def test_the_cause_of_a_step_without_supervision_is_named(masks, max_length, cause):
-    from dflash.train.loss_check import supervision_cause
+    from dflash.train.rank.loss_check import supervision_cause
 
     assert supervision_cause(masks, max_length, 64, rank=1).startswith(cause)
 
@@ -155,8 +155,8 @@ def test_a_finite_step_passes_and_a_non_finite_gradient_norm_alone_stops_it():
     """The loss may still be finite when the gradients overflow: the norm stops the run as well."""
     from types import SimpleNamespace
 
-    from dflash.train.loss_check import UnusableLoss, check_step
-    from dflash.train.step import StepStats
+    from dflash.train.rank.loss_check import UnusableLoss, check_step
+    from dflash.train.rank.step import StepStats
     from launcher_core.profile import load_profile
 
     profile = load_profile("cpu-demo")

@@ -1,5 +1,5 @@
 """The ranks build their drafter on the meta device, shard it and materialise only their shards
-(dflash.train.materialize), and it is the drafter the whole build on the host gives: on 1, 2 and 3
+(dflash.train.rank.materialize), and it is the drafter the whole build on the host gives: on 1, 2 and 3
 real gloo ranks (torchrun; 3 shard unevenly, and DFlash 2's 2-row kernels leave rank 2 an empty
 shard), every gathered parameter and buffer (the rotary inv_freq, recomputed, and the draft
 vocabulary included) equals `build_drafter`'s for the same seed, for the random start with
@@ -33,9 +33,9 @@ VARIANTS = {
 def whole_build(profile) -> dict[str, torch.Tensor]:
     """The drafter built whole on the host (`build_drafter`), from the whole target."""
     from dflash.models import load_target, resolve_model_path
-    from dflash.train.data import TrainData
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_drafter, choose_draft_vocab, dataset_path, resolve_layer_ids
+    from dflash.train.rank.data import TrainData
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_drafter, choose_draft_vocab, dataset_path, resolve_layer_ids
 
     target = load_target(resolve_model_path(profile.model.target))
     count = target.config.num_hidden_layers
@@ -63,7 +63,7 @@ def equal(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) ->
 def test_the_sharded_meta_build_is_the_whole_build_on_1_2_and_3_ranks(tmp_path, tiny_qwen3_target, tiny_dataset):
     from dflash.drafter.checkpoint import save_checkpoint
     from dflash.models import load_target
-    from dflash.train.setup import build_drafter
+    from dflash.train.rank.setup import build_drafter
 
     profiles = {name: write_profile(tmp_path / f"{name}.toml", tiny_qwen3_target, tiny_dataset, tmp_path / name,
                                     drafter=drafter, global_batch=12) for name, drafter in VARIANTS.items()}

@@ -3,7 +3,7 @@ loop (steps, a held-out measurement, checkpoints) installs no hook through any o
 the project's code, and the rank's progress has no listener. One kind is the training itself: the target's
 hidden states are read by forward hooks on its tap layers that live for one target forward
 (dflash.drafter.taps.TapCapture, removed as it returns); they are counted apart, and none is left. The
-control: the fault-injection debugging option (dflash.train.faults) installs its hooks through those same
+control: the fault-injection debugging option (dflash.train.rank.faults) installs its hooks through those same
 APIs, and the counter sees them.
 
 In one process (a process group of one gloo rank), on the tiny real Qwen3 target."""
@@ -56,9 +56,9 @@ def profile(tmp_path, tiny_qwen3_target):
 
 
 def test_a_plain_run_installs_no_hook_and_no_listener(profile, installed, monkeypatch):
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_state
-    from dflash.train.worker import StopFlag, install_fault_injection, train_loop
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.worker import StopFlag, install_fault_injection, train_loop
 
     for variable in ("DFLASH_INJECT_OOM", "DFLASH_INJECT_STALL", "DFLASH_FAIL_RANK"):
         monkeypatch.delenv(variable, raising=False)
@@ -77,5 +77,5 @@ def test_a_plain_run_installs_no_hook_and_no_listener(profile, installed, monkey
     monkeypatch.setenv("DFLASH_INJECT_OOM", "step=99,phase=sync;step=99,phase=backward")
     install_fault_injection(state)                                               # the control
     assert sorted(set(installed)) == ["faults.py: register_full_backward_pre_hook",
-                                      "sharding.py: set_all_reduce_hook", "sharding.py: set_custom_reduce_scatter"]
+                                      "parallel.py: set_all_reduce_hook", "parallel.py: set_custom_reduce_scatter"]
     assert len(state.progress.listeners) == 1

@@ -11,7 +11,7 @@ import pytest
 
 from dflash.memory import model as memory
 from dflash.memory.launch_plan import plan_for_launch, read_inputs
-from dflash.train.launch import run_training
+from dflash.train.supervisor.launch import run_training
 from launcher_core.errors import PreflightFailed
 from launcher_core.profile import load_profile
 from tests.train.conftest import write_profile
@@ -106,4 +106,4 @@ def test_print_command_shows_the_plan_it_would_use(tmp_path, tiny_qwen3_target, 
     assert done.returncode == 0, done.stderr
     assert "memory plan: micro-batch 2 x 2 accumulation steps on 2 ranks" in done.stdout
     assert f"GPUs from {snapshot}" in done.stdout and "rank 0: 4, rank 1: 2" in done.stdout
-    assert "analytic model" in done.stdout and "dflash/train/worker.py" in done.stdout
+    assert "analytic model" in done.stdout and "dflash/train/rank/worker.py" in done.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import time
 
-from dflash.train.progress import ProgressBar, TrainProgress, read_progress, write_progress
+from dflash.train.supervisor.progress import ProgressBar, TrainProgress, read_progress, write_progress
 
 
 class Terminal(io.StringIO):

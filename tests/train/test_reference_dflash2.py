@@ -55,7 +55,7 @@ def unary_path(result) -> list[int]:
 @pytest.fixture(scope="module")
 def trained_dflash2(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     root = tmp_path_factory.mktemp("dflash2-run")
     profile = load_profile(str(write_profile(root / "p.toml", tiny_qwen3_target, tiny_dataset, root / "run",

@@ -20,7 +20,7 @@ SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_wind
 
 def trained(root, target, dataset, drafter):
     from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     profile = load_profile(str(write_profile(root / "p.toml", target, dataset, root / "run",
                                              machine={"nproc_per_node": 1}, max_steps=3, save_every_steps=3,

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from dflash.train.rendezvous import LoopbackStore
+from dflash.train.supervisor.rendezvous import LoopbackStore
 
 
 def listening(port: int) -> set[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash.drafter.checkpoint import CONFIG, DCP_DIR, LATEST, STATE, WEIGHTS, checkpoints_dir
-from dflash.train.retention import complete_checkpoints, prune_checkpoints
+from dflash.train.rank.retention import complete_checkpoints, prune_checkpoints
 from tests.train.conftest import write_profile
 
 
@@ -65,7 +65,7 @@ def test_the_key_has_its_range(tmp_path, tiny_dataset):
 def retained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     """16 steps on 2 ranks, a checkpoint and a held-out measurement every 4 steps, the newest one kept (and
     the best)."""
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
 
     root = tmp_path_factory.mktemp("retained")
@@ -97,7 +97,7 @@ def test_the_kept_checkpoints_load_export_and_start_a_drafter_and_the_run_resume
 
     from dflash.drafter.checkpoint import init_from_drafter, load_drafter
     from dflash.drafter.export import export_drafter
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
 
     profile, run_dir = retained
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()

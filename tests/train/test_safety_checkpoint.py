@@ -110,7 +110,7 @@ def test_a_garbage_latest_pointer_is_named_and_resume_replaces_it(cli, checkpoin
     """`latest` holding binary garbage (or a path): eval and export are exit 2 naming the pointer, not a
     traceback, and the resume's choice says so and points it at the newest whole checkpoint."""
     from dflash.drafter.checkpoint import LATEST, latest_checkpoint, read_pointer
-    from dflash.train.resume import choose_checkpoint
+    from dflash.train.supervisor.resume import choose_checkpoint
 
     pointer = checkpoint.parent / LATEST
     for garbage in (b"\xff\xfe\x00garbage\x80", b"../../etc\n", b"\n"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from dflash.drafter.checkpoint import read_weights
-from dflash.train.launch import build_torchrun_command, run_training
+from dflash.train.supervisor.launch import build_torchrun_command, run_training
 from launcher_core.errors import RunFailed
 from launcher_core.processes import free_port
 from launcher_core.profile import load_profile
@@ -74,7 +74,7 @@ def exit_hook_env(folder: Path) -> dict[str, str]:
 def test_a_rank_that_finished_ends_without_the_interpreters_finalization(trained):
     """A rank past its last checkpoint and destroy_process_group ends before the interpreter's
     finalization, where a gloo rank has died of SIGABRT after a complete run: a forked rank returns to
-    torchrun's elastic agent and multiprocessing ends it with os._exit (dflash.train.worker end_rank), a
+    torchrun's elastic agent and multiprocessing ends it with os._exit (dflash.train.rank.worker end_rank), a
     rank started as a command of its own ends with launcher_core.processes.exit_without_finalization.
     Controls: the same hook marks the finalization of a plain Python process and of a forked child that
     ends through the interpreter."""
@@ -258,8 +258,8 @@ def listeners_by_role(root, seen: dict[str, set], rank_pids: set[int]) -> None:
     for process in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             command = " ".join(process.cmdline())
-            role = ("launcher" if process.pid == root.pid else "rank" if "dflash.train.worker" in command
-                    else "agent" if "dflash.train.agent" in command else "other")
+            role = ("launcher" if process.pid == root.pid else "rank" if "dflash.train.rank.worker" in command
+                    else "agent" if "dflash.train.supervisor.agent" in command else "other")
             rank_pids.update([process.pid] if role == "rank" else [])
             seen.setdefault(role, set()).update((process.pid, c.laddr.ip, c.laddr.port)
                                                 for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
@@ -271,7 +271,7 @@ def agent_tempdirs(root, found: dict[str, set[str]]) -> None:
 
     for process in root.children(recursive=True):
         with contextlib.suppress(psutil.Error, OSError):
-            if "dflash.train.agent" in " ".join(process.cmdline()):
+            if "dflash.train.supervisor.agent" in " ".join(process.cmdline()):
                 folder = process.environ().get("TMPDIR", "")
                 found.setdefault(folder, set()).update(os.listdir(folder) if folder else [])
 
@@ -286,7 +286,7 @@ def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny
     run_dir = tmp_path / "run"
     path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=6, max_restarts=1,
                          drafter=DATA_VOCAB)
-    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.launch import run_training; "
+    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.supervisor.launch import run_training; "
             f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
     env = {**os.environ, "DFLASH_FAIL_RANK": "1:3:0"}
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -316,8 +316,8 @@ def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
     """Two nodes of one rank each; their ranks started as commands of their own (train.rank_start =
-    "command": `-m dflash.train.worker`, the path every other run here leaves for the forkserver)."""
-    from dflash.train.launch import TrainPaths, prepare_run_dir
+    "command": `-m dflash.train.rank.worker`, the path every other run here leaves for the forkserver)."""
+    from dflash.train.supervisor.launch import TrainPaths, prepare_run_dir
 
     run_dir = tmp_path / "run"
     machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
@@ -325,7 +325,7 @@ def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_da
                                              machine=machine, max_steps=3, rank_start="command", drafter=DATA_VOCAB)))
     prepare_run_dir(profile, TrainPaths(run_dir), resume=False, force=False)
     argv, env = build_torchrun_command(profile, run_dir)
-    assert argv[argv.index("-m", 3) + 1] == "dflash.train.worker" and "--start-method" not in argv
+    assert argv[argv.index("-m", 3) + 1] == "dflash.train.rank.worker" and "--start-method" not in argv
     agents = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
               for _ in range(2)]
     assert [agent.wait(timeout=180) for agent in agents] == [0, 0]

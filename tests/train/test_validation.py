@@ -1,4 +1,4 @@
-"""Validation during training (dflash.train.validation): held-out rows, balanced forwards on every
+"""Validation during training (dflash.train.rank.validation): held-out rows, balanced forwards on every
 rank, eval's tau counted on the held-out blocks, the best step named and evaluated by the pipeline."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash.drafter.loss import counted_tau, leading_accepted, simulated_tau
-from dflash.train.data import split_rows
-from dflash.train.validation import rank_batches
+from dflash.train.rank.data import split_rows
+from dflash.train.rank.validation import rank_batches
 
 
 def test_the_held_out_rows_are_chosen_once_from_count_share_and_seed():
@@ -67,8 +67,8 @@ def test_training_batch_tau_counts_the_bonus_token_as_eval_does():
 
 
 def test_train_data_keeps_the_held_out_rows_out_of_every_step(tiny_dataset, tmp_path):
-    from dflash.train.data import TrainData
-    from dflash.train.dist import WorkerEnv
+    from dflash.train.rank.data import TrainData
+    from dflash.train.rank.parallel import WorkerEnv
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
 
@@ -136,7 +136,7 @@ def test_the_pipeline_evaluates_the_best_step_or_says_why_it_takes_the_last(tmp_
 def validated(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     """24 steps on 2 ranks, 5 of the 32 rows held out (3 on rank 0, 2 on rank 1), measured every 6
     steps; checkpoints at 12 and 24."""
-    from dflash.train.launch import run_training
+    from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
 
@@ -170,9 +170,9 @@ def test_validation_runs_on_every_rank_and_names_the_best_step(validated):
 def test_two_ranks_figures_equal_one_process_over_all_held_out_rows(validated, tmp_path):
     """The all-reduced held-out figures of step 12 (2 ranks, uneven shares) are those of one process
     measuring every held-out row with the step-12 weights; one rank's share alone is not (control)."""
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import build_state
-    from dflash.train.validation import measure
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import build_state
+    from dflash.train.rank.validation import measure
 
     profile, run_dir = validated
     again = tmp_path / "again"

@@ -10,7 +10,7 @@ is generated from it). Each is checked here only: the rank-side code that relies
 an internal assert.
 
 `drafter.init_from` is also held against the drafter the profile builds (tensor shapes, tap
-layers) before torchrun starts, by dflash.train.resume (it builds the drafter on the meta device,
+layers) before torchrun starts, by dflash.train.supervisor.resume (it builds the drafter on the meta device,
 so it imports torch: it runs in `train` after the plan is printed, not here).
 """
 from __future__ import annotations
@@ -376,7 +376,7 @@ def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
 def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
     """The training dataset (paths.dataset) as the ranks will open it; InputError (exit 2) naming the path and
     the command that writes it when it is not there, before any audit, torchrun or model load. A directory
-    that is there but damaged is the ranks' to name (dflash.train.data.verify_dataset)."""
+    that is there but damaged is the ranks' to name (dflash.train.rank.data.verify_dataset)."""
     from dflash.data.dataset_io import META_NAME
     from launcher_core.errors import InputError
     from launcher_core.profile import expand_path

@@ -1,44 +1,18 @@
 """The memory calibration of a profile, measured on GPUs (`launcher.py calibrate --profile P`).
 
-A client of the trainer, so it lives with it (dflash.memory, below, never imports dflash.train).
-The worst case the memory model describes (`dflash.memory.model`): every sequence at
-`data.max_length` with a loss on every token, so each has the full `train.num_anchors` anchors.
-`worst_case_bench` writes that workload as a small Arrow dataset in a scratch directory, points
-a copy of the profile at it (`dataclasses.replace`) and builds the training state through the
-trainer's own entry point, `dflash.train.setup.build_state`: the profile's target, dtype,
-drafter, attention backend, loss chunking and optimizer. Every measured step is the trainer's
-`run_step` (forward/backward, the gradient sum, clipping, the update). `calibrate` runs warm-up
-steps at micro-batch 1 and 2 (flex_attention compiles for both; the AdamW states exist after a
-first update), measures the peak allocated memory of one step at each size
-(`dflash.memory.measure.measure_step_peaks`) and fits the line (`dflash.memory.calibration.fit_calibration`).
-Optionally the calibrated line is held against measured peaks at larger micro-batches
-(`check_micro_batches`).
+The workload is the memory model's worst case (every sequence at `data.max_length` with a loss on
+every token: `worst_case_bench` writes it as a small Arrow dataset) and the state and step are the
+trainer's own (`dflash.train.rank.setup.build_state`, `run_step`), so what is measured is what
+training runs. After warm-up steps at each size (flex compiles per size; AdamW's states exist after
+a first update) it measures the allocated peak of one step of two micro-batches
+(`MICRO_BATCHES_PER_STEP`: the accumulated gradients are in it) at micro-batch 1 and 2 and fits the
+line (dflash.memory.calibration). The reserve ratio comes from steps of differently shaped
+micro-batches without emptying the cache (`measure_reserve`), under the profile's allocator setting.
 
-Each measured step is two micro-batches of the measured size (`MICRO_BATCHES_PER_STEP`), so the
-gradients of the first are alive in the second's forward/backward: the accumulated gradients are
-in the measured peak, as in a real step.
-
-The allocator's reserve: every measured step records torch's peak reserved memory beside the
-allocated one, and `measure_reserve` runs steps of differently shaped micro-batches one after the
-other without emptying the cache between them (sequences of `VARIED_LENGTH_FRACTIONS` of
-`data.max_length`, then the worst case), as variable-length training data does: the larger of
-reserved over allocated there and at the measured sizes is the calibration's reserve ratio, which
-the plan counts inside each budget (dflash.memory.reserve). The measuring process runs under the
-profile's allocator setting (`apply_allocator_setting`: memory.expandable_segments, the user's own
-allocator variable kept), which the calibration records.
-
-Ranks (`calibration_ranks`): a profile that trains on 2 or more ranks is calibrated on 2 ranks
-(one per GPU, the profile's backend, started with torch.multiprocessing) when this node has 2 or
-more GPUs, so FSDP2's all-gathers and reduce-scatters run between them; otherwise in one process
-(FSDP2 over a process group of one). Either way the drafter is sharded over the measuring ranks,
-not the profile's N: the calibration records how many (`Calibration.world_size`), and the plan
-subtracts the estimate of THAT step from the measurement and adds the difference to its estimate
-for N ranks (dflash.memory.model.peak_model), so the shard share, the accumulated gradients and
-the reduction's buffers are counted as the estimate counts them.
-
-Runs on CUDA only: a CPU profile is a ConfigError (exit 2: nothing to calibrate); a CUDA
-profile on a machine without a CUDA device is CannotTest (exit 125: this machine cannot
-measure it, the same meaning as `launcher.py probe`).
+A profile of 2 or more ranks is calibrated on 2 ranks where this node has 2 GPUs, so FSDP2's
+collectives run between them, else in one process; the calibration records how many, and the plan
+corrects its estimate for N ranks by what it missed there (dflash.memory.model.peak_model). CUDA
+only: a CPU profile is a ConfigError (exit 2), a machine without a CUDA device CannotTest (exit 125).
 """
 from __future__ import annotations
 
@@ -51,18 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from dflash.measure.peaks import measure_allocator_peaks, measure_step_peaks
 from dflash.memory import model as memory
-from dflash.memory.calibration import Calibration, fit_calibration, save_calibration
-from dflash.memory.measure import AllocatorPeaks, measure_allocator_peaks, measure_step_peaks
+from dflash.memory.calibration import AllocatorPeaks, Calibration, fit_calibration, save_calibration
 from dflash.memory.target import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.processes import free_port
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import TrainState
-    from dflash.train.step import StepStats
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import TrainState
+    from dflash.train.rank.step import StepStats
     from envcheck.allocator import AllocatorSetting
 
 CALIBRATION_MICRO_BATCHES = (1, 2)
@@ -185,8 +159,8 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
     sequences per rank and step. `env`: this rank of a multi-rank calibration (joined to its
     process group), default one process."""
     from dflash.memory.plan import world_size_of
-    from dflash.train.dist import WorkerEnv, barrier
-    from dflash.train.setup import build_state
+    from dflash.train.rank.parallel import WorkerEnv, barrier
+    from dflash.train.rank.setup import build_state
 
     env = env or WorkerEnv(0, 1, 0)
     world = world_size_of(profile)
@@ -220,7 +194,7 @@ def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
 def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` worst-case sequences each."""
     from dflash.memory.plan import batch_plan
-    from dflash.train.step import run_step
+    from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch
     return run_step(bench.state, list(range(rows)), 0, batch_plan(rows, 1, micro_batch))
@@ -229,7 +203,7 @@ def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
 def varied_step_at(bench: CalibrationBench, micro_batch: int, shape: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` sequences of the `shape`-th shorter length."""
     from dflash.memory.plan import batch_plan
-    from dflash.train.step import run_step
+    from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch
     worst = bench.profile.train.global_batch            # worst_case_profile: rows per rank x ranks
@@ -354,7 +328,7 @@ def calibrate(profile: Profile, scratch: Path | None = None,
     """Measure the worst case on 1 or 2 ranks (`calibration_ranks`), fit; check the line if asked."""
     import torch
 
-    from dflash.train.launch_checks import validate_profile_for_launch
+    from dflash.train.supervisor.launch_checks import validate_profile_for_launch
 
     require_cuda(profile)
     allocator = apply_allocator_setting(profile)
@@ -413,7 +387,7 @@ def calibration_rank(rank: int, ranks: int, port: int, profile: Profile, work: s
 
     import torch.distributed as torch_dist
 
-    from dflash.train.dist import WorkerEnv, close_process_group, rank_device
+    from dflash.train.rank.parallel import WorkerEnv, close_process_group, rank_device
     from launcher_core.fileio import write_json_atomic
     from launcher_core.processes import exit_without_finalization
 

@@ -1,30 +1,17 @@
-"""Rank heartbeats: every rank shows that its process runs and how far it has got.
+"""Rank heartbeats: every rank shows that its process runs and how far it has got; the launcher reads them.
 
-Each rank keeps `train/ranks/rank-R.json` ({rank, pid, host, attempt} and its progress) and rewrites it
-from a daemon thread every `beat_interval(train.heartbeat_timeout_s)` seconds. Two things are in it:
+Each rank rewrites `train/ranks/rank-R.json` ({rank, pid, host, attempt} and its `RankProgress`: the
+step and phase its main thread last entered and since when, its step times, the collective it waits
+in, and once quiet for half of train.stuck_floor_s the collectives it entered per process group, from
+torch's flight recorder) from a daemon thread every `beat_interval` seconds. The thread beats while
+the rank computes or waits in a collective, so the file's age names a rank whose process stopped
+(`find_stall`) and its progress one that lives but no longer moves (dflash.train.supervisor.watchdog),
+well before the process group's timeout.
 
-* liveness: the file's age. The thread beats while the rank computes or waits in a collective (both
-  release the GIL); it stops only when the process does (SIGSTOP, a debugger, a kill). The launcher
-  (`find_stall`) names a rank whose process exists but whose file is older than
-  `train.heartbeat_timeout_s`;
-* progress (`RankProgress`): the step and phase the main thread last entered (start, data, forward,
-  backward, reduction, update, validation, save) and since when, how long its steps take, the
-  collective its main thread waits in, if any (read from its Python stack), and, once it has been
-  quiet for half of train.stuck_floor_s, how many collectives it has entered on each process group
-  (torch's flight recorder, which the launcher turns on for every rank; reading it costs tens of
-  milliseconds under the GIL, so a progressing rank is not asked).
-  A rank that lives but stops making progress (a hung collective, a deadlocked loader, a kernel that
-  never returns) is named from these by the launcher (dflash.train.watchdog), well before the process
-  group's own timeout (`train.collective_timeout_s`).
-
-Asked by the launcher, a rank writes every thread's Python stack (faulthandler, armed on STACKS_SIGNAL: it
-runs even while the main thread holds the GIL in C code) and, from its heartbeat thread (`DUMP_REQUEST` in
-the ranks' folder), the flight recorder's dump into `train/failures/flight-recorder/`.
-
-The files also tell the launcher which processes are the run's ranks (`rank_records`), so it can make
-sure none outlives the run. The thread is also the ranks' last guard against outliving their launcher:
-when the launcher's pid (`LAUNCHER_PID_ENV`) has been gone for `ORPHAN_GRACE_S`, the rank kills itself
-(the agent normally stops it first: dflash.train.agent).
+Asked by the launcher, a rank writes every thread's stack (faulthandler on STACKS_SIGNAL, which runs
+even while the main thread holds the GIL) and its flight recorder's dump (`DUMP_REQUEST`). The records
+also name the run's rank processes (`rank_records`), and a rank whose launcher (`LAUNCHER_PID_ENV`)
+has been gone for ORPHAN_GRACE_S kills itself. The rank runs the writer defined here.
 """
 from __future__ import annotations
 
@@ -51,7 +38,7 @@ DUMP_REQUEST = "dump-request"           # the launcher's request for stacks and 
 STEP_PHASES = ("data", "forward", "backward", "reduction", "update")   # bounded by the measured step time
 STEP_TIMES_KEPT = 16
 DUMP_POLL_S = 0.5
-MARK_WRITE_S = 0.25                    # the least time between two records written for marks (0.7 ms each)
+MARK_WRITE_S = 0.25                    # the least time between two records written for marks
 STACKS_SIGNAL = signal.SIGUSR1         # every thread's Python stack into the rank's stacks file (faulthandler)
 PhaseListener = Callable[[str, int], None]
 
@@ -86,10 +73,10 @@ def stacks_path(run_dir: Path, rank: int) -> Path:
 
 
 class RankProgress:
-    """Where the rank's main thread is: `enter(phase, step)` at each phase of the step (dflash.train.step,
+    """Where the rank's main thread is: `enter(phase, step)` at each phase of the step (dflash.train.rank.step,
     the worker's loop). Plain attribute writes: the heartbeat thread reads them without a lock (one
     tuple, replaced whole). `listeners` (none in a plain run) are called at every phase: the fault
-    injection of tests and drills (dflash.train.faults)."""
+    injection of tests and drills (dflash.train.rank.faults)."""
 
     def __init__(self) -> None:
         self.current: tuple[int, str, float] = (0, "start", time.time())     # step, phase, since (epoch s)
@@ -132,8 +119,8 @@ class RankHeartbeat:
                  stuck_floor_s: Optional[float] = None):
         self.run_dir, self.path = Path(run_dir), ranks_dir(run_dir) / f"rank-{rank}.json"
         self.rank, self.interval, self.launcher_pid = rank, beat_interval(timeout_s, stuck_floor_s), launcher_pid
-        # the flight recorder is read (tens of ms for its 2000 entries, under the GIL) only once the rank has
-        # been quiet this long: while it progresses nobody asks how many collectives it entered
+        # the flight recorder is read (under the GIL) only once the rank has been quiet this long: while it
+        # progresses nobody asks how many collectives it entered
         self.recorder_after_s = stuck_floor_s / 2.0 if stuck_floor_s else 0.0
         self.progress = RankProgress()
         self.identity = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),

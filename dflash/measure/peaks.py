@@ -1,30 +1,17 @@
-"""Measuring a training step's peak on a real GPU: torch's peak allocated and reserved memory per
-micro-batch size, what a calibration (`dflash.memory.calibration`) is fitted to; and a call's transient on
-the CPU allocator (`measure_cpu_transient`: what the model's smaller figures, such as a BlockMask's
-build, are held to). torch is imported inside the functions, not by the torch-free model the
-launcher process plans with."""
+"""Measured peaks: torch's allocated and reserved peaks of a step on a GPU, what a calibration
+(dflash.memory.calibration) is fitted to, and a call's transient on the CPU allocator
+(`measure_cpu_transient`), what the model's smaller figures, such as a BlockMask's build, are held
+to. torch is imported inside the functions.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
 from dflash.memory.attention_masks import MIB
+from dflash.memory.calibration import AllocatorPeaks
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class AllocatorPeaks:
-    """The caching allocator's peaks over a run, in MiB: what tensors held, and what it reserved (the
-    segments, tensors and the free blocks between them: what `set_per_process_memory_fraction` caps)."""
-
-    allocated_mib: float
-    reserved_mib: float
-
-    @property
-    def ratio(self) -> float:
-        """Reserved over allocated: the allocator's reserve as a factor."""
-        return self.reserved_mib / self.allocated_mib
 
 
 def measure_allocator_peaks(run: Callable[[], object]) -> AllocatorPeaks:
@@ -59,10 +46,9 @@ def measure_cpu_transient(run: Callable[[], T]) -> CpuTransient[T]:
     """Run `run` under torch's profiler with memory events (every allocation and free of the CPU
     allocator, temporaries inside ops included, in time order) and sum them up.
 
-    Python's cyclic garbage collector is run before and held off during the call: a collection it
-    started inside the call freed tensors an earlier measured call had left in reference cycles, and
-    the profiler counted those frees as the call's (78 MB in a pytest worker, where the full-attention
-    create_block_mask measured after the sliding one came out at 5.5-30.8 MB instead of 83.9 MB)."""
+    Python's cyclic garbage collector is run before and held off during the call: a collection inside
+    it would free tensors an earlier call left in reference cycles, and the profiler would count those
+    frees as this call's."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile

@@ -4,7 +4,7 @@ step, and collation into right-padded micro-batches with their anchors.
 `train.validation_share` holds a share of the dataset's rows out of training (`split_rows`: chosen
 once from the row count and train.seed, the same on every rank and every restart; the trainer
 records them in train/validation.json): the epochs, the steps and the draft vocabulary see only the
-training rows (`TrainData.dataset`), and dflash.train.validation measures the drafter on the others."""
+training rows (`TrainData.dataset`), and dflash.train.rank.validation measures the drafter on the others."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dflash.drafter.anchors import sample_anchors
-from dflash.train.dist import WorkerEnv
+from dflash.train.rank.parallel import WorkerEnv
 from launcher_core.errors import DataError
 from launcher_core.schema import Profile
 
@@ -60,7 +60,7 @@ def split_rows(count: int, share: float, seed: int) -> RowSplit:
 
 class StepData(Protocol):
     """What a training state reads its batches from: the rank's dataset (`TrainData`), or the
-    memory trace's worst case (dflash.train.trace.WorstCaseData)."""
+    memory trace's worst case (dflash.measure.trace.WorstCaseData)."""
 
     dataset: Any                # a datasets.Dataset (untyped third-party object) with input_ids, loss_mask
     max_length: int
@@ -116,7 +116,7 @@ class TrainData:
         return self.collate_dataset_rows([self.split.train[row] for row in rows] if self.split.validation else rows, epoch)
 
     def loss_masks(self, rows: list[int]) -> list[list[int]]:
-        """The whole (uncut) loss masks of training rows `rows` (dflash.train.loss_check names a step's cause)."""
+        """The whole (uncut) loss masks of training rows `rows` (dflash.train.rank.loss_check names a step's cause)."""
         dataset_rows = [self.split.train[row] for row in rows] if self.split.validation else rows
         return [list(self.source[row]["loss_mask"]) for row in dataset_rows]
 
@@ -130,9 +130,8 @@ class TrainData:
 
 def verify_dataset(path: Path, hashes: bool) -> None:
     """A dataset written by tokenize or merge: every shard's recorded size on every rank, and its
-    sha256 on rank 0 (one read of the data: 1.45 s per GiB from the page cache on a 2-core machine,
-    benchmarks/results/integrity-sha256_cpu-2core_2026-12-01.md), before
-    anything is trained on it. A mismatch is a DataError naming the shard and the backup."""
+    sha256 on rank 0 (one read of the data; benchmarks/results/integrity-sha256_cpu-2core_2026-12-01.md), before anything is trained on it. A
+    mismatch is a DataError naming the shard and the backup."""
     from dflash.data import dataset_io
 
     if (path / dataset_io.META_NAME).exists():

@@ -1,33 +1,21 @@
-"""The torchrun agent of a node: `python -m dflash.train.agent TORCHRUN_ARGUMENTS...`.
+"""The torchrun agent of a node: `python -m dflash.train.supervisor.agent TORCHRUN_ARGUMENTS...`.
 
-It is torch.distributed.run (same arguments, same behaviour) with what keeps a run's processes
-tied to their launcher:
+It is torch.distributed.run (same arguments, same behaviour) with what ties a run's processes to
+their launcher:
 
-* the ranks start from torchrun's forkserver (`--start-method forkserver --run-path`), which imports
-  what a rank needs once (`RANK_IMPORTS`, `preload_rank_imports`) and forks each rank from there;
-* the ranks die with the agent: it exports its pid (`AGENT_PID_ENV`) and every rank asks the
-  kernel for SIGKILL when its parent ends (`dflash.train.worker`, `die_with_parent`; a forked rank's
-  parent is the forkserver, which ends with the agent);
-* the agent dies with the launcher: it holds the read end of a pipe whose write end only the
-  launcher has (`PIPE_FD_ENV`). End of file while the agent runs means the launcher is gone
-  (killed: a launcher that ends normally waits for the agent first). A thread then kills the
-  ranks, waits until they are gone, records in the run's manifest how the run ended, and exits,
-  so no process is left writing into the run directory;
-* the ranks that failed, with their exit codes and signals (torch's ChildFailedError), are written
-  to `train/failures/agent.json`, so the launcher can name a rank that was killed (it records no
-  error of its own) rather than the one that noticed (dflash.train.launch);
-* SIGTERM and SIGINT (a Ctrl-C reaches the whole process group) ask every rank once to stop after
-  its step (`StopOnSignal`): the ranks save, return, and torchrun ends as after a whole run. torchrun's
-  own handler would raise SignalException, signal the ranks, kill them after its shutdown timeout
-  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s: a save can take longer) and end in a traceback;
-* torchrun's own words, its logging (the elastic agent's warnings and errors, with tracebacks) and
-  its ChildFailedError report (whose "Root Cause" is the first rank it looked at, not the cause), go
-  to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps the rank lines torchrun
-  tees and ends with the launcher's diagnosis.
+* the ranks fork from torchrun's forkserver, which imports what a rank needs once (`RANK_IMPORTS`);
+* the ranks die with the agent (`AGENT_PID_ENV`: each asks the kernel for SIGKILL when its parent
+  ends), and the agent with the launcher: end of file on a pipe only the launcher writes
+  (`PIPE_FD_ENV`) makes it kill the ranks, record the end in the run's manifest and exit;
+* the ranks that failed, with exit codes and signals, go to `train/failures/agent.json`, so the
+  launcher names a killed rank rather than the one that noticed (dflash.train.supervisor.failures);
+* SIGTERM and SIGINT ask every rank once to stop after its step (`StopOnSignal`): torchrun's own
+  handler would kill them after its shutdown timeout (a save can take longer) and end in a traceback;
+* torchrun's own words go to `train/logs/torchrun.log` (`route_torchrun_output`); the terminal keeps
+  the ranks' lines and the launcher's diagnosis.
 
-Without the environment the launcher sets (a node started by hand from `train --print-command`),
-it is torchrun with the same stop on SIGTERM and SIGINT, writing its own words to stderr, and its
-ranks still die with it.
+Without the launcher's environment (a node started by hand from `train --print-command`) it is
+torchrun with the same stop on SIGTERM and SIGINT, writing to stderr, its ranks still dying with it.
 """
 from __future__ import annotations
 
@@ -54,12 +42,12 @@ TORCHRUN_LOG = "torchrun.log"          # under train/logs/: torchrun's own words
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_LAUNCHER_GONE = 1
 STOP_RANKS_TIMEOUT_S = 10.0
-# What a rank (dflash.train.worker) imports before its first step, imported once by torchrun's forkserver
+# What a rank (dflash.train.rank.worker) imports before its first step, imported once by torchrun's forkserver
 # (`preload_rank_imports`). Nothing here starts a thread beyond torch's own or touches a device: the
 # forkserver forks every rank from it. `datasets` (pyarrow's allocator starts a background thread at
 # import) is left to each rank.
-RANK_IMPORTS = ("dflash.train.setup", "dflash.train.step", "dflash.train.sharding", "dflash.train.validation",
-                "dflash.train.checkpointing", "dflash.train.heartbeat", "dflash.drafter.checkpoint",
+RANK_IMPORTS = ("dflash.train.rank.setup", "dflash.train.rank.step", "dflash.train.rank.parallel", "dflash.train.rank.validation",
+                "dflash.train.rank.checkpointing", "dflash.train.supervisor.heartbeat", "dflash.drafter.checkpoint",
                 "torch.distributed.checkpoint", "torch.utils.tensorboard")
 LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main thread must not exit before it
 
@@ -125,7 +113,7 @@ def route_torchrun_output(run_dir: Optional[Path]) -> TextIO:
 
 class StopOnSignal:
     """SIGTERM and SIGINT to the agent: every rank of the running group is asked once to stop after its step
-    (SIGTERM to each: dflash.train.worker's StopFlag, which SIGINT from a terminal also sets) and the agent waits
+    (SIGTERM to each: dflash.train.rank.worker's StopFlag, which SIGINT from a terminal also sets) and the agent waits
     for them as for any end. torchrun puts its own handler back each time it starts ranks (PContext.start):
     this one replaces it there again. A signal before any rank started ends the agent (exit 128 + the signal):
     there is nothing to save. What it does is noted in `report` (the handler writes with os.write: a buffered
@@ -217,9 +205,8 @@ def report_every_failed_rank() -> None:
     that had failed when it noticed a failure, as its command context does. Its join reports one: the
     first it looks at among the ranks that have ended. A rank killed by a signal (a kill -9, the kernel's
     out-of-memory killer) and the peer that fails on the broken connection end in the same instant, and
-    the report then named the peer's echo instead of the killed rank
-    (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md). Added: each other rank that ended with a
-    non-zero exit code or a signal, except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
+    the report then named the peer's echo instead of the killed rank. Added: each other rank that ended with a non-zero exit code or a signal,
+    except SIGTERM, with which the context itself stops the rest. torch has no public hook for this: the
     replacement of its private poll is dflash.torch_private's; where torch lacks it, nothing changes."""
     import signal
 
@@ -287,7 +274,7 @@ def count_live_ranks(run_dir: Optional[Path]) -> int:
     ends (torchrun's forkserver, multiprocessing's resource tracker, a rank's own children); 0 when they
     cannot be read, which never keeps the ranks from being stopped."""
     try:
-        from dflash.train.heartbeat import live_rank_pids
+        from dflash.train.supervisor.heartbeat import live_rank_pids
 
         return len(live_rank_pids(run_dir)) if run_dir is not None else 0
     except Exception:
@@ -313,8 +300,8 @@ def record_launcher_gone(run_dir: Path, ranks: int) -> None:
     """The manifest's train stage: failed, and why (the launcher's pid, the step, the rank processes
     stopped, the checkpoint)."""
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.heartbeat import LAUNCHER_PID_ENV
-    from dflash.train.progress import read_progress
+    from dflash.train.supervisor.heartbeat import LAUNCHER_PID_ENV
+    from dflash.train.supervisor.progress import read_progress
     from launcher_core.manifest import update_stage
 
     progress = read_progress(run_dir / "train")

@@ -1,35 +1,20 @@
 """Sharded training checkpoints through torch.distributed.checkpoint (DCP), resumable at any world size.
 
-Every save is a collective: every rank calls it.
+Every save is a collective. Rank 0 stages `.step-N.*.tmp` beside the checkpoints with `config.json`
+and `training_state.pt` (scheduler, step, micro-batch, world size); every rank writes its shards of
+the drafter and of the AdamW states into `dcp/`; the run's last save also gathers the full weights
+to rank 0's host, one parameter at a time, into `model.safetensors`; rank 0 renames the stage to
+`step-N` and points `latest` at it (dflash.drafter.checkpoint.publish_checkpoint). A kill or a failed
+save leaves `latest` on the previous whole checkpoint (`--resume` removes the stage); a full disk is
+raised as DiskFull on every rank, naming the bytes needed and free (`abandon_save`), not as the
+writer's words (DCP's CheckpointException, torch's "unexpected pos").
 
-    rank 0 makes a staging directory beside the checkpoints (`.step-N.*.tmp`) and tells the others, and
-    writes `config.json` and `training_state.pt` (scheduler, step, micro-batch, world size) into it;
-    every rank writes its shards of the drafter and of the AdamW states into `dcp/` (one `__R_0.distcp`
-    per rank, rank 0 the `.metadata` once every rank's shards are written);
-    at the run's last save only, the full weights are gathered to rank 0's host memory, one parameter at a
-    time (get_model_state_dict, full_state_dict + cpu_offload), and rank 0 writes `model.safetensors`;
-    rank 0 renames the staging directory to `step-N` and points `latest` at it
-    (dflash.drafter.checkpoint.publish_checkpoint).
-
-`AsyncCheckpointer` (train.async_save, the default) writes the shards with DCP's `async_save`: each rank
-copies its shards to host memory (DCP's default stager) and a thread writes them while the rank trains
-on; the save's own collectives run on a gloo process group of their own, so they never interleave with
-the step's. Rank 0 publishes the checkpoint at the first step boundary after its write has finished
-(DCP's `.metadata` is written after every rank's shards), and every rank waits for a save still being
-written before it starts the next one, before a SIGTERM stop's save and before the last. A kill at any
-moment leaves `latest` on the previous whole checkpoint and a staging directory that `--resume` removes.
-
-A save that fails removes its staging directory, so `latest` stays on the previous whole checkpoint. A full
-disk is judged where it happens, before that removal and against what the save writes (`save_bytes`):
-DCP gathers every rank's writer error into a CheckpointException, and torch's zip writer reports ENOSPC
-as "unexpected pos ..." without the OSError; `abandon_save` raises it as DiskFull (exit 2, naming the
-bytes needed and free: launcher_core.diskfull) on every rank, not as the writer's words.
-
-Intermediate checkpoints hold no `model.safetensors` (a quarter of a checkpoint's bytes): `eval`, `export`
-and `drafter.init_from` read a step's weights from its `dcp/` on demand, in one process, writing nothing
-(dflash.drafter.checkpoint.read_weights, stored_weights). `dcp/` is what `--resume` reads. DCP stores every tensor with
-its global shape and each shard's offsets, so `restore_checkpoint` loads it into however many ranks the
-resumed run has (resharding on load), where SpecForge's checkpoints need the same world size.
+`AsyncCheckpointer` (train.async_save, the default) writes the shards from host copies in a thread
+while the rank trains on, on a gloo process group of its own so its collectives never interleave
+with the step's; rank 0 publishes at the first step boundary after the write, and a rank waits for a
+save still being written before the next, before a stop's save and before the last. DCP keeps each
+tensor's global shape and shard offsets, so `restore_checkpoint` reshards onto any number of ranks;
+`eval`, `export` and `drafter.init_from` read an intermediate step's weights from its `dcp/`.
 """
 from __future__ import annotations
 
@@ -44,8 +29,8 @@ from launcher_core.errors import DiskFull, InputError
 if TYPE_CHECKING:
     import torch
 
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import TrainState
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import TrainState
 
 FORMAT = "dcp-1"
 WRITING = "a checkpoint (and the run's logs)"     # what a full disk's message says was being written
@@ -58,7 +43,7 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
     `with_weights` (the run's last save), then rank 0's rename. Returns step-N's path (on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    from dflash.train.dist import barrier
+    from dflash.train.rank.parallel import barrier
 
     staging = shared_staging_directory(run_dir, state.step, state.env.is_main)
     needed: Optional[int] = None
@@ -259,7 +244,7 @@ def shared_staging_directory(run_dir: Path, step: int, is_main: bool) -> Path:
     import torch.distributed as dist
 
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.dist import distributed
+    from dflash.train.rank.parallel import distributed
 
     chosen: list[str | None] = [None]
     if is_main:

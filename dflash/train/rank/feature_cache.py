@@ -8,8 +8,8 @@ the ranks of the node: a row extracted by one rank in epoch 1 is read by whichev
 it later. Each file is written to a temporary name and renamed, so a killed run leaves only
 whole files (a resumed run reuses them). The directory is removed when training finishes.
 
-Size: rows x tokens x taps x hidden x dtype bytes (the CPU demo: 300 rows, ~85 MiB). Meant for
-small datasets trained for many epochs; the GPU profiles read the target online.
+Size: rows x tokens x taps x hidden x dtype bytes. Meant for small datasets trained for many epochs;
+the GPU profiles read the target online.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Callable, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from dflash.train.data import MicroBatch
+    from dflash.train.rank.data import MicroBatch
 
 CACHE_DIR = "feature_cache"
 
 
 class FeatureSource(Protocol):
     """Where a step reads a micro-batch's tap features instead of the online forward: the
-    feature cache, or the memory trace's fake features (dflash.train.trace.FakeFeatures)."""
+    feature cache, or the memory trace's fake features (dflash.measure.trace.FakeFeatures)."""
 
     def features(self, batch: MicroBatch, extract: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 

@@ -5,7 +5,7 @@ One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on e
 is sharded by FSDP2, whose collectives run inside them). The loss of the step is the weighted
 cross entropy summed over all ranks' micro-batches divided by the GLOBAL weight sum (all_reduce
 SUM before any backward), and FSDP2 sums (never averages) the ranks' gradients
-(dflash.train.sharding), so gradients do not depend on how the batch is split: a step redone at
+(dflash.train.rank.parallel), so gradients do not depend on how the batch is split: a step redone at
 another micro-batch, or on another number of ranks, gives the same update.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 
 from dflash.drafter.loss import BlockTargets, LossParts, SelectorStats, block_targets, drafter_loss, figure_width, per_slot_accuracy, read_selector_stats, simulated_tau
 from dflash.drafter.model import DFlashDrafter, forward_blocks
-from dflash.train import dist
-from dflash.train.data import MicroBatch
+from dflash.train.rank import parallel
+from dflash.train.rank.data import MicroBatch
 
 if TYPE_CHECKING:
     from dflash.memory.plan import BatchPlan
-    from dflash.train.setup import TrainState
+    from dflash.train.rank.setup import TrainState
 
 
 @dataclass
@@ -83,11 +83,11 @@ def autocast_wanted(device_type: str, setting: str = "auto") -> bool:
 
 
 def run_next_step(state: TrainState) -> tuple[StepStats, int]:
-    """The schedule's next optimizer step: this rank's rows of step `state.step` (dflash.train.data.TrainData),
+    """The schedule's next optimizer step: this rank's rows of step `state.step` (dflash.train.rank.data.TrainData),
     split by the current micro-batch, then `state.step` advances. Returns the step's figures and its epoch.
     The worker's loop and the training benchmarks step through this."""
     from dflash.memory.plan import batch_plan
-    from dflash.train.data import TrainData
+    from dflash.train.rank.data import TrainData
 
     data = state.data
     assert isinstance(data, TrainData), "the schedule's steps read the rank's dataset (build_state)"
@@ -107,17 +107,17 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     or only the last with train.gradient_sync = "last_micro_batch"); the gradient norm's all-reduce
     in clipping; the update is local (AdamW on this rank's shards). With `state.autobatch`, an
     out-of-memory error anywhere in the step is recorded and ends this rank for a restart of every
-    rank at half the micro-batch (dflash.train.autobatch: recovery by restart).
+    rank at half the micro-batch (dflash.train.rank.autobatch: recovery by restart).
 
     Each phase is marked on `state.progress` as it starts (data, reduction, forward, backward, update),
-    which the rank's heartbeat reports (dflash.train.heartbeat); nothing else is installed in the step.
+    which the rank's heartbeat reports (dflash.train.supervisor.heartbeat); nothing else is installed in the step.
     """
     started = time.perf_counter()
     progress = state.progress
     progress.enter("data", state.step + 1)
     local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
     progress.enter("reduction")
-    global_weight = max(dist.global_weight(local_weight), 1e-12)
+    global_weight = max(parallel.global_weight(local_weight), 1e-12)
     micro_batch = state.autobatch.micro_batch if state.autobatch is not None else plan.micro_batch
     guard = (state.autobatch.guard(state.step + 1, lambda: progress.phase) if state.autobatch is not None
              else contextlib.nullcontext())
@@ -131,7 +131,7 @@ def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int,
                mark: Callable[[str], None] = lambda phase: None) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The step's work: every micro-batch's forward/backward (the gradient reductions run inside
     the backward), then the update. `mark` names each phase as it starts (the memory trace,
-    dflash.train.trace, keeps a peak per phase). Returns the loss sums, the tokens and the gradient norm."""
+    dflash.measure.trace, keeps a peak per phase). Returns the loss sums, the tokens and the gradient norm."""
     mark("micro-batches")
     sums, tokens = accumulate_step(state, rows, epoch, micro_batch, global_weight)
     mark("update")
@@ -168,7 +168,7 @@ def accumulate_micro_batches(state: TrainState, batches: list[MicroBatch], globa
     """Forward/backward of each micro-batch, loss / GLOBAL weight. Gradients are reduce-scattered
     into this rank's shards as each backward ends, or with train.gradient_sync = "last_micro_batch"
     kept unsharded until the last micro-batch's backward reduces their sum."""
-    from dflash.train.sharding import set_gradient_sync
+    from dflash.train.rank.parallel import set_gradient_sync
 
     selector = hasattr(state.drafter, "candidate_selector")
     totals = torch.zeros(figure_width(state.drafter.block_size, selector), dtype=torch.float64)
@@ -187,7 +187,7 @@ def step_stats(state: TrainState, totals: torch.Tensor, tokens: int, local_secon
                grad_norm: float | None = None) -> StepStats:
     slots = state.drafter.block_size - 1
     state.progress.enter("reduction")
-    reduced = dist.all_reduce_tensor(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]))
+    reduced = parallel.all_reduce_tensor(torch.cat([totals, torch.tensor([float(tokens)], dtype=torch.float64)]))
     acc = per_slot_accuracy(reduced[2:2 + slots], reduced[2 + slots:2 + 2 * slots])
     weight = float(reduced[1])
     return StepStats(loss=float(reduced[0]) / weight if weight else math.nan, acc=acc,

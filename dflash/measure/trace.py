@@ -1,36 +1,18 @@
 """One training step of the trainer's own code, traced on fake tensors at the profile's world size.
 
-Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` and torch's fake process
-group (`init_process_group("fake", store=HashStore(), rank=r, world_size=N)`, as torchtitan's
-memory estimation runs it; its device mesh is made before fake mode), and torch's
-`FSDPMemTracker` (dflash.memory.trace.phase_tracker) counts every storage created, by category
-(sharded and unsharded parameters and gradients, all-gather and reduce-scatter buffers,
-activations, temporaries, optimizer states), and the peak of each phase. The state is the
-trainer's: `state_from_target` (tap layers, the drafter with its draft vocabulary and target init
-sharded by FSDP2 over the N fake ranks, the truncated target, AdamW over the shards, the
-schedule), and the step is `dflash.train.step.plain_step` (zero_grad, every micro-batch's
-forward/backward with the chunked loss under the trainer's autocast rule, FSDP2's all-gathers and
-reduce-scatters inside them, clipping, the update), as `run_step` runs it. The gradient
-reductions are marked as their own phase through the trainer's observer of FSDP2's
-reduce-scatter (dflash.train.sharding.observe_reductions). The traced rank is rank 0, whose
-shards are the fullest.
+Nothing is allocated. The state is the trainer's (`state_from_target`: the drafter sharded by FSDP2
+over N fake ranks, AdamW over the shards) and the step is `dflash.train.rank.step.plain_step`, run
+under FakeTensorMode and torch's fake process group (as torchtitan's memory estimation runs it);
+FSDPMemTracker (dflash.measure.fake.phase_tracker) counts every storage by category and the peak of
+each phase, the gradient reduction marked through the trainer's own observer
+(dflash.train.rank.parallel.observe_reductions). The traced rank is rank 0, the fullest shards.
 
-Where the trace differs from a GPU run, on purpose (each a stand-in for what cannot run here):
-* the target: built from its config under FakeTensorMode (27B parameters cost nothing), its
-  forward traced on its own after the step (`extract_taps` over the layers that decide its peak,
-  dflash.memory.trace.LayerSubset; a plain MemTracker counts its rise over what the step left
-  alive: the step's state and gradients); the drafter
-  step reads the tap features through the trainer's feature-cache path (`state.feature_cache`),
-  a fresh fake tensor of the taps' shape per micro-batch, as the cache does;
-* attention: flex_attention has no backward on CPU, so the drafter attends through SDPA with
-  flex's memory (dflash.memory.trace.FlexMemoryAttention, the state's attention factory
-  `layer_attends`; its mask made before tracking: flex's BlockMask is about 0.13 MiB a sequence
-  and rule, which the model counts);
-* the label selection `rows[keep]` has a data-dependent shape; the worst case keeps every label,
-  so a boolean index of a fake tensor becomes the same copy through `index_select` of all rows;
-* two micro-batches stand for all of them: from the second on, each one's forward/backward runs
-  with the gradients of the earlier ones alive, and the rest repeat it;
-* the optimizer's states are allocated before tracking (a step after the first).
+Where it differs from a GPU run, each a stand-in for what cannot run here: the target's forward is
+traced on its own after the step, over the layers that decide its peak, and the drafter reads fresh
+fake tap features through the feature-cache path (`FakeFeatures`); attention goes through SDPA with
+flex's memory; the label selection `rows[keep]` keeps every row (`KeepEveryRow`, the worst case); two
+micro-batches stand for all of them (the second runs with the first's gradients alive); the AdamW
+states exist before tracking (a step after the first).
 """
 from __future__ import annotations
 
@@ -39,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypedDict, cast
 
+from dflash.measure import fake
 from dflash.memory import model as memory
-from dflash.memory import trace as fake
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -48,8 +30,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
-    from dflash.train.data import MicroBatch
-    from dflash.train.setup import TrainState
+    from dflash.train.rank.data import MicroBatch
+    from dflash.train.rank.setup import TrainState
 
 MIB = memory.MIB
 
@@ -74,7 +56,7 @@ class WorstCaseData:
         return self._batches[len(rows)]
 
     def prepare(self, sizes: set[int]) -> None:
-        from dflash.train.data import collate_rows
+        from dflash.train.rank.data import collate_rows
 
         for size in sizes:
             ids = [self.dataset["input_ids"][r % 2] for r in range(size)]
@@ -142,9 +124,9 @@ def traced_state(profile: Profile, config: PretrainedConfig, data: WorstCaseData
     fake target, its optimizer states allocated."""
     import torch
 
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.setup import state_from_target
-    from dflash.train.step import autocast_wanted
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import state_from_target
+    from dflash.train.rank.step import autocast_wanted
 
     target = fake.build_target(config, getattr(torch, profile.model.dtype))
     state = state_from_target(profile, WorkerEnv(0, world, 0), torch.device("cpu"), target, data, mesh=mesh)
@@ -160,7 +142,7 @@ def allocate_optimizer_states(state: TrainState) -> None:
     first step; the trace is of a later one."""
     import torch
 
-    from dflash.train.step import update
+    from dflash.train.rank.step import update
 
     for param in state.drafter.parameters():
         if param.requires_grad:
@@ -191,8 +173,8 @@ class TracedFigures(TypedDict):
 
 def _traced(state: TrainState, profile: Profile, workload: memory.Workload, rows: list[int], micro_batch: int,
             full_target: bool) -> tuple[TracedFigures, fake.PhaseTracking]:
-    from dflash.train.sharding import observe_reductions
-    from dflash.train.step import plain_step
+    from dflash.train.rank.parallel import observe_reductions
+    from dflash.train.rank.step import plain_step
 
     data = state.data
     assert isinstance(data, WorstCaseData), "the trace's state reads the worst case (traced_state)"
@@ -252,7 +234,7 @@ def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tup
 
 def _figures(state: TrainState, tracker: fake.PhaseTracking, before: int, tap_bytes: int, layers_run: int) -> TracedFigures:
     from dflash.drafter.taps import decoder_layers
-    from dflash.train.sharding import local_tensor
+    from dflash.train.rank.parallel import local_tensor
 
     phases, live = tracker.phase_peaks, tracker.live_by_category()
     shards = [local_tensor(p) for p in state.drafter.parameters() if p.requires_grad]

@@ -1,16 +1,17 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
 dataset, frozen target (loaded up to its deepest tap), the drafter sharded by FSDP2
-(dflash.train.sharding), optimizer and schedule, feature cache, resume from the latest sharded
-checkpoint (dflash.train.checkpointing) and the agreed micro-batch.
+(dflash.train.rank.parallel), optimizer and schedule, feature cache, resume from the latest sharded
+checkpoint (dflash.train.rank.checkpointing) and the agreed micro-batch.
 
 Every rank builds the same drafter (the same seed, the same target) on the meta device, shards it,
-and then materialises only its shard of each parameter (dflash.train.materialize, torchtitan's
+and then materialises only its shard of each parameter (dflash.train.rank.materialize, torchtitan's
 order): nothing needs to be broadcast, each shard has one owner, and no rank holds the whole drafter.
 
 Tests, benchmarks and the GPU checks build their state through `build_state` too.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -20,9 +21,9 @@ import torch
 from dflash.drafter.attention import make_layer_attends
 from dflash.drafter.loss import SelectorObjective
 from dflash.drafter.model import DFlashDrafter, InitValue, LayerAttendsFactory
-from dflash.train.data import StepData, TrainData
-from dflash.train.dist import WorkerEnv
-from dflash.train.heartbeat import RankProgress
+from dflash.train.rank.data import StepData, TrainData
+from dflash.train.rank.parallel import WorkerEnv
+from dflash.train.supervisor.heartbeat import RankProgress
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, Qwen3Config
 
     from dflash.drafter.attention import Backend
-    from dflash.train.autobatch import AutoBatch
-    from dflash.train.feature_cache import FeatureCache, FeatureSource
+    from dflash.train.rank.autobatch import AutoBatch
+    from dflash.train.rank.feature_cache import FeatureCache, FeatureSource
 
 
 @dataclass
@@ -58,7 +59,7 @@ class TrainState:
     micro_batch: int = 1
     autocast: str = "auto"
     compute_dtype: str = "float32"                  # train.compute_dtype (FSDP2's param_dtype for the forward)
-    gradient_sync: str = "every_micro_batch"        # train.gradient_sync (dflash.train.step.accumulate_micro_batches)
+    gradient_sync: str = "every_micro_batch"        # train.gradient_sync (dflash.train.rank.step.accumulate_micro_batches)
     autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
     feature_cache: FeatureSource | None = None      # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
@@ -71,7 +72,7 @@ class TrainState:
 
 def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
     """drafter.mask_token_id, else the tokenizer's mask token (a row of the embedding: the launch
-    checks, dflash.train.launch_checks, refuse a profile where it is missing or out of range)."""
+    checks, dflash.train.supervisor.launch_checks, refuse a profile where it is missing or out of range)."""
     mask_id = profile.drafter.mask_token_id
     if mask_id is None:
         mask_id = _tokenizer_mask_id(profile)
@@ -82,7 +83,7 @@ def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
 def _tokenizer_mask_id(profile: Profile) -> int | None:
     """The tokenizer's mask token, read from its files (the launch checks' reader)."""
     from dflash.models import resolve_model_path
-    from dflash.train.launch_checks import tokenizer_mask_token_id
+    from dflash.train.supervisor.launch_checks import tokenizer_mask_token_id
 
     return tokenizer_mask_token_id(resolve_model_path(profile.model.tokenizer or profile.model.target))
 
@@ -114,12 +115,12 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
 def build_sharded_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int], num_target_layers: int,
                           draft_vocab: list[int] | None, device: torch.device, mesh: DeviceMesh) -> DFlashDrafter:
     """The rank's drafter in torchtitan's order: built on the meta device, sharded by FSDP2 over `mesh`
-    (dflash.train.sharding), then given memory on `device` and its values one init unit at a time
-    (dflash.train.materialize): the global parameters are `build_drafter`'s for the same seed, and the
+    (dflash.train.rank.parallel), then given memory on `device` and its values one init unit at a time
+    (dflash.train.rank.materialize): the global parameters are `build_drafter`'s for the same seed, and the
     rank never holds the whole drafter."""
     from dflash.drafter.dflash2 import drafter_for_config
-    from dflash.train.materialize import materialize
-    from dflash.train.sharding import shard_drafter
+    from dflash.train.rank.materialize import materialize
+    from dflash.train.rank.parallel import shard_drafter
 
     config = drafter_config_for(profile, target, layer_ids, num_target_layers, draft_vocab)
     with torch.device("meta"):
@@ -214,7 +215,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if profile.train.feature_cache:
         state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
-        from dflash.train.checkpointing import restore_checkpoint
+        from dflash.train.rank.checkpointing import restore_checkpoint
 
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)
@@ -229,11 +230,11 @@ def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, ta
     `mesh` (default: every rank of the process group; `build_sharded_drafter`), the target truncated
     after its deepest tap, loss decay, optimizer and schedule. `num_target_layers`: the target's depth
     when it was loaded with fewer layers (default: its config's). `build_state` calls it with the real
-    target and dataset; the memory trace (dflash.train.trace) with fake ones and the fake process
+    target and dataset; the memory trace (dflash.measure.trace) with fake ones and the fake process
     group's mesh."""
     from dflash.drafter.decay import default_gamma
     from dflash.drafter.loss import decay_weights
-    from dflash.train.sharding import drafter_mesh
+    from dflash.train.rank.parallel import drafter_mesh
 
     num_target_layers = num_target_layers or target.config.num_hidden_layers
     layer_ids = resolve_layer_ids(profile, num_target_layers)
@@ -261,7 +262,7 @@ def choose_draft_vocab(profile: Profile, data: StepData, env: WorkerEnv) -> list
 
 def start_autobatch(state: TrainState, run_dir: Path) -> AutoBatch:
     """Agree on one micro-batch (all_reduce MIN, never above the persisted one on a restart)."""
-    from dflash.train.autobatch import AutoBatch
+    from dflash.train.rank.autobatch import AutoBatch
 
     log = (lambda line: print(line, flush=True)) if state.env.is_main else (lambda line: None)
     return AutoBatch.start(state.micro_batch, run_dir, state.env.rank, log=log)
@@ -276,7 +277,6 @@ def dataset_path(profile: Profile) -> Path:
 def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, target: PreTrainedModel,
                    drafter: DFlashDrafter, data: StepData, layer_ids: list[int], decay: torch.Tensor) -> TrainState:
     from dflash.drafter.attention import resolve_backend
-    from dflash.train.optim import build_optimizer, cosine_schedule, total_steps
 
     optimizer = build_optimizer(profile, [p for p in drafter.parameters() if p.requires_grad])
     steps = total_steps(profile, data.steps_per_epoch)
@@ -291,10 +291,37 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:
-    """train.feature_cache: the run's shared per-row feature files (dflash.train.feature_cache)."""
-    from dflash.train.feature_cache import FeatureCache, cache_directory
+    """train.feature_cache: the run's shared per-row feature files (dflash.train.rank.feature_cache)."""
+    from dflash.train.rank.feature_cache import FeatureCache, cache_directory
 
     key = {"dataset": str(dataset_path(profile)), "fingerprint": getattr(data.dataset, "_fingerprint", ""),
            "rows": len(data.dataset), "target": profile.model.target, "dtype": profile.model.dtype,
            "layers": list(layer_ids), "max_length": data.max_length}
     return FeatureCache(cache_directory(run_dir, key))
+
+
+# --- the optimizer and schedule: AdamW over the drafter's parameter shards, warmup then cosine ---
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> LRScheduler:
+    """Linear warmup over ceil(ratio * total) steps, then cosine to 0."""
+    warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def total_steps(profile: Profile, steps_per_epoch: int) -> int:
+    return profile.train.max_steps or profile.train.epochs * steps_per_epoch
+
+
+def build_optimizer(profile: Profile, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over the drafter's trainable parameters: under FSDP2 (dflash.train.rank.parallel) these are
+    this rank's float32 shards, so its states are sharded too (about 8 bytes per parameter / N)."""
+    # foreach on every device: torch picks it by default on CUDA only, and the memory model and the
+    # CPU tests count its one temporary over the parameters (the update's peak) as on the GPU
+    return torch.optim.AdamW(params, lr=profile.train.lr, weight_decay=profile.train.weight_decay, foreach=True)

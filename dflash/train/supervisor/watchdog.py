@@ -1,4 +1,4 @@
-"""A rank alive but stuck, named by its progress (the launcher's side of dflash.train.heartbeat).
+"""A rank alive but stuck, named by its progress (the launcher's side of dflash.train.supervisor.heartbeat).
 
 Training is synchronous: every rank runs the same collectives in the same order, so a rank that stops
 making progress (a hung collective, a deadlocked loader, a kernel that never returns) soon holds every
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash.train.heartbeat import (
+from dflash.train.supervisor.heartbeat import (
     DUMP_REQUEST,
     FLIGHT_RECORDER_PREFIX,
     STACKS_SIGNAL,

@@ -1,6 +1,6 @@
 """Fault injection for tests and drills: a debugging option, never part of a plain run.
 
-The production step only marks its phases (dflash.train.heartbeat.RankProgress). A rank reads the
+The production step only marks its phases (dflash.train.supervisor.heartbeat.RankProgress). A rank reads the
 three switches below once, at its start (`FaultInjection.from_env`); when one is set, the injection
 listens to those marks and, for the points inside torch's own work, installs what it needs: a hook at
 the start of the drafter's backward (`backward`) and an observer of FSDP2's gradient reduce-scatter
@@ -20,7 +20,7 @@ the start of the drafter's backward (`backward`) and an observer of FSDP2's grad
                                                        "1:3:0": only in torchrun attempt 0
 
 `rank` may be omitted (every rank). An OOM's record names the phase the step had reached
-(dflash.train.autobatch): a `sync` injection is recorded as `backward` (the reduction runs inside the
+(dflash.train.rank.autobatch): a `sync` injection is recorded as `backward` (the reduction runs inside the
 backward), `optimizer` as `update`.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from launcher_core.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-    from dflash.train.heartbeat import RankProgress
+    from dflash.train.supervisor.heartbeat import RankProgress
 
 INJECT_ENV = "DFLASH_INJECT_OOM"
 STALL_ENV = "DFLASH_INJECT_STALL"
@@ -188,7 +188,7 @@ class FaultInjection:
         if "backward" in points:
             drafter.register_full_backward_pre_hook(lambda _module, _grads: self.inside("backward", progress.step))
         if "sync" in points:
-            from dflash.train.sharding import observe_reductions
+            from dflash.train.rank.parallel import observe_reductions
 
             observe_reductions(drafter, lambda: self.inside("sync", progress.step), lambda: None)
 

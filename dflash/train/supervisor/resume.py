@@ -26,7 +26,7 @@ from launcher_core.errors import ConfigError, DataError, InputError
 
 if TYPE_CHECKING:
     from dflash.drafter.verify import Shapes
-    from dflash.train.launch_checks import LaunchFacts
+    from dflash.train.supervisor.launch_checks import LaunchFacts
     from launcher_core.schema import Profile
 
 PARTIAL_SAVE = re.compile(r"^\.step-(?P<step>\d+)\.(?:.+\.tmp|(?P<old>old-\d+))$")
@@ -147,7 +147,7 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
 
 
 def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: int) -> Shapes:
-    """Tensor name -> shape of the drafter the ranks would build (dflash.train.setup.build_sharded_drafter),
+    """Tensor name -> shape of the drafter the ranks would build (dflash.train.rank.setup.build_sharded_drafter),
     built on the meta device from the target's config.json; `draft_vocab`: its draft vocabulary's length."""
     import torch
     from transformers import AutoConfig

@@ -1,45 +1,17 @@
-"""Trace one real training step on fake tensors and compare it with the analytic memory model.
+"""The fake-tensor side of the memory trace (dflash.measure.trace): what the traced step needs that the
+trainer does not have, and the comparison with the analytic model.
 
-Nothing is allocated: the step runs under PyTorch's `FakeTensorMode` (tensors have shapes,
-dtypes and storages of the right size, no data) and `FSDPMemTracker` (torch.distributed._tools,
-as torchtitan's memory estimation uses it) counts every storage created, by category (sharded
-and unsharded parameters and gradients, all-gather and reduce-scatter buffers, activations,
-backward temporaries, optimizer states), and the peak. On a CPU-only torch the fake tensors are
-CPU tensors: sizes are what count.
+* the target, built from its config with transformers' own classes under FakeTensorMode (27B
+  parameters cost nothing; Qwen3.6-27B's published config when its directory is not here), and the
+  layers that decide its forward's peak (`LayerSubset`: every tap layer, and for each layer type the
+  last one up to the deepest tap with the layer before it; `full_target=True` runs them all);
+* torch's FSDPMemTracker, by category and per phase (`phase_tracker`);
+* flex attention's memory through SDPA (`FlexMemoryAttention`): flex has no backward on CPU, not even
+  on fake tensors;
+* the traced figures against the model's (`compare`, `format_comparison`).
 
-The step is the trainer's (`dflash.train.step`: forward_micro, accumulate_micro_batches, update), at the
-profile's worst case (every sequence `data.max_length` tokens, `train.num_anchors` anchors, every
-label counted):
-
-1. target taps: the frozen target in `model.dtype`, built from its config with transformers' own
-   classes (the flagship is Qwen3.5's `Qwen3_5ForCausalLM`, hybrid Gated DeltaNet / gated full
-   attention, from `dflash.models.QWEN36_27B_TEXT` when its directory is not on this machine),
-   truncated after the deepest tap, `extract_taps` under no_grad;
-2. the drafter (`DFlashDrafter`, the profile's own attention shape through
-   `dflash.drafter.shape.profile_shape`, sharded by FSDP2 as the trainer builds it: float32
-   shards gathered in the compute dtype) over every block, under bf16 autocast as on CUDA when
-   `model.dtype` is bfloat16, and the chunked loss (`_chunked_ce`, checkpointed);
-3. backward (FSDP2's reduce-scatter as each unit's backward ends), gradient clipping, and AdamW
-   (foreach, as on CUDA) over rank 0's shards (the fullest: ceil(dim 0 / N) rows of every tensor),
-   with its states already allocated (a step after the first).
-
-Where the trace differs from a GPU run, on purpose:
-* attention: flex_attention (the GPU backend) has no backward on CPU, not even on fake tensors, so
-  the drafter attends through SDPA with flex's memory (`FlexMemoryAttention`, passed to the
-  trainer's forward as its attention factory, `TrainState.layer_attends`): the dense block mask is
-  built outside the tracker (flex's BlockMask is about 0.13 MiB a sequence and rule), and the query heads are grouped per
-  KV head instead of expanding K/V to every query head (sdpa's `enable_gqa` on CPU would add two
-  K/V copies per layer that flex does not make);
-* the target forward runs the layers that decide its peak, not all of them: every tap layer and,
-  for each layer type, the last layer of that type up to the deepest tap and the layer before it
-  (the last of a type runs with every earlier tap held, on a fresh hidden state: the worst moment
-  of that type in the full forward, since the layers of one type have one shape). The weights of
-  every layer up to the deepest tap are allocated and counted. `full_target=True` runs every
-  layer (a test holds both to the same figures);
-* the label selection `rows[keep]` (a data-dependent shape) is replaced by the same copy through
-  `index_select` over all rows: the worst case keeps every row.
-
-Heavy imports happen inside the functions: `launcher.py plan` without `--trace` never loads torch.
+On a CPU-only torch the fake tensors are CPU tensors: sizes are what count. Heavy imports happen
+inside the functions: `launcher.py plan` without `--trace` never loads torch.
 """
 from __future__ import annotations
 
@@ -71,7 +43,7 @@ MemorySnapshot = dict["torch.device", dict[str, int]]     # MemTracker's: device
 
 @dataclass(frozen=True)
 class TracedStep:
-    """What one traced step (dflash.train.trace) allocated, in MiB (one rank: rank 0, the fullest shards)."""
+    """What one traced step (dflash.measure.trace) allocated, in MiB (one rank: rank 0, the fullest shards)."""
 
     micro_batch: int
     target_weights: float
@@ -284,8 +256,7 @@ def phase_tracker(drafter: nn.Module, optimizer: torch.optim.Optimizer, frozen: 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # Called after every operation. MemTracker's own (not called) walks every module it tracks to
             # keep each one's peak, and then its overall peak: the trace reads neither (each phase's peak
-            # below covers the overall one), and the walk was a sixth of a trace's CPU
-            # (benchmarks/results/test-suite-cpu_cpu-2core_2026-12-06.md).
+            # below covers the overall one), and the walk is a large share of a trace's CPU (benchmarks/results/test-suite-cpu_cpu-2core_2026-12-06.md).
             live, categories = self.live_bytes(), self.live_by_category()
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, -1), live)
             rise = live - self.phase_starts.get(self.phase, live)

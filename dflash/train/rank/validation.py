@@ -1,9 +1,9 @@
 """Validation during training: the drafter measured on dataset rows held out of training.
 
-`train.validation_share` holds rows out (`dflash.train.data.split_rows`: chosen once from the row
+`train.validation_share` holds rows out (`dflash.train.rank.data.split_rows`: chosen once from the row
 count and train.seed). Every `train.validation_every_steps` steps (0: at every checkpoint,
 train.save_every_steps) and after the last step, EVERY rank runs the training step's own forward
-(`dflash.train.step.forward_micro`, under torch.no_grad()) over its share of the held-out rows
+(`dflash.train.rank.step.forward_micro`, under torch.no_grad()) over its share of the held-out rows
 (rows rank, rank + world, ...), all ranks the same number of drafter forwards: the drafter's
 forward is a collective once it is sharded, so a rank short of rows runs a pass whose figures it
 drops (`rank_batches`). The sums are all-reduced into:
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
-    from dflash.train.data import TrainData
-    from dflash.train.setup import TrainState
+    from dflash.train.rank.data import TrainData
+    from dflash.train.rank.setup import TrainState
     from launcher_core.schema import Profile
 
 VALIDATION_FILE = "validation.json"
@@ -65,8 +65,8 @@ def measure(state: TrainState, data: TrainData, rows: Sequence[int]) -> HeldOut:
     import torch
 
     from dflash.drafter.loss import counted_tau, per_slot_accuracy
-    from dflash.train import dist
-    from dflash.train.step import forward_micro
+    from dflash.train.rank import parallel
+    from dflash.train.rank.step import forward_micro
 
     started = time.perf_counter()
     slots = state.drafter.block_size - 1
@@ -78,7 +78,7 @@ def measure(state: TrainState, data: TrainData, rows: Sequence[int]) -> HeldOut:
                 assert parts.accepted is not None and parts.blocks is not None, "block_loss counts accepted tokens"
                 totals += torch.cat([torch.stack([parts.weighted_ce, parts.weight_sum, parts.accepted, parts.blocks])
                                      .detach().double().cpu(), parts.correct.double().cpu(), parts.counted.double().cpu()])
-    reduced = dist.all_reduce_tensor(totals)
+    reduced = parallel.all_reduce_tensor(totals)
     weight, accepted, blocks = float(reduced[1]), float(reduced[2]), float(reduced[3])
     return HeldOut(step=state.step, loss=float(reduced[0]) / weight if weight else float("nan"),
                    tau=counted_tau(accepted, blocks), acc=per_slot_accuracy(reduced[4:4 + slots], reduced[4 + slots:]),
@@ -129,7 +129,7 @@ class ValidationLog:
 
 
 class Validation:
-    """The trainer's hook (dflash.train.worker.train_loop): `after_step` on every rank."""
+    """The trainer's hook (dflash.train.rank.worker.train_loop): `after_step` on every rank."""
 
     def __init__(self, data: TrainData, every_steps: int, log: Optional[ValidationLog]):
         self.data, self.every_steps, self.log = data, every_steps, log
@@ -176,7 +176,7 @@ class Validation:
 
 def start_validation(state: TrainState, profile: Profile, run_dir: Path) -> Optional[Validation]:
     """The run's validation (None with train.validation_share 0); rank 0 records the held-out rows now."""
-    from dflash.train.data import TrainData
+    from dflash.train.rank.data import TrainData
 
     data = state.data
     if not isinstance(data, TrainData) or not data.split.validation:

@@ -8,7 +8,7 @@ binds 127.0.0.1, hosts the store there and hands its address to everyone:
 
 * the torchrun agent joins it as a client (`--rdzv-conf is_host=false`);
 * `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` stops the agent opening its second store;
-* the ranks connect to it (`STORE_ENV`, read by `dflash.train.dist.init_process_group`) and
+* the ranks connect to it (`STORE_ENV`, read by `dflash.train.rank.parallel.init_process_group`) and
   keep their keys under a per-attempt prefix;
 * gloo (and NCCL's bootstrap) bind the loopback interface (`GLOO_SOCKET_IFNAME`,
   `NCCL_SOCKET_IFNAME`).

@@ -1,31 +1,16 @@
-"""Runtime side of the memory budgets: the agreed micro-batch and OOM recovery by restart. Used
-inside torchrun workers.
+"""The agreed micro-batch and OOM recovery by restart, inside each torchrun worker.
 
-Under FSDP2 (dflash.train.sharding) the drafter's collectives run INSIDE its forward and
-backward: an all-gather before each unit's forward (and again before its backward), a
-reduce-scatter as each unit's backward ends, an all-reduce in gradient clipping. A rank that runs
-out of memory inside one of them never reaches a later agreement point, while the other ranks wait
-in the collective it left. So no rank tries to recover in place. Instead:
+FSDP2's collectives run inside the forward and backward, so a rank out of memory in one of them
+leaves the others waiting there: no rank recovers in place. It writes an OOM record
+(dflash.train.supervisor.oom_records) and exits with OOM_EXIT_CODE; the launcher starts every rank
+again with --resume; at start (`AutoBatch.start`) each rank takes half the recorded micro-batch (never
+above the persisted or planned one), the ranks agree on the smallest (all_reduce MIN), and rank 0
+persists it with the reduction in `train/autobatch.json`.
 
-    a rank that runs out of memory anywhere in a step (forward, backward, the gradient reduction,
-    the update) writes an OOM record (`train/autobatch/oom-rank-R.json`: step, micro-batch,
-    phase) and exits with OOM_EXIT_CODE; the others fail in the collective it left (or are
-    stopped by torchrun's agent);
-    the launcher (dflash.train.launch) sees the record and starts every rank again with --resume
-    (as torchrun's own --max-restarts would: the record is read the same way);
-    at start (`AutoBatch.start`) every rank reads the records, takes half the micro-batch that ran
-    out of memory (never above the persisted or planned one), the ranks agree on the smallest
-    (all_reduce MIN), rank 0 persists it in `train/autobatch.json` with the reduction, and
-    training continues from the last complete checkpoint at that micro-batch.
-
-Nothing done is lost beyond the steps since the last checkpoint, which are recomputed (and their
-metrics lines rewritten, never counted twice: dflash.train.worker.truncate_metrics). Because the
-loss of each micro-batch is divided by the GLOBAL weight of the step, the recomputed steps give
-the same gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be recovered from
-by halving: the record says so and the restart fails with what to change.
-
-Fault injection for drills (an OOM at a chosen step and phase) is a debugging option of its own:
-dflash.train.faults.
+Only the steps since the last checkpoint are recomputed (their metrics lines rewritten, never counted
+twice), and since each micro-batch's loss is divided by the step's global weight they give the same
+gradients at the smaller micro-batch. An OOM at micro-batch 1 cannot be halved: the restart fails
+saying what to change. Drills inject OOMs through dflash.train.rank.faults.
 """
 from __future__ import annotations
 
@@ -34,7 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from dflash.train.dist import agree_micro_batch
+from dflash.train.rank.parallel import agree_micro_batch
+from dflash.train.supervisor.oom_records import (
+    OOM_EXIT_CODE,
+    OomRecord,
+    clear_oom_records,
+    fatal_oom_message,
+    read_oom_records,
+    unrecoverable,
+    write_oom_record,
+)
 from launcher_core.errors import RunFailed
 
 if TYPE_CHECKING:
@@ -43,11 +37,9 @@ if TYPE_CHECKING:
 Reduction = dict[str, int | str]      # one halving, as autobatch.json keeps it: step, from, to, failed_ranks, phase, at
 
 RUN_STATE_NAME = "autobatch.json"
-OOM_RECORDS_DIR = "autobatch"
-OOM_EXIT_CODE = 75                    # a rank ran out of memory and recorded it: restart at a smaller micro-batch
 
 
-# --- run state (the agreed micro-batch, persisted) and OOM records -------------------------
+# --- run state (the agreed micro-batch, persisted) -------------------------
 
 @dataclass
 class RunState:
@@ -55,27 +47,8 @@ class RunState:
     reductions: list[Reduction] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class OomRecord:
-    """What a rank that ran out of memory wrote before it exited."""
-
-    rank: int
-    step: int
-    micro_batch: int
-    phase: str
-    error: str
-
-    @property
-    def halved(self) -> int:
-        return self.micro_batch // 2
-
-
 def run_state_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "train" / RUN_STATE_NAME
-
-
-def oom_records_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "train" / OOM_RECORDS_DIR
 
 
 def load_run_state(path: str | Path) -> RunState | None:
@@ -99,56 +72,12 @@ def resume_micro_batch(planned: int, path: str | Path) -> int:
     return planned if state is None else min(planned, state.micro_batch)
 
 
-def write_oom_record(run_dir: str | Path, record: OomRecord) -> Path:
-    import dataclasses
-
-    from launcher_core.fileio import write_json_atomic
-
-    return write_json_atomic(oom_records_dir(run_dir) / f"oom-rank-{record.rank}.json",
-                             {**dataclasses.asdict(record), "time": time.time()})
-
-
-def read_oom_records(run_dir: str | Path) -> list[OomRecord]:
-    """Every rank's OOM record not yet taken into autobatch.json (a damaged one is skipped: its rank
-    will run out of memory again and write it anew)."""
-    import json
-
-    records = []
-    for path in sorted(oom_records_dir(run_dir).glob("oom-rank-*.json")):
-        try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-            records.append(OomRecord(int(document["rank"]), int(document["step"]), int(document["micro_batch"]),
-                                     str(document["phase"]), str(document.get("error", ""))))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return records
-
-
-def clear_oom_records(run_dir: str | Path) -> None:
-    for path in oom_records_dir(run_dir).glob("oom-rank-*.json"):
-        path.unlink(missing_ok=True)
-
-
 def reduction_after(records: list[OomRecord], micro_batch: int) -> Reduction:
     """The halving the records ask for, as autobatch.json keeps it."""
     first = min(records, key=lambda r: (r.step, r.rank))
     return {"step": first.step, "from": micro_batch, "to": min(r.halved for r in records),
             "failed_ranks": len({r.rank for r in records}), "phase": first.phase,
             "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def unrecoverable(records: list[OomRecord]) -> OomRecord | None:
-    """A record of an OOM at micro-batch 1: halving cannot help."""
-    return next((r for r in records if r.micro_batch <= 1), None)
-
-
-def fatal_oom_message(record: OomRecord) -> str:
-    phase = record.phase
-    advice = ("AdamW's states are allocated at the first update: raise memory.margin (or memory.overhead_mib) so "
-              "the plan leaves room for them, free the GPU, or train fewer drafter layers") if phase == "optimizer" else \
-        ("one sequence does not fit: lower data.max_length or train.num_anchors, set "
-         "train.activation_checkpointing = \"layers\", or free GPU memory")
-    return (f"rank {record.rank} ran out of memory at step {record.step}, micro-batch 1 ({phase}): {advice}")
 
 
 # --- the agreed micro-batch ---------------------------------------------------------------
@@ -209,7 +138,7 @@ class AutoBatch:
 
     def guard(self, step: int, phase: Callable[[], str]) -> "OomGuard":
         """Around one step: an OOM inside it is recorded with the phase the step had reached (`phase()`: the
-        rank's progress mark, dflash.train.heartbeat) and ends this rank (OomRestart)."""
+        rank's progress mark, dflash.train.supervisor.heartbeat) and ends this rank (OomRestart)."""
         return OomGuard(self, step, phase)
 
     def record_oom(self, step: int, phase: str, error: BaseException) -> OomRecord:

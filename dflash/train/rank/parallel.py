@@ -1,24 +1,43 @@
-"""The process group of a training rank, and the few collectives of our own around FSDP2's.
+"""What is about ranks and meshes: the rank's process group, our few collectives on scalars, and the
+drafter sharded by FSDP2.
 
-torchrun gives every rank the same argv; each derives its own values from RANK, WORLD_SIZE and
-LOCAL_RANK (`WorkerEnv`). The drafter's gradients and parameters are reduced and gathered by FSDP2
-(dflash.train.sharding); what is here agrees on scalars (the step's loss weight, the micro-batch,
-a stop flag) and gathers figures. Without an initialised process group every helper here is the
-identity; FSDP2 needs one even in a single process (`single_process_group`).
+Process group: torchrun gives every rank the same argv; each derives its place from RANK, WORLD_SIZE
+and LOCAL_RANK (`WorkerEnv`). The helpers here agree on scalars (the step's loss weight, the
+micro-batch, a stop flag) and gather figures; without a process group each is the identity. FSDP2
+needs one even in a single process (`single_process_group`). Collective tensors live where the
+backend wants them: the current CUDA device for NCCL, the CPU for gloo.
 
-Collective tensors live where the backend wants them: the current CUDA device for NCCL, the
-CPU for gloo.
+Sharding (`shard_drafter`): torch's `fully_shard` once per draft layer, once per module the loss
+calls after the drafter's forward (`outside_forward`: DFlash 2's selector) and once for the drafter
+itself (fc, the norms), on a one-dimensional mesh of every rank:
+
+* each rank keeps 1/N of every float32 parameter (dim 0, padded to a multiple of N) as its master
+  weights, and AdamW updates those shards;
+* a unit's weights are all-gathered before its forward in the compute dtype
+  (`MixedPrecisionPolicy.param_dtype`) and freed after it (`train.reshard_after_forward`);
+* gradients are reduce-scattered in float32 as each unit's backward ends; with
+  train.gradient_sync = "last_micro_batch" only a step's last micro-batch reduces.
+
+The step's loss is already divided by the step's GLOBAL weight (dflash.train.rank.step), so the
+ranks' gradients are summed, never averaged: divide factor 1, plain SUM (gloo has no pre-multiplied
+sum). The frozen target's embedding and lm_head are attached to the drafter, not registered in it,
+so the target stays replicated on every rank.
 """
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from dflash.drafter.model import DFlashDrafter
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -64,7 +83,7 @@ def init_process_group(backend: str, device: "torch.device | None" = None,
     The rendezvous keys get a per-attempt prefix, so a rank restarted by torchrun
     (--max-restarts) never connects to an address a dead rank of the previous attempt published
     (gloo then fails with 'Connection refused'). The store is the launcher's loopback store on
-    one node (dflash.train.rendezvous), the torchrun agent's otherwise.
+    one node (dflash.train.supervisor.rendezvous), the torchrun agent's otherwise.
     """
     import torch.distributed as dist
 
@@ -82,7 +101,7 @@ def init_process_group(backend: str, device: "torch.device | None" = None,
 
 def _store_address() -> tuple[str, int]:
     """The launcher's store (one node: DFLASH_RDZV_STORE), else torchrun's (MASTER_ADDR/MASTER_PORT)."""
-    from dflash.train.rendezvous import STORE_ENV
+    from dflash.train.supervisor.rendezvous import STORE_ENV
 
     endpoint = os.environ.get(STORE_ENV)
     if endpoint:
@@ -198,3 +217,94 @@ def rank_of_process() -> int:
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+# --- the drafter under FSDP2 ------------------------------------------------------------
+
+ComputeDtype = Literal["float32", "bfloat16"]
+
+
+def drafter_mesh(device: torch.device, backend: str) -> DeviceMesh:
+    """The one-dimensional mesh of every rank (a process group of one in a single process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    single_process_group(backend)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def mixed_precision(compute_dtype: ComputeDtype) -> MixedPrecisionPolicy:
+    """Gathered weights in the compute dtype, gradients reduced in float32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = torch.bfloat16 if compute_dtype == "bfloat16" else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_drafter(drafter: DFlashDrafter, mesh: DeviceMesh, *, compute_dtype: ComputeDtype = "float32",
+                  reshard_after_forward: bool = True) -> DFlashDrafter:
+    """fully_shard every draft layer, then the drafter (in place; returns it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision(compute_dtype)
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for prefix in drafter.outside_forward:      # called after the drafter's forward (DFlash 2's selector, by the loss)
+        fully_shard(drafter.get_submodule(prefix.rstrip(".")), mesh=mesh, mp_policy=policy)
+    fully_shard(drafter, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in fsdp_units(drafter):
+        unit.set_gradient_divide_factor(1.0)            # the loss is normalised by the global weight: sum
+        unit.set_force_sum_reduction_for_comms(True)
+    return drafter
+
+
+def fsdp_units(module: nn.Module) -> Iterator[FSDPModule]:
+    """The FSDP2 units inside `module` (itself included), outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return (m for m in module.modules() if isinstance(m, FSDPModule))
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def set_gradient_sync(drafter: nn.Module, sync: bool) -> None:
+    """Whether the next backward reduce-scatters its gradients (False: they accumulate unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(drafter, FSDPModule):
+        drafter.set_requires_gradient_sync(sync)
+
+
+def observe_reductions(drafter: nn.Module, starting: Callable[[], None], finished: Callable[[], None]) -> None:
+    """Call `starting` as each unit's gradient reduction allocates its buffers (before its
+    reduce-scatter) and `finished` after it, every unit of `drafter`. FSDP2's own reduce-scatter
+    runs in between: the observer only subclasses its default communication (`set_custom_reduce_scatter`)
+    and uses its all-reduce hook, which FSDP2 calls after the reduce-scatter. Used for the OOM
+    record's phase and fault injection (`sync`, dflash.train.rank.faults) and the memory trace's
+    "gradient reduction" phase (dflash.measure.trace)."""
+    from dflash.torch_private import fsdp_default_reduce_scatter
+
+    class ObservedReduceScatter(fsdp_default_reduce_scatter()):  # type: ignore[misc]
+        def allocate(self, size: object, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            starting()
+            return super().allocate(size, dtype=dtype, device=device)  # type: ignore[arg-type]
+
+    for unit in fsdp_units(drafter):
+        unit.set_custom_reduce_scatter(ObservedReduceScatter())
+        unit.set_all_reduce_hook(lambda _reduced: finished())
+
+
+def sharded_param_bytes(drafter: nn.Module) -> int:
+    """Bytes of this rank's shards of the drafter's trainable parameters (their local tensors)."""
+    return sum(local_tensor(p).numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) parameter or gradient; a plain tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

@@ -1,4 +1,4 @@
-"""The traced step (dflash.train.trace): the trainer's own state and step on fake tensors under the
+"""The traced step (dflash.measure.trace): the trainer's own state and step on fake tensors under the
 fake process group, its exact byte counts, a buffer added to the trainer's step showing in it, the
 shortened target forward, and the analytic model held to the trace on small Qwen3.5-shaped workloads.
 
@@ -9,11 +9,10 @@ import dataclasses
 
 import pytest
 
+from dflash.measure import fake, trace
 from dflash.memory import model as memory
-from dflash.memory import trace as fake
 from dflash.memory.target import shape_from_config
 from dflash.models import hybrid_layer_types
-from dflash.train import trace
 from launcher_core.profile import load_profile
 
 # Qwen3.6-27B's proportions at 1/32 of its width: q 1.2 x hidden, MLP 3.4 x, GQA 6:1, 12 layers.
@@ -112,7 +111,7 @@ def test_the_traced_state_is_the_trainers_sharded_by_fsdp2_at_the_profiles_world
     and autocast rule."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dflash.train.sharding import fsdp_units, local_tensor
+    from dflash.train.rank.parallel import fsdp_units, local_tensor
 
     config, profile = fake.qwen36_27b_config(**TINY), tiny_profile()
     workload = fake.workload_for_config(profile, config, 8)
@@ -157,7 +156,7 @@ def test_a_buffer_added_to_the_trainers_step_appears_in_the_trace(monkeypatch):
     `accumulate_micro_batches` raises the micro-batches' peak, one inside `update` the update's."""
     import torch
 
-    from dflash.train import step
+    from dflash.train.rank import step
 
     config, profile = fake.qwen36_27b_config(**TINY), tiny_profile()
     before = trace.trace_step(profile, 1, config=config)
@@ -227,7 +226,7 @@ def assert_model_holds_to_the_trace(profile, config, workload: memory.Workload, 
         # shape instead (benchmarks/bench_memory_trace.py: -0.5 %); for the same reason the overall peak is held
         # where the drafter's step decides it (the micro-batches' peak above).
         # The reduction's own buffers: the model counts the reduce-scatter's input and output with the unit's
-        # gradients still held, as 2 real gloo ranks measure it (tests/train/test_measured_memory.py, exact
+        # gradients still held, as 2 real gloo ranks measure it (tests/measure/test_measured_memory.py, exact
         # there); under the fake process group FSDP2 has freed the gradients before the output, so the trace
         # shows the input alone: the model may be above it by the output's share, 1 / world size.
         reduction = next(f for f in figures if f.name == "a gradient reduction's own buffers")

@@ -2,13 +2,13 @@
 
 What the launcher knows when torchrun has exited:
 
-* `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.worker);
+* `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.rank.worker);
   a full disk (`kind` "disk_full") and a loss that cannot train (`kind` "loss_unusable",
-  dflash.train.loss_check) are recorded as such, and the rank ends without a traceback (torchrun's own
-  report goes to train/logs/torchrun.log: dflash.train.agent.route_torchrun_output);
+  dflash.train.rank.loss_check) are recorded as such, and the rank ends without a traceback (torchrun's own
+  report goes to train/logs/torchrun.log: dflash.train.supervisor.agent.route_torchrun_output);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
-  (dflash.train.agent): a rank killed by SIGKILL records nothing itself;
-* the launcher's own observations: a rank that stopped beating (dflash.train.heartbeat), the
+  (dflash.train.supervisor.agent): a rank killed by SIGKILL records nothing itself;
+* the launcher's own observations: a rank that stopped beating (dflash.train.supervisor.heartbeat), the
   agent's own exit code.
 
 `failure_cause` ranks them: a stopped rank (the launcher ended the run); the agent killed; a rank
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 if TYPE_CHECKING:
-    from dflash.train.heartbeat import Stall
-    from dflash.train.watchdog import Stuck
+    from dflash.train.supervisor.heartbeat import Stall
+    from dflash.train.supervisor.watchdog import Stuck
 
 
 class _RankFailureBase(TypedDict):
@@ -37,9 +37,9 @@ class _RankFailureBase(TypedDict):
 
 
 class RankFailure(_RankFailureBase, total=False):
-    """train/failures/rank-R.json, as dflash.train.worker.write_failure writes it."""
+    """train/failures/rank-R.json, as dflash.train.rank.worker.write_failure writes it."""
 
-    kind: str                       # "disk_full" (a full disk), "loss_unusable" (dflash.train.loss_check)
+    kind: str                       # "disk_full" (a full disk), "loss_unusable" (dflash.train.rank.loss_check)
 
 
 # The failure kinds named by their message alone: the record's kind -> FailureCause.kind (the manifest's ended_by).
@@ -47,7 +47,7 @@ NAMED_KINDS = {"disk_full": "disk full", "loss_unusable": "loss unusable"}
 
 
 class AgentRank(TypedDict):
-    """One entry of train/failures/agent.json (dflash.train.agent.write_agent_record)."""
+    """One entry of train/failures/agent.json (dflash.train.supervisor.agent.write_agent_record)."""
 
     rank: int
     local_rank: int
@@ -91,7 +91,7 @@ def read_rank_failures(failures_dir: Path) -> list[RankFailure]:
 
 
 def read_agent_ranks(failures_dir: Path) -> list[AgentRank]:
-    from dflash.train.agent import AGENT_RECORD
+    from dflash.train.supervisor.agent import AGENT_RECORD
 
     try:
         document = json.loads((failures_dir / AGENT_RECORD).read_text(encoding="utf-8"))
@@ -118,7 +118,7 @@ def resume_hint(run_dir: Path) -> str:
 
 def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> FailureCause:
     """The cause of a failed run (module docstring for the order)."""
-    from dflash.train.heartbeat import Stall
+    from dflash.train.supervisor.heartbeat import Stall
     from launcher_core.processes import signal_name
 
     failures, logs = run_dir / "train" / "failures", run_dir / "train" / "logs"

@@ -5,7 +5,7 @@ A rank never holds the whole drafter. Each *init unit* (a module whose construct
 values: nn.Linear, the RMSNorms, the rotary embedding, DFlash 2's convolutions and selector) is
 built again on the host, alone, in the drafter's construction order: with the same seed it draws
 exactly the numbers the whole drafter's constructor drew, so the global parameters are those of
-the whole-drafter build (`dflash.train.setup.build_drafter`) at any world size. Each of its
+the whole-drafter build (`dflash.train.rank.setup.build_drafter`) at any world size. Each of its
 tensors then goes to the drafter: this rank's chunk of it (FSDP2's dim-0 chunk, the DTensor's local
 tensor), or the whole tensor for buffers (the rotary `inv_freq`, not saved in checkpoints, is
 recomputed this way). An `initial values` mapping (target init, a drafter checkpoint, the norm fill,
@@ -75,7 +75,7 @@ def init_units(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
             continue
         if any(True for _ in child.parameters(recurse=False)):
             raise TypeError(f"{prefix}{name} ({type(child).__name__}) holds parameters but has no rebuilder in "
-                            f"dflash.train.materialize.REBUILDERS: its values would be left uninitialised")
+                            f"dflash.train.rank.materialize.REBUILDERS: its values would be left uninitialised")
         yield from init_units(child, f"{prefix}{name}.")
 
 

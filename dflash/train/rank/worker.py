@@ -1,19 +1,16 @@
 """Entry point of each torchrun rank: `torchrun --start-method forkserver --run-path
-dflash/train/worker.py --profile-json F --run-dir D` (dflash.train.launch), or `python -m
-dflash.train.worker ...` as a command of its own.
+dflash/train/rank/worker.py --profile-json F --run-dir D` (dflash.train.supervisor.launch), or
+`python -m dflash.train.rank.worker ...` as a command of its own (train.rank_start).
 
-Ranks start from torchrun's forkserver: torch.distributed.run runs a `--run-path` script as a function
-entrypoint, and its elastic agent starts the ranks with the multiprocessing start method it is given.
-The agent (dflash.train.agent) has the forkserver import its `RANK_IMPORTS` once, so each rank is a fork of
-a process that has torch, torch.distributed and transformers' model code loaded, instead of a new
-interpreter importing them again (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md). A rank started
-that way reports success the way elastic collects it, by returning (`end_rank`).
+A forked rank is a fork of the forkserver that imported the agent's `RANK_IMPORTS` once, rather than
+a new interpreter importing torch again (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md);
+it reports success the way elastic collects it, by returning (`end_rank`).
 
 Every rank gets the same argv; per-rank values come from RANK / LOCAL_RANK / WORLD_SIZE. Rank 0
-writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM or SIGINT (a terminal's
-Ctrl-C reaches every rank) sets a flag that all ranks agree on after the current step: a checkpoint
-is saved and the ranks exit cleanly. An exception is written to `train/failures/rank-R.json` (rank +
-traceback) before the rank exits, so the launcher can name the rank that failed first.
+writes metrics (JSONL + TensorBoard), checkpoints and the manifest. SIGTERM or SIGINT sets a flag the
+ranks agree on after the current step: a checkpoint is saved and the ranks exit cleanly. An exception
+is written to `train/failures/rank-R.json` before the rank exits, so the launcher can name the rank
+that failed first.
 """
 from __future__ import annotations
 
@@ -27,23 +24,23 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn, Optional, TypedDict
 
-from dflash.train.feature_cache import FeatureCache
+from dflash.train.rank.feature_cache import FeatureCache
 
 if TYPE_CHECKING:
     import torch
 
     from dflash.memory.launch_plan import RankStart
-    from dflash.train.checkpointing import Published
-    from dflash.train.dist import WorkerEnv
-    from dflash.train.failures import RankFailure
-    from dflash.train.setup import TrainState
-    from dflash.train.step import StepStats
-    from dflash.train.validation import HeldOut, Validation
+    from dflash.train.rank.checkpointing import Published
+    from dflash.train.rank.parallel import WorkerEnv
+    from dflash.train.rank.setup import TrainState
+    from dflash.train.rank.step import StepStats
+    from dflash.train.rank.validation import HeldOut, Validation
+    from dflash.train.supervisor.failures import RankFailure
     from launcher_core.schema import Profile
 
 STOPPED_FILE = "stopped.json"
 RECORDED_EXIT = 3       # a rank whose failure's cause is recorded with a `kind` (end_recorded_rank) ends with it
-RANK_TITLE = "dflash.train.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
+RANK_TITLE = "dflash.train.rank.worker"   # a forked rank's process title (ps, pgrep -f): this, its rank and run dir
 SETTLE_TIMEOUT_S = 120.0              # a failing rank waits this long at most for the save being written
 RETURNED_RANK_EXIT_S = 2.0           # a rank that returned to torchrun's elastic agent ends itself this long after
 SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss", "sim_tau", "tokens_per_s", "lr")
@@ -68,7 +65,7 @@ class MetricsLine(_MetricsLineBase, total=False):
 
     feature_cache: dict[str, float]         # train.feature_cache: rows, MiB, hits, misses (rank 0's)
     val_loss: float                         # train.validation_share: the held-out figures at this step
-    val_tau: float                          # (dflash.train.validation; tau as eval counts it)
+    val_tau: float                          # (dflash.train.rank.validation; tau as eval counts it)
     val_acc: list[Optional[float]]
     selector: dict[str, object]             # DFlash 2: unary / selector losses, recall, acceptance, taus, lift
 
@@ -84,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     args = parse_args(argv)
-    from dflash.train.dist import WorkerEnv
+    from dflash.train.rank.parallel import WorkerEnv
 
     env = WorkerEnv.from_env()
     name_forked_rank(env.rank, env.world_size, args.run_dir)
@@ -151,13 +148,13 @@ def name_forked_rank(rank: int, world_size: int, run_dir: Path) -> None:
 
 
 def die_with_agent() -> None:
-    """SIGKILL this rank when its torchrun agent ends, however it ends (dflash.train.agent): a rank
+    """SIGKILL this rank when its torchrun agent ends, however it ends (dflash.train.supervisor.agent): a rank
     never trains on, or writes into the run directory, without its agent and launcher. A rank forked by
     the agent's forkserver dies with the forkserver, which ends when the agent does (multiprocessing:
     it reads end of file on the agent's pipe)."""
     import os
 
-    from dflash.train.agent import AGENT_PID_ENV
+    from dflash.train.supervisor.agent import AGENT_PID_ENV
     from launcher_core.processes import die_with_parent, parent_of
 
     agent = int(os.environ[AGENT_PID_ENV]) if os.environ.get(AGENT_PID_ENV, "").isdigit() else None
@@ -170,7 +167,7 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure
     """train/failures/rank-R.json, and the record written. A cause the user acts on is recorded as such,
     with its `kind` and its own message, not the writer's words: a full disk ("disk_full": the DiskFull
     message with the path, bytes needed and free) or a loss that cannot train ("loss_unusable": the
-    DataError of dflash.train.loss_check)."""
+    DataError of dflash.train.rank.loss_check)."""
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
@@ -190,8 +187,8 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure
 
 def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
     """(kind, the error to name) of a cause the launcher names by its message; ("", None) for any other."""
-    from dflash.train.checkpointing import WRITING
-    from dflash.train.loss_check import UnusableLoss
+    from dflash.train.rank.checkpointing import WRITING
+    from dflash.train.rank.loss_check import UnusableLoss
     from launcher_core.diskfull import disk_full_of
 
     if isinstance(error, UnusableLoss):
@@ -211,9 +208,9 @@ def checkpoint_bytes_needed(run_dir: Path) -> int | None:
 
 
 def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
-    from dflash.train.dist import barrier, close_process_group, init_process_group, rank_device
-    from dflash.train.heartbeat import RankHeartbeat
-    from dflash.train.setup import build_state
+    from dflash.train.rank.parallel import barrier, close_process_group, init_process_group, rank_device
+    from dflash.train.rank.setup import build_state
+    from dflash.train.supervisor.heartbeat import RankHeartbeat
     from launcher_core.profile import profile_from_json
 
     stop = StopFlag.install()
@@ -237,9 +234,9 @@ def _train(args: argparse.Namespace, env: WorkerEnv) -> int:
 
 
 def install_fault_injection(state: TrainState) -> None:
-    """The debugging option of tests and drills (dflash.train.faults: DFLASH_INJECT_OOM, DFLASH_INJECT_STALL,
+    """The debugging option of tests and drills (dflash.train.rank.faults: DFLASH_INJECT_OOM, DFLASH_INJECT_STALL,
     DFLASH_FAIL_RANK), read once here; a plain run has none, and nothing is installed."""
-    from dflash.train.faults import FaultInjection
+    from dflash.train.rank.faults import FaultInjection
 
     recovered = state.autobatch.reductions if state.autobatch is not None else []
     faults = FaultInjection.from_env(state.env.rank, recovered=recovered)
@@ -285,16 +282,16 @@ class StopFlag:
         self.requested = True
 
     def agreed(self) -> bool:
-        from dflash.train.dist import any_rank
+        from dflash.train.rank.parallel import any_rank
 
         return any_rank(self.requested)
 
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
-    from dflash.train.dist import gather_memory_mib
-    from dflash.train.loss_check import check_step
-    from dflash.train.step import run_next_step
-    from dflash.train.validation import start_validation
+    from dflash.train.rank.loss_check import check_step
+    from dflash.train.rank.parallel import gather_memory_mib
+    from dflash.train.rank.step import run_next_step
+    from dflash.train.rank.validation import start_validation
 
     total = state.total_steps
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
@@ -336,7 +333,7 @@ class CheckpointSaves:
     put in place: rank 0 records it in the manifest and applies train.keep_checkpoints."""
 
     def __init__(self, state: TrainState, profile: Profile, run_dir: Path, validation: Optional[Validation]):
-        from dflash.train.checkpointing import AsyncCheckpointer
+        from dflash.train.rank.checkpointing import AsyncCheckpointer
 
         self.state, self.train, self.run_dir, self.validation = state, profile.train, run_dir, validation
         self.writer = AsyncCheckpointer(run_dir, state.env) if profile.train.async_save else None
@@ -344,7 +341,7 @@ class CheckpointSaves:
 
     def due(self) -> bool:
         """Every rank, after each step: the same answer on all (the clock's through all_reduce MAX)."""
-        from dflash.train.dist import any_rank
+        from dflash.train.rank.parallel import any_rank
 
         by_steps = self.state.step % self.train.save_every_steps == 0
         if self.train.save_every_minutes <= 0:
@@ -357,8 +354,8 @@ class CheckpointSaves:
             self._placed(self.writer.poll(self.state))
 
     def save(self, *, final: bool = False, stopped: str = "") -> None:
-        """Every rank: a collective (dflash.train.checkpointing); `stopped`: the signal that stopped the run."""
-        from dflash.train.checkpointing import save_training_checkpoint
+        """Every rank: a collective (dflash.train.rank.checkpointing); `stopped`: the signal that stopped the run."""
+        from dflash.train.rank.checkpointing import save_training_checkpoint
 
         self.last_save = time.monotonic()
         self.state.progress.enter("save")
@@ -379,7 +376,7 @@ class CheckpointSaves:
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """A rank that fails (an OOM, a dead peer) lets the save being written finish before it exits, so the
         restart resumes from it: every rank's shards are then written and rank 0 puts it in place if it can
-        (otherwise the launcher does: dflash.train.resume.remove_partial_saves). The save's own failure is
+        (otherwise the launcher does: dflash.train.supervisor.resume.remove_partial_saves). The save's own failure is
         not this rank's: it is ignored."""
         if self.writer is None:
             return
@@ -394,8 +391,8 @@ class CheckpointSaves:
             self._recorded(published.path, final=False)
 
     def _recorded(self, where: Path, *, final: bool) -> None:
-        """Rank 0: the manifest names the checkpoint, then train.keep_checkpoints is applied (dflash.train.retention)."""
-        from dflash.train.retention import prune_checkpoints
+        """Rank 0: the manifest names the checkpoint, then train.keep_checkpoints is applied (dflash.train.rank.retention)."""
+        from dflash.train.rank.retention import prune_checkpoints
         from launcher_core.manifest import update_stage
 
         if not self.state.env.is_main:
@@ -412,7 +409,7 @@ class CheckpointSaves:
 
 class MetricsLog:
     """Rank 0: metrics.jsonl (one line per logged step), TensorBoard events, and train/progress.json
-    after every step, from which the launcher draws the one progress bar (dflash.train.progress)."""
+    after every step, from which the launcher draws the one progress bar (dflash.train.supervisor.progress)."""
 
     def __init__(self, run_dir: Path, state: TrainState, profile: Profile):
         from torch.utils.tensorboard import SummaryWriter
@@ -425,7 +422,7 @@ class MetricsLog:
         self.val_tau: Optional[float] = None      # the last held-out tau, shown on the progress line
 
     def record(self, state: TrainState, stats: StepStats, epoch: int, held_out: Optional[HeldOut] = None) -> None:
-        from dflash.train.progress import TrainProgress, write_progress
+        from dflash.train.supervisor.progress import TrainProgress, write_progress
 
         state.last_loss = stats.loss
         self.val_tau = held_out.tau if held_out is not None else self.val_tau

@@ -65,8 +65,8 @@ def measured_step(state, work) -> dict[str, float]:
     """MiB at the peak of `work()` and the most one gradient reduction allocated above its start,
     every tensor counted: the phase tracker of the memory trace (FSDPMemTracker) on real tensors,
     the reductions marked by the trainer's own observer of FSDP2's reduce-scatter."""
-    from dflash.memory import trace as fake
-    from dflash.train.sharding import observe_reductions
+    from dflash.measure import fake
+    from dflash.train.rank.parallel import observe_reductions
 
     tracker = fake.phase_tracker(state.drafter, state.optimizer, frozen=state.target)
     observe_reductions(state.drafter, lambda: setattr(tracker, "phase", "reduction") if tracker.phase != "reduction" else None,
@@ -81,7 +81,7 @@ def measured_step(state, work) -> dict[str, float]:
 def one_step(state) -> None:
     """The trainer's step (run_step: forward/backward, the gradient sum, clipping, the update)."""
     from dflash.memory.plan import batch_plan
-    from dflash.train.step import run_step
+    from dflash.train.rank.step import run_step
 
     epoch, rows = state.data.step_rows(state.step)
     run_step(state, rows, epoch, batch_plan(state.data.global_batch, state.env.world_size, state.micro_batch))
@@ -92,8 +92,8 @@ def rank_main(rank: int, port: int, profile_path: str, out: str) -> None:
     import torch
     import torch.distributed
 
-    from dflash.train.dist import WorkerEnv, close_process_group
-    from dflash.train.setup import build_state
+    from dflash.train.rank.parallel import WorkerEnv, close_process_group
+    from dflash.train.rank.setup import build_state
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1)

@@ -1,16 +1,16 @@
 """Launching training: a pure builder of the torchrun (argv, env), and `run_training`.
 
 `build_torchrun_command` starts nothing: one node -> a c10d rendezvous on the store the launcher
-hosts on 127.0.0.1 (dflash.train.rendezvous: the agent joins it as a client, nothing listens on
+hosts on 127.0.0.1 (dflash.train.supervisor.rendezvous: the agent joins it as a client, nothing listens on
 another interface), `--nproc-per-node P`; several nodes (machine.nnodes > 1) -> a c10d
 rendezvous at machine.rdzv_endpoint, the same command on every node. Workers get the resolved
 profile as JSON in the run directory, so every rank and node trains exactly the same configuration.
 
-The agent is torchrun run through `dflash.train.agent`: it and its ranks never outlive the
+The agent is torchrun run through `dflash.train.supervisor.agent`: it and its ranks never outlive the
 launcher (a pipe whose end of file stops them, the ranks' parent-death signal), and it records
 which ranks torchrun saw fail. `run_training` holds the run directory's lock for the whole run,
-watches the ranks' heartbeats (dflash.train.heartbeat), and ends with one message naming the
-cause (dflash.train.failures).
+watches the ranks' heartbeats (dflash.train.supervisor.heartbeat), and ends with one message naming the
+cause (dflash.train.supervisor.failures).
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Mapping
 
-from dflash.train.failures import RunEnd
-from dflash.train.progress import ProgressBar
-from dflash.train.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
+from dflash.train.supervisor.failures import RunEnd
+from dflash.train.supervisor.progress import ProgressBar
+from dflash.train.supervisor.rendezvous import LOOPBACK_HOST, STORE_ENV, LoopbackStore, single_node_env
 from envcheck.allocator import ALLOC_CONF_VARIABLES, AllocatorSetting, allocator_setting, apply_allocator_env
 from launcher_core.errors import ConfigError, Interrupted, PreflightFailed, RunFailed
 from launcher_core.paths import REPO_ROOT
@@ -40,8 +40,8 @@ from launcher_core.schema import Profile
 if TYPE_CHECKING:
     from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.plan import Plan
-    from dflash.train.heartbeat import Stall
-    from dflash.train.watchdog import Stuck, StuckBound
+    from dflash.train.supervisor.heartbeat import Stall
+    from dflash.train.supervisor.watchdog import Stuck, StuckBound
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     None names it `127.0.0.1:PORT` (what `train --print-command` shows)."""
     machine, paths = profile.machine, TrainPaths(Path(run_dir))
     store = store or SINGLE_NODE_STORE_PLACEHOLDER
-    argv = [python or sys.executable, "-m", "dflash.train.agent", *_rendezvous_args(profile, store),
+    argv = [python or sys.executable, "-m", "dflash.train.supervisor.agent", *_rendezvous_args(profile, store),
             "--nproc-per-node", str(machine.nproc_per_node), "--max-restarts", str(profile.train.max_restarts),
             "--log-dir", str(paths.logs), "--redirects", "3", "--tee", "3", "--local-ranks-filter", "0",
             *rank_start_args(profile), "--profile-json", str(paths.profile_json), "--run-dir", str(paths.run_dir)]
@@ -93,12 +93,10 @@ def build_torchrun_command(profile: Profile, run_dir: Path, *, resume: bool = Fa
     return argv, _worker_env(profile, base_env, {**single_node, **(extra_env or {})}, paths)
 
 
-# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the preload
-# dflash.train.agent sets: its RANK_IMPORTS): torchrun runs a `--run-path` script as
-# a function entrypoint, started with `--start-method`. As commands of their own (`-m
-# dflash.train.worker`), every rank imported torch and transformers' model code again:
-# benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md.
-WORKER_SCRIPT = REPO_ROOT / "dflash" / "train" / "worker.py"
+# Ranks are forks of torchrun's forkserver, which imports what a rank needs once (the agent's
+# RANK_IMPORTS), rather than interpreters of their own importing torch again: torchrun runs a
+# `--run-path` script as a function entrypoint (benchmarks/results/rank-start-forkserver_cpu-2core_2026-12-06.md).
+WORKER_SCRIPT = REPO_ROOT / "dflash" / "train" / "rank" / "worker.py"
 SINGLE_NODE_STORE_PLACEHOLDER = "127.0.0.1:PORT"   # the port LoopbackStore takes, known only at launch
 
 
@@ -106,7 +104,7 @@ def rank_start_args(profile: Profile) -> list[str]:
     """torchrun's arguments that start the ranks (train.rank_start): forks of its forkserver running the
     worker script as a function entrypoint, or each rank as a command of its own."""
     if profile.train.rank_start == "command":
-        return ["-m", "dflash.train.worker"]
+        return ["-m", "dflash.train.rank.worker"]
     return ["--start-method", "forkserver", "--run-path", str(WORKER_SCRIPT)]
 
 
@@ -129,7 +127,7 @@ def _worker_env(profile: Profile, base_env: Mapping[str, str] | None,
                 "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env.setdefault("OMP_NUM_THREADS", str(worker_threads(profile)))
     # a rank killed by a fatal signal of its own (SIGABRT from C++ `terminate`, SIGSEGV) writes every
-    # thread's Python stack into its log first; dflash.train.failures names it (fatal_dumps)
+    # thread's Python stack into its log first; dflash.train.supervisor.failures names it (fatal_dumps)
     env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(flight_recorder_env(profile, paths, env))
     env.update(extra_env or {})
@@ -142,7 +140,7 @@ FLIGHT_RECORDER_ENTRIES = 2000      # torch's recommended buffer: the last colle
 
 def flight_recorder_env(profile: Profile, paths: TrainPaths, env: Mapping[str, str]) -> dict[str, str]:
     """torch's flight recorder on every rank (a user's own settings kept): the ranks' heartbeats count the
-    collectives each has entered from it (dflash.train.watchdog). On CUDA, NCCL's watchdog also dumps it at a
+    collectives each has entered from it (dflash.train.supervisor.watchdog). On CUDA, NCCL's watchdog also dumps it at a
     collective's timeout into train/failures/nccl-flight-recorder/rank-R (fr_trace reads that folder). Both variable names: torch 2.9
     reads TORCH_NCCL_*, later releases TORCH_FR_* first."""
     entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(FLIGHT_RECORDER_ENTRIES)
@@ -179,7 +177,7 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force:
     """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside. The
     caller holds the run directory's lock (launcher_core.runlock), so no live run is moved."""
     from dflash.drafter.checkpoint import checkpoints_dir
-    from dflash.train.heartbeat import ranks_dir
+    from dflash.train.supervisor.heartbeat import ranks_dir
     from launcher_core.fileio import write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
@@ -220,13 +218,13 @@ def check_host_ram(profile: Profile, plan: Plan, ram_mib: int | None = None) -> 
 
 def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
                  extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
-    """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.failures), or
+    """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.supervisor.failures), or
     Interrupted (exit 130) when SIGTERM or SIGINT stopped it (`LauncherStop`: the ranks save after their step).
 
     The run directory is locked for the run's life (launcher_core.runlock: a second run there is
     refused, exit 2). The profile is checked against its target's config.json and tokenizer
-    (dflash.train.launch_checks: ConfigError, exit 2, naming file and key); with `resume`, the
-    checkpoint to resume is verified and fitted to the profile's drafter first (dflash.train.resume:
+    (dflash.train.supervisor.launch_checks: ConfigError, exit 2, naming file and key); with `resume`, the
+    checkpoint to resume is verified and fitted to the profile's drafter first (dflash.train.supervisor.resume:
     a damaged latest falls back to the newest good one; a drafter of another shape is exit 2), and
     partial checkpoints an interrupted run left are removed. Without `plan`, the plan is computed
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
@@ -236,8 +234,8 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     node's RAM (dflash.memory.host_ram) stop the launch here (PreflightFailed), before any model loads. On CUDA
     it prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
-    from dflash.train.launch_checks import validate_profile_for_launch
-    from dflash.train.resume import prepare_checkpoints
+    from dflash.train.supervisor.launch_checks import validate_profile_for_launch
+    from dflash.train.supervisor.resume import prepare_checkpoints
     from launcher_core.runlock import run_lock
 
     paths = TrainPaths(Path(run_dir).resolve())
@@ -287,11 +285,11 @@ def oom_restart_limit(profile: Profile) -> int:
 
 
 def restart_after_oom(profile: Profile, paths: TrainPaths, restarts_done: int) -> bool:
-    """torchrun ended because a rank ran out of memory (its OOM record, dflash.train.autobatch): True
+    """torchrun ended because a rank ran out of memory (its OOM record, dflash.train.supervisor.oom_records): True
     when every rank should start again from the last checkpoint at half the micro-batch; RunFailed
     when that cannot help (an OOM at micro-batch 1); False when no rank recorded an OOM (one node
     only: on several nodes torchrun's --max-restarts restarts them)."""
-    from dflash.train.autobatch import fatal_oom_message, read_oom_records, unrecoverable
+    from dflash.train.supervisor.oom_records import fatal_oom_message, read_oom_records, unrecoverable
     from launcher_core.manifest import update_stage
 
     records = read_oom_records(paths.run_dir) if profile.machine.nnodes <= 1 else []
@@ -335,18 +333,18 @@ STRAGGLER_GRACE_S = 5.0   # after the agent exits, how long its ranks may take t
 
 
 def stuck_bound(profile: Profile) -> StuckBound:
-    """train.stuck_after_steps x the measured step time, at least train.stuck_floor_s (dflash.train.watchdog)."""
-    from dflash.train.watchdog import StuckBound
+    """train.stuck_after_steps x the measured step time, at least train.stuck_floor_s (dflash.train.supervisor.watchdog)."""
+    from dflash.train.supervisor.watchdog import StuckBound
 
     return StuckBound(profile.train.stuck_floor_s, profile.train.stuck_after_steps)
 
 
 def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
               heartbeat_timeout_s: float, stuck: StuckBound | None = None) -> RunEnd:
-    """Run the torchrun agent (dflash.train.agent) tied to this process: it holds the read end of a
+    """Run the torchrun agent (dflash.train.supervisor.agent) tied to this process: it holds the read end of a
     pipe only we can write (its end of file: we are gone) and the run directory's lock. SIGTERM or SIGINT
     to us stops the run (`LauncherStop`); a rank that stops beating, or that holds the others past `stuck`
-    (dflash.train.watchdog), ends the run. When the agent has exited, no rank may outlive it. They share a temporary
+    (dflash.train.supervisor.watchdog), ends the run. When the agent has exited, no rank may outlive it. They share a temporary
     folder of their own (TMPDIR, `child_tempdir`), removed once they have all ended (end_stragglers)."""
     with child_tempdir("train") as folder:
         return _run_agent_in(argv, {**env, **child_tempdir_env(folder)}, paths, lock_fd, heartbeat_timeout_s, stuck)
@@ -355,7 +353,7 @@ def run_agent(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: 
 class LauncherStop:
     """SIGTERM and SIGINT to the launcher while its agent runs (a terminal's Ctrl-C reaches the agent and the
     ranks as well: they take it as the same stop). The first is passed on to the agent as SIGTERM: it asks every
-    rank to stop after its step, and they save and end (dflash.train.agent.StopOnSignal). A second, of either
+    rank to stop after its step, and they save and end (dflash.train.supervisor.agent.StopOnSignal). A second, of either
     kind, stops the run at once: the agent is killed, its ranks die with it, and the run keeps its last
     complete checkpoint (none at the stop)."""
 
@@ -391,8 +389,8 @@ class LauncherStop:
 
 def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
                   heartbeat_timeout_s: float, stuck: StuckBound | None) -> RunEnd:
-    from dflash.train.agent import PIPE_FD_ENV, RUN_DIR_ENV
-    from dflash.train.heartbeat import LAUNCHER_PID_ENV
+    from dflash.train.supervisor.agent import PIPE_FD_ENV, RUN_DIR_ENV
+    from dflash.train.supervisor.heartbeat import LAUNCHER_PID_ENV
 
     read_fd, write_fd = os.pipe()
     env = {**env, PIPE_FD_ENV: str(read_fd), RUN_DIR_ENV: str(paths.run_dir), LAUNCHER_PID_ENV: str(os.getpid())}
@@ -422,8 +420,8 @@ def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float,
                    stuck: StuckBound | None) -> tuple[int, Stall | Stuck | None]:
     """Wait for the agent; a rank that stops beating for `timeout_s`, or holds the others past `stuck`,
     ends the run: every rank's stacks are dumped into train/failures/, then the agent and ranks are killed."""
-    from dflash.train.heartbeat import find_stall
-    from dflash.train.watchdog import find_stuck, request_dumps
+    from dflash.train.supervisor.heartbeat import find_stall
+    from dflash.train.supervisor.watchdog import find_stuck, request_dumps
 
     while True:
         try:
@@ -445,7 +443,7 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
     (they die with the agent; this is the last guard). Returns the pids that had to be killed."""
     import psutil
 
-    from dflash.train.heartbeat import live_rank_pids
+    from dflash.train.supervisor.heartbeat import live_rank_pids
 
     deadline = time.monotonic() + grace_s
     while live_rank_pids(run_dir) and time.monotonic() < deadline:
@@ -462,8 +460,8 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
 
 def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
     """0 for a whole run; Interrupted for a run stopped by a signal (manifest `pending`, what to resume);
-    otherwise RunFailed or DiskFull naming the cause (dflash.train.failures)."""
-    from dflash.train.failures import failure_cause, read_rank_failures
+    otherwise RunFailed or DiskFull naming the cause (dflash.train.supervisor.failures)."""
+    from dflash.train.supervisor.failures import failure_cause, read_rank_failures
     from launcher_core.errors import DataError, DiskFull
     from launcher_core.fileio import read_json
     from launcher_core.manifest import update_stage
@@ -497,7 +495,7 @@ def stopped_run(paths: TrainPaths, end: RunEnd, info: dict) -> Interrupted:
 def interrupted_run(paths: TrainPaths, end: RunEnd) -> Interrupted:
     """Signalled, and no checkpoint at the stop: a second signal stopped the run at once, or the first came
     before the ranks could save (before their first step). The manifest's train stage `pending`."""
-    from dflash.train.failures import resume_hint
+    from dflash.train.supervisor.failures import resume_hint
     from launcher_core.manifest import update_stage
 
     twice = len(end.signals) > 1

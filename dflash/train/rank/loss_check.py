@@ -2,7 +2,7 @@
 
 Two ways a step trains on nothing usable, both judged from figures every rank has alike (the step's
 loss sums are all-reduced, the gradient norm is global), so every rank stops at the same step, right
-after it (dflash.train.worker.train_loop), before the next save; a save of an earlier step still being
+after it (dflash.train.rank.worker.train_loop), before the next save; a save of an earlier step still being
 written is finished first, so `latest` stays on the last good checkpoint:
 
 * no supervised position: the step's loss weight (every block slot with a label, weighted, over all
@@ -15,7 +15,7 @@ written is finished first, so `latest` stays on the last good checkpoint:
   The message names the keys that usually cause it: train.lr, train.compute_dtype, train.autocast,
   model.dtype, train.grad_clip.
 
-Before launch, dflash.train.launch_checks refuses a profile whose data.max_length leaves every row of
+Before launch, dflash.train.supervisor.launch_checks refuses a profile whose data.max_length leaves every row of
 the dataset without an anchor (`anchors_within`).
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from launcher_core.errors import DataError
 
 if TYPE_CHECKING:
-    from dflash.train.setup import TrainState
-    from dflash.train.step import StepStats
+    from dflash.train.rank.setup import TrainState
+    from dflash.train.rank.step import StepStats
     from launcher_core.schema import Profile
 
 
@@ -50,7 +50,7 @@ def check_step(state: TrainState, stats: StepStats, profile: Profile) -> None:
 
 def non_finite_candidates(profile: Profile) -> str:
     """The settings that usually make a loss NaN or inf, with this profile's values."""
-    from dflash.train.step import autocast_wanted
+    from dflash.train.rank.step import autocast_wanted
 
     train, dtype = profile.train, profile.model.dtype
     narrow = (train.compute_dtype != "float32" or dtype != "float32"
@@ -64,7 +64,7 @@ def non_finite_candidates(profile: Profile) -> str:
 
 def no_supervision_cause(state: TrainState, profile: Profile) -> str:
     """Which setting leaves this rank's rows of the step (the last one run) without a supervised position."""
-    from dflash.train.data import TrainData
+    from dflash.train.rank.data import TrainData
 
     data = state.data
     if not isinstance(data, TrainData):
