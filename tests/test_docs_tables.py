@@ -68,7 +68,7 @@ def test_a_doc_that_drifted_from_the_code_fails_naming_the_part_and_the_command(
 
 def test_a_change_in_the_code_makes_the_docs_stale(monkeypatch):
     """The other direction: the tables follow the declarations (a range, a rule, a check, an exit code)."""
-    from dflash.train import launch_checks
+    from dflash.train.supervisor import launch_checks
     from launcher_core import errors, schema
 
     script = import_script()
