@@ -2,22 +2,12 @@
 which SGLang has DFLASH at all, and the attention (window, causal) it gives each draft layer of a
 config. The audit (check engine.sglang), `export --for sglang` and `eval --engine sglang` ask it.
 
-The rule a drafter is trained with is the reference's (PyPI `dflash` 0.1.0, `Qwen3DFlashAttention`;
-vLLM 0.32's `_resolve_layer_attention` agrees): a `sliding_attention` layer gets the window
-`sliding_window`; a layer is causal when `is_causal` says so, or, `is_causal` absent, when it slides.
-
-SGLang (`python/sglang/srt/models/dflash.py` of each wheel):
-
-* 0.5.11-0.5.13: `DFlashAttention` builds every layer `AttentionType.ENCODER_ONLY` (bidirectional)
-  without a window ("DFlash uses non-causal attention over the draft block"); `layer_types`,
-  `sliding_window`, `is_causal` are never read;
-* 0.5.14-0.5.16 (`_get_dflash_layer_attention_params`): a sliding layer is DECODER (causal) with
-  window_left = sliding_window - 1 (the same positions), a full layer ENCODER_ONLY;
-* 0.5.17: as 0.5.14, and a full layer is DECODER when `is_causal` is true;
-* from 0.5.18 (`_get_dflash_attention_type`): `is_causal`, when set, decides both kinds; absent,
-  sliding layers are causal and full ones bidirectional.
-
-Every release runs a config without `layer_types` all ENCODER_ONLY without a window.
+A drafter is trained with the reference's rule (dflash.drafter.layers). SGLang's
+(`python/sglang/srt/models/dflash.py` of each wheel) changed across releases, one constant below
+per change: 0.5.11-0.5.13 run every layer ENCODER_ONLY (bidirectional) without a window and read no
+layer key; from 0.5.14 a sliding layer is DECODER (causal) with window_left = sliding_window - 1;
+0.5.17 honours `is_causal` for full layers, 0.5.18 for both kinds. Every release runs a config
+without `layer_types` all ENCODER_ONLY without a window. Summary: docs/train.md "Drafter layers".
 """
 from __future__ import annotations
 

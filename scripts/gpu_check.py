@@ -3,22 +3,11 @@
 
     python scripts/gpu_check.py OUT_DIR [--profile h200-x1] [--budget-s 450] [--parts a,b] [--cpu]
 
-Parts, in order (each runs in its own child process, under its own time limit, so a crash, a
-hang or a memory cap in one part cannot touch the others):
-
-  environment  torch / CUDA / GPU facts and which packages are missing
-  audit        `launcher.py snapshot --cuda-probe` (real NVML, context cost, a real kernel) and
-               `launcher.py audit --json` against the profile (on CPU: no probe, cpu-demo)
-  one part per file tests/gpu/test_<part>_gpu.py, run as
-               `python -m pytest -m gpu tests/gpu/test_<part>_gpu.py --junitxml=...`:
-               calibrate, train, drills, eval first, then the others in name order
-
-Everything lands in OUT_DIR: gpu_check.json (all parts), gpu_check.log (every part's output),
-parts/NAME.json + parts/NAME.log (+ parts/NAME.xml, the JUnit report of a test part),
-figures/NAME.json (what the tests recorded), snapshot.json, audit.json, and what the tests write
-(calibration_baseline.json, eval_report.json). A short table is printed last. Exit code 0 when no
-part failed or timed out. The script installs nothing: a missing package skips the parts that
-need it, saying which.
+Parts (environment, audit, then one per tests/gpu/test_<part>_gpu.py) each run in a child process
+under their own time limit, so a crash, a hang or a memory cap in one cannot touch the others.
+Everything lands in OUT_DIR (gpu_check.json, gpu_check.log, parts/, figures/); exit code 0 when no
+part failed or timed out. The script installs nothing: a missing package skips the parts that need
+it, saying which. Parts, limits and outputs: docs/gpu_check.md.
 """
 from __future__ import annotations
 

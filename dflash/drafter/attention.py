@@ -1,25 +1,12 @@
 """Block attention for DFlash training: which keys each block token may see, and two backends.
 
-Layout of one sequence in a training forward: queries are the N blocks of B tokens
-(block-major, N*B rows); keys are the S context positions followed by the same N*B block tokens.
-Block b (anchor a_b) sees context positions strictly before its anchor (`kv < a_b`) and all B
-tokens of its own block (bidirectional), nothing of any other block.
-
-`flex`: torch flex_attention with a BlockMask (compiled on GPU; on CPU it runs forward only).
-`sdpa`: scaled_dot_product_attention with the same visibility as a dense boolean mask.
-
-A layer's own rule (`dflash.drafter.layers.LayerAttention`: a sliding window, causal) narrows that
-visibility further by position: a query at position p sees a key at position j only where
-`p - j < window` (and `j - p < window` when not causal) and, when causal, `j <= p`
-(`position_rule_mask`, the same in both backends and in the in-process decoder).
-
-flex's BlockMask is built from the anchors (`block_mask`), never from a dense [b, Q, K] mask: each
-query row sees one range of context keys and one range of its own block's keys
-(`visible_key_ranges`), so which (query tile, key tile) pairs of flex's 128 x 128 grid are empty,
-partial or full follows from counting, per tile, the rows whose ranges touch or cover it. The
-tables equal `create_block_mask`'s over the layout's `mask_mod` (which flex still applies inside
-the partial tiles) and cost O(b x query tiles x key tiles), where `create_block_mask` evaluates
-the mask_mod at every (query, key) pair first.
+Queries are a sequence's N blocks of B tokens (block-major); keys are its S context positions
+followed by the same N*B block tokens. Block b (anchor a_b) sees context positions strictly before
+its anchor (`kv < a_b`) and all of its own block, nothing of another block; a layer's own rule
+(`LayerAttention`: window, causal) narrows that by position (`position_rule_mask`, the same in both
+backends and the in-process decoder). `flex`: flex_attention with a BlockMask counted from the
+anchors (`block_mask`: `create_block_mask`'s tables without evaluating every (query, key) pair);
+`sdpa`: the same visibility as a dense boolean mask. Details: docs/memory.md.
 """
 from __future__ import annotations
 

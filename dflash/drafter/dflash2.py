@@ -1,36 +1,14 @@
 """The DFlash 2 drafter (`DFlash2DraftModel`, `drafter.kind = "dflash2"`): the DFlash drafter of
-dflash.drafter.model plus two parts, both read from the checkpoint's `dflash_config`.
+dflash.drafter.model plus a grouped dynamic causal convolution around every attention and MLP
+sublayer and a candidate selector that picks each slot's token among the target head's top K,
+both configured from the checkpoint's `dflash_config`.
 
-* A grouped dynamic causal convolution around every attention and MLP sublayer. `prepare` convolves
-  the sublayer's (normed) input and `finish` its output, both with a static kernel `base_kernel`
-  [2 (input / output side), k taps, H] plus a per-position correction from one projection of the
-  input, `kernel_projection` (H -> 2 * k * H / g), shared by the g channels of a group:
-
-      out[t, c] = sum_{j < k} (base[j, c] + delta[t, j, c // g]) * x[t - j, c]
-
-  Causal inside the block: a tap that would reach before the block's first slot reads zero, so
-  block b never sees block b - 1 in a training forward (the blocks are laid out one after another).
-  Both sides start as the identity (tap 0 = 1, the projection zero): a fresh DFlash 2 drafter
-  computes exactly what the DFlash drafter without the convolutions computes (SpecForge PR #772,
-  vLLM Speculators PR #1006 start it the same way).
-* A candidate selector. The unary logits are the target head's (times `output_multiplier`, then
-  tanh-softcapped at `final_logit_softcapping` when set); per slot their top K tokens are the
-  candidates, and a transition from the previous token p to candidate c scores
-
-      score(p -> c) = unary[c] + < A[p] * P h, B[c] >
-
-  with rank-r codebooks A (`predecessor_codebook`) and B (`successor_codebook`) of the whole
-  vocabulary and P (`hidden_projection`, H -> r) of the slot's hidden state h. Greedy: a walk from
-  the verified anchor takes the best-scoring candidate at each slot. Sampled (temperature T > 0):
-  at each slot q = softmax(scores / T) over the K candidates and one uniform draw picks the first
-  candidate whose cumulative q exceeds it (inverse CDF); q is what the verifier's rejection test
-  needs. B starts at zero, so a fresh selector walks the unary argmax (SpecForge's start).
-
-Tensor names are those of PyPI `dflash` 0.1.0's `DFlash2DraftModel` as its `from_pretrained` reads
-them: the codebooks are bare tensors `candidate_selector.predecessor_codebook` /
-`.successor_codebook` (its `key_mapping` renames them onto its `nn.Embedding.weight`), which vLLM
-(`qwen3_dflash2.py`) and SGLang (>= 0.5.19) load as they are; everything else as DFlash. The
-config keys live in `dflash_config`, where vLLM and SGLang read them.
+Both parts start as the identity (tap 0 = 1, the kernel projection and the successor codebook
+zero), so a fresh DFlash 2 drafter computes what its DFlash backbone computes and walks the unary
+argmax. The convolution is causal inside a block (a tap before the block's first slot reads zero),
+so block b never sees block b - 1 in a training forward. Tensor and config names are PyPI `dflash`
+0.1.0's, which vLLM and SGLang (>= 0.5.19) load as they are. Formulas, defaults and names:
+docs/train.md "DFlash 2".
 """
 from __future__ import annotations
 

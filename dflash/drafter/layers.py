@@ -1,27 +1,12 @@
 """Per-layer attention of the drafter: `layer_types` (`full_attention`, `sliding_attention`),
-`sliding_window`, `is_causal`, resolved as the reference `DFlashDraftModel` resolves them.
-
-The reference (PyPI `dflash` 0.1.0, `Qwen3DFlashAttention`) gives layer i the window
-`sliding_window` when `layer_types[i] == "sliding_attention"`, else none; and makes the layer causal
-when `is_causal` says so, or, when `is_causal` is absent, when the layer is a sliding one. vLLM 0.32
-(`qwen3_dflash.py`, `_resolve_layer_attention`) resolves the same way. SGLang changed across
-releases (envcheck/engines.py, read from each wheel's `models/dflash.py`): 0.5.11-0.5.13 run every
-draft layer bidirectionally (ENCODER_ONLY) without a window and read none of these keys; sliding
-layers are causal with their window from 0.5.14; `is_causal` decides both kinds from 0.5.18 (full
-layers from 0.5.17). So the convention every loader from SGLang 0.5.14 on agrees on is: sliding
-layers causal with a window, full layers bidirectional. Our drafters follow it and leave
-`is_causal` out of config.json; `sglang_serving_problems` names the layers an SGLang release would
-run otherwise.
-
-Visibility between a query at position p and a key at position j (positions, not indices):
-
-* window w: `p - j < w` (and, in a non-causal layer, `j - p < w`);
-* causal: `j <= p` (inside the block: slot k sees slots 0..k only).
-
-So a block anchored at a, in a sliding layer, sees the context positions in (a + k - w, a) from
-slot k (slot 0: [a - w + 1, a)), and slots 0..k of its own block. transformers' Qwen3Config keeps
-`sliding_window` only with `use_sliding_window: true` (else it becomes null), so a config with
-sliding layers carries both. No torch here: the launcher validates profiles with it.
+`sliding_window`, `is_causal`, resolved as the reference (PyPI `dflash` 0.1.0,
+`Qwen3DFlashAttention`) and vLLM 0.32 resolve them: a sliding layer has the window and is causal, a
+full layer is bidirectional, unless `is_causal` says otherwise. Every SGLang from 0.5.14 agrees, so
+our drafters leave `is_causal` out; `sglang_serving_problems` names the layers an older release
+would run otherwise (envcheck/engines.py). A query at position p sees a key at j when `p - j < w`
+in a window (also `j - p < w` when not causal) and `j <= p` when causal. transformers keeps
+`sliding_window` only with `use_sliding_window: true`, so a config with sliding layers carries both.
+No torch here: the launcher validates profiles with it. Rules: docs/train.md "Drafter layers".
 """
 from __future__ import annotations
 

@@ -1,34 +1,14 @@
 """The DFlash training loss: decay-weighted hard-label cross entropy over slots 1..B-1.
 
-Slot k of the block anchored at a predicts the token at a + k (label input_ids[a + k]); slot 0
-(the anchor itself) is excluded. Each slot is weighted by loss_mask[a + k] * exp(-(k - 1) / gamma)
-(slot 1 has weight 1) and the sum is normalised by the weight sum of the whole optimizer step.
-The logits (rows x vocab, vocab up to ~152K) are computed in chunks under activation
-checkpointing, so at most one chunk of logits is alive in forward or backward.
+Slot k of the block anchored at a predicts input_ids[a + k] (slot 0, the anchor, is excluded),
+weighted by loss_mask[a + k] * exp(-(k - 1) / gamma) and normalised by the weight sum of the whole
+optimizer step. Logits (rows x vocab) are computed in chunks under activation checkpointing, so at
+most one chunk is alive in forward or backward. tau counts as eval does: 1 + accepted / blocks,
+a block's accepted run being its leading slots whose argmax is the label (`counted_tau`).
 
-tau, here as in eval and the serving engines, is the acceptance length of a step: accepted draft
-tokens + 1 (the target's bonus token). `LossParts.accepted` / `blocks` count it as eval does: per
-block, the leading run of slots whose argmax is the label (a slot without a label, outside the
-loss mask or the draft vocabulary, ends the run), so tau = 1 + accepted / blocks
-(`counted_tau`). `simulated_tau` estimates the same figure from per-slot accuracies alone.
-
-DFlash 2 (`dflash2_block_loss`, dflash.drafter.dflash2): the same loss on the unary logits, plus
-alpha x the selector's K-way cross entropy, with the same slot weights and the same normaliser
-(SpecForge PR #772: `(ce + alpha * selector_ce) / weight_sum`, alpha `training.dflash2_selector_loss_alpha`
-= 1.0; vLLM Speculators PR #1006: the same weights, alpha 1.0). The selector is teacher-forced:
-slot k's predecessor is the true token at a + k - 1 (the anchor for slot 1), its candidates the
-strict top K of the unary logits; when the true token is not among them it takes the place of the
-K-th (weakest) candidate in the loss's candidate set only (Speculators PR #1006
-`selector_training_candidates`; SpecForge PR #772 inserts it too), so every slot has a K-way label
-while the decoder keeps the strict top K. `train.selector_stop_gradient` (SpecForge PR #793, off by
-default) detaches the unary logits and the hidden states inside the selector term: it then trains
-the selector's own parameters only, and the backbone gets exactly the DFlash loss's gradient.
-Figures that see the selector (`SelectorParts`): candidate recall (true token in the strict top
-K), the selector's teacher-forced accuracy, and per block position the acceptance of the unary
-argmax chain and of the selector path (a block's path is accepted through slot k when every slot
-up to k is right; with its predecessors right, the selector's pick is the teacher-forced one), so
-the selector's lift is measured, not inherited from the unary head (TorchSpec issue #177). A DFlash 2
-block's `accepted` run is the selector path's, the one its decoder takes.
+DFlash 2 (`dflash2_block_loss`): the same loss on the unary logits plus alpha x the teacher-forced
+selector's K-way cross entropy, same weights, same normaliser; `SelectorParts` measures the
+selector's own lift. Rules and their upstream sources: docs/train.md "DFlash 2", "tau: one definition".
 """
 from __future__ import annotations
 

@@ -2,30 +2,13 @@
 one method served on the eval's token ids with the acceptance each prompt got.
 
 For each method (target alone, the DFlash drafter, prompt lookup) a fresh engine starts on
-127.0.0.1 with the target (`engine_command`) and is sent the in-process eval's prompt token ids,
-one request at a time:
-
-* SGLang: `--speculative-algorithm DFLASH --speculative-draft-model-path DIR
-  --speculative-num-draft-tokens k+1` (k = eval.draft_tokens, default and at most B-1; prompt
-  lookup: `NGRAM`, B); `POST /generate` with `input_ids` and `sampling_params`; per request
-  `meta_info` carries `spec_verify_ct` (verify steps), `spec_num_correct_drafts` (accepted draft
-  tokens) and `spec_correct_drafts_histogram` (steps per number of accepted drafts) (SGLang 0.5.19
-  `tokenizer_manager._calculate_spec_decoding_metrics`). Hybrid targets add
-  `--mamba-scheduler-strategy extra_buffer` (0.5.19: a deprecated alias of
-  `--mamba-radix-cache-strategy`, kept because generation's SGLang 0.5.10.post1 knows only it).
-* vLLM: `--speculative-config {"method": "dflash", "model": DIR, "num_speculative_tokens": k}`
-  (k = eval.draft_tokens, default and at most B-1, as the in-process drafter drafts; prompt lookup:
-  method `ngram`, B-1); `POST /v1/completions` with the token ids as `prompt` and
-  `return_token_ids`; from vLLM 0.32 each answer's own acceptance, every verify step's in order
-  (`--per-request-spec-decode-metrics detailed`), before it the Prometheus counters of `GET /metrics`
-  (drafts, accepted tokens per position, k of them) read before and after each request. SGLang's
-  answer is streamed: a chunk per verify step, each with the request's running spec counters, gives
-  every step's acceptance (`sglang_per_step`). A drafter mixing sliding and full
-  layers, and a DFlash 2 drafter, run on vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`;
-  otherwise `_resolve_layer_attention` raises, and the V1 runner refuses candidate-head drafts).
-
-Tokens/s = completion tokens over the wall time of the requests (one in flight, as the in-process
-eval); speedup over the same engine's target-only run.
+127.0.0.1 with the target (`engine_command`) and is sent the in-process eval's prompt token ids, one
+request at a time, drafting k = eval.draft_tokens (at most B-1) tokens a step as the in-process
+drafter does. Each prompt's acceptance comes from the engine's own figures (SGLang: `meta_info` and
+the streamed per-step counters; vLLM: per-request spec-decode metrics from 0.32, before that its
+Prometheus counters around each request). Tokens/s = completion tokens over the requests' wall
+time; speedup over the same engine's target-only run. Flags, endpoints and fields per engine
+release: docs/eval.md "The serving engine".
 """
 from __future__ import annotations
 

@@ -1,38 +1,14 @@
 """The parity gate of `eval --engine`: is the drafter the engine serves the drafter we trained?
 
-The engine decodes the token ids the in-process decoder decoded in the same eval run (target
-alone, the DFlash drafter, prompt lookup), and both sides' acceptance is compared per method. The
-gate is built from what is deterministic and what is not (docs/eval.md "The parity gate"):
-
-* **deterministic, up to a prompt's first near-tie**: the same drafter drafts the same tokens from
-  the same context, so until a step whose outcome hangs on a near-tie the served and in-process
-  decodings agree step for step: the same accepted drafts at every step, the same tokens. A near-tie
-  is a step where a margin that decided it is below the gate's constants: on the drafter's side an
-  accepted draft's lead over its next choice or the rejected draft's lead over the target's token
-  (specdec.draft_margin), on the target's side its token's lead over its runner-up at a position the
-  acceptance read (specdec.target_margin). There the engine's kernels may decide the other way, and
-  from then on every block starts elsewhere: the rest of the prompt is not comparable step by step.
-  With the engine's ordered per-step figures (vLLM's per-request metrics) the steps before the first
-  near-tie are compared one by one; with totals only (SGLang's meta_info) a prompt without any
-  near-tie must match in its totals;
-* **statistical, over prompts**: after their first near-tie, prompts may accept more or fewer
-  drafts on either side, by chance and in no preferred direction. A paired two-sided sign test on
-  each prompt's accepted drafts per step (served minus in-process) fails the gate when the served
-  side accepts more or fewer on so many of the prompts that differ that a drafter served as trained
-  would do so with probability below `SIGNIFICANCE`;
-* the served stream must be lossless (greedy: the engine's own target-only output, token for token),
-  and the engine must have drafted at all.
-
-The constants (the two near-tie margins and the significance) were chosen from measurements on the
-real vLLM CPU engine: the false-failure rate of this gate on drafters served as trained and its
-detection rate on each negative control, over resampled prompt sets
-(benchmarks/bench_parity_gate.py; benchmarks/results/parity-gate_cpu-2core_2026-12-06.md).
-Prompt lookup is shown, not gated: the engines' n-gram proposers match differently from ours.
-
-The per-position figures cover slots 1..B-1 on both sides. With `eval.draft_tokens` k < B - 1 the
-engines draft only k slots (vLLM's counters list k positions, SGLang's histogram stops at k): a
-slot one side does not list accepted nothing there and counts as 0 (`positions_of_histogram`
-pads to B - 1; the summary pads whichever list is shorter).
+The engine decodes the token ids the in-process decoder decoded in the same run; both sides'
+acceptance is compared per method. Up to a prompt's first near-tie (a deciding margin below
+`specdec.draft_margin` or `specdec.target_margin`, where the engine's kernels may decide the other
+way) the two must agree step for step where the engine reports ordered per-step figures, or, with
+totals only, a prompt without any near-tie must match in its totals. Past it, prompts differ by chance, so a paired
+two-sided sign test over prompts fails the gate below `SIGNIFICANCE`. The served stream must also be
+lossless and must have drafted. Prompt lookup is shown, not gated. Per-position figures cover slots
+1..B-1, a slot one side does not list counting as 0. Rules: docs/eval.md "The parity gate"; how
+the constants were chosen: benchmarks/results/parity-gate_cpu-2core_2026-12-06.md.
 """
 from __future__ import annotations
 

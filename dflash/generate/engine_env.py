@@ -1,23 +1,13 @@
 """`launcher.py engine setup vllm|sglang`: a serving engine's own venv, built from the project's pins.
 
-An engine's pins conflict with ours or need another torch build (vLLM's CPU build pins its own
-transformers; the SGLang that serves DFLASH, 0.5.19, needs the CUDA 13.0 torch where the RTX PRO 6000
-node trains on the CUDA 12.8 set), so it lives in a uv venv of its own under the project cache:
-`<cache>/engines/<engine>-<key>/` (what it holds and where: envcheck/engine_venvs.py). Wheels the
-default index does not have (SGLang's cuda-tile from NVIDIA's index, FlashInfer's kernel wheels from
-FlashInfer's) are installed first, each from its own index without dependencies; then the requirements
-file, every package pinned; packages with a local wheel (vLLM: torch 2.13.0+cpu in pip's find-links)
-from that file; the CUDA-only wheels vLLM's CPU build pulls (torchvision, torchaudio, torchcodec) are
-removed after the install. The venv is built in a temporary sibling and renamed into place only once
-the server's module imports, so a killed setup never leaves a half venv where a good one is expected; a
-second setup with the same pins finds it and does nothing; a venv built from older pins is removed once
-the new one is in place. `eval.engine_python` defaults to it.
-
-uv installs no bytecode, and where the environment sets PYTHONDONTWRITEBYTECODE no engine process
-writes it: each vLLM server (its API process and its engine process) compiled what it imports from
-source at every start (22 CPU s instead of 10 to import the server's module). The import check
-therefore writes the bytecode of what it loads, after compiling the engine's own package
-(`EngineSpec.compile_packages`), once per venv; a venv built before this is compiled by the next setup.
+An engine's pins conflict with ours or need another torch build, so it lives in a uv venv of its own
+under the project cache (`<cache>/engines/<engine>-<key>/`, envcheck/engine_venvs.py);
+`eval.engine_python` defaults to it. The venv is built in a temporary sibling and renamed into place
+only once the server's module imports, so a killed setup never leaves a half venv where a good one
+is expected; the same pins again do nothing; an older pins' venv is removed once the new one is in
+place. uv writes no bytecode, so the import check compiles the engine's package once per venv and a
+server does not recompile its imports at every start. Install order and figures: docs/eval.md
+"vLLM on CPU", "SGLang on a GPU node".
 """
 from __future__ import annotations
 

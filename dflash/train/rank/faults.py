@@ -1,27 +1,12 @@
 """Fault injection for tests and drills: a debugging option, never part of a plain run.
 
-The production step only marks its phases (dflash.train.supervisor.heartbeat.RankProgress). A rank reads the
-three switches below once, at its start (`FaultInjection.from_env`); when one is set, the injection
-listens to those marks and, for the points inside torch's own work, installs what it needs: a hook at
-the start of the drafter's backward (`backward`) and an observer of FSDP2's gradient reduce-scatter
-(`sync`). With none set, nothing is installed (tests/train/test_plain_run.py counts the hooks).
-
-    DFLASH_INJECT_OOM="rank=1,step=3"                  rank 1 raises torch.OutOfMemoryError at the first
-                                                       forward of step 3 (once; not again after a restart)
-    DFLASH_INJECT_OOM="rank=1,above=2"                 ... in every forward with micro-batch > 2
-    DFLASH_INJECT_OOM="rank=0,step=5,phase=optimizer"  ... inside the update
-    DFLASH_INJECT_OOM="rank=1,step=3,phase=sync"       ... inside the gradient reduction (FSDP2's reduce-scatter)
-    DFLASH_INJECT_OOM="rank=1,step=3,phase=backward"   ... at the start of the drafter's backward
-    DFLASH_INJECT_OOM="rank=1,step=2;rank=0,step=3,phase=sync"   several, one after another
-    DFLASH_INJECT_STALL="rank=1,step=3,phase=backward,seconds=600"   rank 1 sleeps there (a stuck rank);
-                                                       phase also data, forward, reduction (before the step's
-                                                       first collective), update; without step=: every time
-    DFLASH_FAIL_RANK="1:3"                             rank 1 raises RuntimeError as step 3 begins;
-                                                       "1:3:0": only in torchrun attempt 0
-
-`rank` may be omitted (every rank). An OOM's record names the phase the step had reached
-(dflash.train.rank.autobatch): a `sync` injection is recorded as `backward` (the reduction runs inside the
-backward), `optimizer` as `update`.
+A rank reads DFLASH_INJECT_OOM, DFLASH_INJECT_STALL and DFLASH_FAIL_RANK once, at its start
+(`FaultInjection.from_env`; a bad value is a ConfigError naming the valid forms). When one is set,
+the injection listens to the step's phase marks (dflash.train.supervisor.heartbeat.RankProgress)
+and, for the points inside torch's own work, installs a hook at the start of the drafter's backward
+(`backward`) and an observer of FSDP2's reduce-scatter (`sync`). With none set nothing is installed
+(tests/train/test_plain_run.py counts the hooks). Forms and phases: docs/memory.md "Fault
+injection", docs/train.md "Stopping, resuming, failures".
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """What is about ranks and meshes: the rank's process group, our few collectives on scalars, and the
 drafter sharded by FSDP2.
 
-Process group: torchrun gives every rank the same argv; each derives its place from RANK, WORLD_SIZE
-and LOCAL_RANK (`WorkerEnv`). The helpers here agree on scalars (the step's loss weight, the
-micro-batch, a stop flag) and gather figures; without a process group each is the identity. FSDP2
-needs one even in a single process (`single_process_group`). Collective tensors live where the
-backend wants them: the current CUDA device for NCCL, the CPU for gloo.
-
-Sharding (`shard_drafter`): torch's `fully_shard` once per draft layer, once per module the loss
-calls after the drafter's forward (`outside_forward`: DFlash 2's selector) and once for the drafter
-itself (fc, the norms), on a one-dimensional mesh of every rank:
-
-* each rank keeps 1/N of every float32 parameter (dim 0, padded to a multiple of N) as its master
-  weights, and AdamW updates those shards;
-* a unit's weights are all-gathered before its forward in the compute dtype
-  (`MixedPrecisionPolicy.param_dtype`) and freed after it (`train.reshard_after_forward`);
-* gradients are reduce-scattered in float32 as each unit's backward ends; with
-  train.gradient_sync = "last_micro_batch" only a step's last micro-batch reduces.
-
-The step's loss is already divided by the step's GLOBAL weight (dflash.train.rank.step), so the
-ranks' gradients are summed, never averaged: divide factor 1, plain SUM (gloo has no pre-multiplied
-sum). The frozen target's embedding and lm_head are attached to the drafter, not registered in it,
-so the target stays replicated on every rank.
+Each rank derives its place from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (`WorkerEnv`); without
+a process group every collective here is the identity (FSDP2 still needs one: `single_process_group`).
+`shard_drafter` applies `fully_shard` per draft layer, per module the loss calls after the forward
+(`outside_forward`) and to the drafter itself, on a one-dimensional mesh of every rank. Gradients are
+summed, never averaged (divide factor 1, plain SUM), because the step's loss is already divided by
+its global weight. The frozen target is attached, not registered, so it stays replicated on every
+rank. Sharding, precision and memory: docs/memory.md.
 """
 from __future__ import annotations
 
