@@ -326,6 +326,10 @@ class EvalSection:
                                           "eval/bench/<name>/")
     bench_dir: str = key("", "local copies of gsm8k, math500, mbpp (DIR/<name>/<split>.jsonl or a save_to_disk "
                              "folder DIR/<name>/); \"\": the hub or its cache")
+    bench_samples: int = key(0, "samples of each benchmark, z-lab's order (MT-Bench decodes both turns of each "
+                                "in-process); `--num-prompts` caps it", Range(1, 10**6, zero="eval.num_prompts"))
+    serve_benchmarks: bool = key(True, "the pipeline's served check (eval.serve_engine) decodes eval.benchmarks' first "
+                                       "turns too, each benchmark on its own engine starts")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, bench_dir, benchmark_names, benchmark_prompts_file, eval_prompts_path, prompt_set_label
+from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, bench_dir, bench_sample_count, benchmark_names, benchmark_prompts_file, eval_prompts_path, prompt_set_label
 from dflash.eval.records import TARGET, EvalReport, ReportContext, SetBrief
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
@@ -154,7 +154,7 @@ def evaluate_in_process(profile: Profile, run_dir: Path, checkpoint: Path, optio
     main_path = eval_prompts_path(profile, options.prompts_path)
     also_paths = [path for path in also_prompt_paths(profile, options.prompts_path) if path.resolve() != main_path.resolve()]
     count = options.num_prompts or profile.eval.num_prompts
-    benchmarks = load_benchmarks(profile, options, count)   # before the models: missing data ends it at once
+    benchmarks = load_benchmarks(profile, options)   # before the models: missing data ends it at once
     mode = render_mode_for(profile, checkpoint, options)    # so does a mode other than the training data's
     model, tokenizer, target_path = load_target(profile)
     draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
@@ -249,11 +249,12 @@ def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def load_benchmarks(profile: Profile, options: EvalOptions, count: int) -> dict[str, list[BenchPrompt]]:
-    """Each benchmark's first `count` samples (z-lab's order), by name; InputError when its data is missing."""
+def load_benchmarks(profile: Profile, options: EvalOptions) -> dict[str, list[BenchPrompt]]:
+    """Each benchmark's first samples (z-lab's order; how many: `bench_sample_count`), by name; InputError
+    when its data is missing."""
     from dflash.prompts.benchmarks import load_benchmark
 
-    directory = bench_dir(profile, options)
+    directory, count = bench_dir(profile, options), bench_sample_count(profile, options)
     return {name: load_benchmark(name, directory, count) for name in benchmark_names(profile, options)}
 
 

@@ -85,6 +85,11 @@ def benchmark_names(profile: Profile, options: EvalOptions) -> tuple[str, ...]:
     return parse_bench_names(names) if names else ()
 
 
+def bench_sample_count(profile: Profile, options: EvalOptions) -> int:
+    """Samples per benchmark: `--num-prompts`, else `eval.bench_samples`, else `eval.num_prompts`."""
+    return options.num_prompts or profile.eval.bench_samples or profile.eval.num_prompts
+
+
 def bench_dir(profile: Profile, options: EvalOptions) -> Optional[Path]:
     if options.bench_dir:
         return Path(options.bench_dir)

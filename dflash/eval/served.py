@@ -99,10 +99,10 @@ def with_mode(report: EvalReport, mode: RenderMode) -> EvalReport:
 def served_benchmarks(profile: Profile, options: EvalOptions, eval_dir: Path) -> dict[str, tuple[Path, int]]:
     """`--bench` / `eval.benchmarks` for the served check: each benchmark's first turns (z-lab's OpenAI-server
     benchmark sends the first turn only) as `eval/bench/<name>/prompts.jsonl`, and how many."""
-    from dflash.eval.options import bench_dir, benchmark_names, benchmark_prompts_file
+    from dflash.eval.options import bench_dir, bench_sample_count, benchmark_names, benchmark_prompts_file
     from dflash.prompts.benchmarks import load_benchmark
 
-    count = options.num_prompts or profile.eval.num_prompts
+    count = bench_sample_count(profile, options)
     found = {}
     for name in benchmark_names(profile, options):
         samples = load_benchmark(name, bench_dir(profile, options), count)

@@ -22,6 +22,7 @@ CASES = [
     ("train", "warmup_ratio = inf", "train.warmup_ratio", "inf", "a finite number >= 0 and < 1"),
     ("generate", "port = 99999", "generate.port", "99999", "an integer >= 1 and <= 65535"),
     ("eval", "engine_port = 0", "eval.engine_port", "0", "an integer >= 1 and <= 65535"),
+    ("eval", "bench_samples = -1", "eval.bench_samples", "-1", "an integer >= 1 and <= 1000000 (or 0: eval.num_prompts)"),
     ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2 and <= 4194304"),
     ("data", "max_degenerate_share = 7.5", "data.max_degenerate_share", "7.5", "a finite number >= 0 and <= 1"),
     ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0 and <= 4096"),
