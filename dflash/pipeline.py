@@ -165,7 +165,8 @@ def _eval(ctx: PipelineContext) -> str:
     _engine_ready(ctx.profile, ctx.profile.eval.engine, serves_drafter=True)     # eval.engine sglang / vllm: served
     report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(checkpoint=checkpoint)).report
     sets = [(report.methods, report.num_prompts, report.context.prompt_set or report.context.prompts_file),
-            *((extra.methods, extra.num_prompts, extra.label) for extra in report.also_sets)]
+            *((extra.methods, extra.num_prompts, f"benchmark {extra.benchmark}" if extra.benchmark else extra.label)
+              for extra in report.also_sets)]
     line = "; also ".join(f"{drafted_figures(methods)} on {count} prompts, {label}" for methods, count, label in sets)
     line = f"{which}: {line}"
     if not ctx.profile.eval.serve_engine:
@@ -206,14 +207,16 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
 
 
 def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
-    """eval.serve_engine: the drafter served by the engine, its tau next to the in-process one (parity gate)."""
+    """eval.serve_engine: the drafter served by the engine, its tau next to the in-process one (parity gate);
+    eval.benchmarks' first turns too unless eval.serve_benchmarks is off (each benchmark starts every engine again)."""
     from dflash.eval.options import EvalOptions
     from dflash.eval.run import run_eval
 
     engine = ctx.profile.eval.serve_engine
     _engine_ready(ctx.profile, engine, serves_drafter=True)
-    report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(engine=engine, checkpoint=checkpoint)).report
-    return served_line(engine, report)
+    benchmarks = None if ctx.profile.eval.serve_benchmarks else ()
+    options = EvalOptions(engine=engine, checkpoint=checkpoint, benchmarks=benchmarks)
+    return served_line(engine, run_eval(ctx.profile, run_dir=ctx.run_dir, options=options).report)
 
 
 def served_line(engine: str, report: EvalReport) -> str:
@@ -308,5 +311,5 @@ def run_pipeline(profile: Profile, *, run_dir: Optional[str | Path] = None, forc
         from dflash.eval.options import EvalOptions, also_prompt_paths
 
         also_prompt_paths(profile, None)   # a missing eval.also_prompts file fails now, not after training
-        load_benchmarks(profile, EvalOptions(), profile.eval.num_prompts)   # and eval.benchmarks' missing data
+        load_benchmarks(profile, EvalOptions())   # and eval.benchmarks' missing data
     return run_stages(chosen, ctx)

@@ -2,19 +2,21 @@
 
 Rerun it to resume: finished stages are skipped (see dflash.pipeline). At the end it prints the
 drafter's tau and speedup next to prompt lookup's, then a table of both, in-process and served by
-`eval.serve_engine` side by side, and how each side's plain decoding (the speedup's baseline) ran.
+`eval.serve_engine` side by side, and how each side's plain decoding (the speedup's baseline) ran,
+then one row per benchmark of `eval.benchmarks` and method (tau, speedup, lossless, acceptance per
+block position).
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
 
 if TYPE_CHECKING:
-    from dflash.eval.records import MethodFigures, SetBrief
+    from dflash.eval.records import EvalReport, MethodFigures, SetBrief
     from launcher_core.schema import Profile
 
 
@@ -63,11 +65,13 @@ def final_figures(profile: Profile, run_dir: str | None) -> str:
     on = f" on {entry.get('prompts')} prompts, {entry['prompt_set']}" if entry.get("prompt_set") else ""
     also = "".join(f"tau on {extra.num_prompts} prompts, {extra.prompt_set}: DFlash "
                    f"{_rounded(extra.methods, 'dflash')} vs prompt lookup {_rounded(extra.methods, 'prompt_lookup')}\n"
-                   for extra in _also_sets(directory))
+                   for extra in _also_sets(directory) if not extra.benchmark)
     table = "".join(f"{line}\n" for line in side_by_side(directory, profile.eval.serve_engine))
+    served = profile.eval.serve_engine or ("" if profile.eval.engine == "transformers" else profile.eval.engine)
+    benchmarks = "".join(f"{line}\n" for line in benchmark_rows(directory, served))
     return (f"tau{on}: DFlash {entry.get('dflash_tau')} vs prompt lookup {entry.get('prompt_lookup_tau')}; "
             f"speedup: DFlash {entry.get('dflash_speedup')}x vs prompt lookup {entry.get('prompt_lookup_speedup')}x\n"
-            f"{also}{table}"
+            f"{also}{table}{benchmarks}"
             f"run directory: {directory} (report: {directory / 'eval' / 'report.md'}; "
             f"`launcher.py status {directory}`)")
 
@@ -101,6 +105,45 @@ def side_by_side(run_dir: Path, engine: str) -> list[str]:
     lines += [f"  in-process: {inprocess.context.baseline}"] if inprocess.context.baseline else []
     lines += [f"  served: {served.context.baseline}"] if served and served.context.baseline else []
     return lines
+
+
+def benchmark_rows(run_dir: Path, engine: str) -> list[str]:
+    """One row per benchmark (eval.benchmarks) and drafting method, DFlash beside prompt lookup: tau, speedup,
+    whether every output equals the target's, acceptance at each block position; in-process (every turn),
+    then served by `engine` (first turns) where the eval decoded them there."""
+    named = [("in-process", "report.json")] + ([(f"served ({engine})", f"engine-{engine}.json")] if engine else [])
+    reports = [(label, _report_or_none(run_dir / "eval" / name)) for label, name in named]
+    sides = [(label, report) for label, report in reports if report and any(s.benchmark for s in report.also_sets)]
+    if not sides:
+        return []
+    lines = ["benchmarks (z-lab's prompts; in-process: every turn, served: first turns):",
+             f"  {'benchmark':<10} {'decoded':<14} {'turns':>5}  {'method':<14} {'tau':>6} {'speedup':>8}  "
+             f"{'lossless':<8}  acceptance at positions 1..{sides[0][1].block_size - 1}"]
+    for label, report in sides:
+        lines += [_benchmark_row(extra, label, name, title) for extra in report.also_sets if extra.benchmark
+                  for name, title in SIDE_BY_SIDE_METHODS[:2] if name in extra.methods]
+    return lines
+
+
+def _report_or_none(path: Path) -> Optional[EvalReport]:
+    from dflash.eval.records import read_report
+    from launcher_core.errors import InputError
+
+    try:
+        return read_report(path) if path.exists() else None
+    except InputError:
+        return None
+
+
+def _benchmark_row(extra: SetBrief, side: str, name: str, title: str) -> str:
+    from dflash.eval.report import acceptance_cell
+
+    method = extra.methods[name]
+    tau = "-" if method.mean_tau is None else f"{method.mean_tau:.3f}"
+    speedup = "-" if method.speedup is None else f"{method.speedup:.2f}x"
+    lossless = {True: "yes", False: "NO", None: "-"}[method.identical_to_target]
+    return (f"  {extra.benchmark or '':<10} {side:<14} {extra.num_prompts:>5}  {title:<14} {tau:>6} {speedup:>8}  "
+            f"{lossless:<8}  {acceptance_cell(method.position_acceptance) or '-'}")
 
 
 def _figures(methods: dict[str, MethodFigures], name: str, width: int = 14) -> str:
