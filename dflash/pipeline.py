@@ -162,27 +162,38 @@ def _eval(ctx: PipelineContext) -> str:
 
     checkpoint, which = eval_checkpoint(ctx.run_dir)
     print(f"evaluating {which}", flush=True)
-    _engine_ready(ctx.profile, ctx.profile.eval.engine, serves_drafter=True)     # eval.engine sglang / vllm: served
-    report = run_eval(ctx.profile, run_dir=ctx.run_dir, options=EvalOptions(checkpoint=checkpoint)).report
+    engine = served_engine(ctx.profile)
+    if engine:
+        _engine_ready(ctx.profile, engine, serves_drafter=True)     # before the in-process eval spends its time
+    # in-process first, whatever the profile serves with: eval/report.md is kept when the served check fails
+    report = run_eval(ctx.profile, run_dir=ctx.run_dir,
+                      options=EvalOptions(checkpoint=checkpoint, engine="transformers")).report
     sets = [(report.methods, report.num_prompts, report.context.prompt_set or report.context.prompts_file),
             *((extra.methods, extra.num_prompts, f"benchmark {extra.benchmark}" if extra.benchmark else extra.label)
               for extra in report.also_sets)]
     line = "; also ".join(f"{drafted_figures(methods)} on {count} prompts, {label}" for methods, count, label in sets)
     line = f"{which}: {line}"
-    if not ctx.profile.eval.serve_engine:
+    if not engine:
         return line
     print(f"in-process: {line}", flush=True)
     try:
-        return f"{line}; {_served(ctx, checkpoint)}"
+        return f"{line}; {_served(ctx, engine, checkpoint)}"
     except ParityFailed as failed:
         raise served_check_failed(ctx.run_dir, failed) from None
 
 
+def served_engine(profile: Profile) -> str:
+    """The engine of the pipeline's served check: eval.serve_engine, else eval.engine where it names one
+    (a GPU profile that evaluates with SGLang); "" for none."""
+    return profile.eval.serve_engine or ("" if profile.eval.engine == "transformers" else profile.eval.engine)
+
+
 def served_check_failed(run_dir: Path, failed: ParityFailed) -> ParityFailed:
-    """The gate's failure with a last line for the pipeline: the in-process eval is kept, which rules broke,
-    and the report to read."""
+    """The gate's failure (or its undecided verdict, which is not a pass) with a last line for the pipeline: the
+    in-process eval is kept, which rules broke, and the report to read."""
+    outcome = "could not be decided by" if failed.rules == ("undecided",) else "failed"
     return ParityFailed(f"{failed}\npipeline: the in-process eval is done and kept ({run_dir / 'eval' / 'report.md'}); "
-                        f"the served check failed the parity gate ({', '.join(failed.rules)}): read "
+                        f"the served check {outcome} the parity gate ({', '.join(failed.rules)}): read "
                         f"{Path(failed.report).with_suffix('.md')} for each prompt", failed.rules, failed.report)
 
 
@@ -206,14 +217,12 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     return best, f"step {best_step}, the best by held-out tau ({entry.get('validation_best_tau')}; {last})"
 
 
-def _served(ctx: PipelineContext, checkpoint: Optional[str] = None) -> str:
-    """eval.serve_engine: the drafter served by the engine, its tau next to the in-process one (parity gate);
+def _served(ctx: PipelineContext, engine: str, checkpoint: Optional[str] = None) -> str:
+    """The drafter served by `engine` (`served_engine`), its tau next to the in-process one (parity gate);
     eval.benchmarks' first turns too unless eval.serve_benchmarks is off (each benchmark starts every engine again)."""
     from dflash.eval.options import EvalOptions
     from dflash.eval.run import run_eval
 
-    engine = ctx.profile.eval.serve_engine
-    _engine_ready(ctx.profile, engine, serves_drafter=True)
     benchmarks = None if ctx.profile.eval.serve_benchmarks else ()
     options = EvalOptions(engine=engine, checkpoint=checkpoint, benchmarks=benchmarks)
     return served_line(engine, run_eval(ctx.profile, run_dir=ctx.run_dir, options=options).report)

@@ -31,7 +31,8 @@ EXIT_MEANINGS: dict[int, str] = {
                "before saving it)",
     EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
               "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed",
-    EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate (docs/eval.md)",
+    EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate, or the gate cannot decide (too few prompts, "
+                 "no per-step figures from the engine: undecided never passes; docs/eval.md)",
     EXIT_CRASH: "an unexpected error (a bug, not bad input): one line names the command and the file its traceback "
                 "was written to (launcher_core.crash)",
     EXIT_CANNOT_TEST: "`probe` / `calibrate` cannot test this environment (`git bisect run`: skip); `probe` exits "

@@ -129,7 +129,8 @@ def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts:
             if hasattr(method, "generator"):       # a sampling drafter (DFlashDraft) gets its own seeded stream
                 setattr(method, "generator", torch.Generator().manual_seed(seed + 1))
             run = speculative_decode(verifier, method, prompt.token_ids, settings, generator=generator)
-            entry.runs[method.name] = MethodRun(run.tokens, run.taus, run.wall_s, run.draft_margins, run.target_margins)
+            entry.runs[method.name] = MethodRun(run.tokens, run.taus, run.wall_s, run.draft_margins, run.target_margins,
+                                                 run.drafts)
         results.append(entry)
     return results
 

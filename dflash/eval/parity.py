@@ -18,7 +18,7 @@ from functools import lru_cache
 from itertools import zip_longest
 from typing import Optional, Sequence
 
-from dflash.eval.records import TARGET, ParityRow, PromptParity
+from dflash.eval.records import TARGET, Departure, ParityRow, PromptParity
 from launcher_core.errors import ParityFailed
 
 # Chosen from the measured error rates (module doc; benchmarks/bench_parity_gate.py `choose_constants`): a step
@@ -35,6 +35,10 @@ RULE_NOT_SERVED = "drafted"
 RULE_LOSSLESS = "lossless"
 RULE_PREFIX = "deterministic prefix"
 RULE_PAIRED = "paired test"
+
+# The verdict of a gated method: a rule broken fails it; otherwise it passes only where its rules could have
+# failed a wrong drafter that stays lossless (enough prompts, the engine's per-step figures).
+VERDICT_PASS, VERDICT_FAIL, VERDICT_UNDECIDED = "pass", "fail", "undecided"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class PromptAcceptance:
     per_step: Optional[list[int]] = None
     draft_margins: Sequence[Optional[float]] = ()
     target_margins: Sequence[Optional[float]] = ()
+    drafts: Sequence[Sequence[int]] = ()      # in-process: the draft tokens each step proposed
 
     def first_near_tie(self, constants: GateConstants) -> Optional[int]:
         """The index of the first step decided by a near-tie; None when no step was."""
@@ -190,6 +195,31 @@ def smallest_p_value(prompts: int) -> float:
     return sign_test(prompts, 0)
 
 
+def prompts_for_paired_test(significance: float) -> int:
+    """The fewest prompts on which the paired test can fail (9 at a significance of 0.005)."""
+    return next(n for n in range(1, 64) if smallest_p_value(n) < significance)
+
+
+def first_departure(served: PromptAcceptance, ours: PromptAcceptance, constants: GateConstants) -> Optional[Departure]:
+    """The first step before the prompt's first near-tie where the served side accepted other drafts than
+    in-process, with both sides' figures there (None: none, or no per-step figures on either side)."""
+    if served.per_step is None or ours.per_step is None:
+        return None
+    tie = ours.first_near_tie(constants)
+    for step in range(len(ours.per_step) if tie is None else tie):
+        theirs = served.per_step[step] if step < len(served.per_step) else None
+        if theirs != ours.per_step[step]:
+            start = 1 + sum(accepted + 1 for accepted in ours.per_step[:step])
+            return Departure(step + 1, start, theirs, ours.per_step[step], _item(ours.draft_margins, step),
+                             _item(ours.target_margins, step), list(_item(ours.drafts, step) or []),
+                             list(ours.tokens[start:start + ours.per_step[step] + 1]))
+    return None
+
+
+def _item(values: Sequence, index: int):   # type: ignore[no-untyped-def]
+    return values[index] if index < len(values) else None
+
+
 def prefix_mismatch(served: PromptAcceptance, ours: PromptAcceptance, constants: GateConstants) -> Optional[str]:
     """How the served decoding departs from the in-process one before the prompt's first near-tie
     (None: it does not). Without the engine's per-step figures only a prompt with no near-tie is
@@ -258,21 +288,55 @@ class Verdict:
         failures = [message for message in broken.values() if message]
         pairs = list(zip(self.served.prompts, self.inprocess.prompts))
         same = [(s, o) for s, o in pairs if s.tokens == o.tokens]
+        undecided = [] if failures else self.undecided()
+        verdict = VERDICT_FAIL if failures else (VERDICT_UNDECIDED if undecided else VERDICT_PASS)
         return replace(row, prompts_same_tokens=len(same),
                        prompts_same_acceptance=sum(_same_acceptance(s, o) for s, o in same),
                        steps_before_near_tie=self.steps_before_near_tie(), prompts_fewer=paired.fewer,
                        prompts_more=paired.more, p_value=paired.p_value,
                        conclusive=smallest_p_value(len(pairs)) < self.constants.significance,
                        failed_rules=[rule for rule, message in broken.items() if message], failures=failures,
-                       within_tolerance=not failures, prompts=prompts)
+                       within_tolerance={VERDICT_PASS: True, VERDICT_FAIL: False}.get(verdict), prompts=prompts,
+                       verdict=verdict, undecided=undecided, rules_ran=self.rules_ran())
 
     def prompt_rows(self) -> list[PromptParity]:
         rows = []
         for prompt_id, served, ours in zip(self.ids, self.served.prompts, self.inprocess.prompts):
             tie = ours.first_near_tie(self.constants)
             rows.append(PromptParity(prompt_id, served.steps, served.accepted, ours.steps, ours.accepted,
-                                     None if tie is None else tie + 1, prefix_mismatch(served, ours, self.constants)))
+                                     None if tie is None else tie + 1, prefix_mismatch(served, ours, self.constants),
+                                     first_departure(served, ours, self.constants)))
         return rows
+
+    def undecided(self) -> list[str]:
+        """Why a wrong drafter that stays lossless could pass here: too few prompts for the deterministic rule
+        or the paired test to fail, or no per-step figures from the engine ([] where the rules can decide)."""
+        reasons, count = [], len(self.served.prompts)
+        needed = max(1, self.constants.prefix_prompts)
+        if count < needed:
+            reasons.append(f"{count} prompt(s): the deterministic rule fails from {needed} departing prompts and the "
+                           f"paired test from {prompts_for_paired_test(self.constants.significance)} differing ones; "
+                           f"at least {needed} prompts are needed (--num-prompts, eval.num_prompts)")
+        totals_only = sum(prompt.per_step is None for prompt in self.served.prompts)
+        if totals_only:
+            reasons.append(f"the engine gave no per-step acceptance for {totals_only} of {count} prompts: those are "
+                           "compared on their totals only where they have no near-tie, which misses most wrong "
+                           "drafters; per-step figures are needed (vLLM >= 0.32; SGLang streaming one step a chunk)")
+        return reasons
+
+    def rules_ran(self) -> list[str]:
+        """Each rule applied to this method, and on what."""
+        count = len(self.served.prompts)
+        per_step = sum(prompt.per_step is not None for prompt in self.served.prompts)
+        lossless = "against the engine's own target-only output" if self.served.lossless is not None else \
+            "not run (no target-only run to compare, or sampled decoding)"
+        paired = f"p < {self.constants.significance:g} over {count} prompts" + \
+            ("" if smallest_p_value(count) < self.constants.significance else
+             f" (cannot fail below {prompts_for_paired_test(self.constants.significance)} prompts)")
+        return [f"{RULE_NOT_SERVED}: the engine reported speculative steps", f"{RULE_LOSSLESS}: {lossless}",
+                f"{RULE_PREFIX}: step by step on {per_step} of {count} prompts, totals of near-tie-free prompts on "
+                f"the other {count - per_step}; fails from {self.constants.prefix_prompts} departing prompts",
+                f"{RULE_PAIRED}: {paired}"]
 
     def not_served(self) -> Optional[str]:
         if self.inprocess.mean_tau is not None and self.served.mean_tau is None:
@@ -325,15 +389,34 @@ def _same_acceptance(served: PromptAcceptance, ours: PromptAcceptance) -> bool:
 
 
 def check_parity(parity: dict[str, ParityRow], report_path: str) -> None:
-    """ParityFailed naming each divergence of every gated method that failed the gate; its last line names
-    the rules broken and the report to read."""
-    failed = {name: row for name, row in parity.items() if row.within_tolerance is False}
-    if failed:
-        rules = tuple(sorted({rule for row in failed.values() for rule in row.failed_rules or []}))
-        raise ParityFailed("eval --engine: the served drafter is not the trained one\n"
-                           + "\n".join(parity_summary(parity))
-                           + f"\nparity gate failed ({', '.join(rules)}): read {report_path} (per prompt: "
-                             f"its .md) and docs/eval.md \"The parity gate\"", rules, report_path)
+    """ParityFailed naming each divergence of every gated method that failed the gate, or why the gate could not
+    decide (undecided never passes); its last line names the rules broken and the report to read."""
+    check_parity_sets([("", parity, report_path)])
+
+
+def check_parity_sets(sets: Sequence[tuple[str, dict[str, ParityRow], str]]) -> None:
+    """`check_parity` over every prompt set of one served check at once ((label, parity rows, report path) each):
+    every set is gated and named, not only the first one that fails."""
+    failed = [(label, parity, report) for label, parity, report in sets if _verdicts(parity) & {VERDICT_FAIL}]
+    undecided = [(label, parity, report) for label, parity, report in sets
+                 if _verdicts(parity) & {VERDICT_UNDECIDED} and (label, parity, report) not in failed]
+    if not failed and not undecided:
+        return
+    lines, reports = ["eval --engine: the served drafter is not the trained one" if failed else
+                      "eval --engine: the parity gate cannot decide whether the served drafter is the trained one"], []
+    for label, parity, report in failed + undecided:
+        lines += ([f"{label}:"] if label else []) + parity_summary(parity)
+        reports.append(report)
+    rules = tuple(sorted({rule for _, parity, _ in failed for row in parity.values() for rule in row.failed_rules or []}
+                         | ({VERDICT_UNDECIDED} if undecided else set())))
+    verb = "failed" if failed else "undecided"
+    lines.append(f"parity gate {verb} ({', '.join(rules)}): read {', '.join(reports)} (per prompt: its .md) and "
+                 'docs/eval.md "The parity gate"')
+    raise ParityFailed("\n".join(lines), rules, reports[0])
+
+
+def _verdicts(parity: dict[str, ParityRow]) -> set[Optional[str]]:
+    return {row.verdict for row in parity.values() if row.gated}
 
 
 def parity_summary(parity: dict[str, ParityRow]) -> list[str]:
@@ -344,7 +427,7 @@ def parity_summary(parity: dict[str, ParityRow]) -> list[str]:
         positions = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip_longest(row.served_position_acceptance or [],
                                                                           row.inprocess_position_acceptance or [],
                                                                           fillvalue=0.0))
-        gate = {True: "  PASS", False: "  FAIL", None: ""}[row.within_tolerance]
+        gate = {VERDICT_PASS: "  PASS", VERDICT_FAIL: "  FAIL", VERDICT_UNDECIDED: "  UNDECIDED"}.get(row.verdict or "", "")
         diverged = "" if row.same_tokens_as_inprocess else f" (first divergence: {row.first_divergence})"
         lines.append(f"  {name:<14} {tau}  per position {positions or '-'}  lossless "
                      f"{_yes(row.served_identical_to_target)}/{_yes(row.inprocess_identical_to_target)}  "
@@ -360,6 +443,9 @@ def parity_summary(parity: dict[str, ParityRow]) -> list[str]:
         if row.conclusive is False:
             lines.append(f"    note: on this few prompts the paired test cannot reach p < {GateConstants().significance:g} "
                          "even if every prompt differed the same way: only the deterministic and lossless rules decide")
+        lines += [f"    undecided: {reason}" for reason in row.undecided or []]
+        lines += [f"    departed with no near-tie, {p.prompt_id}: {p.departure.describe()}"
+                  for p in row.prompts or [] if p.departure is not None]
     return lines
 
 
@@ -375,7 +461,8 @@ def parity_lines(parity: dict[str, ParityRow]) -> list[str]:
         prompts = f"{row.prompts_same_acceptance} of {row.prompts_same_tokens}" if row.prompts_same_tokens is not None \
             else "-"
         paired = f"{row.prompts_fewer} / {row.prompts_more} ({_fmt(row.p_value)})" if row.p_value is not None else "-"
-        gate = {True: "pass", False: "FAIL: " + "; ".join(row.failures or []), None: "-"}[row.within_tolerance]
+        gate = {VERDICT_PASS: "pass", VERDICT_FAIL: "FAIL: " + "; ".join(row.failures or []),
+                VERDICT_UNDECIDED: "UNDECIDED: " + "; ".join(row.undecided or [])}.get(row.verdict or "", "-")
         lines.append(f"| {name} | {_fmt(row.served_tau)} | {_fmt(row.inprocess_tau)} | {steps} | "
                      f"{_fmt_list(row.served_position_acceptance)} | {_fmt_list(row.inprocess_position_acceptance)} | "
                      f"{lossless} | {_yes(row.same_tokens_as_inprocess)} | {prompts} | "
@@ -395,7 +482,23 @@ def prompt_parity_lines(parity: dict[str, ParityRow]) -> list[str]:
         lines += [f"| {p.prompt_id} | {p.served_steps} / {p.served_accepted} | {p.inprocess_steps} / "
                   f"{p.inprocess_accepted} | {_int(p.first_near_tie)} | {p.prefix_mismatch or 'identical'} |"
                   for p in row.prompts]
+        lines += ["", f"Rules that ran on {name}: " + "; ".join(row.rules_ran or ["-"])]
+        departed = [p for p in row.prompts if p.departure is not None]
+        if departed:
+            lines += ["", f"### {name}, where the served drafter departed before any near-tie", "",
+                      "The engine reports no logits: the margins are the in-process ones. A large drafter margin with "
+                      "the same context means the served drafter computed something else; a small one, the engine's "
+                      "kernels.", "", "| prompt | step | new token | accepted served / in-process | in-process drafts "
+                      "| target's tokens | drafter margin | target margin |", "|---|---|---|---|---|---|---|---|"]
+            lines += [_departure_line(p.prompt_id, p.departure) for p in departed if p.departure is not None]
     return lines
+
+
+def _departure_line(prompt_id: str, departure: Departure) -> str:
+    served = "-" if departure.served_accepted is None else str(departure.served_accepted)
+    return (f"| {prompt_id} | {departure.step} | {departure.new_token} | {served} / {departure.inprocess_accepted} | "
+            f"{departure.drafts} | {departure.target_tokens} | {_fmt(departure.drafter_margin)} | "
+            f"{_fmt(departure.target_margin)} |")
 
 
 def _fmt(value: Optional[float]) -> str:

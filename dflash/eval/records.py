@@ -123,9 +123,43 @@ class SetBrief:
 
 
 @dataclass(frozen=True)
+class Departure:
+    """The step where the served drafter first accepted other drafts than in-process, before any near-tie:
+    what each side did there and the margins that decided it in-process (the engine reports no logits), so a
+    reader can tell the engine's kernels (a small margin) from another drafter or context (a large one)."""
+
+    step: int                          # 1-based speculative step
+    new_token: int                     # index of the step's first new token (its anchor's successor)
+    served_accepted: Optional[int]     # None: the served side had no such step
+    inprocess_accepted: int
+    drafter_margin: Optional[float]    # in-process, the smallest lead that decided the step (specdec.draft_margin)
+    target_margin: Optional[float]     # in-process, the target's smallest lead over the positions it read
+    drafts: list[int]                  # the in-process drafter's proposal at that step
+    target_tokens: list[int]           # the tokens the step committed in-process: the accepted drafts, then the target's
+
+    def describe(self) -> str:
+        served = "no step" if self.served_accepted is None else f"{self.served_accepted} draft(s)"
+        drafted = f" of the drafts {self.drafts}" if self.drafts else ""
+        return (f"step {self.step} (new token {self.new_token}): served accepted {served}, in-process "
+                f"{self.inprocess_accepted}{drafted}; the target's tokens {self.target_tokens}; in-process margins "
+                f"drafter {_margin(self.drafter_margin)}, target {_margin(self.target_margin)} logits")
+
+    @classmethod
+    def from_json(cls, data: _Fields) -> Departure:
+        return cls(data.integer("step"), data.integer("new_token"), data.integer_or_none("served_accepted"),
+                   data.integer("inprocess_accepted"), data.number_or_none("drafter_margin"),
+                   data.number_or_none("target_margin"), data.integers("drafts"), data.integers("target_tokens"))
+
+
+def _margin(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+@dataclass(frozen=True)
 class PromptParity:
     """One prompt of a gated method, both sides: steps and accepted drafts, the in-process first near-tie
-    (1-based step; None: none) and how the served side departed before it (None: it did not)."""
+    (1-based step; None: none), how the served side departed before it (None: it did not) and, with per-step
+    figures, the step where it did (`departure`)."""
 
     prompt_id: str
     served_steps: int
@@ -134,15 +168,18 @@ class PromptParity:
     inprocess_accepted: int
     first_near_tie: Optional[int] = None
     prefix_mismatch: Optional[str] = None
+    departure: Optional[Departure] = None
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if value is not None}
 
     @classmethod
     def from_json(cls, data: _Fields) -> PromptParity:
+        departure = data.object_or_none("departure")
         return cls(data.text("prompt_id"), data.integer("served_steps"), data.integer("served_accepted"),
                    data.integer("inprocess_steps"), data.integer("inprocess_accepted"),
-                   data.integer_or_none("first_near_tie"), data.text_or_none("prefix_mismatch"))
+                   data.integer_or_none("first_near_tie"), data.text_or_none("prefix_mismatch"),
+                   Departure.from_json(departure) if departure is not None else None)
 
 
 @dataclass(frozen=True)
@@ -171,6 +208,9 @@ class ParityRow:
     failures: Optional[list[str]] = None       # gated: each rule the served drafter broke, described
     conclusive: Optional[bool] = None          # gated: the paired test can reach its significance on this many prompts
     prompts: Optional[list[PromptParity]] = None   # gated: per prompt
+    verdict: Optional[str] = None              # gated: "pass", "fail" or "undecided" (parity.VERDICT_*)
+    undecided: Optional[list[str]] = None      # gated: why the rules that ran cannot fail a wrong drafter here
+    rules_ran: Optional[list[str]] = None      # gated: each rule applied, and on what
 
     def to_json(self) -> dict[str, object]:
         document = {key: value for key, value in asdict(self).items()
@@ -194,7 +234,15 @@ class ParityRow:
                    prompts_fewer=data.integer_or_none("prompts_fewer"), prompts_more=data.integer_or_none("prompts_more"),
                    p_value=data.number_or_none("p_value"), failed_rules=data.texts_or_none("failed_rules"),
                    failures=data.texts_or_none("failures"), conclusive=data.flag_or_none("conclusive"),
-                   prompts=prompts or None)
+                   prompts=prompts or None, verdict=data.text_or_none("verdict") or _verdict_of(data),
+                   undecided=data.texts_or_none("undecided"), rules_ran=data.texts_or_none("rules_ran"))
+
+
+def _verdict_of(data: _Fields) -> Optional[str]:
+    """A report written before the verdict field: a gated row passed or failed."""
+    if not data.flag("gated"):
+        return None
+    return {True: "pass", False: "fail", None: None}[data.flag_or_none("within_tolerance")]
 
 
 _PARITY_ALWAYS = ("served_tau", "inprocess_tau", "served_position_acceptance", "inprocess_position_acceptance",
@@ -397,6 +445,15 @@ class _Fields:
         if value is None:
             raise self.error(key, "true or false")
         return value
+
+    def integers(self, key: str) -> list[int]:
+        """A list of whole numbers (token ids); missing: none."""
+        value = self._optional(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise self.error(key, "a list of whole numbers")
+        return list(value)
 
     def numbers_or_none(self, key: str) -> Optional[list[float]]:
         value = self._optional(key)

@@ -28,6 +28,7 @@ class MethodRun:
     wall_s: float
     draft_margins: list[Optional[float]] = field(default_factory=list)    # greedy, per step (specdec.draft_margin)
     target_margins: list[Optional[float]] = field(default_factory=list)   # greedy, per step (specdec.target_margin)
+    drafts: list[list[int]] = field(default_factory=list)                # the draft tokens each step proposed
 
 
 @dataclass

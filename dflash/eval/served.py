@@ -43,12 +43,15 @@ class InProcessDecode:
     stop_token_ids: tuple[int, ...]
     margins: dict[str, list[tuple[list[Optional[float]], list[Optional[float]]]]]   # method -> each prompt's
     #                                        per-step (drafter, target) margins (specdec.draft_margin / target_margin)
+    drafts: dict[str, list[list[list[int]]]]    # method -> each prompt's per-step proposed draft tokens
 
     def side(self, method: str) -> SideFigures:
         """The method as the parity gate reads it."""
         figures = self.report.methods[method]
-        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), [tau - 1 for tau in taus], *margins)
-                   for tokens, taus, margins in zip(self.tokens[method], self.taus[method], self.margins[method])]
+        prompts = [PromptAcceptance(tokens, len(taus), sum(taus) - len(taus), [tau - 1 for tau in taus], *margins,
+                                    drafts=drafts)
+                   for tokens, taus, margins, drafts in zip(self.tokens[method], self.taus[method],
+                                                            self.margins[method], self.drafts[method])]
         return SideFigures(prompts, histogram_of_taus([t for taus in self.taus[method] for t in taus]),
                            figures.position_acceptance, figures.identical_to_target)
 
@@ -68,7 +71,7 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     """`eval --engine`: `eval/engine-<engine>.{json,md}` written, then ParityFailed if the gate fails."""
     from dflash.eval.mode import render_mode_for
     from dflash.eval.options import EvalSummary
-    from dflash.eval.parity import check_parity
+    from dflash.eval.parity import check_parity_sets
     from dflash.eval.records import SetBrief
 
     benchmarks = served_benchmarks(profile, options, run_dir / "eval")   # before any model loads or server starts
@@ -85,9 +88,9 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     result = engine_eval(profile, run_dir, checkpoint, options, engine, launch)
     report = replace(with_mode(result.report, mode), also_sets=briefs)
     files = write_engine_reports(report, run_dir / "eval")
-    for bench_report, bench_files in written:
-        check_parity(bench_report.parity, str(bench_files[0]))
-    check_parity(report.parity, str(files[0]))
+    check_parity_sets([(f"benchmark {brief.benchmark}", bench_report.parity, str(bench_files[0]))
+                       for brief, (bench_report, bench_files) in zip(briefs, written)]
+                      + [(report.context.prompt_set or "", report.parity, str(files[0]))])
     return EvalSummary(report=report, files=files + [path for _, paths in written for path in paths])
 
 
@@ -292,5 +295,6 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     taus = {name: [entry.runs[name].taus for entry in results] for name in METHODS}
     margins = {name: [(entry.runs[name].draft_margins, entry.runs[name].target_margins) for entry in results]
                for name in METHODS}
+    drafts = {name: [entry.runs[name].drafts for entry in results] for name in METHODS}
     return InProcessDecode(report, tokens, taus, [p.token_ids for p in prompts], [p.prompt_id for p in prompts],
-                           tuple(stops), margins)
+                           tuple(stops), margins, drafts)

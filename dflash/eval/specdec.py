@@ -314,6 +314,7 @@ class DecodeResult:
     wall_s: float = 0.0
     draft_margins: list[Optional[float]] = field(default_factory=list)    # greedy, per step: draft_margin
     target_margins: list[Optional[float]] = field(default_factory=list)   # greedy, per step: target_margin
+    drafts: list[list[int]] = field(default_factory=list)                # the draft tokens proposed at each step
 
     @property
     def mean_tau(self) -> float:
@@ -421,7 +422,7 @@ def speculative_decode(verifier: TargetVerifier, drafter: Drafter, prompt_ids: S
     tokens = state.new_tokens(settings)
     return DecodeResult(tokens=tokens, taus=state.taus, proposed=state.proposed,
                         wall_s=time.perf_counter() - started, draft_margins=state.draft_margins,
-                        target_margins=state.target_margins)
+                        target_margins=state.target_margins, drafts=state.drafts)
 
 
 @dataclass
@@ -433,6 +434,7 @@ class _LoopState:
     proposed: list[int] = field(default_factory=list)
     draft_margins: list[Optional[float]] = field(default_factory=list)
     target_margins: list[Optional[float]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     prefill_margin: Optional[float] = None     # the first token's lead, counted into the first step's target margin
 
     def new_tokens(self, settings: DecodeSettings) -> list[int]:
@@ -473,3 +475,4 @@ def _step(verifier: TargetVerifier, drafter: Drafter, state: _LoopState, setting
         state.features = torch.cat([state.features, out.features[: accepted + 1]], dim=0)
     state.taus.append(accepted + 1)
     state.proposed.append(len(proposal.tokens))
+    state.drafts.append(list(proposal.tokens))

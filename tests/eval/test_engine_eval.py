@@ -20,14 +20,20 @@ from dflash.eval.parity import (
     NEAR_TIE_TARGET_LOGITS,
     PREFIX_PROMPTS,
     SIGNIFICANCE,
+    VERDICT_FAIL,
+    VERDICT_PASS,
+    VERDICT_UNDECIDED,
     GateConstants,
     PromptAcceptance,
     SideFigures,
     check_parity,
+    check_parity_sets,
     histogram_of_positions,
     histogram_of_taus,
     method_parity,
+    parity_lines,
     parity_summary,
+    prompt_parity_lines,
     sign_test,
 )
 from dflash.generate.servers import is_hybrid_target, sglang_server_command
@@ -289,6 +295,82 @@ def test_the_near_tie_margins_are_the_gate_s_constants():
     assert dataclasses.replace(level, target_margins=[FAR] * 3).first_near_tie(GateConstants()) is None
 
 
+def test_below_the_prompt_count_where_a_rule_can_fail_a_wrong_lossless_drafter_is_undecided_and_never_passes():
+    """`eval --engine ... --num-prompts 3`: neither the prefix rule (4 departing prompts) nor the paired test
+    (9 differing ones) can fail, so a wrong drafter that stays lossless is undecided, exit 6, not a pass."""
+    few = PREFIX_PROMPTS - 1
+    theirs, ours = departing(few)
+    theirs, ours = theirs[:few], ours[:few]                                    # every prompt departs at step 3
+    row = method_parity("dflash", figures(theirs), figures(ours), ids(few))
+    assert row.verdict == VERDICT_UNDECIDED and row.within_tolerance is None and row.failures == []
+    assert (row.undecided or [""])[0].startswith(f"{few} prompt(s): the deterministic rule fails from {PREFIX_PROMPTS} "
+                                                 "departing prompts and the paired test from 9 differing ones")
+    with pytest.raises(ParityFailed) as undecided:
+        check_parity({"dflash": row}, "report.json")
+    assert undecided.value.exit_code == EXIT_PARITY and undecided.value.rules == ("undecided",)
+    assert str(undecided.value).splitlines()[0].startswith("eval --engine: the parity gate cannot decide")
+    assert "  UNDECIDED" in str(undecided.value)
+    # the same drafter on enough prompts fails; an honest one on them passes; a broken stream fails on any count
+    theirs, ours = departing(PREFIX_PROMPTS)
+    assert method_parity("dflash", figures(theirs), figures(ours), ids(len(ours))).verdict == VERDICT_FAIL
+    honest = [prompt([1, 0, 2])] * PREFIX_PROMPTS
+    assert method_parity("dflash", figures(honest), figures(honest), ids(PREFIX_PROMPTS)).verdict == VERDICT_PASS
+    broken = method_parity("dflash", figures(honest[:1], lossless=False), figures(honest[:1]), ids(1))
+    assert broken.verdict == VERDICT_FAIL and broken.failed_rules == ["lossless"]
+
+
+def test_every_gated_row_says_which_rules_ran_and_on_what():
+    ours = [prompt([1, 0, 2]), prompt([2, 0, 0], ties=[1])] * PREFIX_PROMPTS
+    mixed = [prompt([1, 0, 2]), prompt([2, 0, 0], totals_only=True)] * PREFIX_PROMPTS
+    row = method_parity("dflash", figures(mixed), figures(ours), ids(len(ours)))
+    assert row.rules_ran == [
+        "drafted: the engine reported speculative steps",
+        "lossless: against the engine's own target-only output",
+        f"deterministic prefix: step by step on {PREFIX_PROMPTS} of {2 * PREFIX_PROMPTS} prompts, totals of near-tie-free "
+        f"prompts on the other {PREFIX_PROMPTS}; fails from {PREFIX_PROMPTS} departing prompts",
+        f"paired test: p < {SIGNIFICANCE:g} over {2 * PREFIX_PROMPTS} prompts (cannot fail below 9 prompts)"]
+    assert "Rules that ran on dflash: drafted: the engine reported" in "\n".join(prompt_parity_lines({"dflash": row}))
+
+
+def test_a_departure_before_any_near_tie_shows_the_step_the_drafts_the_targets_tokens_and_the_margins():
+    ours = dataclasses.replace(prompt([1, 2, 0, 1]), drafts=[[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]],
+                               draft_margins=[FAR, 0.42, FAR, FAR], target_margins=[FAR, 0.9, FAR, FAR])
+    theirs = prompt([1, 0, 1, 0, 1])                                          # step 2: 0 accepted instead of 2
+    row = method_parity("dflash", figures([theirs]), figures([ours]), ids(1))
+    departure = (row.prompts or [])[0].departure
+    assert departure is not None and (departure.step, departure.new_token) == (2, 3)    # 1 (prefill) + 2 (step 1)
+    assert (departure.served_accepted, departure.inprocess_accepted) == (0, 2)
+    assert (departure.drafter_margin, departure.target_margin, departure.drafts) == (0.42, 0.9, [8, 9, 10])
+    assert departure.target_tokens == [3, 4, 5]                               # the 2 accepted drafts, then the bonus
+    assert "departed with no near-tie, p0: step 2 (new token 3): served accepted 0 draft(s), in-process 2 of the " \
+        "drafts [8, 9, 10]; the target's tokens [3, 4, 5]; in-process margins drafter 0.420, target 0.900 logits" \
+        in "\n".join(parity_summary({"dflash": row}))
+    assert "| p0 | 2 | 3 | 0 / 2 | [8, 9, 10] | [3, 4, 5] | 0.420 | 0.900 |" in prompt_parity_lines({"dflash": row})
+    tied = dataclasses.replace(ours, draft_margins=[FAR, NEAR, FAR, FAR])   # the same step at a near-tie: no departure
+    assert (method_parity("dflash", figures([theirs]), figures([tied]), ids(1)).prompts or [])[0].departure is None
+
+
+def test_every_prompt_set_of_a_served_check_is_gated_and_named_not_only_the_first_that_fails():
+    theirs, ours = departing(PREFIX_PROMPTS)
+    failing = {"dflash": method_parity("dflash", figures(theirs), figures(ours), ids(len(ours)))}
+    honest = [prompt([1, 0, 2])] * PREFIX_PROMPTS
+    passing = {"dflash": method_parity("dflash", figures(honest), figures(honest), ids(PREFIX_PROMPTS))}
+    with pytest.raises(ParityFailed) as failed:
+        check_parity_sets([("benchmark humaneval", failing, "bench/humaneval/engine-vllm.json"),
+                           ("benchmark mt-bench", passing, "bench/mt-bench/engine-vllm.json"),
+                           ("held-out", dict(failing), "engine-vllm.json")])
+    text = str(failed.value)
+    assert "benchmark humaneval:" in text and "held-out:" in text and "benchmark mt-bench:" not in text
+    assert text.splitlines()[-1].startswith("parity gate failed (deterministic prefix): read "
+                                            "bench/humaneval/engine-vllm.json, engine-vllm.json")
+    check_parity_sets([("benchmark mt-bench", passing, "r.json")])                       # a pass raises nothing
+
+
+def test_the_report_table_shows_the_verdict():
+    few = method_parity("dflash", figures([prompt([1])]), figures([prompt([1])]), ids(1))
+    assert few.verdict == VERDICT_UNDECIDED and "| UNDECIDED: 1 prompt(s)" in "\n".join(parity_lines({"dflash": few}))
+
+
 def test_a_prompt_without_any_near_tie_must_match_to_its_last_step_and_token():
     ours = [prompt([1, 0, 2])]
     for theirs, found in ((prompt([1, 0, 2, 0]), "with no near-tie in it: served 4 steps, in-process 3"),
@@ -305,7 +387,9 @@ def test_with_totals_only_a_prompt_without_near_ties_must_match_and_one_with_a_n
     """SGLang when its stream coalesced steps: no per-step figures, only the request's totals."""
     ours = [prompt([1, 0, 2]), prompt([2, 0, 0], ties=[1])] * PREFIX_PROMPTS
     equal = [prompt([1, 0, 2], totals_only=True), prompt([0, 0, 1, 1], totals_only=True)] * PREFIX_PROMPTS
-    assert method_parity("dflash", figures(equal), figures(ours), ids(len(ours))).within_tolerance is True
+    undecided = method_parity("dflash", figures(equal), figures(ours), ids(len(ours)))
+    assert undecided.verdict == VERDICT_UNDECIDED and undecided.within_tolerance is None and undecided.failures == []
+    assert "the engine gave no per-step acceptance for 8 of 8 prompts" in (undecided.undecided or [""])[0]
     unequal = [prompt([1, 1, 2], totals_only=True), prompt([2, 0, 0], totals_only=True)] * PREFIX_PROMPTS
     row = method_parity("dflash", figures(unequal), figures(ours), ids(len(ours)))
     assert row.failed_rules == ["deterministic prefix"] and "prompt 1 (p0): with no near-tie in it: served 4 accepted " \
@@ -554,14 +638,20 @@ def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(sharp_t
 def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_where_steps_were_coalesced(
         honest_standin, sharp_target, tiny_drafter, tmp_path):
     """SGLang streams a chunk per verify step with the request's running spec counters: the per-step figures
-    match the in-process ones; where the stream coalesced steps the gate falls back to whole prompts."""
+    match the in-process ones; where the stream coalesced steps the gate compares whole prompts and says it
+    cannot decide."""
+    from dflash.eval.records import read_report
+
     streamed = honest_standin[1].report.parity["dflash"]
     assert streamed.within_tolerance is True and streamed.prompts_same_acceptance == STANDIN_PROMPTS
     assert (streamed.steps_before_near_tie or 0) > 0, streamed.prompts
     assert streamed.steps_before_near_tie == sum(p.first_near_tie - 1 if p.first_near_tie else p.inprocess_steps
                                                  for p in streamed.prompts or [])
-    coalesced = standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path).report.parity["dflash"]
-    assert coalesced.within_tolerance is True
+    with pytest.raises(ParityFailed) as undecided:          # totals only decide nothing: undecided, not a pass
+        standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path)
+    assert undecided.value.rules == ("undecided",) and "no per-step acceptance" in str(undecided.value)
+    coalesced = read_report(tmp_path / "run" / "eval" / "engine-sglang.json").parity["dflash"]   # written before
+    assert coalesced.verdict == "undecided" and coalesced.failures == []
     assert coalesced.steps_before_near_tie == sum(p.inprocess_steps for p in coalesced.prompts or [] if not p.first_near_tie)
 
 
@@ -658,7 +748,8 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
     served = served_side(run, None)
     ours = SideFigures([PromptAcceptance([1, 2, 3], 10, 7)], histogram_of_taus(taus), position_acceptance(taus, 8), True)
     row = method_parity("dflash", served, ours, ["a"])
-    assert row.within_tolerance is True and row.served_position_acceptance == pytest.approx(row.inprocess_position_acceptance)
+    assert row.failures == [] and row.verdict == VERDICT_UNDECIDED     # no rule broken; one totals-only prompt decides nothing
+    assert row.served_position_acceptance == pytest.approx(row.inprocess_position_acceptance)
     beyond = [5, 5, 5, 5, 1, 2, 1, 1, 3, 1]                        # 4 steps accepted slot 4 (and 4 drafts)
     accepted_beyond = SideFigures([PromptAcceptance([1, 2, 3], 10, 19)], histogram_of_taus(beyond),
                                   position_acceptance(beyond, 8), True)

@@ -12,6 +12,7 @@ import pytest
 
 from dflash.eval.records import (
     REPORT_VERSION,
+    Departure,
     EvalReport,
     MethodFigures,
     ParityRow,
@@ -93,7 +94,9 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                     True, False, served_steps=40, inprocess_steps=41, prompts_same_tokens=5, prompts_same_acceptance=4,
                     steps_before_near_tie=17, prompts_fewer=3, prompts_more=1, p_value=0.625,
                     failed_rules=["deterministic prefix"], failures=["1 of 5 prompts decoded differently ..."],
-                    conclusive=True, prompts=[PromptParity("a", 10, 4, 11, 5, 3, "step 2 ...")])
+                    conclusive=True, prompts=[PromptParity("a", 10, 4, 11, 5, 3, "step 2 ...",
+                                                           Departure(2, 3, 0, 1, 0.42, 0.9, [17, 4, 4], [17, 99]))],
+                    verdict="fail", undecided=["3 prompt(s): ..."], rules_ran=["lossless: ..."])
     context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
                             "one cached forward a token", "thinking off (--thinking), chat template 872be49d",
                             "mode mismatch (on purpose, --allow-mode-mismatch): thinking: ...")
@@ -101,7 +104,7 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
                         [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method}, "humaneval")],
                         {"dflash": row}, inner)
-    for record in (method, row, (row.prompts or [])[0], context, report, report.prompts[0], report.also_sets[0]):
+    for record in (method, row, (row.prompts or [])[0], ((row.prompts or [])[0]).departure, context, report, report.prompts[0], report.also_sets[0]):
         assert every_field_set(record), record
     assert through_disk(report, tmp_path) == report
 
