@@ -166,8 +166,9 @@ def die_with_agent() -> None:
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure:
     """train/failures/rank-R.json, and the record written. A cause the user acts on is recorded as such,
     with its `kind` and its own message, not the writer's words: a full disk ("disk_full": the DiskFull
-    message with the path, bytes needed and free) or a loss that cannot train ("loss_unusable": the
-    DataError of dflash.train.rank.loss_check)."""
+    message with the path, bytes needed and free), another fault of the node ("node_fault": a read-only
+    filesystem, permission denied, the host out of memory: launcher_core.nodefault) or a loss that cannot
+    train ("loss_unusable": the DataError of dflash.train.rank.loss_check)."""
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
@@ -179,10 +180,13 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure
     try:
         write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
     except OSError:
-        if kind != "disk_full":
+        if kind not in NODE_KINDS:
             raise
-        print(f"rank {rank}: {cause}", file=sys.stderr, flush=True)    # no room even for the record
+        print(f"rank {rank}: {cause}", file=sys.stderr, flush=True)    # no room (or no right) even for the record
     return record
+
+
+NODE_KINDS = ("disk_full", "node_fault")
 
 
 def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
@@ -190,11 +194,15 @@ def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[B
     from dflash.train.rank.checkpointing import WRITING
     from dflash.train.rank.loss_check import UnusableLoss
     from launcher_core.diskfull import disk_full_of
+    from launcher_core.nodefault import node_fault_of
 
     if isinstance(error, UnusableLoss):
         return "loss_unusable", error
     full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), WRITING)
-    return ("disk_full", full) if full is not None else ("", None)
+    if full is not None:
+        return "disk_full", full
+    fault = node_fault_of(error)
+    return ("node_fault", fault) if fault is not None else ("", None)
 
 
 def checkpoint_bytes_needed(run_dir: Path) -> int | None:
