@@ -27,8 +27,8 @@ EXIT_MEANINGS: dict[int, str] = {
                 "valid; also a refused output path (docs/data.md) and a run directory in use by another run",
     EXIT_WARN_STRICT: "`audit --strict` found a WARN (and no FAIL)",
     EXIT_DATA: "the data is unusable or damaged (too many degenerate samples; `train --resume` when no checkpoint is "
-               "whole; a training step whose loss is not finite or that has no supervised position: the run stops "
-               "before saving it)",
+               "whole; a training step whose loss is not finite, or more than train.max_skipped_steps steps in a "
+               "row without a supervised position: the run stops before saving it)",
     EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
               "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed",
     EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate (docs/eval.md)",

@@ -470,6 +470,7 @@ def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> in
     if stopped.exists():
         raise stopped_run(paths, end, read_json(stopped))
     if end.code == 0:
+        say_skipped_steps(paths)
         return 0
     if end.signalled and (len(end.signals) > 1 or not read_rank_failures(paths.failures)):
         raise interrupted_run(paths, end)
@@ -478,6 +479,16 @@ def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> in
                  error=cause.message.splitlines()[0][:500])
     raised = {"disk full": DiskFull, "node fault": NodeFault, "loss unusable": DataError}
     raise raised.get(cause.kind, RunFailed)(cause.message)
+
+
+def say_skipped_steps(paths: TrainPaths) -> None:
+    """The run's count of steps skipped without a supervised position (dflash.train.rank.loss_check), when any."""
+    from launcher_core.manifest import read_manifest
+
+    skipped = int(read_manifest(paths.run_dir)["stages"].get("train", {}).get("skipped_steps") or 0)
+    if skipped:
+        print(f"train: {skipped} step(s) skipped without a supervised position (no update; \"skipped\": true in "
+              f"{paths.train_dir / 'metrics.jsonl'}; train.max_skipped_steps bounds them in a row)", flush=True)
 
 
 def stopped_run(paths: TrainPaths, end: RunEnd, info: dict) -> Interrupted:
