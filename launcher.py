@@ -3,8 +3,10 @@
 
 A thin CLI: each subcommand lives in its own module (imported only when that subcommand runs,
 so `--help`, `profiles`, `plan` and `audit` never import torch), and exceptions map to exit
-codes in one place (`launcher_core.errors.exit_code_for`); any other exception is a crash: its
-traceback is written to a file and the command exits with EXIT_CRASH (`launcher_core.crash`).
+codes in one place (`launcher_core.errors.exit_code_for`); a fault of the node (a full disk, a read-only
+filesystem, permission denied, the host out of memory) is EXIT_NODE (`launcher_core.nodefault`); any other
+exception is a crash: its traceback is written to a file and the command exits with EXIT_CRASH
+(`launcher_core.crash`).
 """
 from __future__ import annotations
 
@@ -51,8 +53,6 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from launcher_core.errors import LauncherError, exit_code_for
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
@@ -61,28 +61,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (LauncherError, KeyboardInterrupt) as error:
-        from launcher_core.redact import mask_secrets
+    except KeyboardInterrupt as error:
+        from launcher_core.errors import exit_code_for
 
-        message = mask_secrets(str(error) or type(error).__name__)
-        print(f"{error.label}: {message}" if isinstance(error, LauncherError) else "interrupted", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         return exit_code_for(error)
-    except Exception as error:  # the funnel: anything else is a bug, reported in one line
-        return _report_crash(args.command, argv, error)
+    except Exception as error:  # the funnel: the user's or the node's error in one line; anything else is a bug
+        return _report(args.command, argv, error)
 
 
-def _report_crash(command: str, argv: Sequence[str], error: Exception) -> int:
-    """Traceback to a file (secrets masked), one line to stderr, the crash exit code; a full disk
-    that no writer recognised is still the environment's error (DiskFull), not a bug."""
-    from launcher_core.crash import crash_exit_code, crash_line, write_crash_report
-    from launcher_core.diskfull import disk_full_of
+def _report(command: str, argv: Sequence[str], error: Exception) -> int:
+    """A LauncherError, or a fault of the node (a full disk, a read-only filesystem, permission denied, the
+    host out of memory: launcher_core.nodefault), in one line and its exit code; anything else is a crash:
+    its traceback to a file (secrets masked), one line to stderr, the crash exit code."""
+    from launcher_core.crash import crash_exit_code, crash_line, known_exit_code, write_crash_report
     from launcher_core.errors import exit_code_for
+    from launcher_core.nodefault import known_error
     from launcher_core.redact import mask_secrets
 
-    full = disk_full_of(error)
-    if full is not None:
-        print(f"error: {mask_secrets(str(full))}", file=sys.stderr)
-        return exit_code_for(full)
+    known = known_error(error)
+    if known is not None:
+        print(f"{known.label}: {mask_secrets(str(known) or type(known).__name__)}", file=sys.stderr)
+        return known_exit_code(command, exit_code_for(known))
     report = write_crash_report(command, argv, error)
     print(crash_line(command, error, report), file=sys.stderr)
     return crash_exit_code(command)

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from launcher_core.errors import EXIT_CANNOT_TEST, EXIT_CRASH
+from launcher_core.errors import EXIT_CANNOT_TEST, EXIT_CRASH, EXIT_NODE
 
 CRASH_DIR = "crashes"
 # Commands whose exit code is read by `git bisect run`: a crash is "cannot test" (skip), not "bad".
@@ -24,6 +24,12 @@ BISECT_COMMANDS = ("probe",)
 
 def crash_exit_code(command: str) -> int:
     return EXIT_CANNOT_TEST if command in BISECT_COMMANDS else EXIT_CRASH
+
+
+def known_exit_code(command: str, code: int) -> int:
+    """The exit code of a known error: a node's fault (EXIT_NODE) in a bisect command is "cannot test" too
+    (the commit may be good on a node that works), not "bad"."""
+    return EXIT_CANNOT_TEST if command in BISECT_COMMANDS and code == EXIT_NODE else code
 
 
 def crash_report_text(command: str, argv: Sequence[str], error: BaseException) -> str:

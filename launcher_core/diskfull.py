@@ -2,7 +2,7 @@
 
 `disk_full_guard(path, needed)` around a write turns the failure of a full filesystem (OSError
 ENOSPC or EDQUOT anywhere in the exception's chain, or torch's serializer failing on a filesystem
-with less free space than the write needs) into `DiskFull` (exit 2): the path, the bytes the
+with less free space than the write needs) into `DiskFull` (exit 7, the node's fault): the path, the bytes the
 write needed and the bytes free there. `disk_full_of(error)` finds one in any exception, for the
 CLI's last line of defence and for a training rank's failure record.
 """
@@ -62,7 +62,7 @@ def is_full_oserror(error: BaseException) -> bool:
     return isinstance(error, Exception) and any(words in str(error) for words in FULL_MESSAGES)
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
     """The exception, its causes and contexts, and the per-rank errors a collective writer gathered
     (torch.distributed.checkpoint's CheckpointException keeps them in `failures`: rank -> (error, frames))."""
     seen: set[int] = set()
@@ -84,7 +84,7 @@ def disk_full_of(error: BaseException, path: str | Path | None = None, needed: O
     """The DiskFull an exception amounts to, or None. An ENOSPC/EDQUOT OSError anywhere in its chain
     counts (its own filename is the path named); a torch writer failure counts when the filesystem
     at `path` has less free space than `needed` (or under 1 MiB)."""
-    for link in _chain(error):
+    for link in exception_chain(error):
         if isinstance(link, DiskFull):
             return link
         if is_full_oserror(link):
@@ -94,7 +94,7 @@ def disk_full_of(error: BaseException, path: str | Path | None = None, needed: O
                 return DiskFull("disk full: a write found its filesystem full (" + str(link).splitlines()[0][:200] +
                                 "); free space where the command writes and run it again")
             return DiskFull(disk_full_message(where, needed, what))
-    if path is not None and any(marker in str(link) for link in _chain(error) for marker in TORCH_WRITER_MARKERS):
+    if path is not None and any(marker in str(link) for link in exception_chain(error) for marker in TORCH_WRITER_MARKERS):
         free = free_bytes(path)
         if free is not None and free < max(needed or 0, 2**20):
             return DiskFull(disk_full_message(path, needed, what))

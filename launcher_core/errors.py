@@ -14,6 +14,7 @@ EXIT_WARN_STRICT = 3
 EXIT_DATA = 4
 EXIT_RUN = 5
 EXIT_PARITY = 6
+EXIT_NODE = 7
 EXIT_CRASH = 70
 EXIT_CANNOT_TEST = 125
 EXIT_INTERRUPTED = 130
@@ -23,16 +24,19 @@ EXIT_MEANINGS: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_FAIL: "the audit found a FAIL (`--force` runs anyway); `probe`: a memory regression (\"bad\" for `git bisect run`)",
     EXIT_USAGE: "bad command line, profile or input file: one line names the file, the key or flag, the value and what is "
-                "valid; also a refused output path (docs/data.md), a run directory in use by another run, and a full disk "
-                "(`disk full: writing X to PATH needs about N bytes; M free`)",
+                "valid; also a refused output path (docs/data.md) and a run directory in use by another run",
     EXIT_WARN_STRICT: "`audit --strict` found a WARN (and no FAIL)",
     EXIT_DATA: "the data is unusable or damaged (too many degenerate samples; `train --resume` when no checkpoint is "
-               "whole; a training step whose loss is not finite or that has no supervised position: the run stops "
-               "before saving it)",
+               "whole; a training step whose loss is not finite, or more than train.max_skipped_steps steps in a "
+               "row without a supervised position: the run stops before saving it)",
     EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
               "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed",
     EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate, or the gate cannot decide (too few prompts, "
                  "no per-step figures from the engine: undecided never passes; docs/eval.md)",
+    EXIT_NODE: "the node, not the input: a full disk (`disk full: writing X to PATH needs about N bytes; M free`), a "
+               "read-only filesystem, permission denied on a path the command writes, the host out of memory; one line "
+               "names the path and what to do. The same command may pass on another node (a scheduler may retry it "
+               "there)",
     EXIT_CRASH: "an unexpected error (a bug, not bad input): one line names the command and the file its traceback "
                 "was written to (launcher_core.crash)",
     EXIT_CANNOT_TEST: "`probe` / `calibrate` cannot test this environment (`git bisect run`: skip); `probe` exits "
@@ -61,11 +65,16 @@ class InputError(LauncherError):
     exit_code = EXIT_USAGE
 
 
-class DiskFull(LauncherError):
-    """A write found its filesystem full (ENOSPC, EDQUOT): an environment error, not a bug. The
-    message names the path, the bytes the write needed and the bytes free (launcher_core.diskfull)."""
+class NodeFault(LauncherError):
+    """The node failed the command, not its input: a read-only filesystem, permission denied on a path it
+    writes, the host out of memory (launcher_core.nodefault). The message names the path and what to do."""
 
-    exit_code = EXIT_USAGE
+    exit_code = EXIT_NODE
+
+
+class DiskFull(NodeFault):
+    """A write found its filesystem full (ENOSPC, EDQUOT): the node's error, not a bug. The
+    message names the path, the bytes the write needed and the bytes free (launcher_core.diskfull)."""
 
 
 class DataError(LauncherError):

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+RUN_DIR_SETTING = "paths.run_dir (or --run-dir)"
+
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     """Write `data` to `path` atomically (temp file in the same directory, fsync, rename)."""
@@ -115,3 +117,18 @@ def replace_directory(source: Path, target: Path) -> None:
 def _json_kind(document: Any) -> str:
     kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
     return kinds.get(type(document), type(document).__name__)
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """`mkdir -p` of a run directory; ConfigError naming RUN_DIR_SETTING when a file stands where a
+    directory of its path should be (paths.run_dir = "/etc/passwd/x"): the profile's error, not a bug."""
+    from launcher_core.errors import ConfigError
+
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (NotADirectoryError, FileExistsError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise ConfigError(f"{RUN_DIR_SETTING} = {path}: {blocker} is a file, not a directory; set it to a "
+                          f"directory (an existing one or one it can create)") from None
+    return path

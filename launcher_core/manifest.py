@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from launcher_core.fileio import write_json_atomic
+from launcher_core.fileio import make_run_dir, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 STAGES = ("audit", "generate", "tokenize", "train", "eval")
@@ -73,7 +73,7 @@ def _kind(value: object) -> str:
 
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     with (run_dir / f".{MANIFEST_NAME}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

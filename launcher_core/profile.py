@@ -40,9 +40,11 @@ def list_profiles(directory: Path | None = None) -> list[str]:
 def profile_path(name_or_path: str, directory: Path | None = None) -> Path:
     """A profile name (`rtx6000-x8`) or a path to a TOML file -> the file's path."""
     candidate = Path(name_or_path)
-    if candidate.suffix == ".toml" and candidate.exists():
+    if candidate.suffix == ".toml" and candidate.is_file():
         return candidate
     path = (directory or profile_dir()) / f"{name_or_path}.toml"
+    if not path.exists() and candidate.is_dir():
+        raise ConfigError(not_a_profile_file(candidate))
     if not path.exists():
         choices = ", ".join(list_profiles(directory)) or "(none)"
         raise ConfigError(f"unknown profile {name_or_path!r}; valid choices: {choices}")
@@ -72,6 +74,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {error.object[error.start:error.start + 1]!r}); a "
+                          f"profile is TOML, which is UTF-8: save it as UTF-8") from None
+    except IsADirectoryError:
+        raise ConfigError(not_a_profile_file(path)) from None
+
+
+def not_a_profile_file(path: Path) -> str:
+    return (f"{path}: a directory, not a profile; --profile takes a profile name (`launcher.py profiles` lists them) "
+            f"or a TOML file")
 
 
 def _resolve_chain(path: Path, directory: Path, seen: tuple[Path, ...]) -> tuple[dict, dict]:

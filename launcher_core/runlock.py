@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from launcher_core.errors import ConfigError
+from launcher_core.fileio import make_run_dir
 
 LOCK_NAME = ".run.lock"
 
@@ -70,7 +71,7 @@ class RunLock:
     @classmethod
     def acquire(cls, run_dir: str | Path, command: str) -> "RunLock":
         path = lock_path(run_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_run_dir(path.parent)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

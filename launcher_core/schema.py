@@ -236,6 +236,9 @@ class TrainSection:
     warmup_ratio: float = key(0.04, "share of the steps the learning rate warms up", Range(0, 1, high_open=True))
     weight_decay: float = key(0.0, "AdamW weight decay", AT_LEAST_0)
     grad_clip: float = key(1.0, "gradient norm clipped to this", POSITIVE)
+    max_skipped_steps: int = key(8, "steps without a supervised position in a row that are skipped (counted in "
+                                    "metrics.jsonl and the manifest); one more stops the run, exit 4 (0: the first stops "
+                                    "it)", Range(0, 10**6))
     global_batch: int = key(64, "sequences per optimizer step, across all ranks", Range(1, 2**20))
     max_micro_batch: int = key(4, "sequences per forward on one rank, at most", Range(1, 2**16))
     num_anchors: int = key(512, "blocks per sequence and step, at most", Range(1, 2**16))

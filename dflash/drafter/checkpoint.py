@@ -85,9 +85,17 @@ def publish_checkpoint(run_dir: str | Path, staging: Path | None, step: int) -> 
     return target
 
 
+class PointerIsDirectory(InputError):
+    """`latest` is a directory, not the pointer file: not the launcher's to replace (it did not create it)."""
+
+
 def read_pointer(pointer: Path) -> str:
     """The step directory a `latest` file names; InputError naming the file when it holds something else
-    (binary garbage, a path, several lines)."""
+    (binary garbage, a path, several lines), PointerIsDirectory when it is a directory."""
+    if pointer.is_dir():
+        raise PointerIsDirectory(f"{pointer}: a directory, not the checkpoint pointer (a text file naming one step "
+                                 f"directory, e.g. step-500); move it out of {pointer.parent} and run again (the "
+                                 "launcher does not remove what it did not write)")
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:

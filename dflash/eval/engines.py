@@ -25,7 +25,7 @@ from dflash.drafter.checkpoint import is_dflash2_checkpoint
 from dflash.drafter.export import V2_RUNNER_ENV
 from dflash.drafter.layers import mixes_sliding_and_full
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
-from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, vllm_base_args, vllm_env
+from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, runnable_engine_python, vllm_base_args, vllm_env
 from envcheck.engines import SGLANG_FIRST_DFLASH
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
@@ -161,7 +161,7 @@ def _vllm_args(profile: Profile, target: Path, method: str, drafter: Path, block
 
 def check_engine_installed(engine: str, profile: Profile) -> str:
     """The engine's version in eval.engine_python's environment; ConfigError if absent or too old."""
-    python = engine_python(profile, engine)
+    python = runnable_engine_python(engine_python(profile, engine))
     names = DISTRIBUTIONS[engine]
     probe = subprocess.run([python, "-c", "import importlib.metadata as m, sys\n"
                             "for name in sys.argv[1:]:\n"

@@ -63,6 +63,7 @@ def _save(figure: Figure, path: Path) -> Path:
 def plot_training(metrics: list[dict[str, object]], path: str | Path) -> Path:
     plt = _pyplot()
     figure, (loss_axis, tau_axis) = plt.subplots(1, 2, figsize=(10, 3.6))
+    metrics = [row for row in metrics if not row.get("skipped")]       # a skipped step trained nothing: no loss
     steps = [row["step"] for row in metrics]
     loss_axis.plot(steps, [row.get("loss") for row in metrics], color="tab:red", label="training batches")
     tau_axis.plot(steps, [row.get("sim_tau") for row in metrics], color="tab:blue", label="training batches (estimate)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
 
 SERVED_MODEL_NAME = "default"      # the model name our requests carry (vLLM: --served-model-name)
@@ -32,6 +33,19 @@ def engine_python(profile: Profile, engine: str = "") -> str:
         return profile.eval.engine_python
     built = built_engine_python(engine) if engine else None
     return str(built) if built else sys.executable
+
+
+def runnable_engine_python(python: str) -> str:
+    """eval.engine_python as set when it runs (a path, or a name on PATH); ConfigError naming the key otherwise."""
+    import os
+    import shutil
+
+    if shutil.which(python) is not None:
+        return python
+    what = "not an executable file" if os.path.exists(python) else "no such file (or command on PATH)"
+    raise ConfigError(f"eval.engine_python = {python!r}: {what}; set it to the python of the environment that has "
+                      f"the engine (its venv's bin/python), or to \"\" to use the venv `launcher.py engine setup "
+                      f"ENGINE` builds")
 
 
 def vllm_env(profile: Profile, cpu_threads: int = 0) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """A full disk is the environment's error, not a bug (issue rows "disk full" and "`train --run-dir D`
 with the preflight"): every writer (tokenize, merge, export, generate, a training checkpoint) onto
-a real, small tmpfs exits 2 with "disk full", the path, the bytes it needed and the bytes free;
-nothing the user had is changed, no staging is left on the full disk, and no crash report is
+a real, small tmpfs exits 7 (EXIT_NODE: the node's fault, not the input's) with "disk full", the path,
+the bytes it needed and the bytes free; nothing the user had is changed, no staging is left on the full disk, and no crash report is
 written. The preflight's disk check reads the directory the command will write."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher_core.errors import EXIT_NODE
 from tests.safety.conftest import fill, save_real_checkpoint, tree_digest, write_tokenize_profile
 
 NEEDED = re.compile(r"needs about ([\d,]+) bytes")
@@ -33,7 +34,7 @@ def long_completions(path: Path, count: int) -> Path:
 
 
 def assert_disk_full(result, path: Path, what: str, private_cache: Path) -> None:
-    assert result.code == 2, result.err
+    assert result.code == EXIT_NODE, result.err
     assert f"error: disk full: writing {what} to {path} needs about " in result.err, result.err
     assert "free on that filesystem" in result.err and "bug" not in result.err and "Traceback" not in result.err
     assert not (private_cache / "crashes").exists()
@@ -139,7 +140,7 @@ def test_generate_onto_a_full_disk_keeps_every_whole_completion(small_fs, tmp_pa
             served_tiny_model, "--output", str(disk / "completions.jsonl"), "--skip-preflight", "--no-progress"]
     env = {**launcher_env(), "DFLASH_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == EXIT_NODE, result.stderr
     assert f"error: disk full: writing 60 completions to {disk / 'completions.jsonl'} needs about" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "cache" / "crashes").exists()
     written = read_output_ids(disk / "completions.jsonl")                   # whole lines only
@@ -172,7 +173,7 @@ def test_a_full_disk_inside_a_checkpoint_save(small_fs, tmp_path, tiny_qwen3_tar
     wait_for(lambda: pointer.exists() and pointer.read_text().strip() == "step-2", what="the step-2 checkpoint")
     fill(disk, 250 * 1024)
     code, out = finish(process)
-    assert code == 2, out
+    assert code == EXIT_NODE, out
     # every rank writes its shards (torch.distributed.checkpoint): whichever met the full disk first is named
     assert re.search(rf"error: rank [01]: disk full: writing a checkpoint \(and the run's logs\) to "
                      rf"{re.escape(str(run_dir / 'train'))} needs about", out), out
@@ -230,7 +231,7 @@ FREE = re.compile(r"; ([\d,]+) bytes(?: \([\d.]+ [KMG]iB\))? free on that filesy
 def assert_one_disk_full_line(code: int, out: str, run_dir: Path) -> str:
     """Exit 2 and one line naming the full disk, with the bytes the save needs (more than were free), and
     no traceback, torch writer's words or torchrun failure report anywhere in the output."""
-    assert code == 2, out
+    assert code == EXIT_NODE, out
     [line] = [line for line in out.splitlines() if "disk full" in line]
     assert re.match(rf"error: rank [01]: disk full: writing a checkpoint \(and the run's logs\) to "
                     rf"{re.escape(str(run_dir / 'train'))} needs about [\d,]+ bytes", line), out
@@ -255,7 +256,7 @@ def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_f
     CheckpointException holding torch's zip writer's "unexpected pos 704 vs 598"; once the staging
     directory was removed the disk had 2.9 MB free again, more than the 1 MiB the error was held against
     without a checkpoint to measure, and the run ended exit 5 with that error and tracebacks. Judged
-    where the save fails, against what it writes, it is the full disk: exit 2, one line, nothing written."""
+    where the save fails, against what it writes, it is the full disk: exit 7 (EXIT_NODE), one line, nothing written."""
     from tests.safety.runs import finish, start_train
     from tests.train.conftest import write_dataset, write_profile
 

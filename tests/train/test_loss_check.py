@@ -1,7 +1,8 @@
 """A step whose loss cannot train the drafter stops the run before its weights are saved (issue 55, item 3;
-dflash.train.rank.loss_check): a non-finite loss or gradient norm, or a step without a supervised position,
-ends a real 2-rank gloo run with exit 4 and one line naming the cause and the keys that decide it; the
-last good checkpoint stays `latest`. A profile whose data.max_length leaves every row of the dataset
+dflash.train.rank.loss_check): a non-finite loss or gradient norm, or more steps without a supervised position
+in a row than train.max_skipped_steps (issue 67 item 4: fewer are skipped and counted), ends a real 2-rank
+gloo run with exit 4 and one line naming the cause and the keys that decide it; the last good checkpoint
+stays `latest`. A profile whose data.max_length leaves every row of the dataset
 without a block is refused before any rank starts (exit 2, the key named; exit 4 when the data itself has none)."""
 from __future__ import annotations
 
@@ -71,25 +72,67 @@ def rows_with_late_answers(path: Path, seed: int, global_batch: int) -> Path:
     return save_token_rows(path, rows)
 
 
-@pytest.mark.slow
-def test_a_step_without_a_supervised_position_stops_the_run_naming_data_max_length(tmp_path, tiny_qwen3_target):
-    """data.max_length = 12 cuts seven of the eight rows before their first trained pair: the launch check
-    passes (one row has a block), step 1 trains, step 2's rows have none (loss weight 0, loss NaN). Before:
-    NaN losses, a checkpoint at every step, exit 0. Now: exit 4 at step 2, naming data.max_length and the
-    position of the rows' first trained pair; no checkpoint of step 2."""
-    from tests.safety.runs import finish, start_train
+def metrics_lines(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    return {line["step"]: line for line in map(json.loads, lines)}
 
+
+def late_answer_profile(tmp_path: Path, target: Path, **train: object) -> tuple[Path, Path]:
+    """data.max_length = 12 cuts seven of the eight rows before their first trained pair; with seed 0 the
+    steps' rows hold a supervised position at steps 1, 4, 5, 8 and none at 2, 3, 6, 7 (rows_with_late_answers)."""
     run_dir = tmp_path / "run"
     data = rows_with_late_answers(tmp_path / "data", seed=0, global_batch=4)
-    profile = with_data(write_profile(tmp_path / "p.toml", tiny_qwen3_target, data, run_dir, max_steps=2,
-                                      save_every_steps=1, seed=0), max_length=12, min_loss_tokens=1)
+    profile = with_data(write_profile(tmp_path / "p.toml", target, data, run_dir, save_every_steps=1, seed=0, **train),
+                        max_length=12, min_loss_tokens=1)
+    return profile, run_dir
+
+
+@pytest.mark.slow
+def test_steps_without_a_supervised_position_are_skipped_and_counted(tmp_path, tiny_qwen3_target):
+    """Issue 67 item 4: steps 2 and 3 have no supervised position (loss weight 0 on every rank). Before: the
+    first of them stopped the run, exit 4. Now both are skipped on every rank alike (no forward, no update:
+    their checkpoints hold step 1's weights, which AdamW's momentum would have moved), counted in
+    metrics.jsonl, the manifest and the launcher's last line, and step 4 trains: exit 0."""
+    from dflash.drafter.checkpoint import read_weights
+    from tests.safety.runs import finish, start_train
+
+    profile, run_dir = late_answer_profile(tmp_path, tiny_qwen3_target, max_steps=4)
+    code, out = finish(start_train(profile, run_dir))
+    assert code == 0, out
+    lines = metrics_lines(run_dir)
+    assert [step for step, line in lines.items() if line.get("skipped")] == [2, 3]
+    assert [lines[step]["skipped_steps"] for step in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert lines[2]["loss"] is None and lines[4]["loss"] > 0 and lines[1]["loss"] > 0
+    assert "step 2: skipped, no supervised position in its 4 rows (loss weight 0; 1 in a row, train.max_skipped_steps = 8; " \
+           "1 in this run); the profile decides it: data.max_length = 12 cuts" in out, out
+    assert "step 3: skipped, no supervised position in its 4 rows (loss weight 0; 2 in a row" in out
+    assert f"train: 2 step(s) skipped without a supervised position (no update; \"skipped\": true in " \
+           f"{run_dir / 'train' / 'metrics.jsonl'}" in out
+    assert ended(run_dir)["state"] == "done" and ended(run_dir)["skipped_steps"] == 2
+    weights = {step: read_weights(run_dir / "train" / "checkpoints" / f"step-{step}") for step in (1, 2, 3, 4)}
+    for step in (2, 3):
+        assert all(bool((weights[step][name] == tensor).all()) for name, tensor in weights[1].items()), step
+    assert any(not bool((weights[4][name] == tensor).all()) for name, tensor in weights[1].items())
+
+
+@pytest.mark.slow
+def test_more_steps_without_a_supervised_position_in_a_row_than_the_bound_stop_the_run(tmp_path, tiny_qwen3_target):
+    """train.max_skipped_steps = 1: step 2 is skipped, step 3 is the second in a row and stops the run on every
+    rank: exit 4 naming both steps, the bound and data.max_length with the position of the rows' first trained
+    pair; no checkpoint of step 3, step-2 (step 1's weights) stays `latest`."""
+    from tests.safety.runs import finish, start_train
+
+    profile, run_dir = late_answer_profile(tmp_path, tiny_qwen3_target, max_steps=8, max_skipped_steps=1)
     code, out = finish(start_train(profile, run_dir))
     assert code == 4, out
     [line] = error_lines(out)
-    assert "step 2 trained on nothing: no supervised position in its 4 rows (loss weight 0, loss NaN)" in line, out
-    assert "the profile decides it: data.max_length = 12 cuts each of rank " in line and "(the earliest at position 20)" in line
-    assert "at least 22" in line and "Traceback" not in out
-    assert checkpoint_steps(run_dir) == ["step-1"] and ended(run_dir)["ended_by"] == "loss unusable"
+    assert ("steps 2..3 (2 in a row) trained on nothing: no supervised position in each one's 4 rows (loss weight 0); "
+            "the profile decides it: data.max_length = 12 cuts each of rank ") in line, out
+    assert "(the earliest at position 20)" in line and "at least 22" in line and "Traceback" not in out
+    assert "The run stopped before saving (train.max_skipped_steps = 1 skipped in a row at most)" in line
+    assert checkpoint_steps(run_dir) == ["step-1", "step-2"] and ended(run_dir)["ended_by"] == "loss unusable"
+    assert metrics_lines(run_dir)[2]["skipped"] is True and 3 not in metrics_lines(run_dir)
+    assert ended(run_dir)["skipped_steps"] == 1
 
 
 def test_data_max_length_below_every_rows_first_trained_pair_is_refused_before_launch(cli, tmp_path, tiny_qwen3_target,

@@ -234,7 +234,8 @@ class AsyncCheckpointer:
 def training_state(state: TrainState) -> dict[str, object]:
     return {"format": FORMAT, "step": state.step, "scheduler": state.scheduler.state_dict(),
             "micro_batch": state.micro_batch, "total_steps": state.total_steps,
-            "world_size": state.env.world_size}
+            "world_size": state.env.world_size, "skipped_steps": state.skipped_steps,
+            "skipped_in_a_row": state.skipped_in_a_row}
 
 
 def shared_staging_directory(run_dir: Path, step: int, is_main: bool) -> Path:
@@ -287,6 +288,7 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> Path | None:
     saved = load_training_state(checkpoint)
     state.scheduler.load_state_dict(saved["scheduler"])
     state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
+    state.skipped_steps, state.skipped_in_a_row = int(saved.get("skipped_steps", 0)), int(saved.get("skipped_in_a_row", 0))
     if state.env.is_main:
         written_by = int(saved.get("world_size", state.env.world_size))
         moved = f" (written by {written_by} rank(s), resharded to {state.env.world_size})" \

@@ -1,12 +1,15 @@
-"""A step whose loss cannot train the drafter stops the run before any of its weights are saved (exit 4).
+"""A step whose loss cannot train the drafter is skipped, or stops the run before any of its weights are saved (exit 4).
 
 Two ways a step trains on nothing usable, both judged from figures every rank has alike (the step's
-loss sums are all-reduced, the gradient norm is global), so every rank stops at the same step, right
-after it (dflash.train.rank.worker.train_loop), before the next save; a save of an earlier step still being
-written is finished first, so `latest` stays on the last good checkpoint:
+loss weight and sums are all-reduced, the gradient norm is global), so every rank decides alike at the
+same step, right after it (dflash.train.rank.worker.train_loop), before the next save; when it stops, a
+save of an earlier step still being written is finished first, so `latest` stays on the last good checkpoint:
 
 * no supervised position: the step's loss weight (every block slot with a label, weighted, over all
-  ranks' rows) is 0, and its loss is 0 / 0. A block starts at an anchor, a position i with
+  ranks' rows) is 0. Such a step is skipped before any forward (dflash.train.rank.step.skipped_step: no
+  update), counted (`skipped` in its metrics.jsonl line, `skipped_steps` there and in the manifest's
+  train stage) and said on rank 0's output; a run of more than train.max_skipped_steps of them in a row
+  stops the run. A block starts at an anchor, a position i with
   loss_mask[i] and loss_mask[i + 1] inside the row as data.max_length cuts it (dflash.drafter.anchors);
   a label outside the draft vocabulary (drafter.draft_vocab_size) carries no loss. Each rank names,
   from its own rows of the step, which decides it: the profile's data.max_length (every row's first
@@ -36,16 +39,34 @@ class UnusableLoss(DataError):
 
 
 def check_step(state: TrainState, stats: StepStats, profile: Profile) -> None:
-    """Every rank, after step `state.step`: UnusableLoss when the step's loss cannot train the drafter."""
-    if stats.weight_sum <= 0:
-        raise UnusableLoss(f"step {state.step} trained on nothing: no supervised position in its "
-                           f"{profile.train.global_batch} rows (loss weight 0, loss NaN); "
-                           f"{no_supervision_cause(state, profile)}. The run stopped before saving")
+    """Every rank, after step `state.step`: a skipped step counted, or UnusableLoss when the step's loss
+    cannot train the drafter (one skipped step more than train.max_skipped_steps in a row, or not finite)."""
+    if stats.skipped or stats.weight_sum <= 0:
+        count_skipped(state, profile)
+        return
+    state.skipped_in_a_row = 0
     norm = stats.grad_norm if stats.grad_norm is not None else 0.0
     if not (math.isfinite(stats.loss) and math.isfinite(norm)):
         raise UnusableLoss(f"step {state.step}: the loss is {stats.loss:g} and the gradient norm {norm:g}, not finite: the "
                            f"update made the weights NaN, and the run stopped before saving them. Usual causes: "
                            f"{non_finite_candidates(profile)}")
+
+
+def count_skipped(state: TrainState, profile: Profile) -> None:
+    """Count a step skipped without a supervised position; rank 0 says it, with the cause its rows show.
+    UnusableLoss once more than train.max_skipped_steps of them come in a row."""
+    bound, rows, in_a_row = profile.train.max_skipped_steps, profile.train.global_batch, state.skipped_in_a_row + 1
+    if in_a_row > bound:
+        steps = f"step {state.step}" if in_a_row == 1 else f"steps {state.step - in_a_row + 1}..{state.step} ({in_a_row} in a row)"
+        whose = "its" if in_a_row == 1 else "each one's"
+        raise UnusableLoss(f"{steps} trained on nothing: no supervised position in {whose} {rows} rows (loss weight 0); "
+                           f"{no_supervision_cause(state, profile)}. The run stopped before saving (train."
+                           f"max_skipped_steps = {bound} skipped in a row at most)")
+    state.skipped_steps, state.skipped_in_a_row = state.skipped_steps + 1, in_a_row
+    if state.env.is_main:
+        print(f"step {state.step}: skipped, no supervised position in its {rows} rows (loss weight 0; "
+              f"{state.skipped_in_a_row} in a row, train.max_skipped_steps = {bound}; {state.skipped_steps} in this "
+              f"run); {no_supervision_cause(state, profile)}", flush=True)
 
 
 def non_finite_candidates(profile: Profile) -> str:

@@ -63,6 +63,8 @@ class TrainState:
     autobatch: AutoBatch | None = None              # agreed micro-batch, OOM recovery (set by build_state)
     feature_cache: FeatureSource | None = None      # train.feature_cache
     last_loss: float | None = None                  # of the last step (for the run manifest)
+    skipped_steps: int = 0                          # steps skipped without a supervised position, whole run (loss_check)
+    skipped_in_a_row: int = 0                       # ... since the last step that trained (train.max_skipped_steps bounds it)
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)

@@ -6,7 +6,8 @@ is sharded by FSDP2, whose collectives run inside them). The loss of the step is
 cross entropy summed over all ranks' micro-batches divided by the GLOBAL weight sum (all_reduce
 SUM before any backward), and FSDP2 sums (never averages) the ranks' gradients
 (dflash.train.rank.parallel), so gradients do not depend on how the batch is split: a step redone at
-another micro-batch, or on another number of ranks, gives the same update.
+another micro-batch, or on another number of ranks, gives the same update. A step whose global weight
+is 0 (no supervised position in any rank's rows) is skipped on every rank alike (`skipped_step`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class StepStats:
     seconds: float
     selector: SelectorStats | None = None      # DFlash 2: the selector's own figures (dflash.drafter.loss)
     grad_norm: float | None = None             # the global gradient norm before clipping (None: not measured)
+    skipped: bool = False                      # no supervised position on any rank: no forward, no update (skipped_step)
 
 
 def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
@@ -117,7 +119,9 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     progress.enter("data", state.step + 1)
     local_weight = micro_weight_sum(state, state.data.collate(rows, epoch))
     progress.enter("reduction")
-    global_weight = max(parallel.global_weight(local_weight), 1e-12)
+    global_weight = parallel.global_weight(local_weight)
+    if global_weight <= 0:
+        return skipped_step(state, time.perf_counter() - started)
     micro_batch = state.autobatch.micro_batch if state.autobatch is not None else plan.micro_batch
     guard = (state.autobatch.guard(state.step + 1, lambda: progress.phase) if state.autobatch is not None
              else contextlib.nullcontext())
@@ -125,6 +129,15 @@ def run_step(state: TrainState, rows: list[int], epoch: int, plan: BatchPlan) ->
     with guard:
         sums, tokens, norm = plain_step(state, rows, epoch, micro_batch, global_weight)
     return step_stats(state, sums, tokens, time.perf_counter() - started, grad_norm=global_value(norm))
+
+
+def skipped_step(state: TrainState, seconds: float) -> StepStats:
+    """A step whose rows hold no supervised position on any rank (the all-reduced loss weight is 0: every
+    rank sees it alike, so none runs a forward or a backward, as FSDP2 needs): no update, the weights, AdamW
+    and the schedule stay as they were (dflash.train.rank.loss_check counts it and bounds a run of them)."""
+    slots = state.drafter.block_size - 1
+    return StepStats(loss=math.nan, acc=[math.nan] * slots, sim_tau=simulated_tau([0.0] * slots), tokens=0,
+                     weight_sum=0.0, seconds=seconds, skipped=True)
 
 
 def plain_step(state: TrainState, rows: list[int], epoch: int, micro_batch: int, global_weight: float,

@@ -49,7 +49,7 @@ SCALARS: tuple[Literal["loss", "sim_tau", "tokens_per_s", "lr"], ...] = ("loss",
 class _MetricsLineBase(TypedDict):
     step: int
     epoch: float
-    loss: float
+    loss: Optional[float]                   # None: a skipped step (no supervised position: dflash.train.rank.loss_check)
     acc: list[Optional[float]]
     sim_tau: float
     tokens_per_s: float
@@ -58,6 +58,7 @@ class _MetricsLineBase(TypedDict):
     predicted_peak_mib: Optional[float]
     micro_batch: int
     time: float
+    skipped_steps: int                      # steps skipped without a supervised position so far in the run
 
 
 class MetricsLine(_MetricsLineBase, total=False):
@@ -68,6 +69,7 @@ class MetricsLine(_MetricsLineBase, total=False):
     val_tau: float                          # (dflash.train.rank.validation; tau as eval counts it)
     val_acc: list[Optional[float]]
     selector: dict[str, object]             # DFlash 2: unary / selector losses, recall, acceptance, taus, lift
+    skipped: bool                           # this step was skipped: no supervised position in its rows, no update
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,8 +168,9 @@ def die_with_agent() -> None:
 def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure:
     """train/failures/rank-R.json, and the record written. A cause the user acts on is recorded as such,
     with its `kind` and its own message, not the writer's words: a full disk ("disk_full": the DiskFull
-    message with the path, bytes needed and free) or a loss that cannot train ("loss_unusable": the
-    DataError of dflash.train.rank.loss_check)."""
+    message with the path, bytes needed and free), another fault of the node ("node_fault": a read-only
+    filesystem, permission denied, the host out of memory: launcher_core.nodefault) or a loss that cannot
+    train ("loss_unusable": the DataError of dflash.train.rank.loss_check)."""
     from launcher_core.fileio import write_json_atomic
 
     text = "".join(traceback.format_exception(error))
@@ -179,10 +182,13 @@ def write_failure(run_dir: Path, rank: int, error: BaseException) -> RankFailure
     try:
         write_json_atomic(run_dir / "train" / "failures" / f"rank-{rank}.json", record)
     except OSError:
-        if kind != "disk_full":
+        if kind not in NODE_KINDS:
             raise
-        print(f"rank {rank}: {cause}", file=sys.stderr, flush=True)    # no room even for the record
+        print(f"rank {rank}: {cause}", file=sys.stderr, flush=True)    # no room (or no right) even for the record
     return record
+
+
+NODE_KINDS = ("disk_full", "node_fault")
 
 
 def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
@@ -190,11 +196,15 @@ def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[B
     from dflash.train.rank.checkpointing import WRITING
     from dflash.train.rank.loss_check import UnusableLoss
     from launcher_core.diskfull import disk_full_of
+    from launcher_core.nodefault import node_fault_of
 
     if isinstance(error, UnusableLoss):
         return "loss_unusable", error
     full = disk_full_of(error, run_dir / "train", checkpoint_bytes_needed(run_dir), WRITING)
-    return ("disk_full", full) if full is not None else ("", None)
+    if full is not None:
+        return "disk_full", full
+    fault = node_fault_of(error)
+    return ("node_fault", fault) if fault is not None else ("", None)
 
 
 def checkpoint_bytes_needed(run_dir: Path) -> int | None:
@@ -398,7 +408,7 @@ class CheckpointSaves:
         if not self.state.env.is_main:
             return
         update_stage(self.run_dir, "train", "done" if final else "running", steps=self.state.step,
-                     last_loss=self.state.last_loss, checkpoint=str(where))
+                     last_loss=self.state.last_loss, checkpoint=str(where), skipped_steps=self.state.skipped_steps)
         if self.train.keep_checkpoints <= 0:
             return
         best = self.validation.log.best() if self.validation and self.validation.log else None
@@ -424,16 +434,20 @@ class MetricsLog:
     def record(self, state: TrainState, stats: StepStats, epoch: int, held_out: Optional[HeldOut] = None) -> None:
         from dflash.train.supervisor.progress import TrainProgress, write_progress
 
-        state.last_loss = stats.loss
+        state.last_loss = state.last_loss if stats.skipped else stats.loss
         self.val_tau = held_out.tau if held_out is not None else self.val_tau
-        write_progress(self.train_dir, TrainProgress(state.step, state.total_steps, stats.loss, stats.sim_tau, self.val_tau))
-        if state.step % self.every and state.step != state.total_steps and held_out is None:
+        shown = (state.last_loss if state.last_loss is not None else math.nan, stats.sim_tau)
+        write_progress(self.train_dir, TrainProgress(state.step, state.total_steps, *shown, self.val_tau))
+        due = state.step % self.every == 0 or state.step == state.total_steps
+        if not (due or held_out is not None or stats.skipped):     # a skipped step is always on record
             return
         line = metrics_line(state, stats, held_out)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
+        self.writer.add_scalar("train/skipped_steps", state.skipped_steps, state.step)
         for key in SCALARS:
-            self.writer.add_scalar(f"train/{key}", line[key], state.step)
+            if line[key] is not None:
+                self.writer.add_scalar(f"train/{key}", line[key], state.step)
         for k, value in enumerate(stats.acc, start=1):
             self.writer.add_scalar(f"acc/acc_{k}", value, state.step)
         if held_out is not None:
@@ -450,12 +464,14 @@ class MetricsLog:
 def metrics_line(state: TrainState, stats: StepStats, held_out: Optional[HeldOut] = None) -> MetricsLine:
     line: MetricsLine = {
         "step": state.step, "epoch": round(state.step / state.data.steps_per_epoch, 4),
-        "loss": stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
+        "loss": None if stats.skipped else stats.loss, "acc": [None if math.isnan(a) else a for a in stats.acc],
         "sim_tau": stats.sim_tau, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
         "lr": state.optimizer.param_groups[0]["lr"], "mem_mib": state.mem_mib,
         "predicted_peak_mib": state.predicted_peak_mib,
-        "micro_batch": state.micro_batch, "time": time.time(),
+        "micro_batch": state.micro_batch, "time": time.time(), "skipped_steps": state.skipped_steps,
     }
+    if stats.skipped:
+        line["skipped"] = True
     if isinstance(state.feature_cache, FeatureCache):   # train.feature_cache: files on the node; hits and misses of rank 0
         line["feature_cache"] = state.feature_cache.stats()
     if held_out is not None:

@@ -306,7 +306,7 @@ def record_launcher_gone(run_dir: Path, ranks: int) -> None:
 
     progress = read_progress(run_dir / "train")
     pointer = checkpoints_dir(run_dir) / "latest"
-    latest = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else ""
+    latest = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else ""
     step = f" after step {progress.step}" if progress else ""
     resume = (f"the last complete checkpoint is {latest}: continue with `launcher.py train --resume`" if latest
               else "no checkpoint was complete: train again")

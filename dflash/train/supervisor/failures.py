@@ -3,7 +3,8 @@
 What the launcher knows when torchrun has exited:
 
 * `train/failures/rank-R.json`: an exception a rank caught and recorded (dflash.train.rank.worker);
-  a full disk (`kind` "disk_full") and a loss that cannot train (`kind` "loss_unusable",
+  a full disk (`kind` "disk_full"), another fault of the node (`kind` "node_fault": a read-only filesystem,
+  permission denied, the host out of memory) and a loss that cannot train (`kind` "loss_unusable",
   dflash.train.rank.loss_check) are recorded as such, and the rank ends without a traceback (torchrun's own
   report goes to train/logs/torchrun.log: dflash.train.supervisor.agent.route_torchrun_output);
 * `train/failures/agent.json`: the ranks torchrun saw fail, with exit codes and signals
@@ -39,11 +40,12 @@ class _RankFailureBase(TypedDict):
 class RankFailure(_RankFailureBase, total=False):
     """train/failures/rank-R.json, as dflash.train.rank.worker.write_failure writes it."""
 
-    kind: str                       # "disk_full" (a full disk), "loss_unusable" (dflash.train.rank.loss_check)
+    kind: str                       # "disk_full" (a full disk), "node_fault" (launcher_core.nodefault),
+                                    # "loss_unusable" (dflash.train.rank.loss_check)
 
 
 # The failure kinds named by their message alone: the record's kind -> FailureCause.kind (the manifest's ended_by).
-NAMED_KINDS = {"disk_full": "disk full", "loss_unusable": "loss unusable"}
+NAMED_KINDS = {"disk_full": "disk full", "node_fault": "node fault", "loss_unusable": "loss unusable"}
 
 
 class AgentRank(TypedDict):
@@ -73,7 +75,7 @@ class RunEnd:
 @dataclass(frozen=True)
 class FailureCause:
     """`kind` (the manifest's `ended_by`): "rank stopped", "rank stuck", "agent killed", "rank killed",
-    "rank failed", "disk full", "loss unusable" or "unknown"; the rank to blame, when one is; the message."""
+    "rank failed", "disk full", "node fault", "loss unusable" or "unknown"; the rank to blame, when one is; the message."""
 
     kind: str
     rank: Optional[int]
@@ -110,7 +112,7 @@ def resume_hint(run_dir: Path) -> str:
     from dflash.drafter.checkpoint import checkpoints_dir
 
     pointer = checkpoints_dir(run_dir) / "latest"
-    latest = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else ""
+    latest = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else ""
     if latest:
         return f"the last complete checkpoint is {latest}: continue from it with --resume"
     return "no checkpoint was written yet: train again to start over"

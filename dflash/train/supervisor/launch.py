@@ -460,9 +460,9 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
 
 def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
     """0 for a whole run; Interrupted for a run stopped by a signal (manifest `pending`, what to resume);
-    otherwise RunFailed or DiskFull naming the cause (dflash.train.supervisor.failures)."""
+    otherwise RunFailed, DiskFull, NodeFault or DataError naming the cause (dflash.train.supervisor.failures)."""
     from dflash.train.supervisor.failures import failure_cause, read_rank_failures
-    from launcher_core.errors import DataError, DiskFull
+    from launcher_core.errors import DataError, DiskFull, NodeFault
     from launcher_core.fileio import read_json
     from launcher_core.manifest import update_stage
 
@@ -470,13 +470,25 @@ def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> in
     if stopped.exists():
         raise stopped_run(paths, end, read_json(stopped))
     if end.code == 0:
+        say_skipped_steps(paths)
         return 0
     if end.signalled and (len(end.signals) > 1 or not read_rank_failures(paths.failures)):
         raise interrupted_run(paths, end)
     cause = failure_cause(paths.run_dir, end, collective_timeout_s)
     update_stage(paths.run_dir, "train", "failed", exit_code=end.code, failed_rank=cause.rank, ended_by=cause.kind,
                  error=cause.message.splitlines()[0][:500])
-    raise {"disk full": DiskFull, "loss unusable": DataError}.get(cause.kind, RunFailed)(cause.message)
+    raised = {"disk full": DiskFull, "node fault": NodeFault, "loss unusable": DataError}
+    raise raised.get(cause.kind, RunFailed)(cause.message)
+
+
+def say_skipped_steps(paths: TrainPaths) -> None:
+    """The run's count of steps skipped without a supervised position (dflash.train.rank.loss_check), when any."""
+    from launcher_core.manifest import read_manifest
+
+    skipped = int(read_manifest(paths.run_dir)["stages"].get("train", {}).get("skipped_steps") or 0)
+    if skipped:
+        print(f"train: {skipped} step(s) skipped without a supervised position (no update; \"skipped\": true in "
+              f"{paths.train_dir / 'metrics.jsonl'}; train.max_skipped_steps bounds them in a row)", flush=True)
 
 
 def stopped_run(paths: TrainPaths, end: RunEnd, info: dict) -> Interrupted:

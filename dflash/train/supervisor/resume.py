@@ -96,12 +96,14 @@ def step_directories(directory: Path) -> list[Path]:
 
 def pointed_name(pointer: Path, log: Callable[[str], None] = say) -> Optional[str]:
     """What `latest` names (None: no pointer); a damaged pointer is said and replaced by the caller."""
-    from dflash.drafter.checkpoint import read_pointer
+    from dflash.drafter.checkpoint import PointerIsDirectory, read_pointer
 
     if not pointer.exists():
         return None
     try:
         return read_pointer(pointer)
+    except PointerIsDirectory:
+        raise
     except InputError as damaged:
         log(f"{damaged}: replaced by the newest whole checkpoint")
         return None
