@@ -65,6 +65,5 @@ def test_the_nccl_flight_recorder_is_on_and_dumps_into_the_run(record, tmp_path,
                                str(flight_recorder_dir(run_dir)), "--prefix", "rank-", "-j"],
                               capture_output=True, text=True, timeout=120)
     assert analysis.returncode == 0, analysis.stderr
-    record("flight_recorder", {"entries": len(entries), "states": sorted({e["state"] for e in entries}),
-                               "collectives": progress["collectives"]})
+    record.figure(entries=len(entries), states=sorted({e["state"] for e in entries}), collectives=progress["collectives"])
 
