@@ -360,38 +360,45 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     device = torch.device(device)
     config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
     arguments = {"config": config, "dtype": getattr(torch, dtype), "device_map": str(device), "local_files_only": True}
-    model: PreTrainedModel
-    if keep_layers is None:
-        model = cast("PreTrainedModel", AutoModelForCausalLM.from_pretrained(Path(path), **arguments))
-    else:
+    if keep_layers is not None:
         truncate_layers(config, keep_layers)
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()    # its report would list every layer not kept as an unexpected weight
-        try:
-            loaded = AutoModelForCausalLM.from_pretrained(Path(path), output_loading_info=True, **arguments)
-            model, info = cast("tuple[PreTrainedModel, dict]", loaded)      # (model, loading info) with that flag
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        _report_loading(Path(path), info, keep_layers)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()    # its report would list every layer not kept as an unexpected weight
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(Path(path), output_loading_info=True, **arguments)
+        model, info = cast("tuple[PreTrainedModel, dict]", loaded)      # (model, loading info) with that flag
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_loading(Path(path), info, keep_layers)
     model.eval().requires_grad_(False)
     return model
 
 
-def _report_loading(path: Path, info: dict, keep_layers: int) -> None:
-    """What transformers' load report would have said, less the layers not kept: missing weights (left at
-    their random init), other unexpected or mismatched ones, on stderr."""
+def _check_loading(path: Path, info: dict, keep_layers: int | None) -> None:
+    """InputError naming the weights the model's files lack (they would train and evaluate at their random
+    init); other unexpected or mismatched ones, less the layers not kept, on stderr (transformers' load
+    report, silenced because it would list every layer not kept)."""
     import re
     import sys
 
+    from launcher_core.errors import InputError
+
+    missing = sorted(info.get("missing_keys", []))
+    if missing:
+        raise InputError(f"{path}: {len(missing)} target weight(s) missing from its *.safetensors files: "
+                         f"{_listed(missing)}; the model's files are incomplete (copy it again), or it is another "
+                         f"model than its config.json names")
     dropped = re.compile(r"(^|\.)layers\.(\d+)\.")
-    unexpected = [key for key in info.get("unexpected_keys", [])
-                  if not ((found := dropped.search(key)) and int(found.group(2)) >= keep_layers)]
-    problems = {"missing (left at random init)": list(info.get("missing_keys", [])), "unexpected": unexpected,
-                "mismatched": [str(entry) for entry in info.get("mismatched_keys", [])]}
+    unexpected = [key for key in info.get("unexpected_keys", []) if keep_layers is None or
+                  not ((found := dropped.search(key)) and int(found.group(2)) >= keep_layers)]
+    problems = {"unexpected": unexpected, "mismatched": [str(entry) for entry in info.get("mismatched_keys", [])]}
     for what, keys in problems.items():
         if keys:
-            print(f"{path}: {len(keys)} weight(s) {what}: {', '.join(sorted(keys)[:8])}"
-                  f"{' ...' if len(keys) > 8 else ''}", file=sys.stderr)
+            print(f"{path}: {len(keys)} weight(s) {what}: {_listed(sorted(keys))}", file=sys.stderr)
+
+
+def _listed(keys: list[str], shown: int = 8) -> str:
+    return ", ".join(keys[:shown]) + (f" ... ({len(keys) - shown} more)" if len(keys) > shown else "")
 
 
 def truncate_layers(config, keep_layers: int) -> None:

@@ -3,8 +3,8 @@
 torch has no public form of these (checked at the pinned releases, 2.9.1 and 2.13.0). Each function
 names what it reaches for; `tests/test_torch_private.py` calls every one and fails when torch moves or
 reshapes it, and `tests/test_layers.py` fails when a module outside this one imports a private torch
-path. None of them is on a plain training run's path except the flight recorder's dump (read by the
-heartbeat thread) and the agent's failure report (torchrun's process context).
+path. None of them is on a plain training run's path except the flight recorders' dumps (read by the
+heartbeat thread: NCCL's own on a NCCL rank) and the agent's failure report (torchrun's process context).
 """
 from __future__ import annotations
 
@@ -54,17 +54,30 @@ def mem_tracker() -> type:
     return MemTracker
 
 
-def flight_recorder_dump() -> Optional[bytes]:
-    """This process's flight recorder (TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE): every
-    recorded collective of every process group, pickled as torch's `fr_trace` tool reads it; None where
-    this torch has no dump or records nothing (the buffer size 0)."""
+# Which recorder a backend's collectives fill, read in torch's source and checked in the wheels of both pinned
+# torches (v2.9.1+cu128, git 5811a8d7, requirements-cu128.txt; v2.13.0+cu130, git cf30153c, requirements-cu130.txt):
+# torch/csrc/distributed/c10d/init.cpp (`c10d_init`) binds `_dump_nccl_trace`, built only with USE_C10D_NCCL, to
+# ProcessGroupNCCL.cpp's `dump_nccl_trace(bool includeCollectives, bool includeStackTraces, bool onlyActive)`,
+# which pickles FlightRecorderCUDA (`FlightRecorder<at::cuda::CUDAEvent>`), the recorder ProcessGroupNCCL records
+# every collective into; `_dump_fr_trace` binds FlightRecorder.cpp's `dump_fr_trace` (the same three arguments),
+# which pickles the generic `FlightRecorder<c10::Event>` that ProcessGroupGloo records into. On NCCL ranks the
+# generic one stays empty. Both exports take the three bools in both wheels (libtorch_python.so).
+FLIGHT_RECORDER_DUMPS = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}
+FLIGHT_RECORDER_ARGUMENTS = {"includeCollectives": True, "includeStackTraces": False, "onlyActive": False}
+
+
+def flight_recorder_dump(backend: str = "gloo") -> Optional[bytes]:
+    """The flight recorder that `backend`'s collectives fill (TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE):
+    NCCL's own for "nccl", torch's generic one for any other; every recorded collective of every process group
+    of that backend, pickled as torch's `fr_trace` tool reads it. None where this torch has no such dump (a CPU
+    build has no NCCL) or records nothing (the buffer size 0)."""
     import torch
 
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    dump = getattr(torch._C._distributed_c10d, FLIGHT_RECORDER_DUMPS.get(backend, FLIGHT_RECORDER_DUMPS["gloo"]), None)
     if dump is None:
         return None
     try:
-        return bytes(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        return bytes(dump(**FLIGHT_RECORDER_ARGUMENTS))
     except RuntimeError:
         return None
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""One-call GPU validation: everything only a GPU can prove, in one script, in under 8 minutes.
+"""One-call GPU validation: what only a GPU can prove about the paths a GPU run takes, in under 8 minutes on one GPU.
 
-    python scripts/gpu_check.py OUT_DIR [--profile h200-x1] [--budget-s 450] [--parts a,b] [--cpu]
+    python scripts/gpu_check.py OUT_DIR [--profile h200-x1] [--budget-s 480] [--parts a,b|all] [--cpu]
 
-Parts (environment, audit, then one per tests/gpu/test_<part>_gpu.py) each run in a child process
-under their own time limit, so a crash, a hang or a memory cap in one cannot touch the others.
-Everything lands in OUT_DIR (gpu_check.json, gpu_check.log, parts/, figures/); exit code 0 when no
-part failed or timed out. The script installs nothing: a missing package skips the parts that need
-it, saying which. Parts, limits and outputs: docs/gpu_check.md.
+The default items (DEFAULT_ITEMS: machine facts, then one per tests/gpu/test_<item>_gpu.py) each run in a child
+process under their own budget as a time limit, so a crash, a hang or a memory cap in one cannot touch the others;
+the budgets sum to at most 8 minutes (docs/gpu_check.md, "Budget"). Everything lands in OUT_DIR (gpu_check.json,
+gpu_check.log, gpu_check.md: the table, parts/, figures/); exit code 0 when no part failed or timed out. The script
+installs nothing: a missing package skips the parts that need it, saying which. `--parts all` adds the other
+GPU test files and the audit, with their own limits. Parts, budgets and outputs: docs/gpu_check.md.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from envcheck.packages import installed_versions, normalize  # noqa: E402
 from launcher_core.processes import stop_group, wait_or_stop  # noqa: E402
 
 MIB = 1024 * 1024
-DEFAULT_BUDGET_S = 450.0            # the whole script; the device time is 15 min including startup
-RESERVE_S = 15.0                    # kept back for the report after the last part
+DEFAULT_BUDGET_S = 480.0            # the whole script: 8 minutes (the default items' budgets and RESERVE_S)
+RESERVE_S = 10.0                    # kept back for the report after the last part
 MIN_PART_S = 20.0                   # a part is not started with less than this left
 KILL_GRACE_S = 10.0
 STATUSES = ("ok", "skipped", "failed", "timeout")
@@ -50,16 +51,24 @@ class PartSpec:
 
 
 GPU_TESTS = REPO_ROOT / "tests" / "gpu"
-# test parts whose title, limit and place in the order are known; other files in tests/gpu follow
+# The default items, in order, each with its budget in seconds (its time limit): docs/gpu_check.md's budget table
+# (tests/test_gpu_check.py holds the two equal and their sum within DEFAULT_BUDGET_S - RESERVE_S).
+DEFAULT_ITEMS = {"environment": 20, "calibrate": 100, "train": 80, "async_save": 55, "flight_recorder": 55,
+                 "materialize": 35, "served_twin": 125}
+# test parts whose title and limit are known; other files in tests/gpu follow in name order
 KNOWN_TEST_PARTS = {
-    "calibrate": ("memory model calibration, predicted vs measured peak", 150),
-    "train": ("online training bf16/flex; flex vs SDPA loss and grads", 150),
+    "calibrate": ("calibrate with the reserve ratio: predicted vs measured peak, the allocator's reserve", 100),
+    "train": ("flex attention backward: bf16 training through compiled flex, flex vs SDPA loss and grads", 80),
+    "async_save": ("async save over NCCL: checkpoints whole, staged while the rank trains on", 55),
+    "flight_recorder": ("the flight recorder on a stalled rank: NCCL's recorder counted and dumped", 55),
+    "materialize": ("meta-device materialisation on CUDA equals the whole host build", 35),
+    "served_twin": ("the served check: SGLang serves the twin's drafter in bf16 through the parity gate", 125),
     "drills": ("budget drills under set_per_process_memory_fraction", 120),
     "eval": ("speculative decoding == target-only greedy; tau", 90),
 }
 DEFAULT_TEST_LIMIT_S = 120
 SCRIPT_PARTS = (
-    PartSpec("environment", "torch/CUDA versions, GPU, missing packages", 60, False, ("torch",)),
+    PartSpec("environment", "torch/CUDA versions, GPU, missing packages", DEFAULT_ITEMS["environment"], False, ("torch",)),
     PartSpec("audit", "live snapshot (+ CUDA probe on GPU) and audit", 150, False, ("tomllib",)),
 )
 
@@ -77,7 +86,13 @@ def gpu_test_parts(folder: Path = GPU_TESTS) -> tuple[PartSpec, ...]:
                           True, ("torch", "pytest"), files[name]) for name in order)
 
 
-PARTS = SCRIPT_PARTS + gpu_test_parts()
+def ordered_parts(parts: tuple[PartSpec, ...]) -> tuple[PartSpec, ...]:
+    """The default items first, in DEFAULT_ITEMS' order, then the others as listed."""
+    rank = {name: index for index, name in enumerate(DEFAULT_ITEMS)}
+    return tuple(sorted(parts, key=lambda spec: rank.get(spec.name, len(rank))))
+
+
+PARTS = ordered_parts(SCRIPT_PARTS + gpu_test_parts())
 PART_BY_NAME = {spec.name: spec for spec in PARTS}
 
 
@@ -89,8 +104,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile", default="h200-x1", help="profile the GPU audit uses (default: %(default)s)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="wall-time budget of the whole script (default: %(default)s)")
-    parser.add_argument("--parts", default=",".join(PART_BY_NAME),
-                        help="comma-separated parts to run (default: all): " + ", ".join(PART_BY_NAME))
+    parser.add_argument("--parts", default=",".join(DEFAULT_ITEMS),
+                        help="comma-separated parts to run, or all (default: the 8-minute items "
+                             f"{', '.join(DEFAULT_ITEMS)}); all: " + ", ".join(PART_BY_NAME))
     parser.add_argument("--cpu", action="store_true", help="hide the GPUs (CUDA_VISIBLE_DEVICES=''): CPU mode")
     parser.add_argument("--run-part", metavar="NAME", help=argparse.SUPPRESS)
     parser.add_argument("--limit-s", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -99,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def selected_parts(text: str) -> list[PartSpec]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(PART_BY_NAME) if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in PART_BY_NAME]
     if unknown:
         raise SystemExit(f"error: unknown part(s) {unknown}; valid: {', '.join(PART_BY_NAME)}")
@@ -217,17 +233,18 @@ def write_report(out: Path, results: list[dict[str, Any]], started: float, args:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    rows = [("part", "status", "wall s", "result")]
+    """One Markdown table, ready to paste: each item's status, budget and wall time, and a total row."""
+    lines = ["| item | status | budget s | wall s | result |", "|---|---|---|---|---|"]
     for result in results:
-        summary = result.get("summary") or result.get("reason") or ""
+        summary = (result.get("summary") or result.get("reason") or "").replace("|", "/").replace("\n", " ")
         warned = [c["name"] for c in result.get("checks", []) if not c["ok"] and not c["required"]]
         status = result["status"] + ("*" if warned and result["status"] == "ok" else "")
-        rows.append((result["name"], status, f"{result.get('wall_s', 0.0):.1f}", summary))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in rows]
-    lines.insert(1, "-" * min(120, max(len(line) for line in lines)))
-    if any(row[1].endswith("*") for row in rows[1:]):
-        lines.append("* ok with warnings: an informational check did not pass (see gpu_check.json)")
+        budget = PART_BY_NAME[result["name"]].limit_s if result["name"] in PART_BY_NAME else 0
+        lines.append(f"| {result['name']} | {status} | {budget:.0f} | {result.get('wall_s', 0.0):.1f} | {summary} |")
+    total_budget = sum(PART_BY_NAME[r["name"]].limit_s for r in results if r["name"] in PART_BY_NAME)
+    lines.append(f"| total | | {total_budget:.0f} | {sum(r.get('wall_s', 0.0) for r in results):.1f} | |")
+    if any("*" in line.split("|")[2] for line in lines[2:]):
+        lines.append("\n\\* ok with warnings: an informational check did not pass (see gpu_check.json)")
     return "\n".join(lines)
 
 
@@ -367,7 +384,9 @@ def run_all(args: argparse.Namespace) -> int:
         write_report(out, results, started, args)
     report = write_report(out, results, started, args)
     table = format_table(results)
-    log.line(f"done in {time.time() - started:.1f} s; results: {report}; log: {log.path}\n{table}")
+    (out / "gpu_check.md").write_text(table + "\n", encoding="utf-8")
+    log.line(f"done in {time.time() - started:.1f} s; results: {report}; log: {log.path}; table: {out / 'gpu_check.md'}")
+    print(table, flush=True)
     return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
 
 

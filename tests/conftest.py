@@ -141,8 +141,8 @@ QUEUE_BY_MARKER = ("engine", "compat", "slow")
 # benchmarks/results/test-suite-cpu_cpu-2core_2026-12-05.md), so that the run does not end on one worker running one of
 # them while the others have finished:
 # in collection order the torchrun module (286 CPU s, 3.5 minutes on its worker) started last and ran its
-# last 90 s alone. The torch compatibility lane, where it runs (its own rule: tests/compat/test_torch_compat.py),
-# is 5-6.5 minutes on its worker.
+# last 90 s alone. The torch compatibility lane, where it runs in the suite (DFLASH_TORCH_COMPAT=1; `.ci/run` runs
+# it apart, tests/compat/torch_lane.py), is 5-7.5 minutes on its worker.
 LONGEST_FIRST = ("tests/compat/test_torch_compat.py", "tests/train/test_torchrun.py", "tests/benchmarks/test_benchmarks.py",
                  "tests/measure/test_trace.py", "tests/pipeline/test_flagship_twin.py", "tests/safety/test_safety_run.py")
 

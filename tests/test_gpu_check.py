@@ -1,8 +1,8 @@
 """scripts/gpu_check.py on a machine without a GPU: every part is listed (one per tests/gpu file),
 the CPU-capable parts pass, the GPU-only parts are skipped with their reason, and the report is
-complete.
+complete; the default items' budgets are docs/gpu_check.md's budget table and sum to at most 8 minutes.
 
-The whole script runs once (GPUs hidden with --cpu, so it is the CPU path even on a GPU node); a
+The whole script runs once with `--parts all` (GPUs hidden with --cpu, so it is the CPU path even on a GPU node); a
 test part runs its pytest child on the CPU (skipped by tests/gpu/conftest.py, reason collected
 from the JUnit report); the runner's time-limit handling is checked on a real child process.
 The CPU paths the script used to run itself are tests now: flex vs SDPA in float32 in
@@ -20,11 +20,12 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 GPU_TESTS = SCRIPT.parent.parent / "tests" / "gpu"
-KNOWN_TEST_PARTS = ["calibrate", "train", "drills", "eval"]
+DEFAULT_ITEMS = ["environment", "calibrate", "train", "async_save", "flight_recorder", "materialize", "served_twin"]
+KNOWN_EXTRA_PARTS = ["drills", "eval"]
 OTHER_TEST_PARTS = sorted(p.stem.removeprefix("test_").removesuffix("_gpu") for p in GPU_TESTS.glob("test_*_gpu.py")
-                          if p.stem.removeprefix("test_").removesuffix("_gpu") not in KNOWN_TEST_PARTS)
-ALL_PARTS = ["environment", "audit", *KNOWN_TEST_PARTS, *OTHER_TEST_PARTS]
-GPU_ONLY = set(KNOWN_TEST_PARTS) | set(OTHER_TEST_PARTS)
+                          if p.stem.removeprefix("test_").removesuffix("_gpu") not in DEFAULT_ITEMS + KNOWN_EXTRA_PARTS)
+ALL_PARTS = [*DEFAULT_ITEMS, "audit", *KNOWN_EXTRA_PARTS, *OTHER_TEST_PARTS]
+GPU_ONLY = set(ALL_PARTS) - {"environment", "audit"}
 
 
 def import_script():
@@ -37,7 +38,7 @@ def import_script():
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check") / "out"
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), "--cpu"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out), "--cpu", "--parts", "all"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     report = json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))
     return done, report, out
@@ -152,10 +153,32 @@ def test_log_holds_every_part_and_the_table_is_printed_last(cpu_run):
     for name in set(ALL_PARTS) - GPU_ONLY:
         assert f"----- part {name} -----" in log
         assert (out / "parts" / f"{name}.log").exists()
-    tail = done.stdout.strip().splitlines()[-(len(ALL_PARTS) + 2):]
-    assert tail[0].split() == ["part", "status", "wall", "s", "result"]
-    assert [line.split()[0] for line in tail[2:]] == ALL_PARTS
-    assert [line.split()[1] for line in tail[2:]] == [parts_by_name(report)[n]["status"] for n in ALL_PARTS]
+    table = done.stdout.strip().splitlines()[-(len(ALL_PARTS) + 3):]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert rows[0] == ["item", "status", "budget s", "wall s", "result"] and rows[1][0] == "---"
+    assert [row[0] for row in rows[2:-1]] == ALL_PARTS and rows[-1][0] == "total"
+    assert [row[1] for row in rows[2:-1]] == [parts_by_name(report)[n]["status"] for n in ALL_PARTS]
+    assert (out / "gpu_check.md").read_text(encoding="utf-8") == "\n".join(table) + "\n"
+
+
+def budget_table() -> dict[str, int]:
+    """docs/gpu_check.md's budget table: item -> seconds (its total row apart)."""
+    text = (SCRIPT.parent.parent / "docs" / "gpu_check.md").read_text(encoding="utf-8")
+    section = text[text.index("## Budget"):]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    return {row[0].strip("`"): int(row[2].removesuffix(" s")) for row in rows}
+
+
+def test_the_default_items_fit_8_minutes_each_within_its_budget():
+    """The budget table in docs/gpu_check.md is the script's (each item's budget is its time limit), it sums to at
+    most 8 minutes with the report's reserve, and the default run is those items in that order."""
+    gpu_check = import_script()
+    assert list(gpu_check.DEFAULT_ITEMS) == DEFAULT_ITEMS
+    assert budget_table() == gpu_check.DEFAULT_ITEMS
+    assert {name: gpu_check.PART_BY_NAME[name].limit_s for name in DEFAULT_ITEMS} == gpu_check.DEFAULT_ITEMS
+    assert sum(gpu_check.DEFAULT_ITEMS.values()) + gpu_check.RESERVE_S <= gpu_check.DEFAULT_BUDGET_S <= 8 * 60
+    assert [spec.name for spec in gpu_check.selected_parts(gpu_check.parse_args(["out"]).parts)] == DEFAULT_ITEMS
 
 
 def test_parts_are_skipped_when_a_module_or_the_time_budget_is_missing():
@@ -167,3 +190,10 @@ def test_parts_are_skipped_when_a_module_or_the_time_budget_is_missing():
     assert "CUDA" in gpu_check.why_not_run(gpu_part, "no", 100.0)
     assert "time budget" in gpu_check.why_not_run(gpu_check.PART_BY_NAME["environment"], "yes", 5.0)
     assert gpu_check.why_not_run(gpu_check.PART_BY_NAME["environment"], "yes", 100.0) == ""
+
+
+def test_the_readme_says_under_the_commands_that_nothing_has_run_on_a_gpu_and_how_to_check_a_node():
+    readme = (SCRIPT.parent.parent / "README.md").read_text(encoding="utf-8")
+    commands = readme[readme.index("## Commands"):readme.index("## GPU nodes")]
+    assert "**What has run on a GPU: none of it yet.**" in commands
+    assert "`python scripts/gpu_check.py OUT_DIR`" in commands and "under 8 minutes" in commands

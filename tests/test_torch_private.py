@@ -88,11 +88,12 @@ def test_the_compiled_arch_list_reader_of_the_audit_is_there():
 FLIGHT_RECORDER_RANK = textwrap.dedent("""
     import pickle, sys, torch, torch.distributed as dist
     from dflash.torch_private import flight_recorder_dump
-    from dflash.train.supervisor.heartbeat import collectives_entered
+    from dflash.train.supervisor.heartbeat import collectives_entered, flight_recorder_entries, recorder_backends
     dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     for _ in range(3):
         dist.all_reduce(torch.ones(2))
-    dump = pickle.loads(flight_recorder_dump())
+    dump = pickle.loads(flight_recorder_dump("gloo"))
+    assert recorder_backends() == ("gloo",) and len(flight_recorder_entries()) == len(dump["entries"]) == 3
     print(collectives_entered(dump["entries"]))
     dist.destroy_process_group()
 """)
@@ -114,6 +115,24 @@ def test_the_flight_recorder_counts_each_ranks_collectives_on_gloo(tmp_path):
         assert rank.returncode == 0, err
         entered = eval(out.strip().splitlines()[-1])     # noqa: S307 - our own child's dict
         assert list(entered["collectives"].values()) == [3] and entered["last_collective"].startswith("gloo:all_reduce")
+
+
+@pytest.mark.parametrize("backend", sorted(torch_private.FLIGHT_RECORDER_DUMPS))
+def test_each_flight_recorder_dump_exists_with_the_arguments_used(backend):
+    """The dump of the recorder each backend fills, with the keyword arguments flight_recorder_dump passes (read
+    from pybind's signature line, then called). NCCL's is compiled into CUDA builds only: the suite's CPU torch
+    has none and the dump answers None; the torch compat lane's CUDA wheel (2.9.1+cu128) must have it."""
+    import pickle
+
+    entry = getattr(torch._C._distributed_c10d, torch_private.FLIGHT_RECORDER_DUMPS[backend], None)
+    if backend == "nccl" and not torch.version.cuda:
+        assert entry is None and torch_private.flight_recorder_dump("nccl") is None
+        return
+    assert entry is not None, f"torch {torch.__version__} has no {torch_private.FLIGHT_RECORDER_DUMPS[backend]}"
+    signature = (entry.__doc__ or "").splitlines()[0]
+    assert all(f"{argument}:" in signature for argument in torch_private.FLIGHT_RECORDER_ARGUMENTS), signature
+    dump = pickle.loads(torch_private.flight_recorder_dump(backend))
+    assert isinstance(dump, dict) and "version" in dump, dump
 
 
 @pytest.mark.parametrize("name", [n for n in dir(torch_private) if callable(getattr(torch_private, n))

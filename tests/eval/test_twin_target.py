@@ -160,22 +160,25 @@ def test_an_unsupported_transformers_is_refused_naming_it():
     assert not linear_state_continues("5.6.0") and linear_state_continues("5.7.0") and linear_state_continues("5.24.0")
 
 
-def test_a_load_of_the_first_layers_reports_missing_weights_but_not_the_layers_it_leaves(tmp_path, tiny_qwen3_target,
-                                                                                          capsys):
-    """load_target(keep_layers) silences transformers' load report (every layer not kept would be an
-    unexpected weight there) and says itself what it would otherwise have hidden: a weight the file lacks."""
+@pytest.mark.parametrize("keep_layers", [None, 2])
+def test_a_target_missing_weights_is_refused_naming_them(tmp_path, tiny_qwen3_target, capsys, keep_layers):
+    """A weight the target's files lack would train and evaluate at its random init: load_target refuses the
+    model and names it (whole or its first layers). With keep_layers the layers not kept are not reported
+    as unexpected (transformers' own report, which would list them, is silenced)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from dflash.models import load_target
+    from launcher_core.errors import InputError
 
+    assert len(load_target(tiny_qwen3_target, keep_layers=keep_layers).model.layers) == (keep_layers or 4)
+    assert "unexpected" not in capsys.readouterr().err
     damaged = Path(shutil.copytree(tiny_qwen3_target, tmp_path / "target"))
     tensors = load_file(str(damaged / "model.safetensors"))
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-    capsys.readouterr()
-    assert len(load_target(damaged, keep_layers=2).model.layers) == 2
-    err = capsys.readouterr().err
-    assert f"{damaged}: 1 weight(s) missing (left at random init): model.layers.0.mlp.up_proj.weight" in err
-    assert "unexpected" not in err and "layers.3" not in err
+    with pytest.raises(InputError) as refused:
+        load_target(damaged, keep_layers=keep_layers)
+    assert str(refused.value).startswith(f"{damaged}: 1 target weight(s) missing from its *.safetensors files: "
+                                         "model.layers.0.mlp.up_proj.weight;")

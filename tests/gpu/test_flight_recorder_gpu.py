@@ -4,7 +4,9 @@ here on a real one-rank CUDA run under `run_training`:
 
 * the launcher turned the recorder on for the rank (its environment: tests/train/test_launch.py);
 * a dump asked for mid-run (`request_dumps`, as the watchdog asks) writes the rank's stacks and a flight recorder
-  dump whose entries are NCCL collectives with their states, which torch's `fr_trace` reads;
+  dump whose entries are NCCL collectives with their states, which torch's `fr_trace` reads (the heartbeat's,
+  from `_dump_nccl_trace`), and NCCL's monitor thread answers the rank's dump pipe with a dump of its own into
+  train/failures/nccl-flight-recorder/;
 * the heartbeat counts the rank's NCCL collectives once it is quiet (a stall injected in its reduction)."""
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_the_nccl_flight_recorder_is_on_and_dumps_into_the_run(record, tmp_path, tiny_qwen3_target, tiny_dataset):
-    from dflash.train.supervisor.heartbeat import flight_recorder_dir, rank_records
+    from dflash.train.supervisor.heartbeat import flight_recorder_dir, nccl_flight_recorder_dir, rank_records
     from dflash.train.supervisor.launch import run_training
     from dflash.train.supervisor.watchdog import request_dumps
     from launcher_core.profile import load_profile
@@ -56,10 +58,12 @@ def test_the_nccl_flight_recorder_is_on_and_dumps_into_the_run(record, tmp_path,
     assert entries and all(entry["profiling_name"].startswith("nccl:") for entry in entries)
     assert {entry["state"] for entry in entries} <= {"scheduled", "started", "completed"}
     assert asked.get("stacks"), "the rank's stacks were not dumped"
+    nccl_dump = nccl_flight_recorder_dir(run_dir) / "rank-0"
+    assert nccl_dump.exists(), "NCCL's monitor thread did not answer the rank's dump pipe"
+    assert all(e["profiling_name"].startswith("nccl:") for e in pickle.loads(nccl_dump.read_bytes())["entries"])
     analysis = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                                str(flight_recorder_dir(run_dir)), "--prefix", "rank-", "-j"],
                               capture_output=True, text=True, timeout=120)
     assert analysis.returncode == 0, analysis.stderr
-    record("flight_recorder", {"entries": len(entries), "states": sorted({e["state"] for e in entries}),
-                               "collectives": progress["collectives"]})
+    record.figure(entries=len(entries), states=sorted({e["state"] for e in entries}), collectives=progress["collectives"])
 

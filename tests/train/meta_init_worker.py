@@ -21,15 +21,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--backend", default="gloo", help="the process group's backend (nccl: a CUDA profile)")
     parser.add_argument("profiles", nargs="+")
     args = parser.parse_args()
     env = parallel.WorkerEnv.from_env()
-    parallel.init_process_group("gloo")
+    if args.backend == "nccl":
+        parallel.rank_device("cuda", env)
+    parallel.init_process_group(args.backend)
     for path in args.profiles:
         profile = load_profile(path)
         state = build_state(profile, Path(profile.paths.run_dir), env, resume=False, planned_micro_batch=1)
         tensors = [*state.drafter.named_parameters(), *state.drafter.named_buffers()]
-        found = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for name, t in tensors}
+        found = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for name, t in tensors}
         if env.is_main:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save({"tensors": found, "target_layers": len(state.target.model.layers)},

@@ -120,7 +120,8 @@ def test_cpu_ranks_get_no_allocator_variable(tmp_path):
 
 def test_every_rank_runs_with_the_flight_recorder_and_cuda_ranks_dump_it_into_the_run(tmp_path):
     """torch's flight recorder on every rank (both variable names: torch 2.9 reads TORCH_NCCL_*), a user's own
-    size kept; on CUDA, NCCL's dump at a collective's timeout goes to train/failures/nccl-flight-recorder/."""
+    size kept; on CUDA, NCCL's dump (at a collective's timeout, or asked through the rank's dump pipe in
+    train/ranks/) goes to train/failures/nccl-flight-recorder/."""
     from dflash.train.supervisor.launch import build_torchrun_command
     from launcher_core.profile import load_profile
 
@@ -129,7 +130,9 @@ def test_every_rank_runs_with_the_flight_recorder_and_cuda_ranks_dump_it_into_th
     assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "train" / "failures" / "nccl-flight-recorder" / "rank-")
+    assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == str(tmp_path / "run" / "train" / "ranks" / "nccl-dump-rank-")
     _, own = build_torchrun_command(cuda, tmp_path / "run", base_env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"})
     assert own["TORCH_FR_BUFFER_SIZE"] == own["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     _, cpu = build_torchrun_command(load_profile("cpu-demo"), tmp_path / "run", base_env={})
     assert cpu["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_FR_DUMP_TEMP_FILE" not in cpu
+    assert "TORCH_NCCL_DEBUG_INFO_PIPE_FILE" not in cpu

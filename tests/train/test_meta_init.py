@@ -45,12 +45,13 @@ def whole_build(profile) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in [*drafter.named_parameters(), *drafter.named_buffers()]}
 
 
-def run_ranks(tmp_path: Path, ranks: int, profiles: list[Path]) -> Path:
+def run_ranks(tmp_path: Path, ranks: int, profiles: list[Path], backend: str = "gloo") -> Path:
     out = tmp_path / f"out-{ranks}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(HERE.parents[1])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                            "--log-dir", str(tmp_path / f"torchrun-logs-{ranks}"),
-                           str(HERE / "meta_init_worker.py"), "--out", str(out), *map(str, profiles)],
+                           str(HERE / "meta_init_worker.py"), "--out", str(out), "--backend", backend,
+                           *map(str, profiles)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out

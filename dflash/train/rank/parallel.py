@@ -14,7 +14,8 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -80,9 +81,23 @@ def init_process_group(backend: str, device: "torch.device | None" = None,
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     host, port = _store_address()
     store = dist.TCPStore(host, port, world_size=world, is_master=False, timeout=timeout)
+    make_nccl_dump_folders(os.environ)
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=world, timeout=timeout,
                             device_id=device if device is not None and device.type == "cuda" else None)
+
+
+# NCCL's monitor thread makes its dump pipe with mkfifo and fails (ending the rank) where the folder is missing;
+# its dumps are written with a plain open (ProcessGroupNCCL.cpp `DumpPipe`, FlightRecorder.cpp `DebugInfoWriter`)
+NCCL_DUMP_PATH_VARIABLES = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+
+
+def make_nccl_dump_folders(env: Mapping[str, str]) -> None:
+    """The folders of the dump pipe and dump files the launcher names (dflash.train.supervisor.launch), made
+    before the process group starts NCCL's monitor thread."""
+    for variable in NCCL_DUMP_PATH_VARIABLES:
+        if env.get(variable):
+            Path(env[variable]).parent.mkdir(parents=True, exist_ok=True)
 
 
 def _store_address() -> tuple[str, int]:

@@ -9,7 +9,8 @@ the rank computes or waits in a collective, so the file's age names a rank whose
 well before the process group's timeout.
 
 Asked by the launcher, a rank writes every thread's stack (faulthandler on STACKS_SIGNAL, which runs
-even while the main thread holds the GIL) and its flight recorder's dump (`DUMP_REQUEST`). The records
+even while the main thread holds the GIL) and its flight recorder's dump (`DUMP_REQUEST`; on NCCL, NCCL's
+own recorder, which the launcher also asks NCCL's monitor thread to dump through the rank's dump pipe). The records
 also name the run's rank processes (`rank_records`), and a rank whose launcher (`LAUNCHER_PID_ENV`)
 has been gone for ORPHAN_GRACE_S kills itself. The rank runs the writer defined here.
 """
@@ -64,6 +65,22 @@ FLIGHT_RECORDER_PREFIX = "rank-"     # torch's fr_trace reads the rank from what
 def flight_recorder_dir(run_dir: Path) -> Path:
     """The flight recorder's dumps the launcher asked for: `fr_trace DIR --prefix rank-` reads them."""
     return failures_dir(run_dir) / "flight-recorder"
+
+
+def nccl_flight_recorder_dir(run_dir: Path) -> Path:
+    """Where NCCL's own monitor thread dumps its flight recorder (TORCH_NCCL_DEBUG_INFO_TEMP_FILE: at a
+    collective's timeout, and when the launcher writes a rank's dump pipe)."""
+    return failures_dir(run_dir) / "nccl-flight-recorder"
+
+
+def nccl_dump_pipe_stem(run_dir: Path) -> Path:
+    """TORCH_NCCL_DEBUG_INFO_PIPE_FILE: ProcessGroupNCCL's monitor thread makes the FIFO `<stem><rank>.pipe`
+    and dumps NCCL's flight recorder when anything is written to it (without the GIL)."""
+    return ranks_dir(run_dir) / "nccl-dump-rank-"
+
+
+def nccl_dump_pipe(run_dir: Path, rank: int) -> Path:
+    return nccl_dump_pipe_stem(run_dir).with_name(f"{nccl_dump_pipe_stem(run_dir).name}{rank}.pipe")
 
 
 def stacks_path(run_dir: Path, rank: int) -> Path:
@@ -191,7 +208,7 @@ class RankHeartbeat:
         if asked <= self._dumped_for:
             return
         self._dumped_for = asked
-        raw = flight_recorder_raw()
+        raw = flight_recorder_raw(recorder_backends()[0])
         if raw:
             write_quietly(flight_recorder_dir(self.run_dir) / f"{FLIGHT_RECORDER_PREFIX}{self.rank}", raw)
 
@@ -225,20 +242,35 @@ def waiting_in(frame: Optional[FrameType]) -> str:
     return ""
 
 
-def flight_recorder_raw() -> Optional[bytes]:
+def recorder_backends() -> tuple[str, ...]:
+    """The flight recorders this rank's collectives fill, its main one first: NCCL's own (and the generic one, which
+    a gloo side group of a NCCL rank fills) where its process group runs on NCCL, else the generic one."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        nccl = dist is not None and dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    except (RuntimeError, ValueError):      # the group is being destroyed
+        nccl = False
+    return ("nccl", "gloo") if nccl else ("gloo",)
+
+
+def flight_recorder_raw(backend: str = "gloo") -> Optional[bytes]:
     from dflash.torch_private import flight_recorder_dump
 
-    return flight_recorder_dump() if "torch" in sys.modules else None
+    return flight_recorder_dump(backend) if "torch" in sys.modules else None
 
 
 def flight_recorder_entries() -> list[dict[str, Any]]:
-    raw = flight_recorder_raw()
-    if not raw:
-        return []
-    try:
-        return list(pickle.loads(raw).get("entries") or [])
-    except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError):
-        return []
+    """The entries of every flight recorder this rank's collectives fill."""
+    entries: list[dict[str, Any]] = []
+    for backend in recorder_backends():
+        raw = flight_recorder_raw(backend)
+        if not raw:
+            continue
+        try:
+            entries.extend(pickle.loads(raw).get("entries") or [])
+        except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError):
+            continue
+    return entries
 
 
 def collectives_entered(entries: list[dict[str, Any]]) -> dict[str, Any]:

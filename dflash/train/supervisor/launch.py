@@ -140,15 +140,22 @@ FLIGHT_RECORDER_ENTRIES = 2000      # torch's recommended buffer: the last colle
 
 def flight_recorder_env(profile: Profile, paths: TrainPaths, env: Mapping[str, str]) -> dict[str, str]:
     """torch's flight recorder on every rank (a user's own settings kept): the ranks' heartbeats count the
-    collectives each has entered from it (dflash.train.supervisor.watchdog). On CUDA, NCCL's watchdog also dumps it at a
-    collective's timeout into train/failures/nccl-flight-recorder/rank-R (fr_trace reads that folder). Both variable names: torch 2.9
-    reads TORCH_NCCL_*, later releases TORCH_FR_* first."""
+    collectives each has entered from it (dflash.train.supervisor.watchdog). Both variable names: torch 2.9 reads
+    TORCH_NCCL_*, later releases TORCH_FR_* first. On CUDA, NCCL's monitor thread also dumps its recorder into
+    train/failures/nccl-flight-recorder/rank-R (fr_trace reads that folder): at a collective's timeout, and when the
+    launcher writes the rank's dump pipe (train/ranks/nccl-dump-rank-R.pipe) before it stops a stuck run. The pipe
+    is polled every TORCH_NCCL_COORD_CHECK_MILSEC only with TORCH_NCCL_DUMP_ON_TIMEOUT on (ProcessGroupNCCL.cpp,
+    `HeartbeatMonitor::runLoop`, torch 2.9.1 and 2.13.0; otherwise every TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
+    from dflash.train.supervisor.heartbeat import nccl_dump_pipe_stem, nccl_flight_recorder_dir
+
     entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(FLIGHT_RECORDER_ENTRIES)
     settings = {"TORCH_FR_BUFFER_SIZE": entries, "TORCH_NCCL_TRACE_BUFFER_SIZE": entries}
     if profile.machine.device == "cuda":
-        dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or str(paths.failures / "nccl-flight-recorder" / "rank-")
+        dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or str(nccl_flight_recorder_dir(paths.run_dir) / "rank-")
         settings.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-                         "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump})
+                         "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump,
+                         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+                         or str(nccl_dump_pipe_stem(paths.run_dir))})
     return settings
 
 

@@ -13,7 +13,7 @@ stopped); one behind the others (an earlier step, or fewer collectives entered, 
 recorder); one that is not inside a collective while the others wait in one (read from each rank's
 Python stack). When every rank waits in the same collective at the same count, the collective itself
 does not complete (on CUDA, the NCCL flight recorder's dumps in train/failures/ say more), and no rank
-is blamed.
+is blamed. Before the launcher stops a stuck run it asks every rank for its dumps (`request_dumps`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from dflash.train.supervisor.heartbeat import (
     RankRecord,
     failures_dir,
     flight_recorder_dir,
+    nccl_dump_pipe,
+    nccl_flight_recorder_dir,
     process_state,
     rank_records,
     ranks_dir,
@@ -179,9 +182,10 @@ def blame_reason(first: RankRecord, rest: list[RankRecord], now: float) -> Optio
 
 def request_dumps(run_dir: Path, wait_s: float = DUMP_WAIT_S) -> list[Path]:
     """Every live rank of this node dumps every thread's Python stack (STACKS_SIGNAL, faulthandler) and its
-    flight recorder (its heartbeat thread, DUMP_REQUEST); a stopped rank is continued so it can (it is killed
-    right after, with the rest). The stacks are copied to train/failures/stacks-rank-R.txt; returns those
-    written within `wait_s`."""
+    flight recorder (its heartbeat thread, DUMP_REQUEST); a NCCL rank's monitor thread also dumps NCCL's recorder
+    into train/failures/nccl-flight-recorder/ (its dump pipe, `ask_nccl_dump`), which needs no GIL. A stopped rank
+    is continued so it can (it is killed right after, with the rest). The stacks are copied to
+    train/failures/stacks-rank-R.txt; returns those written within `wait_s`."""
     request = ranks_dir(run_dir) / DUMP_REQUEST
     request.parent.mkdir(parents=True, exist_ok=True)
     asked = time.time()
@@ -193,12 +197,35 @@ def request_dumps(run_dir: Path, wait_s: float = DUMP_WAIT_S) -> list[Path]:
             os.kill(record.pid, STACKS_SIGNAL)
             if process_state(record.pid) in HELD:
                 os.kill(record.pid, signal.SIGCONT)
+    piped = {r.rank for r in records if ask_nccl_dump(run_dir, r.rank)}
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not all(_dumped(run_dir, r.rank, sizes[r.rank]) and
-                                                  _recorder_dumped(run_dir, r, asked) for r in records):
+                                                  _recorder_dumped(run_dir, r, asked) and
+                                                  (r.rank not in piped or _nccl_dumped(run_dir, r.rank, asked))
+                                                  for r in records):
         time.sleep(0.1)
     time.sleep(0.2)                   # a dump under way ends
     return [copy_stacks(run_dir, r.rank, sizes[r.rank]) for r in records if _dumped(run_dir, r.rank, sizes[r.rank])]
+
+
+def ask_nccl_dump(run_dir: Path, rank: int) -> bool:
+    """Write the rank's NCCL dump pipe (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, the launcher's: a FIFO its NCCL monitor
+    thread reads about once a second and answers with a dump of NCCL's flight recorder). False where there is
+    none: a gloo rank, or a rank whose process group has not started (nobody reads the FIFO)."""
+    path = nccl_dump_pipe(run_dir, rank)
+    try:
+        if not stat.S_ISFIFO(path.stat().st_mode):
+            return False
+        descriptor = os.open(path, os.O_WRONLY | os.O_NONBLOCK)     # ENXIO at once where nobody reads it
+    except OSError:
+        return False
+    try:
+        os.write(descriptor, b"dump\n")
+    except OSError:
+        return False
+    finally:
+        os.close(descriptor)
+    return True
 
 
 def _size(path: Path) -> int:
@@ -218,6 +245,13 @@ def _recorder_dumped(run_dir: Path, record: RankRecord, asked: float) -> bool:
         return True
     try:
         return (flight_recorder_dir(run_dir) / f"{FLIGHT_RECORDER_PREFIX}{record.rank}").stat().st_mtime >= asked - 1.0
+    except OSError:
+        return False
+
+
+def _nccl_dumped(run_dir: Path, rank: int, asked: float) -> bool:
+    try:
+        return (nccl_flight_recorder_dir(run_dir) / f"{FLIGHT_RECORDER_PREFIX}{rank}").stat().st_mtime >= asked - 1.0
     except OSError:
         return False
 
