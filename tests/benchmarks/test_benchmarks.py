@@ -118,6 +118,11 @@ CASES = [
     Smoke("bench_parity_gate.py", (r"^in-process: \d+ steps, margins \[", rf"^chosen: near-tie margins {NUMBER} \(drafter\)",
                                    r"^  served as trained  final +false failures +\d+ of 50 ",
                                    r"^  negative control   dead for weak +detected +\d+ of 50 ")),
+    Smoke("bench_parity_dtype.py", (r"^2 prompts; tau float32 " + NUMBER + ", bfloat16 " + NUMBER,
+                                    r"^apart on \d+ prompts \(\d+ with other tokens\)",
+                                    rf"^ +0\.15 / 0\.02 +\d+ of 2 +{NUMBER} +{NUMBER}")),
+    Smoke("bench_parity_three_way.py", (r"^1 prompts$", r"^  inprocess/reference +apart on 0, before the in-process first "
+                                        r"near-tie on 0"), marks=(SLOW,)),
     Smoke("bench_pipeline.py", (r"^pipeline --profile cpu-demo \(smoke\): exit 0, ",
                                 *(rf"^  {stage} +done +{NUMBER} s" for stage in ("audit", "generate", "tokenize", "train", "eval")),
                                 rf"^  DFlash tau {NUMBER} vs prompt lookup {NUMBER}"), marks=(SLOW,), timeout_s=1500),
