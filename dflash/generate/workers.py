@@ -3,8 +3,8 @@ through the endpoint pool, hand results to the store, report to the manifest, an
 server that dies. A run whose first requests all failed for good with the same reason stops there
 (RunFailed, exit 5): the rest would fail the same way. How many (`early_stop_bound`): as many as take
 every endpoint out of rotation (FAILURES_BEFORE_DOWN each), at most EARLY_STOP_AFTER; a run with one
-endpoint stops after 3, before it would wait for an endpoint that answers every request with an error. `dflash.generate.run` sets it up and
-drives it."""
+endpoint stops after 3, before it would wait for an endpoint that answers every request with an error.
+`dflash.generate.run` sets it up and drives it."""
 from __future__ import annotations
 
 import asyncio
