@@ -105,6 +105,10 @@ def parse_endpoint(url: str, fallback_key: tuple[str, str] = ("", "")) -> Endpoi
         path = path.removesuffix(suffix)
     query, key = split_api_key(parts.query)
     key, source = (key, f"?{API_KEY_PARAM}=") if key else fallback_key
+    if key and (parts.username or parts.password):
+        raise ConfigError(f"--endpoint {_shown(text)}: it holds user:password@ (sent as 'Authorization: Basic') and "
+                          f"has an API key from {source} (sent as 'Authorization: Bearer'); a request carries one "
+                          "Authorization header: give the endpoint one of the two")
     return Endpoint(urlunsplit((parts.scheme, parts.netloc, path, "", "")), query, key, source if key else "")
 
 

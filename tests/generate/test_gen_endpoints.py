@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from gen_helpers import write_profile, write_prompts
 
 from dflash.generate.client import EndpointPool, api_key_fallback, parse_endpoint
@@ -29,6 +30,17 @@ def test_the_urls_key_wins_then_the_flag_then_the_environment():
     pool = EndpointPool.from_urls([f"http://a:1/v1?api_key={KEY}", "http://b:1/v1"], ("env-key", "DFLASH_API_KEY"))
     assert [(e.api_key, e.key_source) for e in pool.endpoints] == [(KEY, "?api_key="), ("env-key", "DFLASH_API_KEY")]
     assert pool.api_keys() == [KEY, "env-key"]
+
+
+def test_url_credentials_and_a_key_are_refused_together():
+    """user:password@ (Basic) and a key (Bearer) would both be the one Authorization header: exit 2, masked."""
+    from launcher_core.errors import ConfigError
+
+    for url, fallback in ((f"http://u:pw-1234@h:1/v1?api_key={KEY}", ("", "")), ("http://u:pw-1234@h:1/v1", (KEY, "--api-key"))):
+        with pytest.raises(ConfigError, match="one Authorization header") as refused:
+            parse_endpoint(url, fallback)
+        assert KEY not in str(refused.value) and "pw-1234" not in str(refused.value)
+    assert parse_endpoint("http://u:pw-1234@h:1/v1").headers == {}          # alone, the URL's credentials stay
 
 
 def test_dry_run_says_where_each_key_comes_from_and_never_shows_it(tmp_path, cli, monkeypatch):
