@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transformers: in-process decoding (default on CPU); sglang / vllm: the engine serves "
                              "the target with the drafter on 127.0.0.1 and reports tau (default: eval.engine)")
     parser.add_argument("--bench", metavar="NAME[,NAME...]",
-                        help="benchmarks decoded beside the default set, one row each, prompts built as z-lab's "
-                             "dflash.benchmark builds them: humaneval, mt-bench, gsm8k, math500, mbpp "
+                        help="benchmarks decoded beside the default set, one row each, prompts built and samples "
+                             "chosen as z-lab's dflash.benchmark (PyPI dflash 0.1.0) does on each of its paths: the "
+                             "rows shuffled by random.Random(42), the first N (--num-prompts, else "
+                             "eval.bench_samples, else eval.num_prompts): humaneval, mt-bench, gsm8k, math500, mbpp "
                              "(default: eval.benchmarks)")
     parser.add_argument("--bench-dir", metavar="DIR",
                         help="local copies of gsm8k / math500 / mbpp: DIR/<name>/<split>.jsonl or a datasets "

@@ -21,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="JSONL", help="completions JSONL (default: the profile's paths.completions)")
     parser.add_argument("--endpoint", action="append", default=[], metavar="URL",
                         help="an already-running OpenAI-compatible server (repeat to share the load); "
-                             "no server is started")
+                             "no server is started. A key in it (?api_key=KEY) is sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="the key of the --endpoint servers whose URL has no ?api_key=, sent as "
+                             "'Authorization: Bearer KEY' (default: the environment's DFLASH_API_KEY, which, unlike "
+                             "this flag, no process listing shows)")
     parser.add_argument("--retry-failed", action="store_true", help="send only the prompts in generate/failures.jsonl")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: the profile's paths.run_dir)")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="use only the first N prompts of the input")
@@ -47,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     summary = generate_from_profile(
         profile, input_path=args.input, output_path=args.output, endpoints=args.endpoint,
         retry_failed=args.retry_failed, force=args.force, run_dir=args.run_dir, limit=args.limit,
-        preflight=not args.skip_preflight, progress=not args.no_progress)
+        preflight=not args.skip_preflight, progress=not args.no_progress, api_key=args.api_key)
     for line in summary.lines():
         print(line)
     return 0
@@ -58,5 +62,6 @@ def _dry_run(profile: Profile, args: argparse.Namespace) -> int:
 
     from dflash.generate.plan import generation_plan
 
-    print(json.dumps(generation_plan(profile, args.input, args.output, args.endpoint, args.run_dir), indent=2))
+    plan = generation_plan(profile, args.input, args.output, args.endpoint, args.run_dir, args.api_key)
+    print(json.dumps(plan, indent=2))
     return 0

@@ -7,8 +7,12 @@ rotation and probed on `/health` until it answers again. Every failure is a `Req
 says whether a retry makes sense and whether the endpoint (not the request) is to blame.
 
 An endpoint URL is parsed (`parse_endpoint`): its path up to `/v1` is the server's base, and its
-query string (e.g. `?api_key=KEY` for a gateway that reads one) goes with every request it is sent,
-`/health` and `/v1/models` included; a fragment (`#...`), which no request carries, is refused.
+query string goes with every request it is sent, `/health` and `/v1/models` included; a fragment
+(`#...`), which no request carries, is refused. Its `api_key` (`?api_key=KEY`), else `--api-key`, else
+the environment's DFLASH_API_KEY (`api_key_fallback`) is the key: taken out of the URL and sent as
+`Authorization: Bearer KEY`, the header vLLM's and SGLang's `--api-key` read. `check_endpoints`, the
+start-up probe of `/v1/models`, ends the run with ConfigError (exit 2) when a server refuses the key
+(HTTP 401 or 403), before any prompt is sent.
 """
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from launcher_core.errors import ConfigError, RunFailed
 from launcher_core.redact import REDACTED, redact_url
@@ -28,15 +32,21 @@ if TYPE_CHECKING:
 
 FAILURES_BEFORE_DOWN = 3
 PROBE_INTERVAL_S = 1.0
+API_KEY_PARAM = "api_key"             # the endpoint URL's query key that holds the key
+API_KEY_ENV = "DFLASH_API_KEY"        # the key of every --endpoint whose URL has none, when --api-key is not given
+AUTH_REFUSED = (401, 403)
 
 
 @dataclass
 class Endpoint:
     """One server: its base URL (without /v1 and without a query), the query string every request
-    to it carries, and its health as this client sees it."""
+    to it carries (without the key), its key (sent as `Authorization: Bearer`; `key_source` says
+    where it came from, for messages: never the key) and its health as this client sees it."""
 
     base_url: str
     query: str = ""
+    api_key: str = field(default="", repr=False)
+    key_source: str = ""
     healthy: bool = True
     consecutive_failures: int = 0
     requests: int = 0
@@ -44,6 +54,11 @@ class Endpoint:
     def url(self, path: str) -> str:
         """The URL of `path` (e.g. "/health") on this server, with the endpoint's query string."""
         return f"{self.base_url}{path}" + (f"?{self.query}" if self.query else "")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request to this server carries: its key as a bearer token, if it has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def chat_url(self) -> str:
@@ -66,10 +81,11 @@ class RequestFailure(Exception):
         self.endpoint_down = endpoint_down
 
 
-def parse_endpoint(url: str) -> Endpoint:
+def parse_endpoint(url: str, fallback_key: tuple[str, str] = ("", "")) -> Endpoint:
     """`http://host:port`, `.../v1` or `.../v1/chat/completions`, each with an optional query string
-    (`?api_key=KEY`) -> the Endpoint (base URL + query). ConfigError naming the endpoint, its secrets
-    masked, when it is not an http(s) URL with a host, or has a fragment."""
+    -> the Endpoint (base URL + query). Its key: the query's `api_key` (taken out of the query), else
+    `fallback_key` (key, where it came from). ConfigError naming the endpoint, its secrets masked, when
+    it is not an http(s) URL with a host, or has a fragment."""
     text = url.strip()
     try:
         parts = urlsplit(text)
@@ -87,7 +103,33 @@ def parse_endpoint(url: str) -> Endpoint:
     path = parts.path.rstrip("/")
     for suffix in ("/chat/completions", "/v1"):
         path = path.removesuffix(suffix)
-    return Endpoint(urlunsplit((parts.scheme, parts.netloc, path, "", "")), parts.query)
+    query, key = split_api_key(parts.query)
+    key, source = (key, f"?{API_KEY_PARAM}=") if key else fallback_key
+    if key and (parts.username or parts.password):
+        raise ConfigError(f"--endpoint {_shown(text)}: it holds user:password@ (sent as 'Authorization: Basic') and "
+                          f"has an API key from {source} (sent as 'Authorization: Bearer'); a request carries one "
+                          "Authorization header: give the endpoint one of the two")
+    return Endpoint(urlunsplit((parts.scheme, parts.netloc, path, "", "")), query, key, source if key else "")
+
+
+def split_api_key(query: str) -> tuple[str, str]:
+    """A query string -> (the query without its `api_key` pairs, the key: the last non-empty one)."""
+    kept, key = [], ""
+    for pair in query.split("&") if query else []:
+        name, _, value = pair.partition("=")
+        if unquote_plus(name) != API_KEY_PARAM:
+            kept.append(pair)
+        elif value:
+            key = unquote_plus(value)
+    return "&".join(kept), key
+
+
+def api_key_fallback(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The key of the endpoints whose URL has none, and where it came from: `--api-key`, else DFLASH_API_KEY."""
+    if flag:
+        return flag, "--api-key"
+    key = environ.get(API_KEY_ENV, "")
+    return (key, API_KEY_ENV) if key else ("", "")
 
 
 def _shown(url: str) -> str:
@@ -105,12 +147,15 @@ class EndpointPool:
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     @classmethod
-    def from_urls(cls, urls: Sequence[str]) -> "EndpointPool":
-        parsed = [parse_endpoint(url) for url in urls]
-        unique = list(dict.fromkeys((endpoint.base_url, endpoint.query) for endpoint in parsed))
-        if not unique:
+    def from_urls(cls, urls: Sequence[str], fallback_key: tuple[str, str] = ("", "")) -> "EndpointPool":
+        parsed = {(e.base_url, e.query, e.api_key): e for e in (parse_endpoint(url, fallback_key) for url in urls)}
+        if not parsed:
             raise ConfigError("no endpoint to send requests to; pass --endpoint URL")
-        return cls([Endpoint(base, query) for base, query in unique])
+        return cls(list(parsed.values()))
+
+    def api_keys(self) -> list[str]:
+        """The endpoints' keys: masked in whatever this run writes (a server may echo one)."""
+        return [endpoint.api_key for endpoint in self.endpoints if endpoint.api_key]
 
     def healthy(self) -> list[Endpoint]:
         return [endpoint for endpoint in self.endpoints if endpoint.healthy]
@@ -163,22 +208,42 @@ async def probe_health(session: aiohttp.ClientSession, endpoint: Endpoint, timeo
     import aiohttp
 
     try:
-        async with session.get(endpoint.url("/health"), timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.get(endpoint.url("/health"), headers=endpoint.headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             return response.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
 
 
+async def check_endpoints(session: aiohttp.ClientSession, endpoints: Sequence[Endpoint]) -> str | None:
+    """The start-up probe: each endpoint's /v1/models. ConfigError (exit 2) naming the endpoint when one
+    refuses its key (HTTP 401/403); else the first model id a server names (None when none says)."""
+    names = [await fetch_model_name(session, endpoint) for endpoint in endpoints]
+    return next((name for name in names if name is not None), None)
+
+
 async def fetch_model_name(session: aiohttp.ClientSession, endpoint: Endpoint) -> str | None:
-    """The first model id from /v1/models (None when the server does not say)."""
+    """The first model id from /v1/models (None when the server does not say); ConfigError on HTTP 401/403."""
     import aiohttp
 
     try:
-        async with session.get(endpoint.url("/v1/models"), timeout=aiohttp.ClientTimeout(total=10)) as response:
+        async with session.get(endpoint.url("/v1/models"), headers=endpoint.headers,
+                               timeout=aiohttp.ClientTimeout(total=10)) as response:
+            if response.status in AUTH_REFUSED:
+                raise ConfigError(refused_key_message(endpoint, response.status))
             document = await response.json(content_type=None)
         return str(document["data"][0]["id"])
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError):
         return None
+
+
+def refused_key_message(endpoint: Endpoint, status: int) -> str:
+    """Why a server refused us at the start-up probe, naming the endpoint and where its key came from (never a
+    flag followed by a word: the messages' masking would take the word for the flag's value)."""
+    what = f"refused the API key from {endpoint.key_source}" if endpoint.api_key else "wants an API key and none was given"
+    return (f"--endpoint {endpoint.label}: the server {what} (HTTP {status} on /v1/models); no prompt was sent. The key "
+            f"goes in the URL (?{API_KEY_PARAM}=KEY), in {API_KEY_ENV} or as the value of --api-key; it is sent as "
+            f"'Authorization: Bearer KEY', the header vLLM's and SGLang's servers check (their --api-key)")
 
 
 def new_session(concurrency: int) -> aiohttp.ClientSession:
@@ -194,7 +259,8 @@ async def post_chat(session: aiohttp.ClientSession, endpoint: Endpoint, body: by
     import aiohttp
 
     try:
-        async with session.post(endpoint.chat_url, data=body, headers={"Content-Type": "application/json"},
+        async with session.post(endpoint.chat_url, data=body, headers={"Content-Type": "application/json",
+                                                                        **endpoint.headers},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             payload = await response.read()
             status = response.status

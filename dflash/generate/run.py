@@ -5,12 +5,14 @@
 client. Transient errors and timeouts are retried with exponential backoff; what still fails is
 recorded in `generate/failures.jsonl`. A server that dies is restarted (bounded) and the run goes
 on (`dflash.generate.workers`). A run whose every request failed is RunFailed (exit 5): nothing
-was generated, and a script must not carry on as if it had been. The manifest's "generate" stage
-is updated as it goes.
+was generated, and a script must not carry on as if it had been; so is one whose first requests all
+failed the same way (it stops there). A key the server refuses at the start-up probe is ConfigError
+(exit 2) before any prompt is sent. The manifest's "generate" stage is updated as it goes.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dflash.generate.client import EndpointPool, parse_endpoint
+from dflash.generate.client import EndpointPool, api_key_fallback, parse_endpoint
 from dflash.generate.prompts import PromptRecord, load_prompts
 from dflash.generate.records import SamplingParams
 from dflash.generate.servers import ServerSupervisor
@@ -70,14 +72,19 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
                           output_path: str | Path | None = None, endpoints: Sequence[str] = (),
                           retry_failed: bool = False, force: bool = False, run_dir: str | Path | None = None,
                           limit: int | None = None, preflight: bool = False,
-                          progress: bool = True) -> GenerateSummary:
+                          progress: bool = True, api_key: str | None = None) -> GenerateSummary:
     """Generate completions for the profile's prompts; resumable, one completion per prompt id.
 
-    `endpoints` use already-running servers instead of starting the profile's backend.
+    `endpoints` use already-running servers instead of starting the profile's backend; `api_key` is
+    the key of those whose URL has no `?api_key=` (None: DFLASH_API_KEY, if set), sent as a bearer token.
     `retry_failed` sends only the prompts in the failures file. `preflight` runs the preflight
     audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage. RunFailed
     when prompts were sent and every one of them failed (`all_failed`).
     """
+    if api_key and not endpoints:
+        raise ConfigError("an API key (--api-key) is for the server of an --endpoint; the profile's own server "
+                          "takes none: pass --endpoint URL too, or drop the flag")
+    fallback_key = api_key_fallback(api_key, os.environ)
     for url in endpoints:
         parse_endpoint(url)                         # a malformed endpoint is refused before anything is touched
     paths = resolve_paths(profile, input_path, output_path, run_dir)
@@ -100,7 +107,7 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
     with disk_full_guard(paths.output, lambda: (average() or 0) * len(selected) or None, f"{len(selected)} completions"):
         try:
             if selected:
-                _drive(profile, paths, store, selected, summary, endpoints, progress)
+                _drive(profile, paths, store, selected, summary, endpoints, progress, fallback_key)
         except BaseException as error:
             _close_after_failure(store)
             _finish_manifest(paths.run_dir, summary, store, "failed", error)
@@ -137,8 +144,10 @@ def _close_after_failure(store: CompletionStore) -> None:
 
 
 def _drive(profile: Profile, paths: RunPaths, store: CompletionStore, selected: list[PromptRecord],
-           summary: GenerateSummary, endpoints: Sequence[str], progress: bool) -> None:
-    """Start the server (unless endpoints are given), run the async workers, stop the server."""
+           summary: GenerateSummary, endpoints: Sequence[str], progress: bool,
+           fallback_key: tuple[str, str]) -> None:
+    """Start the server (unless endpoints are given), run the async workers, stop the server.
+    `fallback_key`: the key (and its source) of the endpoints whose URL carries none."""
     settings = profile.generate
     supervisor, urls, backend, model_label = _backend(profile, paths, endpoints)
     started = time.monotonic()
@@ -146,7 +155,8 @@ def _drive(profile: Profile, paths: RunPaths, store: CompletionStore, selected: 
         if supervisor is not None:
             supervisor.start()
             started = time.monotonic()  # rates are about generating, not loading the model
-        engine = GenerationRun(store=store, pool=EndpointPool.from_urls(urls), run_dir=paths.run_dir,
+        pool = EndpointPool.from_urls(urls, fallback_key if endpoints else ("", ""))
+        engine = GenerationRun(store=store, pool=pool, run_dir=paths.run_dir,
                                sampling=SamplingParams.from_section(settings), backend=backend,
                                timeout_s=settings.request_timeout_s, retries=settings.retries,
                                concurrency=settings.concurrency, model_label=model_label,

@@ -1,6 +1,10 @@
 """The async part of a generation run: workers pull prompts, send them with retries and backoff
 through the endpoint pool, hand results to the store, report to the manifest, and restart a managed
-server that dies. `dflash.generate.run` sets it up and drives it."""
+server that dies. A run whose first requests all failed for good with the same reason stops there
+(RunFailed, exit 5): the rest would fail the same way. How many (`early_stop_bound`): as many as take
+every endpoint out of rotation (FAILURES_BEFORE_DOWN each), at most EARLY_STOP_AFTER; a run with one
+endpoint stops after 3, before it would wait for an endpoint that answers every request with an error.
+`dflash.generate.run` sets it up and drives it."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from dflash.generate.client import EndpointPool, RequestFailure, fetch_model_name, new_session, post_chat
+from dflash.generate.client import FAILURES_BEFORE_DOWN, EndpointPool, RequestFailure, check_endpoints, new_session, post_chat
 from dflash.generate.prompts import PromptRecord
 from dflash.generate.records import SamplingParams, build_request_body, completion_record, rejected_optional_field
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
 from launcher_core.errors import RunFailed
 from launcher_core.manifest import update_stage
+from launcher_core.redact import redact_text
 
 if TYPE_CHECKING:
     import aiohttp
@@ -28,6 +33,7 @@ BACKOFF_MAX_S = 30.0
 MAX_ENDPOINT_REQUEUES = 50        # connection failures one request may ride out (not counted as attempts)
 MANIFEST_EVERY_S = 5.0
 SERVER_CHECK_EVERY_S = 0.5
+EARLY_STOP_AFTER = 8              # at most this many first requests, all failed for the same reason, stop the run
 
 
 @dataclass
@@ -95,13 +101,16 @@ class GenerationRun:
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
     _omit: frozenset[str] = frozenset()
     _sampling_cache: tuple[frozenset[str], dict[str, object]] | None = None
+    _first_outcomes: list[str | None] = field(default_factory=list)   # None: a completion; else the failure
+    _queued: int = 0
 
     async def run(self, prompts: list[PromptRecord]) -> None:
         queue: asyncio.Queue[PromptRecord] = asyncio.Queue()
         for prompt in prompts:
             queue.put_nowait(prompt)
+        self._queued = len(prompts)
         async with new_session(self.concurrency) as session:
-            self._model = await fetch_model_name(session, self.pool.endpoints[0])
+            self._model = await check_endpoints(session, self.pool.endpoints)   # a refused key ends it here
             helpers = [asyncio.create_task(self.pool.probe_forever(session)),
                        asyncio.create_task(self._report_forever(len(prompts)))]
             if self.supervisor is not None:
@@ -191,6 +200,7 @@ class GenerationRun:
         self.summary.completed += 1
         self.summary.prompt_tokens += record["prompt_tokens"]
         self.summary.output_tokens += record["completion_tokens"]
+        self._note_outcome(None)
         self._advance()
 
     def _recorded_sampling(self) -> dict[str, object]:
@@ -200,10 +210,23 @@ class GenerationRun:
         return self._sampling_cache[1]
 
     def _record_failure(self, prompt: PromptRecord, reason: str, attempts: int) -> None:
+        reason = redact_text(reason, self.pool.api_keys())       # a server may echo the key
         self.store.add_failure(prompt.id, reason, attempts)
         self.summary.failed += 1
         self.summary.first_failure = self.summary.first_failure or reason
+        self._note_outcome(reason)
         self._advance()
+
+    def _note_outcome(self, failure: str | None) -> None:
+        """Keep the first outcomes; when `early_stop_bound` of them are the same failure and prompts are left,
+        stop the run (`early_stop`)."""
+        bound = early_stop_bound(len(self.pool.endpoints), self.pool.failures_before_down)
+        if len(self._first_outcomes) >= bound:
+            return
+        self._first_outcomes.append(failure)
+        error = early_stop(self._first_outcomes, bound, self._queued, self.summary.failures_path)
+        if error is not None:
+            self._fail(error)
 
     def _advance(self) -> None:
         if self._bar is not None and not self._bar.disable:
@@ -234,6 +257,24 @@ class GenerationRun:
                 return
             self.summary.server_restarts = supervisor.restarts
             self.pool.mark(healthy=True)
+
+
+def early_stop_bound(endpoints: int, failures_before_down: int = FAILURES_BEFORE_DOWN) -> int:
+    """How many first outcomes, all one failure, stop a run: as many as take every endpoint out of rotation,
+    at most EARLY_STOP_AFTER."""
+    return min(EARLY_STOP_AFTER, failures_before_down * endpoints)
+
+
+def early_stop(outcomes: Sequence[str | None], bound: int, queued: int, failures_path: str) -> RunFailed | None:
+    """The error that stops a run whose first `bound` outcomes (of `queued` prompts) are one and the same
+    failure; None otherwise (a completion among them, different reasons, or no prompt left)."""
+    reasons = set(outcomes)
+    if len(outcomes) < bound or queued <= len(outcomes) or len(reasons) != 1 or None in reasons:
+        return None
+    return RunFailed(f"stopped early: the first {len(outcomes)} requests all failed the same way ({outcomes[0]}); "
+                     f"the other {queued - len(outcomes)} prompt(s) are left for a rerun, the failed ones are in "
+                     f"{failures_path}. Check the server or --endpoint (its address, path and key), "
+                     f"then rerun with --retry-failed")
 
 
 def backoff_s(attempt: int) -> float:

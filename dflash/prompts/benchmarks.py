@@ -2,7 +2,9 @@
 `eval.benchmarks`): gsm8k, math500, humaneval, mbpp and mt-bench, each prompt built the way z-lab's
 benchmark (PyPI `dflash` 0.1.0, `dflash.benchmark`) builds it, so the figures compare with published
 ones: one user message per turn, the target's chat template with a generation prompt, no system
-prompt, rows shuffled by `random.Random(42)` and the first N taken; thinking is the eval's mode.
+prompt, rows shuffled by `random.Random(42)` and the first N taken (z-lab's `_select_dataset`, which
+each of its paths calls: transformers, MLX and the OpenAI-compatible engines; tests/eval/test_eval_bench.py
+runs it beside ours); thinking is the eval's mode.
 humaneval and mt-bench rows come from pinned packages; gsm8k, math500 and mbpp from `--bench-dir` or
 `datasets`, else an InputError (exit 2) naming the command that prepares them. Datasets, fields,
 messages and sources: docs/eval.md "Benchmarks".
@@ -179,7 +181,8 @@ def build_prompts(bench: Benchmark, rows: Sequence[dict]) -> list[BenchPrompt]:
 
 
 def select(prompts: Sequence[BenchPrompt], count: Optional[int]) -> list[BenchPrompt]:
-    """z-lab's sample choice: the rows shuffled by random.Random(42), the first `count` (None: all)."""
+    """z-lab's sample choice: the rows shuffled by random.Random(42), the first `count` (None or more than the
+    rows: all of them once; z-lab's engine path repeats rows past the end, a sample twice measures nothing new)."""
     order = list(range(len(prompts)))
     random.Random(SHUFFLE_SEED).shuffle(order)
     return [prompts[i] for i in order[:len(order) if count is None else count]]

@@ -1,23 +1,28 @@
-"""`eval --bench`: the benchmarks' prompts built as z-lab's `dflash.benchmark` (PyPI dflash 0.1.0) builds
-them, read offline (HumanEval and MT-Bench from their PyPI packages, the others from `--bench-dir`),
-refused by name when unknown or missing, and decoded in-process with one report row per benchmark."""
+"""`eval --bench`: the benchmarks' prompts built and their samples chosen as z-lab's `dflash.benchmark` (PyPI
+dflash 0.1.0) builds and chooses them, held against z-lab's own functions; read offline (HumanEval and MT-Bench
+from their PyPI packages, the others from `--bench-dir`), refused by name when unknown or missing, and decoded
+in-process with one report row per benchmark."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import random
+import subprocess
+import sys
+from types import ModuleType
 
 import pytest
 from test_dflash_drafter import save_random_drafter
 from test_eval_command import write_eval_profile
 
 import launcher
-from dflash.prompts.benchmarks import BENCHMARKS, build_prompts, humaneval_rows, load_benchmark, select
+from dflash.prompts.benchmarks import BENCHMARKS, build_prompts, humaneval_rows, load_benchmark, mtbench_rows, select
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.manifest import read_manifest
 
 # z-lab's wrappers, written out by hand from its source (not through our module's constants)
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+ZLAB_PIN = "dflash==0.1.0"     # z-lab's benchmark, whose own functions the prompts and the samples are held against
 
 
 @pytest.fixture(autouse=True)
@@ -66,14 +71,69 @@ def test_humaneval_and_mtbench_come_from_their_packages():
                            "Rewrite your previous response. Start every sentence with the letter A.")
 
 
-def test_samples_are_chosen_as_zlab_chooses_them():
-    """The rows shuffled by random.Random(42), the first N: HumanEval's first three are problems 61, 104, 105."""
-    order = list(range(164))
-    random.Random(42).shuffle(order)
-    chosen = load_benchmark("humaneval", count=3)
-    assert [p.prompt_id for p in chosen] == [f"humaneval-{i}" for i in order[:3]] == \
-        ["humaneval-61", "humaneval-104", "humaneval-105"]
-    assert len(load_benchmark("humaneval")) == 164 and select(chosen, 10) != []
+@pytest.fixture(scope="module")
+def zlab_benchmark(tmp_path_factory) -> ModuleType:
+    """z-lab's `dflash/benchmark.py` from PyPI dflash 0.1.0, installed without its dependencies into a folder of
+    its own and executed from its file under another module name: our package is `dflash` too, so z-lab's never
+    goes on sys.path (nor into the venv). Its module imports only the standard library, requests and tqdm."""
+    target = tmp_path_factory.mktemp("zlab")
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                                "--target", str(target), ZLAB_PIN], capture_output=True, text=True, timeout=300)
+    if installed.returncode != 0:
+        pytest.skip(f"{ZLAB_PIN} cannot be installed here: {(installed.stderr.strip().splitlines() or ['?'])[-1]}")
+    spec = importlib.util.spec_from_file_location("zlab_dflash_benchmark", target / "dflash" / "benchmark.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def zlab_samples(zlab: ModuleType, monkeypatch, name: str, rows: list[dict]) -> list[dict]:
+    """z-lab's own `load_and_process_dataset(name)` on `rows`, offline: `datasets.load_dataset` hands them over
+    once z-lab asked for our benchmark's dataset, config and split."""
+    import datasets
+
+    bench = BENCHMARKS[name]
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: asked.append((args, kwargs)) or rows)
+    samples = zlab.load_and_process_dataset(name)
+    assert asked == [((bench.dataset, bench.config) if bench.config else (bench.dataset,), {"split": bench.split})]
+    return samples
+
+
+SYNTHETIC_ROWS = {"gsm8k": [{"question": f"Tom has {i} apples.", "answer": str(i)} for i in range(40)],
+                  "math500": [{"problem": f"Find ${i}x$.", "solution": "x", "answer": "1"} for i in range(40)],
+                  "mbpp": [{"prompt": f"Write function {i}.", "task_id": i} for i in range(40)]}
+
+
+def benchmark_rows_for(name: str) -> list[dict]:
+    """The real rows of the benchmarks that ship offline; rows of the hub's shape for the others."""
+    return {"humaneval": humaneval_rows, "mt-bench": mtbench_rows}.get(name, lambda: SYNTHETIC_ROWS[name])()
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_prompts_are_built_by_zlabs_own_code_the_same(zlab_benchmark, monkeypatch, name):
+    """z-lab's `load_and_process_dataset` on the same rows gives the same turns, in the same order."""
+    rows = benchmark_rows_for(name)
+    ours = [p.turns for p in build_prompts(BENCHMARKS[name], rows)]
+    assert ours == [tuple(sample["turns"]) for sample in zlab_samples(zlab_benchmark, monkeypatch, name, rows)]
+
+
+@pytest.mark.parametrize("name", ["humaneval", "mt-bench", "gsm8k"])
+def test_samples_are_chosen_as_zlabs_own_code_chooses_them(zlab_benchmark, monkeypatch, name):
+    """z-lab's `_select_dataset` (every path of PyPI dflash 0.1.0: the rows shuffled by random.Random(42), the
+    first N) on the same samples picks ours, N below, at and past the row count and N unset; its engine path
+    (`_run_openai`: N + concurrency with repeats, the first N benchmarked) too while N fits the rows."""
+    rows = benchmark_rows_for(name)
+    prompts = build_prompts(BENCHMARKS[name], rows)
+    samples = zlab_samples(zlab_benchmark, monkeypatch, name, rows)
+    total = len(rows)
+    for count in (1, 3, 32, total - 1, total, total + 5, None):
+        chosen = zlab_benchmark._select_dataset(samples, count)
+        assert [p.turns for p in select(prompts, count)] == [tuple(s["turns"]) for s in chosen], count
+    for count, concurrency in ((1, 1), (3, 4), (32, 8), (total, 2)):
+        served = zlab_benchmark._select_dataset(samples, count + concurrency, repeat=True)[:count]
+        assert [p.turns for p in select(prompts, count)] == [tuple(s["turns"]) for s in served], count
 
 
 def test_gsm8k_from_a_local_copy(tmp_path):

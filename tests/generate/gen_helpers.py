@@ -3,9 +3,11 @@
 The proxy is our own loopback aiohttp app in a background thread. It forwards to an upstream
 server and, per prompt, injects the faults named by a marker in the prompt text:
 `[500]` (one HTTP 500), `[trunc]` (one 200 with truncated JSON), `[slow]` (one response held past
-the client's timeout), `[poison]` (HTTP 500 every time). It counts what it forwarded. Started with a
-`key`, it is a gateway that reads one from the URL: every request without `?api_key=KEY` gets HTTP
-401 (counted in `refused`). Its router answers 404 to any other path, as a real server does.
+the client's timeout), `[poison]` (HTTP 500 every time). It counts what it forwarded and the chat requests
+it received. Started with a `key`, it is a gateway that reads one as vLLM's and SGLang's `--api-key` do:
+every request without `Authorization: Bearer KEY` gets HTTP 401 (counted in `refused`); a request whose
+URL still carries an `api_key` is counted in `keys_in_url`. Its router answers 404 to any other path,
+as a real server does.
 """
 from __future__ import annotations
 
@@ -75,6 +77,14 @@ def launcher_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def run_launcher(profile_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`launcher.py generate --profile P --skip-preflight --no-progress EXTRA...` to its end (`env` added)."""
+    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path),
+            "--skip-preflight", "--no-progress", *extra]
+    return subprocess.run(argv, cwd=REPO_ROOT, env={**launcher_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
 @pytest.fixture(scope="module")
 def served_tiny_model(tiny_qwen3_target):
     """A real `transformers serve` on 127.0.0.1 serving the tiny Qwen3; yields its base URL."""
@@ -97,6 +107,8 @@ class FaultProxy:
     key: str | None = None
     forwarded: int = 0
     refused: int = 0
+    chat_requests: int = 0
+    keys_in_url: int = 0
     injected: dict[str, int] = field(default_factory=dict)
     url: str = ""
     _seen: dict[str, int] = field(default_factory=dict)
@@ -142,10 +154,11 @@ def _serve_proxy(proxy: FaultProxy, loop: asyncio.AbstractEventLoop, ready: thre
     session: aiohttp.ClientSession | None = None
 
     def unauthorized(request: web.Request) -> web.Response | None:
-        if proxy.key is None or request.query.get("api_key") == proxy.key:
+        proxy.keys_in_url += "api_key" in request.query
+        if proxy.key is None or request.headers.get("Authorization") == f"Bearer {proxy.key}":
             return None
         proxy.refused += 1
-        return web.Response(status=401, text='{"error": "invalid or missing api_key"}', content_type="application/json")
+        return web.Response(status=401, text='{"error": "Unauthorized"}', content_type="application/json")
 
     async def forward(request: web.Request) -> web.Response:
         refusal = unauthorized(request)
@@ -158,6 +171,7 @@ def _serve_proxy(proxy: FaultProxy, loop: asyncio.AbstractEventLoop, ready: thre
                                 content_type="application/json")
 
     async def chat(request: web.Request) -> web.Response:
+        proxy.chat_requests += 1
         refusal = unauthorized(request)
         if refusal is not None:
             return refusal

@@ -3,7 +3,8 @@
 Covers: a normal managed run; the client SIGKILLed and resumed; the server SIGKILLed and
 restarted; faults (500s, truncated JSON, timeouts) retried or recorded; `--retry-failed`; several
 endpoints sharing load with a dead one taken out of rotation; a key in an endpoint's query string
-sent with every request; a run whose every request failed is exit 5; malformed endpoints exit 2.
+sent as a bearer header, a refused one exit 2 before any prompt; a run whose every request failed is
+exit 5, and one whose first requests fail the same way stops early; malformed endpoints exit 2.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections import Counter
 
 import psutil
 import pytest
-from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, write_profile, write_prompts
+from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, run_launcher, write_profile, write_prompts
 
 from dflash.generate import generate_from_profile
 from launcher_core.manifest import read_manifest
@@ -189,55 +190,94 @@ def test_continuous_batching_server_serves_only_the_first_max_prompts(tmp_path, 
 KEY = "k3yInTheUrl0123"
 
 
-def run_launcher(profile_path, *extra):
-    argv = [sys.executable, str(REPO_ROOT / "launcher.py"), "generate", "--profile", str(profile_path),
-            "--skip-preflight", "--no-progress", *extra]
-    return subprocess.run(argv, cwd=REPO_ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
-
-
-def test_a_key_in_the_endpoint_query_goes_with_every_request(tmp_path, tiny_qwen3_target, served_tiny_model,
-                                                            fault_proxy_factory):
-    """`--endpoint http://HOST:PORT/v1?api_key=KEY` against a gateway that wants the key on every request and
-    answers 404 off its paths: the query goes to /v1/chat/completions (and /health, /v1/models), not into
-    the path (`/v1?api_key=KEY/v1/chat/completions`); the key is printed and written nowhere."""
+def test_a_key_in_the_endpoint_query_goes_as_a_bearer_header(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                              fault_proxy_factory):
+    """`--endpoint http://HOST:PORT/v1?api_key=KEY` against a gateway that reads `Authorization: Bearer KEY` (as
+    vLLM's and SGLang's --api-key do) and answers 404 off its paths: the key leaves the URL for the header, the
+    rest of the query stays on every request; the key is printed and written nowhere."""
     gateway = fault_proxy_factory(served_tiny_model, key=KEY)
     prompts = tmp_path / "prompts.jsonl"
     ids = write_prompts(prompts, 4)
     profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts, retries=0)
-    done = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}")
+    done = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}&tenant=a")
     assert done.returncode == 0, done.stderr
     assert "completed 4, failed 0" in done.stdout
-    assert (gateway.forwarded, gateway.refused) == (4, 0)
+    assert (gateway.forwarded, gateway.refused, gateway.keys_in_url) == (4, 0, 0)
     assert sorted(read_output_ids(tmp_path / "run" / "completions.jsonl")) == ids
     assert KEY not in done.stdout + done.stderr
     assert all(KEY not in path.read_text() for path in (tmp_path / "run").rglob("*") if path.is_file())
 
 
-def test_every_request_failing_is_exit_5_not_a_quiet_success(tmp_path, tiny_qwen3_target, served_tiny_model,
-                                                            fault_proxy_factory):
-    """A wrong key: the gateway answers 401 to every request. The run ends with exit 5 naming the first
-    failure and the failures file (the key masked), and the manifest says failed; with the right key
-    `--retry-failed` then completes them all."""
+def test_a_refused_key_is_exit_2_before_any_prompt_is_sent(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                          fault_proxy_factory):
+    """A wrong key: the gateway answers 401 to the start-up probe of /v1/models. Exit 2 with one line naming the
+    endpoint (the key masked) and where the key came from; no chat request reaches the gateway, no record is
+    written; with the right key the same command completes them all."""
     gateway = fault_proxy_factory(served_tiny_model, key=KEY)
     prompts = tmp_path / "prompts.jsonl"
     ids = write_prompts(prompts, 3)
     profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts, retries=1)
     wrong = "wr0ngK3yValue99"
     failed = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={wrong}")
+    assert failed.returncode == 2, failed.stderr
+    assert (f"error: --endpoint {gateway.url}: the server refused the API key from ?api_key= (HTTP 401 on "
+            "/v1/models); no prompt was sent.") in failed.stderr
+    assert "Traceback" not in failed.stderr and wrong not in failed.stdout + failed.stderr
+    assert (gateway.chat_requests, gateway.refused) == (0, 1)
+    output = tmp_path / "run" / "completions.jsonl"
+    assert not output.exists() or output.read_text() == ""
+    assert not (tmp_path / "run" / "generate" / "failures.jsonl").exists()
+    assert read_manifest(tmp_path / "run")["stages"]["generate"]["state"] == "failed"
+    again = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}")
+    assert again.returncode == 0, again.stderr
+    assert sorted(read_output_ids(output)) == ids
+
+
+def test_every_request_failing_is_exit_5_not_a_quiet_success(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                            fault_proxy_factory):
+    """A server that answers HTTP 500 to every prompt (3 of them: fewer than the early stop's bound): the run ends
+    with exit 5 naming the first failure and the failures file, and the manifest says failed."""
+    gateway = fault_proxy_factory(served_tiny_model)
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3, markers={i: "[poison]" for i in range(3)})
+    profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tmp_path / "run", prompts, retries=1)
+    failed = run_launcher(profile_path, "--endpoint", gateway.url)
     assert failed.returncode == 5, failed.stderr
     failures = tmp_path / "run" / "generate" / "failures.jsonl"
-    assert (f"error: every request failed: 3 of 3 prompt(s) sent, no completion (the first failure: HTTP 401: "
-            f'{{"error": "invalid or missing api_key"}}); each prompt\'s reason is in {failures}') in failed.stderr
+    assert (f"error: every request failed: 3 of 3 prompt(s) sent, no completion (the first failure: HTTP 500: "
+            f"injected internal error); each prompt's reason is in {failures}") in failed.stderr
     assert "rerun with --retry-failed" in failed.stderr and "Traceback" not in failed.stderr
-    assert wrong not in failed.stdout + failed.stderr and gateway.forwarded == 0
     stage = read_manifest(tmp_path / "run")["stages"]["generate"]
     assert stage["state"] == "failed" and stage["failed"] == 3 and "every request failed" in stage["error"]
     assert len(failures.read_text().splitlines()) == 3
-    again = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}", "--retry-failed")
-    assert again.returncode == 0, again.stderr
-    assert "completed 3, failed 0" in again.stdout
-    assert sorted(read_output_ids(tmp_path / "run" / "completions.jsonl")) == ids
-    assert read_manifest(tmp_path / "run")["stages"]["generate"]["state"] == "done"
+
+
+def test_the_first_requests_failing_the_same_way_stop_the_run(tmp_path, tiny_qwen3_target, served_tiny_model,
+                                                             fault_proxy_factory):
+    """20 prompts a server answers with the same HTTP 500: with one endpoint the run stops once the first 3 have
+    failed for good (exit 5, naming the error); the other 17 are not recorded as failed, a rerun sends them.
+    With two endpoints (two gateways to the server) it takes 6: one bad endpoint of several must not stop a run."""
+    from dflash.generate.workers import early_stop_bound
+
+    gateways = [fault_proxy_factory(served_tiny_model), fault_proxy_factory(served_tiny_model)]
+    for endpoints in ([gateways[0].url], [gateway.url for gateway in gateways]):
+        bound = early_stop_bound(len(endpoints))
+        run_dir = tmp_path / f"run{len(endpoints)}"
+        prompts = tmp_path / "prompts.jsonl"
+        write_prompts(prompts, 20, markers={i: "[poison]" for i in range(20)})
+        profile_path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, run_dir, prompts, retries=0,
+                                     concurrency=2)
+        sent_before = sum(gateway.chat_requests for gateway in gateways)
+        failed = run_launcher(profile_path, *[arg for url in endpoints for arg in ("--endpoint", url)])
+        assert failed.returncode == 5, failed.stderr
+        failures = run_dir / "generate" / "failures.jsonl"
+        assert (f"error: stopped early: the first {bound} requests all failed the same way (HTTP 500: injected "
+                f"internal error); the other {20 - bound} prompt(s) are left for a rerun, the failed ones are in "
+                f"{failures}.") in failed.stderr
+        assert len(failures.read_text().splitlines()) == bound == 3 * len(endpoints)
+        sent = sum(gateway.chat_requests for gateway in gateways) - sent_before
+        assert bound <= sent < bound + 2      # at most one more was in flight
+        assert read_manifest(run_dir)["stages"]["generate"]["state"] == "failed"
 
 
 @pytest.mark.parametrize("endpoint, shown", [

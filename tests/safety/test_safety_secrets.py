@@ -60,7 +60,7 @@ def test_a_generate_run_and_its_crash_write_no_planted_secret(tmp_path, served_t
     profile = write_generate_profile(tmp_path / "p.toml", tiny_qwen3_target, run_dir, tmp_path / "prompts.jsonl",
                                      request_timeout_s=5.0, retries=0)
     host = served_tiny_model.removeprefix("http://")
-    endpoints = [f"http://user:{TOKEN}@{host}/v1?api_key={KEY}", f"http://admin:{PASSWORD}@{host}"]
+    endpoints = [f"http://user:{TOKEN}@{host}/v1", f"http://admin:{PASSWORD}@{host}", f"http://{host}/v1?api_key={KEY}"]
     argv = ["generate", "--profile", str(profile), "--run-dir", str(run_dir), "--skip-preflight", "--no-progress",
             *(item for url in endpoints for item in ("--endpoint", url))]
     env = {**launcher_env(), "DFLASH_CACHE": str(private_cache), "HF_TOKEN": ENV_TOKEN}
@@ -85,5 +85,5 @@ def test_a_generate_run_and_its_crash_write_no_planted_secret(tmp_path, served_t
     assert len(reports) == 1 and "in crash" in reports[0].read_text() and REDACTED in reports[0].read_text()
     assert files_holding(run_dir, PLANTED) == {} and files_holding(private_cache, PLANTED) == {}
     assert files_holding(tmp_path, PLANTED) == {}            # the control: planting works, the grep finds them
-    (tmp_path / "planted.txt").write_text(endpoints[0])
-    assert files_holding(tmp_path, PLANTED) == {str(tmp_path / "planted.txt"): [TOKEN, KEY]}
+    (tmp_path / "planted.txt").write_text("\n".join(endpoints))
+    assert files_holding(tmp_path, PLANTED) == {str(tmp_path / "planted.txt"): [TOKEN, KEY, PASSWORD]}
