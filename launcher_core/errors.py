@@ -24,13 +24,15 @@ EXIT_MEANINGS: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_FAIL: "the audit found a FAIL (`--force` runs anyway); `probe`: a memory regression (\"bad\" for `git bisect run`)",
     EXIT_USAGE: "bad command line, profile or input file: one line names the file, the key or flag, the value and what is "
-                "valid; also a refused output path (docs/data.md) and a run directory in use by another run",
+                "valid; also a refused output path (docs/data.md), a run directory in use by another run, and an "
+                "endpoint that refuses `generate`'s API key (at its start-up probe, before any prompt is sent)",
     EXIT_WARN_STRICT: "`audit --strict` found a WARN (and no FAIL)",
     EXIT_DATA: "the data is unusable or damaged (too many degenerate samples; `train --resume` when no checkpoint is "
                "whole; a training step whose loss is not finite, or more than train.max_skipped_steps steps in a "
                "row without a supervised position: the run stops before saving it)",
     EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
-              "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed",
+              "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed, "
+              "or its first requests all failed the same way (it stops early)",
     EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate, or the gate cannot decide (too few prompts, "
                  "no per-step figures from the engine: undecided never passes; docs/eval.md)",
     EXIT_NODE: "the node, not the input: a full disk (`disk full: writing X to PATH needs about N bytes; M free`), a "
