@@ -37,8 +37,8 @@ def latest(run_dir: Path) -> str:
 def test_a_kill_during_an_async_save_leaves_latest_whole_and_resume_finishes(tmp_path, tiny_qwen3_target):
     run_dir = tmp_path / "run"
     profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "dataset"), run_dir,
-                            max_steps=STEPS, save_every_steps=2, drafter=WIDE_DRAFTER)
-    process = start_train(profile, run_dir)
+                            max_steps=STEPS, save_every_steps=2, keep_checkpoints=0, drafter=WIDE_DRAFTER)
+    process = start_train(profile, run_dir)                     # every checkpoint kept: each is read below
     wait_for_ranks(run_dir)
     staging = wait_for_save(checkpoints(run_dir), 4)
     wait_for(lambda: (checkpoints(run_dir) / staging / DCP_DIR).is_dir(), 60, "the shards' folder")

@@ -323,7 +323,7 @@ def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_da
     machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
     profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir,
                                              machine=machine, max_steps=3, rank_start="command", drafter=DATA_VOCAB)))
-    prepare_run_dir(profile, TrainPaths(run_dir), resume=False, force=False)
+    prepare_run_dir(profile, TrainPaths(run_dir), resume=False, start_over=False)
     argv, env = build_torchrun_command(profile, run_dir)
     assert argv[argv.index("-m", 3) + 1] == "dflash.train.rank.worker" and "--start-method" not in argv
     agents = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
