@@ -110,9 +110,18 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
     assert draft_vocab.tolist() == list(range(1000, 1050))      # DATA_VOCAB: every token the data has
     assert load_file(str(checkpoints / "step-24" / "model.safetensors"))["draft_vocab"].tolist() == draft_vocab.tolist()
     assert (checkpoints / "latest").read_text().strip() == "step-24"
-    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"config.json", "training_state.pt", "dcp"}
-    assert {p.name for p in (checkpoints / "step-24").iterdir()} == {"model.safetensors", "config.json",
-                                                                     "training_state.pt", "dcp"}     # the last one
+    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"config.json", "training_state.pt",
+                                                                                "training_data.json", "dcp"}
+    assert {p.name for p in (checkpoints / "step-24").iterdir()} == {"model.safetensors", "config.json", "training_state.pt",
+                                                                     "training_data.json", "dcp"}     # the last one
+    # each checkpoint carries the record of the data it was trained on (eval's mode check reads it; this
+    # dataset of bare token rows has no meta, so no rendering is known)
+    profile, _ = trained
+    record = json.loads((run_dir / "train" / "training_data.json").read_text())
+    assert record == {"dataset": profile.paths.dataset, "meta": f"{profile.paths.dataset}/dflash_meta.json",
+                      "rendering": None}
+    assert all(json.loads((checkpoints / step / "training_data.json").read_text()) == record
+               for step in (f"step-{RESUME_STEP}", "step-24"))
     assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}" / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert stage["state"] == "done" and stage["steps"] == 24

@@ -38,6 +38,7 @@ from launcher_core.redact import redact_argv, redact_env
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
+    from dflash.data.rendering import TrainingDataRecord
     from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.plan import Plan
     from dflash.train.supervisor.heartbeat import Stall
@@ -180,12 +181,14 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), *map(shlex.quote, redact_argv(argv))])
 
 
-def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, start_over: bool) -> None:
+def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, start_over: bool,
+                    data: TrainingDataRecord | None = None) -> None:
     """Refuse to overwrite checkpoints unless resuming; `start_over` moves the old train/ aside (kept as
-    train.prev-<time>). The caller holds the run directory's lock (launcher_core.runlock), so no live run is moved."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+    train.prev-<time>). The caller holds the run directory's lock (launcher_core.runlock), so no live run is moved.
+    Writes the resolved profile and the training data's rendering record the ranks copy into each checkpoint."""
+    from dflash.drafter.checkpoint import TRAINING_DATA, checkpoints_dir
     from dflash.train.supervisor.heartbeat import ranks_dir
-    from launcher_core.fileio import write_text_atomic
+    from launcher_core.fileio import write_json_atomic, write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
     if has_checkpoints and not resume:
@@ -198,10 +201,22 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, start_
             shutil.rmtree(folder)
     (paths.train_dir / "stopped.json").unlink(missing_ok=True)
     write_text_atomic(paths.profile_json, profile_to_json(profile))
+    write_json_atomic(paths.train_dir / TRAINING_DATA, data if data is not None else training_data(profile))
 
 
 PREVIOUS_TRAIN = "train.prev-"      # where --start-over moves an earlier train/ (the same disk: it still fills it)
 SKIP_FLAG = "--skip-resource-checks"
+
+
+def training_data(profile: Profile) -> TrainingDataRecord:
+    """The dataset's path and rendering record (dflash.data.rendering), which prepare_run_dir writes into
+    train/training_data.json, rank 0 copies into every checkpoint and export into an exported drafter, for eval's
+    mode check. InputError naming the file and field when the dataset's meta is damaged."""
+    from dflash.data.dataset_io import META_NAME
+    from dflash.data.rendering import training_data_record
+    from launcher_core.profile import expand_path
+
+    return training_data_record(expand_path(profile, profile.paths.dataset) / META_NAME)
 
 
 def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path, *, resume: bool = False) -> None:
@@ -270,6 +285,7 @@ def run_training(profile: Profile, *, run_dir: str | Path, start_over: bool = Fa
 
     paths = TrainPaths(Path(run_dir).resolve())
     facts = validate_profile_for_launch(profile)
+    data = training_data(profile)           # a damaged dataset meta: InputError before anything is moved
     allocator = rank_allocator(profile, {**os.environ, **(extra_env or {})})     # ConfigError before anything starts
     if profile.machine.device == "cuda":
         print(f"allocator: {allocator.describe()}", flush=True)
@@ -283,7 +299,7 @@ def run_training(profile: Profile, *, run_dir: str | Path, start_over: bool = Fa
         if not skip_resource_checks:
             check_checkpoint_disk(profile, plan[0], paths.run_dir, resume=resume)
             check_host_ram(profile, plan[0])
-        prepare_run_dir(profile, paths, resume=resume, start_over=start_over)
+        prepare_run_dir(profile, paths, resume=resume, start_over=start_over, data=data)
         write_plan(paths.run_dir, *plan)
         for restart in range(oom_restart_limit(profile) + 1):
             if restart:         # after an OOM: the checkpoint to resume, verified again (a save may have been cut)
