@@ -41,7 +41,7 @@ def write_run_profile(scratch: Path, target: Path, dataset: Path, steps: int, ev
 
     name = "async" if asynchronous else "sync"
     return write_profile(scratch / f"{name}.toml", target, dataset, scratch / name, max_steps=steps,
-                         save_every_steps=every, async_save=asynchronous,
+                         save_every_steps=every, async_save=asynchronous, keep_checkpoints=0,   # step-{every} read
                          drafter={"num_layers": 2, "target_layer_ids": [1, 2], "num_attention_heads": heads,
                                   "num_key_value_heads": heads, "head_dim": 128})
 

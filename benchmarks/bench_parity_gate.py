@@ -631,7 +631,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     gather.add_argument("--run-dir", required=True, help="a finished pipeline run of the profile")
     gather.add_argument("--profile", default="cpu-demo")
     gather.add_argument("--final", default="", help="the final drafter (default: the pipeline's choice)")
-    gather.add_argument("--early-step", type=int, default=50, help="the early checkpoint's step")
+    gather.add_argument("--early-step", type=int, default=50,
+                        help="the early checkpoint's step (kept only by a run with train.keep_checkpoints = 0: "
+                             "retention keeps the newest 3 and the best by default)")
     gather.add_argument("--sliding", default="", help="a sliding-window drafter's checkpoint")
     gather.add_argument("--weak", default="", help="the weak drafter the dead one replaces (default: the early one)")
     gather.add_argument("--prompts", default=",".join(PROMPT_FILES), help="prompt files, comma-separated")

@@ -140,8 +140,8 @@ def _train(ctx: PipelineContext) -> str:
 
     state = read_manifest(ctx.run_dir)["stages"].get("train", {}).get("state")
     has_checkpoint = bool(step_directories(checkpoints_dir(ctx.run_dir)))   # whole or not: train --resume verifies
-    resume, force = train_mode(state, has_checkpoint, "train" in ctx.redo)
-    run_training(ctx.profile, run_dir=ctx.run_dir, resume=resume, force=force)
+    resume, start_over = train_mode(state, has_checkpoint, "train" in ctx.redo)
+    run_training(ctx.profile, run_dir=ctx.run_dir, resume=resume, start_over=start_over)    # the disk and RAM checks run
     entry = read_manifest(ctx.run_dir)["stages"].get("train", {})
     if entry.get("state") != "done":
         raise ConfigError(f"training stopped before the end (step {entry.get('stopped_at_step', '?')}); "
@@ -150,7 +150,7 @@ def _train(ctx: PipelineContext) -> str:
 
 
 def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[bool, bool]:
-    """(resume, force) for run_training: continue an unfinished run from its checkpoint; start
+    """(resume, start_over) for run_training: continue an unfinished run from its checkpoint; start
     over (the old train/ moved aside) when a finished run is stale or `--redo` asks for it."""
     resume = has_checkpoint and state != "done" and not redo
     return resume, has_checkpoint and not resume

@@ -250,8 +250,9 @@ class TrainSection:
                                     Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"))
     async_save: bool = key(True, "checkpoint shards written by a thread while the ranks train on "
                                  "(DCP async_save; dflash.train.rank.checkpointing)")
-    keep_checkpoints: int = key(0, "the newest N checkpoints kept, with the best by held-out tau and the latest "
-                                   "(dflash.train.rank.retention)", Range(0, 10**6, zero="every checkpoint kept"))
+    keep_checkpoints: int = key(3, "the newest N checkpoints kept, with the best by held-out tau and the latest "
+                                   "(dflash.train.rank.retention): at most N + 2 on disk, which train holds against "
+                                   "the free disk before it starts", Range(0, 10**6, zero="every checkpoint kept"))
     log_every_steps: int = key(10, "a metrics line every N steps", Range(1, 10**9))
     max_restarts: int = key(0, "torchrun --max-restarts", Range(0, 1000))
     rank_start: Literal["forkserver", "command"] = key(

@@ -1,6 +1,7 @@
 """`launcher.py export CKPT --for sglang|vllm|reference [-o DIR] [--target DIR] [--full-vocab] [--sglang-version V]`.
 
-Writes a drafter directory (config.json + model.safetensors) in the format the engine reads:
+Writes a drafter directory (config.json + model.safetensors, and training_data.json: the record of the data it
+was trained on, which eval's mode check reads) in the format the engine reads:
 plain RoPE keys at the top level, dflash_config / block_size / num_target_layers / architectures,
 and the draft vocabulary converted where the engine can hold it, refused where it cannot
 (`--full-vocab` drops it, with the consequence printed). See docs/train.md, "Exporting".
@@ -8,7 +9,11 @@ and the draft vocabulary converted where the engine can hold it, refused where i
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from dflash.data.rendering import TrainingDataRecord
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
 
@@ -39,11 +42,23 @@ def run(args: argparse.Namespace) -> int:
     version = (args.sglang_version or installed_version("sglang")) if args.engine == "sglang" else None
     result = export_drafter(Path(args.checkpoint), args.engine, output, full_vocab=args.full_vocab,   # refusals: there
                             target=Path(args.target) if args.target else None, force=args.force, flag="-o",
-                            sglang_version=version)
+                            sglang_version=version, training_data=run_training_data(checkpoint))
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.directory} (for {args.engine})")
     return 0
+
+
+def run_training_data(checkpoint: Path) -> Optional[TrainingDataRecord]:
+    """For a checkpoint that carries no record of its training data (written before it): the record of the dataset
+    its run's train/profile.json names (dflash.eval.mode.trained_dataset); None when it names none."""
+    from dflash.data.dataset_io import META_NAME
+    from dflash.data.rendering import training_data_record
+    from dflash.drafter.checkpoint import TRAINING_DATA
+    from dflash.eval.mode import trained_dataset
+
+    found = None if (checkpoint / TRAINING_DATA).is_file() else trained_dataset(checkpoint)
+    return None if found is None else training_data_record(found[0] / META_NAME)
 
 
 def installed_version(distribution: str) -> Optional[str]:

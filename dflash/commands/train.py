@@ -16,8 +16,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_option(parser)
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: the profile's paths.run_dir)")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--start-over", action="store_true",
+                        help="start over where the run directory holds checkpoints (the old train/ is kept as "
+                             "train.prev-<time>, on the same disk)")
     parser.add_argument("--force", action="store_true",
-                        help="train even if the preflight audit FAILs; start over when checkpoints exist")
+                        help="train even if the preflight audit FAILs, and --start-over; the disk and RAM checks "
+                             "still run")
+    parser.add_argument("--skip-resource-checks", action="store_true",
+                        help="train even where the run's checkpoints do not fit the free disk or its ranks' start "
+                             "does not fit the node's RAM")
     parser.add_argument("--skip-preflight", action="store_true", help="do not run the preflight audit at all")
     parser.add_argument("--print-command", action="store_true",
                         help="print the memory plan and the torchrun command (per node) and exit; starts nothing")
@@ -47,17 +54,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with run_lock(run_dir, "train"):              # one run per directory, from the preflight on
         if not args.skip_preflight:
-            _preflight(profile, run_dir, force=args.force, plan=plan)
-        return run_training(profile, run_dir=run_dir, force=args.force, resume=args.resume, plan=(plan, inputs))
+            _preflight(profile, run_dir, force=args.force, plan=plan, ram=not args.skip_resource_checks)
+        return run_training(profile, run_dir=run_dir, start_over=args.start_over or args.force, resume=args.resume,
+                            skip_resource_checks=args.skip_resource_checks, plan=(plan, inputs))
 
 
-def _preflight(profile: Profile, run_dir: Path, *, force: bool, plan: Plan) -> None:
-    """The audit stops the run on any FAIL (its findings printed), unless --force; it holds the node's RAM
-    against the host RAM the plan's ranks need at start (dflash.memory.host_ram)."""
+def _preflight(profile: Profile, run_dir: Path, *, force: bool, plan: Plan, ram: bool) -> None:
+    """The audit stops the run on any FAIL (its findings printed), unless --force; with `ram` (no
+    --skip-resource-checks) it holds the node's RAM against the host RAM the plan's ranks need at start
+    (dflash.memory.host_ram)."""
     from dflash.memory.host_ram import host_ram_at_start
     from envcheck.checks import RamNeed
     from envcheck.preflight import run_preflight
 
     need = host_ram_at_start(profile, plan)
     run_preflight(profile, force=force, run_dir=run_dir,
-                  ram_at_start=RamNeed(need.node_mib, f"{need.ranks} x ({need.terms()})"))
+                  ram_at_start=RamNeed(need.node_mib, f"{need.ranks} x ({need.terms()})") if ram else None)

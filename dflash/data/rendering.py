@@ -5,13 +5,22 @@ own `chat_template_kwargs`, else on when a turn has reasoning, else `generate.th
 dflash.data.render) and the generation settings the record's `sampling` says it was generated with.
 eval renders its prompts in the same mode and refuses another one (dflash.eval.mode): a drafter
 trained on thinking-off text and served thinking on (or the reverse) loses most of its acceptance.
+
+The training data's record (`TrainingDataRecord`: the dataset, its meta, the block) goes with the drafter:
+`train` writes it into its run (train/training_data.json), rank 0 copies it into every checkpoint and
+`export` into the exported drafter, so eval compares with the data the drafter was trained on wherever it
+is moved. A block that is there but damaged (not JSON, a field of the wrong type) is an InputError naming
+the file and the field: never taken for a dataset without one.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Mapping, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, TypedDict, cast
+
+from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,6 +36,12 @@ class RenderingBlock(TypedDict):
     records_by_thinking: dict[str, int]     # {"on": n, "off": m}
     generation: dict[str, list[object]]     # each GENERATION_KEYS key's distinct values in the records' `sampling`
     records_without_sampling: int           # records that carry no `sampling` (not from `generate`)
+
+
+class TrainingDataRecord(TypedDict):
+    dataset: str                            # the dataset's directory as the run read it
+    meta: str                               # its dflash_meta.json
+    rendering: Optional[RenderingBlock]     # None: the meta is missing or predates the block
 
 
 def thinking_mode(records_by_thinking: Mapping[str, int]) -> ThinkingMode:
@@ -106,3 +121,78 @@ def chat_template_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def short_fingerprint(fingerprint: str) -> str:
     return fingerprint[:8]
+
+
+MODES = ("on", "off", "mixed")
+DAMAGED = "a damaged dataset meta: restore it, or re-run tokenize to write it again"
+
+
+def read_rendering(meta_path: Path) -> Optional[RenderingBlock]:
+    """The meta's `rendering` block; None when the file is missing or has no block (written before it).
+    InputError naming the file and field when it is not JSON or the block is damaged."""
+    from launcher_core.fileio import read_json_object
+
+    if not meta_path.is_file():
+        return None
+    block = read_json_object(meta_path, "a dataset's meta").get("rendering")
+    return None if block is None else checked_rendering(block, f"{meta_path}: rendering")
+
+
+def checked_rendering(block: object, where: str) -> RenderingBlock:
+    """`block` as a RenderingBlock; InputError naming `where` and the field that is wrong."""
+    problem = rendering_problem(block)
+    if problem:
+        raise InputError(f"{where}{problem} ({DAMAGED})")
+    return cast(RenderingBlock, block)
+
+
+def rendering_problem(block: object) -> str:
+    """`.thinking = "maybe"; valid: on, off, mixed` for the first field that is wrong ("" when none is)."""
+    if not isinstance(block, dict):
+        return f" is a JSON {type(block).__name__}, not an object"
+    counts = block.get("records_by_thinking")
+    checks = [("thinking", block.get("thinking") in MODES, "on, off, mixed"),
+              ("chat_template_fingerprint", isinstance(block.get("chat_template_fingerprint"), str), "a string"),
+              ("records_by_thinking", isinstance(counts, dict) and set(counts) <= {"on", "off"}
+               and all(_count(value) for value in counts.values()), '{"on": N, "off": M}, counts of records'),
+              ("generation", isinstance(block.get("generation", {}), dict), "an object of lists"),
+              ("records_without_sampling", _count(block.get("records_without_sampling", 0)), "a count of records")]
+    for name, good, valid in checks:
+        if not good:
+            return f".{name} = {json.dumps(block.get(name))}; valid: {valid}"
+    assert isinstance(counts, dict)
+    if sum(counts.values()) and thinking_mode(counts) != block["thinking"]:
+        return (f'.thinking = "{block["thinking"]}" disagrees with .records_by_thinking = {json.dumps(counts)} '
+                f'("{thinking_mode(counts)}")')
+    return ""
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def training_data_record(meta: Path) -> TrainingDataRecord:
+    """What a drafter carries of the data it was trained on, from the dataset's dflash_meta.json (InputError on a
+    damaged one)."""
+    return {"dataset": str(meta.parent), "meta": str(meta), "rendering": read_rendering(meta)}
+
+
+def read_training_data_record(path: Path) -> TrainingDataRecord:
+    """A drafter's training_data.json; InputError naming the file and field when it is damaged."""
+    from launcher_core.fileio import read_json_object
+
+    document = read_json_object(path, "a drafter's training data record")
+    for key in ("dataset", "meta"):
+        if not isinstance(document.get(key), str):
+            raise InputError(f"{path}: {key} = {json.dumps(document.get(key))}; valid: a path (a damaged record: "
+                             f"export the drafter again from its checkpoint)")
+    block = document.get("rendering")
+    rendering = None if block is None else checked_rendering(block, f"{path}: rendering")
+    return {"dataset": document["dataset"], "meta": document["meta"], "rendering": rendering}
+
+
+def thinking_share(block: RenderingBlock, thinking: bool) -> Optional[float]:
+    """The share of the data's records rendered with `thinking` (None: the block counts no records)."""
+    counts = block["records_by_thinking"]
+    total = sum(counts.values())
+    return counts.get("on" if thinking else "off", 0) / total if total else None

@@ -8,13 +8,15 @@ target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoP
 agreed micro-batch, world size: tensors, numbers, strings and containers only, read back with
 `torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
 `dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
-per rank (dflash.train.rank.checkpointing; they resume at any world size). It is
+per rank (dflash.train.rank.checkpointing; they resume at any world size), and `training_data.json`, the
+record of the data it was trained on (dflash.data.rendering; eval's mode check reads it). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, cast
@@ -35,6 +37,8 @@ INDEX = "model.safetensors.index.json"
 DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.rank.checkpointing)
 CONFIG = "config.json"
 STATE = "training_state.pt"
+TRAINING_DATA = "training_data.json"    # the training data's rendering record (dflash.data.rendering.TrainingDataRecord)
+STEP_DIR = re.compile(r"step-(\d+)")
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 DFLASH2_SHAPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # RoPE types a drafter may use: transformers' Qwen3RotaryEmbedding computes them for us and for
@@ -44,6 +48,18 @@ ROPE_TYPES = ("default", "linear", "yarn")
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "train" / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """The run's whole `step-N` checkpoints by step: config.json, training_state.pt and dcp/.metadata written
+    (what retention, dflash.train.rank.retention, may remove)."""
+    found = {}
+    for path in checkpoints_dir(run_dir).glob("step-*"):
+        match = STEP_DIR.fullmatch(path.name)
+        whole = all((path / name).is_file() for name in (CONFIG, STATE, f"{DCP_DIR}/.metadata"))
+        if match and path.is_dir() and not path.is_symlink() and whole:
+            found[int(match.group(1))] = path
+    return found
 
 
 def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from dflash.drafter.layers import mixes_sliding_and_full, sglang_serving_problems
 from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING
@@ -131,7 +131,8 @@ def _has(document: dict[str, Any], dotted: str) -> bool:
 
 def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: bool = False,
                    target: Optional[Path] = None, force: bool = False, flag: str = "-o",
-                   sglang_version: Optional[str] = None) -> ExportResult:
+                   sglang_version: Optional[str] = None,
+                   training_data: Optional[Mapping[str, Any]] = None) -> ExportResult:
     """Write `output/` (config.json + model.safetensors) for `engine`; see the module docstring.
 
     `output` obeys launcher_core.outputs' rules (ConfigError, exit 2, naming it, before anything
@@ -139,7 +140,9 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     a drafter export; an existing export is replaced only with `force`. `flag` names the output
     in those messages. `sglang_version`: the SGLang that will serve the export (sglang only); a
     drafter whose layers that release would run with other attention than trained is refused,
-    naming the release and the layers."""
+    naming the release and the layers. The checkpoint's record of its training data (training_data.json, the
+    rendering its data was written with: dflash.data.rendering) goes with it, else `training_data` where the caller
+    found one (an older checkpoint's run), so eval compares an exported drafter with the data it was trained on."""
     from safetensors.torch import save_file
 
     from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
@@ -163,8 +166,21 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
         save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
                   metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        _write_training_data(checkpoint, staging, training_data)
         mark_export(staging, engine=engine, checkpoint=str(checkpoint))    # what --force may replace later
     return ExportResult(output, notes)
+
+
+def _write_training_data(checkpoint: Path, staging: Path, found: Optional[Mapping[str, Any]]) -> None:
+    """The checkpoint's training_data.json copied as it is, else `found` written, else nothing (not known)."""
+    import shutil
+
+    from dflash.drafter.checkpoint import TRAINING_DATA
+
+    if (checkpoint / TRAINING_DATA).is_file():
+        shutil.copyfile(checkpoint / TRAINING_DATA, staging / TRAINING_DATA)
+    elif found is not None:
+        (staging / TRAINING_DATA).write_text(json.dumps(dict(found), indent=2) + "\n", encoding="utf-8")
 
 
 def _check_output(output: Path, inputs: list[Path], force: bool, flag: str) -> None:

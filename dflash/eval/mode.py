@@ -4,9 +4,14 @@ dflash.data.rendering). A drafter trained on thinking-off text and asked thinkin
 loses most of its acceptance, so a mismatch is refused (ConfigError, exit 2, both sides named) unless
 `--allow-mode-mismatch` asks to measure it; the report then says "mode mismatch (on purpose)".
 
-The training data: `paths.dataset` of the profile the drafter was trained with (the run's
-`train/profile.json` beside its checkpoints), else `paths.dataset` of the eval's profile. A dataset
-written before the block (or none at all) is not compared: a one-line note says so.
+The training data: the record the drafter carries of it (`training_data.json` in its checkpoint or export,
+written when it was trained: dflash.data.rendering.TrainingDataRecord), else `paths.dataset` of the profile it
+was trained with (the run's `train/profile.json` beside its checkpoints), else `paths.dataset` of the eval's
+profile. A dataset written before the block (or none at all) is not compared: a one-line note says so; a damaged
+meta or record is an InputError (exit 2) naming the file and field.
+
+Data of both modes (`thinking = "mixed"`) is compared per record share: eval's mode is refused only where no
+record of the data was rendered in it, and otherwise accepted with its share stated.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from dflash.data.rendering import RenderingBlock, chat_template_fingerprint, short_fingerprint
+from dflash.data.rendering import RenderingBlock, chat_template_fingerprint, short_fingerprint, thinking_share
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.schema import Profile
 
@@ -34,8 +39,16 @@ class TrainingData:
     meta_path: Path
     found_by: str                       # "paths.dataset in RUN/train/profile.json (the drafter's training run)"
     block: Optional[RenderingBlock]     # None: no such file, or written before the block
+    carried: Optional[Path] = None      # the drafter's own record (training_data.json) it came from
+
+    def label(self) -> str:
+        """The meta, and the drafter's record when the block came from it."""
+        return f"{self.meta_path} (as {self.carried} records it)" if self.carried else str(self.meta_path)
 
     def note(self) -> str:
+        if self.carried is not None:
+            return (f"{self.carried} records no rendering of its training data ({self.meta_path} was missing or "
+                    f"written before the record when it trained): the data's mode is not known and not compared")
         if not self.meta_path.is_file():
             return f"no training data to compare with: {self.meta_path} does not exist ({self.found_by})"
         return (f"{self.meta_path} predates the rendering record (re-run tokenize to write it): the data's mode "
@@ -62,8 +75,17 @@ class RenderMode:
             return f"{line}; {self.data.note() if self.data else 'no training data to compare with'}"
         block = self.data.block
         agrees = "differs from" if self.differences else "matches"
-        return (f"{line}; {agrees} the training data's (thinking {block['thinking']}, chat template "
-                f"{short_fingerprint(block['chat_template_fingerprint'])}: {self.data.meta_path})")
+        return (f"{line}; {agrees} the training data's (thinking {block['thinking']}{self._share(block)}, chat "
+                f"template {short_fingerprint(block['chat_template_fingerprint'])}: {self.data.label()})")
+
+    def _share(self, block: RenderingBlock) -> str:
+        """`: 10% of its records (5 of 52) were rendered thinking off, as eval renders` for mixed data."""
+        share = thinking_share(block, self.thinking)
+        if block["thinking"] != "mixed" or share is None:
+            return ""
+        mode = "on" if self.thinking else "off"
+        count, total = block["records_by_thinking"].get(mode, 0), sum(block["records_by_thinking"].values())
+        return f": {share:.0%} of its records ({count} of {total}) were rendered thinking {mode}, as eval renders"
 
     @property
     def mismatch(self) -> Optional[str]:
@@ -103,9 +125,9 @@ def mode_differences(mode: RenderMode, profile: Profile) -> list[str]:
     """Each difference from the training data's rendering, both sides named."""
     if mode.data is None or mode.data.block is None:
         return []
-    block, meta = mode.data.block, mode.data.meta_path
+    block, meta = mode.data.block, mode.data.label()
     found = []
-    if block["thinking"] != "mixed" and (block["thinking"] == "on") != mode.thinking and mode.template_renders_thinking:
+    if not thinking_in_data(block, mode.thinking) and mode.template_renders_thinking:
         found.append(f"thinking: data {meta} rendering.thinking = \"{block['thinking']}\", eval {mode.asked_by} = "
                      f"{'on' if mode.thinking else 'off'}")
     if block["chat_template_fingerprint"] != mode.template_fingerprint:
@@ -116,6 +138,15 @@ def mode_differences(mode: RenderMode, profile: Profile) -> list[str]:
                      f"{short_fingerprint(block['chat_template_fingerprint'])}, eval {key} of profile {profile.name} "
                      f"({tokenizer_dir_for(profile)}) = {short_fingerprint(mode.template_fingerprint)}")
     return found
+
+
+def thinking_in_data(block: RenderingBlock, thinking: bool) -> bool:
+    """Whether any record of the data was rendered with `thinking` (a share above 0; a block that counts no
+    records: its mode)."""
+    share = thinking_share(block, thinking)
+    if share is None:
+        return block["thinking"] in ("mixed", "on" if thinking else "off")
+    return share > 0
 
 
 def renders_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -131,16 +162,25 @@ def renders_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def training_data(profile: Profile, checkpoint: Path) -> TrainingData:
-    """The dataset of the drafter's training run (its `train/profile.json`), else the profile's."""
+    """The record the drafter carries of its training data, else the dataset of its training run (its
+    `train/profile.json`), else the profile's. InputError naming the file and field when the record or the
+    dataset's meta is damaged."""
     from dflash.data.dataset_io import META_NAME
+    from dflash.data.rendering import read_rendering, read_training_data_record
+    from dflash.drafter.checkpoint import TRAINING_DATA, resolve_checkpoint_dir
     from launcher_core.profile import expand_path
 
+    carried = resolve_checkpoint_dir(Path(checkpoint)) / TRAINING_DATA
+    if carried.is_file():
+        record = read_training_data_record(carried)
+        return TrainingData(Path(record["meta"]), f"{carried}, the record the drafter carries of its training data",
+                            record["rendering"], carried)
     recorded = trained_dataset(checkpoint)
     if recorded is not None:
         path, found_by = recorded
     else:
         path, found_by = expand_path(profile, profile.paths.dataset), f"paths.dataset of profile {profile.name}"
-    return TrainingData(path / META_NAME, found_by, rendering_block(path / META_NAME))
+    return TrainingData(path / META_NAME, found_by, read_rendering(path / META_NAME))
 
 
 def trained_dataset(checkpoint: Path) -> Optional[tuple[Path, str]]:
@@ -183,21 +223,3 @@ def _expanded(template: str, name: str, run_dir: str) -> Optional[Path]:
     except (KeyError, ValueError, IndexError):
         return None
     return path if path.is_absolute() else REPO_ROOT / path
-
-
-def rendering_block(meta_path: Path) -> Optional[RenderingBlock]:
-    """The meta's `rendering` block when it has the keys eval compares; None otherwise (older datasets)."""
-    from typing import cast
-
-    from launcher_core.fileio import read_json_object
-
-    if not meta_path.is_file():
-        return None
-    try:
-        block = read_json_object(meta_path, "a dataset's meta").get("rendering")
-    except InputError:
-        return None
-    if not isinstance(block, dict) or block.get("thinking") not in ("on", "off", "mixed") \
-            or not isinstance(block.get("chat_template_fingerprint"), str):
-        return None
-    return cast(RenderingBlock, block)

@@ -5,8 +5,12 @@ them) and what one OOM restart costs, from the memory plan's figures: `launcher.
 A checkpoint holds the drafter's trainable weights in float32 and AdamW's two float32 states, in the DCP
 shards: 3 x the float32 weights. Only the run's last checkpoint also holds the consolidated
 `model.safetensors` (1 x); the others' weights are read from their shards on demand. With
-`train.keep_checkpoints` N the run holds at most N + 2 at once: the newest N, the best by held-out tau,
-and the one being written before the oldest is removed. With 0 every checkpoint stays.
+`train.keep_checkpoints` N (3 by default) the run holds at most N + 2 at once: the newest N, the best by
+held-out tau, and the one being written before the oldest is removed. With 0 every checkpoint stays: the
+run needs at least one of them and the last's weights, and how many saves fill the disk is said.
+
+A resumed run's own whole checkpoints already fill part of the disk: retention removes them as new ones
+come, so the disk it still needs is what it writes beyond them (`CheckpointDisk.on_disk`).
 
 An OOM restarts every rank from the last checkpoint (dflash.train.supervisor.launch): each reloads the target and the
 run recomputes the steps since that checkpoint, at most train.save_every_steps, and with
@@ -36,6 +40,7 @@ class CheckpointDisk:
     keep: int                   # train.keep_checkpoints (0: every one)
     every_minutes: float = 0.0  # train.save_every_minutes (0: by steps only)
     asynchronous: bool = True   # train.async_save
+    on_disk: int = 0            # the run's own whole checkpoints already there (a resume), which retention removes
 
     @property
     def each_mib(self) -> float:
@@ -52,8 +57,15 @@ class CheckpointDisk:
         return self.keep + 2 if self.keep > 0 else None
 
     @property
-    def need_mib(self) -> Optional[float]:
-        return None if self.held is None else self.held * self.each_mib + self.weights_mib
+    def to_write(self) -> int:
+        """Checkpoints the run adds to the disk at its fullest: with a bound, what it holds beyond its own already
+        there (at least the one being written); with every one kept, at least one."""
+        return max(1, self.held - self.on_disk) if self.held is not None else 1
+
+    @property
+    def need_mib(self) -> float:
+        """Free disk the run needs (with every checkpoint kept: at least this much)."""
+        return self.to_write * self.each_mib + self.weights_mib
 
     def line(self, free: Optional[DiskFacts] = None) -> str:
         when = f"every {self.every_steps} steps" + (f" or {self.every_minutes:g} minutes" if self.every_minutes else "")
@@ -61,21 +73,37 @@ class CheckpointDisk:
         size = (f"checkpoints: {gib(self.each_mib)} each (float32 weight and AdamW shards; the last also "
                 f"{gib(self.weights_mib)} of model.safetensors), {when}, {how}\n  ")
         where = f"; {gib(free.free_mib)} free at {free.path}" if free else ""
-        if self.need_mib is None:
-            saves = f", {int(free.free_mib // self.each_mib)} saves fill it" if free and self.each_mib else ""
-            return f"{size}every one kept (train.keep_checkpoints 0){where}{saves}"
         short = " (DOES NOT FIT: train refuses the run)" if self.problem(free) else ""
+        if self.held is None:
+            saves = f", {int(free.free_mib // self.each_mib)} saves fill it" if free and self.each_mib else ""
+            return f"{size}every one kept (train.keep_checkpoints 0){where}{saves}{short}"
+        own = (f"; {self.on_disk} of the run's own already there, {self.to_write} more = {gib(self.need_mib)}"
+               if self.on_disk else "")
         return (f"{size}at most {self.held} on disk (train.keep_checkpoints {self.keep}, the best by held-out tau, "
-                f"one being written) = {gib(self.need_mib)}{where}{short}")
+                f"one being written) = {gib(self.held * self.each_mib + self.weights_mib)}{own}{where}{short}")
 
     def problem(self, free: Optional[DiskFacts]) -> Optional[str]:
-        """Why the kept checkpoints do not fit the free disk (None: they do, or nothing is known)."""
-        if free is None or self.need_mib is None or self.need_mib <= free.free_mib:
+        """Why the checkpoints the run writes do not fit the free disk (None: they do, or nothing is known)."""
+        if free is None or self.need_mib <= free.free_mib:
             return None
+        return f"{self._needs()} and {free.path} has {gib(free.free_mib)} free; {self._remedy()}"
+
+    def _needs(self) -> str:
+        weights = f"the last's {gib(self.weights_mib)} model.safetensors"
+        if self.held is None:
+            return (f"one checkpoint of the run needs {gib(self.need_mib)} ({gib(self.each_mib)} of shards and "
+                    f"{weights}; train.keep_checkpoints 0 keeps every one)")
+        if self.on_disk:
+            return (f"the resumed run's checkpoints need {gib(self.need_mib)} more ({self.to_write} x "
+                    f"{gib(self.each_mib)} beside the {self.on_disk} of its own already there, which retention "
+                    f"removes as new ones come: train.keep_checkpoints {self.keep}, the best, one being written; "
+                    f"and {weights})")
         return (f"the run's checkpoints need {gib(self.need_mib)} at once ({self.held} x {gib(self.each_mib)}: "
-                f"train.keep_checkpoints {self.keep}, the best, one being written; and the last's "
-                f"{gib(self.weights_mib)} model.safetensors) and {free.path} has {gib(free.free_mib)} free; lower "
-                f"train.keep_checkpoints, free space or move paths.run_dir")
+                f"train.keep_checkpoints {self.keep}, the best, one being written; and {weights})")
+
+    def _remedy(self) -> str:
+        lower = "lower train.keep_checkpoints, " if self.keep > 1 and self.to_write > 1 else ""
+        return f"{lower}free space or move paths.run_dir"
 
 
 @dataclass(frozen=True)
@@ -103,17 +131,20 @@ class RestartCost:
 
 
 def gib(mib: float) -> str:
-    """GiB with one decimal; under 1 GiB in MiB."""
-    return f"{mib / MIB_PER_GIB:,.1f} GiB" if mib >= MIB_PER_GIB else f"{mib:,.0f} MiB"
+    """GiB with one decimal; under 1 GiB in MiB (under 10 MiB with one decimal)."""
+    if mib >= MIB_PER_GIB:
+        return f"{mib / MIB_PER_GIB:,.1f} GiB"
+    return f"{mib:,.1f} MiB" if mib < 10 else f"{mib:,.0f} MiB"
 
 
-def checkpoint_disk(plan: Plan, train: TrainSection) -> CheckpointDisk:
-    """From the plan's per-rank float32 weight and AdamW shards, summed over the ranks."""
+def checkpoint_disk(plan: Plan, train: TrainSection, on_disk: int = 0) -> CheckpointDisk:
+    """From the plan's per-rank float32 weight and AdamW shards, summed over the ranks; `on_disk`: the run's own
+    whole checkpoints already there (a resume)."""
     weights = plan.estimate.drafter_weights * plan.world_size
     states = plan.estimate.optimizer_states * plan.world_size
     return CheckpointDisk(sharded_mib=weights + states, weights_mib=weights, every_steps=train.save_every_steps,
                           keep=train.keep_checkpoints, every_minutes=train.save_every_minutes,
-                          asynchronous=train.async_save)
+                          asynchronous=train.async_save, on_disk=on_disk)
 
 
 def restart_cost(plan: Plan, train: TrainSection, start_s: Optional[float] = None) -> RestartCost:

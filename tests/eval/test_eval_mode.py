@@ -4,7 +4,9 @@ thinking mode or chat template other than the data's is refused (exit 2, both si
 The tiny target carries the real Qwen3 tokenizer, whose template renders the two modes differently."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -197,3 +199,106 @@ def test_the_served_check_renders_in_the_same_mode_and_marks_its_report(setup, t
     from dflash.eval.served import engine_settings
 
     assert engine_settings(profile, EvalOptions(thinking=False)).thinking is False and engine_settings(profile, EvalOptions()).thinking
+
+
+def test_an_exported_drafter_is_held_against_the_data_it_was_trained_on(setup, tiny_qwen3_target, tmp_path, capsys):
+    """The export carries its training data's record (training_data.json: from the checkpoint, or for a
+    checkpoint written before it from its run's train/profile.json): eval of the export elsewhere, with a
+    profile whose own dataset is another one, compares with the trained data's mode and names the record."""
+    root, off, on, meta = setup
+    trained = tmp_path / "run"
+    shutil.copytree(root / "run" / "train" / "checkpoints", trained / "train" / "checkpoints")
+    (trained / "train" / "profile.json").write_text(profile_to_json(load_profile(str(off))))
+    exported = tmp_path / "shipped" / "drafter"
+    assert launcher.main(["export", str(trained / "train" / "checkpoints"), "--for", "reference", "-o",
+                          str(exported)]) == 0
+    record = json.loads((exported / "training_data.json").read_text())
+    assert record["meta"] == str(meta) and record["rendering"]["thinking"] == "off"
+    shutil.rmtree(trained)                                  # the run is gone: the export alone says what it learned
+    thinking_data = tokenize(on, [{**r, "sampling": {"thinking": True}} for r in RECORDS], tmp_path / "on-data")
+    elsewhere = write_profile(tmp_path, "elsewhere", tiny_qwen3_target, True, thinking_data.parent)
+    capsys.readouterr()
+    assert launcher.main(["eval", "--profile", str(elsewhere), "--draft", str(exported)]) == 2
+    err = capsys.readouterr().err
+    assert f'data {meta} (as {exported / "training_data.json"} records it) rendering.thinking = "off"' in err
+    again = tmp_path / "again"
+    assert launcher.main(["export", str(exported), "--for", "vllm", "-o", str(again)]) == 0    # the record goes on
+    assert json.loads((again / "training_data.json").read_text()) == record
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda meta: "{not json", "line 1: not valid JSON"),
+    (lambda meta: {**meta, "rendering": {**meta["rendering"], "thinking": "sometimes"}},
+     'rendering.thinking = "sometimes"; valid: on, off, mixed'),
+    (lambda meta: {**meta, "rendering": {**meta["rendering"], "records_by_thinking": {"on": "3"}}},
+     'rendering.records_by_thinking = {"on": "3"}; valid: {"on": N, "off": M}'),
+    (lambda meta: {**meta, "rendering": {**meta["rendering"], "records_by_thinking": {"on": 3, "off": 0}}},
+     'rendering.thinking = "off" disagrees with .records_by_thinking = {"on": 3, "off": 0} ("on")'),
+])
+def test_a_damaged_meta_is_an_error_naming_the_file_and_field(setup, tmp_path, damage, named):
+    """Not taken for a dataset without a record (which is compared with nothing): eval names the file and the
+    field, and so does train at launch, before anything of a run is written."""
+    from dflash.eval.mode import resolve_render_mode
+    from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
+    from dflash.train.supervisor.launch import training_data
+    from launcher_core.errors import InputError
+
+    root, off, on, meta = setup
+    damaged = shutil.copytree(meta.parent, tmp_path / "damaged")
+    document = damage(json.loads(meta.read_text()))
+    (damaged / META_NAME).write_text(document if isinstance(document, str) else json.dumps(document))
+    profile = load_profile(str(off))
+    profile = dataclasses.replace(profile, paths=dataclasses.replace(profile.paths, dataset=str(damaged)))
+    tokenizer = load_tokenizer(tokenizer_dir_for(profile))
+    with pytest.raises(InputError) as raised:
+        resolve_render_mode(profile, root / "run" / "train" / "checkpoints", tokenizer, thinking=None,
+                            allow_mismatch=False)
+    assert str(raised.value).startswith(f"{damaged / META_NAME}: ") and named in str(raised.value)
+    with pytest.raises(InputError, match=re.escape(named)):
+        training_data(profile)
+
+
+def test_mixed_data_compares_thinking_per_record_share(setup, tiny_qwen3_target, tmp_path):
+    """9 of 10 records rendered thinking on (a turn with reasoning), 1 off: eval in either mode is accepted, its
+    share of the records stated; data with no record in eval's mode is refused (the first test)."""
+    from dflash.eval.mode import resolve_render_mode
+    from dflash.tokenizer import load_tokenizer
+
+    root, off, on, meta = setup
+    reasoning = [{"id": f"m{i}", "messages": [{"role": "user", "content": f"Add {i}."},
+                                              {"role": "assistant", "reasoning_content": "Adding.",
+                                               "content": f"{i + i}."}]} for i in range(9)]
+    mixed = tokenize(off, [*reasoning, RECORDS[0]], tmp_path / "mixed")
+    block = json.loads(mixed.read_text())["rendering"]
+    assert block["thinking"] == "mixed" and block["records_by_thinking"] == {"on": 9, "off": 1}
+    profile = load_profile(str(write_profile(tmp_path, "mixed", tiny_qwen3_target, False, mixed.parent)))
+    tokenizer = load_tokenizer(tiny_qwen3_target)
+    for thinking, share in ((False, "10% of its records (1 of 10) were rendered thinking off"),
+                            (True, "90% of its records (9 of 10) were rendered thinking on")):
+        mode = resolve_render_mode(profile, root / "run" / "train" / "checkpoints", tokenizer, thinking=thinking,
+                                   allow_mismatch=False)
+        assert mode.mismatch is None and f"matches the training data's (thinking mixed: {share}, as eval " \
+                                          f"renders, chat template" in mode.describe()
+
+
+def test_the_drafters_record_comes_first_and_is_checked_as_the_meta_is(setup, tmp_path):
+    """A checkpoint's training_data.json decides, whatever the eval profile's dataset says: a record without a
+    rendering is not compared (a note says so), a damaged one is an error naming the record and the field."""
+    from dflash.eval.mode import resolve_render_mode
+    from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
+    from launcher_core.errors import InputError
+
+    root, off, on, meta = setup
+    step = shutil.copytree(root / "run" / "train" / "checkpoints" / "step-3", tmp_path / "elsewhere" / "step-3")
+    profile = load_profile(str(on))                                  # its dataset is thinking off: not consulted
+    tokenizer = load_tokenizer(tokenizer_dir_for(profile))
+    record = {"dataset": str(tmp_path / "gone"), "meta": str(tmp_path / "gone" / META_NAME), "rendering": None}
+    (step / "training_data.json").write_text(json.dumps(record))
+    mode = resolve_render_mode(profile, step, tokenizer, thinking=None, allow_mismatch=False)
+    assert mode.mismatch is None and f"{step / 'training_data.json'} records no rendering of its training data" \
+        in mode.describe()
+    record["rendering"] = {**json.loads(meta.read_text())["rendering"], "chat_template_fingerprint": 7}
+    (step / "training_data.json").write_text(json.dumps(record))
+    with pytest.raises(InputError, match=re.escape(f"{step / 'training_data.json'}: rendering.chat_template_fingerprint "
+                                                   f"= 7; valid: a string")):
+        resolve_render_mode(profile, step, tokenizer, thinking=None, allow_mismatch=False)

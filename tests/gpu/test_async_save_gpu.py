@@ -39,7 +39,7 @@ def test_checkpoints_on_a_gpu_are_whole_and_their_weights_are_the_shards(asynchr
                                              machine={"nproc_per_node": 1, "device": "cuda", "backend": "nccl",
                                                       "gpu_count": 1},
                                              max_steps=STEPS, save_every_steps=EVERY, async_save=asynchronous,
-                                             drafter=WIDE)))
+                                             keep_checkpoints=0, drafter=WIDE)))     # each checkpoint read below
     assert run_training(profile, run_dir=run_dir) == 0
     checkpoints = run_dir / "train" / "checkpoints"
     for step in range(EVERY, STEPS, EVERY):

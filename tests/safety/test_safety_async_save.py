@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, init_from_drafter, load_drafter, read_sharded_weights, read_weights
+from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, TRAINING_DATA, WEIGHTS, init_from_drafter, load_drafter, read_sharded_weights, read_weights
 from dflash.drafter.verify import verify_checkpoint
 from dflash.train.supervisor.resume import remove_partial_saves
 from tests.safety.runs import finish, kill_session, metrics_steps, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
@@ -37,8 +37,8 @@ def latest(run_dir: Path) -> str:
 def test_a_kill_during_an_async_save_leaves_latest_whole_and_resume_finishes(tmp_path, tiny_qwen3_target):
     run_dir = tmp_path / "run"
     profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "dataset"), run_dir,
-                            max_steps=STEPS, save_every_steps=2, drafter=WIDE_DRAFTER)
-    process = start_train(profile, run_dir)
+                            max_steps=STEPS, save_every_steps=2, keep_checkpoints=0, drafter=WIDE_DRAFTER)
+    process = start_train(profile, run_dir)                     # every checkpoint kept: each is read below
     wait_for_ranks(run_dir)
     staging = wait_for_save(checkpoints(run_dir), 4)
     wait_for(lambda: (checkpoints(run_dir) / staging / DCP_DIR).is_dir(), 60, "the shards' folder")
@@ -61,7 +61,7 @@ def test_a_kill_during_an_async_save_leaves_latest_whole_and_resume_finishes(tmp
     assert not list(checkpoints(run_dir).glob(".step-*"))
     for step in (2, 4, 6):
         folder = checkpoints(run_dir) / f"step-{step}"
-        assert sorted(p.name for p in folder.iterdir()) == sorted([CONFIG, STATE, DCP_DIR])
+        assert sorted(p.name for p in folder.iterdir()) == sorted([CONFIG, STATE, TRAINING_DATA, DCP_DIR])
         assert verify_checkpoint(folder) == []
     last = checkpoints(run_dir) / f"step-{STEPS}"
     whole, sharded = read_weights(last), read_sharded_weights(last / DCP_DIR)

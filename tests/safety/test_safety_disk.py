@@ -256,7 +256,9 @@ def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_f
     CheckpointException holding torch's zip writer's "unexpected pos 704 vs 598"; once the staging
     directory was removed the disk had 2.9 MB free again, more than the 1 MiB the error was held against
     without a checkpoint to measure, and the run ended exit 5 with that error and tracebacks. Judged
-    where the save fails, against what it writes, it is the full disk: exit 7 (EXIT_NODE), one line, nothing written."""
+    where the save fails, against what it writes, it is the full disk: exit 7 (EXIT_NODE), one line, nothing written.
+    `--skip-resource-checks` lets the run start: the launch's disk check would refuse it before any rank (the
+    writer's own handling is what this holds)."""
     from tests.safety.runs import finish, start_train
     from tests.train.conftest import write_dataset, write_profile
 
@@ -264,7 +266,7 @@ def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_f
     run_dir = disk / "run"
     profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
                             max_steps=4, save_every_steps=2, drafter=BIG_DRAFTER)
-    code, out = finish(start_train(profile, run_dir))
+    code, out = finish(start_train(profile, run_dir, "--skip-resource-checks"))     # the check would refuse it first
     line = assert_one_disk_full_line(code, out, run_dir)
     assert needed_bytes(line) > 3 * 2**20 and line.endswith("then no checkpoint was written yet: train again to start over")
     assert list((run_dir / "train" / "checkpoints").iterdir()) == []          # no step, no staging, no `latest`
@@ -286,7 +288,7 @@ def test_a_full_disk_at_the_last_save_keeps_the_previous_checkpoint(small_fs, tm
     run_dir = disk / "run"
     profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
                             max_steps=4, save_every_steps=2, drafter=BIG_DRAFTER)
-    code, out = finish(start_train(profile, run_dir))
+    code, out = finish(start_train(profile, run_dir, "--skip-resource-checks"))
     line = assert_one_disk_full_line(code, out, run_dir)
     assert line.endswith("then the last complete checkpoint is step-2: continue from it with --resume")
     checkpoints = run_dir / "train" / "checkpoints"
@@ -316,30 +318,109 @@ def test_the_preflight_disk_check_reads_the_run_dir_the_command_writes(cli, smal
     assert finding["status"] == "PASS" and f"free disk at {tmp_path / 'profile-run'}" in finding["message"]
 
 
-def test_a_run_whose_kept_checkpoints_do_not_fit_the_disk_is_refused_before_it_starts(small_fs, tmp_path,
-                                                                                     tiny_qwen3_target):
-    """train.keep_checkpoints bounds what the run holds at once (the newest N, the best, one being written):
-    where that is more than the run directory's filesystem has free, the run is refused before any rank
-    starts, naming both figures and what to change (`train --force` skips the check); with every checkpoint
-    kept there is no bound to hold it to."""
-    from dflash.memory.checkpoints import checkpoint_disk
-    from dflash.memory.launch_plan import plan_for_launch, read_inputs
+def test_the_disk_refusal_fires_at_the_default_when_the_checkpoints_do_not_fit(small_fs, tmp_path, tiny_qwen3_target):
+    """train.keep_checkpoints defaults to 3: the run holds at most 5 checkpoints (the newest 3, the best, one being
+    written) and the last's model.safetensors, and a run directory whose disk has less is refused before any rank
+    starts, naming both figures, what to change and the flag that skips the check. With every checkpoint kept
+    (0) the run needs at least one of them: a disk that holds one passes, one that does not is refused."""
     from dflash.train.supervisor.launch import check_checkpoint_disk, run_training
     from launcher_core.errors import PreflightFailed
+
+    profile, plan, disk_model = planned(tmp_path, tiny_qwen3_target, tmp_path / "sizes", drafter=BIG_DRAFTER)
+    assert profile.train.keep_checkpoints == 3 and disk_model.held == 5
+    each, weights = disk_model.each_mib * 2**20, disk_model.weights_mib * 2**20
+    disk = small_fs("disk", 64 * 2**20)
+    fill(disk, int(3 * each + weights))                                 # one fits, five do not
+    run_dir = disk / "run"
+    with pytest.raises(PreflightFailed) as refused:
+        run_training(profile, run_dir=run_dir)
+    message = str(refused.value)
+    assert message.startswith("train: the run's checkpoints need ") and f"and {run_dir} has " in message
+    assert "(5 x " in message and "lower train.keep_checkpoints, free space or move paths.run_dir" in message
+    assert message.endswith("(or pass --skip-resource-checks to train anyway)")
+    assert not (run_dir / "train").exists()                             # nothing of a run written
+    every = dataclasses.replace(profile, train=dataclasses.replace(profile.train, keep_checkpoints=0))
+    check_checkpoint_disk(every, plan, run_dir)                         # one checkpoint and the weights fit
+    fill(disk, int(0.8 * (each + weights)))
+    with pytest.raises(PreflightFailed, match=r"one checkpoint of the run needs .* keeps every one\) and "):
+        check_checkpoint_disk(every, plan, run_dir)
+
+
+def planned(tmp_path: Path, target: Path, run_dir: Path, **train: object):
+    """The tests' tiny profile (train.keep_checkpoints at its default unless given), its plan and checkpoint sizes
+    (a drafter of several MiB a checkpoint: the free disk is read in whole MiB)."""
+    from dflash.memory.checkpoints import checkpoint_disk
+    from dflash.memory.launch_plan import plan_for_launch, read_inputs
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_dataset, write_profile
 
-    disk = small_fs("disk", 2 * 2**20)
-    profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"),
-                                             disk / "run", keep_checkpoints=3)))
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", target, write_dataset(tmp_path / "data"), run_dir,
+                                             **train)))
     plan = plan_for_launch(profile, read_inputs(profile))
-    each = checkpoint_disk(plan, profile.train).each_mib
-    assert 5 * each > 2.0 > each                              # five checkpoints of the tiny drafter do not fit 2 MiB
+    return profile, plan, checkpoint_disk(plan, profile.train)
+
+
+def own_checkpoint(run_dir: Path, step: int, size: int) -> Path:
+    """A whole checkpoint of the run as retention counts it (config, training state, DCP metadata), of `size` bytes."""
+    path = run_dir / "train" / "checkpoints" / f"step-{step}"
+    (path / "dcp").mkdir(parents=True)
+    for name in ("config.json", "training_state.pt", "dcp/.metadata"):
+        (path / name).write_bytes(b"{}")
+    (path / "dcp" / "__0_0.distcp").write_bytes(b"\0" * size)
+    (path.parent / "latest").write_text(f"step-{step}\n")
+    return path
+
+
+def test_a_resume_counts_the_runs_own_checkpoints_already_on_disk(small_fs, tmp_path, tiny_qwen3_target):
+    """A resumed run's own 3 checkpoints already fill the disk, and retention removes them as new ones come: it
+    needs 2 more and the last's weights, not 5. On a disk with room for that the resume passes the check; a
+    start from nothing on the same disk (5 at once) does not; the refusal of a resume names what it counted."""
+    from dflash.train.supervisor.launch import check_checkpoint_disk
+    from launcher_core.errors import PreflightFailed
+
+    profile, plan, disk_model = planned(tmp_path, tiny_qwen3_target, tmp_path / "sizes", drafter=BIG_DRAFTER)
+    each, weights = int(disk_model.each_mib * 2**20), int(disk_model.weights_mib * 2**20)
+    disk = small_fs("disk", 64 * 2**20)
+    for step in (12, 24, 36):
+        own_checkpoint(disk / "run", step, each)
+    fill(disk, int(2.5 * each) + weights)
+    check_checkpoint_disk(profile, plan, disk / "run", resume=True)     # 2 more and the weights fit
+    with pytest.raises(PreflightFailed, match=r"the run's checkpoints need .* at once \(5 x "):
+        check_checkpoint_disk(profile, plan, disk / "run")
+    fill(disk, int(1.5 * each) + weights)                               # now 2 more do not fit
     with pytest.raises(PreflightFailed) as refused:
-        run_training(profile, run_dir=disk / "run")
-    message = str(refused.value)
-    assert message.startswith("train: the run's checkpoints need ") and f"and {disk / 'run'} has " in message
-    assert "lower train.keep_checkpoints, free space or move paths.run_dir (or pass --force" in message
-    assert not (disk / "run" / "train").exists()                   # nothing of a run written
-    unbounded = dataclasses.replace(profile, train=dataclasses.replace(profile.train, keep_checkpoints=0))
-    check_checkpoint_disk(unbounded, plan, disk / "run")
+        check_checkpoint_disk(profile, plan, disk / "run", resume=True)
+    assert "the resumed run's checkpoints need " in str(refused.value)
+    assert "(2 x " in str(refused.value) and "beside the 3 of its own already there" in str(refused.value)
+
+
+def test_force_starts_over_and_still_runs_the_checks_the_earlier_run_named(small_fs, tmp_path, tiny_qwen3_target, cli):
+    """`train --force` (and --start-over) starts over with the old train/ kept beside it, on the same disk: the disk
+    check still runs (it was skipped by --force before), the earlier run is not moved, and the message names what
+    the runs moved aside before hold. The pipeline's --redo train starts over the same way (no skip)."""
+    from dflash.pipeline import PipelineContext, with_run_dir
+    from dflash.pipeline import _train as pipeline_train
+    from launcher_core.errors import PreflightFailed
+    from launcher_core.manifest import update_stage
+    from launcher_core.profile import load_profile
+
+    _, _, disk_model = planned(tmp_path, tiny_qwen3_target, tmp_path / "sizes", drafter=BIG_DRAFTER)
+    each, weights = int(disk_model.each_mib * 2**20), int(disk_model.weights_mib * 2**20)
+    disk = small_fs("disk", 64 * 2**20)
+    run_dir = disk / "run"
+    profile = tmp_path / "p.toml"
+    own_checkpoint(run_dir, 12, each)
+    earlier = own_checkpoint(disk / "elsewhere", 6, each).parents[2] / "train"
+    earlier.rename(run_dir / "train.prev-20260101-000000")
+    fill(disk, 4 * each + weights)                                      # 4 more checkpoints and the weights
+    for flag in ("--force", "--start-over"):
+        refused = cli("train", "--profile", profile, "--run-dir", run_dir, "--skip-preflight", flag)
+        assert refused.code == 1, refused.err
+        assert "the run's checkpoints need " in refused.err and "--skip-resource-checks to train anyway" in refused.err
+        assert "earlier runs moved aside by --start-over hold " in refused.err and "train.prev-20260101-000000" in refused.err
+        assert (run_dir / "train" / "checkpoints" / "step-12").is_dir()      # not moved aside: nothing started
+    update_stage(run_dir, "train", "done")
+    redo = PipelineContext(with_run_dir(load_profile(str(profile)), run_dir), run_dir, redo=frozenset({"train"}))
+    with pytest.raises(PreflightFailed, match="earlier runs moved aside by --start-over hold "):
+        pipeline_train(redo)                                            # --redo train starts over: the checks run
+    assert (run_dir / "train" / "checkpoints" / "step-12").is_dir()

@@ -96,7 +96,7 @@ def test_steps_without_a_supervised_position_are_skipped_and_counted(tmp_path, t
     from dflash.drafter.checkpoint import read_weights
     from tests.safety.runs import finish, start_train
 
-    profile, run_dir = late_answer_profile(tmp_path, tiny_qwen3_target, max_steps=4)
+    profile, run_dir = late_answer_profile(tmp_path, tiny_qwen3_target, max_steps=4, keep_checkpoints=0)
     code, out = finish(start_train(profile, run_dir))
     assert code == 0, out
     lines = metrics_lines(run_dir)

@@ -110,9 +110,18 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
     assert draft_vocab.tolist() == list(range(1000, 1050))      # DATA_VOCAB: every token the data has
     assert load_file(str(checkpoints / "step-24" / "model.safetensors"))["draft_vocab"].tolist() == draft_vocab.tolist()
     assert (checkpoints / "latest").read_text().strip() == "step-24"
-    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"config.json", "training_state.pt", "dcp"}
-    assert {p.name for p in (checkpoints / "step-24").iterdir()} == {"model.safetensors", "config.json",
-                                                                     "training_state.pt", "dcp"}     # the last one
+    assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}").iterdir()} == {"config.json", "training_state.pt",
+                                                                                "training_data.json", "dcp"}
+    assert {p.name for p in (checkpoints / "step-24").iterdir()} == {"model.safetensors", "config.json", "training_state.pt",
+                                                                     "training_data.json", "dcp"}     # the last one
+    # each checkpoint carries the record of the data it was trained on (eval's mode check reads it; this
+    # dataset of bare token rows has no meta, so no rendering is known)
+    profile, _ = trained
+    record = json.loads((run_dir / "train" / "training_data.json").read_text())
+    assert record == {"dataset": profile.paths.dataset, "meta": f"{profile.paths.dataset}/dflash_meta.json",
+                      "rendering": None}
+    assert all(json.loads((checkpoints / step / "training_data.json").read_text()) == record
+               for step in (f"step-{RESUME_STEP}", "step-24"))
     assert {p.name for p in (checkpoints / f"step-{RESUME_STEP}" / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert stage["state"] == "done" and stage["steps"] == 24
@@ -323,7 +332,7 @@ def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_da
     machine = {"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"}
     profile = load_profile(str(write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir,
                                              machine=machine, max_steps=3, rank_start="command", drafter=DATA_VOCAB)))
-    prepare_run_dir(profile, TrainPaths(run_dir), resume=False, force=False)
+    prepare_run_dir(profile, TrainPaths(run_dir), resume=False, start_over=False)
     argv, env = build_torchrun_command(profile, run_dir)
     assert argv[argv.index("-m", 3) + 1] == "dflash.train.rank.worker" and "--start-method" not in argv
     agents = [subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -50,7 +50,7 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
     try:
         shards = sharded_state(state)
         needed = save_bytes(shards, with_weights)
-        write_small_files(state, staging)
+        write_small_files(state, staging, run_dir)
         dcp.save(shards, checkpoint_id=str(staging / DCP_DIR))
         weights = full_weights(state) if with_weights else {}
         if state.env.is_main:
@@ -125,12 +125,18 @@ def abandon_save(error: BaseException, staging: Path, run_dir: Path, is_main: bo
     return full
 
 
-def write_small_files(state: TrainState, staging: Path) -> None:
-    """Rank 0: config.json and training_state.pt of the step being saved."""
+def write_small_files(state: TrainState, staging: Path, run_dir: Path) -> None:
+    """Rank 0: config.json and training_state.pt of the step being saved, and the training data's rendering
+    record the launcher wrote (train/training_data.json; eval's mode check reads it from the checkpoint)."""
     if state.env.is_main:
-        from dflash.drafter.checkpoint import write_checkpoint_files
+        import shutil
+
+        from dflash.drafter.checkpoint import TRAINING_DATA, write_checkpoint_files
 
         write_checkpoint_files(staging, None, state.drafter.config, training_state(state))
+        record = run_dir / "train" / TRAINING_DATA
+        if record.is_file():
+            shutil.copyfile(record, staging / TRAINING_DATA)
 
 
 def remove_staging(staging: Path, is_main: bool) -> None:
@@ -188,7 +194,7 @@ class AsyncCheckpointer:
         try:
             shards = sharded_state(state)
             needed = save_bytes(shards, with_weights=False)
-            write_small_files(state, staging)
+            write_small_files(state, staging, self.run_dir)
             response = dcp.async_save(shards, checkpoint_id=str(staging / DCP_DIR), process_group=self.group)
         except BaseException as error:
             full = abandon_save(error, staging, self.run_dir, self.env.is_main, needed)

@@ -10,15 +10,12 @@ dcp/.metadata; model.safetensors only in the run's last) is left alone: only wha
 """
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash.drafter.checkpoint import CONFIG, DCP_DIR, LATEST, STATE, checkpoints_dir
-
-STEP_DIR = re.compile(r"step-(\d+)")
+from dflash.drafter.checkpoint import LATEST, STEP_DIR, checkpoints_dir, complete_checkpoints
 
 
 @dataclass(frozen=True)
@@ -32,17 +29,6 @@ class Retention:
         kept = ", ".join(f"step-{step} ({why})" for step, why in sorted(self.kept.items()))
         return (f"checkpoints: removed {', '.join(f'step-{s}' for s in self.removed)}; kept {kept} "
                 "(train.keep_checkpoints)")
-
-
-def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
-    """The run's whole `step-N` checkpoints by step."""
-    found = {}
-    for path in checkpoints_dir(run_dir).glob("step-*"):
-        match = STEP_DIR.fullmatch(path.name)
-        whole = all((path / name).is_file() for name in (CONFIG, STATE, f"{DCP_DIR}/.metadata"))
-        if match and path.is_dir() and not path.is_symlink() and whole:
-            found[int(match.group(1))] = path
-    return found
 
 
 def latest_step(run_dir: Path) -> Optional[int]:

@@ -38,6 +38,7 @@ from launcher_core.redact import redact_argv, redact_env
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
+    from dflash.data.rendering import TrainingDataRecord
     from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.plan import Plan
     from dflash.train.supervisor.heartbeat import Stall
@@ -180,51 +181,87 @@ def describe_command(argv: list[str], env: Mapping[str, str], keys: tuple[str, .
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), *map(shlex.quote, redact_argv(argv))])
 
 
-def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, force: bool) -> None:
-    """Refuse to overwrite checkpoints unless resuming; `force` moves the old train/ aside. The
-    caller holds the run directory's lock (launcher_core.runlock), so no live run is moved."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, start_over: bool,
+                    data: TrainingDataRecord | None = None) -> None:
+    """Refuse to overwrite checkpoints unless resuming; `start_over` moves the old train/ aside (kept as
+    train.prev-<time>). The caller holds the run directory's lock (launcher_core.runlock), so no live run is moved.
+    Writes the resolved profile and the training data's rendering record the ranks copy into each checkpoint."""
+    from dflash.drafter.checkpoint import TRAINING_DATA, checkpoints_dir
     from dflash.train.supervisor.heartbeat import ranks_dir
-    from launcher_core.fileio import write_text_atomic
+    from launcher_core.fileio import write_json_atomic, write_text_atomic
 
     has_checkpoints = any(checkpoints_dir(paths.run_dir).glob("step-*"))
     if has_checkpoints and not resume:
-        if not force:
+        if not start_over:
             raise ConfigError(f"{paths.train_dir} already holds checkpoints; pass --resume to continue, "
-                              f"or --force to start over (the old train/ is kept as train.prev-*)")
-        os.replace(paths.train_dir, paths.run_dir / f"train.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+                              f"or --start-over to start over (the old train/ is kept as train.prev-*)")
+        os.replace(paths.train_dir, paths.run_dir / f"{PREVIOUS_TRAIN}{time.strftime('%Y%m%d-%H%M%S')}")
     for folder in (paths.failures, ranks_dir(paths.run_dir)):
         if folder.exists():
             shutil.rmtree(folder)
     (paths.train_dir / "stopped.json").unlink(missing_ok=True)
     write_text_atomic(paths.profile_json, profile_to_json(profile))
+    write_json_atomic(paths.train_dir / TRAINING_DATA, data if data is not None else training_data(profile))
 
 
-def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path) -> None:
-    """PreflightFailed, before anything starts, when the checkpoints train.keep_checkpoints keeps at once do not
-    fit the free disk at the run directory (dflash.memory.checkpoints; `--force` trains anyway)."""
+PREVIOUS_TRAIN = "train.prev-"      # where --start-over moves an earlier train/ (the same disk: it still fills it)
+SKIP_FLAG = "--skip-resource-checks"
+
+
+def training_data(profile: Profile) -> TrainingDataRecord:
+    """The dataset's path and rendering record (dflash.data.rendering), which prepare_run_dir writes into
+    train/training_data.json, rank 0 copies into every checkpoint and export into an exported drafter, for eval's
+    mode check. InputError naming the file and field when the dataset's meta is damaged."""
+    from dflash.data.dataset_io import META_NAME
+    from dflash.data.rendering import training_data_record
+    from launcher_core.profile import expand_path
+
+    return training_data_record(expand_path(profile, profile.paths.dataset) / META_NAME)
+
+
+def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path, *, resume: bool = False) -> None:
+    """PreflightFailed, before anything starts, when the checkpoints the run writes do not fit the free disk at
+    the run directory (dflash.memory.checkpoints): on a resume its own whole checkpoints already there count, as
+    retention removes them; earlier runs moved aside (train.prev-*) are named with what they hold. `--skip-resource-checks`
+    trains anyway."""
+    from dflash.drafter.checkpoint import complete_checkpoints
     from dflash.memory.checkpoints import checkpoint_disk
     from envcheck.host import disk_usage
 
-    problem = checkpoint_disk(plan, profile.train).problem(disk_usage(run_dir))
+    own = len(complete_checkpoints(run_dir)) if resume else 0
+    problem = checkpoint_disk(plan, profile.train, on_disk=own).problem(disk_usage(run_dir))
     if problem:
-        raise PreflightFailed(f"train: {problem} (or pass --force to train anyway)")
+        raise PreflightFailed(f"train: {problem}{previous_runs_note(run_dir)} (or pass {SKIP_FLAG} to train anyway)")
+
+
+def previous_runs_note(run_dir: Path) -> str:
+    """`; earlier runs moved aside by --start-over hold 3.1 GiB of it (train.prev-20260101-120000, ...): remove those
+    no longer needed`, or "" when there are none."""
+    from launcher_core.diskfull import human_bytes, tree_bytes
+
+    previous = sorted(path for path in run_dir.glob(f"{PREVIOUS_TRAIN}*") if path.is_dir() and not path.is_symlink())
+    if not previous:
+        return ""
+    held = sum(tree_bytes(path) for path in previous)
+    return (f"; earlier runs moved aside by --start-over hold {human_bytes(held)} of it "
+            f"({', '.join(path.name for path in previous)}): remove those no longer needed")
 
 
 def check_host_ram(profile: Profile, plan: Plan, ram_mib: int | None = None) -> None:
     """PreflightFailed, before anything starts, when this node's RAM (`ram_mib`, default: read now, the cgroup
-    limit applied) does not hold the host RAM its ranks need at start (dflash.memory.host_ram; `--force` trains
-    anyway)."""
+    limit applied) does not hold the host RAM its ranks need at start (dflash.memory.host_ram; `--skip-resource-checks`
+    trains anyway)."""
     from dflash.memory.host_ram import host_ram_at_start
     from envcheck.host import ram_mib as node_ram_mib
 
     problem = host_ram_at_start(profile, plan).problem(ram_mib if ram_mib is not None else node_ram_mib()[0])
     if problem:
-        raise PreflightFailed(f"train: {problem} (or pass --force to train anyway)")
+        raise PreflightFailed(f"train: {problem} (or pass {SKIP_FLAG} to train anyway)")
 
 
-def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, resume: bool = False,
-                 extra_env: Mapping[str, str] | None = None, plan: tuple[Plan, PlanInputs] | None = None) -> int:
+def run_training(profile: Profile, *, run_dir: str | Path, start_over: bool = False, resume: bool = False,
+                 skip_resource_checks: bool = False, extra_env: Mapping[str, str] | None = None,
+                 plan: tuple[Plan, PlanInputs] | None = None) -> int:
     """Run torchrun for this node; returns 0, or raises RunFailed naming the cause (dflash.train.supervisor.failures), or
     Interrupted (exit 130) when SIGTERM or SIGINT stopped it (`LauncherStop`: the ranks save after their step).
 
@@ -237,8 +274,9 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
     here from this machine and the profile's baseline (`launcher.py train` checks and plans before
     calling). The plan, (Plan, PlanInputs) from dflash.memory.launch_plan, is written to
     train/plan.json, where every rank reads its starting micro-batch and budget. A rank that cannot
-    hold one sequence, kept checkpoints that do not fit the disk, or ranks whose start does not fit the
-    node's RAM (dflash.memory.host_ram) stop the launch here (PreflightFailed), before any model loads. On CUDA
+    hold one sequence, checkpoints that do not fit the disk, or ranks whose start does not fit the node's RAM
+    (dflash.memory.host_ram) stop the launch here (PreflightFailed), before any model loads, unless
+    `skip_resource_checks`; `start_over` moves an earlier run's train/ aside (kept as train.prev-*). On CUDA
     it prints what the ranks' caching allocator gets and why (`rank_allocator`: expandable segments)."""
     from dflash.memory.launch_plan import plan_for_launch, read_inputs, write_plan
     from dflash.train.supervisor.launch_checks import validate_profile_for_launch
@@ -247,6 +285,7 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
 
     paths = TrainPaths(Path(run_dir).resolve())
     facts = validate_profile_for_launch(profile)
+    data = training_data(profile)           # a damaged dataset meta: InputError before anything is moved
     allocator = rank_allocator(profile, {**os.environ, **(extra_env or {})})     # ConfigError before anything starts
     if profile.machine.device == "cuda":
         print(f"allocator: {allocator.describe()}", flush=True)
@@ -257,10 +296,10 @@ def run_training(profile: Profile, *, run_dir: str | Path, force: bool = False, 
         if plan is None:        # `launcher.py train` planned already; the pipeline has not
             inputs = read_inputs(profile)
             plan = (plan_for_launch(profile, inputs), inputs)
-        if not force:
-            check_checkpoint_disk(profile, plan[0], paths.run_dir)
+        if not skip_resource_checks:
+            check_checkpoint_disk(profile, plan[0], paths.run_dir, resume=resume)
             check_host_ram(profile, plan[0])
-        prepare_run_dir(profile, paths, resume=resume, force=force)
+        prepare_run_dir(profile, paths, resume=resume, start_over=start_over, data=data)
         write_plan(paths.run_dir, *plan)
         for restart in range(oom_restart_limit(profile) + 1):
             if restart:         # after an OOM: the checkpoint to resume, verified again (a save may have been cut)

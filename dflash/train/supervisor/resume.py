@@ -144,7 +144,7 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
         skipped.append(f"skipped {candidate.name}: damaged:\n" + "\n".join(f"  {p}" for p in problems))
     if candidates:
         raise DataError(f"no checkpoint under {directory} can be resumed:\n" + "\n".join(skipped) +
-                        "\ntrain without --resume to start over (--force keeps the old train/ as train.prev-*)")
+                        "\ntrain without --resume to start over (--start-over keeps the old train/ as train.prev-*)")
     return None
 
 
@@ -197,7 +197,7 @@ def check_resume_fits(profile: Profile, facts: LaunchFacts, checkpoint: Path) ->
     if differences:
         raise ConfigError(f"--resume: {checkpoint} holds a drafter of another shape than profile {profile.name}'s "
                           f"({len(differences)} difference(s)):\n" + "\n".join(f"  {d}" for d in differences) +
-                          "\nresume with the profile it was trained with, or train without --resume (--force keeps "
+                          "\nresume with the profile it was trained with, or train without --resume (--start-over keeps "
                           "the old train/ as train.prev-*)")
 
 
