@@ -216,6 +216,26 @@ def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank
     assert "no checkpoint was written yet" in cause.message
 
 
+@pytest.mark.parametrize("records, code", [
+    ([{"rank": 1, "time": 1.0, "error": "ValueError('bad row')"}], 5),
+    ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], 7),
+    ([{"rank": 0, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], 4),
+])
+def test_the_manifest_keeps_the_exit_code_of_the_command_not_torchruns(tmp_path, records, code):
+    """Issue 67 item 7.8: torchrun exits 1 whatever failed; the manifest's `exit_code` is the one the command
+    exits with (exit_code_for the error it raises). Before: 1 in every case."""
+    from dflash.train.supervisor.failures import RunEnd
+    from dflash.train.supervisor.launch import TrainPaths, _conclude
+    from launcher_core.errors import exit_code_for
+    from launcher_core.manifest import read_manifest
+
+    write_records(tmp_path / "train" / "failures", records, [])
+    with pytest.raises(Exception) as raised:
+        _conclude(TrainPaths(tmp_path), RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
+    assert exit_code_for(raised.value) == code
+    assert read_manifest(tmp_path)["stages"]["train"]["exit_code"] == code
+
+
 ABORTING_RANK = """
 import os
 
@@ -299,6 +319,10 @@ def test_status_names_the_last_checkpoint_and_the_resume_after_a_run_that_ended_
     (checkpoints / "latest").write_text("step-9\n")         # names nothing there: the newest step instead
     assert cli("status", tmp_path).out.splitlines()[-1] == (
         f"note: train stopped (SIGTERM); its last checkpoint is step-3: `launcher.py train --profile P "
+        f"--run-dir {tmp_path} --resume` continues from it")
+    (tmp_path / "train" / "profile.json").write_text(json.dumps({"name": "rtx6000-x8"}))   # what train writes
+    assert cli("status", tmp_path).out.splitlines()[-1] == (
+        f"note: train stopped (SIGTERM); its last checkpoint is step-3: `launcher.py train --profile rtx6000-x8 "
         f"--run-dir {tmp_path} --resume` continues from it")
     update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())   # the controls: running, then done
     assert "note:" not in cli("status", tmp_path).out
