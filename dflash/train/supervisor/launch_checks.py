@@ -375,9 +375,11 @@ def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
 
 def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
     """The training dataset (paths.dataset) as the ranks will open it; InputError (exit 2) naming the path and
-    the command that writes it when it is not there, before any audit, torchrun or model load. A directory
-    that is there but damaged is the ranks' to name (dflash.train.rank.data.verify_dataset)."""
-    from dflash.data.dataset_io import META_NAME
+    the command that writes it when it is not there, before any audit, torchrun or model load. A dataset that
+    tokenize or merge wrote has its shards checked here too, sizes and sha256 against its dflash_meta.json
+    (DataError, exit 4, naming the shard and the backup to restore: what `inspect` says), so a damaged shard
+    stops the launch in one line; rank 0 checks them again at start (dflash.train.rank.data.verify_dataset)."""
+    from dflash.data.dataset_io import META_NAME, read_meta, verify_shards
     from launcher_core.errors import InputError
     from launcher_core.profile import expand_path
 
@@ -391,6 +393,8 @@ def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
         raise InputError(f"{dataset}: not a dataset (paths.dataset of profile {profile.name}: a directory with "
                          f"{META_NAME} or state.json, as tokenize and merge write it); run {tokenize}, or set "
                          "paths.dataset to the dataset's directory")
+    if (dataset / META_NAME).is_file():
+        verify_shards(dataset, read_meta(dataset), hashes=True)
     return dataset
 
 
