@@ -137,7 +137,7 @@ class DataSection:
     num_workers: int = key(0, "tokenizer processes (0: one per core)", Range(0, 1024))
     shard_rows: int = key(20000, "rows per dataset shard file", Range(1, 10**8))
     min_loss_tokens: int = key(16, "fewer loss tokens is degenerate (the seeds' 6-token empties)", AT_LEAST_0)
-    max_degenerate_share: float = key(0.05, "above this share of degenerate samples tokenize fails (exit 4)", SHARE)
+    max_degenerate_share: float = key(0.05, "above this share of rejected records and degenerate samples tokenize fails (exit 4)", SHARE)
     tool_call_repeat_limit: int = key(8, "one identical tool call this many times in a turn is degenerate", Range(1, 10**6))
     rewritten_turns: Literal["split", "context"] = key("split", "turns the template rewrites later: own sample, or context only")
 

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="DATASET", help="dataset directory (default: paths.dataset)")
     parser.add_argument("--workers", type=int, metavar="N", help="worker processes (default: data.num_workers, 0 = one per core)")
     parser.add_argument("--allow-degenerate", action="store_true",
-                        help="write the dataset even if more than data.max_degenerate_share of it is degenerate")
+                        help="write the dataset even if more than data.max_degenerate_share of it is rejected or degenerate")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing dataset at the output path (it is kept as DATASET.backup-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
