@@ -419,6 +419,26 @@ def dataset_rows(dataset: Path) -> Optional[int]:
         return None
 
 
+def held_out_count(rows: int, share: float) -> int:
+    """Rows train.validation_share holds out of `rows`: round(share x rows), at least one when share > 0
+    (dflash.train.rank.data.split_rows chooses which)."""
+    return min(rows, max(1, round(share * rows))) if share > 0 else 0
+
+
+def planned_steps(profile: Profile) -> Optional[int]:
+    """The steps a run of `profile` trains: train.max_steps, else train.epochs x its dataset's steps per epoch
+    (training rows // train.global_batch, as the ranks count them); None when the dataset cannot be read."""
+    from launcher_core.profile import expand_path
+
+    train = profile.train
+    if train.max_steps:
+        return train.max_steps
+    rows = dataset_rows(expand_path(profile, profile.paths.dataset))
+    if rows is None:
+        return None
+    return train.epochs * ((rows - held_out_count(rows, train.validation_share)) // train.global_batch)
+
+
 def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:
     from dflash.models import resolve_model_path
 
