@@ -233,6 +233,16 @@ def test_every_request_failing_is_exit_5_not_a_quiet_success(tmp_path, tiny_qwen
     stage = read_manifest(tmp_path / "run")["stages"]["generate"]
     assert stage["state"] == "failed" and stage["failed"] == 3 and "every request failed" in stage["error"]
     assert len(failures.read_text().splitlines()) == 3
+    # issue 67 item 7.2: a rerun without --retry-failed sends nothing. Before: exit 0, "completed 0, failed 0",
+    # the failures unmentioned; the same against a dead endpoint. Now exit 5 naming them and --retry-failed.
+    refused = gateway.refused
+    for endpoint in (f"{gateway.url}/v1?api_key={wrong}", f"http://127.0.0.1:{free_port()}/v1"):
+        rerun = run_launcher(profile_path, "--endpoint", endpoint)
+        assert rerun.returncode == 5, rerun.stdout + rerun.stderr
+        assert rerun.stderr.strip() == (f"error: nothing sent: 3 prompt(s) failed in an earlier run and are sent again "
+                                        f"only with --retry-failed (0 done; each failure's reason is in {failures}). "
+                                        f"Fix the server or --endpoint, then rerun with --retry-failed")
+    assert gateway.refused == refused and len(failures.read_text().splitlines()) == 3
     again = run_launcher(profile_path, "--endpoint", f"{gateway.url}/v1?api_key={KEY}", "--retry-failed")
     assert again.returncode == 0, again.stderr
     assert "completed 3, failed 0" in again.stdout
