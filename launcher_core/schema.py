@@ -319,7 +319,7 @@ class EvalSection:
                                                        "every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is")
     engine: Literal["transformers", "sglang", "vllm"] = key("transformers", "who decodes: in-process, or the serving engine")
     engine_python: str = key("", "python of the environment with the engine (\"\": this one)")
-    engine_port: int = key(30100, "where the engine eval's servers listen (127.0.0.1)", PORT)
+    engine_port: int = key(30100, "where the engine eval's servers listen (127.0.0.1); a free port when another eval claimed it or it is taken", PORT)
     also_prompts: tuple[str, ...] = key((), "more prompt sets measured beside the default one (not with --prompts), "
                                             "each reported apart and labelled (eval/<file stem>/)")
     serve_engine: Literal["", "sglang", "vllm"] = key("", "the engine that will serve the drafter: the pipeline runs "
