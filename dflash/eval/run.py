@@ -15,10 +15,11 @@ from launcher_core.schema import Profile
 def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
              options: EvalOptions = EvalOptions()) -> EvalSummary:
     """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
-    from launcher_core.manifest import update_stage
+    from launcher_core.manifest import read_manifest, update_stage
 
     run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
     checkpoint = resolve_checkpoint(run_dir, options.checkpoint)
+    read_manifest(run_dir)                              # a damaged manifest is named first (InputError)
     check_inputs(profile, checkpoint, options)
     update_stage(run_dir, "eval", "running", checkpoint=str(checkpoint))
     engine = options.engine or profile.eval.engine
