@@ -178,11 +178,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--draft", help="a checkpoint directory (step-N)")
     parser.add_argument("--prompts", default="dflash/prompts/everyday_prompts.jsonl", help="prompt files, comma-separated")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--port", type=int, default=0, help="where vLLM listens (default eval.engine_port)")
     parser.add_argument("--out", help="write the per-prompt records here (JSON)")
     parser.add_argument("--smoke", action="store_true",
                         help="an untrained drafter on 1 prompt x 6 tokens, in-process and reference (nothing served)")
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
+    if args.port:
+        from dataclasses import replace
+
+        profile = replace(profile, eval=replace(profile.eval, engine_port=args.port))
     if args.smoke:
         from dataclasses import replace
 

@@ -111,9 +111,16 @@ def _audit(ctx: PipelineContext) -> str:
 
 def _generate(ctx: PipelineContext) -> str:
     from dflash.generate import generate_from_profile
+    from dflash.generate.run import NothingSent
 
     _engine_ready(ctx.profile, ctx.profile.generate.backend)
-    summary = generate_from_profile(ctx.profile, run_dir=ctx.run_dir)
+    try:
+        summary = generate_from_profile(ctx.profile, run_dir=ctx.run_dir)
+    except NothingSent as outstanding:    # the pipeline goes on with the completions it has, as the first run did
+        if not outstanding.done:
+            raise
+        return (f"nothing sent: {outstanding.done} prompts have completions, {outstanding.failed_before} failed "
+                f"earlier (`launcher.py generate --retry-failed` sends them again)")
     if summary.selected == 0:
         return f"all {summary.total} prompts already have completions"
     return f"{summary.selected} prompts sent, {summary.already_done} done before"

@@ -1,5 +1,9 @@
 """One run per directory: an OS-level lock on `RUN_DIR/.run.lock`, held for the run's life.
 
+Every command that writes into a run directory holds it: train and pipeline, tokenize and eval (their
+profile's run directory), and tokenize, merge and export for an output inside a run directory
+(`run_locks_for`), so none of them changes the data or checkpoints of a live run.
+
 `with run_lock(run_dir, "train") as lock:` takes an exclusive `flock` on the file (never waits).
 The kernel drops the lock when the last process holding it ends, however it ends (SIGKILL
 included), so a lock can never outlive its run. The file itself records the holder (pid, host,
@@ -22,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from launcher_core.errors import ConfigError
 from launcher_core.fileio import make_run_dir
@@ -114,9 +118,9 @@ def busy_message(run_dir: Path, holder: Optional[LockHolder]) -> str:
     if holder is not None and holder.host == socket.gethostname() and not process_alive(holder.pid):
         who += (": that process has ended, and what it started (the torchrun agent) still holds the lock "
                 "while it stops its ranks; try again in a few seconds")
-    return (f"run directory {run_dir} is in use by {who}; a second run there would overwrite its checkpoints "
-            f"and metrics. Wait for it to finish, stop it (kill {holder.pid if holder else 'its pid'}), "
-            f"or choose another --run-dir")
+    return (f"run directory {run_dir} is in use by {who}; a second command writing there would change the data, "
+            f"checkpoints and metrics under it. Wait for it to finish, stop it (kill {holder.pid if holder else 'its pid'}), "
+            f"or choose another run directory (--run-dir, or an output outside it)")
 
 
 _HELD: dict[Path, RunLock] = {}
@@ -144,6 +148,24 @@ def run_lock(run_dir: str | Path, command: str, say: Callable[[str], None] = say
     finally:
         del _HELD[path]
         lock.release()
+
+
+def enclosing_run_dir(path: str | Path) -> Optional[Path]:
+    """The run directory `path` lies in (or is): the nearest of it and its parents with a lock file, which
+    every run directory a locked command used has (None: it is in none)."""
+    resolved = Path(path).resolve()
+    return next((folder for folder in (resolved, *resolved.parents) if (folder / LOCK_NAME).is_file()), None)
+
+
+@contextlib.contextmanager
+def run_locks_for(paths: Iterable[str | Path], command: str) -> Iterator[None]:
+    """Hold the lock of every run directory one of `paths` lies in, for a command that writes there (tokenize,
+    merge, export into a run): a live run there refuses it (ConfigError, as `run_lock`); a path in no run
+    directory takes no lock."""
+    with contextlib.ExitStack() as stack:
+        for run_dir in sorted({folder for path in paths if (folder := enclosing_run_dir(path)) is not None}):
+            stack.enter_context(run_lock(run_dir, command))
+        yield
 
 
 def lock_holder(run_dir: str | Path) -> Optional[LockHolder]:

@@ -137,7 +137,7 @@ class DataSection:
     num_workers: int = key(0, "tokenizer processes (0: one per core)", Range(0, 1024))
     shard_rows: int = key(20000, "rows per dataset shard file", Range(1, 10**8))
     min_loss_tokens: int = key(16, "fewer loss tokens is degenerate (the seeds' 6-token empties)", AT_LEAST_0)
-    max_degenerate_share: float = key(0.05, "above this share of degenerate samples tokenize fails (exit 4)", SHARE)
+    max_degenerate_share: float = key(0.05, "above this share of rejected records and degenerate samples tokenize fails (exit 4)", SHARE)
     tool_call_repeat_limit: int = key(8, "one identical tool call this many times in a turn is degenerate", Range(1, 10**6))
     rewritten_turns: Literal["split", "context"] = key("split", "turns the template rewrites later: own sample, or context only")
 
@@ -320,7 +320,7 @@ class EvalSection:
                                                        "every linear layer (dflash.eval.cpu_kernels); torch = nn.Linear as is")
     engine: Literal["transformers", "sglang", "vllm"] = key("transformers", "who decodes: in-process, or the serving engine")
     engine_python: str = key("", "python of the environment with the engine (\"\": this one)")
-    engine_port: int = key(30100, "where the engine eval's servers listen (127.0.0.1)", PORT)
+    engine_port: int = key(30100, "where the engine eval's servers listen (127.0.0.1); a free port when another eval claimed it or it is taken", PORT)
     also_prompts: tuple[str, ...] = key((), "more prompt sets measured beside the default one (not with --prompts), "
                                             "each reported apart and labelled (eval/<file stem>/)")
     serve_engine: Literal["", "sglang", "vllm"] = key("", "the engine that will serve the drafter: the pipeline runs "

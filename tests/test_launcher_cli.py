@@ -1,6 +1,8 @@
 """The CLI surface: help is instant and light, errors map to exit codes in one place."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -64,3 +66,25 @@ def test_an_interruption_is_exit_130_and_says_what_was_kept(monkeypatch, capsys,
     monkeypatch.setattr(profiles, "run", run)
     assert launcher.main(["profiles"]) == 130
     assert capsys.readouterr().err.strip() == line
+
+
+def test_a_broken_profile_file_is_named_and_the_good_ones_still_listed(tmp_path):
+    """Issue 67 item 7.6: one file in profiles/ that does not load. Before: a one-line error and nothing
+    listed. Now the others are listed, the broken one named on stderr with its error, exit 2."""
+    import shutil
+
+    from launcher_core.paths import profile_dir
+
+    for name in ("cpu-demo", "rtx6000-x8"):
+        shutil.copy(profile_dir() / f"{name}.toml", tmp_path)
+    (tmp_path / "broken.toml").write_text("[train\nlr = 1\n")
+    env = {**os.environ, "DFLASH_PROFILES_DIR": str(tmp_path)}
+    result = run_cli("profiles", env=env)
+    assert result.returncode == 2, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["cpu-demo", "rtx6000-x8"]
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: profile broken does not load: {tmp_path / 'broken.toml'}: not valid TOML")
+    listed = json.loads(run_cli("profiles", "--json", env=env).stdout)
+    assert [row["name"] for row in listed if "error" not in row] == ["cpu-demo", "rtx6000-x8"]
+    (tmp_path / "broken.toml").unlink()                       # the control: all good, exit 0, nothing on stderr
+    assert run_cli("profiles", env=env).returncode == 0

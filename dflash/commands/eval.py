@@ -7,7 +7,7 @@ lookup (same block size); prints mean tau and speedup of each and writes `{run_d
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from launcher_core.cli import add_profile_option, load_profile_arg
 
@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
     from launcher_core.errors import ConfigError
+    from launcher_core.profile import expand_path
+    from launcher_core.runlock import run_lock
 
     for flag in ("num_prompts", "max_new_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -64,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
 
         benchmarks = parse_bench_names(args.bench)
     profile = load_profile_arg(args)
+    with run_lock(args.run_dir or expand_path(profile, profile.paths.run_dir), "eval"):   # not into a live run
+        return evaluate(profile, args, benchmarks)
+
+
+def evaluate(profile: Profile, args: argparse.Namespace, benchmarks: Optional[tuple[str, ...]]) -> int:
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.run import run_eval
+
     if args.draft:
         check_drafter_fits_target(profile, args.draft)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,

@@ -36,13 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
+    from launcher_core.runlock import run_locks_for
 
     checkpoint = resolve_checkpoint_dir(Path(args.checkpoint))
     output = Path(args.output) if args.output else checkpoint.with_name(f"{checkpoint.name}-{args.engine}")
     version = (args.sglang_version or installed_version("sglang")) if args.engine == "sglang" else None
-    result = export_drafter(Path(args.checkpoint), args.engine, output, full_vocab=args.full_vocab,   # refusals: there
-                            target=Path(args.target) if args.target else None, force=args.force, flag="-o",
-                            sglang_version=version, training_data=run_training_data(checkpoint))
+    with run_locks_for([output], "export"):        # not into a live run
+        result = export_drafter(Path(args.checkpoint), args.engine, output, full_vocab=args.full_vocab,   # refusals: there
+                                target=Path(args.target) if args.target else None, force=args.force, flag="-o",
+                                sglang_version=version, training_data=run_training_data(checkpoint))
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.directory} (for {args.engine})")

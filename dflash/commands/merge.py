@@ -21,8 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash.data.merge import merge_datasets
+    from launcher_core.runlock import run_locks_for
 
-    summary = merge_datasets(args.base, args.add, output=args.output, in_place=args.in_place, dedup=args.dedup,
-                             shard_rows=args.shard_rows, backup_dir=args.backup_dir, progress=not args.no_progress, force=args.force)
+    written = [args.base if args.in_place else args.output, *([args.backup_dir] if args.backup_dir else [])]
+    with run_locks_for(written, "merge"):            # not into the dataset of a live run
+        summary = merge_datasets(args.base, args.add, output=args.output, in_place=args.in_place, dedup=args.dedup,
+                                 shard_rows=args.shard_rows, backup_dir=args.backup_dir, progress=not args.no_progress,
+                                 force=args.force)
     print(summary.format_text())
     return 0

@@ -44,18 +44,29 @@ def run(args: argparse.Namespace) -> int:
 def resume_notes(run_dir: Path, manifest: dict[str, Any], profile: str | None = None) -> list[str]:
     """A train stage that ended before its last step (failed, or stopped and pending again): what ended it
     and the command that continues it, from its last checkpoint when it has one. `profile`: the --profile
-    status was given (else `P` stands for the run's own)."""
+    status was given (else the run's own, from train/profile.json; `P` where that cannot be read)."""
     entry = manifest["stages"].get("train") or {}
     state, ended_by = entry.get("state"), entry.get("ended_by")
     if state != "failed" and not (state == "pending" and (ended_by or "stopped_at_step" in entry)):
         return []
     verb = "failed" if state == "failed" else "stopped"
     how = str(ended_by) if str(ended_by).startswith(verb) else f"{verb} ({ended_by})" if ended_by else verb
-    command = f"launcher.py train --profile {profile or 'P'} --run-dir {run_dir}"
+    command = f"launcher.py train --profile {profile or trained_profile(run_dir) or 'P'} --run-dir {run_dir}"
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:
         return [f"note: train {how} before its first checkpoint; `{command}` starts it again"]
     return [f"note: train {how}; its last checkpoint is {checkpoint}: `{command} --resume` continues from it"]
+
+
+def trained_profile(run_dir: Path) -> str | None:
+    """The name of the profile the run trained (train/profile.json, written at each launch); None when unreadable."""
+    from dflash.train.supervisor.launch import TrainPaths
+
+    try:
+        name = json.loads(TrainPaths(run_dir).profile_json.read_text(encoding="utf-8")).get("name")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def last_checkpoint(run_dir: Path) -> str | None:

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="DATASET", help="dataset directory (default: paths.dataset)")
     parser.add_argument("--workers", type=int, metavar="N", help="worker processes (default: data.num_workers, 0 = one per core)")
     parser.add_argument("--allow-degenerate", action="store_true",
-                        help="write the dataset even if more than data.max_degenerate_share of it is degenerate")
+                        help="write the dataset even if more than data.max_degenerate_share of it is rejected or degenerate")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing dataset at the output path (it is kept as DATASET.backup-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -22,12 +22,15 @@ def run(args: argparse.Namespace) -> int:
     from dflash.data.inspect import inspect_dataset
     from dflash.data.tokenize import tokenize_completions
     from launcher_core.profile import expand_path
+    from launcher_core.runlock import run_lock, run_locks_for
 
     profile = load_profile_arg(args)
     run_dir = expand_path(profile, profile.paths.run_dir)
-    summary = tokenize_completions(profile, args.input, args.output, workers=args.workers,
-                                   allow_degenerate=args.allow_degenerate, run_dir=run_dir,
-                                   progress=not args.no_progress, force=args.force)
+    output = args.output or expand_path(profile, profile.paths.dataset)
+    with run_lock(run_dir, "tokenize"), run_locks_for([output], "tokenize"):     # not under a live run
+        summary = tokenize_completions(profile, args.input, args.output, workers=args.workers,
+                                       allow_degenerate=args.allow_degenerate, run_dir=run_dir,
+                                       progress=not args.no_progress, force=args.force)
     print(f"tokenized {summary.records:,} records -> {summary.samples:,} samples, {summary.tokens:,} tokens, "
           f"{summary.loss_tokens:,} loss tokens in {summary.seconds:.1f} s -> {summary.output}")
     if summary.backup:

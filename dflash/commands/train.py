@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.memory.launch_plan import describe, plan_for_launch, read_inputs
     from dflash.train.supervisor.launch import build_torchrun_command, describe_command, run_training
     from dflash.train.supervisor.launch_checks import require_dataset, validate_profile_for_launch
+    from dflash.train.supervisor.resume import finished_run
     from launcher_core.profile import expand_path
     from launcher_core.runlock import run_lock
 
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         print(describe_command(*build_torchrun_command(profile, run_dir, resume=args.resume)))
         return 0
     with run_lock(run_dir, "train"):              # one run per directory, from the preflight on
+        if args.resume and (finished := finished_run(profile, run_dir)):
+            print(finished, flush=True)
+            return 0
         if not args.skip_preflight:
             _preflight(profile, run_dir, force=args.force, plan=plan, ram=not args.skip_resource_checks)
         return run_training(profile, run_dir=run_dir, start_over=args.start_over or args.force, resume=args.resume,

@@ -192,6 +192,7 @@ class RejectsFile:
         self.path = path
         self.temp = staging / f".{path.name}.tmp"
         self.counts: Counter[str] = Counter()
+        self.by_source: Counter[tuple[str, str]] = Counter()     # (input file, reason) -> rejects
 
     def __enter__(self) -> "RejectsFile":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +201,7 @@ class RejectsFile:
 
     def add(self, reject: Reject) -> None:
         self.counts[reject.reason] += 1
+        self.by_source[(reject.source, reject.reason)] += 1
         self.handle.write(json.dumps(reject.as_json(), ensure_ascii=False) + "\n")
 
     def __exit__(self, *exc: object) -> None:

@@ -65,6 +65,7 @@ class TokenizeSummary:
     degenerate_share: float = 0.0
     degenerate: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    rejects_by_source: dict[tuple[str, str], int] = field(default_factory=dict)   # (input file, reason) -> count
 
     @property
     def rejected(self) -> int:
@@ -103,7 +104,8 @@ def tokenize_completions(profile: Profile, input_path: InputPaths | None = None,
     there is replaced only with `force` (and kept as `NAME.backup-<time>`); anything else is refused.
 
     Raises InputError when nothing usable is in the input, DataError when more than
-    `data.max_degenerate_share` of the samples are degenerate (unless `allow_degenerate`).
+    `data.max_degenerate_share` of the records and samples are rejected or degenerate (unless `allow_degenerate`):
+    the file with the most rejects named with what was likely wrong (a prompts file given for completions).
     With `run_dir`, the manifest's "tokenize" stage records the state and the figures.
     """
     from launcher_core.manifest import update_stage
@@ -253,6 +255,7 @@ class TokenizeJob:
         if len(buffer):
             self._write_batch(writer, buffer.take())
         summary.rejects = dict(sorted(rejects.counts.items()))
+        summary.rejects_by_source = dict(rejects.by_source)
 
     def _write_batch(self, writer: ShardWriter, batch: pa.RecordBatch) -> None:
         """Write a batch, counting the input it came from and its bytes (the disk-full estimate)."""
@@ -276,10 +279,68 @@ class TokenizeJob:
             raise InputError(f"no usable records in {', '.join(summary.sources)} ({reasons}); "
                              f"see {summary.rejects_path}")
         limit = self.thresholds.max_degenerate_share
-        if report.degenerate_share > limit and not self.allow_degenerate:
+        empty_files = summary.rejects.get("empty_file", 0)
+        unusable = UnusableShare(summary.rejected - empty_files, summary.records - empty_files,
+                                 report.degenerate_samples, report.samples)
+        if unusable.share <= limit or self.allow_degenerate:
+            return
+        if not unusable.rejected:
             raise DataError(f"{report.degenerate_share:.1%} of the {report.samples} samples are degenerate "
                             f"(limit data.max_degenerate_share = {limit:.1%}): {report.degenerate_summary()}. "
                             "Fix the generation, or pass --allow-degenerate to write the dataset anyway.")
+        raise DataError(f"{rejects_cause(summary.rejects_by_source)}; {unusable.describe()} (limit "
+                        f"data.max_degenerate_share = {limit:.1%}); each reject in {summary.rejects_path}. Nothing "
+                        f"was written at {summary.output}; pass --allow-degenerate to write the dataset anyway.")
+
+
+@dataclass(frozen=True)
+class UnusableShare:
+    """What the degenerate gate holds against data.max_degenerate_share: rejected records and degenerate samples
+    together, of every record rejected and every sample written (an empty input file is no record)."""
+
+    rejected: int
+    records: int
+    degenerate: int
+    samples: int
+
+    @property
+    def share(self) -> float:
+        return (self.rejected + self.degenerate) / max(1, self.rejected + self.samples)
+
+    def describe(self) -> str:
+        return (f"{self.rejected} of the {self.records} records rejected and {self.degenerate} of the {self.samples} "
+                f"samples degenerate: {self.share:.1%} unusable")
+
+
+# A reject reason that dominates a file -> what was likely wrong with the file.
+LIKELY_CAUSES = {
+    "no_assistant_turn": "its records hold no assistant answer: it looks like a prompts file (what `generate` reads), "
+                         "not the completions `generate` writes (paths.completions, or --input FILE)",
+    "missing_messages": "its records have no `messages`: it is not a completions file (what `generate` writes)",
+    "invalid_json": "it is not JSONL (one JSON object a line)",
+    "not_an_object": "its lines are JSON but not objects: it is not a completions file",
+    "template_error": "the chat template of the profile's tokenizer (model.tokenizer) does not fit its records",
+    "template_inconsistent": "the chat template of the profile's tokenizer (model.tokenizer) does not fit its records",
+    "template_drops_fields": "the chat template of the profile's tokenizer (model.tokenizer) does not fit its records",
+    "record_too_long": "its records are longer than data.max_length allows (raise data.max_length)",
+    "duplicate_id": "its ids repeat: the same completions given twice?",
+}
+
+
+def rejects_cause(by_source: dict[tuple[str, str], int]) -> str:
+    """`FILE: N records rejected, most for REASON (what it means): what was likely wrong`, for the input file
+    with the most rejects."""
+    from collections import Counter
+
+    from dflash.data.records import REJECT_REASONS
+
+    per_file: Counter[str] = Counter()
+    for (source, _), count in by_source.items():
+        per_file[source] += count
+    source, count = per_file.most_common(1)[0]
+    reason = max((r for s, r in by_source if s == source), key=lambda r: by_source[(source, r)])
+    likely = LIKELY_CAUSES.get(reason, REJECT_REASONS.get(reason, reason))
+    return f"{source}: {count} record(s) rejected, {by_source[(source, reason)]} for {reason}: {likely}"
 
 
 class SampleBuffer:

@@ -12,6 +12,7 @@ release: docs/eval.md "The serving engine".
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -416,8 +417,36 @@ def run_engines(engine: str, profile: Profile, target: Path, drafter: Path, bloc
     version = check_engine_installed(engine, profile) if launch is None else None
     runs = {}
     for method in methods:
-        command = engine_command(engine, profile, target, method, drafter, block_size, profile.eval.engine_port, launch,
-                                 version)
-        runs[method] = serve_method(engine, command, prompt_ids, settings, log_dir / f"{engine}-{method}.log",
-                                    profile.generate.server_startup_timeout_s)
+        with engine_port(profile.eval.engine_port) as port:
+            command = engine_command(engine, profile, target, method, drafter, block_size, port, launch, version)
+            runs[method] = serve_method(engine, command, prompt_ids, settings, log_dir / f"{engine}-{method}.log",
+                                        profile.generate.server_startup_timeout_s)
     return runs
+
+
+@contextlib.contextmanager
+def engine_port(preferred: int) -> Iterator[int]:
+    """eval.engine_port while the server lives, when nothing listens there and no other eval of this machine
+    has claimed it (an flock in the cache, held as long as the block: its engine binds the port only once
+    loaded); otherwise a free port, so two evals at once never collide on it."""
+    import fcntl
+    import os
+    import socket
+
+    from launcher_core.paths import cache_dir
+    from launcher_core.processes import free_port
+
+    claims = cache_dir() / "engine-ports"
+    claims.mkdir(exist_ok=True)
+    fd = os.open(claims / f"{preferred}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield free_port()
+            return
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            taken = probe.connect_ex(("127.0.0.1", preferred)) == 0
+        yield free_port() if taken else preferred
+    finally:
+        os.close(fd)

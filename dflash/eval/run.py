@@ -15,10 +15,12 @@ from launcher_core.schema import Profile
 def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
              options: EvalOptions = EvalOptions()) -> EvalSummary:
     """Evaluate the drafter; the manifest's eval entry says running/done/failed as it goes."""
-    from launcher_core.manifest import update_stage
+    from launcher_core.manifest import read_manifest, update_stage
 
     run_dir = Path(run_dir) if run_dir is not None else expand_path(profile, profile.paths.run_dir)
     checkpoint = resolve_checkpoint(run_dir, options.checkpoint)
+    read_manifest(run_dir)                              # a damaged manifest is named first (InputError)
+    check_inputs(profile, checkpoint, options)
     update_stage(run_dir, "eval", "running", checkpoint=str(checkpoint))
     engine = options.engine or profile.eval.engine
     try:
@@ -35,3 +37,19 @@ def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
         raise
     update_stage(run_dir, "eval", "done", **manifest_figures(summary.report))
     return summary
+
+
+def check_inputs(profile: Profile, checkpoint: Path, options: EvalOptions) -> None:
+    """Before any model loads or any set decodes (torch-free): the drafter directory holds a DFlash drafter
+    config and weights, and every prompts file of the eval reads (not empty, valid JSONL); InputError naming it."""
+    from dflash.drafter.checkpoint import init_source_problem
+    from dflash.eval.options import also_prompt_paths, eval_prompts_path
+    from dflash.generate.prompts import load_prompts
+    from launcher_core.errors import InputError
+
+    problem = init_source_problem(checkpoint)
+    if problem:
+        raise InputError(f"--draft {options.checkpoint}: not a drafter checkpoint: {problem}" if options.checkpoint
+                         else problem)
+    for path in [eval_prompts_path(profile, options.prompts_path), *also_prompt_paths(profile, options.prompts_path)]:
+        load_prompts(path)

@@ -6,8 +6,10 @@ client. Transient errors and timeouts are retried with exponential backoff; what
 recorded in `generate/failures.jsonl`. A server that dies is restarted (bounded) and the run goes
 on (`dflash.generate.workers`). A run whose every request failed is RunFailed (exit 5): nothing
 was generated, and a script must not carry on as if it had been; so is one whose first requests all
-failed the same way (it stops there). A key the server refuses at the start-up probe is ConfigError
-(exit 2) before any prompt is sent. The manifest's "generate" stage is updated as it goes.
+failed the same way (it stops there), and a rerun that has nothing left to send while prompts of an
+earlier run failed (they are sent only with `--retry-failed`). A key the server refuses at the start-up
+probe is ConfigError (exit 2) before any prompt is sent. The manifest's "generate" stage is updated as it
+goes.
 """
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
     the key of those whose URL has no `?api_key=` (None: DFLASH_API_KEY, if set), sent as a bearer token.
     `retry_failed` sends only the prompts in the failures file. `preflight` runs the preflight
     audit first (`force` runs anyway on a FAIL). Updates the manifest's "generate" stage. RunFailed
-    when prompts were sent and every one of them failed (`all_failed`).
+    when prompts were sent and every one of them failed (`all_failed`); NothingSent (exit 5) when none is left to
+    send and prompts of an earlier run failed (without `retry_failed`).
     """
     if api_key and not endpoints:
         raise ConfigError("an API key (--api-key) is for the server of an --endpoint; the profile's own server "
@@ -99,6 +102,11 @@ def generate_from_profile(profile: Profile, *, input_path: str | Path | None = N
     if recovery.torn_bytes_dropped:
         print(f"note: dropped a torn last line ({recovery.torn_bytes_dropped} bytes) from {paths.output}", file=sys.stderr)
     selected = select_prompts(prompts, store, retry_failed, limit)
+    if not selected and not retry_failed:
+        failed_before = select_prompts(prompts, store, True, limit)
+        if failed_before:
+            store.close()
+            raise NothingSent(len(failed_before), len(store.done_ids), store.failures_path)
     summary = GenerateSummary(total=len(prompts[:limit] if limit is not None else prompts),
                               already_done=len(store.done_ids), selected=len(selected),
                               output_path=str(paths.output), failures_path=str(store.failures_path))
@@ -129,6 +137,17 @@ def all_failed(summary: GenerateSummary) -> RunFailed | None:
                      f"(the first failure: {summary.first_failure}); each prompt's reason is in "
                      f"{summary.failures_path}. Check the server or --endpoint (its address, path and key), then "
                      f"rerun with --retry-failed")
+
+
+class NothingSent(RunFailed):
+    """A rerun with no prompt left to send while earlier runs' failures are outstanding: not a success (they are
+    sent again only with --retry-failed), and nothing was sent, so no endpoint was tried."""
+
+    def __init__(self, failed_before: int, done: int, failures_path: Path):
+        super().__init__(f"nothing sent: {failed_before} prompt(s) failed in an earlier run and are sent again only "
+                         f"with --retry-failed ({done} done; each failure's reason is in {failures_path}). Fix the "
+                         f"server or --endpoint, then rerun with --retry-failed")
+        self.failed_before, self.done = failed_before, done
 
 
 def _close_after_failure(store: CompletionStore) -> None:

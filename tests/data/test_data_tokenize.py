@@ -64,7 +64,8 @@ def test_bad_input_counts_by_reason_with_line_numbers(profile, tmp_path):
     source = write_jsonl(tmp_path / "mixed.jsonl", GOOD[:6] + BAD_LINES)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    summary = tokenize_completions(profile, [source, empty], tmp_path / "ds", workers=1, progress=False)
+    summary = tokenize_completions(profile, [source, empty], tmp_path / "ds", workers=1, progress=False,
+                                   allow_degenerate=True)     # 9 of 15 records rejected: above the gate's 50 %
     assert summary.rejects == dict(sorted(EXPECTED_REJECTS.items()))
     assert summary.samples == 6 and summary.records == 6 + len(BAD_LINES) + 1
     rejects = [json.loads(line) for line in Path(summary.rejects_path).read_text().splitlines()]
@@ -123,6 +124,29 @@ def test_cli_tokenize_and_inspect(tmp_path, qwen3_tokenizer_dir, repo_root):
     missing = subprocess.run([sys.executable, "launcher.py", "inspect", str(tmp_path / "nope")],
                              cwd=repo_root, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no such dataset directory" in missing.stderr
+
+
+def test_the_prompts_file_given_for_completions_is_refused_naming_it_and_the_likely_mistake(tmp_path, qwen3_tokenizer_dir,
+                                                                                            repo_root):
+    """Issue 67 item 7.7: the shipped prompts bank tokenized by mistake (494 of its 526 records have no assistant
+    turn). Before: exit 0 and a 32-sample dataset (rejects were not counted by the degenerate gate). Now rejected
+    records count beside degenerate samples: exit 4, one line naming the file, its dominant reject reason and
+    what was likely wrong; nothing written at the output. --allow-degenerate still writes it."""
+    prompts = repo_root / "dflash" / "prompts" / "builtin_prompts.jsonl"
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'extends = "cpu-demo"\n[model]\ntokenizer = "{qwen3_tokenizer_dir}"\n'
+                       f'[paths]\nrun_dir = "{tmp_path / "run"}"\n')
+    argv = [sys.executable, "launcher.py", "tokenize", "--profile", str(profile), "--input", str(prompts), "--output",
+            str(tmp_path / "ds"), "--workers", "1", "--no-progress"]
+    refused = subprocess.run(argv, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    [line] = refused.stderr.strip().splitlines()
+    assert line.startswith(f"error: {prompts}: 494 record(s) rejected, 494 for no_assistant_turn: "), line
+    assert "it looks like a prompts file (what `generate` reads), not the completions `generate` writes" in line
+    assert "494 of the 526 records rejected and " in line and "limit data.max_degenerate_share = 75.0%" in line
+    assert "Traceback" not in refused.stderr and not (tmp_path / "ds").exists()
+    allowed = subprocess.run([*argv, "--allow-degenerate"], cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert allowed.returncode == 0 and "rejected 494 records" in allowed.stdout, allowed.stderr
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -789,3 +791,48 @@ def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_e
     [brief] = summary.report.also_sets
     assert brief.benchmark == "humaneval" and brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
     assert "## Benchmarks (served, first turns)" in (tmp_path / "run" / "eval" / "engine-sglang.md").read_text()
+
+
+CLAIM_AND_HOLD = """
+import sys, time
+from dflash.eval.engines import engine_port
+with engine_port(int(sys.argv[1])) as port:
+    print(port, flush=True)
+    time.sleep(60)
+"""
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_engine_servers_take_a_free_port_when_eval_engine_port_is_taken(private_cache):
+    """Issue 67 item 7.11: two `eval --engine` at once. Before: the second's servers were started on the same
+    eval.engine_port and the eval stopped with exit 5 ("something already listens on 127.0.0.1:30100"). Now
+    eval.engine_port is the first choice while no other eval has claimed it (another process holds the claim
+    while its engine loads, before anything listens) and nothing listens there; otherwise a free port."""
+    import socket
+
+    from dflash.eval.engines import engine_port
+
+    preferred = free_port()
+    with engine_port(preferred) as port:
+        assert port == preferred                                     # the first choice, free
+    holder = subprocess.Popen([sys.executable, "-c", CLAIM_AND_HOLD, str(preferred)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert holder.stdout is not None
+    try:
+        assert int(holder.stdout.readline()) == preferred             # another eval's engine, not listening yet
+        with engine_port(preferred) as port:
+            assert port != preferred
+    finally:
+        holder.kill()
+        holder.wait()
+    with socket.socket() as listener:                                # something else listens on it
+        listener.bind(("127.0.0.1", preferred))
+        listener.listen()
+        with engine_port(preferred) as port:
+            assert port != preferred
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", port)) != 0
+    with engine_port(preferred) as port:
+        assert port == preferred                                     # free again: the first choice again

@@ -181,3 +181,34 @@ def test_a_missing_also_prompts_file_is_named_before_the_target_loads(tiny_qwen3
     err = capsys.readouterr().err
     assert "eval.also_prompts: no such prompts file" in err and "nope.jsonl" in err
     assert not (tmp_path / "run" / "eval" / "report.json").exists()
+
+
+def unloadable_target(source, root):
+    """The tiny target's config and tokenizer with weights no loader can read: an eval that loads it fails
+    on them, so a refusal that names the real problem came before the target loaded."""
+    import shutil
+
+    target = shutil.copytree(source, root / "target-unloadable")
+    (target / "model.safetensors").write_bytes(b"not weights")
+    return target
+
+
+def test_an_empty_prompts_file_and_a_draft_that_is_no_checkpoint_are_refused_before_any_model_loads(
+        tiny_qwen3_target, tiny_qwen3_model, tmp_path, capsys):
+    """Issue 67 item 7.10. Before: `--prompts` with an empty file was refused after the target loaded and the
+    benchmark rows decoded (a minute); `--draft` at a directory that holds no drafter after the target loaded.
+    Now both are one line, exit 2, before any model loads (the target here cannot load: its error would show)."""
+    profile = write_eval_profile(tmp_path, unloadable_target(tiny_qwen3_target, tmp_path), "num_prompts = 2")
+    save_random_drafter(tmp_path / "run", tiny_qwen3_model, block_size=4)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert launcher.main(["eval", "--profile", str(profile), "--prompts", str(empty), "--bench", "humaneval"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {empty}: no prompts in the file"
+    not_a_checkpoint = tmp_path / "notes"
+    not_a_checkpoint.mkdir()
+    (not_a_checkpoint / "readme.txt").write_text("hello")
+    assert launcher.main(["eval", "--profile", str(profile), "--draft", str(not_a_checkpoint)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --draft {not_a_checkpoint}: not a drafter checkpoint: {not_a_checkpoint}: no config.json; expected a "
+        f"DFlash drafter directory (config.json + *.safetensors)")
+    assert "eval" not in read_manifest(tmp_path / "run")["stages"]

@@ -250,6 +250,18 @@ def test_every_request_failing_is_exit_5_not_a_quiet_success(tmp_path, tiny_qwen
     stage = read_manifest(tmp_path / "run")["stages"]["generate"]
     assert stage["state"] == "failed" and stage["failed"] == 3 and "every request failed" in stage["error"]
     assert len(failures.read_text().splitlines()) == 3
+    # a plain rerun sends nothing while those prompts failed: exit 5 naming them and --retry-failed, no request sent,
+    # against the same server and a dead endpoint alike; --retry-failed sends them again
+    sent = gateway.chat_requests
+    for endpoint in (gateway.url, f"http://127.0.0.1:{free_port()}/v1"):
+        rerun = run_launcher(profile_path, "--endpoint", endpoint)
+        assert rerun.returncode == 5, rerun.stdout + rerun.stderr
+        assert rerun.stderr.strip() == (f"error: nothing sent: 3 prompt(s) failed in an earlier run and are sent again "
+                                        f"only with --retry-failed (0 done; each failure's reason is in {failures}). "
+                                        f"Fix the server or --endpoint, then rerun with --retry-failed")
+    assert gateway.chat_requests == sent and len(failures.read_text().splitlines()) == 3
+    retried = run_launcher(profile_path, "--endpoint", gateway.url, "--retry-failed")
+    assert retried.returncode == 5 and gateway.chat_requests > sent, retried.stderr
 
 
 def test_the_first_requests_failing_the_same_way_stop_the_run(tmp_path, tiny_qwen3_target, served_tiny_model,

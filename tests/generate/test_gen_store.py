@@ -158,3 +158,47 @@ def test_generate_command_refuses_its_prompts_as_output_with_exit_2(tmp_path, ca
                           "--endpoint", "http://127.0.0.1:9", "--no-progress"])
     assert code == 2 and f"--output {prompts} is the prompts file" in capsys.readouterr().err
     assert prompts.read_bytes() == before
+
+
+
+def earlier_run(run_dir, done: list[str], failed: list[str]) -> None:
+    """What a run that completed `done` and failed `failed` leaves in `run_dir`."""
+    store = CompletionStore(run_dir / "completions.jsonl", run_dir / "generate", flush_every=1)
+    store.open()
+    for prompt_id in done:
+        store.add(json.loads(completion_line(prompt_id)))
+    for prompt_id in failed:
+        store.add_failure(prompt_id, "HTTP 500: boom", attempts=3)
+    store.close()
+
+
+def test_a_rerun_with_only_earlier_failures_left_sends_nothing_and_says_so(tmp_path):
+    """Issue 67 item 7.2, the part that needs no server: one prompt done, one failed in an earlier run. A rerun
+    without --retry-failed has nothing to send; before, it exited 0 saying "completed 0, failed 0". Now
+    NothingSent (exit 5) names the earlier failure and --retry-failed (no endpoint is tried: this one is dead);
+    the pipeline goes on with the completion it has, as its first run did, and stops when there is none (no
+    server starts: its target does not even exist)."""
+    from dflash.generate import generate_from_profile
+    from dflash.generate.run import NothingSent
+    from dflash.pipeline import PipelineContext, _generate
+    from launcher_core.errors import exit_code_for
+    from launcher_core.processes import free_port
+    from launcher_core.profile import load_profile
+    from tests.generate.gen_helpers import write_profile, write_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    first, second = write_prompts(prompts, 2)
+    partial, failed = tmp_path / "partial", tmp_path / "failed"
+    earlier_run(partial, done=[first], failed=[second])
+    earlier_run(failed, done=[], failed=[first, second])
+    profile = load_profile(str(write_profile(tmp_path / "p.toml", tmp_path / "no-model", partial, prompts)))
+    with pytest.raises(NothingSent) as raised:
+        generate_from_profile(profile, endpoints=[f"http://127.0.0.1:{free_port()}"], progress=False)
+    assert exit_code_for(raised.value) == 5
+    assert str(raised.value) == (f"nothing sent: 1 prompt(s) failed in an earlier run and are sent again only with "
+                                 f"--retry-failed (1 done; each failure's reason is in {partial / 'generate' / 'failures.jsonl'}). "
+                                 f"Fix the server or --endpoint, then rerun with --retry-failed")
+    assert _generate(PipelineContext(profile=profile, run_dir=partial)) == (
+        "nothing sent: 1 prompts have completions, 1 failed earlier (`launcher.py generate --retry-failed` sends them again)")
+    with pytest.raises(NothingSent, match=r"^nothing sent: 2 prompt\(s\) failed in an earlier run .* \(0 done;"):
+        _generate(PipelineContext(profile=profile, run_dir=failed))

@@ -67,6 +67,26 @@ def test_inspect_and_the_loader_refuse_flipped_bytes_naming_the_backup(cli, data
     verify_dataset(backup, hashes=True)                      # the intact copy passes
 
 
+@pytest.mark.parametrize("damage", ["bytes_changed", "truncated"])
+def test_train_on_a_damaged_shard_is_exit_4_in_one_line_before_launch(cli, dataset, tmp_path, tiny_qwen3_target,
+                                                                       private_cache, damage):
+    """Issue 67 item 7.5: a shard whose bytes changed (same size: only its sha256 tells) or that was cut short.
+    Before: torchrun started, rank 0 found it after start-up and the run ended with exit 5 and a rank
+    traceback. Now the launcher checks the shards as `inspect` does: exit 4, one line naming the shard, the
+    dataset not used, nothing of a run written."""
+    from tests.train.conftest import write_profile
+
+    shard, run_dir = first_shard(dataset), tmp_path / "run"
+    flip_bytes(shard) if damage == "bytes_changed" else truncate(shard, 100)
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, dataset, run_dir)
+    result = cli("train", "--profile", profile, "--skip-preflight")
+    assert result.code == 4, result.out + result.err
+    [line] = result.err.strip().splitlines()
+    problem = "its sha256 does not match" if damage == "bytes_changed" else "100 bytes on disk"
+    assert line.startswith(f"error: {shard}: {problem}") and "the dataset is damaged and was not used" in line, line
+    assert not (run_dir / "train").exists()
+
+
 def test_the_loader_checks_sizes_on_every_rank(dataset):
     from dflash.train.rank.data import verify_dataset
     from launcher_core.errors import DataError

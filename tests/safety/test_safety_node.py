@@ -89,7 +89,7 @@ COMMANDS = {   # command -> (argv under the tree, the path its line names, relat
     "export": (["export", "{ro}/run/train/checkpoints/step-1", "--for", "sglang", "-o", "{ro}/out"], ".out."),
     "train": (["train", "--profile", "{train}", "--skip-preflight"], "run/.run.lock"),
     "train --resume": (["train", "--profile", "{train}", "--skip-preflight", "--resume"], "run/.run.lock"),
-    "eval": (["eval", "--profile", "{train}", "--num-prompts", "1", "--max-new-tokens", "2"], "run/.manifest.json.lock"),
+    "eval": (["eval", "--profile", "{train}", "--num-prompts", "1", "--max-new-tokens", "2"], "run/.run.lock"),
     "generate": (["generate", "--profile", "{train}", "--input", "{ro}/prompts.jsonl", "--endpoint",
                   "http://127.0.0.1:9/v1", "--skip-preflight", "--no-progress"], "run/"),
 }

@@ -216,6 +216,26 @@ def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank
     assert "no checkpoint was written yet" in cause.message
 
 
+@pytest.mark.parametrize("records, code", [
+    ([{"rank": 1, "time": 1.0, "error": "ValueError('bad row')"}], 5),
+    ([{"rank": 0, "time": 1.0, "error": "disk full: writing a checkpoint", "kind": "disk_full"}], 7),
+    ([{"rank": 0, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], 4),
+])
+def test_the_manifest_keeps_the_exit_code_of_the_command_not_torchruns(tmp_path, records, code):
+    """Issue 67 item 7.8: torchrun exits 1 whatever failed; the manifest's `exit_code` is the one the command
+    exits with (exit_code_for the error it raises). Before: 1 in every case."""
+    from dflash.train.supervisor.failures import RunEnd
+    from dflash.train.supervisor.launch import TrainPaths, _conclude
+    from launcher_core.errors import exit_code_for
+    from launcher_core.manifest import read_manifest
+
+    write_records(tmp_path / "train" / "failures", records, [])
+    with pytest.raises(Exception) as raised:
+        _conclude(TrainPaths(tmp_path), RunEnd(agent_pid=9, code=1), collective_timeout_s=600)
+    assert exit_code_for(raised.value) == code
+    assert read_manifest(tmp_path)["stages"]["train"]["exit_code"] == code
+
+
 ABORTING_RANK = """
 import os
 
@@ -300,7 +320,43 @@ def test_status_names_the_last_checkpoint_and_the_resume_after_a_run_that_ended_
     assert cli("status", tmp_path).out.splitlines()[-1] == (
         f"note: train stopped (SIGTERM); its last checkpoint is step-3: `launcher.py train --profile P "
         f"--run-dir {tmp_path} --resume` continues from it")
+    (tmp_path / "train" / "profile.json").write_text(json.dumps({"name": "rtx6000-x8"}))   # what train writes
+    assert cli("status", tmp_path).out.splitlines()[-1] == (
+        f"note: train stopped (SIGTERM); its last checkpoint is step-3: `launcher.py train --profile rtx6000-x8 "
+        f"--run-dir {tmp_path} --resume` continues from it")
     update_stage(tmp_path, "train", "running", launcher_pid=os.getpid())   # the controls: running, then done
     assert "note:" not in cli("status", tmp_path).out
     update_stage(tmp_path, "train", "done", steps=10)
     assert "note:" not in cli("status", tmp_path).out
+
+
+def test_every_command_that_writes_into_a_live_run_is_refused(cli, tmp_path, qwen3_tokenizer_dir, private_cache):
+    """Issue 67 item 7.9: a training holds the run directory's lock. Before: `tokenize --force` replaced its
+    dataset under it (and merge, export and eval wrote into it). Now tokenize (its profile's run directory,
+    or an output inside a run), merge into the run's dataset, export into the run and eval are refused,
+    exit 2 naming the holder, and the dataset is unchanged; a merge whose output is outside the run is not."""
+    from tests.data.conftest import build_dataset
+    from tests.safety.conftest import tree_digest, write_tokenize_profile
+
+    run_dir = tmp_path / "run"
+    dataset, other = build_dataset(run_dir / "dataset", ["a", "b"]), build_dataset(tmp_path / "other", ["c"], seed=1)
+    profile = write_tokenize_profile(tmp_path / "p.toml", qwen3_tokenizer_dir, run_dir)
+    elsewhere = write_tokenize_profile(tmp_path / "q.toml", qwen3_tokenizer_dir, tmp_path / "run-q")
+    before = tree_digest(dataset)
+    holder = hold_lock(run_dir, 120)
+    try:
+        for argv in (["tokenize", "--profile", profile, "--force"],
+                     ["tokenize", "--profile", elsewhere, "--output", dataset, "--force"],
+                     ["merge", "--base", dataset, "--add", other, "--in-place"],
+                     ["merge", "--base", other, "--add", other, "--output", run_dir / "merged"],
+                     ["export", run_dir / "train" / "checkpoints" / "step-1", "--for", "vllm", "-o", run_dir / "export"],
+                     ["eval", "--profile", profile]):
+            result = cli(*argv)
+            assert result.code == 2, (argv, result.err)
+            assert result.err.startswith(f"error: run directory {run_dir} is in use by `launcher.py train` "
+                                         f"(pid {holder.pid} on"), (argv, result.err)
+        assert tree_digest(dataset) == before and not (run_dir / "merged").exists()
+        assert cli("merge", "--base", other, "--add", dataset, "--output", tmp_path / "merged").code == 0   # outside it
+    finally:
+        holder.kill()
+        holder.wait()

@@ -102,7 +102,7 @@ def test_1_kill_9_of_the_launcher_mid_save_leaves_no_process_and_says_how_the_ru
     status = subprocess.run([sys.executable, "launcher.py", "status", str(chain.run_dir)], cwd=REPO, text=True,
                             capture_output=True, timeout=120)
     assert status.returncode == 0 and (f"note: train failed (launcher gone); its last checkpoint is step-1: "
-                                       f"`launcher.py train --profile P --run-dir {chain.run_dir} --resume` "
+                                       f"`launcher.py train --profile {chain.profile.stem} --run-dir {chain.run_dir} --resume` "
                                        "continues from it") in status.stdout, status.stdout + status.stderr
     chain.outputs["partial"] = (0, " ".join(partial_saves(chain.run_dir)))
 
@@ -123,7 +123,7 @@ def test_2_resume_at_once_clears_the_partial_save_and_a_killed_agent_takes_its_r
     assert "a partial checkpoint an interrupted save left behind" in out
     assert "resumed from" in out and "(step 1)" in out
     entry = manifest_train(chain.run_dir)
-    assert entry["state"] == "failed" and entry["ended_by"] == "agent killed" and entry["exit_code"] == -9
+    assert entry["state"] == "failed" and entry["ended_by"] == "agent killed" and entry["exit_code"] == 5
     assert latest(chain.run_dir) == "step-2" and metrics_steps(chain.run_dir) == [1, 2, 3]
     assert not (chain.run_dir / "train" / "stopped.json").exists()
 

@@ -138,6 +138,27 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(trained, tmp_path):
         assert loss == pytest.approx(original[step], rel=1e-5), step
 
 
+def test_resume_of_a_finished_run_says_so_and_writes_nothing(trained, tmp_path, cli, private_cache):
+    """Issue 67 item 7.4. Before: `train --resume` on a finished run exited 0 without a word, rewrote its last
+    checkpoint's dcp/.metadata and set the manifest's last_loss to null. Now it says the run is finished and
+    writes nothing, whether the profile plans its steps by train.max_steps or by train.epochs over the data;
+    a profile that plans more steps resumes (the control, decided without a launch)."""
+    from dflash.train.supervisor.resume import finished_run
+    from tests.safety.conftest import tree_digest
+
+    profile, run_dir = trained
+    copy = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = tree_digest(copy)
+    result = cli("train", "--profile", run_dir.parent / "p.toml", "--run-dir", copy, "--resume", "--skip-preflight")
+    assert result.code == 0, result.err
+    assert f"train: the run in {copy} is finished: step-24 holds its last step (24 planned by profile p)" in result.out
+    assert "torchrun" not in result.out + result.err and tree_digest(copy) == before
+    by_epochs = dataclasses.replace(profile, train=dataclasses.replace(profile.train, max_steps=0, epochs=3))
+    assert finished_run(by_epochs, copy) is not None          # 32 rows // global batch 4 = 8 steps an epoch
+    for longer in (dataclasses.replace(profile.train, max_steps=26), dataclasses.replace(by_epochs.train, epochs=4)):
+        assert finished_run(dataclasses.replace(profile, train=longer), copy) is None
+
+
 def copy_checkpoint(run_dir: Path, step: int, into: Path) -> Path:
     shutil.copytree(run_dir / "train" / "checkpoints" / f"step-{step}", into / "train" / "checkpoints" / f"step-{step}")
     (into / "train" / "checkpoints" / "latest").write_text(f"step-{step}\n")

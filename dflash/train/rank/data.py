@@ -51,7 +51,9 @@ class RowSplit:
 def split_rows(count: int, share: float, seed: int) -> RowSplit:
     """Hold out round(share x count) rows (at least one when share > 0), chosen at random from
     `seed`; every caller with the same count, share and seed gets the same split."""
-    held = min(count, max(1, round(share * count))) if share > 0 else 0
+    from dflash.train.supervisor.launch_checks import held_out_count
+
+    held = held_out_count(count, share)
     if not held:
         return RowSplit(tuple(range(count)))
     order = np.random.default_rng([seed, VALIDATION_STREAM]).permutation(count)

@@ -343,7 +343,7 @@ def restart_after_oom(profile: Profile, paths: TrainPaths, restarts_done: int) -
         return False
     fatal = unrecoverable(records)
     if fatal is not None or restarts_done >= oom_restart_limit(profile):
-        update_stage(paths.run_dir, "train", "failed", failed_rank=records[0].rank)
+        update_stage(paths.run_dir, "train", "failed", failed_rank=records[0].rank, exit_code=RunFailed.exit_code)
         raise RunFailed(fatal_oom_message(fatal) if fatal is not None else
                         f"out of memory again after {restarts_done} restart(s) at smaller micro-batches; "
                         f"see {paths.run_dir / 'train' / 'autobatch.json'}")
@@ -506,7 +506,8 @@ def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[in
 
 def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> int:
     """0 for a whole run; Interrupted for a run stopped by a signal (manifest `pending`, what to resume);
-    otherwise RunFailed, DiskFull, NodeFault or DataError naming the cause (dflash.train.supervisor.failures)."""
+    otherwise RunFailed, DiskFull, NodeFault or DataError naming the cause (dflash.train.supervisor.failures), its
+    exit code the manifest's `exit_code` (the command's, not torchrun's)."""
     from dflash.train.supervisor.failures import failure_cause, read_rank_failures
     from launcher_core.errors import DataError, DiskFull, NodeFault
     from launcher_core.fileio import read_json
@@ -521,10 +522,10 @@ def _conclude(paths: TrainPaths, end: RunEnd, collective_timeout_s: float) -> in
     if end.signalled and (len(end.signals) > 1 or not read_rank_failures(paths.failures)):
         raise interrupted_run(paths, end)
     cause = failure_cause(paths.run_dir, end, collective_timeout_s)
-    update_stage(paths.run_dir, "train", "failed", exit_code=end.code, failed_rank=cause.rank, ended_by=cause.kind,
-                 error=cause.message.splitlines()[0][:500])
-    raised = {"disk full": DiskFull, "node fault": NodeFault, "loss unusable": DataError}
-    raise raised.get(cause.kind, RunFailed)(cause.message)
+    error = {"disk full": DiskFull, "node fault": NodeFault, "loss unusable": DataError}.get(cause.kind, RunFailed)
+    update_stage(paths.run_dir, "train", "failed", exit_code=error.exit_code, failed_rank=cause.rank,
+                 ended_by=cause.kind, error=cause.message.splitlines()[0][:500])
+    raise error(cause.message)
 
 
 def say_skipped_steps(paths: TrainPaths) -> None:

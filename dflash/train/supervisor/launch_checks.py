@@ -375,9 +375,11 @@ def _scan_rows(masks: Any, max_length: int, before: AnchorScan) -> AnchorScan:
 
 def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
     """The training dataset (paths.dataset) as the ranks will open it; InputError (exit 2) naming the path and
-    the command that writes it when it is not there, before any audit, torchrun or model load. A directory
-    that is there but damaged is the ranks' to name (dflash.train.rank.data.verify_dataset)."""
-    from dflash.data.dataset_io import META_NAME
+    the command that writes it when it is not there, before any audit, torchrun or model load. A dataset that
+    tokenize or merge wrote has its shards checked here too, sizes and sha256 against its dflash_meta.json
+    (DataError, exit 4, naming the shard and the backup to restore: what `inspect` says), so a damaged shard
+    stops the launch in one line; rank 0 checks them again at start (dflash.train.rank.data.verify_dataset)."""
+    from dflash.data.dataset_io import META_NAME, read_meta, verify_shards
     from launcher_core.errors import InputError
     from launcher_core.profile import expand_path
 
@@ -391,6 +393,8 @@ def require_dataset(profile: Profile, source: Optional[str] = None) -> Path:
         raise InputError(f"{dataset}: not a dataset (paths.dataset of profile {profile.name}: a directory with "
                          f"{META_NAME} or state.json, as tokenize and merge write it); run {tokenize}, or set "
                          "paths.dataset to the dataset's directory")
+    if (dataset / META_NAME).is_file():
+        verify_shards(dataset, read_meta(dataset), hashes=True)
     return dataset
 
 
@@ -413,6 +417,26 @@ def dataset_rows(dataset: Path) -> Optional[int]:
         return sum(batch.num_rows for name in files for batch in pa.ipc.open_stream(pa.memory_map(str(dataset / name))))
     except (OSError, TypeError, pa.ArrowException):
         return None
+
+
+def held_out_count(rows: int, share: float) -> int:
+    """Rows train.validation_share holds out of `rows`: round(share x rows), at least one when share > 0
+    (dflash.train.rank.data.split_rows chooses which)."""
+    return min(rows, max(1, round(share * rows))) if share > 0 else 0
+
+
+def planned_steps(profile: Profile) -> Optional[int]:
+    """The steps a run of `profile` trains: train.max_steps, else train.epochs x its dataset's steps per epoch
+    (training rows // train.global_batch, as the ranks count them); None when the dataset cannot be read."""
+    from launcher_core.profile import expand_path
+
+    train = profile.train
+    if train.max_steps:
+        return train.max_steps
+    rows = dataset_rows(expand_path(profile, profile.paths.dataset))
+    if rows is None:
+        return None
+    return train.epochs * ((rows - held_out_count(rows, train.validation_share)) // train.global_batch)
 
 
 def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:

@@ -54,6 +54,25 @@ def prepare_checkpoints(profile: Profile, facts: LaunchFacts, run_dir: Path, *, 
     return chosen
 
 
+def finished_run(profile: Profile, run_dir: Path) -> Optional[str]:
+    """What to say instead of resuming a finished run (None: it is not): the manifest's train stage is done and
+    its last checkpoint holds every step the profile plans (train.max_steps, or train.epochs over the dataset).
+    Read only; a run whose profile now plans more steps resumes as any other."""
+    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.train.supervisor.launch_checks import planned_steps
+    from launcher_core.manifest import read_manifest
+
+    if read_manifest(run_dir)["stages"].get("train", {}).get("state") != "done":
+        return None
+    newest = next(iter(step_directories(checkpoints_dir(run_dir))), None)
+    planned = planned_steps(profile)
+    if newest is None or planned is None or int(newest.name.removeprefix("step-")) < planned:
+        return None
+    return (f"train: the run in {run_dir} is finished: {newest.name} holds its last step ({planned} planned by "
+            f"profile {profile.name}); nothing to resume, nothing written. Evaluate it with `launcher.py eval`, "
+            f"raise train.max_steps (or train.epochs) to train on from it, or start over with `train --force`")
+
+
 def remove_partial_saves(directory: Path, log: Callable[[str], None] = say) -> list[Path]:
     """`.step-N.*.tmp` / `.step-N.old-PID` directories a killed save left; removed, each said. An
     `.old-PID` whose `step-N` is missing (a save killed between the two renames of its replace) is
