@@ -88,13 +88,18 @@ def prompt_sets() -> dict[str, Path]:
 
 
 def heldout_sequences(target: Any, tokenizer: Any, path: Path, count: int, new_tokens: int) -> list[Sequence]:
-    import torch
-
     from dflash.eval.evaluate import encode_prompts
 
+    return greedy_continuations(target, [list(e.token_ids) for e in encode_prompts(tokenizer, path, count, thinking=False)],
+                                new_tokens)
+
+
+def greedy_continuations(target: Any, prompts: list[list[int]], new_tokens: int) -> list[Sequence]:
+    """Each prompt (token ids) continued greedily by the target; the loss mask on the continuation."""
+    import torch
+
     out = []
-    for encoded in encode_prompts(tokenizer, path, count, thinking=False):
-        prompt = list(encoded.token_ids)
+    for prompt in prompts:
         with torch.no_grad():
             full = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0].tolist()
         out.append(Sequence(full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))

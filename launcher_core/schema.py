@@ -260,6 +260,13 @@ class TrainSection:
                       "once; command: each rank a new python (`-m dflash.train.rank.worker`) that imports them itself")
     decay_gamma: float = key(0.0, "loss decay exp(-(k-1)/gamma)",
                              Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"))
+    loss: Literal["ce", "dpace", "distill"] = key(
+        "ce", "the objective (docs/train.md \"The loss\"): ce, hard-label cross entropy weighted by the decay "
+              "(SpecForge 0.2.0's); dpace, the same cross entropy weighted by D-PACE's per-position weights "
+              "(SpecForge PR #578, Speculators' default since PR #980); distill, KL from the target's own "
+              "next-token distribution at each slot, weighted by the decay (the target runs to its last layer)")
+    dpace_alpha: float = key(0.5, "train.loss = \"dpace\": the confidence smoothing q~ = (1 - alpha) q + alpha "
+                                  "(SpecForge, Speculators, Model-Optimizer: 0.5)", Range(0, 1, low_open=True))
     loss_chunk_rows: int = key(2048, "drafter logits rows per chunk (vocab-sized rows)", Range(1, 2**24))
     autocast: Literal["auto", "bfloat16", "off"] = key("auto", "drafter forward: auto = bf16 on CUDA, fp32 on CPU")
     compute_dtype: Literal["float32", "bfloat16"] = key("float32", "drafter's residual stream and norms "
@@ -532,3 +539,19 @@ def dflash2_not_on_cpu_vllm(profile: Profile) -> Problems:
              f"needs Triton's GPU backend); set it to {instead}, or serve on a CUDA node")
             for dotted, instead in (("eval.engine", "\"transformers\" (in-process)"), ("eval.serve_engine", "\"\""))
             if _value(profile, dotted) == "vllm"]
+
+
+@cross_field_rule("train.loss", "train.dpace_alpha", "train.feature_cache", "drafter.kind",
+                  description="train.loss other than \"ce\" trains a DFlash drafter (drafter.kind = \"dflash\"); "
+                              "\"distill\" runs the target every step (train.feature_cache off); train.dpace_alpha "
+                              "keeps its default unless train.loss = \"dpace\"")
+def loss_fits_the_run(profile: Profile) -> Problems:
+    train = profile.train
+    if train.loss != "ce" and profile.drafter.kind != "dflash":
+        return [("train.loss", f"\"{train.loss}\" with drafter.kind = \"{profile.drafter.kind}\"; valid there: \"ce\"")]
+    if train.loss == "distill" and train.feature_cache:
+        return [("train.feature_cache", "true with train.loss = \"distill\": the loss needs the target's last layer "
+                 "every step, which the cache does not keep; set train.feature_cache = false")]
+    if train.loss != "dpace" and train.dpace_alpha != KEYS["train.dpace_alpha"].default:
+        return [("train.dpace_alpha", f"set, but train.loss is \"{train.loss}\"; it applies to train.loss = \"dpace\" only")]
+    return []

@@ -9,6 +9,11 @@ a block's accepted run being its leading slots whose argmax is the label (`count
 DFlash 2 (`dflash2_block_loss`): the same loss on the unary logits plus alpha x the teacher-forced
 selector's K-way cross entropy, same weights, same normaliser; `SelectorParts` measures the
 selector's own lift. Rules and their upstream sources: docs/train.md "DFlash 2", "tau: one definition".
+
+`train.loss` chooses the objective (`LossObjective`): "ce" (the above, SpecForge 0.2.0's), "dpace"
+(the same cross entropy weighted by D-PACE's detached per-position weights, `dpace_weights`) or
+"distill" (KL from the target's own next-token distribution at each slot's position, with the decay
+weights; `TeacherRows` carries the target's last hidden states of those positions).
 """
 from __future__ import annotations
 
@@ -29,6 +34,61 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k - 1) / gamma) for k = 1..B-1 -> [B-1]; w_1 = 1."""
     k = torch.arange(1, block_size, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
+
+
+LOSS_KINDS = ("ce", "dpace", "distill")
+
+
+@dataclass(frozen=True)
+class LossObjective:
+    """train.loss and train.dpace_alpha (DFlash drafters; docs/train.md "The loss")."""
+
+    kind: str = "ce"
+    dpace_alpha: float = 0.5
+
+    @property
+    def needs_teacher(self) -> bool:
+        """The target's own logits at the block slots' positions (its forward runs to its last layer)."""
+        return self.kind == "distill"
+
+
+def normaliser_weights(decay: torch.Tensor, objective: LossObjective) -> torch.Tensor:
+    """Per slot 1..B-1, what one supervised position adds to the step's normaliser (the GLOBAL weight sum,
+    known before any forward): the decay weights, or for D-PACE, whose weights come out of the forward,
+    1 (the normaliser is the count of supervised positions, as Speculators' `loss_function` divides by)."""
+    return torch.ones_like(decay) if objective.kind == "dpace" else decay
+
+
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's per-position weights (no gradient): ce, mask [..., B-1] over slots 1..B-1 -> [..., B-1].
+
+    D-PACE (Dynamic Position-Aware Cross-Entropy, arXiv:2605.18810; sgl-project/SpecForge PR #578,
+    specforge/core/dflash.py `OnlineDFlashModel._dpace_weight`; vllm-project/speculators PR #736,
+    `dpace_loss_decay`, its DFlash default since PR #980; NVIDIA/Model-Optimizer PR #1724): the draft's
+    confidence in the label q_i = exp(-CE_i), smoothed q~_i = (1 - alpha) q_i + alpha (Eq. 7), and
+    w_j = sum_{m >= j, m supervised} prod_{i <= m} q~_i (Eq. 8) for a supervised slot j, 0 otherwise:
+    the expected accepted length that slot j's prefix carries. An unsupervised slot is a no-op in the
+    products (q~ = 1) and adds nothing to the sums."""
+    with torch.no_grad():
+        supervised = mask > 0
+        smooth = torch.where(supervised, (1.0 - alpha) * torch.exp(-ce.float()) + alpha, torch.ones_like(ce, dtype=torch.float32))
+        prefix = torch.cumprod(smooth, dim=-1) * supervised
+        suffix = torch.flip(torch.cumsum(torch.flip(prefix, dims=[-1]), dim=-1), dims=[-1])
+        return suffix * supervised
+
+
+@dataclass(frozen=True)
+class TeacherRows:
+    """The target's last decoder layer's output [b, S, H] (before its final norm: the head that turns a row
+    into logits, its final norm and lm_head, runs on the rows the loss keeps, in `_chunk_kl`)."""
+
+    hidden: torch.Tensor
+
+    def at_slots(self, anchors: torch.Tensor, slots: int) -> torch.Tensor:
+        """Rows predicting slots 1..B-1 of each block: position anchor + k - 1 -> [b, N, B-1, H]."""
+        positions = (anchors[:, :, None] + torch.arange(slots, device=anchors.device)).clamp(max=self.hidden.shape[1] - 1)
+        index = positions.flatten(1)[..., None].expand(-1, -1, self.hidden.shape[-1])
+        return torch.gather(self.hidden, 1, index).view(*positions.shape, -1)
 
 
 @dataclass(frozen=True)
@@ -163,8 +223,11 @@ def read_selector_stats(totals: torch.Tensor, block_size: int) -> Optional[Selec
 
 
 def block_loss(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], targets: BlockTargets,
-               decay: torch.Tensor, chunk_rows: int = 2048) -> LossParts:
-    """hidden [b, N, B, H] (normed drafter output) -> LossParts; logits computed in row chunks."""
+               decay: torch.Tensor, chunk_rows: int = 2048, objective: LossObjective = LossObjective(),
+               teacher: Optional[torch.Tensor] = None,
+               teacher_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> LossParts:
+    """hidden [b, N, B, H] (normed drafter output) -> LossParts; logits computed in row chunks. `objective`:
+    train.loss; "distill" needs `teacher` [b, N, B-1, H] (`TeacherRows.at_slots`) and `teacher_head`."""
     slots = hidden.shape[2] - 1
     rows = hidden[:, :, 1:].reshape(-1, hidden.shape[-1])
     slot_index = torch.arange(slots, device=hidden.device).expand(*targets.labels.shape).reshape(-1)
@@ -172,7 +235,15 @@ def block_loss(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Ten
     keep = label_mask > 0
     rows, labels, slot_index = rows[keep], targets.labels.reshape(-1)[keep], slot_index[keep]
     weights = decay.to(hidden.device)[slot_index] * label_mask[keep]
-    weighted_ce, correct = _chunked_ce(rows, labels, weights, lm_head, chunk_rows)
+    if objective.kind == "dpace":
+        weighted_ce, correct, weights = _dpace_ce(rows, labels, keep, targets.label_mask, lm_head, chunk_rows,
+                                                  objective.dpace_alpha)
+    elif objective.kind == "distill":
+        assert teacher is not None and teacher_head is not None, "train.loss = \"distill\" needs the target's rows"
+        teacher_rows = teacher.reshape(-1, teacher.shape[-1])[keep]
+        weighted_ce, correct = _chunked_kl(rows, teacher_rows, labels, weights, lm_head, teacher_head, chunk_rows)
+    else:
+        weighted_ce, correct = _chunked_ce(rows, labels, weights, lm_head, chunk_rows)
     accepted, blocks = leading_accepted(correct, keep, targets.label_mask)
     return LossParts(
         weighted_ce=weighted_ce, weight_sum=weights.sum(),
@@ -222,6 +293,69 @@ def _chunk_ce(rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
     return (ce * weights).sum(), hit
 
 
+def _dpace_ce(rows: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, label_mask: torch.Tensor,
+              lm_head: Callable[[torch.Tensor], torch.Tensor], chunk_rows: int,
+              alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of D-PACE-weighted CE, argmax right [n], the supervised positions' normaliser weights [n]).
+    One pass over the logits: each row's CE (its gradient kept) gives the weights, detached."""
+    ce, correct = _chunked_row_ce(rows, labels, lm_head, chunk_rows)
+    grid = torch.zeros(keep.numel(), dtype=torch.float32, device=rows.device)
+    grid[keep] = ce.detach().float()
+    weights = dpace_weights(grid.view(label_mask.shape), label_mask, alpha).reshape(-1)[keep]
+    mask = label_mask.reshape(-1)[keep]
+    return (ce.float() * weights * mask).sum(), correct, mask
+
+
+def _chunked_row_ce(rows: torch.Tensor, labels: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                    chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's CE [n] (carries grad) and argmax right [n], one chunk of logits alive at a time."""
+    ces, hits = [], []
+    for start in range(0, rows.shape[0], chunk_rows):
+        part = slice(start, start + chunk_rows)
+        if rows.requires_grad:
+            ce, hit = checkpoint(_chunk_row_ce, rows[part], labels[part], lm_head, use_reentrant=False)
+        else:
+            ce, hit = _chunk_row_ce(rows[part], labels[part], lm_head)
+        ces.append(ce)
+        hits.append(hit)
+    if not ces:
+        return rows.new_zeros(0, dtype=torch.float32), rows.new_zeros(0, dtype=torch.float32)
+    return torch.cat(ces), torch.cat(hits)
+
+
+def _chunk_row_ce(rows: torch.Tensor, labels: torch.Tensor,
+                  lm_head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(rows).float()
+    return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(dim=-1) == labels).float()
+
+
+def _chunked_kl(rows: torch.Tensor, teacher_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                lm_head: Callable[[torch.Tensor], torch.Tensor], teacher_head: Callable[[torch.Tensor], torch.Tensor],
+                chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `_chunked_ce` with KL(target || drafter) per row: the target's logits of a chunk are computed
+    inside it (no gradient; again in the backward's recomputation), so one chunk of each is alive at a time."""
+    total = rows.new_zeros((), dtype=torch.float32)
+    correct = []
+    for start in range(0, rows.shape[0], chunk_rows):
+        part = slice(start, start + chunk_rows)
+        args = (rows[part], teacher_rows[part], labels[part], weights[part], lm_head, teacher_head)
+        kl, hit = checkpoint(_chunk_kl, *args, use_reentrant=False) if rows.requires_grad else _chunk_kl(*args)
+        total = total + kl
+        correct.append(hit)
+    hits = torch.cat(correct) if correct else rows.new_zeros(0, dtype=torch.float32)
+    return total, hits
+
+
+def _chunk_kl(rows: torch.Tensor, teacher_rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+              lm_head: Callable[[torch.Tensor], torch.Tensor],
+              teacher_head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(rows).float()
+    with torch.no_grad():
+        teacher_log_probs = F.log_softmax(teacher_head(teacher_rows).float(), dim=-1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher_log_probs, reduction="none", log_target=True).sum(dim=-1)
+    return (kl * weights).sum(), (logits.argmax(dim=-1) == labels).float()
+
+
 def simulated_tau(acc: list[float]) -> float:
     """1 + sum_k prod_{i<=k} acc_i: tau (accepted draft tokens + the bonus token, as eval counts a
     step) estimated from per-slot accuracies, as if each slot were right independently."""
@@ -239,14 +373,17 @@ def per_slot_accuracy(correct: torch.Tensor, counted: torch.Tensor) -> list[floa
 # --- DFlash 2 ---------------------------------------------------------------------------------------
 
 def drafter_loss(drafter: DFlashDrafter, hidden: torch.Tensor, targets: BlockTargets, anchor_ids: torch.Tensor,
-                 decay: torch.Tensor, chunk_rows: int = 2048, objective: SelectorObjective = SelectorObjective()) -> LossParts:
-    """The training loss of `drafter`'s blocks: `block_loss`, or for a DFlash 2 drafter `dflash2_block_loss`.
-    anchor_ids [b, N]: the anchor tokens (slot 1's predecessor)."""
+                 decay: torch.Tensor, chunk_rows: int = 2048, objective: SelectorObjective = SelectorObjective(),
+                 loss: LossObjective = LossObjective(), teacher: Optional[torch.Tensor] = None,
+                 teacher_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> LossParts:
+    """The training loss of `drafter`'s blocks: `block_loss` (train.loss `loss`; "distill": the target's rows
+    `teacher` and `teacher_head`), or for a DFlash 2 drafter `dflash2_block_loss`. anchor_ids [b, N]: the
+    anchor tokens (slot 1's predecessor)."""
     from dflash.drafter.dflash2 import DFlash2Drafter
 
     if isinstance(drafter, DFlash2Drafter):
         return dflash2_block_loss(hidden, drafter, targets, anchor_ids, decay, chunk_rows, objective)
-    return block_loss(hidden, drafter.logits, targets, decay, chunk_rows)
+    return block_loss(hidden, drafter.logits, targets, decay, chunk_rows, loss, teacher, teacher_head)
 
 
 def dflash2_block_loss(hidden: torch.Tensor, drafter: DFlash2Drafter, targets: BlockTargets, anchor_ids: torch.Tensor,

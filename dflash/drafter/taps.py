@@ -40,9 +40,12 @@ def source_layer_ids(layer_ids: Sequence[int], num_draft_layers: int, num_target
 
 
 def target_layers_needed(layer_ids: Sequence[int], num_draft_layers: int, num_target_layers: int,
-                         from_target: bool) -> int:
+                         from_target: bool, to_last: bool = False) -> int:
     """The decoder layers a rank loads: up to the deepest tap (the rest never run), and with
-    drafter.init = "target" (`from_target`) up to the last layer the draft layers start from."""
+    drafter.init = "target" (`from_target`) up to the last layer the draft layers start from; all of
+    them when the loss needs the target's own logits (`to_last`: train.loss = "distill")."""
+    if to_last:
+        return num_target_layers
     deepest = max(layer_ids)
     if from_target:
         deepest = max(deepest, *source_layer_ids(layer_ids, num_draft_layers, num_target_layers))
@@ -124,6 +127,7 @@ class TapCapture:
         return hook
 
     def features(self) -> "torch.Tensor":
+        """The captured outputs in `layer_ids` order, concatenated -> [B, S, len(layer_ids) * H]."""
         import torch
 
         missing = [k for k in self.layer_ids if k not in self._captured]
@@ -139,3 +143,21 @@ def extract_taps(model: PreTrainedModel, input_ids: "torch.Tensor", layer_ids: S
         with TapCapture(model, layer_ids, stop_after_deepest=True) as capture:
             model.model(input_ids=input_ids, use_cache=False)
     return capture.features()
+
+
+def extract_taps_and_last(model: PreTrainedModel, input_ids: "torch.Tensor", layer_ids: Sequence[int]) -> "torch.Tensor":
+    """Tap features and the last decoder layer's output (before the final norm) as one tensor
+    [B, S, (L + 1) * H], the last H columns the latter (`split_last`); the forward stops there, so the
+    final norm and the lm_head run only on the rows the loss asks for (train.loss = "distill")."""
+    import torch
+
+    last = len(decoder_layers(model)) - 1
+    with torch.no_grad():
+        with TapCapture(model, [*layer_ids, last], stop_after_deepest=True) as capture:
+            model.model(input_ids=input_ids, use_cache=False)
+    return capture.features()
+
+
+def split_last(features_and_last: "torch.Tensor", hidden_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """`extract_taps_and_last`'s tensor -> (tap features [B, S, L * H], last layer's output [B, S, H]): views."""
+    return features_and_last[..., :-hidden_size], features_and_last[..., -hidden_size:]

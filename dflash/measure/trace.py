@@ -131,8 +131,8 @@ def traced_state(profile: Profile, config: PretrainedConfig, data: WorstCaseData
     target = fake.build_target(config, getattr(torch, profile.model.dtype))
     state = state_from_target(profile, WorkerEnv(0, world, 0), torch.device("cpu"), target, data, mesh=mesh)
     state.autocast = "bfloat16" if autocast_wanted(profile.machine.device, profile.train.autocast) else "off"
-    width = len(state.layer_ids) * config.hidden_size
-    state.feature_cache = FakeFeatures(width, getattr(torch, profile.model.dtype))
+    columns = len(state.layer_ids) + (1 if state.loss.needs_teacher else 0)   # train.loss = "distill": the last layer's too
+    state.feature_cache = FakeFeatures(columns * config.hidden_size, getattr(torch, profile.model.dtype))
     allocate_optimizer_states(state)
     return state
 
@@ -219,16 +219,18 @@ def data_batch(state: TrainState, micro_batch: int) -> MicroBatch:
 
 
 def _target_taps(state: TrainState, batch: MicroBatch, full_target: bool) -> tuple[torch.Tensor, int]:
-    """`extract_taps` over every loaded layer, or over the layers that decide the forward's peak."""
+    """`extract_taps` over every loaded layer, or over the layers that decide the forward's peak; with
+    train.loss = "distill" the last layer's output is captured too (`extract_taps_and_last`)."""
     from dflash.drafter.taps import decoder_layers, extract_taps
 
     loaded = len(decoder_layers(state.target))
+    captured = [*state.layer_ids, *([loaded - 1] if state.loss.needs_teacher else [])]
     indices = (list(range(loaded)) if full_target
-               else fake.peak_deciding_layers(fake.module_layer_types(state.target), state.layer_ids))
+               else fake.peak_deciding_layers(fake.module_layer_types(state.target), captured))
     subset: contextlib.AbstractContextManager[object] = (contextlib.nullcontext() if full_target
                                                          else fake.LayerSubset(state.target, indices))
     with subset:
-        features = extract_taps(state.target, batch.input_ids, [indices.index(k) for k in state.layer_ids])
+        features = extract_taps(state.target, batch.input_ids, [indices.index(k) for k in captured])
     return features, len(indices)
 
 

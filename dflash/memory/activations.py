@@ -19,7 +19,7 @@ LINEAR_ATTENTION_FP32_COPIES = 14   # transformers' PyTorch Gated DeltaNet: fp32
 
 def tap_features_mib(workload: Workload) -> float:
     """Hidden states of the tap layers kept from the target forward, one sequence."""
-    return len(workload.tap_layers) * workload.max_length * workload.target.hidden * workload.dtype_bytes / MIB
+    return workload.captured_layers * workload.max_length * workload.target.hidden * workload.dtype_bytes / MIB
 
 
 def target_activations_mib(workload: Workload) -> float:

@@ -118,5 +118,5 @@ def loaded_target_params(workload: Workload, profile: Profile) -> int:
     from dflash.memory import model as memory
 
     layers = target_layers_needed(workload.tap_layers, workload.drafter_layers, workload.target.num_layers,
-                                  profile.drafter.init == "target")
+                                  profile.drafter.init == "target", to_last=workload.distill)
     return memory.target_params_loaded(workload, layers)

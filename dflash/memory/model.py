@@ -34,6 +34,8 @@ __all__ = ["LOGITS_CHUNK_TOKENS", "MIB", "MemoryEstimate", "PeakLine", "PeakMode
 MASTER_BYTES = 4                    # the drafter's parameter shards, gradients and AdamW states: float32
 REDUCE_BYTES = 4                    # FSDP2 reduces gradients in float32 (MixedPrecisionPolicy.reduce_dtype)
 LOGITS_BYTES_PER_ELEMENT = 2 + 2 + 4 + 4  # bf16 logits and their gradient, fp32 upcast and its gradient
+DISTILL_LOGITS_BYTES_PER_ELEMENT = 4 + 4 + 4  # train.loss = "distill": the drafter's log-softmax, the target's
+                                              # log-probabilities and the KL's elementwise terms (float32)
 ADAMW_STATES = 2                    # exp_avg and exp_avg_sq, like the parameter shards
 ADAMW_UPDATE_TEMPORARIES = 1        # foreach AdamW: one float32 tensor per parameter shard during step()
 PREFETCHED_LAYERS = 2               # a layer in its backward and the next one's all-gather, prefetched
@@ -481,7 +483,12 @@ def _logits_chunk_mib(workload: Workload) -> float:
     """One full chunk, when one sequence fills it (else the chunk grows with the micro-batch)."""
     if _label_rows(workload) < workload.logits_chunk_tokens:
         return 0.0
-    return workload.logits_chunk_tokens * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+    return workload.logits_chunk_tokens * workload.target.vocab * _logits_bytes(workload) / MIB
+
+
+def _logits_bytes(workload: Workload) -> int:
+    """Bytes per logits element alive in the loss's backward."""
+    return LOGITS_BYTES_PER_ELEMENT + (DISTILL_LOGITS_BYTES_PER_ELEMENT if workload.distill else 0)
 
 
 def _logits_per_sequence_mib(workload: Workload) -> float:
@@ -489,7 +496,7 @@ def _logits_per_sequence_mib(workload: Workload) -> float:
     (exact while the micro-batch's rows fit one chunk, above the truth beyond)."""
     if _label_rows(workload) >= workload.logits_chunk_tokens:
         return 0.0
-    return _label_rows(workload) * workload.target.vocab * LOGITS_BYTES_PER_ELEMENT / MIB
+    return _label_rows(workload) * workload.target.vocab * _logits_bytes(workload) / MIB
 
 
 # --- the peak model --------------------------------------------------------------------

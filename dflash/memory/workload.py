@@ -54,6 +54,7 @@ class Workload:
     gradient_sync: str = "every_micro_batch"    # train.gradient_sync
     activation_checkpointing: str = "none"      # train.activation_checkpointing
     dflash2: DFlash2Parts | None = None         # drafter.kind = "dflash2": its convolutions and selector (None: DFlash)
+    distill: bool = False               # train.loss = "distill": the target runs to its last layer, its logits in the loss
 
     @property
     def dtype_bytes(self) -> int:
@@ -74,7 +75,13 @@ class Workload:
 
     @property
     def loaded_target_layers(self) -> int:
-        return max(self.tap_layers) + 1
+        return self.target.num_layers if self.distill else max(self.tap_layers) + 1
+
+    @property
+    def captured_layers(self) -> int:
+        """Target layer outputs a micro-batch keeps from the target's forward: the taps (and with
+        train.loss = "distill" the last layer's, `dflash.drafter.taps.extract_taps_and_last`)."""
+        return len(self.tap_layers) + (1 if self.distill else 0)
 
     @property
     def anchors(self) -> int:
@@ -100,6 +107,8 @@ class Workload:
         facts.pop("world_size")
         if facts["dflash2"] is None:
             facts.pop("dflash2")                    # a DFlash workload keeps the key it had before DFlash 2
+        if not facts["distill"]:
+            facts.pop("distill")                    # ... and before train.loss
         text = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -130,7 +139,8 @@ def workload_from_profile(profile: Profile, shape: TargetShape | None = None,
                     autocast_on=autocast_on(profile), reshard_after_forward=train.reshard_after_forward,
                     gradient_sync=train.gradient_sync, activation_checkpointing=train.activation_checkpointing,
                     sliding_layers=list(profile.drafter.layer_types).count("sliding_attention"),
-                    sliding_window=profile.drafter.sliding_window, dflash2=dflash2_parts(profile))
+                    sliding_window=profile.drafter.sliding_window, dflash2=dflash2_parts(profile),
+                    distill=train.loss == "distill")
 
 
 def dflash2_parts(profile: Profile) -> DFlash2Parts | None:

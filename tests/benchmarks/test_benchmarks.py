@@ -88,6 +88,13 @@ CASES = [
                                         rf"^dflash2/unary +everyday +tau {NUMBER} .* step 2, 2 steps in ",
                                         r"^dflash2: saved .*/dflash2/train/checkpoints/step-2$"),
           args=("--smoke", "--variants", "dflash2", "--save-dir", "{tmp}"), marks=(SLOW,), name="bench_drafter_variants-dflash2"),
+    Smoke("bench_train_to_tau.py", (rf"^prompt lookup everyday +tau {NUMBER}$", rf"^prompt lookup humaneval +tau {NUMBER}$",
+                                    *(rf"^point {recipe} +cpu +0\.0 s +step +0 +loss - +everyday {NUMBER} +humaneval {NUMBER} "
+                                      rf"+val {NUMBER}$" for recipe in ("ce", "dpace", "distill")),
+                                    *(rf"^point {recipe} +cpu +{NUMBER} s +step +[1-3] +loss {NUMBER} " for recipe in
+                                      ("ce", "dpace", "distill")),
+                                    r"^wrote .*/train_to_tau\.json and .*/train_to_tau\.png$"),
+          args=("--smoke", "--out", "{tmp}")),
     Smoke("bench_fsdp_step.py", (rf"^  every_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$",
                                  rf"^  last_micro_batch/reshard +{NUMBER} +{NUMBER} +{NUMBER} / {NUMBER} +{NUMBER}$"),
           marks=(SLOW,)),

@@ -40,7 +40,7 @@ def target_forward_traced_once(monkeypatch):
 
     def once(state, batch, full_target):
         key = (state.target.config.to_json_string(), next(state.target.parameters()).dtype,
-               tuple(batch.input_ids.shape), tuple(state.layer_ids), state.autocast, full_target)
+               tuple(batch.input_ids.shape), tuple(state.layer_ids), state.autocast, full_target, state.loss.needs_teacher)
         if key not in TARGET_RISES:
             TARGET_RISES[key] = real(state, batch, full_target)
         return TARGET_RISES[key]
@@ -265,3 +265,23 @@ def test_the_model_counts_dflash2s_convolutions_and_selector_as_the_trace_does(n
         dflash_step = max(line.at(micro_batch) for line in without.lines if line.moment != "the target's forward")
         dflash_step += without.accumulation_mib if micro_batch < without.rank_share else 0.0
         assert (dflash_step - peak.traced) / peak.traced < -0.2, (micro_batch, dflash_step, peak)
+
+
+@pytest.mark.slow
+def test_the_model_counts_distillations_target_logits_as_the_trace_does():
+    """train.loss = "distill" at the same small shape and tolerances, the flagship's settings (8 ranks, bf16
+    compute, each draft layer recomputed): the whole target loaded, its last layer's output kept beside the
+    taps, its logits of a chunk beside the drafter's in the loss (dflash.drafter.loss._chunk_kl). Negative
+    control: the same workload counted as train.loss = "ce" misses the traced peak by more than the
+    tolerance, under."""
+    config = fake.qwen36_27b_config(**SMALL)
+    profile = small_profile()
+    profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train, loss_chunk_rows=128, loss="distill"))
+    workload = exact_workload(profile, config, 8)
+    assert workload.distill and workload.loaded_target_layers == config.num_hidden_layers
+    peaks = assert_model_holds_to_the_trace(profile, config, workload, 8)
+    without = memory.estimated_peak_model(dataclasses.replace(workload, distill=False))
+    for micro_batch, peak in zip((1, 2), peaks):
+        ce_step = max(line.at(micro_batch) for line in without.lines if line.moment != "the target's forward")
+        ce_step += without.accumulation_mib if micro_batch < without.rank_share else 0.0
+        assert (ce_step - peak.traced) / peak.traced < -0.04, (micro_batch, ce_step, peak)

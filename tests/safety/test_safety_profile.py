@@ -80,6 +80,8 @@ def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
     ("drafter", "selector_top_k = 8", "drafter.selector_top_k", 'it applies to drafter.kind = "dflash2" only'),
     ("train", "selector_stop_gradient = true", "train.selector_stop_gradient", 'applies to drafter.kind = "dflash2"'),
     ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0', "eval.serve_engine", "vLLM's CPU build cannot serve a DFlash 2"),
+    ("train", 'loss = "distill"', "train.feature_cache", "set train.feature_cache = false"),
+    ("train", "dpace_alpha = 0.3", "train.dpace_alpha", 'it applies to train.loss = "dpace" only'),
 ])
 def test_cross_field_rules_name_the_key(cli, tmp_path, section, lines, key, problem):
     profile = bad_profile(tmp_path, section, lines)

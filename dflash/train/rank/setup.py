@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dflash.drafter.attention import make_layer_attends
-from dflash.drafter.loss import SelectorObjective
+from dflash.drafter.loss import LossObjective, SelectorObjective
 from dflash.drafter.model import DFlashDrafter, InitValue, LayerAttendsFactory
 from dflash.train.rank.data import StepData, TrainData
 from dflash.train.rank.parallel import WorkerEnv
@@ -69,6 +69,7 @@ class TrainState:
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)
     selector: SelectorObjective = field(default_factory=SelectorObjective)   # DFlash 2: train.selector_* (dflash.drafter.loss)
+    loss: LossObjective = field(default_factory=LossObjective)   # train.loss, train.dpace_alpha (dflash.drafter.loss)
     progress: RankProgress = field(default_factory=RankProgress)   # the phase marks the heartbeat reports
 
 
@@ -195,10 +196,15 @@ def load_rank_target(profile: Profile, device: torch.device, keep_layers: int | 
 
 def target_layers_to_load(profile: Profile, layer_ids: list[int], num_target_layers: int) -> int:
     """The profile's decoder layers a rank loads (dflash.drafter.taps.target_layers_needed; the source layers of
-    drafter.init = "target" are dropped after the init)."""
+    drafter.init = "target" are dropped after the init; train.loss = "distill" runs every layer)."""
     from dflash.drafter.taps import target_layers_needed
 
-    return target_layers_needed(layer_ids, profile.drafter.num_layers, num_target_layers, profile.drafter.init == "target")
+    return target_layers_needed(layer_ids, profile.drafter.num_layers, num_target_layers, profile.drafter.init == "target",
+                                to_last=loss_objective(profile).needs_teacher)
+
+
+def loss_objective(profile: Profile) -> LossObjective:
+    return LossObjective(profile.train.loss, profile.train.dpace_alpha)
 
 
 def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool,
@@ -244,7 +250,8 @@ def state_from_target(profile: Profile, env: WorkerEnv, device: torch.device, ta
     mesh = mesh if mesh is not None else drafter_mesh(device, profile.machine.backend)
     drafter = build_sharded_drafter(profile, target, layer_ids, num_target_layers, vocab, device, mesh)
     drafter.checkpoint_layers = profile.train.activation_checkpointing == "layers"
-    target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
+    if not loss_objective(profile).needs_teacher:
+        target.model.layers = target.model.layers[: max(layer_ids) + 1]     # layers past the deepest tap never run
     gamma = default_gamma(profile.drafter.block_size, profile.train.decay_gamma)
     return assemble_state(profile, env, device, target, drafter, data, layer_ids, decay_weights(drafter.block_size, gamma))
 
@@ -289,7 +296,8 @@ def assemble_state(profile: Profile, env: WorkerEnv, device: torch.device, targe
                       chunk_rows=profile.train.loss_chunk_rows, total_steps=steps,
                       micro_batch=profile.train.max_micro_batch, autocast=profile.train.autocast,
                       compute_dtype=profile.train.compute_dtype, gradient_sync=profile.train.gradient_sync,
-                      selector=SelectorObjective(profile.train.selector_loss_alpha, profile.train.selector_stop_gradient))
+                      selector=SelectorObjective(profile.train.selector_loss_alpha, profile.train.selector_stop_gradient),
+                      loss=loss_objective(profile))
 
 
 def start_feature_cache(profile: Profile, run_dir: Path, data: TrainData, layer_ids: list[int]) -> FeatureCache:

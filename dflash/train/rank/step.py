@@ -19,7 +19,19 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflash.drafter.loss import BlockTargets, LossParts, SelectorStats, block_targets, drafter_loss, figure_width, per_slot_accuracy, read_selector_stats, simulated_tau
+from dflash.drafter.loss import (
+    BlockTargets,
+    LossParts,
+    SelectorStats,
+    TeacherRows,
+    block_targets,
+    drafter_loss,
+    figure_width,
+    normaliser_weights,
+    per_slot_accuracy,
+    read_selector_stats,
+    simulated_tau,
+)
 from dflash.drafter.model import DFlashDrafter, forward_blocks
 from dflash.train.rank import parallel
 from dflash.train.rank.data import MicroBatch
@@ -51,26 +63,55 @@ def step_targets(drafter: DFlashDrafter, batch: MicroBatch) -> BlockTargets:
 
 
 def micro_weight_sum(state: TrainState, batch: MicroBatch) -> float:
-    return float((step_targets(state.drafter, batch).label_mask * state.decay.cpu()).sum())
+    """The micro-batch's share of the step's normaliser (dflash.drafter.loss.normaliser_weights)."""
+    weights = normaliser_weights(state.decay, state.loss).cpu()
+    return float((step_targets(state.drafter, batch).label_mask * weights).sum())
 
 
 def forward_micro(state: TrainState, batch: MicroBatch) -> LossParts:
-    """Target taps (no grad, truncated forward) -> drafter over all blocks -> loss parts."""
-    from dflash.drafter.taps import extract_taps
-
+    """Target taps (no grad, truncated forward; with train.loss = "distill" to the last layer) -> drafter
+    over all blocks -> loss parts."""
     batch = batch.to(state.device)
-    if state.feature_cache is None:
-        features = extract_taps(state.target, batch.input_ids, state.layer_ids)
-    else:
-        features = state.feature_cache.features(batch, lambda ids: extract_taps(state.target, ids, state.layer_ids))
+    features, last = target_features(state, batch)
     with autocast_context(state.device, state.autocast):
         hidden = forward_blocks(state.drafter, batch.input_ids, batch.anchors, features, state.backend,
                                 state.layer_attends)
         anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+        head = None if last is None else teacher_head(state)
+        teacher = None if last is None else TeacherRows(last).at_slots(batch.anchors, hidden.shape[2] - 1)
         parts = drafter_loss(state.drafter, hidden, step_targets(state.drafter, batch), anchor_ids, state.decay,
-                             state.chunk_rows, state.selector)
+                             state.chunk_rows, state.selector, state.loss, teacher, head)
     parts.weighted_ce = parts.weighted_ce + 0.0 * hidden.sum()   # keep every parameter in the graph
     return parts
+
+
+def target_features(state: TrainState, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tap features, the target's last layer output or None): from the online forward, or the state's
+    feature source (the feature cache; the memory trace's fake features, which then carry the last
+    layer's columns too)."""
+    from dflash.drafter.taps import extract_taps, extract_taps_and_last, split_last
+
+    teacher = state.loss.needs_teacher
+    extract = extract_taps_and_last if teacher else extract_taps
+    if state.feature_cache is None:
+        features = extract(state.target, batch.input_ids, state.layer_ids)
+    else:
+        features = state.feature_cache.features(batch, lambda ids: extract(state.target, ids, state.layer_ids))
+    if not teacher:
+        return features, None
+    return split_last(features, state.target.config.hidden_size)
+
+
+def teacher_head(state: TrainState) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows of the target's last layer output -> its logits over the drafter's columns: the target's final
+    norm, then its lm_head's rows of the draft vocabulary (all rows without one)."""
+    import torch.nn.functional as F
+
+    drafter, norm = state.drafter, state.target.model.norm
+    lm_head = state.target.get_output_embeddings()
+    rows = drafter.draft_vocab if drafter.has_draft_vocab else slice(None)
+    weight, bias = lm_head.weight[rows], None if lm_head.bias is None else lm_head.bias[rows]
+    return lambda hidden: F.linear(norm(hidden).to(weight.dtype), weight, bias)
 
 
 def autocast_context(device: torch.device, setting: str = "auto") -> contextlib.AbstractContextManager[object]:
