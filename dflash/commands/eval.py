@@ -120,6 +120,8 @@ def summary_lines(report: EvalReport) -> str:
         lines.append(f"  prompts rendered {report.context.rendering}")
     if report.context.mode_mismatch:
         lines.append(f"  {report.context.mode_mismatch}")
+    if report.context.engine_deviation:
+        lines.append(f"  engine deviation: {report.context.engine_deviation}")
     for name, method in report.methods.items():
         tau = f"tau {method.mean_tau:.2f}  " if name != "target" and method.mean_tau is not None else " " * 11
         same = method.identical_to_target

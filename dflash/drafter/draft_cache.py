@@ -56,8 +56,11 @@ class DraftContextCache:
         return True
 
 
-def extend_cache(drafter: "DFlashDrafter", cache: DraftContextCache, features: "torch.Tensor") -> DraftContextCache:
-    """Add the context K/V of the positions after `cache.length` whose tap features [1, n, L*H] are given."""
+def extend_cache(drafter: "DFlashDrafter", cache: DraftContextCache, features: "torch.Tensor",
+                 context_k_norm_layer: Optional[int] = None) -> DraftContextCache:
+    """Add the context K/V of the positions after `cache.length` whose tap features [1, n, L*H] are given;
+    `context_k_norm_layer`: every layer's context keys normed with that layer's k_norm, as an engine that
+    does so computes them (dflash.eval.engines.EngineDeviation), None: each layer's own."""
     import torch
 
     if features.shape[1] == 0:
@@ -65,8 +68,10 @@ def extend_cache(drafter: "DFlashDrafter", cache: DraftContextCache, features: "
     context = drafter.project_context(features)
     positions = torch.arange(cache.length, cache.length + features.shape[1], device=features.device)[None]
     cos, sin = drafter.rotary_emb(context, positions)
-    for index, (layer, rule) in enumerate(zip(drafter.decoder_layers, drafter.layer_rules)):
-        keys, values = layer.self_attn.project_kv(context, cos, sin)
+    layers = list(drafter.decoder_layers)
+    k_norm = None if context_k_norm_layer is None else layers[context_k_norm_layer].self_attn.k_norm
+    for index, (layer, rule) in enumerate(zip(layers, drafter.layer_rules)):
+        keys, values = layer.self_attn.project_kv(context, cos, sin, k_norm)
         if index < len(cache.layers):
             old = cache.layers[index]
             keys, values = torch.cat([old.keys, keys], dim=2), torch.cat([old.values, values], dim=2)

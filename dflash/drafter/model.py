@@ -98,9 +98,11 @@ class DraftAttention(nn.Module):
     def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
         return x.view(*x.shape[:2], count, self.head_dim)
 
-    def project_kv(self, keys_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys_in [b, K, H] -> keys (k_norm, RoPE at cos/sin [b, K, d]) and values, [b, kv heads, K, d]."""
-        k = self.k_norm(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
+    def project_kv(self, keys_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_norm: Optional[nn.Module] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys_in [b, K, H] -> keys (k_norm, RoPE at cos/sin [b, K, d]) and values, [b, kv heads, K, d];
+        `k_norm` another layer's key norm in place of this layer's (an engine's way, dflash.eval.engines)."""
+        k = (k_norm or self.k_norm)(self._heads(self.k_proj(keys_in), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(keys_in), self.num_kv_heads).transpose(1, 2)
         return apply_rope(k, cos, sin).to(v.dtype), v
 

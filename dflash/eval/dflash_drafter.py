@@ -38,6 +38,8 @@ class DFlashDraft:
     generator: Optional["torch.Generator"] = None   # for sampled drafts (temperature > 0)
     use_cache: bool = True                          # keep the context K/V per draft layer between steps
     draft_tokens: int = 0                           # tokens proposed a step (block [anchor, MASK x k]); 0: B - 1
+    context_k_norm_layer: Optional[int] = None      # context keys normed with this layer's k_norm in every layer, as
+    #                                                 an engine computes them (dflash.eval.engines.EngineDeviation)
     _cache: Optional[DraftContextCache] = None
     _head_rows: Optional["torch.nn.Linear"] = None
 
@@ -74,12 +76,14 @@ class DFlashDraft:
         from dflash.drafter.model import draft_hidden_cached
 
         if not self.use_cache:
+            if self.context_k_norm_layer is not None:
+                raise ValueError("context_k_norm_layer needs the context K/V cache (use_cache)")
             return self.model.draft_hidden(features[None], anchor_id, features.shape[0], self.drafted_length)
         length = features.shape[0]
         if self._cache is None or not self._cache.crop(length):
             self._cache = DraftContextCache()
         with torch.no_grad():
-            extend_cache(self.model, self._cache, features[None, self._cache.length:length])
+            extend_cache(self.model, self._cache, features[None, self._cache.length:length], self.context_k_norm_layer)
             return draft_hidden_cached(self.model, self._cache, anchor_id, self.drafted_length)
 
     def _block_logits(self, features: "torch.Tensor", anchor_id: int) -> "torch.Tensor":

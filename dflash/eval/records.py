@@ -266,6 +266,8 @@ class ReportContext:
     baseline: Optional[str] = None          # how target-only decoding (the speedup's baseline) ran
     rendering: Optional[str] = None         # the prompts' mode and the training data's (dflash.eval.mode)
     mode_mismatch: Optional[str] = None     # rendered otherwise than the training data, on purpose
+    engine_deviation: Optional[str] = None  # engine evals: how the engine computes the drafter otherwise than
+    #                                         trained, decoded alike in-process (dflash.eval.engine_deviations)
 
     def to_json(self) -> dict[str, object]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -278,7 +280,8 @@ class ReportContext:
                    max_new_tokens=data.integer_or_none("max_new_tokens"),
                    torch_threads=data.integer_or_none("torch_threads"), served_drafter=data.text_or_none("served_drafter"),
                    baseline=data.text_or_none("baseline"), rendering=data.text_or_none("rendering"),
-                   mode_mismatch=data.text_or_none("mode_mismatch"))
+                   mode_mismatch=data.text_or_none("mode_mismatch"),
+                   engine_deviation=data.text_or_none("engine_deviation"))
 
 
 @dataclass(frozen=True)

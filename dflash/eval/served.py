@@ -127,17 +127,20 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     """Steps 1-4 of the module doc, nothing written but the export and the engine logs; `prompts`:
     (prompts file, count) instead of the eval's own set (a benchmark's), `label` naming them."""
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.eval.engine_deviations import engine_deviations
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.records import ReportContext
     from dflash.models import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
     check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))
+    deviations = engine_deviations(engine, profile) if launch is None else []     # a stand-in computes as we do
     target = resolve_model_path(profile.model.target)
     prompts_path, count = prompts or (eval_prompts_path(profile, options.prompts_path),
                                       options.num_prompts or profile.eval.num_prompts)
     settings = engine_settings(profile, options)
-    inprocess = inprocess_decode(profile, checkpoint, prompts_path, count, settings)
+    inprocess = inprocess_decode(profile, checkpoint, prompts_path, count, settings,
+                                 next((d.context_k_norm_layer for d in deviations), None))
     settings = replace(settings, stop_token_ids=inprocess.stop_token_ids, block_size=inprocess.report.block_size)
     eval_dir = run_dir / "eval"
     drafter = export_for_engine(engine, checkpoint, target, eval_dir, version)
@@ -146,7 +149,8 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     context = ReportContext(profile=profile.name, target=str(target), checkpoint=str(checkpoint),
                             prompts_file=str(prompts_path), prompt_set=label or prompt_set_label(prompts_path),
                             max_new_tokens=settings.max_new_tokens, seed=settings.seed, served_drafter=str(drafter),
-                            baseline=served_baseline(engine, profile))
+                            baseline=served_baseline(engine, profile),
+                            engine_deviation="; ".join(d.description for d in deviations) or None)
     report = engine_report(engine, runs, block_size=settings.block_size, temperature=settings.temperature,
                            context=context)
     report = replace(report, parity=parity_rows(runs, inprocess), inprocess=inprocess.report.without_prompts())
@@ -224,6 +228,7 @@ def render_engine_markdown(report: EvalReport) -> str:
              f"Target `{context.target or ''}`, drafter `{context.checkpoint or ''}` (served: "
              f"`{context.served_drafter or ''}`), block size {report.block_size}, temperature {report.temperature}, "
              f"{report.num_prompts} prompts, one request in flight; tau as the engine counts it.", "",
+             *([f"Engine deviation: {context.engine_deviation}.", ""] if context.engine_deviation else []),
              *mode_lines(context),
              "| method | engine tau | new tokens | tokens/s | speedup | same tokens as target |", "|---|---|---|---|---|---|"]
     for name, m in report.methods.items():
@@ -265,8 +270,9 @@ def _same_output(run: EngineRun, target: EngineRun) -> bool:
 
 
 def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
-                     settings: EngineSettings) -> InProcessDecode:
-    """The in-process eval of these prompts, decoded as `eval` does."""
+                     settings: EngineSettings, context_k_norm_layer: Optional[int] = None) -> InProcessDecode:
+    """The in-process eval of these prompts, decoded as `eval` does; `context_k_norm_layer`: the drafter's context
+    keys normed as the engine norms them (dflash.eval.engine_deviations)."""
     from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.evaluate import (
         cpu_threads,
@@ -281,7 +287,8 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)
-    draft = load_draft(str(checkpoint), model, profile.eval.draft_tokens)
+    draft = replace(load_draft(str(checkpoint), model, profile.eval.draft_tokens),
+                    context_k_norm_layer=context_k_norm_layer)
     prepare_cpu_decoding(profile, model, draft)
     stops = stop_token_ids(tokenizer, model)
     decode = DecodeSettings(block_size=draft.block_size, temperature=settings.temperature,
