@@ -6,6 +6,10 @@ ways on the same token-id prompts, and the first step where each pair disagrees.
   the drafter exported `--for reference --full-vocab`, its draft logits kept to the draft vocabulary;
 * served: vLLM's CPU build serving the drafter exported `--for vllm` (its per-request per-step acceptance).
 
+`--replay RECORD` decodes a record's prompts once more in-process as the engine computes the drafter (its
+deviations, dflash/eval/engine_deviations.py, probed in the engine's venv) and compares them with the record's
+served steps, with no engine started: does the deviation explain every departure?
+
 For each prompt and pair: the first step whose accepted drafts differ (the last step of a prompt is left
 out: near the length limit each side verifies a different number of tokens), and whether that step came
 before the in-process decoder's first near-tie (the gate's constants). Where in-process and reference agree
@@ -15,6 +19,7 @@ drafter's numerics.
     .venv/bin/python benchmarks/bench_parity_three_way.py --profile cpu-demo --draft RUN/train/checkpoints/step-N \\
         --prompts RUN/eval/bench/humaneval/prompts.jsonl,dflash/prompts/everyday_prompts.jsonl --num-prompts 16 \\
         --out benchmarks/results/parity-three-way_cpu-2core_DATE.json
+    .venv/bin/python benchmarks/bench_parity_three_way.py --replay benchmarks/results/parity-three-way_...json
 """
 from __future__ import annotations
 
@@ -170,6 +175,29 @@ def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def replay(record_path: Path) -> list[str]:
+    """A record's prompts decoded in-process as the engine computes the drafter, against its served steps."""
+    from dflash.eval.engine_deviations import engine_deviations
+    from dflash.eval.options import EvalOptions
+    from dflash.eval.served import engine_settings, inprocess_decode
+    from launcher_core.profile import load_profile
+
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    profile = load_profile(record["profile"])
+    deviations = engine_deviations("vllm", profile)
+    layer = next((d.context_k_norm_layer for d in deviations), None)
+    lines = [f"engine deviations: {', '.join(d.name for d in deviations) or 'none'}"]
+    for name, rows in record["sets"].items():
+        alike = inprocess_decode(profile, Path(record["draft"]), Path(name), len(rows),
+                                 engine_settings(profile, EvalOptions()), layer).side("dflash").prompts
+        served = [row["steps"]["served"] for row in rows]
+        trained = sum(s == row["steps"]["inprocess"] for s, row in zip(served, rows))
+        same = sum(s == ours.per_step for s, ours in zip(served, alike))
+        lines.append(f"{name}: served per step equal to in-process as trained on {trained} of {len(rows)} prompts, "
+                     f"as the engine computes the drafter on {same} of {len(rows)}")
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from launcher_core.profile import load_profile
 
@@ -180,9 +208,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--port", type=int, default=0, help="where vLLM listens (default eval.engine_port)")
     parser.add_argument("--out", help="write the per-prompt records here (JSON)")
+    parser.add_argument("--replay", help="a record of this benchmark: its prompts decoded as the engine computes "
+                                             "the drafter, against its served steps (no engine started)")
     parser.add_argument("--smoke", action="store_true",
                         help="an untrained drafter on 1 prompt x 6 tokens, in-process and reference (nothing served)")
     args = parser.parse_args(argv)
+    if args.replay:
+        print(*replay(Path(args.replay)), sep="\n")
+        return 0
     profile = load_profile(args.profile)
     if args.port:
         from dataclasses import replace
