@@ -68,8 +68,46 @@ def test_the_served_check_decodes_the_benchmarks_only_where_the_profile_says(mon
     monkeypatch.setattr(dflash.eval.run, "run_eval", served_eval)
     profile = with_eval(load_profile("cpu-demo"), serve_benchmarks=serve_benchmarks)
     with pytest.raises(RuntimeError, match="stop here"):
-        _served(PipelineContext(profile, tmp_path), "step-1")
+        _served(PipelineContext(profile, tmp_path), "vllm", "step-1")
     assert [(o.engine, o.checkpoint, o.benchmarks) for o in asked] == [("vllm", "step-1", expected)]
+
+
+@pytest.mark.parametrize("profile_name, served", [("rtx6000-x8", "sglang"), ("cpu-demo", "vllm"), ("flagship-twin", "")])
+def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_with_its_engine(
+        monkeypatch, tmp_path, profile_name, served):
+    """A GPU profile names its engine as eval.engine (rtx6000-x8: sglang): the pipeline's eval still writes the
+    in-process report first, then runs the served check with that engine, and a failed gate keeps the in-process
+    report (its last line says so); a profile without an engine decodes in-process only."""
+    import dflash.eval.run
+    import dflash.pipeline
+    from dflash.eval.options import EvalSummary
+    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.pipeline import PipelineContext, _eval, served_engine
+    from launcher_core.errors import ParityFailed
+
+    asked: list[EvalOptions] = []
+
+    def run_eval(profile, run_dir, options):
+        asked.append(options)
+        if options.engine != "transformers":
+            raise ParityFailed("gate", ("deterministic prefix",), str(run_dir / "eval" / f"engine-{options.engine}.json"))
+        return EvalSummary(EvalReport(8, 0.0, 2, {"target": MethodFigures(1.0, 10.0, 1.0, None),
+                                                  "dflash": MethodFigures(1.5, 12.0, 1.2, True)}))
+
+    monkeypatch.setattr(dflash.pipeline, "_engine_ready", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dflash.pipeline, "eval_checkpoint", lambda run_dir: ("step-1", "the last step"))
+    monkeypatch.setattr(dflash.eval.run, "run_eval", run_eval)
+    profile = load_profile(profile_name)
+    assert served_engine(profile) == served
+    if not served:
+        _eval(PipelineContext(profile, tmp_path))
+        assert [o.engine for o in asked] == ["transformers"]
+        return
+    with pytest.raises(ParityFailed) as failed:
+        _eval(PipelineContext(profile, tmp_path))
+    assert [o.engine for o in asked] == ["transformers", served]
+    assert str(failed.value).splitlines()[-1].startswith(
+        f"pipeline: the in-process eval is done and kept ({tmp_path / 'eval' / 'report.md'}); the served check failed")
 
 
 def link_checkpoint(run_dir: Path, checkpoint: Path) -> None:
