@@ -778,16 +778,17 @@ def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_e
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8),
                                   paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
     summary = evaluate_with_engine(profile, tmp_path / "run", tiny_drafter,
-                                   EvalOptions(num_prompts=2, benchmarks=("humaneval",)), "sglang",
+                                   EvalOptions(num_prompts=PREFIX_PROMPTS, benchmarks=("humaneval",)), "sglang",
                                    launch=[sys.executable, str(STANDIN), "sglang", "--mode", "honest"])
     bench_dir = tmp_path / "run" / "eval" / "bench" / "humaneval"
     bench = read_report(bench_dir / "engine-sglang.json")
-    assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == 2
-    assert bench.inprocess is not None and bench.inprocess.num_prompts == 2
+    assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == PREFIX_PROMPTS
+    assert bench.inprocess is not None and bench.inprocess.num_prompts == PREFIX_PROMPTS
+    assert bench.parity["dflash"].verdict == VERDICT_PASS      # enough prompts for the gate to decide
     assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
     sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
     assert [(r["id"], r["messages"][0]["content"]) for r in sent] == \
-        [(p.prompt_id, p.turns[0]) for p in load_benchmark("humaneval", count=2)]
+        [(p.prompt_id, p.turns[0]) for p in load_benchmark("humaneval", count=PREFIX_PROMPTS)]
     [brief] = summary.report.also_sets
     assert brief.benchmark == "humaneval" and brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
     assert "## Benchmarks (served, first turns)" in (tmp_path / "run" / "eval" / "engine-sglang.md").read_text()
