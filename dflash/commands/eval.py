@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
         benchmarks = parse_bench_names(args.bench)
     profile = load_profile_arg(args)
+    if args.draft:
+        check_drafter_fits_target(profile, args.draft)      # refused before the run directory is touched
     with run_lock(args.run_dir or expand_path(profile, profile.paths.run_dir), "eval"):   # not into a live run
         return evaluate(profile, args, benchmarks)
 
@@ -72,8 +74,6 @@ def evaluate(profile: Profile, args: argparse.Namespace, benchmarks: Optional[tu
     from dflash.eval.options import EvalOptions
     from dflash.eval.run import run_eval
 
-    if args.draft:
-        check_drafter_fits_target(profile, args.draft)
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           engine=args.engine, benchmarks=benchmarks, bench_dir=args.bench_dir,

@@ -99,7 +99,8 @@ def test_every_field_of_every_record_survives_the_disk(tmp_path):
                     verdict="fail", undecided=["3 prompt(s): ..."], rules_ran=["lossless: ..."])
     context = ReportContext("p", "t", "c", 3, "x.jsonl", "your prompts (x.jsonl)", 16, 2, "eval/engine-vllm-drafter",
                             "one cached forward a token", "thinking off (--thinking), chat template 872be49d",
-                            "mode mismatch (on purpose, --allow-mode-mismatch): thinking: ...")
+                            "mode mismatch (on purpose, --allow-mode-mismatch): thinking: ...",
+                            "vLLM's CPU build norms every draft layer's context keys with layer 0's k_norm weight")
     inner = EvalReport(3, 0.0, 1, {"dflash": method})
     report = EvalReport(3, 0.5, 2, {"target": method, "dflash": method}, context, "vllm",
                         [PromptFigures("a", 10, {"dflash": method})], [SetBrief("s", "x.jsonl", 1, "r.json", {"dflash": method}, "humaneval")],
