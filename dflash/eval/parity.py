@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import zip_longest
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from dflash.eval.records import TARGET, Departure, ParityRow, PromptParity
 from launcher_core.errors import ParityFailed
@@ -216,7 +216,8 @@ def first_departure(served: PromptAcceptance, ours: PromptAcceptance, constants:
     return None
 
 
-def _item(values: Sequence, index: int):   # type: ignore[no-untyped-def]
+def _item(values: Sequence[Any], index: int) -> Any:
+    """values[index], None past the end (a side that recorded fewer steps)."""
     return values[index] if index < len(values) else None
 
 
