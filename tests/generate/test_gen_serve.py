@@ -20,6 +20,7 @@ import pytest
 from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, run_launcher, write_profile, write_prompts
 
 from dflash.generate import generate_from_profile
+from dflash.generate.run import NothingSent
 from launcher_core.manifest import read_manifest
 from launcher_core.profile import load_profile
 
@@ -149,8 +150,9 @@ def test_faults_are_retried_or_recorded_and_retry_failed_runs_just_those(tmp_pat
     assert {f["id"] for f in failures} == {"q004", "q007"}
     assert all(f["reason"].startswith("HTTP 500") and f["attempts"] == 3 for f in failures)
 
-    again = generate_from_profile(profile, endpoints=[proxy.url], progress=False)
-    assert again.selected == 0  # a plain rerun does not resend recorded failures
+    with pytest.raises(NothingSent) as nothing_sent:  # a plain rerun does not resend recorded failures: exit 5
+        generate_from_profile(profile, endpoints=[proxy.url], progress=False)
+    assert "--retry-failed" in str(nothing_sent.value) and "2 prompt(s) failed" in str(nothing_sent.value)
     retried = generate_from_profile(profile, endpoints=[served_tiny_model], retry_failed=True, progress=False)
     assert (retried.selected, retried.completed, retried.failed) == (2, 2, 0)
     assert Counter(read_output_ids(output)) == Counter(ids)
