@@ -12,6 +12,9 @@ from typing import Callable
 
 import pytest
 
+# Per-test wall and CPU-seconds where DFLASH_TEST_TIMES names a file (benchmarks/bench_test_suite.py).
+pytest_plugins = ("suite_times",)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

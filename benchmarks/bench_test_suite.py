@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Where the test suite's time goes: per test and per module, CPU-seconds and wall time, sorted.
+
+Runs the README's test command (`bash scripts/setup.sh && .venv/bin/python -m pytest -q tests`, its
+pytest-xdist workers as pyproject's addopts set them) with DFLASH_TEST_TIMES set, so that tests/suite_times.py
+records each test's wall time and the CPU of its worker's whole process tree (ranks, servers and venv builds it
+starts), then prints the tables: the suite's wall and CPU, each module's, and the most expensive tests with the
+first sentence of their docstring (what each proves).
+
+    .venv/bin/python benchmarks/bench_test_suite.py [--out FILE.md] [--times FILE.jsonl] [--top 20] [PYTEST ARGS...]
+    .venv/bin/python benchmarks/bench_test_suite.py --from FILE.jsonl [--out FILE.md]    (tables of an earlier run)
+    .venv/bin/python benchmarks/bench_test_suite.py --smoke      (two small modules, the tables printed)
+
+Where the two cores were idle for part of the run, the `busy` column (CPU / wall) says so.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE_TESTS = ("tests/test_profile.py", "tests/test_manifest.py")
+
+
+@dataclass
+class TestRow:
+    nodeid: str
+    wall_s: float
+    cpu_s: float
+    outcome: str
+
+
+@dataclass
+class ModuleRow:
+    module: str
+    tests: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    worker: str = ""
+
+
+@dataclass
+class SuiteRun:
+    wall_s: float
+    cpu_s: float
+    exit_code: int
+    tests: list[TestRow] = field(default_factory=list)
+
+
+def read_times(path: Path) -> list[TestRow]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            rows.append(TestRow(record["nodeid"], float(record["wall_s"]), float(record["cpu_s"]), record["outcome"]))
+        except (ValueError, KeyError) as error:
+            raise SystemExit(f"{path}:{number}: not a test-time record ({error})")
+    return rows
+
+
+def by_module(rows: list[TestRow], workers: Optional[dict[str, str]] = None) -> list[ModuleRow]:
+    modules: dict[str, ModuleRow] = {}
+    for row in rows:
+        name = row.nodeid.split("::")[0]
+        module = modules.setdefault(name, ModuleRow(name, worker=(workers or {}).get(name, "")))
+        module.tests += 1
+        module.wall_s += row.wall_s
+        module.cpu_s += row.cpu_s
+    return sorted(modules.values(), key=lambda module: -module.cpu_s)
+
+
+def what_it_proves(nodeid: str, root: Path = REPO) -> str:
+    """The first sentence of the test function's docstring, else its name in words."""
+    path, _, name = nodeid.partition("::")
+    name = name.split("[")[0].split("::")[-1]
+    try:
+        tree = ast.parse((root / path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return name.replace("_", " ")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            doc = ast.get_docstring(node)
+            if doc:
+                sentence = " ".join(doc.split())
+                cut = sentence.find(". ")
+                return sentence if cut < 0 else sentence[:cut + 1]
+            break
+    return name.removeprefix("test_").replace("_", " ")
+
+
+def run_suite(times: Path, pytest_args: list[str]) -> SuiteRun:
+    """The README's test command, timed; its children's CPU from the kernel's accounting."""
+    times.unlink(missing_ok=True)
+    env = {**__import__("os").environ, "DFLASH_TEST_TIMES": str(times)}
+    started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    setup = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env)
+    code = setup.returncode
+    if code == 0:
+        code = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", *pytest_args],
+                              cwd=REPO, env=env).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return SuiteRun(time.perf_counter() - started, cpu, code, read_times(times) if times.exists() else [])
+
+
+def workers_of(path: Path) -> dict[str, str]:
+    workers: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            workers.setdefault(record["nodeid"].split("::")[0], record.get("worker", ""))
+    return workers
+
+
+def worker_totals(path: Path) -> dict[str, tuple[float, float]]:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            totals[record.get("worker", "")][0] += float(record["wall_s"])
+            totals[record.get("worker", "")][1] += float(record["cpu_s"])
+    return {worker: (wall, cpu) for worker, (wall, cpu) in sorted(totals.items())}
+
+
+def render(rows: list[TestRow], times: Path, top: int, suite: Optional[SuiteRun]) -> str:
+    lines = []
+    outcomes: dict[str, int] = defaultdict(int)
+    for row in rows:
+        outcomes[row.outcome] += 1
+    counted = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
+    total_cpu, total_wall = sum(row.cpu_s for row in rows), sum(row.wall_s for row in rows)
+    if suite is not None:
+        lines += [f"The README's test command: exit {suite.exit_code}, wall **{suite.wall_s:,.0f} s**, "
+                  f"CPU {suite.cpu_s:,.0f} s (user + sys of every process; setup included), "
+                  f"busy {suite.cpu_s / max(suite.wall_s, 1e-9):.2f} cores on average.", ""]
+    lines += [f"{len(rows)} tests ({counted}); summed over tests: CPU {total_cpu:,.0f} s, wall {total_wall:,.0f} s "
+              "(per worker below).", "", "| worker | tests' wall (s) | tests' CPU (s) |", "|---|---|---|"]
+    lines += [f"| {worker} | {wall:,.0f} | {cpu:,.0f} |" for worker, (wall, cpu) in worker_totals(times).items()]
+    lines += ["", "| module | worker | tests | CPU (s) | wall (s) | share of CPU |", "|---|---|---|---|---|---|"]
+    for module in by_module(rows, workers_of(times)):
+        lines.append(f"| {module.module} | {module.worker} | {module.tests} | {module.cpu_s:,.1f} | {module.wall_s:,.1f} | "
+                     f"{module.cpu_s / max(total_cpu, 1e-9):.1%} |")
+    lines += ["", f"The {top} most expensive tests (CPU of the worker's process tree during the test, its module's "
+              "fixtures included where it built them):", "", "| test | CPU (s) | wall (s) | what it proves |",
+              "|---|---|---|---|"]
+    for row in sorted(rows, key=lambda row: -row.cpu_s)[:top]:
+        lines.append(f"| `{row.nodeid}` | {row.cpu_s:,.1f} | {row.wall_s:,.1f} | {what_it_proves(row.nodeid)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="from_file", type=Path, help="tables of an earlier run's records")
+    parser.add_argument("--times", type=Path, help="where the per-test records go (default: a temp file)")
+    parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help=f"only {', '.join(SMOKE_TESTS)}")
+    args, pytest_args = parser.parse_known_args(argv)
+    suite = None
+    if args.from_file is not None:
+        times = args.from_file
+        rows = read_times(times)
+    else:
+        times = args.times or Path(tempfile.mkdtemp(prefix="suite-times-")) / "times.jsonl"
+        if args.smoke:
+            pytest_args = [*SMOKE_TESTS, "-n", "2"]
+        suite = run_suite(times, pytest_args or ["tests"])
+        rows = suite.tests
+        print(f"per-test records: {times}")
+    if not rows:
+        print("no test-time records: did the suite run?", file=sys.stderr)
+        return 1
+    text = render(rows, times, args.top, suite)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    return 0 if suite is None or suite.exit_code == 0 else suite.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
