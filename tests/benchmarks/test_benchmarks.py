@@ -105,6 +105,9 @@ CASES = [
                                  rf"^planned per rank: {NUMBER} MiB \(.*\); the order before: {NUMBER} MiB$",
                                  rf"^before \(whole drafter on the host\): peak RSS per rank {NUMBER} / {NUMBER} MiB",
                                  rf"^after \(meta, sharded\): peak RSS per rank {NUMBER} / {NUMBER} MiB"), marks=(SLOW,)),
+    Smoke("bench_test_suite.py", (rf"^The test command: exit 0, wall \*\*{NUMBER} s\*\*, CPU {NUMBER} s",
+                                  rf"^\| tests/test_profile\.py \| gw\d \| \d+ \| {NUMBER} \| {NUMBER} \| ",
+                                  r"^\| `tests/test_manifest\.py::test_\w+` \| ")),
     Smoke("bench_interpreters.py", (rf"^\S+ \(3\.11\.\d+\): rank imports CPU {NUMBER} s \(1\.00x\), 3 eager steps CPU "
                                     rf"{NUMBER} s ",), marks=(SLOW,)),
     Smoke("bench_rank_start.py", (rf"^forkserver launch 1: 2 ranks x 1 steps: wall {NUMBER} s, machine CPU {NUMBER} s$",
