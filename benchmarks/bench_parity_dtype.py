@@ -9,13 +9,14 @@ and float32 do here, so a margin that keeps float32 from flipping in bfloat16 bo
 bfloat16 engine against a bfloat16 decoder from above only roughly: the figures are a floor to measure
 again on the node (scripts/gpu_check.py serves the twin in bfloat16).
 
-For each prompt: each side's steps, accepted drafts and margins, and the first step where the two differ.
+The prompts are taken from the files in turn (one of each, then the next of each), so that 64 of four files are 16
+of each kind. For each prompt: each side's steps, accepted drafts and margins, and the first step where the two differ.
 For a grid of (drafter, target) margins: the share of prompts that depart before the first near-tie of the
 side holding the margins (either side, the worse), and the chance that a set of 16 prompts holds at least
 `PREFIX_PROMPTS` such prompts (the gate's false failure on a true drafter, per set).
 
     .venv/bin/python benchmarks/bench_parity_dtype.py --draft RUN/train/checkpoints/step-N \\
-        --prompts dflash/prompts/everyday_prompts.jsonl,dflash/prompts/indist_prompts.jsonl,RUN/eval/bench/humaneval/prompts.jsonl \\
+        --prompts dflash/prompts/everyday_prompts.jsonl,dflash/prompts/indist_prompts.jsonl,RUN/eval/bench/humaneval/prompts.jsonl,RUN/eval/bench/mt-bench/prompts.jsonl \\
         --num-prompts 64 --max-new-tokens 256 --out benchmarks/results/parity-dtype_cpu-2core_DATE.json
     .venv/bin/python benchmarks/bench_parity_dtype.py --smoke     (2 prompts x 8 tokens, an untrained drafter)
 """
@@ -72,8 +73,8 @@ def decode_all(profile: Any, checkpoint: Path, prompt_files: Sequence[Path], cou
     draft.model.to(getattr(torch, dtype))
     settings = DecodeSettings(block_size=draft.block_size, max_new_tokens=max_new_tokens,
                               eos_ids=stop_token_ids(tokenizer, model))
-    prompts = [p for path in prompt_files for p in encode_prompts(tokenizer, path, 10**6, profile.generate.thinking)]
-    prompts = prompts[:count]
+    prompts = interleaved([encode_prompts(tokenizer, path, 10**6, profile.generate.thinking) for path in prompt_files],
+                          count)
     verifier = TargetVerifier(model, draft.layer_ids)
     started, decoded = time.perf_counter(), []
     with cpu_threads(model, profile.eval.cpu_threads):
@@ -81,6 +82,15 @@ def decode_all(profile: Any, checkpoint: Path, prompt_files: Sequence[Path], cou
             run = speculative_decode(verifier, draft, prompt.token_ids, settings)
             decoded.append(Decoded(run.tokens, [tau - 1 for tau in run.taus], run.draft_margins, run.target_margins))
     return [p.prompt_id for p in prompts], decoded, time.perf_counter() - started
+
+
+def interleaved(files: Sequence[Sequence[Any]], count: int) -> list[Any]:
+    """The first `count` prompts taking one of each file in turn (a file that runs out drops out), so that every
+    kind listed (short chats, long code prompts, second turns) is among them."""
+    taken: list[Any] = []
+    for place in range(max((len(prompts) for prompts in files), default=0)):
+        taken.extend(prompts[place] for prompts in files if place < len(prompts))
+    return taken[:count]
 
 
 def first_apart(a: Decoded, b: Decoded) -> Optional[int]:
