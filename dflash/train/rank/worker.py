@@ -299,12 +299,14 @@ class StopFlag:
 
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
+    from dflash.train.rank.checkpointing import note_initial_weights
     from dflash.train.rank.loss_check import check_step
     from dflash.train.rank.parallel import gather_memory_mib
     from dflash.train.rank.step import run_next_step
     from dflash.train.rank.validation import start_validation
 
     total = state.total_steps
+    note_initial_weights(state)
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     validation = start_validation(state, profile, run_dir)     # None without train.validation_share
     saves = CheckpointSaves(state, profile, run_dir, validation)
