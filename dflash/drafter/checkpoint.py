@@ -5,7 +5,8 @@ names), `config.json` (reference drafter format, `config_document`: `architectur
 ["DFlashDraftModel"]`, `model_type: qwen3`, `block_size`, `dflash_config: {mask_token_id,
 target_layer_ids, block_size}`, `num_target_layers`, Qwen3 shape keys, plain RoPE as a top-level
 `rope_theta` next to transformers 5's `rope_parameters`), `training_state.pt` (scheduler, step,
-agreed micro-batch, world size: tensors, numbers, strings and containers only, read back with
+agreed micro-batch, world size, the trained weights' RMS beside the run's initial one and the step's loss,
+dflash.train.supervisor.resume.WeightsRecord: tensors, numbers, strings and containers only, read back with
 `torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
 `dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
 per rank (dflash.train.rank.checkpointing; they resume at any world size), and `training_data.json`, the

@@ -20,7 +20,7 @@ import pytest
 
 from dflash.drafter.checkpoint import read_weights
 from dflash.drafter.verify import verify_checkpoint
-from tests.safety.runs import finish, metrics_steps, start_train, wait_for, wait_for_ranks, wait_until_gone
+from tests.safety.runs import alive, finish, metrics_steps, start_train, wait_for, wait_for_ranks, wait_until_gone
 from tests.train.conftest import write_dataset, write_profile
 
 pytestmark = pytest.mark.slow
@@ -155,3 +155,51 @@ def test_a_failing_rank_is_the_last_word_and_torchruns_report_goes_to_the_logs(t
     assert "injected failure on rank 1 at step 3" in torchrun_log(run_dir)
     assert manifest_train(run_dir)["failed_rank"] == 1
     assert wait_until_gone(run_dir, members) == []
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["group", "launcher"])
+def test_a_second_ctrl_c_soon_after_the_first_stops_the_run_at_once(tmp_path, tiny_qwen3_target, to_group):
+    """Issue 67: two SIGINTs 0.3 s apart, to the whole process group (as a terminal sends them) or to the launcher
+    alone, while rank 0 is held 3 s inside step 3 (DFLASH_INJECT_STALL): the ranks are gone well before the hold
+    ends and the launcher exits 130 with the forced message; the ranks never reach the stop's save (no stopped.json, no step-3) and
+    `latest` still names a whole checkpoint. Before: the agent was killed but its forked ranks lived on (they hold
+    the forkserver's pipe) until the launcher's straggler grace ended them 5 s later, time enough to finish a
+    shorter step and save at the stop (the probe's `stopped by SIGINT ... saved`)."""
+    import time
+
+    run_dir = tmp_path / "run"
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "dataset"), run_dir,
+                            max_steps=400, save_every_steps=1, async_save=False, drafter=DATA_VOCAB)
+    process = start_train(profile, run_dir, env={"DFLASH_INJECT_STALL": "rank=0,step=3,phase=forward,seconds=3"})
+    ranks = [psutil.Process(pid) for pid in wait_for_ranks(run_dir).values()]
+    members = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    wait_for(lambda: in_phase(run_dir, 0, 3, "forward"), what="rank 0 held in step 3")
+    send = (lambda: os.killpg(process.pid, signal.SIGINT)) if to_group else (lambda: process.send_signal(signal.SIGINT))
+    send()
+    time.sleep(0.3)
+    send()
+    second = time.monotonic()
+    while any(alive(rank) for rank in ranks) and time.monotonic() - second < 10:
+        time.sleep(0.02)
+    ranks_lived_s = time.monotonic() - second
+    code, out = finish(process, timeout=60)
+    assert code == 130, out
+    assert ranks_lived_s < 2.0, f"the ranks lived {ranks_lived_s:.1f} s after the second SIGINT\n{out}"
+    assert out.rstrip().splitlines()[-1] == ("interrupted: training interrupted by a second SIGINT: stopped at once, "
+                                             "without a checkpoint at the stop; the last complete checkpoint is "
+                                             "step-2: continue from it with --resume"), out
+    checkpoints = run_dir / "train" / "checkpoints"
+    assert not (run_dir / "train" / "stopped.json").exists() and not (checkpoints / "step-3").exists()
+    assert (checkpoints / "latest").read_text().strip() == "step-2" and verify_checkpoint(checkpoints / "step-2") == []
+    assert manifest_train(run_dir)["ended_by"] == "interrupted (forced)"
+    assert_nothing_of_torchruns(out)
+    assert wait_until_gone(run_dir, members) == []
+
+
+def in_phase(run_dir: Path, rank: int, step: int, phase: str) -> bool:
+    """The rank's heartbeat record (rewritten at every phase mark) says it is in `phase` of `step`."""
+    try:
+        document = json.loads((run_dir / "train" / "ranks" / f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return document.get("step") == step and document.get("phase") == phase

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,21 +37,27 @@ def error_lines(out: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_loss_that_turns_nan_stops_the_run_before_its_weights_are_saved(tmp_path, tiny_qwen3_target):
+def test_a_loss_that_turns_nan_stops_the_run_and_sends_the_user_to_start_over(tmp_path, tiny_qwen3_target):
     """train.lr = 1e30: step 1 trains (its checkpoint is written), its update throws the weights to ~1e30,
-    and step 2's loss is NaN. Before: the run went on to exit 0 with checkpoints of NaN weights. Now every
-    rank stops after step 2, before its save: exit 4, one line naming train.lr; step-1 stays `latest`."""
+    and step 2's loss is NaN. Every rank stops after step 2, before its save: exit 4, one line naming train.lr;
+    step-1 stays `latest`. Issue 67: step-1's weights are wrecked (their RMS 9e30 x the run's initial), so the
+    line says no checkpoint can train and to start over. Before: "continue from step-1 with --resume", which
+    failed again at step 2 whatever train.lr was. Following the advice with a sane lr trains past step 2."""
     from dflash.drafter.checkpoint import read_weights
     from tests.safety.runs import finish, start_train
 
     run_dir = tmp_path / "run"
-    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "data"), run_dir,
-                            max_steps=6, save_every_steps=1, lr=1e30)
+    data = write_dataset(tmp_path / "data")
+    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, data, run_dir, max_steps=4, save_every_steps=1, lr=1e30)
     code, out = finish(start_train(profile, run_dir))
     assert code == 4, out
     [line] = error_lines(out)
     assert line.startswith("error: rank ") and ": step 2: the loss is nan" in line, out
-    assert "train.lr = 1e+30 too high" in line and "once the key named is changed, the last complete checkpoint is step-1" in line
+    assert "train.lr = 1e+30 too high" in line and "--resume" not in line
+    assert re.search(r"once the key named is changed, no checkpoint of this run can train \(step-1: its weights cannot "
+                     r"train: their RMS is 1e\+30, \d\.\d+e\+30 x the run's initial 0\.\d+ \(more than 50 x: an update "
+                     r"that diverged wrecked them; a run that trains stays near 1 x\)\): start over with --start-over "
+                     r"\(the old train/ is kept as train\.prev-\*\)$", line), line
     assert "Traceback" not in out and "FAILED" not in out
     assert checkpoint_steps(run_dir) == ["step-1"]
     assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-1"
@@ -58,6 +65,55 @@ def test_a_loss_that_turns_nan_stops_the_run_before_its_weights_are_saved(tmp_pa
     assert ended(run_dir)["ended_by"] == "loss unusable"
     records = [json.loads(p.read_text()) for p in (run_dir / "train" / "failures").glob("rank-*.json")]
     assert {r["kind"] for r in records} == {"loss_unusable"} and len(records) == 2     # every rank stopped alike
+
+    write_profile(profile, tiny_qwen3_target, data, run_dir, max_steps=4, save_every_steps=1, lr=1e-2)
+    code, out = finish(start_train(profile, run_dir, "--start-over"))
+    assert code == 0, out
+    assert sorted(metrics_lines(run_dir)) == [1, 2, 3, 4] and all(math.isfinite(line["loss"]) for line in metrics_lines(run_dir).values())
+
+
+@pytest.mark.slow
+def test_the_nan_advice_names_the_newest_checkpoint_that_can_train_and_resume_takes_it(tmp_path, tiny_qwen3_target):
+    """Issue 67: 2 healthy steps at lr 1e-2; resumed at lr 1e30 (now applied: the checkpoint's lr used to stay),
+    step 3's update wrecks the weights step-3 holds and step 4 is NaN: exit 4 naming step-2, the newest checkpoint
+    whose weights can train, and that --resume skips step-3. Following it at lr 1e-2, --resume skips step-3
+    (said), resumes step-2 and trains to step 5: exit 0. Before: the resume at 1e30 kept lr 1e-2 (no failure), and
+    a failure's advice named the newest checkpoint whatever its weights."""
+    from tests.safety.runs import finish, start_train
+
+    run_dir, data = tmp_path / "run", write_dataset(tmp_path / "data")
+
+    def train(lr: float, max_steps: int, *extra: str) -> tuple[int, str]:
+        profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, data, run_dir, max_steps=max_steps,
+                                save_every_steps=1, keep_checkpoints=0, lr=lr)
+        return finish(start_train(profile, run_dir, *extra))
+
+    assert train(1e-2, 2)[0] == 0
+    code, out = train(1e30, 5, "--resume")
+    assert code == 4, out
+    assert "train.lr = 1e+30 from step 3 on (the checkpoint was trained at 0.01;" in out
+    [line] = error_lines(out)
+    assert ": step 4: the loss is nan" in line and checkpoint_steps(run_dir) == ["step-1", "step-2", "step-3"]
+    assert ("once the key named is changed, the last complete checkpoint the run can train from is step-2: continue "
+            "from it with --resume (it skips step-3: its weights cannot train: their RMS is ") in line, line
+    code, out = train(1e-2, 5, "--resume")
+    assert code == 0, out
+    assert "skipped step-3: its weights cannot train: their RMS is " in out
+    assert "resuming from step-2, the newest whole checkpoint whose weights can train" in out
+    assert f"resumed from {run_dir / 'train' / 'checkpoints' / 'step-2'} (step 2)" in out
+    assert sorted(metrics_lines(run_dir)) == [1, 2, 3, 4, 5] and all(math.isfinite(line["loss"]) for line in metrics_lines(run_dir).values())
+
+
+@pytest.mark.parametrize("rms, initial, wrecked", [
+    (0.11, 0.108, False), (2.5, 0.108, False), (5.39, 0.108, False), (5.41, 0.108, True), (1e30, 0.108, True),
+    (math.nan, 0.108, True), (math.inf, 0.108, True), (3.0, 0.0, False),
+])
+def test_a_checkpoint_is_wrecked_past_50_times_the_runs_initial_weights_rms(rms, initial, wrecked):
+    """The rule's bound: the healthy runs measured stay within 1.1 x (24 x at lr 1.0, still learning), the
+    wrecked ones start at 93 x; not finite is wrecked; without an initial RMS only finiteness is judged."""
+    from dflash.train.supervisor.resume import WeightsRecord
+
+    assert WeightsRecord(rms, initial, None).wrecked() is wrecked
 
 
 def rows_with_late_answers(path: Path, seed: int, global_batch: int) -> Path:

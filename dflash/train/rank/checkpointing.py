@@ -126,8 +126,10 @@ def abandon_save(error: BaseException, staging: Path, run_dir: Path, is_main: bo
 
 
 def write_small_files(state: TrainState, staging: Path, run_dir: Path) -> None:
-    """Rank 0: config.json and training_state.pt of the step being saved, and the training data's rendering
-    record the launcher wrote (train/training_data.json; eval's mode check reads it from the checkpoint)."""
+    """Every rank measures the weights being saved (`trained_rms`, a collective); rank 0 writes config.json and
+    training_state.pt of the step, and the training data's rendering record the launcher wrote
+    (train/training_data.json; eval's mode check reads it from the checkpoint)."""
+    state.weights_rms = trained_rms(state.drafter)
     if state.env.is_main:
         import shutil
 
@@ -238,10 +240,53 @@ class AsyncCheckpointer:
 
 
 def training_state(state: TrainState) -> dict[str, object]:
+    """training_state.pt: the schedule and counters a resume restores, and what judges whether the run can train
+    from the checkpoint (dflash.train.supervisor.resume.WeightsRecord): the trained weights' RMS, the run's initial
+    one and the loss of the checkpoint's step."""
     return {"format": FORMAT, "step": state.step, "scheduler": state.scheduler.state_dict(),
             "micro_batch": state.micro_batch, "total_steps": state.total_steps,
             "world_size": state.env.world_size, "skipped_steps": state.skipped_steps,
-            "skipped_in_a_row": state.skipped_in_a_row}
+            "skipped_in_a_row": state.skipped_in_a_row, "weights_rms": state.weights_rms,
+            "initial_weights_rms": state.initial_weights_rms, "loss": state.last_loss}
+
+
+def note_initial_weights(state: TrainState) -> None:
+    """Every rank, before the first step: the trained weights' RMS at the run's start, what each save's is judged
+    by; a resumed run keeps the one its checkpoint recorded (one written without it: the weights resumed)."""
+    if state.initial_weights_rms is None:
+        state.initial_weights_rms = trained_rms(state.drafter)
+
+
+RMS_CHUNK = 1 << 22       # values squared at a time in float64 (32 MiB), whatever a shard's size
+
+
+def trained_rms(drafter: torch.nn.Module) -> float:
+    """The root mean square of every trained value of the drafter (its parameters that take gradients, over
+    all ranks' shards: a collective), summed in float64 (weights near 1e30 do not overflow it): inf or NaN when
+    the weights are. One pass over this rank's shards, no data."""
+    import torch
+
+    from dflash.train.rank.parallel import all_reduce_tensor, local_tensor
+
+    sums = torch.zeros(2, dtype=torch.float64)
+    for parameter in drafter.parameters():
+        if parameter.requires_grad:
+            values = local_tensor(parameter.detach()).reshape(-1)
+            sums[0] += square_sum(values)
+            sums[1] += values.numel()
+    total = all_reduce_tensor(sums, "SUM")
+    return float((total[0] / total[1]).sqrt()) if total[1] > 0 else 0.0
+
+
+def square_sum(values: torch.Tensor) -> float:
+    """The sum of the squares of a flat tensor, in float64, RMS_CHUNK values at a time (a bounded transient)."""
+    import torch
+
+    total = 0.0
+    for chunk in values.split(RMS_CHUNK):
+        wide = chunk.double()
+        total += float(torch.dot(wide, wide))
+    return total
 
 
 def shared_staging_directory(run_dir: Path, step: int, is_main: bool) -> Path:
@@ -288,19 +333,41 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> Path | None:
             print(f"no checkpoint under {run_dir}/train/checkpoints; starting from step 0", flush=True)
         return None
     require_sharded(checkpoint)
+    profile_lrs = [float(group["initial_lr"]) for group in state.optimizer.param_groups]
     model_state, optimizer_state = get_state_dict(state.drafter, state.optimizer)
     dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(checkpoint / DCP_DIR))
     set_state_dict(state.drafter, state.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     saved = load_training_state(checkpoint)
     state.scheduler.load_state_dict(saved["scheduler"])
+    trained_at = apply_profile_lr(state, profile_lrs)
     state.step, state.micro_batch = int(saved["step"]), int(saved.get("micro_batch", state.micro_batch))
     state.skipped_steps, state.skipped_in_a_row = int(saved.get("skipped_steps", 0)), int(saved.get("skipped_in_a_row", 0))
+    initial = saved.get("initial_weights_rms")
+    state.initial_weights_rms = float(initial) if initial is not None else None
     if state.env.is_main:
         written_by = int(saved.get("world_size", state.env.world_size))
         moved = f" (written by {written_by} rank(s), resharded to {state.env.world_size})" \
             if written_by != state.env.world_size else ""
         print(f"resumed from {checkpoint} (step {state.step}){moved}", flush=True)
+        if trained_at != profile_lrs[0]:
+            print(f"train.lr = {profile_lrs[0]:g} from step {state.step + 1} on (the checkpoint was trained at "
+                  f"{trained_at:g}; the schedule's warmup and cosine go on from its step)", flush=True)
     return checkpoint
+
+
+def apply_profile_lr(state: TrainState, profile_lrs: list[float]) -> float:
+    """The profile's train.lr over the restored schedule: the checkpoint's scheduler and AdamW states carry the
+    lr the run was trained at, which would otherwise stay (a run resumed with a lower train.lr after a loss that
+    diverged diverged again). Returns the lr the checkpoint was trained at."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scheduler = state.scheduler
+    assert isinstance(scheduler, LambdaLR), "dflash.train.rank.setup.cosine_schedule"
+    trained_at = float(scheduler.base_lrs[0])
+    scheduler.base_lrs = list(profile_lrs)
+    for group, base, factor in zip(state.optimizer.param_groups, profile_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+    return trained_at
 
 
 def require_sharded(checkpoint: Path) -> None:

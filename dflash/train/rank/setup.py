@@ -65,6 +65,8 @@ class TrainState:
     last_loss: float | None = None                  # of the last step (for the run manifest)
     skipped_steps: int = 0                          # steps skipped without a supervised position, whole run (loss_check)
     skipped_in_a_row: int = 0                       # ... since the last step that trained (train.max_skipped_steps bounds it)
+    weights_rms: float | None = None                # the trained weights' RMS at the last save (checkpointing.trained_rms)
+    initial_weights_rms: float | None = None        # ... at the run's start (restored on resume): what a save is judged by
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
     layer_attends: LayerAttendsFactory = make_layer_attends   # the forward's attention (the memory trace passes its own)

@@ -152,8 +152,9 @@ def name_forked_rank(rank: int, world_size: int, run_dir: Path) -> None:
 def die_with_agent() -> None:
     """SIGKILL this rank when its torchrun agent ends, however it ends (dflash.train.supervisor.agent): a rank
     never trains on, or writes into the run directory, without its agent and launcher. A rank forked by
-    the agent's forkserver dies with the forkserver, which ends when the agent does (multiprocessing:
-    it reads end of file on the agent's pipe)."""
+    the agent's forkserver dies with the forkserver, which ends on end of file of the agent's pipe; every
+    forked rank holds that pipe too (multiprocessing gives it to each child), so after a killed agent the
+    launcher ends the ranks (dflash.train.supervisor.launch.kill_run, end_stragglers)."""
     import os
 
     from dflash.train.supervisor.agent import AGENT_PID_ENV
@@ -298,12 +299,14 @@ class StopFlag:
 
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
+    from dflash.train.rank.checkpointing import note_initial_weights
     from dflash.train.rank.loss_check import check_step
     from dflash.train.rank.parallel import gather_memory_mib
     from dflash.train.rank.step import run_next_step
     from dflash.train.rank.validation import start_validation
 
     total = state.total_steps
+    note_initial_weights(state)
     log = MetricsLog(run_dir, state, profile) if state.env.is_main else None
     validation = start_validation(state, profile, run_dir)     # None without train.validation_share
     saves = CheckpointSaves(state, profile, run_dir, validation)

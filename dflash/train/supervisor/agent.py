@@ -5,8 +5,10 @@ their launcher:
 
 * the ranks fork from torchrun's forkserver, which imports what a rank needs once (`RANK_IMPORTS`);
 * the ranks die with the agent (`AGENT_PID_ENV`: each asks the kernel for SIGKILL when its parent
-  ends), and the agent with the launcher: end of file on a pipe only the launcher writes
-  (`PIPE_FD_ENV`) makes it kill the ranks, record the end in the run's manifest and exit;
+  ends; a rank forked by the forkserver, whose pipe it holds, outlives a killed agent until the launcher
+  ends it: dflash.train.supervisor.launch.kill_run, end_stragglers), and the agent with the launcher: end of
+  file on a pipe only the launcher writes (`PIPE_FD_ENV`) makes it kill the ranks, record the end in the
+  run's manifest and exit;
 * the ranks that failed, with exit codes and signals, go to `train/failures/agent.json`, so the
   launcher names a killed rank rather than the one that noticed (dflash.train.supervisor.failures);
 * SIGTERM and SIGINT ask every rank once to stop after its step (`StopOnSignal`): torchrun's own

@@ -140,7 +140,7 @@ def failure_cause(run_dir: Path, end: RunEnd, collective_timeout_s: float) -> Fa
     if killed:
         return _killed_rank(killed, first, hint, logs)
     if first is not None:
-        return _recorded(first, hint, logs)
+        return _recorded(first, hint, run_dir)
     if agent:
         ended = "; ".join(f"rank {a['rank']} (pid {a['pid']}) " + (f"was killed by {a['signal']}" if a["signal"]
                           else f"exited with code {a['exitcode']}") for a in agent)
@@ -197,11 +197,13 @@ def _killed_rank(killed: list[AgentRank], echo: Optional[RankFailure], hint: str
                         f"`dmesg`){after}\n(all rank logs: {logs}; {hint})")
 
 
-def _recorded(first: RankFailure, hint: str, logs: Path) -> FailureCause:
-    named = NAMED_KINDS.get(first.get("kind", ""))
-    if named == "loss unusable":      # the same profile would diverge again from the same checkpoint
+def _recorded(first: RankFailure, hint: str, run_dir: Path) -> FailureCause:
+    named, logs = NAMED_KINDS.get(first.get("kind", "")), run_dir / "train" / "logs"
+    if named == "loss unusable":      # the same profile would diverge again; a wrecked checkpoint with any profile
+        from dflash.train.supervisor.resume import trainable_checkpoint_hint
+
         return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; once the key named is "
-                            f"changed, {hint}")
+                            f"changed, {trainable_checkpoint_hint(run_dir)}")
     if named is not None:
         return FailureCause(named, first["rank"], f"rank {first['rank']}: {first['error']}; then {hint}")
     tail = "\n".join(first["traceback"].rstrip().splitlines()[-15:])

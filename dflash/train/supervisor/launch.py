@@ -400,10 +400,11 @@ class LauncherStop:
     """SIGTERM and SIGINT to the launcher while its agent runs (a terminal's Ctrl-C reaches the agent and the
     ranks as well: they take it as the same stop). The first is passed on to the agent as SIGTERM: it asks every
     rank to stop after its step, and they save and end (dflash.train.supervisor.agent.StopOnSignal). A second, of either
-    kind, stops the run at once: the agent is killed, its ranks die with it, and the run keeps its last
-    complete checkpoint (none at the stop)."""
+    kind, stops the run at once (`kill_run`): the agent and its ranks are killed in the handler, and the run keeps
+    its last complete checkpoint (none at the stop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
         self.received: list[str] = []
         self.agent: subprocess.Popen | None = None
         self.previous: dict[int, object] = {}
@@ -430,7 +431,7 @@ class LauncherStop:
         if len(self.received) == 1:
             self.agent.send_signal(signal.SIGTERM)
         else:
-            self.agent.kill()
+            kill_run(self.agent, self.run_dir)
 
 
 def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_fd: int,
@@ -440,7 +441,7 @@ def _run_agent_in(argv: list[str], env: dict[str, str], paths: TrainPaths, lock_
 
     read_fd, write_fd = os.pipe()
     env = {**env, PIPE_FD_ENV: str(read_fd), RUN_DIR_ENV: str(paths.run_dir), LAUNCHER_PID_ENV: str(os.getpid())}
-    stop = LauncherStop()
+    stop = LauncherStop(paths.run_dir)
     stop.install()              # before the agent starts: a Ctrl-C is a stop from here on, never a KeyboardInterrupt
     try:
         try:
@@ -479,9 +480,17 @@ def _wait_watching(process: subprocess.Popen, run_dir: Path, timeout_s: float,
             found = find_stuck(run_dir, stuck)
         if found is not None:
             request_dumps(run_dir)
-            process.kill()             # first the agent (no restart), its ranks die with it
-            end_stragglers(run_dir, grace_s=0.0)
+            kill_run(process, run_dir)
             return process.wait(), found
+
+
+def kill_run(agent: subprocess.Popen, run_dir: Path) -> None:
+    """End the run now: SIGKILL the agent first (torchrun restarts nothing), then its ranks. A rank forked by
+    the agent's forkserver does not die with the agent on its own: it holds the write end of the pipe whose end
+    of file would end the forkserver, and with it the rank (multiprocessing gives every forked child that end);
+    left alone, it would finish its step and save before `end_stragglers` ends it."""
+    agent.kill()
+    end_stragglers(run_dir, grace_s=0.0)
 
 
 def end_stragglers(run_dir: Path, grace_s: float = STRAGGLER_GRACE_S) -> list[int]:

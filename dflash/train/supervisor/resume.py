@@ -6,9 +6,10 @@ it and `drafter.init_from` against the profile's drafter.
   place (`.step-N.old-PID` while it replaces one); a run killed mid-save leaves them. The next
   run removes them (it holds the run directory's lock, so no live save owns them) and says so.
 * The checkpoint to resume: the newest `step-N` that `dflash.drafter.verify.verify_checkpoint`
-  finds whole. A damaged newer one is skipped with its problems printed, and `latest` is pointed
-  at the one chosen (the ranks resume what `latest` names), in one line naming what it named and
-  why that is not resumed (missing, damaged, or older); none whole: DataError (exit 4).
+  finds whole and whose weights can train (`WeightsRecord`). A damaged newer one, or one whose weights
+  a diverging update wrecked, is skipped with its problems printed, and `latest` is pointed at the one
+  chosen (the ranks resume what `latest` names), in one line naming what it named and why that is not
+  resumed (missing, skipped, or older); none left: DataError (exit 4).
 * Shape: the tensors of the chosen checkpoint (from its safetensors header), its tap layers,
   block size and mask token against the drafter the profile builds on its target (built on the
   meta device: no memory, no weights): ConfigError (exit 2) listing every difference. The same for
@@ -16,9 +17,11 @@ it and `drafter.init_from` against the profile's drafter.
 """
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -31,6 +34,73 @@ if TYPE_CHECKING:
 
 PARTIAL_SAVE = re.compile(r"^\.step-(?P<step>\d+)\.(?:.+\.tmp|(?P<old>old-\d+))$")
 STEP = re.compile(r"^step-(\d+)$")
+# A checkpoint whose trained weights' RMS is more than this many times the run's initial one cannot train
+# (measured on 2 gloo ranks, docs/train.md "A loss that cannot train"): runs that train stay within 1.1x
+# (cpu-demo's 650 steps 1.01x; the tests' drafter at lr 1e-2 1.09x) and even lr 1.0 within 24x with the
+# loss still falling; lr 10 goes to 93-175x with the loss above its start, lr 1e3 to 9e3x (loss 263), lr 1e5
+# and up leave a dead drafter (the loss fixed at ln of the vocabulary), and one update at lr 1e30 9e30x.
+WRECKED_RMS_FACTOR = 50.0
+
+
+@dataclass(frozen=True)
+class WeightsRecord:
+    """What a checkpoint's training_state.pt says of its weights (dflash.train.rank.checkpointing.training_state):
+    the trained weights' RMS, the run's initial one, and the loss of the checkpoint's step."""
+
+    rms: float
+    initial_rms: float
+    loss: Optional[float]
+
+    def wrecked(self) -> bool:
+        """Not finite, or more than WRECKED_RMS_FACTOR times the run's initial RMS."""
+        if not math.isfinite(self.rms):
+            return True
+        return self.initial_rms > 0 and self.rms > WRECKED_RMS_FACTOR * self.initial_rms
+
+    def describe(self) -> str:
+        ratio = f", {self.rms / self.initial_rms:.3g} x the run's initial {self.initial_rms:.3g}" if self.initial_rms > 0 else ""
+        return (f"its weights cannot train: their RMS is {self.rms:.3g}{ratio} (more than {WRECKED_RMS_FACTOR:g} x: an "
+                f"update that diverged wrecked them; a run that trains stays near 1 x)")
+
+
+def weights_record(checkpoint: Path) -> Optional[WeightsRecord]:
+    """The checkpoint's record of its weights; None when it has none (written before the record) or cannot be read."""
+    from dflash.drafter.checkpoint import load_training_state
+
+    try:
+        saved = load_training_state(checkpoint)
+    except InputError:
+        return None
+    rms, initial, loss = saved.get("weights_rms"), saved.get("initial_weights_rms"), saved.get("loss")
+    if not isinstance(rms, (int, float)) or not isinstance(initial, (int, float)):
+        return None
+    return WeightsRecord(float(rms), float(initial), float(loss) if isinstance(loss, (int, float)) else None)
+
+
+def wrecked_weights(checkpoint: Path) -> Optional[str]:
+    """Why the run cannot train from this checkpoint's weights (WeightsRecord.describe); None when it can, or
+    when the checkpoint records nothing to judge by."""
+    record = weights_record(checkpoint)
+    return record.describe() if record is not None and record.wrecked() else None
+
+
+def trainable_checkpoint_hint(run_dir: Path) -> str:
+    """After a loss that cannot train: the newest whole checkpoint whose weights can train, which `--resume`
+    continues from (the wrecked ones after it named: it skips them), or, when every one is wrecked, to start over."""
+    from dflash.drafter.checkpoint import complete_checkpoints
+
+    complete = complete_checkpoints(run_dir)
+    wrecked: list[str] = []
+    for step in sorted(complete, reverse=True):
+        why = wrecked_weights(complete[step])
+        if why is None:
+            skips = f" (it skips {', '.join(wrecked)})" if wrecked else ""
+            return f"the last complete checkpoint the run can train from is step-{step}: continue from it with --resume{skips}"
+        wrecked.append(f"step-{step}: {why}")
+    if wrecked:
+        return (f"no checkpoint of this run can train ({'; '.join(wrecked)}): start over with --start-over (the old "
+                f"train/ is kept as train.prev-*)")
+    return "no checkpoint was written yet: train again to start over"
 
 
 def say(line: str) -> None:
@@ -128,11 +198,11 @@ def pointed_name(pointer: Path, log: Callable[[str], None] = say) -> Optional[st
         return None
 
 
-def repointed(pointer: Path, named: str, chosen: str, damaged: bool = False) -> str:
-    """The line that says `latest` was changed, and why: what it named does not exist, is damaged (its
-    problems said above), or is not the newest whole checkpoint."""
+def repointed(pointer: Path, named: str, chosen: str, skipped: bool = False) -> str:
+    """The line that says `latest` was changed, and why: what it named does not exist, was skipped (damaged, or
+    its weights cannot train: said above), or is not the newest whole checkpoint."""
     there = pointer.parent / named
-    why = ("which does not exist" if not there.exists() else "which is damaged (above)" if damaged
+    why = ("which does not exist" if not there.exists() else "which was skipped (above)" if skipped
            else "which is not a checkpoint directory" if not there.is_dir() else "not the newest whole checkpoint")
     return f"{pointer} named {named}, {why}; it now names {chosen}, the newest whole checkpoint, which the run resumes"
 
@@ -147,7 +217,8 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
     skipped: list[str] = []
     for candidate in candidates:
         problems = verify_checkpoint(candidate)
-        if not problems:
+        wrecked = None if problems else wrecked_weights(candidate)
+        if not problems and wrecked is None:
             pointer = directory / LATEST
             named = pointed_name(pointer, log)
             if skipped or named != candidate.name:
@@ -155,12 +226,13 @@ def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Opti
             for line in skipped:
                 log(line)
             if skipped:
-                log(f"resuming from {candidate.name}, the newest whole checkpoint (the skipped ones stay where they "
-                    f"are; a save of the same step replaces them)")
+                log(f"resuming from {candidate.name}, the newest whole checkpoint whose weights can train (the skipped "
+                    f"ones stay where they are; a save of the same step replaces them)")
             if named is not None and named != candidate.name:
-                log(repointed(pointer, named, candidate.name, damaged=f"skipped {named}: damaged:" in "\n".join(skipped)))
+                log(repointed(pointer, named, candidate.name, skipped=f"skipped {named}: " in "\n".join(skipped)))
             return candidate
-        skipped.append(f"skipped {candidate.name}: damaged:\n" + "\n".join(f"  {p}" for p in problems))
+        skipped.append(f"skipped {candidate.name}: damaged:\n" + "\n".join(f"  {p}" for p in problems) if problems
+                       else f"skipped {candidate.name}: {wrecked}")
     if candidates:
         raise DataError(f"no checkpoint under {directory} can be resumed:\n" + "\n".join(skipped) +
                         "\ntrain without --resume to start over (--start-over keeps the old train/ as train.prev-*)")
