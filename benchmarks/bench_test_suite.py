@@ -38,6 +38,7 @@ class TestRow:
     wall_s: float
     cpu_s: float
     outcome: str
+    worker: str = ""
 
 
 @dataclass
@@ -58,23 +59,26 @@ class SuiteRun:
 
 
 def read_times(path: Path) -> list[TestRow]:
-    rows = []
+    """The records, the last of each test id kept (records written before tests/suite_times.py left out the
+    pytest runs that a test starts held those runs' tests too, before the suite's own run of them)."""
+    rows: dict[str, TestRow] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            rows.append(TestRow(record["nodeid"], float(record["wall_s"]), float(record["cpu_s"]), record["outcome"]))
+            rows[record["nodeid"]] = TestRow(record["nodeid"], float(record["wall_s"]), float(record["cpu_s"]),
+                                             record["outcome"], record.get("worker", ""))
         except (ValueError, KeyError) as error:
             raise SystemExit(f"{path}:{number}: not a test-time record ({error})")
-    return rows
+    return list(rows.values())
 
 
-def by_module(rows: list[TestRow], workers: Optional[dict[str, str]] = None) -> list[ModuleRow]:
+def by_module(rows: list[TestRow]) -> list[ModuleRow]:
     modules: dict[str, ModuleRow] = {}
     for row in rows:
         name = row.nodeid.split("::")[0]
-        module = modules.setdefault(name, ModuleRow(name, worker=(workers or {}).get(name, "")))
+        module = modules.setdefault(name, ModuleRow(name, worker=row.worker))
         module.tests += 1
         module.wall_s += row.wall_s
         module.cpu_s += row.cpu_s
@@ -115,26 +119,15 @@ def run_suite(times: Path, pytest_args: list[str], setup: bool = True) -> SuiteR
     return SuiteRun(time.perf_counter() - started, cpu, code, read_times(times) if times.exists() else [])
 
 
-def workers_of(path: Path) -> dict[str, str]:
-    workers: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            workers.setdefault(record["nodeid"].split("::")[0], record.get("worker", ""))
-    return workers
-
-
-def worker_totals(path: Path) -> dict[str, tuple[float, float]]:
+def worker_totals(rows: list[TestRow]) -> dict[str, tuple[float, float]]:
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            totals[record.get("worker", "")][0] += float(record["wall_s"])
-            totals[record.get("worker", "")][1] += float(record["cpu_s"])
+    for row in rows:
+        totals[row.worker][0] += row.wall_s
+        totals[row.worker][1] += row.cpu_s
     return {worker: (wall, cpu) for worker, (wall, cpu) in sorted(totals.items())}
 
 
-def render(rows: list[TestRow], times: Path, top: int, suite: Optional[SuiteRun]) -> str:
+def render(rows: list[TestRow], top: int, suite: Optional[SuiteRun]) -> str:
     lines = []
     outcomes: dict[str, int] = defaultdict(int)
     for row in rows:
@@ -147,9 +140,9 @@ def render(rows: list[TestRow], times: Path, top: int, suite: Optional[SuiteRun]
                   f"busy {suite.cpu_s / max(suite.wall_s, 1e-9):.2f} cores on average.", ""]
     lines += [f"{len(rows)} tests ({counted}); summed over tests: CPU {total_cpu:,.0f} s, wall {total_wall:,.0f} s "
               "(per worker below).", "", "| worker | tests' wall (s) | tests' CPU (s) |", "|---|---|---|"]
-    lines += [f"| {worker} | {wall:,.0f} | {cpu:,.0f} |" for worker, (wall, cpu) in worker_totals(times).items()]
+    lines += [f"| {worker} | {wall:,.0f} | {cpu:,.0f} |" for worker, (wall, cpu) in worker_totals(rows).items()]
     lines += ["", "| module | worker | tests | CPU (s) | wall (s) | share of CPU |", "|---|---|---|---|---|---|"]
-    for module in by_module(rows, workers_of(times)):
+    for module in by_module(rows):
         lines.append(f"| {module.module} | {module.worker} | {module.tests} | {module.cpu_s:,.1f} | {module.wall_s:,.1f} | "
                      f"{module.cpu_s / max(total_cpu, 1e-9):.1%} |")
     lines += ["", f"The {top} most expensive tests (CPU of the worker's process tree during the test, its module's "
@@ -182,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not rows:
         print("no test-time records: did the suite run?", file=sys.stderr)
         return 1
-    text = render(rows, times, args.top, suite)
+    text = render(rows, args.top, suite)
     print(text)
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")

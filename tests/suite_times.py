@@ -65,13 +65,16 @@ class TreeSampler:
             return sum(self.last[key] - self.first[key] for key in self.last)
 
 
-def times_file() -> Optional[str]:
-    return os.environ.get(TIMES_ENV) or None
+def times_file(config: pytest.Config) -> Optional[str]:
+    """Where this run records, if it is the measured run: not a pytest that a test starts (the compatibility
+    venvs' runs inherit the variable, and PYTEST_XDIST_WORKER, from the worker that starts them)."""
+    inner = "PYTEST_XDIST_WORKER" in os.environ and not hasattr(config, "workerinput")
+    return None if inner else os.environ.get(TIMES_ENV) or None
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
-    path = times_file()
+    path = times_file(item.config)
     if path is None:
         yield
         return
@@ -95,5 +98,5 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if times_file() is not None:
+    if times_file(item.config) is not None:
         item.__dict__.setdefault("_dflash_outcomes", []).append(report.outcome)
