@@ -8,7 +8,7 @@ starts), then prints the tables: the suite's wall and CPU, each module's, and th
 first sentence of their docstring (what each proves).
 
     .venv/bin/python benchmarks/bench_test_suite.py [--out FILE.md] [--times FILE.jsonl] [--top 20] [PYTEST ARGS...]
-    .venv/bin/python benchmarks/bench_test_suite.py --from FILE.jsonl [--out FILE.md]    (tables of an earlier run)
+    .venv/bin/python benchmarks/bench_test_suite.py --from FILE.jsonl [--out FILE.md]    (tables of an earlier run; FILE.jsonl.gz too)
     .venv/bin/python benchmarks/bench_test_suite.py --smoke      (two small modules without setup.sh, the tables printed)
 
 Where the two cores were idle for part of the run, the `busy` column (CPU / wall) says so.
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ class TestRow:
     cpu_s: float
     outcome: str
     worker: str = ""
+    started: float = 0.0
 
 
 @dataclass
@@ -62,13 +64,15 @@ def read_times(path: Path) -> list[TestRow]:
     """The records, the last of each test id kept (records written before tests/suite_times.py left out the
     pytest runs that a test starts held those runs' tests too, before the suite's own run of them)."""
     rows: dict[str, TestRow] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
             rows[record["nodeid"]] = TestRow(record["nodeid"], float(record["wall_s"]), float(record["cpu_s"]),
-                                             record["outcome"], record.get("worker", ""))
+                                             record["outcome"], record.get("worker", ""),
+                                             float(record.get("started", 0.0)))
         except (ValueError, KeyError) as error:
             raise SystemExit(f"{path}:{number}: not a test-time record ({error})")
     return list(rows.values())
@@ -104,27 +108,41 @@ def what_it_proves(nodeid: str, root: Path = REPO) -> str:
     return name.removeprefix("test_").replace("_", " ")
 
 
+def machine_busy_seconds() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system, irq, softirq,
+    steal); 0 where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text(encoding="utf-8").splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def run_suite(times: Path, pytest_args: list[str], setup: bool = True) -> SuiteRun:
     """The README's test command (without scripts/setup.sh where `setup` is False), timed; its children's CPU
     from the kernel's accounting."""
     times.unlink(missing_ok=True)
-    env = {**__import__("os").environ, "DFLASH_TEST_TIMES": str(times)}
-    started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = {**os.environ, "DFLASH_TEST_TIMES": str(times)}
+    started, busy = time.perf_counter(), machine_busy_seconds()
     code = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env).returncode if setup else 0
     if code == 0:
         code = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", *pytest_args],
                               cwd=REPO, env=env).returncode
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return SuiteRun(time.perf_counter() - started, cpu, code, read_times(times) if times.exists() else [])
+    return SuiteRun(time.perf_counter() - started, machine_busy_seconds() - busy, code, read_times(times) if times.exists() else [])
 
 
-def worker_totals(rows: list[TestRow]) -> dict[str, tuple[float, float]]:
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+def worker_totals(rows: list[TestRow]) -> dict[str, tuple[float, float, float]]:
+    """Each worker's summed wall and CPU, and when its last test ended (seconds after the first test began
+    on any worker; 0 where the records carry no start times)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    begun = min((row.started for row in rows if row.started), default=0.0)
     for row in rows:
         totals[row.worker][0] += row.wall_s
         totals[row.worker][1] += row.cpu_s
-    return {worker: (wall, cpu) for worker, (wall, cpu) in sorted(totals.items())}
+        if row.started:
+            totals[row.worker][2] = max(totals[row.worker][2], row.started + row.wall_s - begun)
+    return {worker: (wall, cpu, end) for worker, (wall, cpu, end) in sorted(totals.items())}
 
 
 def render(rows: list[TestRow], top: int, suite: Optional[SuiteRun]) -> str:
@@ -136,11 +154,14 @@ def render(rows: list[TestRow], top: int, suite: Optional[SuiteRun]) -> str:
     total_cpu, total_wall = sum(row.cpu_s for row in rows), sum(row.wall_s for row in rows)
     if suite is not None:
         lines += [f"The test command: exit {suite.exit_code}, wall **{suite.wall_s:,.0f} s**, "
-                  f"CPU {suite.cpu_s:,.0f} s (user + sys of every process; setup included), "
+                  f"CPU {suite.cpu_s:,.0f} s (the machine's busy CPU-seconds meanwhile: idle machine, the run's own; setup "
+                  f"included), "
                   f"busy {suite.cpu_s / max(suite.wall_s, 1e-9):.2f} cores on average.", ""]
     lines += [f"{len(rows)} tests ({counted}); summed over tests: CPU {total_cpu:,.0f} s, wall {total_wall:,.0f} s "
-              "(per worker below).", "", "| worker | tests' wall (s) | tests' CPU (s) |", "|---|---|---|"]
-    lines += [f"| {worker} | {wall:,.0f} | {cpu:,.0f} |" for worker, (wall, cpu) in worker_totals(rows).items()]
+              "(per worker below; its last test's end, counted from the first test's start, shows a worker idle at the "
+              "end).", "", "| worker | tests' wall (s) | tests' CPU (s) | last test ended at (s) |", "|---|---|---|---|"]
+    lines += [f"| {worker} | {wall:,.0f} | {cpu:,.0f} | {end:,.0f} |" if end else f"| {worker} | {wall:,.0f} | {cpu:,.0f} | - |"
+              for worker, (wall, cpu, end) in worker_totals(rows).items()]
     lines += ["", "| module | worker | tests | CPU (s) | wall (s) | share of CPU |", "|---|---|---|---|---|---|"]
     for module in by_module(rows):
         lines.append(f"| {module.module} | {module.worker} | {module.tests} | {module.cpu_s:,.1f} | {module.wall_s:,.1f} | "

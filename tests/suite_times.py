@@ -30,6 +30,7 @@ class TestTime:
     wall_s: float
     cpu_s: float
     outcome: str
+    started: float          # seconds since the epoch: when the test began (the workers' timeline)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) 
     if path is None:
         yield
         return
-    sampler, wall = TreeSampler(), time.perf_counter()
+    sampler, wall, started = TreeSampler(), time.perf_counter(), time.time()
     sampler.sample()
     thread = threading.Thread(target=sampler.run, name="suite-times", daemon=True)
     thread.start()
@@ -89,7 +90,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) 
     reports = getattr(item, "_dflash_outcomes", [])
     outcome = "failed" if "failed" in reports else "skipped" if "skipped" in reports else "passed"
     record = TestTime(item.nodeid, os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                      round(time.perf_counter() - wall, 3), round(sampler.total(), 3), outcome)
+                      round(time.perf_counter() - wall, 3), round(sampler.total(), 3), outcome,
+                      round(started, 3))
     with open(path, "a", encoding="utf-8") as out:
         out.write(json.dumps(asdict(record)) + "\n")
 
