@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class SuiteRun:
     wall_s: float
     cpu_s: float
     exit_code: int
+    peak_gib: float
     tests: list[TestRow] = field(default_factory=list)
 
 
@@ -119,17 +121,40 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_used_gib() -> float:
+    """The machine's memory in use now (MemTotal - MemAvailable), GiB; 0 where there is no /proc/meminfo."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines())
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) / 2**20
+    except (OSError, KeyError, ValueError):
+        return 0.0
+
+
+@dataclass
+class MemoryPeak:
+    """The machine's peak memory in use while a run goes on, sampled every second."""
+
+    peak_gib: float = 0.0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.peak_gib = max(self.peak_gib, machine_used_gib())
+
+
 def run_suite(times: Path, pytest_args: list[str], setup: bool = True) -> SuiteRun:
     """The README's test command (without scripts/setup.sh where `setup` is False), timed; its children's CPU
     from the kernel's accounting."""
     times.unlink(missing_ok=True)
     env = {**os.environ, "DFLASH_TEST_TIMES": str(times)}
-    started, busy = time.perf_counter(), machine_busy_seconds()
+    started, busy, memory = time.perf_counter(), machine_busy_seconds(), MemoryPeak()
+    threading.Thread(target=memory.run, name="memory-peak", daemon=True).start()
     code = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env).returncode if setup else 0
     if code == 0:
         code = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", *pytest_args],
                               cwd=REPO, env=env).returncode
-    return SuiteRun(time.perf_counter() - started, machine_busy_seconds() - busy, code, read_times(times) if times.exists() else [])
+    memory.stop.set()
+    return SuiteRun(time.perf_counter() - started, machine_busy_seconds() - busy, code, memory.peak_gib, read_times(times) if times.exists() else [])
 
 
 def worker_totals(rows: list[TestRow]) -> dict[str, tuple[float, float, float]]:
@@ -156,7 +181,8 @@ def render(rows: list[TestRow], top: int, suite: Optional[SuiteRun]) -> str:
         lines += [f"The test command: exit {suite.exit_code}, wall **{suite.wall_s:,.0f} s**, "
                   f"CPU {suite.cpu_s:,.0f} s (the machine's busy CPU-seconds meanwhile: idle machine, the run's own; setup "
                   f"included), "
-                  f"busy {suite.cpu_s / max(suite.wall_s, 1e-9):.2f} cores on average.", ""]
+                  f"busy {suite.cpu_s / max(suite.wall_s, 1e-9):.2f} cores on average; the machine's memory in use at most "
+                  f"{suite.peak_gib:.1f} GiB.", ""]
     lines += [f"{len(rows)} tests ({counted}); summed over tests: CPU {total_cpu:,.0f} s, wall {total_wall:,.0f} s "
               "(per worker below; its last test's end, counted from the first test's start, shows a worker idle at the "
               "end).", "", "| worker | tests' wall (s) | tests' CPU (s) | last test ended at (s) |", "|---|---|---|---|"]
