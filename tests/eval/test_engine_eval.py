@@ -603,7 +603,9 @@ def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path:
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12,
                                                            draft_tokens=draft_tokens),
                                   paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
-    return evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)), "sglang",
+    options = EvalOptions(prompts_path=str(prompts), benchmarks=())    # this set only: the benchmarks' served
+    #                                             check is test_the_served_check_sends_each_benchmark_s_first_turns...
+    return evaluate_with_engine(profile, tmp_path / "run", checkpoint, options, "sglang",
                                 launch=standin_launch(mode, decoders))
 
 
@@ -784,32 +786,37 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
 @pytest.mark.slow
 def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_each(sharp_target, tiny_drafter,
                                                                                     standin_decoders, tmp_path):
-    """`eval --engine --bench humaneval`: the benchmark's samples (z-lab's choice and wrapping, first turns as its
-    served benchmark sends them) served and decoded in-process, its own engine report and parity gate, and a row
-    in the main engine report beside the default set."""
+    """`eval --engine --bench humaneval,mt-bench`: each benchmark's samples (z-lab's choice and wrapping, first
+    turns as its served benchmark sends them: MT-Bench's questions have two, only the first is sent) served and
+    decoded in-process, its own engine report and parity gate, and a row in the main engine report beside the
+    default set."""
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.records import read_report
     from dflash.eval.served import evaluate_with_engine
     from dflash.prompts.benchmarks import load_benchmark
 
+    names = ("humaneval", "mt-bench")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(sharp_target)),
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8),
                                   paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
     summary = evaluate_with_engine(profile, tmp_path / "run", tiny_drafter,
-                                   EvalOptions(num_prompts=PREFIX_PROMPTS, benchmarks=("humaneval",)), "sglang",
+                                   EvalOptions(num_prompts=PREFIX_PROMPTS, benchmarks=names), "sglang",
                                    launch=standin_launch("honest", standin_decoders))
-    bench_dir = tmp_path / "run" / "eval" / "bench" / "humaneval"
-    bench = read_report(bench_dir / "engine-sglang.json")
-    assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == PREFIX_PROMPTS
-    assert bench.inprocess is not None and bench.inprocess.num_prompts == PREFIX_PROMPTS
-    assert bench.parity["dflash"].verdict == VERDICT_PASS      # enough prompts for the gate to decide
-    assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
-    sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
-    assert [(r["id"], r["messages"][0]["content"]) for r in sent] == \
-        [(p.prompt_id, p.turns[0]) for p in load_benchmark("humaneval", count=PREFIX_PROMPTS)]
-    [brief] = summary.report.also_sets
-    assert brief.benchmark == "humaneval" and brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
+    assert [brief.benchmark for brief in summary.report.also_sets] == list(names)
+    for name, brief in zip(names, summary.report.also_sets):
+        bench_dir = tmp_path / "run" / "eval" / "bench" / name
+        bench = read_report(bench_dir / "engine-sglang.json")
+        assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == PREFIX_PROMPTS
+        assert bench.inprocess is not None and bench.inprocess.num_prompts == PREFIX_PROMPTS
+        assert bench.parity["dflash"].verdict == VERDICT_PASS      # enough prompts for the gate to decide
+        assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
+        sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
+        samples = load_benchmark(name, count=PREFIX_PROMPTS)
+        assert [(r["id"], r["messages"]) for r in sent] == \
+            [(p.prompt_id, [{"role": "user", "content": p.turns[0]}]) for p in samples]
+        assert brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
+    assert all(len(p.turns) == 2 for p in load_benchmark("mt-bench", count=PREFIX_PROMPTS))   # a later turn left out
     assert "## Benchmarks (served, first turns)" in (tmp_path / "run" / "eval" / "engine-sglang.md").read_text()
 
 
