@@ -11,6 +11,10 @@ SGLang export). So the answers are what our in-process decoder gives; `--mode` b
   gate's constants; a served drafter that accepts differently on the same tokens);
 * `coalesce`: streamed two verify steps a chunk, as SGLang does when its client falls behind.
 
+With `--decoder URL` the process loads no model: it speaks the same API and hands each request's
+decoding to a resident `DecoderHost` (`serve_decoders`, started once by a test module), which keeps
+the models of each argv loaded; so a test that starts many servers pays for torch and the models once.
+
 With `"stream": true` the answer goes out as server-sent events, one chunk per verify step (the
 prefill's token first), each carrying the request's output ids and spec counters so far, then
 `data: [DONE]` (SGLang 0.5.19's http_server `generate_request` and tokenizer_manager, non-incremental).
@@ -19,7 +23,7 @@ vLLM runs for real on CPU: tests/eval/test_engine_vllm.py starts its CPU build."
 import argparse
 import json
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +34,7 @@ sys.path.insert(0, str(REPO))
 def parse(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="honest", choices=("honest", "extra-accept", "coalesce"))
+    parser.add_argument("--decoder", help="a DecoderHost's URL: decode there instead of loading the models here")
     parser.add_argument("--model-path")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
@@ -40,16 +45,21 @@ def parse(argv: list) -> argparse.Namespace:
     return args
 
 
+def load_target(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+
+
 class Decoder:
-    """The target (and drafter) of the argv, decoding a token-id prompt as SGLang would answer it."""
+    """The target (and drafter) of the argv, decoding a token-id prompt as SGLang would answer it;
+    `model`: the target already loaded from --model-path (a DecoderHost's)."""
 
-    def __init__(self, args: argparse.Namespace):
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, args: argparse.Namespace, model=None):
         from dflash.eval.specdec import NoDrafter, TargetVerifier
 
         self.args = args
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True).eval()
+        self.model = model if model is not None else load_target(args.model_path)
         self.drafter = NoDrafter()
         if args.speculative_algorithm == "DFLASH":
             from dflash.eval.dflash_drafter import load_dflash_draft
@@ -146,12 +156,73 @@ def handler(decoder: Decoder):
     return Handler
 
 
+class RemoteDecoder:
+    """The Decoder of this argv, kept by the DecoderHost at `args.decoder`: loaded there at start."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.chunks([], {})            # the host loads the models now, as a server does before it is healthy
+
+    def chunks(self, input_ids: list, sampling: dict) -> list:
+        import urllib.request
+
+        body = json.dumps({"args": vars(self.args), "input_ids": input_ids, "sampling": sampling}).encode()
+        with urllib.request.urlopen(urllib.request.Request(self.args.decoder, data=body), timeout=600) as answer:
+            return json.loads(answer.read())
+
+
+class DecoderHost:
+    """Decoders by argv (the server's address left out), each target loaded once: what `--decoder` servers use."""
+
+    def __init__(self):
+        self.decoders, self.targets = {}, {}
+
+    def chunks(self, request: dict) -> list:
+        args = argparse.Namespace(**request["args"])
+        key = json.dumps({k: v for k, v in vars(args).items() if k not in ("host", "port", "decoder")}, sort_keys=True)
+        if key not in self.decoders:
+            if args.model_path not in self.targets:
+                self.targets[args.model_path] = load_target(args.model_path)
+            self.decoders[key] = Decoder(args, self.targets[args.model_path])
+        return self.decoders[key].chunks(request["input_ids"], request["sampling"]) if request["input_ids"] else []
+
+
+def serve_decoders(host: str = "127.0.0.1") -> tuple[HTTPServer, str]:
+    """A DecoderHost in a thread of this process, one request at a time on one torch thread: (its server, its URL)."""
+    import threading
+
+    decoders = DecoderHost()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.dumps(decoders.chunks(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = HTTPServer((host, 0), Handler)
+
+    def serve() -> None:
+        import torch
+
+        torch.set_num_threads(1)           # tiny models: extra threads only spin
+        server.serve_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"http://{host}:{server.server_address[1]}/chunks"
+
+
 def main() -> None:
     engine, argv = sys.argv[1], sys.argv[2:]
     assert engine == "sglang", "vLLM runs for real on CPU; this stands in for SGLang only"
     print("argv:", json.dumps(argv), flush=True)
     args = parse(argv)
-    ThreadingHTTPServer((args.host, args.port), handler(Decoder(args))).serve_forever()
+    decoder = RemoteDecoder(args) if args.decoder else Decoder(args)
+    ThreadingHTTPServer((args.host, args.port), handler(decoder)).serve_forever()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import pytest
 
@@ -573,7 +573,24 @@ def sharp_target(tmp_path_factory, tiny_qwen3_target) -> Path:
 STANDIN_PROMPTS = PREFIX_PROMPTS + 1       # enough for the deterministic rule to fail the gate
 
 
-def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path: Path, draft_tokens: int = 0):
+@pytest.fixture(scope="module")
+def standin_decoders() -> Iterator[str]:
+    """One DecoderHost for the module's stand-in servers (engine_standin.py `--decoder`): each server is
+    still its own process on its port, started and stopped by the eval, but torch and the models load once."""
+    from engine_standin import serve_decoders
+
+    server, url = serve_decoders()
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def standin_launch(mode: str, decoders: str) -> list[str]:
+    return [sys.executable, str(STANDIN), "sglang", "--mode", mode, "--decoder", decoders]
+
+
+def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path: Path, decoders: str,
+                 draft_tokens: int = 0):
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import evaluate_with_engine
 
@@ -586,15 +603,17 @@ def standin_eval(mode: str, tiny_qwen3_target: Path, checkpoint: Path, tmp_path:
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=12,
                                                            draft_tokens=draft_tokens),
                                   paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
-    return evaluate_with_engine(profile, tmp_path / "run", checkpoint, EvalOptions(prompts_path=str(prompts)), "sglang",
-                                launch=[sys.executable, str(STANDIN), "sglang", "--mode", mode])
+    options = EvalOptions(prompts_path=str(prompts), benchmarks=())    # this set only: the benchmarks' served
+    #                                             check is test_the_served_check_sends_each_benchmark_s_first_turns...
+    return evaluate_with_engine(profile, tmp_path / "run", checkpoint, options, "sglang",
+                                launch=standin_launch(mode, decoders))
 
 
 @pytest.fixture(scope="module")
-def honest_standin(sharp_target, tiny_drafter, tmp_path_factory):
+def honest_standin(sharp_target, tiny_drafter, standin_decoders, tmp_path_factory):
     """The SGLang flow against the stand-in serving the drafter as decoded: (its run's folder, the summary)."""
     folder = tmp_path_factory.mktemp("honest")
-    return folder, standin_eval("honest", sharp_target, tiny_drafter, folder)
+    return folder, standin_eval("honest", sharp_target, tiny_drafter, folder, standin_decoders)
 
 
 @pytest.mark.slow
@@ -615,10 +634,10 @@ def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(
 
 @pytest.mark.slow
 def test_the_sglang_gate_with_fewer_draft_tokens_than_the_block_pads_the_slots_it_does_not_draft(
-        tiny_qwen3_target, tiny_drafter, tmp_path):
+        tiny_qwen3_target, tiny_drafter, standin_decoders, tmp_path):
     """eval.draft_tokens 2 of B - 1 = 3: SGLang gets a block of 3, its histogram stops at 2 accepted
     drafts; slot 3 counts as 0 accepted on both sides and the honest drafter passes."""
-    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path, draft_tokens=2)
+    summary = standin_eval("honest", tiny_qwen3_target, tiny_drafter, tmp_path, standin_decoders, draft_tokens=2)
     argv = summary.report.methods["dflash"].argv or []
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "3"
     row = summary.report.parity["dflash"]
@@ -629,16 +648,17 @@ def test_the_sglang_gate_with_fewer_draft_tokens_than_the_block_pads_the_slots_i
 
 
 @pytest.mark.slow
-def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(sharp_target, tiny_drafter, tmp_path):
+def test_the_sglang_gate_fails_a_served_drafter_that_accepts_differently(sharp_target, tiny_drafter, standin_decoders,
+                                                                        tmp_path):
     with pytest.raises(ParityFailed, match="prompts decoded differently where the same drafter must decode alike") as failed:
-        standin_eval("extra-accept", sharp_target, tiny_drafter, tmp_path)
+        standin_eval("extra-accept", sharp_target, tiny_drafter, tmp_path, standin_decoders)
     assert str(failed.value).splitlines()[-1].startswith("parity gate failed (deterministic prefix): read ")
     assert (tmp_path / "run" / "eval" / "engine-sglang.json").exists()       # the report is written first
 
 
 @pytest.mark.slow
 def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_where_steps_were_coalesced(
-        honest_standin, sharp_target, tiny_drafter, tmp_path):
+        honest_standin, sharp_target, tiny_drafter, standin_decoders, tmp_path):
     """SGLang streams a chunk per verify step with the request's running spec counters: the per-step figures
     match the in-process ones; where the stream coalesced steps the gate compares whole prompts and says it
     cannot decide."""
@@ -650,7 +670,7 @@ def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_
     assert streamed.steps_before_near_tie == sum(p.first_near_tie - 1 if p.first_near_tie else p.inprocess_steps
                                                  for p in streamed.prompts or [])
     with pytest.raises(ParityFailed) as undecided:          # totals only decide nothing: undecided, not a pass
-        standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path)
+        standin_eval("coalesce", sharp_target, tiny_drafter, tmp_path, standin_decoders)
     assert undecided.value.rules == ("undecided",) and "no per-step acceptance" in str(undecided.value)
     coalesced = read_report(tmp_path / "run" / "eval" / "engine-sglang.json").parity["dflash"]   # written before
     assert coalesced.verdict == "undecided" and coalesced.failures == []
@@ -764,33 +784,39 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
 
 
 @pytest.mark.slow
-def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_each(sharp_target, tiny_drafter, tmp_path):
-    """`eval --engine --bench humaneval`: the benchmark's samples (z-lab's choice and wrapping, first turns as its
-    served benchmark sends them) served and decoded in-process, its own engine report and parity gate, and a row
-    in the main engine report beside the default set."""
+def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_each(sharp_target, tiny_drafter,
+                                                                                    standin_decoders, tmp_path):
+    """`eval --engine --bench humaneval,mt-bench`: each benchmark's samples (z-lab's choice and wrapping, first
+    turns as its served benchmark sends them: MT-Bench's questions have two, only the first is sent) served and
+    decoded in-process, its own engine report and parity gate, and a row in the main engine report beside the
+    default set."""
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.records import read_report
     from dflash.eval.served import evaluate_with_engine
     from dflash.prompts.benchmarks import load_benchmark
 
+    names = ("humaneval", "mt-bench")
     profile = load_profile("cpu-demo")
     profile = dataclasses.replace(profile, model=dataclasses.replace(profile.model, target=str(sharp_target)),
                                   eval=dataclasses.replace(profile.eval, engine_port=free_port(), max_new_tokens=8),
                                   paths=dataclasses.replace(profile.paths, run_dir=str(tmp_path / "run")))   # not the demo's data
     summary = evaluate_with_engine(profile, tmp_path / "run", tiny_drafter,
-                                   EvalOptions(num_prompts=PREFIX_PROMPTS, benchmarks=("humaneval",)), "sglang",
-                                   launch=[sys.executable, str(STANDIN), "sglang", "--mode", "honest"])
-    bench_dir = tmp_path / "run" / "eval" / "bench" / "humaneval"
-    bench = read_report(bench_dir / "engine-sglang.json")
-    assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == PREFIX_PROMPTS
-    assert bench.inprocess is not None and bench.inprocess.num_prompts == PREFIX_PROMPTS
-    assert bench.parity["dflash"].verdict == VERDICT_PASS      # enough prompts for the gate to decide
-    assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
-    sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
-    assert [(r["id"], r["messages"][0]["content"]) for r in sent] == \
-        [(p.prompt_id, p.turns[0]) for p in load_benchmark("humaneval", count=PREFIX_PROMPTS)]
-    [brief] = summary.report.also_sets
-    assert brief.benchmark == "humaneval" and brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
+                                   EvalOptions(num_prompts=PREFIX_PROMPTS, benchmarks=names), "sglang",
+                                   launch=standin_launch("honest", standin_decoders))
+    assert [brief.benchmark for brief in summary.report.also_sets] == list(names)
+    for name, brief in zip(names, summary.report.also_sets):
+        bench_dir = tmp_path / "run" / "eval" / "bench" / name
+        bench = read_report(bench_dir / "engine-sglang.json")
+        assert bench.context.prompts_file == str(bench_dir / "prompts.jsonl") and bench.num_prompts == PREFIX_PROMPTS
+        assert bench.inprocess is not None and bench.inprocess.num_prompts == PREFIX_PROMPTS
+        assert bench.parity["dflash"].verdict == VERDICT_PASS      # enough prompts for the gate to decide
+        assert bench.parity["dflash"].same_tokens_as_inprocess and bench.methods["dflash"].identical_to_target
+        sent = [json.loads(line) for line in (bench_dir / "prompts.jsonl").read_text().splitlines()]
+        samples = load_benchmark(name, count=PREFIX_PROMPTS)
+        assert [(r["id"], r["messages"]) for r in sent] == \
+            [(p.prompt_id, [{"role": "user", "content": p.turns[0]}]) for p in samples]
+        assert brief.methods["dflash"].mean_tau == bench.methods["dflash"].mean_tau
+    assert all(len(p.turns) == 2 for p in load_benchmark("mt-bench", count=PREFIX_PROMPTS))   # a later turn left out
     assert "## Benchmarks (served, first turns)" in (tmp_path / "run" / "eval" / "engine-sglang.md").read_text()
 
 
