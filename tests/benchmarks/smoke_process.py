@@ -9,8 +9,8 @@ it would for a user; no module of the project is preloaded), stdin from /dev/nul
 in files; the script runs as `__main__` (runpy), its atexit handlers run at its end, and its exit code
 (SystemExit's, 1 on an exception) is the process's. The server forks every run from itself (as
 torchrun's forkserver forks the ranks: dflash.train.supervisor.agent), so its preload must leave it one thread: it
-does under the suite's OMP_NUM_THREADS=1 (tests/conftest.py); without that setting the import starts a
-second (test_benchmarks.py checks both)."""
+does under the suite's OMP_NUM_THREADS=1 (tests/conftest.py; test_benchmarks.py counts the server's
+threads from a child)."""
 from __future__ import annotations
 
 import atexit

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.smoke_process import PRELOAD, run_smoke_process
+from tests.benchmarks.smoke_process import run_smoke_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -196,17 +196,22 @@ def test_a_smoke_past_its_time_is_killed(tmp_path: Path):
         run_smoke_process(tmp_path / "script.py", [], dict(os.environ), tmp_path, tmp_path / "out", 2)
 
 
-def test_the_preloaded_server_has_one_thread_to_fork_from():
-    """What the forkserver imports (PRELOAD) leaves its process one thread under the suite's environment;
-    control: without OMP_NUM_THREADS the same imports start a second one, which this count sees."""
-    code = ("import importlib, os, sys\nfor name in sys.argv[1:]: importlib.import_module(name)\n"
-            "print(len(os.listdir('/proc/self/task')))")
+def threads_of(pid: str) -> str:
+    """A script that prints the number of threads of the process `pid` (a Python expression) names."""
+    return f"import os\nprint(len(os.listdir(f'/proc/{{{pid}}}/task')))\n"
 
-    def threads(env: dict[str, str]) -> int:
-        done = subprocess.run([sys.executable, "-c", code, *PRELOAD], env=env, capture_output=True, text=True,
-                              check=True)
-        return int(done.stdout.split()[-1])
 
+def test_the_preloaded_server_has_one_thread_to_fork_from(tmp_path: Path):
+    """The forkserver that runs the smokes (its preload, PRELOAD, done under the suite's environment) is one
+    thread: a script forked from it counts its parent's threads (the server itself, not a second interpreter
+    importing PRELOAD again). Control: the count sees a second thread where one is started (numpy's OpenBLAS
+    pool, in a fresh interpreter without OMP_NUM_THREADS)."""
+    (tmp_path / "script.py").write_text(threads_of("os.getppid()"), encoding="utf-8")
+    (tmp_path / "out").mkdir()
     assert os.environ["OMP_NUM_THREADS"] == "1"
-    assert threads(dict(os.environ)) == 1
-    assert threads({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}) > 1
+    done = run_smoke_process(tmp_path / "script.py", [], dict(os.environ), tmp_path, tmp_path / "out", 120)
+    assert (done.returncode, done.stdout.strip()) == (0, "1"), done.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    control = subprocess.run([sys.executable, "-c", "import numpy\n" + threads_of("os.getpid()")], env=env,
+                             capture_output=True, text=True, check=True)
+    assert int(control.stdout) > 1

@@ -22,12 +22,22 @@ GPU_REQUIREMENTS = ("requirements-cu128.txt", "requirements-cu130.txt")
 PINNED = sorted({read_pin(REPO_ROOT / name, "transformers") for name in GPU_REQUIREMENTS})
 UNSUPPORTED = "5.2.0"             # the newest release below dflash.compat.MIN_TRANSFORMERS
 TESTS = ["tests/eval/test_specdec.py", "tests/eval/test_twin_target.py", "tests/train/test_drafter.py"]
-# Statistical and SmolLM2 tests do not depend on the transformers version (and take minutes). Of the greedy
-# losslessness sweep, the drafts wrong at every slot (`-1-`: wrong_every 1, the whole draft rolled back each
-# step, the sweep's longest) are left to the suite's own run: under each pin wrong_every 3 rolls the same caches
-# back, the whole draft when its first slot is the wrong one and part of it otherwise, at every block size.
-DESELECT = ("not rejection_sampling and not chi_square and not prompt_lookup"
-            " and not (greedy_output_equals_target_greedy and -1-)")
+# What runs under each pin is every test that calls the transformers APIs the drafter, the extraction and
+# speculative decoding use (the cache and its rollback, the cache keyword, logits_to_keep, hidden states,
+# generate, from_pretrained's dtype and device_map, the Qwen3 modules the drafter is built of); deselected:
+# - statistical and SmolLM2 tests (rejection sampling, chi-square, prompt lookup): they do not depend on the
+#   transformers version (and take minutes);
+# - flex vs sdpa: the drafter's two attention kernels are torch's, and the scratch venvs hold this run's torch;
+#   the suite's own run covers it;
+# - of the greedy losslessness sweep, wrong_every 0 (every draft right, nothing rolled back): under each pin
+#   test_always_right_drafter_gets_tau_block_size decodes full acceptance on both targets at block sizes 2, 4
+#   and 8; wrong_every 1 (the whole draft rolled back each step): test_always_wrong_drafter_gets_tau_one and the
+#   rollback modes of test_twin_target.py (wrong every 1, 2 and 5); and block sizes 4 and 16: the sweep keeps
+#   wrong_every 3 at block 2 (one draft token) and 7 (a rejection inside the block, the last block cut short),
+#   where the same caches are cropped or restored by a whole and by a part of the draft. The suite's own run
+#   keeps the whole sweep.
+DESELECT = ("not rejection_sampling and not chi_square and not prompt_lookup and not flex_and_sdpa"
+            " and not (greedy_output_equals_target_greedy and not -3-2 and not -3-7)")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,7 @@ def test_the_gpu_pins_name_the_versions_under_test():
 @pytest.mark.parametrize("version", PINNED)
 def test_drafter_extraction_and_specdec_tests_pass_under_the_gpu_pins(venv_root, version):
     venv = ensure_venv(transformers_venv(version, local_torch_wheel()), venv_root)
-    installed = run_in(venv, ["-c", "import transformers, torch; print(transformers.__version__, torch.__version__)"], 120)
+    installed = run_in(venv, ["-c", "from importlib.metadata import version; print(version('transformers'))"], 120)
     assert installed.stdout.split()[0] == version, installed.stdout + installed.stderr
     done = run_in(venv, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra --timeout=600", *TESTS,
                        "-k", DESELECT], 1500)     # the scratch venv has no pytest-xdist: not the suite's -n
