@@ -2,7 +2,11 @@
 written, and a SIGKILL of the whole run while they are being written leaves `latest` on the previous
 whole checkpoint; `--resume` removes the partial save, resumes from that checkpoint and finishes. The
 intermediate checkpoints hold no model.safetensors: their weights are read from the DCP shards on demand,
-and the last checkpoint's model.safetensors holds exactly what its shards hold."""
+and the last checkpoint's model.safetensors holds exactly what its shards hold.
+
+The save_every_minutes run needs nothing from its test while it runs: it starts with the module, beside the
+kill drill. The drafter proposes from the data's 50 tokens (DATA_VOCAB: a cheap head; the saves' shards and
+their timing do not depend on the head's width)."""
 from __future__ import annotations
 
 import shutil
@@ -17,13 +21,27 @@ from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, TRAINING_DATA, WEI
 from dflash.drafter.verify import verify_checkpoint
 from dflash.train.supervisor.resume import remove_partial_saves
 from tests.safety.runs import finish, kill_session, metrics_steps, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
-from tests.train.conftest import write_dataset, write_profile
+from tests.train.conftest import DATA_VOCAB, write_dataset, write_profile
 
 pytestmark = pytest.mark.slow
 STEPS = 8
 # ~50 MB a checkpoint (wide attention on the tiny target): a write the kill can land in.
 WIDE_DRAFTER = {"num_layers": 2, "target_layer_ids": [1, 2], "num_attention_heads": 32, "num_key_value_heads": 32,
-                "head_dim": 128}
+                "head_dim": 128, **DATA_VOCAB}
+MINUTES_STEPS = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def minutes_run(tmp_path_factory, tiny_qwen3_target):
+    """train.save_every_minutes = 0.005 (0.3 s) with the step interval out of reach (1,000 of 10 steps),
+    started with the module: (profile, run dir, launcher process)."""
+    root = tmp_path_factory.mktemp("minutes")
+    run_dir = root / "run"
+    profile = write_profile(root / "p.toml", tiny_qwen3_target, write_dataset(root / "dataset"), run_dir,
+                            max_steps=MINUTES_STEPS, save_every_steps=1000, save_every_minutes=0.005, drafter=DATA_VOCAB)
+    process = start_train(profile, run_dir)
+    yield profile, run_dir, process
+    kill_session(process)
 
 
 def checkpoints(run_dir: Path) -> Path:
@@ -88,7 +106,7 @@ def test_a_kill_during_an_async_save_leaves_latest_whole_and_resume_finishes(tmp
 def test_a_stop_by_sigterm_saves_synchronously_after_the_pending_save(tmp_path, tiny_qwen3_target):
     run_dir = tmp_path / "run"
     profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, write_dataset(tmp_path / "dataset"), run_dir,
-                            max_steps=200, save_every_steps=2)
+                            max_steps=200, save_every_steps=2, drafter=DATA_VOCAB)
     process = start_train(profile, run_dir)
     wait_for_ranks(run_dir)
     wait_for_save(checkpoints(run_dir), 4)
@@ -102,22 +120,19 @@ def test_a_stop_by_sigterm_saves_synchronously_after_the_pending_save(tmp_path, 
     assert not list(checkpoints(run_dir).glob(".step-*"))
 
 
-def test_save_every_minutes_saves_off_the_step_grid_on_every_rank_alike(tmp_path, tiny_qwen3_target):
+def test_save_every_minutes_saves_off_the_step_grid_on_every_rank_alike(minutes_run, tmp_path, tiny_qwen3_target):
     """train.save_every_minutes: with the step interval out of reach (1,000 of 10 steps), checkpoints still come
     once the minutes have passed since the last (0.3 s here); the ranks agree on the clock (all_reduce MAX), so
     every save is a collective all ranks join and the run ends whole. A value below 0 is refused by name."""
     from launcher_core.errors import ConfigError
     from launcher_core.profile import load_profile
 
-    run_dir = tmp_path / "run"
-    dataset = write_dataset(tmp_path / "dataset")
-    profile = write_profile(tmp_path / "p.toml", tiny_qwen3_target, dataset, run_dir, max_steps=10,
-                            save_every_steps=1000, save_every_minutes=0.005)
-    code, out = finish(start_train(profile, run_dir))
+    _, run_dir, process = minutes_run
+    code, out = finish(process)
     assert code == 0, out
     saved = sorted(int(p.name.split("-")[1]) for p in checkpoints(run_dir).glob("step-*"))
-    assert saved[-1] == 10 and len(saved) >= 3, saved            # the last, and saves off the 1,000-step grid
+    assert saved[-1] == MINUTES_STEPS and len(saved) >= 3, saved   # the last, and saves off the 1,000-step grid
     assert all(verify_checkpoint(checkpoints(run_dir) / f"step-{step}") == [] for step in saved)
-    bad = write_profile(tmp_path / "bad.toml", tiny_qwen3_target, dataset, run_dir, save_every_minutes=-1)
+    bad = write_profile(tmp_path / "bad.toml", tiny_qwen3_target, run_dir.parent / "dataset", run_dir, save_every_minutes=-1)
     with pytest.raises(ConfigError, match="train.save_every_minutes"):
         load_profile(str(bad))

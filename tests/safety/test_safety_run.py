@@ -29,15 +29,16 @@ import psutil
 import pytest
 
 from tests.safety.runs import REPO, finish, metrics_steps, role, run_processes, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone
-from tests.train.conftest import write_dataset, write_profile
+from tests.train.conftest import DATA_VOCAB, write_dataset, write_profile
 
 pytestmark = pytest.mark.slow
 STEPS = 10
 HEARTBEAT_S = 10
 # Wide attention (32 x 128 heads on the tiny target's hidden 64): each checkpoint is ~50 MB, a save
-# that lasts long enough to be caught in the middle.
+# that lasts long enough to be caught in the middle. The head proposes from the data's 50 tokens (DATA_VOCAB:
+# cheap; what the faults do to the run does not depend on the head's width).
 WIDE_DRAFTER = {"num_layers": 2, "target_layer_ids": [1, 2], "num_attention_heads": 32, "num_key_value_heads": 32,
-                "head_dim": 128}
+                "head_dim": 128, **DATA_VOCAB}
 
 
 def hold_rank_0_in_save(run_dir: Path, step: int) -> str:

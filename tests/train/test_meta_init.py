@@ -45,15 +45,25 @@ def whole_build(profile) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in [*drafter.named_parameters(), *drafter.named_buffers()]}
 
 
-def run_ranks(tmp_path: Path, ranks: int, profiles: list[Path], backend: str = "gloo") -> Path:
+def start_ranks(tmp_path: Path, ranks: int, profiles: list[Path], backend: str = "gloo") -> tuple[subprocess.Popen, Path]:
+    """torchrun of `ranks` ranks of the worker, started (the three world sizes run side by side, beside the
+    whole builds here); the process and the folder its ranks write to."""
     out = tmp_path / f"out-{ranks}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(HERE.parents[1])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                           "--log-dir", str(tmp_path / f"torchrun-logs-{ranks}"),
-                           str(HERE / "meta_init_worker.py"), "--out", str(out), "--backend", backend,
-                           *map(str, profiles)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (tmp_path / f"torchrun-{ranks}.out").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                                    "--log-dir", str(tmp_path / f"torchrun-logs-{ranks}"),
+                                    str(HERE / "meta_init_worker.py"), "--out", str(out), "--backend", backend,
+                                    *map(str, profiles)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return process, out
+
+
+def finished(tmp_path: Path, ranks: int, process: subprocess.Popen, out: Path) -> Path:
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        process.kill()
+    assert code == 0, (tmp_path / f"torchrun-{ranks}.out").read_text()[-6000:]
     return out
 
 
@@ -77,10 +87,11 @@ def test_the_sharded_meta_build_is_the_whole_build_on_1_2_and_3_ranks(tmp_path, 
     profiles["drafter"] = write_profile(tmp_path / "drafter.toml", tiny_qwen3_target, tiny_dataset, tmp_path / "drafter",
                                         drafter={**VARIANTS["dflash2"], "init": "drafter", "init_from": str(saved)},
                                         global_batch=12)
-    outputs = {ranks: run_ranks(tmp_path, ranks, list(profiles.values())) for ranks in (1, 2, 3)}
+    started = {ranks: start_ranks(tmp_path, ranks, list(profiles.values())) for ranks in (1, 2, 3)}
+    references = {name: whole_build(load_profile(str(path))) for name, path in profiles.items()}
+    outputs = {ranks: finished(tmp_path, ranks, *run) for ranks, run in started.items()}
     for name, path in profiles.items():
-        profile = load_profile(str(path))
-        reference = whole_build(profile)
+        profile, reference = load_profile(str(path)), references[name]
         for ranks, out in outputs.items():
             found = torch.load(out / f"{name}.pt")
             assert equal(found["tensors"], reference), (name, ranks)

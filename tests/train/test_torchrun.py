@@ -6,7 +6,7 @@ two thirds of a rank's CPU (its logits, their recomputation and their backward; 
 ranks 21 -> 12 machine CPU s), and what these runs test (resume, resharding, the OOM restarts, the
 feature cache, failures, the rendezvous) does not depend on the head's width. The head over
 the whole vocabulary is trained on real ranks by tests/train/test_validation.py, test_plan_launch.py,
-test_dflash2_train.py (DFlash 2 has no draft vocabulary), the safety drills and the flagship twin."""
+test_dflash2_train.py (DFlash 2 has no draft vocabulary) and the flagship twin."""
 from __future__ import annotations
 
 import contextlib
@@ -26,12 +26,11 @@ from dflash.train.supervisor.launch import build_torchrun_command, run_training
 from launcher_core.errors import RunFailed
 from launcher_core.processes import free_port
 from launcher_core.profile import load_profile
-from tests.train.conftest import write_profile
+from tests.train.conftest import DATA_VOCAB, write_profile
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 RESUME_STEP = 20
-DATA_VOCAB = {"draft_vocab_size": 50}     # every token of conftest.write_dataset's rows (counting mod 50)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -127,17 +126,6 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
     assert stage["state"] == "done" and stage["steps"] == 24
 
 
-def test_resume_reproduces_the_uninterrupted_loss_curve(trained, tmp_path):
-    profile, run_dir = trained
-    resumed = copy_checkpoint(run_dir, RESUME_STEP, tmp_path / "resumed")
-    assert run_training(profile, run_dir=resumed, resume=True) == 0
-    again = {line["step"]: line["loss"] for line in metrics(resumed)}
-    original = {line["step"]: line["loss"] for line in metrics(run_dir)}
-    assert sorted(again) == list(range(RESUME_STEP + 1, 25))
-    for step, loss in again.items():
-        assert loss == pytest.approx(original[step], rel=1e-5), step
-
-
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(trained, tmp_path, cli, private_cache):
     """Issue 67 item 7.4. Before: `train --resume` on a finished run exited 0 without a word, rewrote its last
     checkpoint's dcp/.metadata and set the manifest's last_loss to null. Now it says the run is finished and
@@ -200,12 +188,14 @@ def test_an_oom_in_each_phase_of_the_step_restarts_every_rank_at_half_the_micro_
     (one a step) at half the micro-batch, 16 -> 8 -> 4 -> 2 -> 1. The loss curve is the same as
     an uninterrupted run's, every step is in metrics.jsonl once, autobatch.json says what happened: the
     phase each step had reached (the reduction runs inside the backward; the update's mark is "update")."""
-    profile, _ = trained
-    wide = dataclasses.replace(profile, train=dataclasses.replace(profile.train, global_batch=32, max_micro_batch=16,
-                                                                  max_steps=6, save_every_steps=1))
-    assert run_training(wide, run_dir=tmp_path / "plain") == 0
+    profile, run_dir = trained
+    settings = {"global_batch": 32, "max_micro_batch": 16, "max_steps": 6, "save_every_steps": 1}
+    plain = training_process(write_profile(tmp_path / "wide.toml", Path(profile.model.target), Path(profile.paths.dataset),
+                                           tmp_path / "plain", drafter=DATA_VOCAB, **settings), tmp_path / "plain")
+    wide = dataclasses.replace(profile, train=dataclasses.replace(profile.train, **settings))   # the same, in this process
     inject = "rank=1,step=2;rank=0,step=3,phase=backward;rank=1,step=4,phase=sync;rank=0,step=5,phase=optimizer"
     assert run_training(wide, run_dir=tmp_path / "oom", extra_env={"DFLASH_INJECT_OOM": inject}) == 0
+    assert plain.wait(timeout=300) == 0        # the uninterrupted reference, run beside it
     lines, plain = metrics(tmp_path / "oom"), metrics(tmp_path / "plain")
     assert [line["step"] for line in lines] == list(range(1, 7))                  # none twice, none lost
     assert [line["micro_batch"] for line in lines] == [16, 8, 4, 2, 1, 1]
@@ -306,20 +296,29 @@ def agent_tempdirs(root, found: dict[str, set[str]]) -> None:
                 found.setdefault(folder, set()).update(os.listdir(folder) if folder else [])
 
 
-def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny_qwen3_target, tiny_dataset, tmp_path):
+def training_process(profile_path: Path, run_dir: Path, env: dict[str, str] | None = None,
+                     resume: bool = False) -> subprocess.Popen:
+    """`run_training` of the profile file in a Python process of its own (the launcher, as `train` runs it)."""
+    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.supervisor.launch import run_training; "
+            f"sys.exit(run_training(load_profile({str(profile_path)!r}), run_dir={str(run_dir)!r}, resume={resume!r}))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(trained, tmp_path):
     """The launcher hosts the rendezvous store on 127.0.0.1, torchrun joins it, the ranks' store
-    and gloo stay on loopback; rank 1 fails at step 3 of attempt 0, torchrun --max-restarts 1
-    restarts both ranks, they meet again on the same store and finish. The agent, its forkserver and
-    the ranks wrote their temporary files in the run's own folder, gone once the run has ended."""
+    and gloo stay on loopback; the trained run is resumed from step 20 (`--resume`), rank 1 fails at
+    step 21 of attempt 0, torchrun --max-restarts 1 restarts both ranks, they meet again on the same
+    store, resume from step 20 again and finish on the uninterrupted run's loss curve (steps 21-24). The
+    agent, its forkserver and the ranks wrote their temporary files in the run's own folder, gone once
+    the run has ended."""
     import psutil
 
-    run_dir = tmp_path / "run"
-    path = write_profile(tmp_path / "p.toml", tiny_qwen3_target, tiny_dataset, run_dir, max_steps=6, max_restarts=1,
-                         drafter=DATA_VOCAB)
-    code = ("import sys; from launcher_core.profile import load_profile; from dflash.train.supervisor.launch import run_training; "
-            f"sys.exit(run_training(load_profile({str(path)!r}), run_dir={str(run_dir)!r}))")
-    env = {**os.environ, "DFLASH_FAIL_RANK": "1:3:0"}
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    profile, trained_dir = trained
+    run_dir = copy_checkpoint(trained_dir, RESUME_STEP, tmp_path / "run")
+    path = write_profile(tmp_path / "p.toml", Path(profile.model.target), Path(profile.paths.dataset), run_dir,
+                         save_every_steps=RESUME_STEP, max_restarts=1, drafter=DATA_VOCAB)   # the trained run's, restartable
+    process = training_process(path, run_dir, {"DFLASH_FAIL_RANK": f"1:{RESUME_STEP + 1}:0"}, resume=True)
     seen: dict[str, set] = {}
     rank_pids: set[int] = set()
     tempdirs: dict[str, set[str]] = {}
@@ -339,9 +338,13 @@ def test_one_node_listens_on_loopback_only_and_a_restart_rendezvouses_again(tiny
     assert len({pid for pid, _, _ in seen["rank"]}) >= 2, seen        # gloo's pairs, on loopback too
     assert len(rank_pids) >= 4, rank_pids                              # two attempts of two ranks
     failure = json.loads((run_dir / "train" / "failures" / "rank-1.json").read_text())
-    assert "injected failure on rank 1 at step 3" in failure["error"]
-    assert metrics(run_dir)[-1]["step"] == 6
-    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-6"
+    assert f"injected failure on rank 1 at step {RESUME_STEP + 1}" in failure["error"]
+    assert (run_dir / "train" / "checkpoints" / "latest").read_text().strip() == "step-24"
+    again = {line["step"]: line["loss"] for line in metrics(run_dir)}
+    original = {line["step"]: line["loss"] for line in metrics(trained_dir)}
+    assert sorted(again) == list(range(RESUME_STEP + 1, 25))
+    for step, loss in again.items():
+        assert loss == pytest.approx(original[step], rel=1e-5), step
 
 
 def test_two_agents_rendezvous_over_c10d_on_localhost(tiny_qwen3_target, tiny_dataset, tmp_path):
