@@ -270,9 +270,11 @@ def _same_output(run: EngineRun, target: EngineRun) -> bool:
 
 
 def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, count: int,
-                     settings: EngineSettings, context_k_norm_layer: Optional[int] = None) -> InProcessDecode:
+                     settings: EngineSettings, context_k_norm_layer: Optional[int] = None,
+                     methods: Sequence[str] = METHODS) -> InProcessDecode:
     """The in-process eval of these prompts, decoded as `eval` does; `context_k_norm_layer`: the drafter's context
-    keys normed as the engine norms them (dflash.eval.engine_deviations)."""
+    keys normed as the engine norms them (dflash.eval.engine_deviations); `methods`: those decoded (the target
+    alone always is: it is every method's baseline)."""
     from dflash.eval.dflash2_drafter import load_draft
     from dflash.eval.evaluate import (
         cpu_threads,
@@ -295,13 +297,15 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
                             max_new_tokens=settings.max_new_tokens, eos_ids=stops)
     prompts = encode_prompts(tokenizer, prompts_path, count, settings.thinking)
     lookup = PromptLookupDrafter(max_ngram=profile.eval.prompt_lookup_max_ngram)
+    drafters = [drafter for drafter in (draft, lookup) if drafter.name in methods]
     with cpu_threads(model, profile.eval.cpu_threads):
-        results = decode_prompts(model, [draft, lookup], prompts, decode, settings.seed, draft.layer_ids)
+        results = decode_prompts(model, drafters, prompts, decode, settings.seed, draft.layer_ids)
     report = build_report(results, block_size=draft.block_size, temperature=settings.temperature)
-    tokens = {name: [entry.runs[name].tokens for entry in results] for name in METHODS}
-    taus = {name: [entry.runs[name].taus for entry in results] for name in METHODS}
+    decoded = list(results[0].runs)
+    tokens = {name: [entry.runs[name].tokens for entry in results] for name in decoded}
+    taus = {name: [entry.runs[name].taus for entry in results] for name in decoded}
     margins = {name: [(entry.runs[name].draft_margins, entry.runs[name].target_margins) for entry in results]
-               for name in METHODS}
-    drafts = {name: [entry.runs[name].drafts for entry in results] for name in METHODS}
+               for name in decoded}
+    drafts = {name: [entry.runs[name].drafts for entry in results] for name in decoded}
     return InProcessDecode(report, tokens, taus, [p.token_ids for p in prompts], [p.prompt_id for p in prompts],
                            tuple(stops), margins, drafts)

@@ -14,7 +14,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 
@@ -146,12 +146,16 @@ def engine_profile(vllm_python):
                                generate=dataclasses.replace(base.generate, vllm_enforce_eager=True))
 
 
-def inprocess_of(profile, checkpoint: Path, prompts_file: Path):
-    """`checkpoint`'s in-process decoding of the eval prompts, as `eval` decodes them."""
+def inprocess_of(profile, checkpoint: Path, prompts_file: Path, context_k_norm_layer: Optional[int] = None):
+    """`checkpoint`'s in-process decoding of the eval prompts, as `eval` decodes them: the target alone and
+    DFlash (the method the gate compares; prompt lookup is not decoded)."""
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import engine_settings, inprocess_decode
 
-    return inprocess_decode(profile, checkpoint, prompts_file, NUM_PROMPTS, engine_settings(profile, EvalOptions()))
+    decoded = inprocess_decode(profile, checkpoint, prompts_file, NUM_PROMPTS, engine_settings(profile, EvalOptions()),
+                               context_k_norm_layer, methods=("dflash",))
+    assert set(decoded.tokens) == {"target", "dflash"}, "only the methods asked for are decoded"
+    return decoded
 
 
 def served_settings(profile, inprocess):

@@ -90,15 +90,15 @@ def test_served_by_vllm_a_drafter_with_other_k_norms_per_layer_decodes_as_the_en
         engine_profile, demo_drafter, tmp_path):
     """The demo drafter with its layers' k_norm weights pulled apart, served by vLLM: the in-process side as
     trained departs from it on several prompts; normed as the engine norms context keys, it accepts the same
-    drafts at every step of every prompt."""
+    drafts at every step of every prompt (each side decodes the target alone and DFlash only: prompt lookup is
+    not compared)."""
     import torch
-    from engine_vllm_common import NUM_PROMPTS, served_settings
+    from engine_vllm_common import NUM_PROMPTS, inprocess_of, served_settings
     from safetensors.torch import load_file, save_file
 
     from dflash.eval.engines import run_engines
-    from dflash.eval.evaluate import EvalOptions
     from dflash.eval.options import eval_prompts_path
-    from dflash.eval.served import engine_settings, export_for_engine, inprocess_decode
+    from dflash.eval.served import export_for_engine
     from dflash.models import resolve_model_path
 
     checkpoint = tmp_path / "apart"
@@ -110,9 +110,8 @@ def test_served_by_vllm_a_drafter_with_other_k_norms_per_layer_decodes_as_the_en
         weights[K_NORM.format(index)] = weight * (1 + 0.6 * index * torch.rand(weight.shape, generator=generator))
     save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
     prompts = eval_prompts_path(engine_profile, None)
-    settings = engine_settings(engine_profile, EvalOptions())
-    trained = inprocess_decode(engine_profile, checkpoint, prompts, NUM_PROMPTS, settings)
-    alike = inprocess_decode(engine_profile, checkpoint, prompts, NUM_PROMPTS, settings, context_k_norm_layer=0)
+    trained = inprocess_of(engine_profile, checkpoint, prompts)
+    alike = inprocess_of(engine_profile, checkpoint, prompts, context_k_norm_layer=0)
     settings = served_settings(engine_profile, trained)
     target = resolve_model_path(engine_profile.model.target)
     drafter = export_for_engine("vllm", checkpoint, target, tmp_path, None)
