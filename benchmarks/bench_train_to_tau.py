@@ -182,7 +182,9 @@ def train_to_budget(state: TrainState, budget_s: float, marks: list[float],
 
 
 def run_recipe(name: str, profile: Profile, sets: list[Heldout], budget_s: float, points: int,
-               save_dir: Path | None) -> RecipeRun:
+               save_dir: Path | None, measured: Callable[[RecipeRun], None] = lambda run: None) -> RecipeRun:
+    """One recipe trained to the budget, measured at 0 and at each of `points` marks; `measured(run)` after
+    each point (the caller writes what is measured so far, so a crash keeps it)."""
     from dflash.train.rank.parallel import WorkerEnv
     from dflash.train.rank.setup import build_state
 
@@ -193,6 +195,7 @@ def run_recipe(name: str, profile: Profile, sets: list[Heldout], budget_s: float
         point = measure_point(state, sets, spent, loss)
         run.points.append(point)
         print(point_line(name, point), flush=True)
+        measured(run)
         if save_dir is not None:
             from dflash.train.rank.checkpointing import save_training_checkpoint
 
@@ -209,13 +212,20 @@ def point_line(name: str, point: Point) -> str:
     return f"point {name:<10} cpu {point.cpu_s:>8.1f} s  step {point.step:>5}  loss {loss}  {taus}"
 
 
-def write_record(out: Path, record: dict[str, Any], runs: list[RecipeRun], lookup: dict[str, float]) -> tuple[Path, Path]:
+def write_json(out: Path, record: dict[str, Any], runs: list[RecipeRun], lookup: dict[str, float],
+               complete: bool) -> Path:
+    """DIR/train_to_tau.json as measured so far (`complete` False while recipes are still training), atomically."""
     from launcher_core.fileio import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
-    document = {**record, "prompt_lookup": lookup, "recipes": [dataclasses.asdict(run) for run in runs]}
+    document = {**record, "complete": complete, "prompt_lookup": lookup,
+                "recipes": [dataclasses.asdict(run) for run in runs]}
     write_json_atomic(out / "train_to_tau.json", document)
-    return out / "train_to_tau.json", plot_curves(out / "train_to_tau.png", runs, lookup)
+    return out / "train_to_tau.json"
+
+
+def write_record(out: Path, record: dict[str, Any], runs: list[RecipeRun], lookup: dict[str, float]) -> tuple[Path, Path]:
+    return write_json(out, record, runs, lookup, complete=True), plot_curves(out / "train_to_tau.png", runs, lookup)
 
 
 def plot_curves(path: Path, runs: list[RecipeRun], lookup: dict[str, float]) -> Path:
@@ -261,15 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         lookup = {held.name: round(prompt_lookup_tau(held, base.drafter.block_size), 4) for held in sets}
         for name, tau in lookup.items():
             print(f"prompt lookup {name:<10} tau {tau:.3f}", flush=True)
-        runs = []
-        for name in args.recipes.split(","):
-            profile = recipe_profile(base, name, dataset, Path(scratch) / f"run-{name}", args, share)
-            runs.append(run_recipe(name, profile, sets, args.cpu_seconds, args.points, args.save_dir))
         record = {"command": " ".join(["benchmarks/bench_train_to_tau.py", *(argv if argv is not None else sys.argv[1:])]),
                   "profile": args.profile, "cpu_seconds": args.cpu_seconds, "points": args.points, "steps": args.steps,
                   "heldout": args.heldout, "bench_samples": args.bench_samples, "new_tokens": new_tokens,
                   "validation_share": share, "threads": torch.get_num_threads()}
-        json_path, png_path = write_record(args.out or Path(scratch) / "out", record, runs, lookup)
+        out = args.out or Path(scratch) / "out"
+        runs: list[RecipeRun] = []
+
+        def measured(run: RecipeRun) -> None:
+            write_json(out, record, [*runs, run], lookup, complete=False)
+
+        for name in args.recipes.split(","):
+            profile = recipe_profile(base, name, dataset, Path(scratch) / f"run-{name}", args, share)
+            runs.append(run_recipe(name, profile, sets, args.cpu_seconds, args.points, args.save_dir, measured))
+        json_path, png_path = write_record(out, record, runs, lookup)
         print(f"wrote {json_path} and {png_path}", flush=True)
     return 0
 
