@@ -442,8 +442,8 @@ def test_a_dead_drafter_served_for_a_weak_one_fails_where_a_fixed_tau_tolerance_
         check_parity({"dflash": row}, "report.json")
     assert failed.value.exit_code == EXIT_PARITY == 6
     last = str(failed.value).splitlines()[-1]
-    assert last == 'parity gate failed (paired test): read report.json (per prompt: its .md) and docs/eval.md "The ' \
-        'parity gate"'
+    assert last == 'parity gate failed (paired test): read report.json (per prompt: its .md) and ' \
+        'docs/parity-gate.md'
 
 
 def test_the_pipeline_s_last_line_names_the_rule_and_the_report_and_keeps_the_in_process_eval(tmp_path):
