@@ -833,9 +833,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_engine_servers_take_a_free_port_when_eval_engine_port_is_taken(private_cache):
-    """Issue 67 item 7.11: two `eval --engine` at once. Before: the second's servers were started on the same
-    eval.engine_port and the eval stopped with exit 5 ("something already listens on 127.0.0.1:30100"). Now
-    eval.engine_port is the first choice while no other eval has claimed it (another process holds the claim
+    """Two `eval --engine` at once do not collide on eval.engine_port (which would stop the second with exit 5,
+    "something already listens on 127.0.0.1:30100"): eval.engine_port is the first choice while no other eval has claimed it (another process holds the claim
     while its engine loads, before anything listens) and nothing listens there; otherwise a free port."""
     import socket
 
