@@ -1,5 +1,5 @@
 """Bisect benchmark: probes used against the number of changed groups, coupled wheelhouses
-(families only and skips, as before, against groups learned from the check, against groups read
+(families only and skips, against groups learned from the check, against groups read
 from metadata), and the wall time of one candidate step (venv + install + consistency check)
 with uv and a warm cache against pip.
 

@@ -1,4 +1,4 @@
-"""flex BlockMask build: from the anchors vs `create_block_mask` over the dense mask_mod (issue 30).
+"""flex BlockMask build: from the anchors vs `create_block_mask` over the dense mask_mod.
 
     .venv/bin/python benchmarks/bench_block_mask.py [--anchors 512 1024] [--context 8192] [--sequences 1] [--repeat 3] [--compiled]
                                                     [--eager-up-to 512]

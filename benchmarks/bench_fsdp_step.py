@@ -1,6 +1,6 @@
 """Gradient accumulation under FSDP2: reduce-scatter every micro-batch or hold unsharded gradients
 until the last one (`train.gradient_sync`), and `train.reshard_after_forward`, measured on 2 real
-gloo ranks (issue 30).
+gloo ranks.
 
 Each setting trains the trainer's own state and step (`build_state`, `run_step`) over 4
 micro-batches a rank and step: a random Qwen3 target (hidden 1024, MLP 8192, 2 layers) and a

@@ -3,7 +3,7 @@
 
 Variable-length batches fragment the caching allocator's fixed-size segments (SpecForge's "58.3 GiB
 reserved, 34 MiB free"); expandable segments map one growing segment per stream instead, so the
-reserve stays close to what tensors hold (docs/memory.md, "The allocator's reserve").
+reserve stays close to what tensors hold (docs/plan.md, "The allocator's reserve").
 
 Which variable torch reads (read in c10 at the pinned versions): torch 2.9 reads `PYTORCH_ALLOC_CONF`
 first and falls back to `PYTORCH_CUDA_ALLOC_CONF` with a deprecation warning; torch 2.13 reads

@@ -7,7 +7,7 @@ A drafter is trained with the reference's rule (dflash.drafter.layers). SGLang's
 per change: 0.5.11-0.5.13 run every layer ENCODER_ONLY (bidirectional) without a window and read no
 layer key; from 0.5.14 a sliding layer is DECODER (causal) with window_left = sliding_window - 1;
 0.5.17 honours `is_causal` for full layers, 0.5.18 for both kinds. Every release runs a config
-without `layer_types` all ENCODER_ONLY without a window. Summary: docs/train.md "Drafter layers".
+without `layer_types` all ENCODER_ONLY without a window. Summary: docs/drafter.md "Drafter layers".
 """
 from __future__ import annotations
 

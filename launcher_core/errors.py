@@ -31,10 +31,10 @@ EXIT_MEANINGS: dict[int, str] = {
                "whole; a training step whose loss is not finite, or more than train.max_skipped_steps steps in a "
                "row without a supervised position: the run stops before saving it)",
     EXIT_RUN: "a launched job (torchrun, a server) failed; the message names the cause: the rank that died, was killed "
-              "or stopped, not the one that noticed (docs/train.md); also `generate` when every request it sent failed, "
+              "or stopped, not the one that noticed (docs/failures.md); also `generate` when every request it sent failed, "
               "or its first requests all failed the same way (it stops early)",
     EXIT_PARITY: "`eval --engine`: the served drafter fails the parity gate, or the gate cannot decide (too few prompts, "
-                 "no per-step figures from the engine: undecided never passes; docs/eval.md)",
+                 "no per-step figures from the engine: undecided never passes; docs/parity-gate.md)",
     EXIT_NODE: "the node, not the input: a full disk (`disk full: writing X to PATH needs about N bytes; M free`), a "
                "read-only filesystem, permission denied on a path the command writes, the host out of memory; one line "
                "names the path and what to do. The same command may pass on another node (a scheduler may retry it "

@@ -5,8 +5,8 @@ strictly by `launcher_core.profile`), its default (none: required), its meaning 
 its range live on the field itself. `Literal[...]` fields list their valid choices. The rules between
 keys that need no target model are the `@cross_field_rule` functions below the sections, each naming
 the keys it involves; the rules that need the target are `dflash.train.supervisor.launch_checks.LAUNCH_CHECKS`.
-docs/profile-keys.md is generated from all three (scripts/gen_docs_tables.py; a test fails when it
-differs). Paths are strings, relative to the repository root unless absolute; `{run_dir}` in a path
+docs/profile-keys.md and docs/profile-rules.md are generated from all three (scripts/gen_docs_tables.py; a
+test fails when they differ). Paths are strings, relative to the repository root unless absolute; `{run_dir}` in a path
 expands to the profile's run directory.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ DrafterKind = Literal["dflash", "dflash2"]
 
 @dataclass(frozen=True)
 class DrafterSection:
-    """The drafter (docs/train.md, "Drafter shape", "Drafter layers", "DFlash 2"). Its attention shape and
+    """The drafter (docs/drafter.md, "Drafter shape", "Drafter layers", "DFlash 2"). Its attention shape and
     RoPE are its own; 0 derives them from the target: head dim min(target's, 128), the target's query/KV
     widths, plain RoPE at the target's theta. The DFlash 2 keys (kind = "dflash2") default to the published
     values: z-lab's Qwen3.8-27B-DFlash2 and SpecForge's configs/qwen3.6-27b-dflash2.json (kernel 2, groups
@@ -261,7 +261,7 @@ class TrainSection:
     decay_gamma: float = key(0.0, "loss decay exp(-(k-1)/gamma)",
                              Range(0, low_open=True, zero="7 / 5 / 4 for block size 16 / 10 / 8"))
     loss: Literal["ce", "dpace", "distill"] = key(
-        "ce", "the objective (docs/train.md \"The loss\"): ce, hard-label cross entropy weighted by the decay "
+        "ce", "the objective (docs/drafter.md \"The loss\"): ce, hard-label cross entropy weighted by the decay "
               "(SpecForge 0.2.0's); dpace, the same cross entropy weighted by D-PACE's per-position weights "
               "(SpecForge PR #578, Speculators' default since PR #980); distill, KL from the target's own "
               "next-token distribution at each slot, weighted by the decay (the target runs to its last layer)")
@@ -272,7 +272,7 @@ class TrainSection:
     compute_dtype: Literal["float32", "bfloat16"] = key("float32", "drafter's residual stream and norms "
                                                                    "(bf16: on bf16 weight copies)")
     feature_cache: bool = key(False, "each row's tap features extracted once, kept as files for later epochs")
-    reshard_after_forward: bool = key(True, "FSDP2 (docs/memory.md, \"Sharding: FSDP2\"): draft layers' gathered "
+    reshard_after_forward: bool = key(True, "FSDP2 (docs/sharding.md): draft layers' gathered "
                                             "weights freed after forward, gathered again in backward (false: kept "
                                             "from forward to backward, FSDP1's SHARD_GRAD_OP)")
     gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = key(
@@ -300,7 +300,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class MemorySection:
-    """The memory plan (docs/memory.md)."""
+    """The memory plan (docs/plan.md)."""
 
     margin: float = key(0.10, "fraction of free memory held back", Range(0, 1, high_open=True))
     overhead_mib: int = key(0, "non-torch overhead if not measured (0: from probe/baseline)", Range(0, 2**24))
@@ -394,7 +394,7 @@ Problems = list[tuple[str, str]]        # (dotted key, what is wrong and what is
 
 @dataclass(frozen=True)
 class CrossFieldRule:
-    """One rule between keys: `check(profile)` -> its problems; `keys` it involves (docs/profile-keys.md)."""
+    """One rule between keys: `check(profile)` -> its problems; `keys` it involves (docs/profile-rules.md)."""
 
     name: str
     keys: tuple[str, ...]

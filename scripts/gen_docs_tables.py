@@ -132,8 +132,8 @@ def render_exit_codes() -> str:
 
 # doc (relative to the repository root) -> its generated parts, by name.
 GENERATED: dict[str, dict[str, Callable[[], str]]] = {
-    "docs/profile-keys.md": {"profile-keys": render_profile_keys, "cross-field-rules": render_cross_field_rules,
-                             "launch-checks": render_launch_checks},
+    "docs/profile-keys.md": {"profile-keys": render_profile_keys},
+    "docs/profile-rules.md": {"cross-field-rules": render_cross_field_rules, "launch-checks": render_launch_checks},
     "docs/exit-codes.md": {"exit-codes": render_exit_codes},
 }
 

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gen_docs_tables.py"
-DOCS = ("docs/profile-keys.md", "docs/exit-codes.md")
+DOCS = ("docs/profile-keys.md", "docs/profile-rules.md", "docs/exit-codes.md")
 
 
 def import_script():
@@ -46,8 +46,8 @@ def test_the_docs_tables_are_what_the_code_generates():
 @pytest.mark.parametrize("doc, old, new, part", [
     ("docs/profile-keys.md", "| `lr` | number | 0.0006 | a finite number > 0 |", "| `lr` | number | 0.0006 | a finite number >= 0 |",
      "profile-keys"),
-    ("docs/profile-keys.md", "| `ranks_fit_gpus` |", "| `ranks_fit_the_gpus` |", "cross-field-rules"),
-    ("docs/profile-keys.md", "| `loss_decay` |", "| `decay` |", "launch-checks"),
+    ("docs/profile-rules.md", "| `ranks_fit_gpus` |", "| `ranks_fit_the_gpus` |", "cross-field-rules"),
+    ("docs/profile-rules.md", "| `loss_decay` |", "| `decay` |", "launch-checks"),
     ("docs/exit-codes.md", "| 6 | `EXIT_PARITY` |", "| 7 | `EXIT_PARITY` |", "exit-codes"),
 ])
 def test_a_doc_that_drifted_from_the_code_fails_naming_the_part_and_the_command(tmp_path, doc, old, new, part):
@@ -77,8 +77,8 @@ def test_a_change_in_the_code_makes_the_docs_stale(monkeypatch):
     monkeypatch.setattr(schema, "CROSS_FIELD_RULES", schema.CROSS_FIELD_RULES[1:])
     monkeypatch.setattr(launch_checks, "LAUNCH_CHECKS", launch_checks.LAUNCH_CHECKS[:-1])
     monkeypatch.setitem(errors.EXIT_MEANINGS, errors.EXIT_DATA, "something else")
-    assert script.stale_parts(REPO) == ["docs/profile-keys.md: profile-keys", "docs/profile-keys.md: cross-field-rules",
-                                        "docs/profile-keys.md: launch-checks", "docs/exit-codes.md: exit-codes"]
+    assert script.stale_parts(REPO) == ["docs/profile-keys.md: profile-keys", "docs/profile-rules.md: cross-field-rules",
+                                        "docs/profile-rules.md: launch-checks", "docs/exit-codes.md: exit-codes"]
 
 
 def test_a_doc_without_its_markers_is_refused(tmp_path):

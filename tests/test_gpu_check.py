@@ -5,8 +5,8 @@ complete; the default items' budgets are docs/gpu_check.md's budget table and su
 The whole script runs once with `--parts all` (GPUs hidden with --cpu, so it is the CPU path even on a GPU node); a
 test part runs its pytest child on the CPU (skipped by tests/gpu/conftest.py, reason collected
 from the JUnit report); the runner's time-limit handling is checked on a real child process.
-The CPU paths the script used to run itself are tests now: flex vs SDPA in float32 in
-tests/train/test_drafter.py, lossless speculative decoding in tests/eval/test_specdec.py.
+Its CPU counterparts are ordinary tests: flex vs SDPA in float32 in tests/train/test_drafter.py, lossless
+speculative decoding in tests/eval/test_specdec.py.
 """
 from __future__ import annotations
 

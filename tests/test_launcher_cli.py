@@ -69,8 +69,8 @@ def test_an_interruption_is_exit_130_and_says_what_was_kept(monkeypatch, capsys,
 
 
 def test_a_broken_profile_file_is_named_and_the_good_ones_still_listed(tmp_path):
-    """Issue 67 item 7.6: one file in profiles/ that does not load. Before: a one-line error and nothing
-    listed. Now the others are listed, the broken one named on stderr with its error, exit 2."""
+    """One file in profiles/ that does not load: the others are still listed, the broken one named on stderr
+    with its error, exit 2."""
     import shutil
 
     from launcher_core.paths import profile_dir

@@ -4,7 +4,7 @@ Writes a drafter directory (config.json + model.safetensors, and training_data.j
 was trained on, which eval's mode check reads) in the format the engine reads:
 plain RoPE keys at the top level, dflash_config / block_size / num_target_layers / architectures,
 and the draft vocabulary converted where the engine can hold it, refused where it cannot
-(`--full-vocab` drops it, with the consequence printed). See docs/train.md, "Exporting".
+(`--full-vocab` drops it, with the consequence printed). See docs/checkpoints.md, "Exporting".
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ its anchor (`kv < a_b`) and all of its own block, nothing of another block; a la
 (`LayerAttention`: window, causal) narrows that by position (`position_rule_mask`, the same in both
 backends and the in-process decoder). `flex`: flex_attention with a BlockMask counted from the
 anchors (`block_mask`: `create_block_mask`'s tables without evaluating every (query, key) pair);
-`sdpa`: the same visibility as a dense boolean mask. Details: docs/memory.md.
+`sdpa`: the same visibility as a dense boolean mask. Details: docs/memory-model.md.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ zero), so a fresh DFlash 2 drafter computes what its DFlash backbone computes an
 argmax. The convolution is causal inside a block (a tap before the block's first slot reads zero),
 so block b never sees block b - 1 in a training forward. Tensor and config names are PyPI `dflash`
 0.1.0's, which vLLM and SGLang (>= 0.5.19) load as they are. Formulas, defaults and names:
-docs/train.md "DFlash 2".
+docs/drafter.md "DFlash 2".
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`launcher.py export CKPT --for sglang|vllm|reference`: a drafter directory an engine loads.
 
 What each engine reads from config.json (from its source, per version) is `ENGINE_READS`;
-docs/train.md lists the same and a test holds the two together and checks every export against it.
+docs/checkpoints.md lists the same and a test holds the two together and checks every export against it.
 
 Draft vocabulary (`drafter.draft_vocab_size`): our checkpoints keep the ids as a `draft_vocab`
 tensor. vLLM represents one (EAGLE-3 style): `draft_vocab_size` in config.json, the draft rows of

@@ -6,7 +6,7 @@ our drafters leave `is_causal` out; `sglang_serving_problems` names the layers a
 would run otherwise (envcheck/engines.py). A query at position p sees a key at j when `p - j < w`
 in a window (also `j - p < w` when not causal) and `j <= p` when causal. transformers keeps
 `sliding_window` only with `use_sliding_window: true`, so a config with sliding layers carries both.
-No torch here: the launcher validates profiles with it. Rules: docs/train.md "Drafter layers".
+No torch here: the launcher validates profiles with it. Rules: docs/drafter.md "Drafter layers".
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ a block's accepted run being its leading slots whose argmax is the label (`count
 
 DFlash 2 (`dflash2_block_loss`): the same loss on the unary logits plus alpha x the teacher-forced
 selector's K-way cross entropy, same weights, same normaliser; `SelectorParts` measures the
-selector's own lift. Rules and their upstream sources: docs/train.md "DFlash 2", "tau: one definition".
+selector's own lift. Rules and their upstream sources: docs/drafter.md "DFlash 2", docs/train.md "tau: one
+definition".
 
 `train.loss` chooses the objective (`LossObjective`): "ce" (the above, SpecForge 0.2.0's), "dpace"
 (the same cross entropy weighted by D-PACE's detached per-position weights, `dpace_weights`) or
@@ -41,7 +42,7 @@ LOSS_KINDS = ("ce", "dpace", "distill")
 
 @dataclass(frozen=True)
 class LossObjective:
-    """train.loss and train.dpace_alpha (DFlash drafters; docs/train.md "The loss")."""
+    """train.loss and train.dpace_alpha (DFlash drafters; docs/drafter.md "The loss")."""
 
     kind: str = "ce"
     dpace_alpha: float = 0.5

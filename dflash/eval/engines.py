@@ -8,7 +8,7 @@ drafter does. Each prompt's acceptance comes from the engine's own figures (SGLa
 the streamed per-step counters; vLLM: per-request spec-decode metrics from 0.32, before that its
 Prometheus counters around each request). Tokens/s = completion tokens over the requests' wall
 time; speedup over the same engine's target-only run. Flags, endpoints and fields per engine
-release: docs/eval.md "The serving engine".
+release: docs/serving.md "The serving engine".
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ way) the two must agree step for step where the engine reports ordered per-step 
 totals only, a prompt without any near-tie must match in its totals. Past it, prompts differ by chance, so a paired
 two-sided sign test over prompts fails the gate below `SIGNIFICANCE`. The served stream must also be
 lossless and must have drafted. Prompt lookup is shown, not gated. Per-position figures cover slots
-1..B-1, a slot one side does not list counting as 0. Rules: docs/eval.md "The parity gate"; how
+1..B-1, a slot one side does not list counting as 0. Rules: docs/parity-gate.md; how
 the constants were chosen: benchmarks/results/parity-gate_cpu-2core_2026-12-06.md.
 """
 from __future__ import annotations
@@ -412,7 +412,7 @@ def check_parity_sets(sets: Sequence[tuple[str, dict[str, ParityRow], str]]) -> 
                          | ({VERDICT_UNDECIDED} if undecided else set())))
     verb = "failed" if failed else "undecided"
     lines.append(f"parity gate {verb} ({', '.join(rules)}): read {', '.join(reports)} (per prompt: its .md) and "
-                 'docs/eval.md "The parity gate"')
+                 "docs/parity-gate.md")
     raise ParityFailed("\n".join(lines), rules, reports[0])
 
 

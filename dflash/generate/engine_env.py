@@ -6,7 +6,7 @@ under the project cache (`<cache>/engines/<engine>-<key>/`, envcheck/engine_venv
 only once the server's module imports, so a killed setup never leaves a half venv where a good one
 is expected; the same pins again do nothing; an older pins' venv is removed once the new one is in
 place. uv writes no bytecode, so the import check compiles the engine's package once per venv and a
-server does not recompile its imports at every start. Install order and figures: docs/eval.md
+server does not recompile its imports at every start. Install order and figures: docs/serving.md
 "vLLM on CPU", "SGLang on a GPU node".
 """
 from __future__ import annotations

@@ -13,11 +13,11 @@ SERVED_MODEL_NAME = "default"      # the model name our requests carry (vLLM: --
 CPU_MAX_MODEL_LEN = 1024           # vLLM on CPU without a configured length: prompt + completion of the eval
 # vLLM 0.32 on CPU binds its model worker to one core and keeps another for an engine process that
 # spins waiting for it; the uniprocess executor (kept by platforms/cpu.py only with this variable 0) runs
-# the model in the engine process on our threads. docs/eval.md "vLLM on CPU";
+# the model in the engine process on our threads. docs/serving.md "vLLM on CPU";
 # benchmarks/results/vllm-cpu-one-process_cpu-2core_2026-12-05.md.
 CPU_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # The n-gram proposer (prompt lookup) runs numba on at most one thread, but numba's pool starts one per
-# core and the idle ones spin beside the decoding thread. docs/eval.md "vLLM on CPU";
+# core and the idle ones spin beside the decoding thread. docs/serving.md "vLLM on CPU";
 # benchmarks/results/vllm-cpu-numba-thread_cpu-2core_2026-12-05.md.
 CPU_NUMBA_THREADS = {"NUMBA_NUM_THREADS": "1"}
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]

@@ -38,8 +38,8 @@ class HostRamAtStart:
     target_mib: float               # GPU: the largest tensor on its way; CPU: the loaded target's weights
     drafter_init_mib: float         # twice the largest init unit in float32 (transient)
     drafter_shards_mib: float       # CPU: this rank's float32 shards (0 on a GPU rank)
-    whole_drafter_mib: float        # the order before: the whole drafter in float32
-    whole_target_mib: float         # the order before, CPU: the whole target (GPU: as target_mib)
+    whole_drafter_mib: float        # built whole on the host: the whole drafter in float32
+    whole_target_mib: float         # built whole on the host, CPU: the whole target (GPU: as target_mib)
 
     @property
     def per_rank_mib(self) -> float:

@@ -13,7 +13,7 @@ The ratio is the calibration's measured one (`launcher.py calibrate`: max_memory
 max_memory_allocated across worst-case steps of differently shaped micro-batches, measured under the
 profile's memory.expandable_segments), else a default: DEFAULT_RESERVE_RATIO with expandable segments,
 FIXED_SEGMENTS_RESERVE_RATIO without. The defaults are UNPROVEN: placeholders until a GPU calibration
-of the profile measures its own (docs/memory.md, "The allocator's reserve"). A CPU profile has no
+of the profile measures its own (docs/plan.md, "The allocator's reserve"). A CPU profile has no
 caching allocator: ratio 1. No torch import here.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ each of its paths calls: transformers, MLX and the OpenAI-compatible engines; te
 runs it beside ours); thinking is the eval's mode.
 humaneval and mt-bench rows come from pinned packages; gsm8k, math500 and mbpp from `--bench-dir` or
 `datasets`, else an InputError (exit 2) naming the command that prepares them. Datasets, fields,
-messages and sources: docs/eval.md "Benchmarks".
+messages and sources: docs/eval-benchmarks.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A benchmark's smoke run as a process of its own, forked from multiprocessing's forkserver after the
-server has imported torch, numpy and transformers once (PRELOAD), where each run used to import them
+server has imported torch, numpy and transformers once (PRELOAD), rather than each run importing them
 again in a new interpreter (some 3 CPU s a benchmark, 15 of them import torch).
 
 The child sees what `python benchmarks/NAME.py ARGS` would: its argv, the environment given, the

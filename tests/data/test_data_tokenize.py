@@ -128,9 +128,9 @@ def test_cli_tokenize_and_inspect(tmp_path, qwen3_tokenizer_dir, repo_root):
 
 def test_the_prompts_file_given_for_completions_is_refused_naming_it_and_the_likely_mistake(tmp_path, qwen3_tokenizer_dir,
                                                                                             repo_root):
-    """Issue 67 item 7.7: the shipped prompts bank tokenized by mistake (494 of its 526 records have no assistant
-    turn). Before: exit 0 and a 32-sample dataset (rejects were not counted by the degenerate gate). Now rejected
-    records count beside degenerate samples: exit 4, one line naming the file, its dominant reject reason and
+    """The shipped prompts bank tokenized by mistake (494 of its 526 records have no assistant turn): rejected
+    records count beside degenerate samples in the degenerate gate, so this is not exit 0 with a 32-sample
+    dataset but exit 4, one line naming the file, its dominant reject reason and
     what was likely wrong; nothing written at the output. --allow-degenerate still writes it."""
     prompts = repo_root / "dflash" / "prompts" / "builtin_prompts.jsonl"
     profile = tmp_path / "p.toml"

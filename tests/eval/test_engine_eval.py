@@ -442,8 +442,8 @@ def test_a_dead_drafter_served_for_a_weak_one_fails_where_a_fixed_tau_tolerance_
         check_parity({"dflash": row}, "report.json")
     assert failed.value.exit_code == EXIT_PARITY == 6
     last = str(failed.value).splitlines()[-1]
-    assert last == 'parity gate failed (paired test): read report.json (per prompt: its .md) and docs/eval.md "The ' \
-        'parity gate"'
+    assert last == 'parity gate failed (paired test): read report.json (per prompt: its .md) and ' \
+        'docs/parity-gate.md'
 
 
 def test_the_pipeline_s_last_line_names_the_rule_and_the_report_and_keeps_the_in_process_eval(tmp_path):
@@ -833,9 +833,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_engine_servers_take_a_free_port_when_eval_engine_port_is_taken(private_cache):
-    """Issue 67 item 7.11: two `eval --engine` at once. Before: the second's servers were started on the same
-    eval.engine_port and the eval stopped with exit 5 ("something already listens on 127.0.0.1:30100"). Now
-    eval.engine_port is the first choice while no other eval has claimed it (another process holds the claim
+    """Two `eval --engine` at once do not collide on eval.engine_port (which would stop the second with exit 5,
+    "something already listens on 127.0.0.1:30100"): eval.engine_port is the first choice while no other eval has claimed it (another process holds the claim
     while its engine loads, before anything listens) and nothing listens there; otherwise a free port."""
     import socket
 

@@ -195,9 +195,8 @@ def unloadable_target(source, root):
 
 def test_an_empty_prompts_file_and_a_draft_that_is_no_checkpoint_are_refused_before_any_model_loads(
         tiny_qwen3_target, tiny_qwen3_model, tmp_path, capsys):
-    """Issue 67 item 7.10. Before: `--prompts` with an empty file was refused after the target loaded and the
-    benchmark rows decoded (a minute); `--draft` at a directory that holds no drafter after the target loaded.
-    Now both are one line, exit 2, before any model loads (the target here cannot load: its error would show)."""
+    """`--prompts` with an empty file, and `--draft` at a directory that holds no drafter, are each one line,
+    exit 2, before any model loads or any benchmark row decodes (the target here cannot load: its error would show)."""
     profile = write_eval_profile(tmp_path, unloadable_target(tiny_qwen3_target, tmp_path), "num_prompts = 2")
     save_random_drafter(tmp_path / "run", tiny_qwen3_model, block_size=4)
     empty = tmp_path / "empty.jsonl"

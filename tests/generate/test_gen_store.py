@@ -173,8 +173,8 @@ def earlier_run(run_dir, done: list[str], failed: list[str]) -> None:
 
 
 def test_a_rerun_with_only_earlier_failures_left_sends_nothing_and_says_so(tmp_path):
-    """Issue 67 item 7.2, the part that needs no server: one prompt done, one failed in an earlier run. A rerun
-    without --retry-failed has nothing to send; before, it exited 0 saying "completed 0, failed 0". Now
+    """The part that needs no server: one prompt done, one failed in an earlier run. A rerun without
+    --retry-failed has nothing to send, which is not a success ("completed 0, failed 0", exit 0):
     NothingSent (exit 5) names the earlier failure and --retry-failed (no endpoint is tried: this one is dead);
     the pipeline goes on with the completion it has, as its first run did, and stops when there is none (no
     server starts: its target does not even exist)."""

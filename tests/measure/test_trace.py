@@ -200,7 +200,7 @@ def test_analytic_model_is_within_three_percent_of_the_trace_on_a_small_qwen35_w
     until the last micro-batch; layers kept gathered from forward to backward. Loss chunks of 128
     rows, so one sequence fills a chunk, as at the flagship's size. (Float32 compute under autocast
     with recomputed layers, a setting no profile uses, is over-estimated by 5-6 % at this shape:
-    docs/memory.md.)"""
+    docs/memory-trace.md.)"""
     config = fake.qwen36_27b_config(**SMALL)
     profile = small_profile(name=name)
     profile = dataclasses.replace(profile, train=dataclasses.replace(profile.train, loss_chunk_rows=128, **train))

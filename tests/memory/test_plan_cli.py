@@ -73,8 +73,8 @@ def test_flagship_plan_trains_1024_anchors_sharded_and_recomputed_and_says_what_
     weights a rank; from the second micro-batch of a step on, 825 MiB of gradient shards alive),
     gathered in bf16, each layer recomputed: 1,024 anchors per 8,192-token sequence at micro-batch 3, whose
     allocated peak (78,737 MiB) times the default reserve ratio (1.05: 82,674 reserved) fits the 87,022 MiB
-    budget; micro-batch 4 (86,050 allocated) fitted only while the plan left the allocator's reserve out.
-    Without the recomputation one sequence (84,349 allocated, 88,567 reserved) no longer fits, 2,048 anchors
+    budget; micro-batch 4 (86,050 allocated) would fit only with the allocator's reserve left out.
+    Without the recomputation one sequence (84,349 allocated, 88,567 reserved) does not fit, 2,048 anchors
     do not either; the recipe's 512 fit even in float32 compute."""
     node = f"{SNAPSHOTS}/rtx6000-x8-baseline.json"
     shipped = plan_json("--profile", "rtx6000-x8", "--snapshot", node)

@@ -251,12 +251,11 @@ def assert_ended_by_disk_full(run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_fs, tmp_path, tiny_qwen3_target):
-    """Issue 55 item 1, the run directory on a 3 MB filesystem: the first checkpoint (6.9 MB, written by
-    DCP's thread, train.async_save) cannot fit. The writer's ENOSPC reaches both ranks as DCP's
-    CheckpointException holding torch's zip writer's "unexpected pos 704 vs 598"; once the staging
-    directory was removed the disk had 2.9 MB free again, more than the 1 MiB the error was held against
-    without a checkpoint to measure, and the run ended exit 5 with that error and tracebacks. Judged
-    where the save fails, against what it writes, it is the full disk: exit 7 (EXIT_NODE), one line, nothing written.
+    """The run directory on a 3 MB filesystem: the first checkpoint (6.9 MB, written by DCP's thread,
+    train.async_save) cannot fit. The writer's ENOSPC reaches both ranks as DCP's CheckpointException holding
+    torch's zip writer's "unexpected pos 704 vs 598", and once the staging directory is removed the disk has
+    2.9 MB free again, more than a fixed 1 MiB floor would call full. Judged where the save fails, against
+    what it writes, it is the full disk: exit 7 (EXIT_NODE), one line, nothing written.
     `--skip-resource-checks` lets the run start: the launch's disk check would refuse it before any rank (the
     writer's own handling is what this holds)."""
     from tests.safety.runs import finish, start_train
@@ -277,9 +276,9 @@ def test_a_full_disk_at_the_first_save_is_named_with_what_the_save_needs(small_f
 def test_a_full_disk_at_the_last_save_keeps_the_previous_checkpoint(small_fs, tmp_path, tiny_qwen3_target):
     """The last save also writes model.safetensors (9.1 MB where step-2 took 6.9): on a 14.8 MB filesystem
     step-2 fits and the last save does not. Rank 0 meets the full disk writing the weights; rank 1, waiting
-    at the save's barrier, the closed connection (an echo, whose traceback stays off the terminal). Before,
-    the message said the save needed the 6.8 MB of step-2 with 8.2 MB free; now it names the last save's
-    own bytes. step-2 stays whole and `latest`; nothing of step-4 is left."""
+    at the save's barrier, the closed connection (an echo, whose traceback stays off the terminal). The
+    message names the last save's own bytes, not the 6.8 MB of step-2 (with 8.2 MB free, which would not
+    read as a full disk). step-2 stays whole and `latest`; nothing of step-4 is left."""
     from dflash.drafter.verify import verify_checkpoint
     from tests.safety.runs import finish, start_train
     from tests.train.conftest import write_dataset, write_profile

@@ -70,10 +70,9 @@ def test_inspect_and_the_loader_refuse_flipped_bytes_naming_the_backup(cli, data
 @pytest.mark.parametrize("damage", ["bytes_changed", "truncated"])
 def test_train_on_a_damaged_shard_is_exit_4_in_one_line_before_launch(cli, dataset, tmp_path, tiny_qwen3_target,
                                                                        private_cache, damage):
-    """Issue 67 item 7.5: a shard whose bytes changed (same size: only its sha256 tells) or that was cut short.
-    Before: torchrun started, rank 0 found it after start-up and the run ended with exit 5 and a rank
-    traceback. Now the launcher checks the shards as `inspect` does: exit 4, one line naming the shard, the
-    dataset not used, nothing of a run written."""
+    """A shard whose bytes changed (same size: only its sha256 tells) or that was cut short: the launcher
+    checks the shards as `inspect` does before torchrun starts: exit 4, one line naming the shard, the
+    dataset not used, nothing of a run written (no rank traceback, no exit 5)."""
     from tests.train.conftest import write_profile
 
     shard, run_dir = first_shard(dataset), tmp_path / "run"
@@ -186,7 +185,7 @@ def test_generate_and_eval_on_a_damaged_manifest_are_exit_2_naming_it(cli, tmp_p
                                                                      private_cache):
     """Row "a damaged manifest.json": wrong JSON types in a stage entry, or a file cut short, is exit 2
     naming the file and the key, for the commands that update it (generate, eval) as for status; the
-    file is left as it is. Before: a TypeError in launcher_core.manifest, exit 70."""
+    file is left as it is (no TypeError from launcher_core.manifest, no exit 70)."""
     from tests.generate.gen_helpers import write_profile, write_prompts
 
     entry, said = DAMAGED_MANIFESTS.get(damage, ("", "line 1: not valid JSON"))

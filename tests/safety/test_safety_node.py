@@ -1,6 +1,6 @@
-"""The node's faults are not the user's (issue 67 item 2): a read-only filesystem, a directory this user
+"""The node's faults are not the user's: a read-only filesystem, a directory this user
 may not write and the host out of memory are exit 7 (EXIT_NODE) with one line naming the path and what
-to do, from every command, never exit 70 with a crash report; the user's own mistakes that used to crash
+to do, from every command, never exit 70 with a crash report; the user's own mistakes that could crash
 (a file where paths.run_dir needs a directory, `latest` a directory, eval.engine_python missing, a
 profile not UTF-8 or a directory) are exit 2 naming the key or the file. The read-only filesystems are
 real mounts (a bind mount remounted read-only, a read-only tmpfs: they need root; skipped with the
@@ -98,7 +98,7 @@ COMMANDS = {   # command -> (argv under the tree, the path its line names, relat
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_a_read_only_filesystem_is_the_nodes_fault(read_only_tree, command, tmp_path):
     """Each command writing onto the read-only mount: exit 7, the path it could not write, what to do;
-    the tree is unchanged. Before: exit 70 and a crash report (EROFS on the lock or a staging path)."""
+    the tree is unchanged; no exit 70 and no crash report (EROFS on the lock or a staging path)."""
     argv, named = COMMANDS[command]
     ro = read_only_tree["ro"]
     before = tree_digest(ro)
@@ -189,7 +189,7 @@ def test_the_host_out_of_memory_is_the_nodes_fault_and_a_bisect_skip():
     assert known_error(PermissionError(errno.EPERM, "Operation not permitted")) is None    # os.kill's, no path
 
 
-# The user's own mistakes that used to end in exit 70 (the issue's probe rows): exit 2 naming the key or file.
+# The user's own mistakes that could end in exit 70: exit 2 naming the key or file.
 
 def test_a_run_dir_under_a_file_names_the_key(cli, tmp_path, tiny_qwen3_target):
     from tests.train.conftest import write_dataset, write_profile

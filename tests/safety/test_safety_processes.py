@@ -222,8 +222,8 @@ def test_the_cause_of_a_failed_run_is_named(tmp_path, records, agent, kind, rank
     ([{"rank": 0, "time": 1.0, "error": "step 2: the loss is nan", "kind": "loss_unusable"}], 4),
 ])
 def test_the_manifest_keeps_the_exit_code_of_the_command_not_torchruns(tmp_path, records, code):
-    """Issue 67 item 7.8: torchrun exits 1 whatever failed; the manifest's `exit_code` is the one the command
-    exits with (exit_code_for the error it raises). Before: 1 in every case."""
+    """torchrun exits 1 whatever failed; the manifest's `exit_code` is the one the command exits with
+    (exit_code_for the error it raises), not torchrun's 1."""
     from dflash.train.supervisor.failures import RunEnd
     from dflash.train.supervisor.launch import TrainPaths, _conclude
     from launcher_core.errors import exit_code_for
@@ -300,7 +300,7 @@ def test_status_says_a_running_stage_whose_launcher_is_gone_was_killed(cli, tmp_
 def test_status_names_the_last_checkpoint_and_the_resume_after_a_run_that_ended_early(cli, tmp_path):
     """A train stage the launcher recorded as failed (a rank killed, Ctrl-C) or stopped (SIGTERM: pending
     again): `status` names the last checkpoint and the `train --resume` that continues from it; before the
-    first checkpoint, the `train` that starts it again. Before: no hint at all."""
+    first checkpoint, the `train` that starts it again."""
     from launcher_core.manifest import update_stage
 
     checkpoints = tmp_path / "train" / "checkpoints"
@@ -331,9 +331,8 @@ def test_status_names_the_last_checkpoint_and_the_resume_after_a_run_that_ended_
 
 
 def test_every_command_that_writes_into_a_live_run_is_refused(cli, tmp_path, qwen3_tokenizer_dir, private_cache):
-    """Issue 67 item 7.9: a training holds the run directory's lock. Before: `tokenize --force` replaced its
-    dataset under it (and merge, export and eval wrote into it). Now tokenize (its profile's run directory,
-    or an output inside a run), merge into the run's dataset, export into the run and eval are refused,
+    """A training holds the run directory's lock, so nothing replaces its dataset or writes beside its
+    checkpoints: tokenize (its profile's run directory, even with --force, or an output inside a run), merge into the run's dataset, export into the run and eval are refused,
     exit 2 naming the holder, and the dataset is unchanged; a merge whose output is outside the run is not."""
     from tests.data.conftest import build_dataset
     from tests.safety.conftest import tree_digest, write_tokenize_profile

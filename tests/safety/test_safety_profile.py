@@ -26,7 +26,7 @@ CASES = [
     ("data", "max_length = -1", "data.max_length", "-1", "an integer >= 2 and <= 4194304"),
     ("data", "max_degenerate_share = 7.5", "data.max_degenerate_share", "7.5", "a finite number >= 0 and <= 1"),
     ("drafter", "target_layer_ids = [1, -3]", "drafter.target_layer_ids", "-3 in [1, -3]", "an integer >= 0 and <= 4096"),
-    # absurd sizes (issue 34): bounded by what the plan and the ranks can represent
+    # absurd sizes: bounded by what the plan and the ranks can represent
     ("train", "global_batch = 1000000000000", "train.global_batch", "1000000000000", "an integer >= 1 and <= 1048576"),
     ("drafter", "num_layers = 1000000000000", "drafter.num_layers", "1000000000000", "an integer >= 1 and <= 1024"),
     ("machine", "nproc_per_node = 100000000", "machine.nproc_per_node", "100000000", "an integer >= 1 and <= 1024"),

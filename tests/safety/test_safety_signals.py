@@ -159,12 +159,12 @@ def test_a_failing_rank_is_the_last_word_and_torchruns_report_goes_to_the_logs(t
 
 @pytest.mark.parametrize("to_group", [True, False], ids=["group", "launcher"])
 def test_a_second_ctrl_c_soon_after_the_first_stops_the_run_at_once(tmp_path, tiny_qwen3_target, to_group):
-    """Issue 67: two SIGINTs 0.3 s apart, to the whole process group (as a terminal sends them) or to the launcher
+    """Two SIGINTs 0.3 s apart, to the whole process group (as a terminal sends them) or to the launcher
     alone, while rank 0 is held 3 s inside step 3 (DFLASH_INJECT_STALL): the ranks are gone well before the hold
     ends and the launcher exits 130 with the forced message; the ranks never reach the stop's save (no stopped.json, no step-3) and
-    `latest` still names a whole checkpoint. Before: the agent was killed but its forked ranks lived on (they hold
-    the forkserver's pipe) until the launcher's straggler grace ended them 5 s later, time enough to finish a
-    shorter step and save at the stop (the probe's `stopped by SIGINT ... saved`)."""
+    `latest` still names a whole checkpoint. The launcher kills the forked ranks right after the agent: they hold
+    the forkserver's pipe, so they would outlive the agent, and the straggler grace (5 s) would leave them time to
+    finish a shorter step and save at the stop (`stopped by SIGINT ... saved`)."""
     import time
 
     run_dir = tmp_path / "run"

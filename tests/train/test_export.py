@@ -1,5 +1,5 @@
 """`launcher.py export` and the drafter directory formats: ours, the engines' (fields each engine
-reads, from its source: dflash.drafter.export.ENGINE_READS, listed in docs/train.md) and the
+reads, from its source: dflash.drafter.export.ENGINE_READS, listed in docs/checkpoints.md) and the
 published z-lab format that `--draft` also accepts."""
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ def test_our_training_config_already_carries_what_sglang_and_the_reference_read(
 
 
 def test_docs_list_the_same_fields_per_engine():
-    text = (REPO / "docs" / "train.md").read_text()
+    text = (REPO / "docs" / "checkpoints.md").read_text()
     for engine, reads in ENGINE_READS.items():
         row = next((line for line in text.splitlines() if line.startswith(f"| {engine} |")), None)
-        assert row is not None, f"docs/train.md has no row for {engine}"
+        assert row is not None, f"docs/checkpoints.md has no row for {engine}"
         listed = set(re.findall(r"`([\w.]+)`", row.split("|")[3]))
         assert listed == set(reads["required"]), (engine, listed ^ set(reads["required"]))
         sliding = set(re.findall(r"`([\w.]+)`", row.split("|")[5]))

@@ -210,7 +210,7 @@ def test_train_before_tokenize_is_exit_2_before_the_audit_naming_the_dataset_and
         cli, tmp_path, tiny_qwen3_target, private_cache, dataset_state):
     """`train` with no dataset at paths.dataset (tokenize never ran, or wrote elsewhere): exit 2 from the
     launcher naming the path and `launcher.py tokenize --profile P`, before the preflight audit, torchrun
-    or any model load. Before: the ranks found it after launch (exit 5, a traceback per rank)."""
+    or any model load (not the ranks after launch: no exit 5, no traceback per rank)."""
     from tests.train.conftest import write_profile
 
     dataset, run_dir = tmp_path / "data" / "dataset", tmp_path / "run"

@@ -1,6 +1,6 @@
-"""A step whose loss cannot train the drafter stops the run before its weights are saved (issue 55, item 3;
-dflash.train.rank.loss_check): a non-finite loss or gradient norm, or more steps without a supervised position
-in a row than train.max_skipped_steps (issue 67 item 4: fewer are skipped and counted), ends a real 2-rank
+"""A step whose loss cannot train the drafter stops the run before its weights are saved
+(dflash.train.rank.loss_check): a non-finite loss or gradient norm, or more steps without a supervised position
+in a row than train.max_skipped_steps (fewer are skipped and counted), ends a real 2-rank
 gloo run with exit 4 and one line naming the cause and the keys that decide it; the last good checkpoint
 stays `latest`. A profile whose data.max_length leaves every row of the dataset
 without a block is refused before any rank starts (exit 2, the key named; exit 4 when the data itself has none)."""
@@ -40,9 +40,9 @@ def error_lines(out: str) -> list[str]:
 def test_a_loss_that_turns_nan_stops_the_run_and_sends_the_user_to_start_over(tmp_path, tiny_qwen3_target):
     """train.lr = 1e30: step 1 trains (its checkpoint is written), its update throws the weights to ~1e30,
     and step 2's loss is NaN. Every rank stops after step 2, before its save: exit 4, one line naming train.lr;
-    step-1 stays `latest`. Issue 67: step-1's weights are wrecked (their RMS 9e30 x the run's initial), so the
-    line says no checkpoint can train and to start over. Before: "continue from step-1 with --resume", which
-    failed again at step 2 whatever train.lr was. Following the advice with a sane lr trains past step 2."""
+    step-1 stays `latest`. step-1's weights are wrecked (their RMS 9e30 x the run's initial), so the line says
+    no checkpoint can train and to start over, not to continue from step-1 with --resume (which fails again at
+    step 2 whatever train.lr is). Following the advice with a sane lr trains past step 2."""
     from dflash.drafter.checkpoint import read_weights
     from tests.safety.runs import finish, start_train
 
@@ -74,11 +74,11 @@ def test_a_loss_that_turns_nan_stops_the_run_and_sends_the_user_to_start_over(tm
 
 @pytest.mark.slow
 def test_the_nan_advice_names_the_newest_checkpoint_that_can_train_and_resume_takes_it(tmp_path, tiny_qwen3_target):
-    """Issue 67: 2 healthy steps at lr 1e-2; resumed at lr 1e30 (now applied: the checkpoint's lr used to stay),
+    """2 healthy steps at lr 1e-2; resumed at lr 1e30 (the profile's lr applies over the checkpoint's),
     step 3's update wrecks the weights step-3 holds and step 4 is NaN: exit 4 naming step-2, the newest checkpoint
     whose weights can train, and that --resume skips step-3. Following it at lr 1e-2, --resume skips step-3
-    (said), resumes step-2 and trains to step 5: exit 0. Before: the resume at 1e30 kept lr 1e-2 (no failure), and
-    a failure's advice named the newest checkpoint whatever its weights."""
+    (said), resumes step-2 and trains to step 5: exit 0. The advice judges each checkpoint's weights, not only its
+    age."""
     from tests.safety.runs import finish, start_train
 
     run_dir, data = tmp_path / "run", write_dataset(tmp_path / "data")
@@ -145,8 +145,8 @@ def late_answer_profile(tmp_path: Path, target: Path, **train: object) -> tuple[
 
 @pytest.mark.slow
 def test_steps_without_a_supervised_position_are_skipped_and_counted(tmp_path, tiny_qwen3_target):
-    """Issue 67 item 4: steps 2 and 3 have no supervised position (loss weight 0 on every rank). Before: the
-    first of them stopped the run, exit 4. Now both are skipped on every rank alike (no forward, no update:
+    """Steps 2 and 3 have no supervised position (loss weight 0 on every rank): fewer than
+    train.max_skipped_steps, so they do not stop the run; both are skipped on every rank alike (no forward, no update:
     their checkpoints hold step 1's weights, which AdamW's momentum would have moved), counted in
     metrics.jsonl, the manifest and the launcher's last line, and step 4 trains: exit 0."""
     from dflash.drafter.checkpoint import read_weights

@@ -127,9 +127,8 @@ def test_two_rank_loss_goes_down_and_everything_is_logged(trained):
 
 
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(trained, tmp_path, cli, private_cache):
-    """Issue 67 item 7.4. Before: `train --resume` on a finished run exited 0 without a word, rewrote its last
-    checkpoint's dcp/.metadata and set the manifest's last_loss to null. Now it says the run is finished and
-    writes nothing, whether the profile plans its steps by train.max_steps or by train.epochs over the data;
+    """`train --resume` on a finished run says the run is finished and writes nothing (its last checkpoint's
+    dcp/.metadata and the manifest's last_loss untouched), whether the profile plans its steps by train.max_steps or by train.epochs over the data;
     a profile that plans more steps resumes (the control, decided without a launch)."""
     from dflash.train.supervisor.resume import finished_run
     from tests.safety.conftest import tree_digest

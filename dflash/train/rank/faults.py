@@ -5,8 +5,8 @@ A rank reads DFLASH_INJECT_OOM, DFLASH_INJECT_STALL and DFLASH_FAIL_RANK once, a
 the injection listens to the step's phase marks (dflash.train.supervisor.heartbeat.RankProgress)
 and, for the points inside torch's own work, installs a hook at the start of the drafter's backward
 (`backward`) and an observer of FSDP2's reduce-scatter (`sync`). With none set nothing is installed
-(tests/train/test_plain_run.py counts the hooks). Forms and phases: docs/memory.md "Fault
-injection", docs/train.md "Stopping, resuming, failures".
+(tests/train/test_plain_run.py counts the hooks). Forms and phases: docs/oom-recovery.md "Fault
+injection", docs/processes.md "Fault injection".
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ a process group every collective here is the identity (FSDP2 still needs one: `s
 (`outside_forward`) and to the drafter itself, on a one-dimensional mesh of every rank. Gradients are
 summed, never averaged (divide factor 1, plain SUM), because the step's loss is already divided by
 its global weight. The frozen target is attached, not registered, so it stays replicated on every
-rank. Sharding, precision and memory: docs/memory.md.
+rank. Sharding, precision and memory: docs/sharding.md.
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def rank_start_args(profile: Profile) -> list[str]:
 
 def _rendezvous_args(profile: Profile, store: str) -> list[str]:
     machine = profile.machine
-    if machine.nnodes <= 1:  # the launcher's store, loopback only (docs/train.md, "Rendezvous")
+    if machine.nnodes <= 1:  # the launcher's store, loopback only (docs/train.md, "Rendezvous: loopback only")
         return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store,
                 "--rdzv-conf", "is_host=false", "--local-addr", LOOPBACK_HOST,
                 "--rdzv-id", f"dflash-{profile.name}"]

@@ -5,7 +5,7 @@ starts (ConfigError, exit 2), naming the profile file and the key to change.
 Reads the target's config.json and tokenizer files, never its weights. The rules that need no
 target (ranges, divisibility, heads) are the schema's (launcher_core.schema: each key's `valid`
 range and the `@cross_field_rule`s), checked when the profile loads; these are the ones that need
-the target (or the dataset), declared once in `LAUNCH_CHECKS` (name, keys, rule: docs/profile-keys.md
+the target (or the dataset), declared once in `LAUNCH_CHECKS` (name, keys, rule: docs/profile-rules.md
 is generated from it). Each is checked here only: the rank-side code that relies on it keeps at most
 an internal assert.
 
@@ -116,7 +116,7 @@ class _Launch:
 @dataclass(frozen=True)
 class LaunchCheck:
     """One launch-time rule: `run(launch)` appends its problems (and what it resolves); `keys` it involves,
-    the first the one it usually names; `description`: the rule, for docs/profile-keys.md."""
+    the first the one it usually names; `description`: the rule, for docs/profile-rules.md."""
 
     name: str
     keys: tuple[str, ...]
@@ -273,7 +273,7 @@ def _check_supervision(launch: _Launch) -> None:
                    f"tokenized at{at}, at least {found.earliest + 2}")
 
 
-# Every launch-time rule, in the order it is checked (docs/profile-keys.md, "Launch checks", is generated from it).
+# Every launch-time rule, in the order it is checked (docs/profile-rules.md, "Launch checks", is generated from it).
 LAUNCH_CHECKS: tuple[LaunchCheck, ...] = (
     LaunchCheck("loss_decay", ("train.decay_gamma", "drafter.block_size"),
                 "train.decay_gamma > 0 unless the block size has a default (8, 10, 16)", _check_decay),

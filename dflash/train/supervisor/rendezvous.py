@@ -43,7 +43,7 @@ def loopback_interface() -> str:
 
 
 def single_node_env(store_endpoint: str) -> dict[str, str]:
-    """What torchrun and its ranks need to stay on loopback (docs/train.md, "Rendezvous")."""
+    """What torchrun and its ranks need to stay on loopback (docs/train.md, "Rendezvous: loopback only")."""
     interface = loopback_interface()
     return {STORE_ENV: store_endpoint, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}

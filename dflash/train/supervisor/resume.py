@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 PARTIAL_SAVE = re.compile(r"^\.step-(?P<step>\d+)\.(?:.+\.tmp|(?P<old>old-\d+))$")
 STEP = re.compile(r"^step-(\d+)$")
 # A checkpoint whose trained weights' RMS is more than this many times the run's initial one cannot train
-# (measured on 2 gloo ranks, docs/train.md "A loss that cannot train"): runs that train stay within 1.1x
+# (measured on 2 gloo ranks, docs/failures.md "A loss that cannot train"): runs that train stay within 1.1x
 # (cpu-demo's 650 steps 1.01x; the tests' drafter at lr 1e-2 1.09x) and even lr 1.0 within 24x with the
 # loss still falling; lr 10 goes to 93-175x with the loss above its start, lr 1e3 to 9e3x (loss 263), lr 1e5
 # and up leave a dead drafter (the loss fixed at ln of the vocabulary), and one update at lr 1e30 9e30x.
