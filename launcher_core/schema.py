@@ -421,12 +421,20 @@ def cross_field_problems(profile: Profile) -> Problems:
 @cross_field_rule("train.global_batch", "machine.nproc_per_node", "machine.nnodes",
                   description="train.global_batch is divisible by the ranks (machine.nproc_per_node x machine.nnodes)")
 def global_batch_divides(profile: Profile) -> Problems:
-    machine, batch = profile.machine, profile.train.global_batch
-    world = machine.nproc_per_node * machine.nnodes
-    if batch % world == 0:
+    machine = profile.machine
+    problem = batch_split_problem(profile.train.global_batch, machine.nproc_per_node * machine.nnodes)
+    if problem is None:
         return []
-    return [("train.global_batch", f"{batch} is not divisible by the {world} ranks "
-             f"(machine.nproc_per_node {machine.nproc_per_node} x machine.nnodes {machine.nnodes})")]
+    return [("train.global_batch", f"{problem} (machine.nproc_per_node {machine.nproc_per_node} x machine.nnodes "
+             f"{machine.nnodes})")]
+
+
+def batch_split_problem(global_batch: int, world_size: int) -> Optional[str]:
+    """The rule global_batch_divides declares, on plain numbers (the launch plan checks its world size with it):
+    every rank runs the same number of sequences a step."""
+    if global_batch > 0 and global_batch % world_size == 0:
+        return None
+    return f"{global_batch} is not a positive multiple of the {world_size} ranks (every rank runs the same share)"
 
 
 @cross_field_rule("machine.nproc_per_node", "machine.gpu_count", "machine.device",
@@ -459,14 +467,25 @@ def loss_tokens_fit_length(profile: Profile) -> Problems:
              f"{data.max_length}: every sample would be degenerate")]
 
 
-@cross_field_rule("drafter.num_key_value_heads", "drafter.num_attention_heads",
-                  description="drafter.num_key_value_heads (when set) divides drafter.num_attention_heads")
-def kv_heads_divide_heads(profile: Profile) -> Problems:
+@cross_field_rule("drafter.num_key_value_heads", "drafter.num_attention_heads", "drafter.head_dim",
+                  description="drafter.num_key_value_heads divides drafter.num_attention_heads, and drafter.head_dim "
+                              "is even (RoPE rotates pairs): the keys set here, and the shape derived from the target "
+                              "for those left 0")
+def attention_shape_fits(profile: Profile) -> Problems:
     drafter = profile.drafter
-    if not drafter.num_key_value_heads or drafter.num_attention_heads % drafter.num_key_value_heads == 0:
-        return []
-    return [("drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide "
-             f"drafter.num_attention_heads {drafter.num_attention_heads}")]
+    return attention_shape_problems(drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim)
+
+
+def attention_shape_problems(heads: int, kv_heads: int, head_dim: int) -> Problems:
+    """The rule attention_shape_fits declares, on plain numbers (0: not set, derived from the target later;
+    dflash.drafter.shape checks the derived shape with it): whole query groups per KV head, an even head dim."""
+    problems: Problems = []
+    if heads and kv_heads and heads % kv_heads:
+        problems.append(("drafter.num_key_value_heads", f"{kv_heads} does not divide drafter.num_attention_heads "
+                                                        f"{heads}"))
+    if head_dim % 2:
+        problems.append(("drafter.head_dim", f"{head_dim} is odd; valid: an even number (RoPE rotates pairs)"))
+    return problems
 
 
 @cross_field_rule("train.stuck_floor_s", "train.collective_timeout_s",

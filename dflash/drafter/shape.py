@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from launcher_core.errors import ConfigError
+from launcher_core.schema import attention_shape_problems
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -97,12 +98,14 @@ def derive_shape(target_config: TargetConfig, wanted: DrafterShape = DrafterShap
 
 
 def check_shape(shape: DrafterShape) -> None:
-    """A usable attention shape: whole query groups per KV head, an even head dim."""
-    if shape.num_attention_heads % shape.num_key_value_heads:
-        raise ConfigError(f"drafter.num_attention_heads ({shape.num_attention_heads}) must be a multiple of "
-                          f"drafter.num_key_value_heads ({shape.num_key_value_heads})")
-    if shape.head_dim % 2:
-        raise ConfigError(f"drafter.head_dim must be even (RoPE rotates pairs), got {shape.head_dim}")
+    """A usable attention shape (the schema's rule, launcher_core.schema.attention_shape_problems, on the
+    shape as derived from the target): whole query groups per KV head, an even head dim."""
+    problems = attention_shape_problems(shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim)
+    if problems:
+        key, problem = problems[0]
+        raise ConfigError(f"{key}: {problem} (the drafter's shape as derived from the target: "
+                          f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, head dim "
+                          f"{shape.head_dim})")
 
 
 def profile_shape(drafter_section: DrafterSection) -> DrafterShape:

@@ -27,7 +27,7 @@ from dflash.memory.reserve import Reserve, plan_reserve
 from dflash.memory.target import TargetShape
 from dflash.memory.workload import world_size_of
 from launcher_core.errors import ConfigError
-from launcher_core.schema import Profile
+from launcher_core.schema import Profile, batch_split_problem
 
 if TYPE_CHECKING:
     from envcheck.snapshot import Snapshot
@@ -170,9 +170,11 @@ def baseline_index(baseline: Snapshot | None) -> dict[str, GpuView]:
 # --- batch arithmetic ---------------------------------------------------------------------
 
 def rank_share(global_batch: int, world_size: int) -> int:
-    if global_batch <= 0 or global_batch % world_size:
-        raise ConfigError(f"train.global_batch = {global_batch} must be a positive multiple of the "
-                          f"world size {world_size} so every rank runs the same number of steps")
+    """Sequences per rank per step (the schema's rule, launcher_core.schema.batch_split_problem, on the world
+    size the launch has)."""
+    problem = batch_split_problem(global_batch, world_size)
+    if problem is not None:
+        raise ConfigError(f"train.global_batch: {problem}")
     return global_batch // world_size
 
 

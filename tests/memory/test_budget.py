@@ -116,7 +116,7 @@ def test_batch_plan_keeps_the_global_batch_exact():
         assert len(plan.micro_batch_sizes) == plan.accum_steps
         assert max(plan.micro_batch_sizes) == plan.micro_batch
     assert budget.batch_plan(64, 8, 3).micro_batch_sizes == (3, 3, 2)
-    with pytest.raises(ConfigError, match="global_batch = 10 must be a positive multiple of the world size 4"):
+    with pytest.raises(ConfigError, match="train.global_batch: 10 is not a positive multiple of the 4 ranks"):
         budget.batch_plan(10, 4, 1)
 
 

@@ -70,10 +70,11 @@ def test_the_ranks_refuse_the_same_profile_from_json(tmp_path):
 
 
 @pytest.mark.parametrize("section, lines, key, problem", [
-    ("train", "global_batch = 5", "train.global_batch", "not divisible by the 2 ranks"),
+    ("train", "global_batch = 5", "train.global_batch", "not a positive multiple of the 2 ranks"),
     ("machine", "nnodes = 2", "machine.rdzv_endpoint", "machine.nnodes = 2 needs it"),
     ("data", "min_loss_tokens = 600", "data.min_loss_tokens", "not below data.max_length 512"),
     ("drafter", "num_attention_heads = 6\nnum_key_value_heads = 4", "drafter.num_key_value_heads", "does not divide"),
+    ("drafter", "head_dim = 63", "drafter.head_dim", "63 is odd; valid: an even number"),
     ("drafter", 'kind = "dflash2"', "drafter.draft_vocab_size", "need the target's whole vocabulary at the head"),
     ("drafter", 'kind = "dflash2"\ndraft_vocab_size = 0\nconv_kernel_size = 9', "drafter.conv_kernel_size",
      "9 taps exceed drafter.block_size 8"),

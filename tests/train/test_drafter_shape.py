@@ -29,8 +29,16 @@ def test_head_dim_is_capped_at_128_keeping_the_targets_query_and_kv_widths():
 def test_profile_values_override_the_derived_shape_and_are_checked():
     assert derive_shape(wide_target_config(), DrafterShape(32, 8, 128)) == DrafterShape(32, 8, 128, 1e7)
     assert derive_shape(wide_target_config(), DrafterShape(rope_theta=5e5)).rope_theta == 5e5
-    with pytest.raises(ConfigError, match="multiple of"):
+    with pytest.raises(ConfigError, match="drafter.num_key_value_heads: 4 does not divide drafter.num_attention_heads 10"):
         derive_shape(wide_target_config(), DrafterShape(num_attention_heads=10, num_key_value_heads=4))
+
+
+def test_a_derived_odd_head_dim_is_refused_by_the_schemas_rule():
+    """A head dim derived from the target (the profile left it 0) is held to the same rule as one set."""
+    config = wide_target_config()
+    config.head_dim = 63
+    with pytest.raises(ConfigError, match=r"drafter.head_dim: 63 is odd; valid: an even number .*as derived from the target"):
+        derive_shape(config)
 
 
 def test_a_config_json_mapping_gives_the_shape_of_the_config_object():
