@@ -146,7 +146,7 @@ def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
              "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
              "dflash.train.supervisor.launch": {"dflash.train.rank.worker", "dflash.train.supervisor.heartbeat"},
              "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.run"},
-             "dflash.data.tokenize": {"dflash.data.render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
+             "dflash.data.tokenize": {"dflash.data.chat_render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
     assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
                                   ("dflash.measure.trace", "dflash.eval.run", "sideways"),
                                   ("dflash.memory.calibration", "dflash.train.rank.setup", "up"),

@@ -1,7 +1,7 @@
 """Completions JSONL -> tokenized Arrow dataset (`launcher.py tokenize`).
 
 Each conversation is rendered with the target's chat template (a few renderings, see
-`dflash.data.render`), the full text is tokenized ONCE with offsets, and the loss mask is set
+`dflash.data.chat_render`), the full text is tokenized ONCE with offsets, and the loss mask is set
 from the character spans (`dflash.data.samples`). Work is split into chunks of lines
 (`dflash.data.sources` reads them) handled by worker processes; the results come back in input
 order, so the dataset is identical whatever the number of workers.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from dflash.data.records import Reject, RejectsFile
-from dflash.data.rendering import RenderingTally, chat_template_fingerprint
+from dflash.data.rendering_record import RenderingTally, chat_template_fingerprint
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from dflash.tokenizer import load_tokenizer, tokenizer_dir_for

@@ -141,7 +141,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     in those messages. `sglang_version`: the SGLang that will serve the export (sglang only); a
     drafter whose layers that release would run with other attention than trained is refused,
     naming the release and the layers. The checkpoint's record of its training data (training_data.json, the
-    rendering its data was written with: dflash.data.rendering) goes with it, else `training_data` where the caller
+    rendering its data was written with: dflash.data.rendering_record) goes with it, else `training_data` where the caller
     found one (an older checkpoint's run), so eval compares an exported drafter with the data it was trained on."""
     from safetensors.torch import save_file
 

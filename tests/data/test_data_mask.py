@@ -193,7 +193,7 @@ def test_parse_record_reasons():
 
 
 def test_direct_template_render_equals_apply_chat_template(qwen3_tokenizer):
-    from dflash.data.render import ChatRenderer
+    from dflash.data.chat_render import ChatRenderer
 
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     conversations = [
