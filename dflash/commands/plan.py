@@ -16,7 +16,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
     from dflash.memory.offline import OfflineStorage
-    from dflash.memory.plan import BatchPlan, Plan, RankPlan
+    from dflash.memory.budget import BatchPlan, Plan, RankPlan
     from envcheck.snapshot import Snapshot
     from launcher_core.schema import Profile
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
     from dflash.memory.target import describe_target
     from dflash.train.supervisor.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict

@@ -158,7 +158,7 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
     """Dataset + state through `build_state` (no OOM recovery: an OOM must surface), `rows`
     sequences per rank and step. `env`: this rank of a multi-rank calibration (joined to its
     process group), default one process."""
-    from dflash.memory.plan import world_size_of
+    from dflash.memory.budget import world_size_of
     from dflash.train.rank.parallel import WorkerEnv, barrier
     from dflash.train.rank.setup import build_state
 
@@ -184,7 +184,7 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
 def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
     """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (FSDP2's collectives run
     between them), else 1."""
-    from dflash.memory.plan import world_size_of
+    from dflash.memory.budget import world_size_of
 
     return 2 if world_size_of(profile) >= 2 and cuda_devices >= 2 else 1
 
@@ -193,7 +193,7 @@ def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
 
 def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` worst-case sequences each."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch
@@ -202,7 +202,7 @@ def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
 
 def varied_step_at(bench: CalibrationBench, micro_batch: int, shape: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` sequences of the `shape`-th shorter length."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch

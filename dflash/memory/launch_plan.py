@@ -27,7 +27,7 @@ from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from dflash.memory.calibration import Calibration
-    from dflash.memory.plan import Plan
+    from dflash.memory.budget import Plan
 
 PLAN_FILE = "plan.json"
 
@@ -150,7 +150,7 @@ def gpu_snapshot(nvml: NvmlFacts, gpus: list[GpuFacts]) -> Snapshot:
 
 def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Plan:
     """The plan of this node's ranks; PreflightFailed (exit 1) when a rank cannot hold one sequence."""
-    from dflash.memory.plan import does_not_fit, make_plan
+    from dflash.memory.budget import does_not_fit, make_plan
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
     plan = make_plan(profile, inputs.snapshot, baseline=inputs.baseline, calibration=inputs.calibration,

@@ -64,7 +64,7 @@ def capped_plan(reserved: Reserved):
     """The one-GPU plan whose budget holds micro-batch PLANNED at the measured ratio, not PLANNED + 1."""
     from test_drills_gpu import emulated_snapshot
 
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
 
     bench, calibration = reserved.bench, reserved.calibration
     probe = make_plan(bench.profile, emulated_snapshot(1e9), calibration=calibration, world_size=1,
