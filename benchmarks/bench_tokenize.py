@@ -82,7 +82,7 @@ def pin_to_one_core() -> str:
 
 
 def rendered_texts(tokenizer, corpus: Path, profile) -> list[str]:
-    from dflash.data.records import parse_record
+    from dflash.data.conversations import parse_record
     from dflash.data.chat_render import ChatRenderer
 
     renderer = ChatRenderer(tokenizer, profile.generate.thinking, profile.data.rewritten_turns)

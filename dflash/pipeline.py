@@ -19,7 +19,7 @@ from launcher_core.manifest import STAGES
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport
+    from dflash.eval.report_schema import EvalReport
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport, MethodFigures, SetBrief
+    from dflash.eval.report_schema import EvalReport, MethodFigures, SetBrief
     from launcher_core.schema import Profile
 
 
@@ -82,7 +82,7 @@ SIDE_BY_SIDE_METHODS = (("dflash", "DFlash"), ("prompt_lookup", "prompt lookup")
 def side_by_side(run_dir: Path, engine: str) -> list[str]:
     """The main prompt set's tau and speedup of each method in-process and served by `engine`
     (eval/engine-ENGINE.json, when the pipeline served it), and how each side's target alone ran."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:
@@ -126,7 +126,7 @@ def benchmark_rows(run_dir: Path, engine: str) -> list[str]:
 
 
 def _report_or_none(path: Path) -> Optional[EvalReport]:
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:
@@ -158,7 +158,7 @@ def _figures(methods: dict[str, MethodFigures], name: str, width: int = 14) -> s
 
 def _also_sets(run_dir) -> list[SetBrief]:
     """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:

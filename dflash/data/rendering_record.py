@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ThinkingMode = Literal["on", "off", "mixed"]
-# The `sampling` keys of a completion record (dflash.generate.records.SamplingParams) that shape the text.
+# The `sampling` keys of a completion record (dflash.generate.completions.SamplingParams) that shape the text.
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "thinking")
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from dflash.data.records import Reject, RejectsFile
+from dflash.data.conversations import Reject, RejectsFile
 from dflash.data.rendering_record import RenderingTally, chat_template_fingerprint
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
@@ -332,7 +332,7 @@ def rejects_cause(by_source: dict[tuple[str, str], int]) -> str:
     with the most rejects."""
     from collections import Counter
 
-    from dflash.data.records import REJECT_REASONS
+    from dflash.data.conversations import REJECT_REASONS
 
     per_file: Counter[str] = Counter()
     for (source, _), count in by_source.items():

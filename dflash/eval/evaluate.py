@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, bench_dir, bench_sample_count, benchmark_names, benchmark_prompts_file, eval_prompts_path, prompt_set_label
-from dflash.eval.records import TARGET, EvalReport, ReportContext, SetBrief
+from dflash.eval.report_schema import TARGET, EvalReport, ReportContext, SetBrief
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
 

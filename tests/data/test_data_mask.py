@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash.data.records import Reject, parse_record
+from dflash.data.conversations import Reject, parse_record
 from dflash.data.samples import SampleTokenizer, TokenizeSettings
 from tests.data.conftest import turn
 

@@ -618,7 +618,7 @@ def honest_standin(sharp_target, tiny_drafter, standin_decoders, tmp_path_factor
 
 @pytest.mark.slow
 def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(honest_standin):
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
 
     tmp_path, summary = honest_standin
     report, parity = summary.report, summary.report.parity
@@ -662,7 +662,7 @@ def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_
     """SGLang streams a chunk per verify step with the request's running spec counters: the per-step figures
     match the in-process ones; where the stream coalesced steps the gate compares whole prompts and says it
     cannot decide."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
 
     streamed = honest_standin[1].report.parity["dflash"]
     assert streamed.within_tolerance is True and streamed.prompts_same_acceptance == STANDIN_PROMPTS
@@ -715,7 +715,7 @@ def test_sglang_per_step_acceptance_comes_from_the_running_counters_of_single_st
 
 
 def test_the_pipeline_prints_the_served_speedup_beside_the_served_tau_and_the_in_process_figures():
-    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.eval.report_schema import EvalReport, MethodFigures
     from dflash.pipeline import served_line
 
     def report(tau: float, speedup: float, **extra) -> EvalReport:
@@ -791,7 +791,7 @@ def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_e
     decoded in-process, its own engine report and parity gate, and a row in the main engine report beside the
     default set."""
     from dflash.eval.evaluate import EvalOptions
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from dflash.eval.served import evaluate_with_engine
     from dflash.prompts.benchmarks import load_benchmark
 

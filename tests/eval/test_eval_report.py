@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.eval.records import (
+from dflash.eval.report_schema import (
     REPORT_VERSION,
     Departure,
     EvalReport,

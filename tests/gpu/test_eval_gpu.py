@@ -80,7 +80,7 @@ def greedy_report(target: Path, tokenizer_dir: Path, dtype: Any) -> dict[str, An
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.eval.records import ReportContext
+    from dflash.eval.report_schema import ReportContext
     from dflash.eval.report import build_report
     from dflash.eval.specdec import DecodeSettings
 

@@ -81,7 +81,7 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
     import dflash.eval.run
     import dflash.pipeline
     from dflash.eval.options import EvalSummary
-    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.eval.report_schema import EvalReport, MethodFigures
     from dflash.pipeline import PipelineContext, _eval, served_engine
     from launcher_core.errors import ParityFailed
 
