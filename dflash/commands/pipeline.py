@@ -136,7 +136,7 @@ def _report_or_none(path: Path) -> Optional[EvalReport]:
 
 
 def _benchmark_row(extra: SetBrief, side: str, name: str, title: str) -> str:
-    from dflash.eval.report import acceptance_cell
+    from dflash.eval.report_writer import acceptance_cell
 
     method = extra.methods[name]
     tau = "-" if method.mean_tau is None else f"{method.mean_tau:.3f}"

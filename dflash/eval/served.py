@@ -221,7 +221,7 @@ def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, t
 
 
 def render_engine_markdown(report: EvalReport) -> str:
-    from dflash.eval.report import mode_lines, row_name
+    from dflash.eval.report_writer import mode_lines, row_name
 
     context = report.context
     lines = [f"# Engine eval ({report.engine}): {context.profile or ''}", "",
@@ -237,7 +237,7 @@ def render_engine_markdown(report: EvalReport) -> str:
         speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
         lines.append(f"| {row_name(name, context)} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
     if report.also_sets:
-        from dflash.eval.report import acceptance_cell
+        from dflash.eval.report_writer import acceptance_cell
 
         lines += ["", "## Benchmarks (served, first turns)", "",
                   "| benchmark | prompts | method | engine tau | acceptance at positions 1..B-1 | speedup | "
@@ -285,7 +285,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
         stop_token_ids,
     )
     from dflash.eval.prompt_lookup import PromptLookupDrafter
-    from dflash.eval.report import build_report
+    from dflash.eval.report_writer import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)

@@ -756,7 +756,7 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
     controls: an in-process side that accepted a 4th draft on 4 steps departs from it either way round,
     and the summary shows a list one side left short as 0 there."""
     from dflash.eval.engines import engine_run, vllm_served_prompt
-    from dflash.eval.report import position_acceptance
+    from dflash.eval.report_writer import position_acceptance
     from dflash.eval.served import served_side
 
     taus = [2, 1, 1, 4, 1, 2, 1, 1, 3, 1]                          # per step: at most 3 drafts accepted

@@ -1,4 +1,5 @@
-"""The eval report: per-method and per-prompt figures as JSON, and the same as markdown tables.
+"""The eval report built from the runs: per-method and per-prompt figures, written as JSON and as markdown
+tables (the records and their JSON: dflash.eval.report_schema).
 
 Definitions (all methods decode the same prompts with the same block size B):
 * tau of a step = accepted draft tokens + 1 (the target's bonus token); mean tau = mean over all
