@@ -48,10 +48,10 @@ def live_snapshot(profile: Profile, cuda_probe: bool = False, run_dir: Path | No
 def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = None, *,
           use_saved_baseline: bool = True, ram_at_start: Optional[RamNeed] = None) -> list[Finding]:
     """Run every check. Without an explicit baseline, the profile's saved one for the snapshot's host.
-    The target's facts come from its config.json (envcheck.target), read here; `ram_at_start` is the
+    The target's facts come from its config.json (envcheck.target_architecture), read here; `ram_at_start` is the
     workload's host RAM at start (the caller's: the machine layer does not model the workload)."""
     from envcheck.baseline import load_baseline
-    from envcheck.target import read_target_architecture
+    from envcheck.target_architecture import read_target_architecture
 
     if baseline is None and use_saved_baseline:
         baseline = load_baseline(profile.name, snapshot.hostname or None)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.budget import make_plan
-    from dflash.memory.target import describe_target
+    from dflash.memory.target_shape import describe_target
     from dflash.train.supervisor.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
 from dflash.memory import model as memory
-from dflash.memory.target import SMOLLM2_135M, shape_from_config, target_shape
+from dflash.memory.target_shape import SMOLLM2_135M, shape_from_config, target_shape
 from dflash.models import QWEN36_27B_TEXT, hybrid_layer_types, local_model_dir
 from launcher_core.schema import Profile
 

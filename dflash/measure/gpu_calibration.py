@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from dflash.measure.peaks import measure_allocator_peaks, measure_step_peaks
 from dflash.memory import model as memory
 from dflash.memory.calibration import AllocatorPeaks, Calibration, fit_calibration, save_calibration
-from dflash.memory.target import target_shape
+from dflash.memory.target_shape import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.processes import free_port
 from launcher_core.schema import Profile
