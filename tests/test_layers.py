@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
                                                  # agent), and the records and variables the ranks report through
     ("dflash.train.rank",),                      # what runs inside each torchrun worker: never imported by the supervisor
     ("dflash.measure", "dflash.eval"),           # memory measured (trace, GPU calibration) by the rank's own step; evaluation
-    ("dflash.pipeline",),                        # all stages in one run dir
+    ("dflash.stages",),                          # the pipeline's stages, all in one run dir
     ("dflash.commands",),                        # the CLI's subcommands
 )
 # Packages whose subpackages are declared one by one: a module of an undeclared subpackage is an error.

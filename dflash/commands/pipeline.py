@@ -1,6 +1,6 @@
 """`launcher.py pipeline --profile P`: audit -> generate -> tokenize -> train -> eval in one run dir.
 
-Rerun it to resume: finished stages are skipped (see dflash.pipeline). At the end it prints the
+Rerun it to resume: finished stages are skipped (see dflash.stages). At the end it prints the
 drafter's tau and speedup next to prompt lookup's, then a table of both, in-process and served by
 `eval.serve_engine` side by side, and how each side's plain decoding (the speedup's baseline) ran,
 then one row per benchmark of `eval.benchmarks` and method (tau, speedup, lossless, acceptance per
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from dflash.pipeline import run_pipeline, with_run_dir
+    from dflash.stages import run_pipeline, with_run_dir
     from launcher_core.profile import expand_path
     from launcher_core.runlock import run_lock
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 def final_figures(profile: Profile, run_dir: str | None) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
-    from dflash.pipeline import with_run_dir
+    from dflash.stages import with_run_dir
     from launcher_core.manifest import read_manifest
     from launcher_core.profile import expand_path
 

@@ -447,7 +447,7 @@ def test_a_dead_drafter_served_for_a_weak_one_fails_where_a_fixed_tau_tolerance_
 
 
 def test_the_pipeline_s_last_line_names_the_rule_and_the_report_and_keeps_the_in_process_eval(tmp_path):
-    from dflash.pipeline import served_check_failed
+    from dflash.stages import served_check_failed
 
     ours = [prompt([1, 1, 1, 1], ties=[0]) for _ in range(10)]
     fewer = [prompt([1, 1, 0, 0, 0, 1]) for _ in range(10)]
@@ -716,7 +716,7 @@ def test_sglang_per_step_acceptance_comes_from_the_running_counters_of_single_st
 
 def test_the_pipeline_prints_the_served_speedup_beside_the_served_tau_and_the_in_process_figures():
     from dflash.eval.report_schema import EvalReport, MethodFigures
-    from dflash.pipeline import served_line
+    from dflash.stages import served_line
 
     def report(tau: float, speedup: float, **extra) -> EvalReport:
         methods = {"target": MethodFigures(1.0, 10.0, 1.0, None),

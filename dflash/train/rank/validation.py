@@ -15,7 +15,7 @@ drops (`rank_batches`). The sums are all-reduced into:
 The anchors are sampled once (as epoch 0 samples them), so every measurement sees the same blocks.
 Rank 0 writes `train/validation.json` (the held-out rows, every measurement, the best step by
 held-out tau and its checkpoint) and the run manifest's train entry names the best step, which the
-pipeline evaluates (dflash.pipeline).
+pipeline evaluates (dflash.stages).
 """
 from __future__ import annotations
 
