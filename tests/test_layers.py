@@ -142,14 +142,14 @@ def test_no_import_cycle():
 
 
 def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
-    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration": {"dflash.train.rank.setup", "dflash.drafter.shape"},
+    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration_record": {"dflash.train.rank.setup", "dflash.drafter.shape"},
              "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
              "dflash.train.supervisor.launch": {"dflash.train.rank.worker", "dflash.train.supervisor.heartbeat"},
              "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.run"},
              "dflash.data.tokenize": {"dflash.data.chat_render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
     assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
                                   ("dflash.measure.trace", "dflash.eval.run", "sideways"),
-                                  ("dflash.memory.calibration", "dflash.train.rank.setup", "up"),
+                                  ("dflash.memory.calibration_record", "dflash.train.rank.setup", "up"),
                                   ("dflash.train.rank.step", "dflash.eval.run", "up"),
                                   ("dflash.train.supervisor.launch", "dflash.train.rank.worker", "up"),
                                   ("launcher_core.a", "dflash.data.b", "up")]

@@ -6,7 +6,7 @@ trainer's own (`dflash.train.rank.setup.build_state`, `run_step`), so what is me
 training runs. After warm-up steps at each size (flex compiles per size; AdamW's states exist after
 a first update) it measures the allocated peak of one step of two micro-batches
 (`MICRO_BATCHES_PER_STEP`: the accumulated gradients are in it) at micro-batch 1 and 2 and fits the
-line (dflash.memory.calibration). The reserve ratio comes from steps of differently shaped
+line (dflash.memory.calibration_record). The reserve ratio comes from steps of differently shaped
 micro-batches without emptying the cache (`measure_reserve`), under the profile's allocator setting.
 
 A profile of 2 or more ranks is calibrated on 2 ranks where this node has 2 GPUs, so FSDP2's
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.measure.peaks import measure_allocator_peaks, measure_step_peaks
 from dflash.memory import model as memory
-from dflash.memory.calibration import AllocatorPeaks, Calibration, fit_calibration, save_calibration
+from dflash.memory.calibration_record import AllocatorPeaks, Calibration, fit_calibration, save_calibration
 from dflash.memory.target_shape import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.processes import free_port

@@ -25,7 +25,7 @@ from dflash.memory.attention_masks import MIB
 from dflash.memory.workload import LOGITS_CHUNK_TOKENS, Workload, workload_from_profile
 
 if TYPE_CHECKING:
-    from dflash.memory.calibration import Calibration
+    from dflash.memory.calibration_record import Calibration
 
 __all__ = ["LOGITS_CHUNK_TOKENS", "MIB", "MemoryEstimate", "PeakLine", "PeakModel", "Workload", "estimate",
            "estimated_peak_model", "peak_model", "workload_from_profile"]

@@ -1,7 +1,7 @@
 """What one training step processes in its worst case, and how the drafter is sharded over the
 ranks: the one definition the memory model (`dflash.memory.model`), the activations
 (`dflash.memory.activations`), the masks (`dflash.memory.attention_masks`) and a calibration's key
-(`dflash.memory.calibration`) all read. No torch import: `plan` runs in the launcher process.
+(`dflash.memory.calibration_record`) all read. No torch import: `plan` runs in the launcher process.
 """
 from __future__ import annotations
 

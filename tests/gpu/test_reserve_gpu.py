@@ -34,7 +34,7 @@ class Reserved:
 @pytest.fixture(scope="module")
 def reserved(workload_profile, scratch, record) -> Reserved:
     from dflash.measure.gpu_calibration import CALIBRATION_MICRO_BATCHES, MICRO_BATCHES_PER_STEP, apply_allocator_setting, measure_reserve, measure_steps, warm_up, worst_case_bench
-    from dflash.memory.calibration import fit_calibration
+    from dflash.memory.calibration_record import fit_calibration
 
     allocator = apply_allocator_setting(workload_profile)          # before this process allocates CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "reserve", rows=MICRO_BATCHES_PER_STEP * (PLANNED + 1))

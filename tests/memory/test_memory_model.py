@@ -9,7 +9,7 @@ import pytest
 
 from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory import model as memory
-from dflash.memory.calibration import fit_calibration, load_calibration, save_calibration
+from dflash.memory.calibration_record import fit_calibration, load_calibration, save_calibration
 from dflash.memory.offline import offline_storage
 from dflash.memory.target_shape import QWEN36_27B_LIKE, shape_from_config, shape_from_directory, target_shape
 from launcher_core.errors import InputError

@@ -10,7 +10,7 @@ import pytest
 from test_budget import calibration_giving, snapshot, write_profile
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import (
+from dflash.memory.calibration_record import (
     AllocatorPeaks,
     calibration_as_dict,
     calibration_from_dict,
