@@ -26,8 +26,8 @@ from launcher_core.fileio import read_json_object, write_json_atomic
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.memory.calibration_record import Calibration
     from dflash.memory.budget import Plan
+    from dflash.memory.calibration_record import Calibration
 
 PLAN_FILE = "plan.json"
 

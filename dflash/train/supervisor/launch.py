@@ -39,8 +39,8 @@ from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
     from dflash.data.rendering_record import TrainingDataRecord
-    from dflash.memory.launch_plan import PlanInputs
     from dflash.memory.budget import Plan
+    from dflash.memory.launch_plan import PlanInputs
     from dflash.train.supervisor.heartbeat import Stall
     from dflash.train.supervisor.watchdog import Stuck, StuckBound
 
