@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.data.validation_split import split_rows
 from dflash.drafter.loss import counted_tau, leading_accepted, simulated_tau
-from dflash.train.rank.data import split_rows
 from dflash.train.rank.validation import rank_batches
 
 
