@@ -148,7 +148,8 @@ def config_document(config: PretrainedConfig) -> dict[str, Any]:
     (`layers.config_layer_keys`: `layer_types`, `sliding_window`, `use_sliding_window`, and
     `is_causal` only where the config sets it). Loaders that read `rope_theta` (SGLang, transformers 4.x, MLX) otherwise
     fall back to their own default base and run the drafter with a RoPE it was not trained with."""
-    from dflash.drafter.layers import SLIDING, config_layer_keys
+    from dflash.drafter.layers import config_layer_keys
+    from launcher_core.layer_attention import SLIDING
 
     document = json.loads(config.to_json_string(use_diff=False))
     rope = dict(document.get("rope_parameters") or {})

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from dflash.drafter.attention import Attend, Backend, BlockLayout
-    from dflash.drafter.layers import LayerAttention
     from dflash.drafter.model import DFlashDrafter
+    from launcher_core.layer_attention import LayerAttention
 
 MIB = memory.MIB
 # FSDPMemTracker's reference types (torch.distributed._tools.fsdp2_mem_tracker), and "Target" for the

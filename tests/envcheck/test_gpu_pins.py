@@ -13,9 +13,10 @@ from packaging.requirements import Requirement
 from envcheck.bisect.metadata import read_cache
 from envcheck.bisect.reqsets import load_requirement_set
 from envcheck.checks import CheckInput, check_sglang_serves_the_drafter
-from envcheck.engines import DraftLayers, sglang_problems
+from envcheck.engines import sglang_problems
 from envcheck.packages import normalize
 from envcheck.snapshot import load_snapshot
+from launcher_core.layer_attention import DraftLayers
 from launcher_core.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
