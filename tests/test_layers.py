@@ -141,6 +141,22 @@ def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+# What a rank may import of the supervisor: the records it writes for it and the variables it reads from it.
+# Anything else a rank needs (the tokenizer's mask id, the validation split) lives below both.
+SUPERVISOR_FOR_THE_RANK = {f"dflash.train.supervisor.{name}" for name in
+                           ("heartbeat", "progress", "failures", "oom_records", "rendezvous", "agent")}
+
+
+def supervisor_imports_of_the_rank(graph: dict[str, set[str]]) -> set[str]:
+    return {target for module, targets in graph.items() if in_package(module, "dflash.train.rank")
+            for target in targets if in_package(target, "dflash.train.supervisor")}
+
+
+def test_the_rank_imports_of_the_supervisor_only_the_records_and_variables_it_reports_through():
+    assert supervisor_imports_of_the_rank(import_graph()) - SUPERVISOR_FOR_THE_RANK == set()
+    assert supervisor_imports_of_the_rank({"dflash.train.rank.setup": {"dflash.train.supervisor.launch_checks"}}) == {
+        "dflash.train.supervisor.launch_checks"}
+
 def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
     graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration_record": {"dflash.train.rank.setup", "dflash.drafter.shape"},
              "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
