@@ -23,6 +23,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from envcheck.bisect.bisect_report import build_report  # noqa: E402
 from envcheck.bisect.demo import (  # noqa: E402
     COUPLED_CHANGED,
     COUPLED_IMPORTED,
@@ -32,7 +33,6 @@ from envcheck.bisect.demo import (  # noqa: E402
     build_wheel,
     demo_probe,
 )
-from envcheck.bisect.report import build_report  # noqa: E402
 from envcheck.bisect.runner import BisectConfig, run_bisect  # noqa: E402
 from envcheck.bisect.search import next_candidate, probe_bound  # noqa: E402
 from envcheck.bisect.venvs import InstallerOptions, build_candidate  # noqa: E402

@@ -81,9 +81,9 @@ def main() -> int:
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash.drafter.attention import block_mask
-    from dflash.drafter.layers import LayerAttention
     from dflash.measure.peaks import measure_cpu_transient
     from dflash.memory.attention_masks import MIB, block_mask_build_bytes, block_mask_bytes, dense_mask_bytes
+    from launcher_core.layer_attention import LayerAttention
 
     compiled = torch.compile(create_block_mask) if args.compiled else None
     rules = {"sliding 2048 causal": LayerAttention(window=2048, causal=True), "full": LayerAttention()}

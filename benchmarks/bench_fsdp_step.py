@@ -64,7 +64,7 @@ def rank_main(rank: int, port: int, profile_path: str, out: str, steps: int) -> 
     import torch.distributed
 
     from dflash.measure import fake
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.parallel import WorkerEnv, close_process_group
     from dflash.train.rank.setup import build_state
     from dflash.train.rank.step import run_step

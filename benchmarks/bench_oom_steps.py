@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash.memory import plan as budget  # noqa: E402
-from dflash.memory.calibration import Calibration, load_calibration  # noqa: E402
+from dflash.memory import budget  # noqa: E402
+from dflash.memory.calibration_record import Calibration, load_calibration  # noqa: E402
 from envcheck.snapshot import Snapshot, load_snapshot  # noqa: E402
 from launcher_core.fileio import read_json  # noqa: E402
 from launcher_core.profile import load_profile  # noqa: E402

@@ -76,7 +76,7 @@ CONFIDENCE = 0.95     # the per-prompt false-departure rate's upper bound is tak
 
 def collect(args: argparse.Namespace) -> Path:
     """Every piece into `work` (kept between runs: a rerun decodes only what is missing), then the bundle."""
-    from dflash.pipeline import eval_checkpoint, with_run_dir
+    from dflash.stages import eval_checkpoint, with_run_dir
     from launcher_core.profile import load_profile
 
     run_dir = Path(args.run_dir).resolve()

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dflash.eval.records import MethodFigures, read_report  # noqa: E402  (after the path insert)
+from dflash.eval.report_schema import MethodFigures, read_report  # noqa: E402  (after the path insert)
 from launcher_core.manifest import STAGES  # noqa: E402
 
 TARGET_TOTAL_S = 25 * 60

@@ -63,8 +63,8 @@ def measured(scratch: Path, profile: Path, order: str, ranks: int) -> tuple[list
 
 
 def main() -> None:
+    from dflash.memory.budget import make_plan
     from dflash.memory.host_ram import host_ram_at_start
-    from dflash.memory.plan import make_plan
     from launcher_core.profile import load_profile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

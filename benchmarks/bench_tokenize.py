@@ -82,8 +82,8 @@ def pin_to_one_core() -> str:
 
 
 def rendered_texts(tokenizer, corpus: Path, profile) -> list[str]:
-    from dflash.data.records import parse_record
-    from dflash.data.render import ChatRenderer
+    from dflash.data.chat_render import ChatRenderer
+    from dflash.data.conversations import parse_record
 
     renderer = ChatRenderer(tokenizer, profile.generate.thinking, profile.data.rewritten_turns)
     lines = corpus.read_text(encoding="utf-8").splitlines()

@@ -143,7 +143,7 @@ def training_throughput(tokens: int, steps: int, anchors: int, threads: int) -> 
     from transformers import AutoTokenizer
 
     from dflash.data.dataset_io import save_token_rows
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.models import smollm2_dir
     from dflash.train.rank.parallel import WorkerEnv
     from dflash.train.rank.setup import build_state

@@ -3,11 +3,14 @@
 `tokenizer_dir_for(profile)`: `model.tokenizer` if set, else the target model's directory.
 `load_tokenizer(directory)`: its fast tokenizer with a chat template, from local files only, loaded
 once per process and directory state; a directory without one is a ConfigError that says what to set.
+`tokenizer_mask_token_id(directory)`: its mask token's id, read from its files without loading it (the
+launch checks and each rank resolve drafter.mask_token_id with it when the profile leaves it unset).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from launcher_core.errors import ConfigError
 
@@ -53,3 +56,37 @@ def _load_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ConfigError(f"the tokenizer in {directory} is not a fast tokenizer (no tokenizer.json)")
     return tokenizer
+
+
+def tokenizer_mask_token_id(directory: Path) -> Optional[int]:
+    """The tokenizer's mask token id from its files (tokenizer_config.json / special_tokens_map.json
+    name it; tokenizer.json or added_tokens_decoder give its id); None when it has none."""
+    config = _read_json(directory / "tokenizer_config.json")
+    content = _token_content(config.get("mask_token")) or _token_content(
+        _read_json(directory / "special_tokens_map.json").get("mask_token"))
+    if not content:
+        return None
+    for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
+        if _token_content(entry) == content:
+            return int(token_id)
+    tokenizer = _read_json(directory / "tokenizer.json")
+    for entry in tokenizer.get("added_tokens") or []:
+        if entry.get("content") == content:
+            return int(entry["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return int(vocab[content]) if isinstance(vocab, dict) and content in vocab else None
+
+
+def _token_content(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content") or "")
+    return value if isinstance(value, str) else ""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A tokenizer file's JSON object; {} when it is missing, unreadable or not an object."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from envcheck.engine_venvs import ENGINE_SPECS
-from envcheck.engines import profile_draft_layers, sglang_drafter_problems
+from envcheck.engines import sglang_drafter_problems
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import EngineVenvFacts, GpuFacts, Snapshot
-from envcheck.target import TargetArchitecture
+from envcheck.target_architecture import TargetArchitecture
+from launcher_core.layer_attention import profile_draft_layers
 from launcher_core.schema import Profile
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]

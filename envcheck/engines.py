@@ -2,7 +2,7 @@
 which SGLang has DFLASH at all, and the attention (window, causal) it gives each draft layer of a
 config. The audit (check engine.sglang), `export --for sglang` and `eval --engine sglang` ask it.
 
-A drafter is trained with the reference's rule (dflash.drafter.layers). SGLang's
+A drafter is trained with the reference's rule (launcher_core.layer_attention). SGLang's
 (`python/sglang/srt/models/dflash.py` of each wheel) changed across releases, one constant below
 per change: 0.5.11-0.5.13 run every layer ENCODER_ONLY (bidirectional) without a window and read no
 layer key; from 0.5.14 a sliding layer is DECODER (causal) with window_left = sliding_window - 1;
@@ -12,13 +12,10 @@ without `layer_types` all ENCODER_ONLY without a window. Summary: docs/drafter.m
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional
 
+from launcher_core.layer_attention import SLIDING, DraftLayers, LayerAttention, config_draft_layers, profile_draft_layers, reference_rules
 from launcher_core.schema import DrafterSection
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
 
 SGLANG_FIRST_DFLASH = (0, 5, 11)        # the DFLASH speculative algorithm
 SGLANG_SLIDING = (0, 5, 14)             # sliding layers causal with their window (before: all bidirectional)
@@ -27,57 +24,21 @@ SGLANG_IS_CAUSAL = (0, 5, 18)           # is_causal honoured for both kinds
 SGLANG_DFLASH2 = (0, 5, 19)             # DFlash2DraftModel (the candidate selector)
 
 
-@dataclass(frozen=True)
-class LayerRule:
-    """One draft layer's visibility beyond the block layout: a window (None: unbounded), causal or not."""
-
-    window: Optional[int] = None
-    causal: bool = False
-
-    def describe(self) -> str:
-        window = f"window {self.window}" if self.window is not None else "no window"
-        return f"{'causal' if self.causal else 'bidirectional'}, {window}"
-
-
-@dataclass(frozen=True)
-class DraftLayers:
-    """The config.json keys that decide a drafter's attention."""
-
-    num_layers: int
-    layer_types: Optional[Sequence[str]] = None     # None: the key is absent (every layer full attention)
-    sliding_window: Optional[int] = None
-    is_causal: Optional[bool] = None
-
-    def kinds(self) -> list[str]:
-        return list(self.layer_types) if self.layer_types is not None else [FULL] * self.num_layers
-
-
-def reference_rules(layers: DraftLayers) -> list[LayerRule]:
-    """The attention the drafter is trained with (the reference's rule; module doc)."""
-    rules = []
-    for kind in layers.kinds():
-        sliding = kind == SLIDING
-        causal = sliding if layers.is_causal is None else bool(layers.is_causal)
-        window = int(layers.sliding_window) if sliding and layers.sliding_window else None
-        rules.append(LayerRule(window=window, causal=causal))
-    return rules
-
-
-def sglang_rules(version: tuple[int, ...], layers: DraftLayers) -> Optional[list[LayerRule]]:
+def sglang_rules(version: tuple[int, ...], layers: DraftLayers) -> Optional[list[LayerAttention]]:
     """The attention SGLang `version` gives each layer (None: that release has no DFLASH)."""
     if version < SGLANG_FIRST_DFLASH:
         return None
     if version < SGLANG_SLIDING or layers.layer_types is None:
-        return [LayerRule(window=None, causal=False)] * layers.num_layers
+        return [LayerAttention(window=None, causal=False)] * layers.num_layers
     explicit = layers.is_causal
     rules = []
     for kind in layers.layer_types:
         if kind == SLIDING:
             causal = True if version < SGLANG_IS_CAUSAL or explicit is None else bool(explicit)
             window = int(layers.sliding_window) if layers.sliding_window else None
-            rules.append(LayerRule(window=window, causal=causal))
+            rules.append(LayerAttention(window=window, causal=causal))
         else:
-            rules.append(LayerRule(window=None, causal=bool(explicit) if version >= SGLANG_FULL_IS_CAUSAL else False))
+            rules.append(LayerAttention(window=None, causal=bool(explicit) if version >= SGLANG_FULL_IS_CAUSAL else False))
     return rules
 
 
@@ -98,17 +59,22 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(numbers + [0] * (3 - len(numbers)))
 
 
-def profile_draft_layers(drafter: DrafterSection) -> DraftLayers:
-    """The attention keys a profile's drafter is trained with (its config.json writes the same)."""
-    return DraftLayers(num_layers=drafter.num_layers, layer_types=list(drafter.layer_types) or None,
-                       sliding_window=drafter.sliding_window or None)
-
-
 def sglang_drafter_problems(version: str, drafter: DrafterSection) -> list[str]:
-    """What SGLang `version` would serve otherwise than a profile's drafter is trained ([]: nothing): its
-    layers' attention, and a DFlash 2 drafter before the release that knows DFlash2DraftModel."""
-    problems = sglang_problems(release(version), profile_draft_layers(drafter))
-    if drafter.kind == "dflash2" and release(version) < SGLANG_DFLASH2:
+    """What SGLang `version` would serve otherwise than a profile's drafter is trained ([]: nothing)."""
+    return _serving_problems(release(version), profile_draft_layers(drafter), drafter.kind == "dflash2")
+
+
+def sglang_config_problems(version: str, config: Mapping[str, Any]) -> list[str]:
+    """What SGLang `version` would serve otherwise than the drafter of `config` (its parsed config.json) is
+    trained ([]: nothing)."""
+    dflash2 = "DFlash2DraftModel" in (config.get("architectures") or [])
+    return _serving_problems(release(version), config_draft_layers(config), dflash2)
+
+
+def _serving_problems(version: tuple[int, ...], layers: DraftLayers, dflash2: bool) -> list[str]:
+    """The layers' attention, and a DFlash 2 drafter before the release that knows DFlash2DraftModel."""
+    problems = sglang_problems(version, layers)
+    if dflash2 and version < SGLANG_DFLASH2:
         problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
                         f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
     return problems

@@ -48,10 +48,10 @@ def live_snapshot(profile: Profile, cuda_probe: bool = False, run_dir: Path | No
 def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = None, *,
           use_saved_baseline: bool = True, ram_at_start: Optional[RamNeed] = None) -> list[Finding]:
     """Run every check. Without an explicit baseline, the profile's saved one for the snapshot's host.
-    The target's facts come from its config.json (envcheck.target), read here; `ram_at_start` is the
+    The target's facts come from its config.json (envcheck.target_architecture), read here; `ram_at_start` is the
     workload's host RAM at start (the caller's: the machine layer does not model the workload)."""
     from envcheck.baseline import load_baseline
-    from envcheck.target import read_target_architecture
+    from envcheck.target_architecture import read_target_architecture
 
     if baseline is None and use_saved_baseline:
         baseline = load_baseline(profile.name, snapshot.hostname or None)
@@ -64,11 +64,11 @@ def audit(profile: Profile, snapshot: Snapshot, baseline: Optional[Snapshot] = N
 def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None = None,
                   snapshot: Snapshot | None = None, ram_at_start: Optional[RamNeed] = None) -> list[Finding]:
     """Audit before a run: print the findings, record them, raise PreflightFailed on a FAIL unless forced."""
-    from envcheck import report
+    from envcheck import findings_format
 
     snapshot = snapshot if snapshot is not None else live_snapshot(profile, run_dir=run_dir)
     findings = audit(profile, snapshot, ram_at_start=ram_at_start)
-    print(scrub(report.format_table(findings, title=f"preflight audit ({profile.name})")), file=sys.stderr)
+    print(scrub(findings_format.format_table(findings, title=f"preflight audit ({profile.name})")), file=sys.stderr)
     if run_dir is not None:
         _record(Path(run_dir), profile, findings, force)
     failed = [f for f in findings if f.status == "FAIL"]
@@ -80,11 +80,11 @@ def run_preflight(profile: Profile, *, force: bool = False, run_dir: Path | None
 
 
 def _record(run_dir: Path, profile: Profile, findings: list[Finding], force: bool) -> None:
-    from envcheck import report
+    from envcheck import findings_format
     from launcher_core.fileio import write_json_atomic
     from launcher_core.manifest import StageState, update_stage
 
-    document = report.findings_document(findings, profile=profile.name, forced=force)
+    document = findings_format.findings_document(findings, profile=profile.name, forced=force)
     write_json_atomic(run_dir / "audit" / "findings.json", scrub_document(document))
     failed = document["counts"]["FAIL"]
     state: StageState = "failed" if failed and not force else "done"

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
                                                  # agent), and the records and variables the ranks report through
     ("dflash.train.rank",),                      # what runs inside each torchrun worker: never imported by the supervisor
     ("dflash.measure", "dflash.eval"),           # memory measured (trace, GPU calibration) by the rank's own step; evaluation
-    ("dflash.pipeline",),                        # all stages in one run dir
+    ("dflash.stages",),                          # the pipeline's stages, all in one run dir
     ("dflash.commands",),                        # the CLI's subcommands
 )
 # Packages whose subpackages are declared one by one: a module of an undeclared subpackage is an error.
@@ -141,15 +141,31 @@ def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+# What a rank may import of the supervisor: the records it writes for it and the variables it reads from it.
+# Anything else a rank needs (the tokenizer's mask id, the validation split) lives below both.
+SUPERVISOR_FOR_THE_RANK = {f"dflash.train.supervisor.{name}" for name in
+                           ("heartbeat", "progress", "failures", "oom_records", "rendezvous", "agent")}
+
+
+def supervisor_imports_of_the_rank(graph: dict[str, set[str]]) -> set[str]:
+    return {target for module, targets in graph.items() if in_package(module, "dflash.train.rank")
+            for target in targets if in_package(target, "dflash.train.supervisor")}
+
+
+def test_the_rank_imports_of_the_supervisor_only_the_records_and_variables_it_reports_through():
+    assert supervisor_imports_of_the_rank(import_graph()) - SUPERVISOR_FOR_THE_RANK == set()
+    assert supervisor_imports_of_the_rank({"dflash.train.rank.setup": {"dflash.train.supervisor.launch_checks"}}) == {
+        "dflash.train.supervisor.launch_checks"}
+
 def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
-    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration": {"dflash.train.rank.setup", "dflash.drafter.shape"},
+    graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration_record": {"dflash.train.rank.setup", "dflash.drafter.shape"},
              "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
              "dflash.train.supervisor.launch": {"dflash.train.rank.worker", "dflash.train.supervisor.heartbeat"},
              "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.run"},
-             "dflash.data.tokenize": {"dflash.data.render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
+             "dflash.data.tokenize": {"dflash.data.chat_render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
     assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
                                   ("dflash.measure.trace", "dflash.eval.run", "sideways"),
-                                  ("dflash.memory.calibration", "dflash.train.rank.setup", "up"),
+                                  ("dflash.memory.calibration_record", "dflash.train.rank.setup", "up"),
                                   ("dflash.train.rank.step", "dflash.eval.run", "up"),
                                   ("dflash.train.supervisor.launch", "dflash.train.rank.worker", "up"),
                                   ("launcher_core.a", "dflash.data.b", "up")]

@@ -88,7 +88,7 @@ def default_baseline(profile: Profile) -> Path:
 
 def result_document(run_result, baseline: Path) -> dict:
     from dflash.measure.gpu_calibration import iter_prediction_rows
-    from dflash.memory.calibration import calibration_as_dict
+    from dflash.memory.calibration_record import calibration_as_dict
 
     return {"baseline": str(baseline), "calibration": calibration_as_dict(run_result.calibration),
             "peaks_mib": {str(m): round(p, 1) for m, p in run_result.peaks_mib.items()},

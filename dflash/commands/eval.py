@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport
+    from dflash.eval.report_schema import EvalReport
     from launcher_core.schema import Profile
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from dflash.data.rendering import TrainingDataRecord
+    from dflash.data.rendering_record import TrainingDataRecord
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def run_training_data(checkpoint: Path) -> Optional[TrainingDataRecord]:
     """For a checkpoint that carries no record of its training data (written before it): the record of the dataset
     its run's train/profile.json names (dflash.eval.mode.trained_dataset); None when it names none."""
     from dflash.data.dataset_io import META_NAME
-    from dflash.data.rendering import training_data_record
+    from dflash.data.rendering_record import training_data_record
     from dflash.drafter.checkpoint import TRAINING_DATA
     from dflash.eval.mode import trained_dataset
 

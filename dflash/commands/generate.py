@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 def _dry_run(profile: Profile, args: argparse.Namespace) -> int:
     import json
 
-    from dflash.generate.plan import generation_plan
+    from dflash.generate.dry_run import generation_plan
 
     plan = generation_plan(profile, args.input, args.output, args.endpoint, args.run_dir, args.api_key)
     print(json.dumps(plan, indent=2))

@@ -1,6 +1,6 @@
 """`launcher.py pipeline --profile P`: audit -> generate -> tokenize -> train -> eval in one run dir.
 
-Rerun it to resume: finished stages are skipped (see dflash.pipeline). At the end it prints the
+Rerun it to resume: finished stages are skipped (see dflash.stages). At the end it prints the
 drafter's tau and speedup next to prompt lookup's, then a table of both, in-process and served by
 `eval.serve_engine` side by side, and how each side's plain decoding (the speedup's baseline) ran,
 then one row per benchmark of `eval.benchmarks` and method (tau, speedup, lossless, acceptance per
@@ -16,7 +16,7 @@ from launcher_core.cli import add_profile_option, load_profile_arg
 from launcher_core.manifest import STAGES
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport, MethodFigures, SetBrief
+    from dflash.eval.report_schema import EvalReport, MethodFigures, SetBrief
     from launcher_core.schema import Profile
 
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from dflash.pipeline import run_pipeline, with_run_dir
+    from dflash.stages import run_pipeline, with_run_dir
     from launcher_core.profile import expand_path
     from launcher_core.runlock import run_lock
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 def final_figures(profile: Profile, run_dir: str | None) -> str:
     """tau and speedup of the drafter beside prompt lookup's, from the manifest."""
-    from dflash.pipeline import with_run_dir
+    from dflash.stages import with_run_dir
     from launcher_core.manifest import read_manifest
     from launcher_core.profile import expand_path
 
@@ -82,7 +82,7 @@ SIDE_BY_SIDE_METHODS = (("dflash", "DFlash"), ("prompt_lookup", "prompt lookup")
 def side_by_side(run_dir: Path, engine: str) -> list[str]:
     """The main prompt set's tau and speedup of each method in-process and served by `engine`
     (eval/engine-ENGINE.json, when the pipeline served it), and how each side's target alone ran."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:
@@ -126,7 +126,7 @@ def benchmark_rows(run_dir: Path, engine: str) -> list[str]:
 
 
 def _report_or_none(path: Path) -> Optional[EvalReport]:
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:
@@ -136,7 +136,7 @@ def _report_or_none(path: Path) -> Optional[EvalReport]:
 
 
 def _benchmark_row(extra: SetBrief, side: str, name: str, title: str) -> str:
-    from dflash.eval.report import acceptance_cell
+    from dflash.eval.report_writer import acceptance_cell
 
     method = extra.methods[name]
     tau = "-" if method.mean_tau is None else f"{method.mean_tau:.3f}"
@@ -158,7 +158,7 @@ def _figures(methods: dict[str, MethodFigures], name: str, width: int = 14) -> s
 
 def _also_sets(run_dir) -> list[SetBrief]:
     """The extra prompt sets the eval measured (`eval.also_prompts`), from its report."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.errors import InputError
 
     try:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
+    from dflash.memory.budget import BatchPlan, Plan, RankPlan
     from dflash.memory.offline import OfflineStorage
-    from dflash.memory.plan import BatchPlan, Plan, RankPlan
     from envcheck.snapshot import Snapshot
     from launcher_core.schema import Profile
 
@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
+    from dflash.memory.budget import make_plan
     from dflash.memory.checkpoints import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
-    from dflash.memory.plan import make_plan
-    from dflash.memory.target import describe_target
+    from dflash.memory.target_shape import describe_target
     from dflash.train.supervisor.watchdog import plan_figures
     from launcher_core.profile import profile_as_dict
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from launcher_core.cli import add_profile_option, load_profile_arg
 
 if TYPE_CHECKING:
-    from dflash.memory.plan import Plan
+    from dflash.memory.budget import Plan
     from launcher_core.schema import Profile
 
 

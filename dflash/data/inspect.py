@@ -95,7 +95,7 @@ def inspect_dataset(path: str | Path, min_loss_tokens: int | None = None, tool_c
     Each shard's size is checked against dflash_meta.json, and with `verify` its sha256 too: a
     damaged dataset is a DataError naming the shard and the backup to restore, not a report."""
     from dflash.data import dataset_io
-    from dflash.data.rendering import describe_rendering
+    from dflash.data.rendering_record import describe_rendering
 
     path = Path(path)
     meta = dataset_io.read_meta(path)

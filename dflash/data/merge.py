@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash.data import dataset_io, publish
 from dflash.data.meta import DatasetMeta, RejectsEntry
-from dflash.data.rendering import merged_rendering
+from dflash.data.rendering_record import merged_rendering
 from launcher_core.errors import ConfigError, DataError, InputError
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from dflash.data.rendering import RenderingBlock
+from dflash.data.rendering_record import RenderingBlock
 
 # `class` is a keyword, hence the functional form.
 TokenizerIdentity = TypedDict("TokenizerIdentity", {

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from dflash.data.records import Conversation, RecordProblem, Reject, parse_record
-from dflash.data.render import ChatRenderer, RenderedText, RewrittenTurns
+from dflash.data.chat_render import ChatRenderer, RenderedText, RewrittenTurns
+from dflash.data.conversations import Conversation, RecordProblem, Reject, parse_record
 from dflash.data.sources import Line
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, TypeVar
 
-from dflash.data.records import Reject
+from dflash.data.conversations import Reject
 
 if TYPE_CHECKING:
     from _hashlib import HASH

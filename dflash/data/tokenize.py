@@ -1,7 +1,7 @@
 """Completions JSONL -> tokenized Arrow dataset (`launcher.py tokenize`).
 
 Each conversation is rendered with the target's chat template (a few renderings, see
-`dflash.data.render`), the full text is tokenized ONCE with offsets, and the loss mask is set
+`dflash.data.chat_render`), the full text is tokenized ONCE with offsets, and the loss mask is set
 from the character spans (`dflash.data.samples`). Work is split into chunks of lines
 (`dflash.data.sources` reads them) handled by worker processes; the results come back in input
 order, so the dataset is identical whatever the number of workers.
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from dflash.data.records import Reject, RejectsFile
-from dflash.data.rendering import RenderingTally, chat_template_fingerprint
+from dflash.data.conversations import Reject, RejectsFile
+from dflash.data.rendering_record import RenderingTally, chat_template_fingerprint
 from dflash.data.samples import LineResult, SampleTokenizer, TokenizedSample, TokenizeSettings, samples_to_batch
 from dflash.data.sources import Line, SourceFile, chunked, read_lines, record_byte_limit
 from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
@@ -332,7 +332,7 @@ def rejects_cause(by_source: dict[tuple[str, str], int]) -> str:
     with the most rejects."""
     from collections import Counter
 
-    from dflash.data.records import REJECT_REASONS
+    from dflash.data.conversations import REJECT_REASONS
 
     per_file: Counter[str] = Counter()
     for (source, _), count in by_source.items():

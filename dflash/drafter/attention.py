@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
 
-from dflash.drafter.layers import LayerAttention
+from launcher_core.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     import torch

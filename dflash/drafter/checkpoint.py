@@ -10,7 +10,7 @@ dflash.train.supervisor.resume.WeightsRecord: tensors, numbers, strings and cont
 `torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
 `dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
 per rank (dflash.train.rank.checkpointing; they resume at any world size), and `training_data.json`, the
-record of the data it was trained on (dflash.data.rendering; eval's mode check reads it). It is
+record of the data it was trained on (dflash.data.rendering_record; eval's mode check reads it). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
 """
@@ -38,7 +38,7 @@ INDEX = "model.safetensors.index.json"
 DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.rank.checkpointing)
 CONFIG = "config.json"
 STATE = "training_state.pt"
-TRAINING_DATA = "training_data.json"    # the training data's rendering record (dflash.data.rendering.TrainingDataRecord)
+TRAINING_DATA = "training_data.json"    # the training data's rendering record (dflash.data.rendering_record.TrainingDataRecord)
 STEP_DIR = re.compile(r"step-(\d+)")
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 DFLASH2_SHAPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -148,7 +148,8 @@ def config_document(config: PretrainedConfig) -> dict[str, Any]:
     (`layers.config_layer_keys`: `layer_types`, `sliding_window`, `use_sliding_window`, and
     `is_causal` only where the config sets it). Loaders that read `rope_theta` (SGLang, transformers 4.x, MLX) otherwise
     fall back to their own default base and run the drafter with a RoPE it was not trained with."""
-    from dflash.drafter.layers import SLIDING, config_layer_keys
+    from dflash.drafter.layers import config_layer_keys
+    from launcher_core.layer_attention import SLIDING
 
     document = json.loads(config.to_json_string(use_diff=False))
     rope = dict(document.get("rope_parameters") or {})

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from dflash.drafter.layers import mixes_sliding_and_full, sglang_serving_problems
-from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING
+from dflash.drafter.layers import mixes_sliding_and_full
+from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING, sglang_config_problems
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
         # speculative/dflash_utils.py get_dflash_layer_types / get_dflash_attention_sliding_window_size
         # (window_left = sliding_window - 1), from 0.5.14; 0.5.11-0.5.13 run every layer ENCODER_ONLY without
         # a window. Absent is_causal: sliding DECODER, full ENCODER_ONLY; is_causal decides both from 0.5.18
-        # (dflash.drafter.layers.sglang_layer_attention)
+        # (envcheck.engines.sglang_rules)
         "sliding": ["layer_types", "sliding_window"]},
     "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -141,7 +141,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     in those messages. `sglang_version`: the SGLang that will serve the export (sglang only); a
     drafter whose layers that release would run with other attention than trained is refused,
     naming the release and the layers. The checkpoint's record of its training data (training_data.json, the
-    rendering its data was written with: dflash.data.rendering) goes with it, else `training_data` where the caller
+    rendering its data was written with: dflash.data.rendering_record) goes with it, else `training_data` where the caller
     found one (an older checkpoint's run), so eval compares an exported drafter with the data it was trained on."""
     from safetensors.torch import save_file
 
@@ -214,8 +214,6 @@ def _layer_notes(document: dict[str, Any], engine: str, sglang_version: Optional
 def sglang_layer_notes(document: dict[str, Any], sglang_version: Optional[str]) -> list[str]:
     """InputError when SGLang `sglang_version` would run a layer with other attention than trained;
     without a version, a note naming the releases that run these layers as trained."""
-    from dflash.compat import version_tuple
-
     if sglang_version is None:
         if "sliding_attention" not in (document.get("layer_types") or []) and document.get("is_causal") is None:
             return []
@@ -223,7 +221,7 @@ def sglang_layer_notes(document: dict[str, Any], sglang_version: Optional[str]) 
         return [f"sliding-window or is_causal layers: SGLang runs them as trained from "
                 f"{'.'.join(map(str, newest))} on (0.5.11-0.5.13 run every layer bidirectionally without a window); "
                 "requirements-cu130.txt pins 0.5.19"]
-    problems = sglang_serving_problems(version_tuple(sglang_version), document)
+    problems = sglang_config_problems(sglang_version, document)
     if problems:
         raise InputError(f"SGLang {sglang_version} would not serve this drafter as it was trained: "
                          f"{'; '.join(problems)}. Serve it with SGLang 0.5.19 or later (requirements-cu130.txt), or "

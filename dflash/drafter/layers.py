@@ -1,51 +1,26 @@
 """Per-layer attention of the drafter: `layer_types` (`full_attention`, `sliding_attention`),
-`sliding_window`, `is_causal`, resolved as the reference (PyPI `dflash` 0.1.0,
-`Qwen3DFlashAttention`) and vLLM 0.32 resolve them: a sliding layer has the window and is causal, a
-full layer is bidirectional, unless `is_causal` says otherwise. Every SGLang from 0.5.14 agrees, so
-our drafters leave `is_causal` out; `sglang_serving_problems` names the layers an older release
-would run otherwise (envcheck/engines.py). A query at position p sees a key at j when `p - j < w`
-in a window (also `j - p < w` when not causal) and `j <= p` when causal. transformers keeps
+`sliding_window`, `is_causal`. The rule each layer is trained with is launcher_core.layer_attention's (the
+reference's, which vLLM 0.32 and every SGLang from 0.5.14 share, so our drafters leave `is_causal` out);
+what each engine release runs instead is envcheck.engines'. A query at position p sees a key at j when
+`p - j < w` in a window (also `j - p < w` when not causal) and `j <= p` when causal. transformers keeps
 `sliding_window` only with `use_sliding_window: true`, so a config with sliding layers carries both.
 No torch here: the launcher validates profiles with it. Rules: docs/drafter.md "Drafter layers".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypedDict
 
-from envcheck.engines import SGLANG_DFLASH2, DraftLayers, reference_rules, sglang_problems
+from launcher_core.layer_attention import FULL, LAYER_TYPES, SLIDING, LayerAttention, config_draft_layers, reference_rules
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from launcher_core.schema import DrafterSection
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One draft layer's visibility rule beyond the block layout: a window (None: unbounded), causal."""
-
-    window: Optional[int] = None
-    causal: bool = False
-
-    @property
-    def restricts(self) -> bool:
-        """False for plain full, bidirectional attention (no extra mask needed)."""
-        return self.window is not None or self.causal
-
-
-def _value(config: PretrainedConfig | Mapping[str, object], key: str) -> Any:
-    """A config key's value (a parsed config.json value or a config attribute: untyped)."""
-    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
-
 
 def layer_attention(config: PretrainedConfig | Mapping[str, object]) -> list[LayerAttention]:
     """The rule of each of the config's `num_hidden_layers` layers (a config object or a mapping)."""
-    return [LayerAttention(window=rule.window, causal=rule.causal) for rule in reference_rules(draft_layers(config))]
+    return reference_rules(config_draft_layers(config))
 
 
 def layer_type_problems(layer_types: Sequence[str], num_layers: int, sliding_window: int) -> list[str]:
@@ -118,26 +93,3 @@ def profile_layer_problems(drafter_section: DrafterSection) -> list[tuple[str, s
 def mixes_sliding_and_full(layer_types: Sequence[str]) -> bool:
     """Some layers slide and some do not (vLLM serves that only with its V2 model runner)."""
     return SLIDING in layer_types and any(kind != SLIDING for kind in layer_types)
-
-
-
-def draft_layers(config: PretrainedConfig | Mapping[str, object]) -> DraftLayers:
-    """The keys of `config` (a config object or a parsed config.json) that decide its attention."""
-    types = _value(config, "layer_types")
-    window = _value(config, "sliding_window")
-    explicit = _value(config, "is_causal")
-    return DraftLayers(num_layers=int(_value(config, "num_hidden_layers")),
-                       layer_types=list(types) if types else None,
-                       sliding_window=int(window) if window else None,
-                       is_causal=None if explicit is None else bool(explicit))
-
-
-def sglang_serving_problems(version: tuple[int, ...], config: PretrainedConfig | Mapping[str, object]) -> list[str]:
-    """The layers SGLang `version` would run with other attention than the drafter was trained with
-    ([]: every layer as trained), and a DFlash 2 drafter before the release that knows it;
-    envcheck.engines holds each release's rule."""
-    problems = sglang_problems(version, draft_layers(config))
-    if "DFlash2DraftModel" in (_value(config, "architectures") or []) and version < SGLANG_DFLASH2:
-        problems.append(f"a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from "
-                        f"{'.'.join(map(str, SGLANG_DFLASH2))} on")
-    return problems

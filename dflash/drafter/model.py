@@ -27,8 +27,9 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.drafter.attention import Attend, Backend, BlockLayout, make_layer_attends, position_rule_mask
-from dflash.drafter.layers import LayerAttention, config_layer_keys, layer_attention
+from dflash.drafter.layers import config_layer_keys, layer_attention
 from dflash.drafter.shape import DrafterShape, derive_shape
+from launcher_core.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from dflash.drafter.dflash2 import DFlash2Drafter
-    from dflash.eval.records import EvalReport
+    from dflash.eval.report_schema import EvalReport
 
 UNARY = "dflash_unary"
 

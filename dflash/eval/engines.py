@@ -206,9 +206,9 @@ def check_engine_serves(engine: str, version: Optional[str], profile: Profile, d
     if version is None or config is None:
         return                      # loading the drafter names what is missing
     if engine == "sglang":
-        from dflash.drafter.layers import sglang_serving_problems
+        from envcheck.engines import sglang_config_problems
 
-        problems = sglang_serving_problems(version_tuple(version), config)
+        problems = sglang_config_problems(version, config)
         if problems:
             raise ConfigError(f"--engine sglang: SGLang {version} would not serve this drafter as it was trained: "
                               f"{'; '.join(problems)}; {engine_setup_hint('sglang')} or point eval.engine_python "

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from dflash.eval.options import EvalOptions, EvalSummary, also_prompt_paths, bench_dir, bench_sample_count, benchmark_names, benchmark_prompts_file, eval_prompts_path, prompt_set_label
-from dflash.eval.records import TARGET, EvalReport, ReportContext, SetBrief
+from dflash.eval.report_schema import TARGET, EvalReport, ReportContext, SetBrief
 from launcher_core.errors import InputError
 from launcher_core.schema import Profile
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from dflash.eval.dflash_drafter import DFlashDraft
-    from dflash.eval.report import PromptRuns
+    from dflash.eval.report_writer import PromptRuns
     from dflash.eval.specdec import DecodeSettings, Drafter, TargetVerifier
     from dflash.prompts.benchmarks import BenchPrompt
 
@@ -114,7 +114,7 @@ def decode_prompts(model: PreTrainedModel, drafters: Sequence[Drafter], prompts:
     import torch
     from tqdm import tqdm
 
-    from dflash.eval.report import MethodRun, PromptRuns
+    from dflash.eval.report_writer import MethodRun, PromptRuns
     from dflash.eval.specdec import NoDrafter, TargetVerifier, speculative_decode
 
     verifier = TargetVerifier(model, layer_ids)
@@ -237,7 +237,7 @@ class _SetDecoder:
 
     def _report(self, results: list[PromptRuns], threads: int, prompts_path: Path, label: str) -> EvalReport:
         from dflash.eval.dflash2_drafter import with_selector_figures
-        from dflash.eval.report import build_report
+        from dflash.eval.report_writer import build_report
 
         context = replace(self.context, torch_threads=threads, prompts_file=str(prompts_path),
                           prompt_set=label, baseline=inprocess_baseline(self.profile, threads))
@@ -273,7 +273,7 @@ def inprocess_baseline(profile: Profile, threads: int) -> str:
 
 def _write_set(report: EvalReport, directory: Path, metrics_path: Optional[Path]) -> list[Path]:
     from dflash.eval.plots import write_plots
-    from dflash.eval.report import write_report
+    from dflash.eval.report_writer import write_report
 
     return [*write_report(report, directory), *write_plots(report, directory, metrics_path)]
 

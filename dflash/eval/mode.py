@@ -1,11 +1,11 @@
 """The mode eval renders its prompts in (thinking on or off, the chat template), held against the mode
 the drafter's training data was rendered in (the `rendering` block of the dataset's dflash_meta.json,
-dflash.data.rendering). A drafter trained on thinking-off text and asked thinking on (or the reverse)
+dflash.data.rendering_record). A drafter trained on thinking-off text and asked thinking on (or the reverse)
 loses most of its acceptance, so a mismatch is refused (ConfigError, exit 2, both sides named) unless
 `--allow-mode-mismatch` asks to measure it; the report then says "mode mismatch (on purpose)".
 
 The training data: the record the drafter carries of it (`training_data.json` in its checkpoint or export,
-written when it was trained: dflash.data.rendering.TrainingDataRecord), else `paths.dataset` of the profile it
+written when it was trained: dflash.data.rendering_record.TrainingDataRecord), else `paths.dataset` of the profile it
 was trained with (the run's `train/profile.json` beside its checkpoints), else `paths.dataset` of the eval's
 profile. A dataset written before the block (or none at all) is not compared: a one-line note says so; a damaged
 meta or record is an InputError (exit 2) naming the file and field.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from dflash.data.rendering import RenderingBlock, chat_template_fingerprint, short_fingerprint, thinking_share
+from dflash.data.rendering_record import RenderingBlock, chat_template_fingerprint, short_fingerprint, thinking_share
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.schema import Profile
 
@@ -166,7 +166,7 @@ def training_data(profile: Profile, checkpoint: Path) -> TrainingData:
     `train/profile.json`), else the profile's. InputError naming the file and field when the record or the
     dataset's meta is damaged."""
     from dflash.data.dataset_io import META_NAME
-    from dflash.data.rendering import read_rendering, read_training_data_record
+    from dflash.data.rendering_record import read_rendering, read_training_data_record
     from dflash.drafter.checkpoint import TRAINING_DATA, resolve_checkpoint_dir
     from launcher_core.profile import expand_path
 

@@ -12,7 +12,7 @@ from launcher_core.profile import expand_path
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.eval.report_schema import EvalReport, MethodFigures
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 # Written by hand apart from the training prompts: no template or generator shared with them.

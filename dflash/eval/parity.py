@@ -18,7 +18,7 @@ from functools import lru_cache
 from itertools import zip_longest
 from typing import Any, Optional, Sequence
 
-from dflash.eval.records import TARGET, Departure, ParityRow, PromptParity
+from dflash.eval.report_schema import TARGET, Departure, ParityRow, PromptParity
 from launcher_core.errors import ParityFailed
 
 # Chosen from the measured error rates (module doc; benchmarks/bench_parity_gate.py `choose_constants`): a step

@@ -19,7 +19,7 @@ from launcher_core.errors import InputError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from dflash.eval.records import EvalReport
+    from dflash.eval.report_schema import EvalReport
 
 
 def _pyplot() -> ModuleType:

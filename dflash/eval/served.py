@@ -27,7 +27,7 @@ from launcher_core.schema import Profile
 if TYPE_CHECKING:
     from dflash.eval.mode import RenderMode
     from dflash.eval.options import EvalOptions, EvalSummary
-    from dflash.eval.records import EvalReport, ParityRow, ReportContext
+    from dflash.eval.report_schema import EvalReport, ParityRow, ReportContext
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def evaluate_with_engine(profile: Profile, run_dir: Path, checkpoint: Path, opti
     from dflash.eval.mode import render_mode_for
     from dflash.eval.options import EvalSummary
     from dflash.eval.parity import check_parity_sets
-    from dflash.eval.records import SetBrief
+    from dflash.eval.report_schema import SetBrief
 
     benchmarks = served_benchmarks(profile, options, run_dir / "eval")   # before any model loads or server starts
     mode = render_mode_for(profile, checkpoint, options)                 # so is a mode other than the data's
@@ -129,7 +129,7 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     from dflash.drafter.checkpoint import resolve_checkpoint_dir
     from dflash.eval.engine_deviations import engine_deviations
     from dflash.eval.options import eval_prompts_path, prompt_set_label
-    from dflash.eval.records import ReportContext
+    from dflash.eval.report_schema import ReportContext
     from dflash.models import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
@@ -203,7 +203,7 @@ def export_for_engine(engine: str, checkpoint: Path, target: Path, eval_dir: Pat
 def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, temperature: float,
                   context: ReportContext) -> EvalReport:
     """The report of the served methods; tau is what the engine counted."""
-    from dflash.eval.records import EvalReport, MethodFigures
+    from dflash.eval.report_schema import EvalReport, MethodFigures
 
     target = runs["target"]
     target_rate = target.completion_tokens / target.wall_s if target.wall_s > 0 else 0.0
@@ -221,7 +221,7 @@ def engine_report(engine: str, runs: dict[str, EngineRun], *, block_size: int, t
 
 
 def render_engine_markdown(report: EvalReport) -> str:
-    from dflash.eval.report import mode_lines, row_name
+    from dflash.eval.report_writer import mode_lines, row_name
 
     context = report.context
     lines = [f"# Engine eval ({report.engine}): {context.profile or ''}", "",
@@ -237,7 +237,7 @@ def render_engine_markdown(report: EvalReport) -> str:
         speedup = "-" if m.speedup is None else f"{m.speedup:.2f}"
         lines.append(f"| {row_name(name, context)} | {tau} | {m.new_tokens} | {m.tokens_per_s:.1f} | {speedup} | {same} |")
     if report.also_sets:
-        from dflash.eval.report import acceptance_cell
+        from dflash.eval.report_writer import acceptance_cell
 
         lines += ["", "## Benchmarks (served, first turns)", "",
                   "| benchmark | prompts | method | engine tau | acceptance at positions 1..B-1 | speedup | "
@@ -285,7 +285,7 @@ def inprocess_decode(profile: Profile, checkpoint: Path, prompts_path: Path, cou
         stop_token_ids,
     )
     from dflash.eval.prompt_lookup import PromptLookupDrafter
-    from dflash.eval.report import build_report
+    from dflash.eval.report_writer import build_report
     from dflash.eval.specdec import DecodeSettings
 
     model, tokenizer, _ = load_target(profile)

@@ -27,7 +27,7 @@ from launcher_core.errors import ConfigError, InputError
 from launcher_core.fileio import write_text_atomic
 
 if TYPE_CHECKING:
-    from dflash.generate.records import CompletionRecord
+    from dflash.generate.completions import CompletionRecord
 
 INDEX_NAME = "done.index"
 FAILURES_NAME = "failures.jsonl"

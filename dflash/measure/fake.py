@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
 from dflash.memory import model as memory
-from dflash.memory.target import SMOLLM2_135M, shape_from_config, target_shape
+from dflash.memory.target_shape import SMOLLM2_135M, shape_from_config, target_shape
 from dflash.models import QWEN36_27B_TEXT, hybrid_layer_types, local_model_dir
 from launcher_core.schema import Profile
 
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from dflash.drafter.attention import Attend, Backend, BlockLayout
-    from dflash.drafter.layers import LayerAttention
     from dflash.drafter.model import DFlashDrafter
+    from launcher_core.layer_attention import LayerAttention
 
 MIB = memory.MIB
 # FSDPMemTracker's reference types (torch.distributed._tools.fsdp2_mem_tracker), and "Target" for the

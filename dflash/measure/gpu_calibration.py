@@ -6,7 +6,7 @@ trainer's own (`dflash.train.rank.setup.build_state`, `run_step`), so what is me
 training runs. After warm-up steps at each size (flex compiles per size; AdamW's states exist after
 a first update) it measures the allocated peak of one step of two micro-batches
 (`MICRO_BATCHES_PER_STEP`: the accumulated gradients are in it) at micro-batch 1 and 2 and fits the
-line (dflash.memory.calibration). The reserve ratio comes from steps of differently shaped
+line (dflash.memory.calibration_record). The reserve ratio comes from steps of differently shaped
 micro-batches without emptying the cache (`measure_reserve`), under the profile's allocator setting.
 
 A profile of 2 or more ranks is calibrated on 2 ranks where this node has 2 GPUs, so FSDP2's
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.measure.peaks import measure_allocator_peaks, measure_step_peaks
 from dflash.memory import model as memory
-from dflash.memory.calibration import AllocatorPeaks, Calibration, fit_calibration, save_calibration
-from dflash.memory.target import target_shape
+from dflash.memory.calibration_record import AllocatorPeaks, Calibration, fit_calibration, save_calibration
+from dflash.memory.target_shape import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed
 from launcher_core.processes import free_port
 from launcher_core.schema import Profile
@@ -158,7 +158,7 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
     """Dataset + state through `build_state` (no OOM recovery: an OOM must surface), `rows`
     sequences per rank and step. `env`: this rank of a multi-rank calibration (joined to its
     process group), default one process."""
-    from dflash.memory.plan import world_size_of
+    from dflash.memory.budget import world_size_of
     from dflash.train.rank.parallel import WorkerEnv, barrier
     from dflash.train.rank.setup import build_state
 
@@ -184,7 +184,7 @@ def worst_case_bench(profile: Profile, scratch: Path, rows: int = 2, env: Worker
 def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
     """2 when the profile trains on 2+ ranks and this node has 2+ GPUs (FSDP2's collectives run
     between them), else 1."""
-    from dflash.memory.plan import world_size_of
+    from dflash.memory.budget import world_size_of
 
     return 2 if world_size_of(profile) >= 2 and cuda_devices >= 2 else 1
 
@@ -193,7 +193,7 @@ def calibration_ranks(profile: Profile, cuda_devices: int) -> int:
 
 def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` worst-case sequences each."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch
@@ -202,7 +202,7 @@ def step_at(bench: CalibrationBench, micro_batch: int) -> StepStats:
 
 def varied_step_at(bench: CalibrationBench, micro_batch: int, shape: int) -> StepStats:
     """One optimizer step of two micro-batches of `micro_batch` sequences of the `shape`-th shorter length."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     rows = MICRO_BATCHES_PER_STEP * micro_batch

@@ -1,5 +1,5 @@
 """Measured peaks: torch's allocated and reserved peaks of a step on a GPU, what a calibration
-(dflash.memory.calibration) is fitted to, and a call's transient on the CPU allocator
+(dflash.memory.calibration_record) is fitted to, and a call's transient on the CPU allocator
 (`measure_cpu_transient`), what the model's smaller figures, such as a BlockMask's build, are held
 to. torch is imported inside the functions.
 """
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
 from dflash.memory.attention_masks import MIB
-from dflash.memory.calibration import AllocatorPeaks
+from dflash.memory.calibration_record import AllocatorPeaks
 
 T = TypeVar("T")
 

@@ -99,7 +99,7 @@ def trace_step(profile: Profile, micro_batch: int, *, config: PretrainedConfig |
                world_size: int | None = None) -> fake.TracedStep:
     """One training step of `profile` at `micro_batch` sequences per forward, traced on fake tensors
     on rank 0 (the fullest shards: FSDP2 gives rank 0 the first, largest chunk of every tensor)."""
-    from dflash.memory.plan import batch_plan, world_size_of
+    from dflash.memory.budget import batch_plan, world_size_of
     from dflash.torch_private import fake_tensor_mode
 
     started = time.perf_counter()

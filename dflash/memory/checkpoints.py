@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from dflash.memory.plan import Plan
+    from dflash.memory.budget import Plan
     from envcheck.snapshot import DiskFacts
     from launcher_core.schema import TrainSection
 

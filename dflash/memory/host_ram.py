@@ -20,7 +20,7 @@ from dflash.memory.checkpoints import gib
 from dflash.memory.model import MASTER_BYTES
 
 if TYPE_CHECKING:
-    from dflash.memory.plan import Plan
+    from dflash.memory.budget import Plan
     from dflash.memory.workload import Workload
     from launcher_core.schema import Profile
 

@@ -26,8 +26,8 @@ from launcher_core.fileio import read_json_object, write_json_atomic
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.memory.calibration import Calibration
-    from dflash.memory.plan import Plan
+    from dflash.memory.budget import Plan
+    from dflash.memory.calibration_record import Calibration
 
 PLAN_FILE = "plan.json"
 
@@ -64,7 +64,7 @@ def read_inputs(profile: Profile, snapshot_file: Path | None = None, baseline_fi
     """The plan's inputs; the baseline defaults to the profile's saved one for the snapshot's host
     (`launcher.py baseline save`, `launcher.py calibrate`). A malformed snapshot or baseline file is
     an InputError naming the file and the key."""
-    from dflash.memory.calibration import stored_calibration
+    from dflash.memory.calibration_record import stored_calibration
 
     snapshot, snapshot_source = _snapshot(profile, snapshot_file)
     baseline_file = baseline_file or saved_baseline(profile, snapshot)
@@ -79,7 +79,7 @@ def read_baseline(path: Path) -> tuple[Snapshot | None, Calibration | None]:
     """A baseline file: a saved snapshot (`launcher.py baseline save`: its GPUs' overheads) with or
     without the calibration `launcher.py calibrate` adds, or a calibration alone (`calibrate
     --baseline FILE` of a new file)."""
-    from dflash.memory.calibration import CALIBRATION_KEY, load_calibration
+    from dflash.memory.calibration_record import CALIBRATION_KEY, load_calibration
 
     document = read_json_object(path, "a baseline")
     calibration = load_calibration(document, str(path))
@@ -150,7 +150,7 @@ def gpu_snapshot(nvml: NvmlFacts, gpus: list[GpuFacts]) -> Snapshot:
 
 def plan_for_launch(profile: Profile, inputs: PlanInputs, cuda_visible_devices: str | None = None) -> Plan:
     """The plan of this node's ranks; PreflightFailed (exit 1) when a rank cannot hold one sequence."""
-    from dflash.memory.plan import does_not_fit, make_plan
+    from dflash.memory.budget import does_not_fit, make_plan
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is None else cuda_visible_devices
     plan = make_plan(profile, inputs.snapshot, baseline=inputs.baseline, calibration=inputs.calibration,

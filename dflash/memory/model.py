@@ -10,7 +10,7 @@ logits chunk, the gradient reduction's buffers); the slope is one sequence of th
 the data allows (`dflash.memory.activations`).
 
 The figures are an estimate: a calibration measured on a GPU corrects them (`peak_model`). Non-torch
-memory (CUDA context, NCCL, cuBLAS) is the plan's (`dflash.memory.plan`). No torch import: `plan`
+memory (CUDA context, NCCL, cuBLAS) is the plan's (`dflash.memory.budget`). No torch import: `plan`
 runs in the launcher process. Each moment and why it counts what it does: docs/memory-model.md.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dflash.memory.attention_masks import MIB
 from dflash.memory.workload import LOGITS_CHUNK_TOKENS, Workload, workload_from_profile
 
 if TYPE_CHECKING:
-    from dflash.memory.calibration import Calibration
+    from dflash.memory.calibration_record import Calibration
 
 __all__ = ["LOGITS_CHUNK_TOKENS", "MIB", "MemoryEstimate", "PeakLine", "PeakModel", "Workload", "estimate",
            "estimated_peak_model", "peak_model", "workload_from_profile"]

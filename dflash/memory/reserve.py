@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash.memory.calibration import Calibration
+    from dflash.memory.calibration_record import Calibration
     from dflash.memory.workload import Workload
     from launcher_core.schema import Profile
 

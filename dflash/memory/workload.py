@@ -1,7 +1,7 @@
 """What one training step processes in its worst case, and how the drafter is sharded over the
 ranks: the one definition the memory model (`dflash.memory.model`), the activations
 (`dflash.memory.activations`), the masks (`dflash.memory.attention_masks`) and a calibration's key
-(`dflash.memory.calibration`) all read. No torch import: `plan` runs in the launcher process.
+(`dflash.memory.calibration_record`) all read. No torch import: `plan` runs in the launcher process.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
 from dflash.drafter.taps import default_target_layer_ids
-from dflash.memory.target import DTYPE_BYTES, TargetShape, target_shape
+from dflash.memory.target_shape import DTYPE_BYTES, TargetShape, target_shape
 from launcher_core.schema import Profile
 
 LOGITS_CHUNK_TOKENS = 2048          # block tokens whose logits exist at once (train.loss_chunk_rows)

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck import preflight, report
+    from envcheck import findings_format, preflight
     from envcheck.snapshot import load_snapshot
     from launcher_core.profile import load_profile
 
@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     findings = preflight.audit(profile, snapshot, baseline)
     source = args.snapshot or f"this machine ({snapshot.hostname})"
     if args.json:
-        document = report.findings_document(findings, profile=profile.name, source=source)
+        document = findings_format.findings_document(findings, profile=profile.name, source=source)
         print(json.dumps(preflight.scrub_document(document), indent=2))
     else:
-        print(preflight.scrub(report.format_table(findings, title=f"audit of {source} against profile {profile.name}")))
-    return report.exit_code(findings, strict=args.strict)
+        print(preflight.scrub(findings_format.format_table(findings, title=f"audit of {source} against profile {profile.name}")))
+    return findings_format.exit_code(findings, strict=args.strict)

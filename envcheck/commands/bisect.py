@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from envcheck.bisect.report import build_plan_report, build_report, format_plan, format_report, save_report
+    from envcheck.bisect.bisect_report import build_plan_report, build_report, format_plan, format_report, save_report
     from envcheck.bisect.runner import plan_bisect, run_bisect
 
     config = _config_from_args(args)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from envcheck.bisect.bisect_report import build_report
 from envcheck.bisect.changes import diff_sets, group_changes
 from envcheck.bisect.coupling import learned_couplings
 from envcheck.bisect.demo import COUPLED_IMPORTED, build_coupled_demo, demo_probe
 from envcheck.bisect.metadata import PackageMetadata, read_file_requires, read_local
-from envcheck.bisect.report import build_report
 from envcheck.bisect.reqsets import load_requirement_set
 from envcheck.bisect.runner import BisectConfig, run_bisect
 from envcheck.bisect.search import probe_bound

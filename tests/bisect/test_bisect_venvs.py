@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from envcheck.bisect.bisect_report import build_report
 from envcheck.bisect.demo import build_demo, demo_probe
-from envcheck.bisect.report import build_report
 from envcheck.bisect.runner import BisectConfig, run_bisect
 from envcheck.bisect.search import probe_bound
 from envcheck.bisect.venvs import InstallerOptions, install_command

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash.data.records import Reject, parse_record
+from dflash.data.conversations import Reject, parse_record
 from dflash.data.samples import SampleTokenizer, TokenizeSettings
 from tests.data.conftest import turn
 
@@ -193,7 +193,7 @@ def test_parse_record_reasons():
 
 
 def test_direct_template_render_equals_apply_chat_template(qwen3_tokenizer):
-    from dflash.data.render import ChatRenderer
+    from dflash.data.chat_render import ChatRenderer
 
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     conversations = [

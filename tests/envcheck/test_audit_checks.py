@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from envcheck import checks, report
+from envcheck import checks, findings_format
 from envcheck.preflight import audit
 from envcheck.snapshot import GpuProcess, Snapshot, load_snapshot
 from launcher_core.errors import EXIT_FAIL, EXIT_OK, EXIT_WARN_STRICT, InputError
@@ -236,9 +236,9 @@ def test_eager_module_loading_warns_and_strict_exit_code(snapshots, rtx):
     snap.env["CUDA_MODULE_LOADING"] = "EAGER"
     findings = audit(served_apart(rtx), snap, baseline=snapshots["rtx6000-x8-baseline"])
     assert [f.id for f in findings if f.status == "WARN"] == ["env.module_loading"]
-    assert report.exit_code(findings) == EXIT_OK
-    assert report.exit_code(findings, strict=True) == EXIT_WARN_STRICT
-    assert report.exit_code(audit(rtx, snapshots["rtx6000-x8-stale-process"]), strict=True) == EXIT_FAIL
+    assert findings_format.exit_code(findings) == EXIT_OK
+    assert findings_format.exit_code(findings, strict=True) == EXIT_WARN_STRICT
+    assert findings_format.exit_code(audit(rtx, snapshots["rtx6000-x8-stale-process"]), strict=True) == EXIT_FAIL
 
 
 @pytest.mark.parametrize("capability, arch_list, covered", [

@@ -13,9 +13,10 @@ from packaging.requirements import Requirement
 from envcheck.bisect.metadata import read_cache
 from envcheck.bisect.reqsets import load_requirement_set
 from envcheck.checks import CheckInput, check_sglang_serves_the_drafter
-from envcheck.engines import DraftLayers, sglang_problems
+from envcheck.engines import sglang_config_problems, sglang_drafter_problems, sglang_problems
 from envcheck.packages import normalize
 from envcheck.snapshot import load_snapshot
+from launcher_core.layer_attention import DraftLayers
 from launcher_core.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +159,16 @@ def test_sglangs_own_venv_pins_the_cu130_set_and_everything_its_sglang_requires(
     indexed = {normalize(w.requirement.split("==")[0]): w.requirement.split("==")[1] for w in ENGINE_SPECS["sglang"].index_wheels}
     assert indexed == {"cuda-tile": lock["cuda-tile"].version, "flashinfer-cubin": cu130["flashinfer-cubin"].version,
                        "flashinfer-jit-cache": cu130["flashinfer-jit-cache"].version + "+cu130"}
+
+
+def test_a_drafters_config_and_its_profile_get_the_same_answer_from_each_sglang_release():
+    """`export --for sglang` and `eval --engine sglang` ask with the drafter's config.json, the audit with the profile."""
+    drafter = load_profile("rtx6000-x8").drafter
+    config = {"architectures": ["DFlashDraftModel"], "num_hidden_layers": drafter.num_layers,
+              "layer_types": list(drafter.layer_types), "sliding_window": drafter.sliding_window}
+    for version in ("0.5.10", "0.5.11", "0.5.13.post1", "0.5.14", "0.5.18", "0.5.19"):
+        assert sglang_config_problems(version, config) == sglang_drafter_problems(version, drafter), version
+    assert sglang_config_problems("0.5.13", config) and not sglang_config_problems("0.5.14", config)
+    dflash2 = {**config, "architectures": ["DFlash2DraftModel"]}
+    assert sglang_config_problems("0.5.18", dflash2) == ["a DFlash 2 drafter (DFlash2DraftModel), which SGLang serves from 0.5.19 on"]
+    assert sglang_config_problems("0.5.19", dflash2) == []

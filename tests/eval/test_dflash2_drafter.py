@@ -192,7 +192,7 @@ def test_eval_reports_the_selector_path_beside_the_unary_argmax(tiny_qwen3_targe
     from test_eval_command import write_eval_profile
 
     import launcher
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from launcher_core.manifest import read_manifest, update_stage
 
     profile = write_eval_profile(tmp_path, tiny_qwen3_target, "num_prompts = 2\nmax_new_tokens = 12")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.drafter.layers import draft_layers, layer_attention
-from envcheck.engines import LayerRule, sglang_rules
+from dflash.drafter.layers import layer_attention
+from envcheck.engines import sglang_rules
+from launcher_core.layer_attention import LayerAttention, config_draft_layers
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 SGLANG_RELEASES = ("0.5.11", "0.5.13.post1", "0.5.14", "0.5.17", "0.5.19")   # the rule changes at each
@@ -65,10 +66,10 @@ def sglang_sources(tmp_path_factory) -> dict[str, Path]:
     return {version: path for version, path in sources.items() if path is not None}
 
 
-def as_rule(window_left: int, kind: str) -> LayerRule:
+def as_rule(window_left: int, kind: str) -> LayerAttention:
     """SGLang's (window_left, attention type) as a rule: window_left = sliding_window - 1, -1 for none."""
     assert kind in ("DECODER", "ENCODER_ONLY"), kind
-    return LayerRule(window=window_left + 1 if window_left >= 0 else None, causal=kind == "DECODER")
+    return LayerAttention(window=window_left + 1 if window_left >= 0 else None, causal=kind == "DECODER")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -77,7 +78,7 @@ def test_each_sglang_release_runs_each_exported_layer_as_our_rule_says(sglang_so
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(exports[f"sglang-{variant}"])
-    ours = draft_layers(config)
+    ours = config_draft_layers(config)
     for version, root in sglang_sources.items():
         theirs = [as_rule(*pair) for pair in sglang_attention(root, config, config.num_hidden_layers)]
         release = tuple(int(part) for part in version.split(".")[:3])
@@ -89,11 +90,11 @@ def test_the_pinned_sglang_runs_our_drafter_as_trained_and_its_predecessors_did_
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(exports["sglang-ours"])
-    trained = [LayerRule(rule.window, rule.causal) for rule in layer_attention(config)]
-    assert trained == [LayerRule(WINDOW, True)] * 4 + [LayerRule(None, False)]
+    trained = layer_attention(config)
+    assert trained == [LayerAttention(WINDOW, True)] * 4 + [LayerAttention(None, False)]
     served = {version: [as_rule(*pair) for pair in sglang_attention(root, config, 5)] for version, root in sglang_sources.items()}
     assert served["0.5.19"] == served["0.5.14"] == trained
-    assert served["0.5.11"] == served["0.5.13.post1"] == [LayerRule(None, False)] * 5      # bidirectional, no window
+    assert served["0.5.11"] == served["0.5.13.post1"] == [LayerAttention(None, False)] * 5      # bidirectional, no window
 
 
 def test_vllm_runs_each_exported_layer_as_trained_and_mixed_layers_only_on_its_v2_runner(vllm_python, exports):

@@ -447,7 +447,7 @@ def test_a_dead_drafter_served_for_a_weak_one_fails_where_a_fixed_tau_tolerance_
 
 
 def test_the_pipeline_s_last_line_names_the_rule_and_the_report_and_keeps_the_in_process_eval(tmp_path):
-    from dflash.pipeline import served_check_failed
+    from dflash.stages import served_check_failed
 
     ours = [prompt([1, 1, 1, 1], ties=[0]) for _ in range(10)]
     fewer = [prompt([1, 1, 0, 0, 0, 1]) for _ in range(10)]
@@ -618,7 +618,7 @@ def honest_standin(sharp_target, tiny_drafter, standin_decoders, tmp_path_factor
 
 @pytest.mark.slow
 def test_the_sglang_gate_sends_token_ids_and_passes_a_drafter_served_as_decoded(honest_standin):
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
 
     tmp_path, summary = honest_standin
     report, parity = summary.report, summary.report.parity
@@ -662,7 +662,7 @@ def test_the_sglang_gate_reads_each_steps_acceptance_from_the_stream_and_totals_
     """SGLang streams a chunk per verify step with the request's running spec counters: the per-step figures
     match the in-process ones; where the stream coalesced steps the gate compares whole prompts and says it
     cannot decide."""
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
 
     streamed = honest_standin[1].report.parity["dflash"]
     assert streamed.within_tolerance is True and streamed.prompts_same_acceptance == STANDIN_PROMPTS
@@ -715,8 +715,8 @@ def test_sglang_per_step_acceptance_comes_from_the_running_counters_of_single_st
 
 
 def test_the_pipeline_prints_the_served_speedup_beside_the_served_tau_and_the_in_process_figures():
-    from dflash.eval.records import EvalReport, MethodFigures
-    from dflash.pipeline import served_line
+    from dflash.eval.report_schema import EvalReport, MethodFigures
+    from dflash.stages import served_line
 
     def report(tau: float, speedup: float, **extra) -> EvalReport:
         methods = {"target": MethodFigures(1.0, 10.0, 1.0, None),
@@ -756,7 +756,7 @@ def test_a_slot_the_engine_does_not_draft_counts_as_nothing_accepted():
     controls: an in-process side that accepted a 4th draft on 4 steps departs from it either way round,
     and the summary shows a list one side left short as 0 there."""
     from dflash.eval.engines import engine_run, vllm_served_prompt
-    from dflash.eval.report import position_acceptance
+    from dflash.eval.report_writer import position_acceptance
     from dflash.eval.served import served_side
 
     taus = [2, 1, 1, 4, 1, 2, 1, 1, 3, 1]                          # per step: at most 3 drafts accepted
@@ -791,7 +791,7 @@ def test_the_served_check_sends_each_benchmark_s_first_turns_and_reports_a_row_e
     decoded in-process, its own engine report and parity gate, and a row in the main engine report beside the
     default set."""
     from dflash.eval.evaluate import EvalOptions
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from dflash.eval.served import evaluate_with_engine
     from dflash.prompts.benchmarks import load_benchmark
 

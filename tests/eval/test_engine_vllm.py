@@ -33,7 +33,7 @@ from engine_vllm_common import (
     shared_root,
 )
 
-from dflash.eval.records import read_report
+from dflash.eval.report_schema import read_report
 from dflash.generate.vllm_server import SEPARATE_WORKER_LOG_MARKS
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(3600)]

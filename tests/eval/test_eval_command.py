@@ -70,8 +70,8 @@ def test_the_report_on_disk_reads_back_into_what_status_plots_and_the_markdown_s
     from dflash.commands.eval import summary_lines
     from dflash.eval.evaluate import manifest_figures
     from dflash.eval.plots import write_plots
-    from dflash.eval.records import read_report
-    from dflash.eval.report import render_markdown
+    from dflash.eval.report_schema import read_report
+    from dflash.eval.report_writer import render_markdown
 
     run_dir, _, _ = eval_run
     report = read_report(run_dir / "eval" / "report.json")

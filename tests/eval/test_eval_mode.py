@@ -178,7 +178,7 @@ def test_the_served_check_renders_in_the_same_mode_and_marks_its_report(setup, t
     from pathlib import Path
 
     from dflash.eval.options import EvalOptions
-    from dflash.eval.records import read_report
+    from dflash.eval.report_schema import read_report
     from dflash.eval.served import evaluate_with_engine
     from launcher_core.errors import ParityFailed
     from tests.generate.gen_helpers import free_port

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.eval.records import (
+from dflash.eval.report_schema import (
     REPORT_VERSION,
     Departure,
     EvalReport,
@@ -22,7 +22,7 @@ from dflash.eval.records import (
     SetBrief,
     read_report,
 )
-from dflash.eval.report import MethodRun, PromptRuns, build_report, render_markdown
+from dflash.eval.report_writer import MethodRun, PromptRuns, build_report, render_markdown
 from launcher_core.errors import InputError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval"

@@ -91,8 +91,8 @@ def test_failures_are_kept_until_done_then_compacted(tmp_path):
 
 
 def completion_line(prompt_id: str) -> str:
+    from dflash.generate.completions import completion_record
     from dflash.generate.prompts import PromptRecord
-    from dflash.generate.records import completion_record
 
     response = {"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
@@ -180,7 +180,7 @@ def test_a_rerun_with_only_earlier_failures_left_sends_nothing_and_says_so(tmp_p
     server starts: its target does not even exist)."""
     from dflash.generate import generate_from_profile
     from dflash.generate.run import NothingSent
-    from dflash.pipeline import PipelineContext, _generate
+    from dflash.stages import PipelineContext, _generate
     from launcher_core.errors import exit_code_for
     from launcher_core.processes import free_port
     from launcher_core.profile import load_profile

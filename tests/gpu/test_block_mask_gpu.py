@@ -17,7 +17,7 @@ SMALL_ALLOCATION_SLACK = 64 * 1024     # the CUDA allocator rounds each small te
 
 
 def flagship_rules():
-    from dflash.drafter.layers import LayerAttention
+    from launcher_core.layer_attention import LayerAttention
 
     return [LayerAttention(window=2048, causal=True), LayerAttention()]
 

@@ -82,7 +82,7 @@ def test_calibrated_line_predicts_larger_micro_batches_within_10_percent(calibra
 def test_the_calibration_is_stored_in_a_baseline_document(calibrated, gpu_out):
     import json
 
-    from dflash.memory.calibration import load_calibration
+    from dflash.memory.calibration_record import load_calibration
 
     path = gpu_out / "calibration_baseline.json"
     stored = load_calibration(json.loads(path.read_text(encoding="utf-8")), str(path))

@@ -81,7 +81,7 @@ def emulated_snapshot(cap_mib: float) -> Snapshot:
 
 
 def planned_micro_batch(drills: Drills, cap_mib: float) -> int:
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
 
     plan = make_plan(drills.bench.profile, emulated_snapshot(cap_mib), calibration=drills.calibration,
                      cuda_visible_devices=None, world_size=1, shape=drills.bench.workload.target)
@@ -94,7 +94,7 @@ def run_capped(drills: Drills, cap_mib: float, planned: int, run_dir: Path) -> D
 
     import torch
 
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.autobatch import AutoBatch, OomRestart, load_run_state, run_state_path
     from dflash.train.rank.step import run_step
 

@@ -57,7 +57,7 @@ def decode_all(model: Any, draft: Any, prompts: list[tuple[str, list[int]]], set
     """Per prompt: target-only greedy first, then each drafter on the same verifier."""
     from dflash.eval.oracle import OracleDrafter
     from dflash.eval.prompt_lookup import PromptLookupDrafter
-    from dflash.eval.report import MethodRun, PromptRuns
+    from dflash.eval.report_writer import MethodRun, PromptRuns
     from dflash.eval.specdec import NoDrafter, TargetVerifier, speculative_decode
 
     verifier = TargetVerifier(model, draft.layer_ids)
@@ -80,8 +80,8 @@ def greedy_report(target: Path, tokenizer_dir: Path, dtype: Any) -> dict[str, An
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.eval.records import ReportContext
-    from dflash.eval.report import build_report
+    from dflash.eval.report_schema import ReportContext
+    from dflash.eval.report_writer import build_report
     from dflash.eval.specdec import DecodeSettings
 
     device = torch.device("cuda", 0)

@@ -34,7 +34,7 @@ class Reserved:
 @pytest.fixture(scope="module")
 def reserved(workload_profile, scratch, record) -> Reserved:
     from dflash.measure.gpu_calibration import CALIBRATION_MICRO_BATCHES, MICRO_BATCHES_PER_STEP, apply_allocator_setting, measure_reserve, measure_steps, warm_up, worst_case_bench
-    from dflash.memory.calibration import fit_calibration
+    from dflash.memory.calibration_record import fit_calibration
 
     allocator = apply_allocator_setting(workload_profile)          # before this process allocates CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "reserve", rows=MICRO_BATCHES_PER_STEP * (PLANNED + 1))
@@ -64,7 +64,7 @@ def capped_plan(reserved: Reserved):
     """The one-GPU plan whose budget holds micro-batch PLANNED at the measured ratio, not PLANNED + 1."""
     from test_drills_gpu import emulated_snapshot
 
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
 
     bench, calibration = reserved.bench, reserved.calibration
     probe = make_plan(bench.profile, emulated_snapshot(1e9), calibration=calibration, world_size=1,

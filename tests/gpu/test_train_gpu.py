@@ -65,7 +65,7 @@ def state(tiny_target, tokenizer_dir, tmp_path_factory) -> Any:
 
 @pytest.fixture(scope="module")
 def losses(state, record) -> list[float]:
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     losses, slot1, started = [], [], time.perf_counter()

@@ -80,7 +80,7 @@ def measured_step(state, work) -> dict[str, float]:
 
 def one_step(state) -> None:
     """The trainer's step (run_step: forward/backward, the gradient sum, clipping, the update)."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.step import run_step
 
     epoch, rows = state.data.step_rows(state.step)

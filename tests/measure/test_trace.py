@@ -11,7 +11,7 @@ import pytest
 
 from dflash.measure import fake, trace
 from dflash.memory import model as memory
-from dflash.memory.target import shape_from_config
+from dflash.memory.target_shape import shape_from_config
 from dflash.models import hybrid_layer_types
 from launcher_core.profile import load_profile
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash.memory import budget
 from dflash.memory import model as memory
-from dflash.memory import plan as budget
-from dflash.memory.calibration import fit_calibration
+from dflash.memory.calibration_record import fit_calibration
 from envcheck.snapshot import GpuFacts, Snapshot
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.profile import load_profile

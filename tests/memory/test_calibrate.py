@@ -26,7 +26,7 @@ def run_launcher(*args: str, baselines: Path) -> subprocess.CompletedProcess:
 
 
 def fixture_calibration():
-    from dflash.memory.calibration import load_calibration
+    from dflash.memory.calibration_record import load_calibration
 
     return load_calibration(json.loads(CALIBRATION.read_text()), str(CALIBRATION))
 
@@ -153,7 +153,7 @@ def test_a_multi_rank_profile_is_calibrated_on_2_ranks_only_where_2_gpus_exist()
 def test_the_stored_calibration_says_on_how_many_ranks_and_micro_batches_it_measured(tmp_path):
     import dataclasses
 
-    from dflash.memory.calibration import load_calibration, save_calibration
+    from dflash.memory.calibration_record import load_calibration, save_calibration
 
     calibration = fixture_calibration()
     assert (calibration.world_size, calibration.micro_batches_per_step) == (2, 2)

@@ -9,9 +9,9 @@ import pytest
 
 from dflash.drafter.taps import default_target_layer_ids
 from dflash.memory import model as memory
-from dflash.memory.calibration import fit_calibration, load_calibration, save_calibration
+from dflash.memory.calibration_record import fit_calibration, load_calibration, save_calibration
 from dflash.memory.offline import offline_storage
-from dflash.memory.target import QWEN36_27B_LIKE, shape_from_config, shape_from_directory, target_shape
+from dflash.memory.target_shape import QWEN36_27B_LIKE, shape_from_config, shape_from_directory, target_shape
 from launcher_core.errors import InputError
 from launcher_core.profile import load_profile
 
@@ -357,7 +357,7 @@ def test_dflash2s_tensors_are_the_real_modules_parameters_on_a_meta_build():
     from dflash.drafter.dflash2 import DFlash2Drafter, drafter_for_config, profile_dflash2_options, with_dflash2
     from dflash.drafter.model import drafter_config
     from dflash.drafter.shape import profile_shape
-    from dflash.memory.target import shape_from_config
+    from dflash.memory.target_shape import shape_from_config
 
     target = Qwen3Config(hidden_size=160, intermediate_size=544, num_hidden_layers=12, num_attention_heads=6,
                          num_key_value_heads=1, head_dim=32, vocab_size=4096)

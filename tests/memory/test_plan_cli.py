@@ -204,8 +204,8 @@ def test_the_plan_says_the_host_ram_the_node_needs_at_start_and_train_refuses_a_
     way to the GPU (the 248,320 x 5120 embedding in bf16, 2,425 MiB) and twice the largest drafter init unit
     (fc, 5120 x 25,600 float32, 500 MiB): 8 x 5,473 MiB = 42.8 GiB; the drafter built whole on the host (1.73 B
     float32 parameters, 6,600 MiB a rank) needed 86.5 GiB. The fixture node's 2 TiB hold it, 40 GiB do not."""
+    from dflash.memory.budget import make_plan
     from dflash.memory.host_ram import host_ram_at_start
-    from dflash.memory.plan import make_plan
     from dflash.train.supervisor.launch import check_host_ram
     from envcheck.snapshot import load_snapshot, save_snapshot
     from launcher_core.errors import PreflightFailed

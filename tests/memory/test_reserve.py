@@ -10,7 +10,7 @@ import pytest
 from test_budget import calibration_giving, snapshot, write_profile
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import (
+from dflash.memory.calibration_record import (
     AllocatorPeaks,
     calibration_as_dict,
     calibration_from_dict,
@@ -22,7 +22,7 @@ from dflash.memory.reserve import DEFAULT_RESERVE_RATIO, FIXED_SEGMENTS_RESERVE_
 
 
 def _plan(profile, calibration, free=(10_000, 10_000)):
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
 
     return make_plan(profile, snapshot(list(free), [500] * len(free)), calibration=calibration)
 
@@ -53,7 +53,7 @@ def test_without_a_measured_ratio_the_default_for_the_allocator_setting_applies(
 
 
 def test_a_cpu_profile_counts_no_reserve(tmp_path):
-    from dflash.memory.plan import make_plan
+    from dflash.memory.budget import make_plan
     from launcher_core.profile import load_profile
 
     plan = make_plan(load_profile("cpu-demo"))

@@ -4,7 +4,7 @@ tests/train/test_retention.py, which is in the torch compat lane: what a rank ru
 from __future__ import annotations
 
 from dflash.drafter.checkpoint import LATEST, checkpoints_dir
-from dflash.pipeline import eval_checkpoint
+from dflash.stages import eval_checkpoint
 from dflash.train.rank.retention import complete_checkpoints, prune_checkpoints
 from launcher_core.manifest import update_stage
 from launcher_core.profile import load_profile

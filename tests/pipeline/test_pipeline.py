@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.pipeline import (
+from dflash.stages import (
     PipelineContext,
     Stage,
     default_stages,
@@ -205,7 +205,7 @@ def test_the_generate_stage_builds_vllms_venv_first_where_it_generates_with_vllm
     import dflash.generate
     import dflash.generate.engine_env
     from dflash.generate.run import GenerateSummary
-    from dflash.pipeline import _generate
+    from dflash.stages import _generate
 
     calls: list[str] = []
     monkeypatch.setattr(dflash.generate.engine_env, "setup_engine_env", lambda engine: calls.append(f"setup {engine}"))
@@ -232,14 +232,14 @@ def test_serving_the_drafter_builds_the_engines_own_venv_where_this_environment_
     import dataclasses
 
     import dflash.generate.engine_env
-    import dflash.pipeline
+    import dflash.stages
 
     calls: list[str] = []
     monkeypatch.setattr(dflash.generate.engine_env, "setup_engine_env", lambda engine: calls.append(engine))
-    monkeypatch.setattr(dflash.pipeline, "sglang_here_serves", lambda profile: here_serves)
+    monkeypatch.setattr(dflash.stages, "sglang_here_serves", lambda profile: here_serves)
     base = load_profile("rtx6000-x8")
     profile = dataclasses.replace(base, eval=dataclasses.replace(base.eval, engine_python=engine_python))
-    dflash.pipeline._engine_ready(profile, engine, serves_drafter=serves_drafter)
+    dflash.stages._engine_ready(profile, engine, serves_drafter=serves_drafter)
     assert calls == ([engine] if builds else [])
 
 
@@ -247,7 +247,7 @@ def test_serving_the_drafter_builds_the_engines_own_venv_where_this_environment_
 def test_this_environments_sglang_serves_the_flagship_drafter_from_0_5_14(monkeypatch, installed, serves):
     import importlib.metadata
 
-    from dflash.pipeline import sglang_here_serves
+    from dflash.stages import sglang_here_serves
 
     def version(name: str) -> str:
         if name != "sglang" or installed is None:

@@ -55,8 +55,8 @@ def test_the_served_check_decodes_the_benchmarks_only_where_the_profile_says(mon
     """eval.serve_benchmarks off: the served check is asked for no benchmark (each would start every engine
     again); on: eval.benchmarks as the profile names them (None = the profile's own)."""
     import dflash.eval.run
-    import dflash.pipeline
-    from dflash.pipeline import PipelineContext, _served
+    import dflash.stages
+    from dflash.stages import PipelineContext, _served
 
     asked: list[EvalOptions] = []
 
@@ -64,7 +64,7 @@ def test_the_served_check_decodes_the_benchmarks_only_where_the_profile_says(mon
         asked.append(options)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(dflash.pipeline, "_engine_ready", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dflash.stages, "_engine_ready", lambda *args, **kwargs: None)
     monkeypatch.setattr(dflash.eval.run, "run_eval", served_eval)
     profile = with_eval(load_profile("cpu-demo"), serve_benchmarks=serve_benchmarks)
     with pytest.raises(RuntimeError, match="stop here"):
@@ -79,10 +79,10 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
     in-process report first, then runs the served check with that engine, and a failed gate keeps the in-process
     report (its last line says so); a profile without an engine decodes in-process only."""
     import dflash.eval.run
-    import dflash.pipeline
+    import dflash.stages
     from dflash.eval.options import EvalSummary
-    from dflash.eval.records import EvalReport, MethodFigures
-    from dflash.pipeline import PipelineContext, _eval, served_engine
+    from dflash.eval.report_schema import EvalReport, MethodFigures
+    from dflash.stages import PipelineContext, _eval, served_engine
     from launcher_core.errors import ParityFailed
 
     asked: list[EvalOptions] = []
@@ -94,8 +94,8 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
         return EvalSummary(EvalReport(8, 0.0, 2, {"target": MethodFigures(1.0, 10.0, 1.0, None),
                                                   "dflash": MethodFigures(1.5, 12.0, 1.2, True)}))
 
-    monkeypatch.setattr(dflash.pipeline, "_engine_ready", lambda *args, **kwargs: None)
-    monkeypatch.setattr(dflash.pipeline, "eval_checkpoint", lambda run_dir: ("step-1", "the last step"))
+    monkeypatch.setattr(dflash.stages, "_engine_ready", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dflash.stages, "eval_checkpoint", lambda run_dir: ("step-1", "the last step"))
     monkeypatch.setattr(dflash.eval.run, "run_eval", run_eval)
     profile = load_profile(profile_name)
     assert served_engine(profile) == served
@@ -127,7 +127,7 @@ def test_the_pipelines_eval_stage_shows_a_lossless_row_per_benchmark_for_the_dem
     HumanEval and two MT-Bench samples (both turns) with the demo drafter beside the held-out sets, every turn
     lossless, and the pipeline's closing figures show each benchmark's row for DFlash and for prompt lookup."""
     from dflash.commands.pipeline import final_figures
-    from dflash.pipeline import default_stages, run_pipeline
+    from dflash.stages import default_stages, run_pipeline
     from launcher_core.manifest import read_manifest
 
     run_dir = tmp_path / "run"

@@ -397,8 +397,8 @@ def test_force_starts_over_and_still_runs_the_checks_the_earlier_run_named(small
     """`train --force` (and --start-over) starts over with the old train/ kept beside it, on the same disk: the disk
     check still runs (it was skipped by --force before), the earlier run is not moved, and the message names what
     the runs moved aside before hold. The pipeline's --redo train starts over the same way (no skip)."""
-    from dflash.pipeline import PipelineContext, with_run_dir
-    from dflash.pipeline import _train as pipeline_train
+    from dflash.stages import PipelineContext, with_run_dir
+    from dflash.stages import _train as pipeline_train
     from launcher_core.errors import PreflightFailed
     from launcher_core.manifest import update_stage
     from launcher_core.profile import load_profile

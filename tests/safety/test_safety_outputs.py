@@ -110,7 +110,7 @@ def test_snapshot_output_refuses_a_directory_and_a_foreign_file(cli, tmp_path):
 
 
 def test_the_pipeline_replaces_only_its_own_dataset_keeping_a_backup(tmp_path, qwen3_tokenizer_dir):
-    from dflash.pipeline import PipelineContext, _tokenize
+    from dflash.stages import PipelineContext, _tokenize
     from launcher_core.errors import ConfigError
     from launcher_core.profile import load_profile
 

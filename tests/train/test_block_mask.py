@@ -25,8 +25,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from dflash.drafter.attention import FLEX_TILE, BlockLayout, KeyRanges, block_mask, block_mask_from_ranges, make_attend, visible_key_ranges
-from dflash.drafter.layers import LayerAttention
 from dflash.train.rank.data import collate_rows
+from launcher_core.layer_attention import LayerAttention
 
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train.supervisor.launch_checks import tokenizer_mask_token_id, validate_profile_for_launch
+from dflash.tokenizer import tokenizer_mask_token_id
+from dflash.train.supervisor.launch_checks import validate_profile_for_launch
 from launcher_core.errors import EXIT_USAGE, ConfigError
 from launcher_core.profile import load_profile
 

@@ -45,7 +45,7 @@ def test_training_checkpoint_loads_strictly_into_the_reference_and_gives_the_sam
 
 
 def without_window(drafter):
-    from dflash.drafter.layers import LayerAttention
+    from launcher_core.layer_attention import LayerAttention
 
     drafter.layer_rules = [LayerAttention() for _ in drafter.layer_rules]
     return drafter

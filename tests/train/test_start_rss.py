@@ -35,8 +35,8 @@ def peak_rss_mib(tmp_path: Path, profile: Path, order: str) -> list[float]:
 
 
 def test_a_rank_starts_within_the_planned_host_ram_and_the_whole_build_did_not(tmp_path, tiny_dataset):
+    from dflash.memory.budget import make_plan
     from dflash.memory.host_ram import host_ram_at_start
-    from dflash.memory.plan import make_plan
 
     path = write_profile(tmp_path / "p.toml", wide_target(tmp_path / "target"), tiny_dataset, tmp_path / "run",
                          drafter=DRAFTER)

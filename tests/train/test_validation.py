@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.data.validation_split import split_rows
 from dflash.drafter.loss import counted_tau, leading_accepted, simulated_tau
-from dflash.train.rank.data import split_rows
 from dflash.train.rank.validation import rank_batches
 
 
@@ -115,7 +115,7 @@ def _manifest(run_dir: Path, **train: object) -> None:
 
 def test_the_pipeline_evaluates_the_best_step_or_says_why_it_takes_the_last(tmp_path):
     from dflash.drafter.checkpoint import WEIGHTS
-    from dflash.pipeline import eval_checkpoint
+    from dflash.stages import eval_checkpoint
 
     run_dir = tmp_path / "run"
     _manifest(run_dir)

@@ -1,19 +1,20 @@
 """Training data of one rank: the Arrow dataset, the per-epoch order, this rank's rows of a
 step, and collation into right-padded micro-batches with their anchors.
 
-`train.validation_share` holds a share of the dataset's rows out of training (`split_rows`: chosen
-once from the row count and train.seed, the same on every rank and every restart; the trainer
+`train.validation_share` holds a share of the dataset's rows out of training (dflash.data.validation_split:
+chosen once from the row count and train.seed, the same on every rank and every restart; the trainer
 records them in train/validation.json): the epochs, the steps and the draft vocabulary see only the
 training rows (`TrainData.dataset`), and dflash.train.rank.validation measures the drafter on the others."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from dflash.data.validation_split import split_rows
 from dflash.drafter.anchors import sample_anchors
 from dflash.train.rank.parallel import WorkerEnv
 from launcher_core.errors import DataError
@@ -35,29 +36,6 @@ class MicroBatch:
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device), self.anchors.to(device),
                           self.anchor_valid.to(device), self.tokens, self.rows, self.lengths)
-
-
-VALIDATION_STREAM = 7_417      # the random stream of the validation split (apart from the epochs' orders)
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """Dataset rows that train and rows held out for validation (both sorted)."""
-
-    train: tuple[int, ...]
-    validation: tuple[int, ...] = field(default=())
-
-
-def split_rows(count: int, share: float, seed: int) -> RowSplit:
-    """Hold out round(share x count) rows (at least one when share > 0), chosen at random from
-    `seed`; every caller with the same count, share and seed gets the same split."""
-    from dflash.train.supervisor.launch_checks import held_out_count
-
-    held = held_out_count(count, share)
-    if not held:
-        return RowSplit(tuple(range(count)))
-    order = np.random.default_rng([seed, VALIDATION_STREAM]).permutation(count)
-    return RowSplit(tuple(sorted(int(row) for row in order[held:])), tuple(sorted(int(row) for row in order[:held])))
 
 
 class StepData(Protocol):

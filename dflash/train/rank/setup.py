@@ -86,11 +86,10 @@ def resolve_mask_token_id(profile: Profile, vocab_rows: int) -> int:
 
 
 def _tokenizer_mask_id(profile: Profile) -> int | None:
-    """The tokenizer's mask token, read from its files (the launch checks' reader)."""
-    from dflash.models import resolve_model_path
-    from dflash.train.supervisor.launch_checks import tokenizer_mask_token_id
+    """The tokenizer's mask token, read from its files (the reader the launch checks use)."""
+    from dflash.tokenizer import tokenizer_dir_for, tokenizer_mask_token_id
 
-    return tokenizer_mask_token_id(resolve_model_path(profile.model.tokenizer or profile.model.target))
+    return tokenizer_mask_token_id(tokenizer_dir_for(profile))
 
 
 def resolve_layer_ids(profile: Profile, num_target_layers: int) -> list[int]:

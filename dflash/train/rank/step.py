@@ -1,7 +1,7 @@
 """One optimizer step of online DFlash training, run inside each torchrun rank.
 
 One optimizer step = `accum_steps` micro-batches of `micro_batch` sequences on every rank (a
-`dflash.memory.plan.BatchPlan`; the same number of forward/backward calls everywhere: the drafter
+`dflash.memory.budget.BatchPlan`; the same number of forward/backward calls everywhere: the drafter
 is sharded by FSDP2, whose collectives run inside them). The loss of the step is the weighted
 cross entropy summed over all ranks' micro-batches divided by the GLOBAL weight sum (all_reduce
 SUM before any backward), and FSDP2 sums (never averages) the ranks' gradients
@@ -37,7 +37,7 @@ from dflash.train.rank import parallel
 from dflash.train.rank.data import MicroBatch
 
 if TYPE_CHECKING:
-    from dflash.memory.plan import BatchPlan
+    from dflash.memory.budget import BatchPlan
     from dflash.train.rank.setup import TrainState
 
 
@@ -129,7 +129,7 @@ def run_next_step(state: TrainState) -> tuple[StepStats, int]:
     """The schedule's next optimizer step: this rank's rows of step `state.step` (dflash.train.rank.data.TrainData),
     split by the current micro-batch, then `state.step` advances. Returns the step's figures and its epoch.
     The worker's loop and the training benchmarks step through this."""
-    from dflash.memory.plan import batch_plan
+    from dflash.memory.budget import batch_plan
     from dflash.train.rank.data import TrainData
 
     data = state.data

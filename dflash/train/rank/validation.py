@@ -1,6 +1,6 @@
 """Validation during training: the drafter measured on dataset rows held out of training.
 
-`train.validation_share` holds rows out (`dflash.train.rank.data.split_rows`: chosen once from the row
+`train.validation_share` holds rows out (`dflash.data.validation_split.split_rows`: chosen once from the row
 count and train.seed). Every `train.validation_every_steps` steps (0: at every checkpoint,
 train.save_every_steps) and after the last step, EVERY rank runs the training step's own forward
 (`dflash.train.rank.step.forward_micro`, under torch.no_grad()) over its share of the held-out rows
@@ -15,7 +15,7 @@ drops (`rank_batches`). The sums are all-reduced into:
 The anchors are sampled once (as epoch 0 samples them), so every measurement sees the same blocks.
 Rank 0 writes `train/validation.json` (the held-out rows, every measurement, the best step by
 held-out tau and its checkpoint) and the run manifest's train entry names the best step, which the
-pipeline evaluates (dflash.pipeline).
+pipeline evaluates (dflash.stages).
 """
 from __future__ import annotations
 

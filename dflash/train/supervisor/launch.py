@@ -38,9 +38,9 @@ from launcher_core.redact import redact_argv, redact_env
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.data.rendering import TrainingDataRecord
+    from dflash.data.rendering_record import TrainingDataRecord
+    from dflash.memory.budget import Plan
     from dflash.memory.launch_plan import PlanInputs
-    from dflash.memory.plan import Plan
     from dflash.train.supervisor.heartbeat import Stall
     from dflash.train.supervisor.watchdog import Stuck, StuckBound
 
@@ -209,11 +209,11 @@ SKIP_FLAG = "--skip-resource-checks"
 
 
 def training_data(profile: Profile) -> TrainingDataRecord:
-    """The dataset's path and rendering record (dflash.data.rendering), which prepare_run_dir writes into
+    """The dataset's path and rendering record (dflash.data.rendering_record), which prepare_run_dir writes into
     train/training_data.json, rank 0 copies into every checkpoint and export into an exported drafter, for eval's
     mode check. InputError naming the file and field when the dataset's meta is damaged."""
     from dflash.data.dataset_io import META_NAME
-    from dflash.data.rendering import training_data_record
+    from dflash.data.rendering_record import training_data_record
     from launcher_core.profile import expand_path
 
     return training_data_record(expand_path(profile, profile.paths.dataset) / META_NAME)

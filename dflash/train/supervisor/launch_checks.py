@@ -155,6 +155,8 @@ def _check_layer_ids(launch: _Launch) -> None:
 
 
 def _check_mask_token(launch: _Launch) -> None:
+    from dflash.tokenizer import tokenizer_mask_token_id
+
     profile, target = launch.profile, launch.target
     mask_id = profile.drafter.mask_token_id
     suggestion = SUGGESTED_MASK_IDS.get(target.vocab_rows)
@@ -419,15 +421,10 @@ def dataset_rows(dataset: Path) -> Optional[int]:
         return None
 
 
-def held_out_count(rows: int, share: float) -> int:
-    """Rows train.validation_share holds out of `rows`: round(share x rows), at least one when share > 0
-    (dflash.train.rank.data.split_rows chooses which)."""
-    return min(rows, max(1, round(share * rows))) if share > 0 else 0
-
-
 def planned_steps(profile: Profile) -> Optional[int]:
     """The steps a run of `profile` trains: train.max_steps, else train.epochs x its dataset's steps per epoch
     (training rows // train.global_batch, as the ranks count them); None when the dataset cannot be read."""
+    from dflash.data.validation_split import held_out_count
     from launcher_core.profile import expand_path
 
     train = profile.train
@@ -443,31 +440,6 @@ def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:
     from dflash.models import resolve_model_path
 
     return resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else target.path
-
-
-def tokenizer_mask_token_id(directory: Path) -> Optional[int]:
-    """The tokenizer's mask token id from its files (tokenizer_config.json / special_tokens_map.json
-    name it; tokenizer.json or added_tokens_decoder give its id); None when it has none."""
-    config = _read_json(directory / "tokenizer_config.json")
-    content = _token_content(config.get("mask_token")) or _token_content(
-        _read_json(directory / "special_tokens_map.json").get("mask_token"))
-    if not content:
-        return None
-    for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
-        if _token_content(entry) == content:
-            return int(token_id)
-    tokenizer = _read_json(directory / "tokenizer.json")
-    for entry in tokenizer.get("added_tokens") or []:
-        if entry.get("content") == content:
-            return int(entry["id"])
-    vocab = (tokenizer.get("model") or {}).get("vocab")
-    return int(vocab[content]) if isinstance(vocab, dict) and content in vocab else None
-
-
-def _token_content(value: object) -> str:
-    if isinstance(value, dict):
-        return str(value.get("content") or "")
-    return value if isinstance(value, str) else ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Mapping
 
 from dflash.chat import ChatMessage, Tool, ToolCall
-from dflash.data.records import Conversation, RecordProblem
+from dflash.data.conversations import Conversation, RecordProblem
 
 if TYPE_CHECKING:
     from jinja2 import Template

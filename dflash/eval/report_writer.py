@@ -1,4 +1,5 @@
-"""The eval report: per-method and per-prompt figures as JSON, and the same as markdown tables.
+"""The eval report built from the runs: per-method and per-prompt figures, written as JSON and as markdown
+tables (the records and their JSON: dflash.eval.report_schema).
 
 Definitions (all methods decode the same prompts with the same block size B):
 * tau of a step = accepted draft tokens + 1 (the target's bonus token); mean tau = mean over all
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dflash.eval.records import TARGET, EvalReport, MethodFigures, PromptFigures, ReportContext
+from dflash.eval.report_schema import TARGET, EvalReport, MethodFigures, PromptFigures, ReportContext
 
 
 @dataclass
@@ -154,7 +155,7 @@ def row_name(name: str, context: ReportContext) -> str:
 
 def _selector_table(report: EvalReport) -> list[str]:
     """A DFlash 2 drafter: its selector path beside its unary argmax, per block position."""
-    from dflash.eval.records import DFLASH, DFLASH_UNARY
+    from dflash.eval.report_schema import DFLASH, DFLASH_UNARY
 
     path, unary, lift = report.methods.get(DFLASH), report.methods.get(DFLASH_UNARY), report.selector_lift()
     if path is None or path.candidate_recall is None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from dflash.memory import model as memory
-from dflash.memory.calibration import Calibration
+from dflash.memory.calibration_record import Calibration
 from dflash.memory.reserve import Reserve, plan_reserve
-from dflash.memory.target import TargetShape
+from dflash.memory.target_shape import TargetShape
 from dflash.memory.workload import world_size_of
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile, batch_split_problem

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.chat import ChatMessage, Tool, ToolCall
-from dflash.data.rendering import generation_settings
+from dflash.data.rendering_record import generation_settings
 
 ROLES = ("system", "user", "assistant", "tool")
 

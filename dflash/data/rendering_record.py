@@ -2,7 +2,7 @@
 
 tokenize counts, per record, the `enable_thinking` the chat template was rendered with (the record's
 own `chat_template_kwargs`, else on when a turn has reasoning, else `generate.thinking`;
-dflash.data.render) and the generation settings the record's `sampling` says it was generated with.
+dflash.data.chat_render) and the generation settings the record's `sampling` says it was generated with.
 eval renders its prompts in the same mode and refuses another one (dflash.eval.mode): a drafter
 trained on thinking-off text and served thinking on (or the reverse) loses most of its acceptance.
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ThinkingMode = Literal["on", "off", "mixed"]
-# The `sampling` keys of a completion record (dflash.generate.records.SamplingParams) that shape the text.
+# The `sampling` keys of a completion record (dflash.generate.completions.SamplingParams) that shape the text.
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "thinking")
 
 

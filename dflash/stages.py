@@ -1,4 +1,5 @@
-"""The whole workflow as one command: audit -> generate -> tokenize -> train -> eval, one run dir.
+"""The pipeline's stages, audit -> generate -> tokenize -> train -> eval, in one run dir (the
+subcommand that runs them: dflash.commands.pipeline).
 
 Rerunning resumes: a stage is skipped when the manifest says it is done, its outputs exist and
 none of its inputs changed after them (the rule `make` uses, on modification times). `generate`
@@ -19,7 +20,7 @@ from launcher_core.manifest import STAGES
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
-    from dflash.eval.records import EvalReport
+    from dflash.eval.report_schema import EvalReport
 
 
 @dataclass(frozen=True)
