@@ -181,14 +181,15 @@ def test_two_records_claiming_one_current_row_on_the_same_date_are_ambiguous(tmp
     newer = root / RESULTS / record_of(gen.README_BENCHMARK).name
     rows = read_header(newer)
     replaced = rows[0].pop("supersedes")
-    assert len(replaced) == 1 and read_header(root / RESULTS / replaced[0])[0]["date"] == rows[0]["date"]
+    assert replaced and all(read_header(root / RESULTS / name)[0]["date"] == rows[0]["date"] for name in replaced)
+    claimants = sorted([newer.name, *replaced])      # no row names the winner now: every one of that date claims it
     write_header(newer, rows)
     before = (root / "BENCHMARKS.md").read_text(encoding="utf-8")
-    pair = ", ".join(sorted([newer.name, replaced[0]]))
+    pair = ", ".join(claimants)
     for args in (("--check",), ()):
         result = run(root, *args)
         assert result.returncode == 2
-        assert result.stderr.strip() == (f"error: benchmark `{gen.README_BENCHMARK}`: 2 rows claim its current row "
+        assert result.stderr.strip() == (f"error: benchmark `{gen.README_BENCHMARK}`: {len(claimants)} rows claim its current row "
                                          f"with the same date {rows[0]['date']} ({pair}); name the replaced record "
                                          "in the newer row's `supersedes`")
     assert (root / "BENCHMARKS.md").read_text(encoding="utf-8") == before
