@@ -269,7 +269,7 @@ def sglang_here_serves(profile: Profile) -> bool:
     """Whether this environment's SGLang (read from its metadata, not imported) serves the profile's drafter as trained."""
     import importlib.metadata
 
-    from envcheck.engines import sglang_drafter_problems
+    from envcheck.engine_releases import sglang_drafter_problems
 
     try:
         version = importlib.metadata.version("sglang")

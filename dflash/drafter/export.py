@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from dflash.drafter.layers import mixes_sliding_and_full
-from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING, sglang_config_problems
+from envcheck.engine_releases import SGLANG_IS_CAUSAL, SGLANG_SLIDING, sglang_config_problems
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
         # speculative/dflash_utils.py get_dflash_layer_types / get_dflash_attention_sliding_window_size
         # (window_left = sliding_window - 1), from 0.5.14; 0.5.11-0.5.13 run every layer ENCODER_ONLY without
         # a window. Absent is_causal: sliding DECODER, full ENCODER_ONLY; is_causal decides both from 0.5.18
-        # (envcheck.engines.sglang_rules)
+        # (envcheck.engine_releases.sglang_rules)
         "sliding": ["layer_types", "sliding_window"]},
     "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
