@@ -364,7 +364,7 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
                   f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
     if save_dir is not None:
-        from dflash.train.rank.checkpointing import save_training_checkpoint
+        from dflash.train.rank.sharded_checkpoints import save_training_checkpoint
 
         print(f"{name}: saved {save_training_checkpoint(state, save_dir / name)}", flush=True)
 

@@ -602,7 +602,7 @@ def print_old_rule(true_pairs: Sequence[Pair], controls: Sequence[Pair], sets: S
 def smoke() -> int:
     """In-process records of one prompt with an untrained drafter of cpu-demo's shape, then `analyse` of the
     committed records on 50 sets (figures printed, not judged)."""
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.eval.evaluate import load_target
     from dflash.train.rank.setup import build_drafter, resolve_layer_ids
     from launcher_core.profile import load_profile

@@ -86,7 +86,7 @@ def reference_steps(produced: Sequence[int]) -> list[int]:
 def run_reference(checkpoint: Path, target: Path, prompts: Sequence[Sequence[int]], block: int, max_new_tokens: int,
                   stop_ids: Sequence[int], work: Path) -> list[dict[str, Any]]:
     """z-lab's decoding of every prompt in the reference venv (built on first use)."""
-    from dflash.drafter.checkpoint import read_weights, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import read_weights, resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
     from tests.train.reference_venv import reference_python
 

@@ -133,7 +133,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-served-") as scratch:
         drafter, block_size = Path(scratch), profile.drafter.block_size      # the served eval's block: the drafter's
         if args.drafter is not None:
-            from dflash.drafter.checkpoint import read_drafter_config
+            from dflash.drafter.checkpoint_files import read_drafter_config
             from dflash.eval.served import export_for_engine
             from dflash.models import resolve_model_path
 

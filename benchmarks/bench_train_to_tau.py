@@ -197,7 +197,7 @@ def run_recipe(name: str, profile: Profile, sets: list[Heldout], budget_s: float
         print(point_line(name, point), flush=True)
         measured(run)
         if save_dir is not None:
-            from dflash.train.rank.checkpointing import save_training_checkpoint
+            from dflash.train.rank.sharded_checkpoints import save_training_checkpoint
 
             save_training_checkpoint(state, save_dir / name)
 

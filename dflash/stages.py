@@ -141,7 +141,7 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 
 def _train(ctx: PipelineContext) -> str:
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from dflash.train.supervisor.launch import run_training
     from dflash.train.supervisor.resume import step_directories
     from launcher_core.manifest import read_manifest
@@ -209,7 +209,7 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     """The checkpoint the pipeline evaluates (None: the run's latest) and why: the best step by
     held-out tau when training measured one and kept its checkpoint (dflash.train.rank.validation),
     else the last step."""
-    from dflash.drafter.checkpoint import has_weights
+    from dflash.drafter.checkpoint_files import has_weights
     from launcher_core.manifest import read_manifest
 
     entry = read_manifest(run_dir)["stages"].get("train", {})
@@ -279,7 +279,7 @@ def sglang_here_serves(profile: Profile) -> bool:
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:
-    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
 
     return checkpoints_dir(ctx.run_dir) / LATEST
 

@@ -91,7 +91,7 @@ def check_drafter_fits_target(profile: Profile, draft: str) -> None:
     loads: ConfigError (exit 2) "trained for another target" listing what differs."""
     from pathlib import Path
 
-    from dflash.drafter.checkpoint import CONFIG, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import CONFIG, resolve_checkpoint_dir
     from dflash.drafter.verify import target_fit_problems
     from dflash.models import resolve_model_path
     from launcher_core.errors import ConfigError

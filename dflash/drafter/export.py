@@ -145,7 +145,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     found one (an older checkpoint's run), so eval compares an exported drafter with the data it was trained on."""
     from safetensors.torch import save_file
 
-    from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
     from launcher_core.diskfull import disk_full_guard
     from launcher_core.fileio import atomic_directory
     from launcher_core.outputs import mark_export
@@ -175,7 +175,7 @@ def _write_training_data(checkpoint: Path, staging: Path, found: Optional[Mappin
     """The checkpoint's training_data.json copied as it is, else `found` written, else nothing (not known)."""
     import shutil
 
-    from dflash.drafter.checkpoint import TRAINING_DATA
+    from dflash.drafter.checkpoint_files import TRAINING_DATA
 
     if (checkpoint / TRAINING_DATA).is_file():
         shutil.copyfile(checkpoint / TRAINING_DATA, staging / TRAINING_DATA)

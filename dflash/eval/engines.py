@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from dflash.compat import version_tuple
-from dflash.drafter.checkpoint import is_dflash2_checkpoint
+from dflash.drafter.checkpoint_files import is_dflash2_checkpoint
 from dflash.drafter.export import V2_RUNNER_ENV
 from dflash.drafter.layers import mixes_sliding_and_full
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend

@@ -29,7 +29,7 @@ class EncodedPrompt:
 
 def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
     """An explicit checkpoint must exist; otherwise the run's latest checkpoint."""
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
 
     if checkpoint:
         path = Path(checkpoint)

@@ -126,7 +126,7 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
                 label: Optional[str] = None) -> EngineEval:
     """Steps 1-4 of the module doc, nothing written but the export and the engine logs; `prompts`:
     (prompts file, count) instead of the eval's own set (a benchmark's), `label` naming them."""
-    from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import resolve_checkpoint_dir
     from dflash.eval.engine_deviations import engine_deviations
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.report_schema import ReportContext

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from dflash.memory.attention_masks import MIB
-from dflash.memory.checkpoints import gib
+from dflash.memory.checkpoint_costs import gib
 from dflash.memory.model import MASTER_BYTES
 
 if TYPE_CHECKING:

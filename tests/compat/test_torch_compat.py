@@ -48,7 +48,7 @@ def test_the_lane_guards_what_a_training_rank_imports():
     """The triggers are the rank's import graph (worker and supervisor), not a list: the modules every rank runs
     are in it, those no rank imports are not."""
     guarded = triggers()
-    for path in ("dflash/models.py", "dflash/drafter/model.py", "dflash/drafter/checkpoint.py", "dflash/memory/reserve.py",
+    for path in ("dflash/models.py", "dflash/drafter/model.py", "dflash/drafter/checkpoint_files.py", "dflash/memory/reserve.py",
                  "dflash/memory/launch_plan.py", "envcheck/allocator.py", "launcher_core/profile.py",
                  "launcher_core/processes.py", "dflash/train/rank/worker.py", "dflash/train/supervisor/launch.py",
                  "dflash/torch_private.py", "dflash/measure/trace.py", "requirements-cu128.txt", *TESTS):

@@ -37,7 +37,7 @@ def dflash2_drafter(target, *, layers=("sliding_attention", "full_attention"), w
 
 @pytest.fixture(scope="module")
 def saved_dflash2(tiny_qwen3_model, tmp_path_factory):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
 
     run_dir = tmp_path_factory.mktemp("dflash2-run")
     save_checkpoint(run_dir, dflash2_drafter(tiny_qwen3_model), step=3, state={})

@@ -14,7 +14,7 @@ PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]
 
 def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0, draft_vocab: list[int] | None = None):
     """A random-weight drafter shaped for `target`, saved as a real training checkpoint."""
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.model import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
 
@@ -189,7 +189,7 @@ def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_
 
     from safetensors.torch import save_file
 
-    from dflash.drafter.checkpoint import config_document
+    from dflash.drafter.checkpoint_files import config_document
 
     drafter = sliding_drafter(tiny_qwen3_model)
     document = config_document(drafter.config)

@@ -31,7 +31,7 @@ def exports(tmp_path_factory, tiny_qwen3_target) -> dict[str, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.export import export_drafter
     from dflash.drafter.model import DFlashDrafter, drafter_config
 

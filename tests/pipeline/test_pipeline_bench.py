@@ -112,7 +112,7 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
 
 def link_checkpoint(run_dir: Path, checkpoint: Path) -> None:
     """The trained drafter as the run's latest checkpoint (what the train stage leaves)."""
-    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
 
     folder = checkpoints_dir(run_dir)
     folder.mkdir(parents=True)

@@ -197,7 +197,7 @@ def test_default_target_layer_ids():
 
 
 def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, tmp_path):
-    from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 
     saved = save_checkpoint(tmp_path, drafter, 7, {"note": "test"})
     assert (tmp_path / "train" / "checkpoints" / "latest").read_text().strip() == "step-7"

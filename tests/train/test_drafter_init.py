@@ -49,7 +49,7 @@ def moved_off_its_init(drafter):
 
 
 def test_training_continues_from_our_checkpoint_with_its_loss(tmp_path, smollm2_dir, tiny_dataset):
-    from dflash.drafter.checkpoint import latest_checkpoint, load_drafter, read_weights, save_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint, load_drafter, read_weights, save_checkpoint
     from dflash.models import load_target
     from dflash.train.rank.setup import build_drafter
     from dflash.train.supervisor.launch import run_training
@@ -74,7 +74,7 @@ def test_training_continues_from_our_checkpoint_with_its_loss(tmp_path, smollm2_
 
 
 def test_a_checkpoint_of_another_shape_is_refused_with_every_difference(tmp_path, smollm2_dir, tiny_dataset):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.model import DFlashDrafter
     from dflash.models import load_target
     from dflash.train.rank.setup import build_drafter

@@ -72,7 +72,7 @@ def equal(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) ->
 
 
 def test_the_sharded_meta_build_is_the_whole_build_on_1_2_and_3_ranks(tmp_path, tiny_qwen3_target, tiny_dataset):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.models import load_target
     from dflash.train.rank.setup import build_drafter
 

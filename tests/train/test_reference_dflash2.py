@@ -43,7 +43,7 @@ def random_dflash2(target, *, layers: tuple[str, ...], window: int, taps: list[i
 
 
 def saved(drafter, directory):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
 
     return save_checkpoint(directory, drafter, 1, {})
 
@@ -54,7 +54,7 @@ def unary_path(result) -> list[int]:
 
 @pytest.fixture(scope="module")
 def trained_dflash2(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.train.supervisor.launch import run_training
 
     root = tmp_path_factory.mktemp("dflash2-run")

@@ -1,7 +1,7 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
 dataset, frozen target (loaded up to its deepest tap), the drafter sharded by FSDP2
 (dflash.train.rank.parallel), optimizer and schedule, feature cache, resume from the latest sharded
-checkpoint (dflash.train.rank.checkpointing) and the agreed micro-batch.
+checkpoint (dflash.train.rank.sharded_checkpoints) and the agreed micro-batch.
 
 Every rank builds the same drafter (the same seed, the same target) on the meta device, shards it,
 and then materialises only its shard of each parameter (dflash.train.rank.materialize, torchtitan's
@@ -65,7 +65,7 @@ class TrainState:
     last_loss: float | None = None                  # of the last step (for the run manifest)
     skipped_steps: int = 0                          # steps skipped without a supervised position, whole run (loss_check)
     skipped_in_a_row: int = 0                       # ... since the last step that trained (train.max_skipped_steps bounds it)
-    weights_rms: float | None = None                # the trained weights' RMS at the last save (checkpointing.trained_rms)
+    weights_rms: float | None = None                # the trained weights' RMS at the last save (sharded_checkpoints.trained_rms)
     initial_weights_rms: float | None = None        # ... at the run's start (restored on resume): what a save is judged by
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
@@ -163,7 +163,7 @@ def initial_values(profile: Profile, drafter: DFlashDrafter, target: PreTrainedM
     """What drafter.init sets over the seeded random start, by tensor name: the draft vocabulary, then
     the target's weights ("target"), a drafter directory's ("drafter", its draft vocabulary included),
     or the final norm filled with drafter.norm_init (the default)."""
-    from dflash.drafter.checkpoint import drafter_init_values
+    from dflash.drafter.checkpoint_files import drafter_init_values
     from dflash.drafter.model import target_init_values
 
     values: dict[str, InitValue] = {}
@@ -224,7 +224,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if profile.train.feature_cache:
         state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
-        from dflash.train.rank.checkpointing import restore_checkpoint
+        from dflash.train.rank.sharded_checkpoints import restore_checkpoint
 
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)

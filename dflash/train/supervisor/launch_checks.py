@@ -201,7 +201,7 @@ def _check_drafter_layers(launch: _Launch) -> None:
 
 def _check_drafter_init(launch: _Launch) -> None:
     """init = "drafter" needs init_from naming a DFlash drafter directory; init_from alone does nothing."""
-    from dflash.drafter.checkpoint import init_source_problem
+    from dflash.drafter.checkpoint_files import init_source_problem
 
     drafter = launch.profile.drafter
     if drafter.init != "drafter":
