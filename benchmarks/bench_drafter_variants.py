@@ -217,7 +217,7 @@ def block_proposals(state: TrainState, seq: Sequence, first: int, selector: bool
     import torch
 
     from dflash.drafter.dflash2 import DFlash2Drafter
-    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.network import forward_blocks
     from dflash.drafter.taps import extract_taps
 
     ids = torch.tensor([seq.ids])
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1 if args.smoke else 2)

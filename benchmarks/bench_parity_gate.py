@@ -170,7 +170,7 @@ def serve_all(profile: Any, drafters: dict[str, Path], prompts: Sequence[Any], m
     """The target alone, each drafter as trained and each control, each on a fresh vLLM server."""
     from dflash.eval.controls import changed_export
     from dflash.eval.served import export_for_engine
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     exports = {name: export_for_engine("vllm", path, target, work / f"export-{name}", None)
@@ -205,7 +205,7 @@ def serve(profile: Any, drafter: Path, prompts: Sequence[Any], max_new_tokens: i
     from dflash.eval.engines import run_engines
     from dflash.eval.options import EvalOptions
     from dflash.eval.served import engine_settings
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     block = json.loads((drafter / "config.json").read_text())["block_size"]

@@ -126,7 +126,7 @@ def compare_set(profile: Any, checkpoint: Path, prompts_path: Path, count: int, 
 
     from dflash.eval.options import EvalOptions
     from dflash.eval.served import engine_settings, inprocess_decode
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     settings = engine_settings(profile, EvalOptions())

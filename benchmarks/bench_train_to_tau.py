@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1 if args.smoke else 2)

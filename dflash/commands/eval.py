@@ -93,7 +93,7 @@ def check_drafter_fits_target(profile: Profile, draft: str) -> None:
 
     from dflash.drafter.checkpoint_files import CONFIG, resolve_checkpoint_dir
     from dflash.drafter.verify import target_fit_problems
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
     from launcher_core.errors import ConfigError
     from launcher_core.fileio import read_json_object
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
 
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
@@ -492,7 +492,7 @@ def weight_differences(own: Mapping[str, Shaped], loaded: Mapping[str, Shaped]) 
 def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     """Start the (whole) `drafter` built from the profile from a DFlash drafter directory's weights
     (`drafter.init = "drafter"`, `drafter_init_values`); returns the directory."""
-    from dflash.drafter.model import assign_values
+    from dflash.drafter.network import assign_values
 
     directory, values = drafter_init_values(drafter, path)
     assign_values(drafter, values)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from dflash.drafter.draft_cache import DraftContextCache
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 
 @dataclass
@@ -73,7 +73,7 @@ class DFlashDraft:
         import torch
 
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
-        from dflash.drafter.model import draft_hidden_cached
+        from dflash.drafter.network import draft_hidden_cached
 
         if not self.use_cache:
             if self.context_k_norm_layer is not None:

@@ -71,8 +71,8 @@ def load_target(profile: Profile) -> tuple[PreTrainedModel, PreTrainedTokenizerB
 
     import torch
 
-    from dflash.models import load_target as load_model
-    from dflash.models import resolve_model_path
+    from dflash.target_model import load_target as load_model
+    from dflash.target_model import resolve_model_path
     from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
 
     path = resolve_model_path(profile.model.target)

@@ -130,7 +130,7 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
     from dflash.eval.engine_deviations import engine_deviations
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.report_schema import ReportContext
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
     check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))

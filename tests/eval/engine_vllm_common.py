@@ -174,7 +174,7 @@ def serve_variant(profile, target_run: Callable, inprocess, checkpoint: Path, ch
     from dflash.eval.controls import changed_export
     from dflash.eval.engines import run_engines
     from dflash.eval.served import export_for_engine, parity_rows
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     settings = served_settings(profile, inprocess)
     target = resolve_model_path(profile.model.target)

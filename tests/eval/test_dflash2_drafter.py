@@ -20,7 +20,7 @@ def dflash2_drafter(target, *, layers=("sliding_attention", "full_attention"), w
                     block: int = 4, rank: int = 8, top_k: int = 4, group: int = 16, mask: int = 151669, seed: int = 3):
     """A DFlash 2 drafter with every part off its start and a selector strong enough to overrule the head."""
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
 
     config = drafter_config(target.config, num_layers=len(layers), block_size=block, target_layer_ids=list(taps),
                             mask_token_id=mask, layer_types=layers, sliding_window=window if "sliding_attention" in layers else 0)

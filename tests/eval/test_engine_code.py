@@ -33,7 +33,7 @@ def exports(tmp_path_factory, tiny_qwen3_target) -> dict[str, Path]:
 
     from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
 
     root = tmp_path_factory.mktemp("engine-code")
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()

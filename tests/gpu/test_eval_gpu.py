@@ -41,7 +41,7 @@ def random_dflash_draft(model: Any, device: Any) -> Any:
     import torch
     from gpu_helpers import MASK_ID
 
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
     from dflash.eval.dflash_drafter import DFlashDraft
 

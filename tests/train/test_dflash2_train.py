@@ -50,7 +50,7 @@ def published_dflash2(target, directory, top_k: int = 4, **dflash_extra):
 
     from dflash.drafter.checkpoint_files import config_document
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
 
     config = drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=151669,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=3)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.loss import block_loss, block_targets, decay_weights
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import extract_taps
 from launcher_core.errors import InputError
 

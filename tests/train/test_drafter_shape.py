@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.drafter.network import DFlashDrafter, drafter_config
 from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
 from launcher_core.errors import ConfigError
 

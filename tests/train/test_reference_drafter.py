@@ -61,8 +61,8 @@ def test_sliding_window_and_yarn_checkpoint_matches_the_reference(sliding_checkp
 def test_sliding_window_drafter_on_smollm2_matches_the_reference(smollm2_dir, tmp_path):
     """SmolLM2-135M (the embedded default's target): a random drafter of its shape, saved as training saves it."""
     from dflash.drafter.checkpoint_files import save_checkpoint
-    from dflash.drafter.model import DFlashDrafter, drafter_config
-    from dflash.models import load_target
+    from dflash.drafter.network import DFlashDrafter, drafter_config
+    from dflash.target_model import load_target
 
     target = load_target(smollm2_dir)
     torch.manual_seed(0)

@@ -246,7 +246,7 @@ def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: in
     from transformers import AutoConfig
 
     from dflash.drafter.layers import profile_layer_options
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.shape import profile_shape
 
     target = AutoConfig.from_pretrained(facts.target.path, local_files_only=True)
