@@ -44,7 +44,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, path: Path, count: int, thinking: bool) -> list[EncodedPrompt]:
     """The first `count` prompts, rendered with the chat template and a generation prompt."""
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
 
     return [encode_messages(tokenizer, record.id, list(record.messages), thinking, list(record.tools))
             for record in load_prompts(path)[:count]]

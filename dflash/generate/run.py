@@ -24,7 +24,7 @@ from typing import Sequence
 
 from dflash.generate.client import EndpointPool, api_key_fallback, parse_endpoint
 from dflash.generate.completions import SamplingParams
-from dflash.generate.prompts import PromptRecord, load_prompts
+from dflash.generate.prompt_files import PromptRecord, load_prompts
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore, check_output
 from dflash.generate.workers import GenerateSummary, GenerationRun

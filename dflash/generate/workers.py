@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from dflash.generate.client import FAILURES_BEFORE_DOWN, EndpointPool, RequestFailure, check_endpoints, new_session, post_chat
 from dflash.generate.completions import SamplingParams, build_request_body, completion_record, rejected_optional_field
-from dflash.generate.prompts import PromptRecord
+from dflash.generate.prompt_files import PromptRecord
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
 from launcher_core.errors import RunFailed

@@ -92,7 +92,7 @@ def test_failures_are_kept_until_done_then_compacted(tmp_path):
 
 def completion_line(prompt_id: str) -> str:
     from dflash.generate.completions import completion_record
-    from dflash.generate.prompts import PromptRecord
+    from dflash.generate.prompt_files import PromptRecord
 
     response = {"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}

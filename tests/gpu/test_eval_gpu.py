@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def eval_prompts(tokenizer_dir: Path, count: int) -> list[tuple[str, list[int]]]:
     from transformers import AutoTokenizer
 
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     records = load_prompts(REPO_ROOT / "dflash" / "prompts" / "everyday_prompts.jsonl")[:count]
