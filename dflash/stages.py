@@ -112,7 +112,7 @@ def _audit(ctx: PipelineContext) -> str:
 
 def _generate(ctx: PipelineContext) -> str:
     from dflash.generate import generate_from_profile
-    from dflash.generate.run import NothingSent
+    from dflash.generate.generation_run import NothingSent
 
     _engine_ready(ctx.profile, ctx.profile.generate.backend)
     try:
@@ -165,8 +165,8 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 
 
 def _eval(ctx: PipelineContext) -> str:
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions, drafted_figures
-    from dflash.eval.run import run_eval
 
     checkpoint, which = eval_checkpoint(ctx.run_dir)
     print(f"evaluating {which}", flush=True)
@@ -228,8 +228,8 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
 def _served(ctx: PipelineContext, engine: str, checkpoint: Optional[str] = None) -> str:
     """The drafter served by `engine` (`served_engine`), its tau next to the in-process one (parity gate);
     eval.benchmarks' first turns too unless eval.serve_benchmarks is off (each benchmark starts every engine again)."""
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     benchmarks = None if ctx.profile.eval.serve_benchmarks else ()
     options = EvalOptions(engine=engine, checkpoint=checkpoint, benchmarks=benchmarks)

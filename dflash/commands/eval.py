@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def evaluate(profile: Profile, args: argparse.Namespace, benchmarks: Optional[tuple[str, ...]]) -> int:
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

@@ -39,8 +39,8 @@ def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
 def test_an_engine_serves_the_selector_path_losslessly(engine, trained):
     import dataclasses
 
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     if importlib.util.find_spec(engine) is None:
         pytest.skip(f"{engine} is not installed in this environment")
