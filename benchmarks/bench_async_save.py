@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from dflash.models import build_tiny_target
+    from dflash.target_model import build_tiny_target
     from tests.train.conftest import write_dataset
 
     args = parse_args()

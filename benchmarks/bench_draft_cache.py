@@ -81,7 +81,7 @@ def draft_call_ms(drafter, context: int) -> str:
 
     try:
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
-        from dflash.drafter.model import draft_logits_cached
+        from dflash.drafter.network import draft_logits_cached
     except ImportError:
         return "no draft cache in this code"
     features = torch.randn(1, context, len(drafter.target_layer_ids) * drafter.config.hidden_size)
@@ -107,7 +107,7 @@ def main() -> None:
 
     from dflash.eval.dflash_drafter import DFlashDraft
     from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
-    from dflash.models import SMOLLM2, load_target, resolve_model_path
+    from dflash.target_model import SMOLLM2, load_target, resolve_model_path
 
     args = parse_args()
     torch.set_num_threads(1)

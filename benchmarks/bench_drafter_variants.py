@@ -217,7 +217,7 @@ def block_proposals(state: TrainState, seq: Sequence, first: int, selector: bool
     import torch
 
     from dflash.drafter.dflash2 import DFlash2Drafter
-    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.network import forward_blocks
     from dflash.drafter.taps import extract_taps
 
     ids = torch.tensor([seq.ids])
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1 if args.smoke else 2)
@@ -364,7 +364,7 @@ def run_variant(name: str, variant: dict[str, Any], profile: Profile, run_dir: P
     report(steps, f", {steps} steps in {seconds:.0f} s ({seconds / steps:.2f} s/step), the trainer's loss decay "
                   f"gamma {gamma:.2f}, lr {profile.train.lr:g}")
     if save_dir is not None:
-        from dflash.train.rank.checkpointing import save_training_checkpoint
+        from dflash.train.rank.sharded_checkpoints import save_training_checkpoint
 
         print(f"{name}: saved {save_training_checkpoint(state, save_dir / name)}", flush=True)
 

@@ -58,7 +58,7 @@ def main() -> None:
     from dflash.eval.options import DEFAULT_EVAL_PROMPTS
     from dflash.eval.oracle import OracleDrafter
     from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
-    from dflash.models import flagship_twin_dir, load_target
+    from dflash.target_model import flagship_twin_dir, load_target
 
     args = parse_args()
     torch.set_num_threads(1)

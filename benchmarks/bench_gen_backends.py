@@ -95,7 +95,7 @@ class TreeRssSampler:
 
 
 def run_backend(backend: str, prompts: int, max_tokens: int, workdir: Path) -> BackendFigures:
-    from dflash.generate.run import generate_from_profile
+    from dflash.generate.generation_run import generate_from_profile
     from launcher_core.profile import load_profile
 
     base = load_profile("cpu-demo")

@@ -219,7 +219,7 @@ def smoke_drafter(profile: Any) -> Path:
     """An untrained drafter of the profile's shape, saved in a scratch folder."""
     import tempfile
 
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.eval.evaluate import load_target
     from dflash.train.rank.setup import build_drafter, resolve_layer_ids
 

@@ -170,7 +170,7 @@ def serve_all(profile: Any, drafters: dict[str, Path], prompts: Sequence[Any], m
     """The target alone, each drafter as trained and each control, each on a fresh vLLM server."""
     from dflash.eval.controls import changed_export
     from dflash.eval.served import export_for_engine
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     exports = {name: export_for_engine("vllm", path, target, work / f"export-{name}", None)
@@ -205,7 +205,7 @@ def serve(profile: Any, drafter: Path, prompts: Sequence[Any], max_new_tokens: i
     from dflash.eval.engines import run_engines
     from dflash.eval.options import EvalOptions
     from dflash.eval.served import engine_settings
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     block = json.loads((drafter / "config.json").read_text())["block_size"]
@@ -602,7 +602,7 @@ def print_old_rule(true_pairs: Sequence[Pair], controls: Sequence[Pair], sets: S
 def smoke() -> int:
     """In-process records of one prompt with an untrained drafter of cpu-demo's shape, then `analyse` of the
     committed records on 50 sets (figures printed, not judged)."""
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.eval.evaluate import load_target
     from dflash.train.rank.setup import build_drafter, resolve_layer_ids
     from launcher_core.profile import load_profile

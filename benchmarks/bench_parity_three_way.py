@@ -86,7 +86,7 @@ def reference_steps(produced: Sequence[int]) -> list[int]:
 def run_reference(checkpoint: Path, target: Path, prompts: Sequence[Sequence[int]], block: int, max_new_tokens: int,
                   stop_ids: Sequence[int], work: Path) -> list[dict[str, Any]]:
     """z-lab's decoding of every prompt in the reference venv (built on first use)."""
-    from dflash.drafter.checkpoint import read_weights, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import read_weights, resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
     from tests.train.reference_venv import reference_python
 
@@ -126,7 +126,7 @@ def compare_set(profile: Any, checkpoint: Path, prompts_path: Path, count: int, 
 
     from dflash.eval.options import EvalOptions
     from dflash.eval.served import engine_settings, inprocess_decode
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     target = resolve_model_path(profile.model.target)
     settings = engine_settings(profile, EvalOptions())

@@ -49,7 +49,7 @@ def small_workload(scratch: Path) -> tuple[Path, Path]:
     import numpy as np
 
     from dflash.data.dataset_io import save_token_rows
-    from dflash.models import build_tiny_target, qwen3_tokenizer_dir
+    from dflash.target_model import build_tiny_target, qwen3_tokenizer_dir
 
     target = build_tiny_target(scratch / "target", qwen3_tokenizer_dir(), hidden=64, layers=2)
     rng = np.random.default_rng(0)

@@ -58,7 +58,7 @@ def prompt_token_ids(profile, count: int) -> list[list[int]]:
 
     from dflash.eval.evaluate import encode_prompts
     from dflash.eval.options import eval_prompts_path
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(profile.model.target), local_files_only=True)
     return [p.token_ids for p in encode_prompts(tokenizer, eval_prompts_path(profile, None), count, False)]
@@ -71,7 +71,7 @@ def serve_once(profile, method: str, drafter: Path, block_size: int, prompts: li
     from dflash.eval.engines import engine_command, serve_method
     from dflash.eval.evaluate import EvalOptions
     from dflash.eval.served import engine_settings
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     settings = dataclasses.replace(engine_settings(profile, EvalOptions()), max_new_tokens=max_new_tokens,
                                    block_size=block_size)
@@ -133,9 +133,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-served-") as scratch:
         drafter, block_size = Path(scratch), profile.drafter.block_size      # the served eval's block: the drafter's
         if args.drafter is not None:
-            from dflash.drafter.checkpoint import read_drafter_config
+            from dflash.drafter.checkpoint_files import read_drafter_config
             from dflash.eval.served import export_for_engine
-            from dflash.models import resolve_model_path
+            from dflash.target_model import resolve_model_path
 
             drafter = export_for_engine("vllm", args.drafter, resolve_model_path(profile.model.target), Path(scratch), None)
             block_size = int(read_drafter_config(args.drafter).block_size)

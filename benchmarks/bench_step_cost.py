@@ -269,7 +269,7 @@ def main() -> int:
 
     from dflash.eval.evaluate import stop_token_ids
     from dflash.eval.specdec import DecodeSettings
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
     from launcher_core.profile import load_profile
 

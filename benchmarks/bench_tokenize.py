@@ -128,7 +128,7 @@ def main() -> int:
     if args.smoke:
         args.records, args.repeat = 10, 1
     from dflash.data.tokenize import load_tokenizer, tokenizer_identity
-    from dflash.models import qwen3_tokenizer_dir
+    from dflash.target_model import qwen3_tokenizer_dir
     from launcher_core.profile import load_profile
 
     pinning = pin_to_one_core() if args.workers == 1 else f"{args.workers} workers"

@@ -41,12 +41,12 @@ def real_text_ids(tokenizer, tokens: int) -> list[int]:
 
 
 def load_target(threads: int = 0):
-    """The frozen target as the trainer loads it (dflash.models.load_target), and its tokenizer;
+    """The frozen target as the trainer loads it (dflash.target_model.load_target), and its tokenizer;
     torch on `threads` threads (0: every core)."""
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.models import load_target, smollm2_dir
+    from dflash.target_model import load_target, smollm2_dir
 
     path = smollm2_dir()
     torch.set_num_threads(threads or cpu_count())
@@ -144,7 +144,7 @@ def training_throughput(tokens: int, steps: int, anchors: int, threads: int) -> 
 
     from dflash.data.dataset_io import save_token_rows
     from dflash.memory.budget import batch_plan
-    from dflash.models import smollm2_dir
+    from dflash.target_model import smollm2_dir
     from dflash.train.rank.parallel import WorkerEnv
     from dflash.train.rank.setup import build_state
     from dflash.train.rank.step import run_step

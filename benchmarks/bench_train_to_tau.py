@@ -197,7 +197,7 @@ def run_recipe(name: str, profile: Profile, sets: list[Heldout], budget_s: float
         print(point_line(name, point), flush=True)
         measured(run)
         if save_dir is not None:
-            from dflash.train.rank.checkpointing import save_training_checkpoint
+            from dflash.train.rank.sharded_checkpoints import save_training_checkpoint
 
             save_training_checkpoint(state, save_dir / name)
 
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
 
     torch.set_num_threads(1 if args.smoke else 2)

@@ -112,7 +112,7 @@ def _audit(ctx: PipelineContext) -> str:
 
 def _generate(ctx: PipelineContext) -> str:
     from dflash.generate import generate_from_profile
-    from dflash.generate.run import NothingSent
+    from dflash.generate.generation_run import NothingSent
 
     _engine_ready(ctx.profile, ctx.profile.generate.backend)
     try:
@@ -141,7 +141,7 @@ def _tokenize(ctx: PipelineContext) -> str:
 
 
 def _train(ctx: PipelineContext) -> str:
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from dflash.train.supervisor.launch import run_training
     from dflash.train.supervisor.resume import step_directories
     from launcher_core.manifest import read_manifest
@@ -165,8 +165,8 @@ def train_mode(state: Optional[str], has_checkpoint: bool, redo: bool) -> tuple[
 
 
 def _eval(ctx: PipelineContext) -> str:
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions, drafted_figures
-    from dflash.eval.run import run_eval
 
     checkpoint, which = eval_checkpoint(ctx.run_dir)
     print(f"evaluating {which}", flush=True)
@@ -209,7 +209,7 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
     """The checkpoint the pipeline evaluates (None: the run's latest) and why: the best step by
     held-out tau when training measured one and kept its checkpoint (dflash.train.rank.validation),
     else the last step."""
-    from dflash.drafter.checkpoint import has_weights
+    from dflash.drafter.checkpoint_files import has_weights
     from launcher_core.manifest import read_manifest
 
     entry = read_manifest(run_dir)["stages"].get("train", {})
@@ -228,8 +228,8 @@ def eval_checkpoint(run_dir: Path) -> tuple[Optional[str], str]:
 def _served(ctx: PipelineContext, engine: str, checkpoint: Optional[str] = None) -> str:
     """The drafter served by `engine` (`served_engine`), its tau next to the in-process one (parity gate);
     eval.benchmarks' first turns too unless eval.serve_benchmarks is off (each benchmark starts every engine again)."""
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     benchmarks = None if ctx.profile.eval.serve_benchmarks else ()
     options = EvalOptions(engine=engine, checkpoint=checkpoint, benchmarks=benchmarks)
@@ -269,7 +269,7 @@ def sglang_here_serves(profile: Profile) -> bool:
     """Whether this environment's SGLang (read from its metadata, not imported) serves the profile's drafter as trained."""
     import importlib.metadata
 
-    from envcheck.engines import sglang_drafter_problems
+    from envcheck.engine_releases import sglang_drafter_problems
 
     try:
         version = importlib.metadata.version("sglang")
@@ -279,7 +279,7 @@ def sglang_here_serves(profile: Profile) -> bool:
 
 
 def _latest_pointer(ctx: PipelineContext) -> Path:
-    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
 
     return checkpoints_dir(ctx.run_dir) / LATEST
 

@@ -24,7 +24,7 @@ _TOKENIZERS: dict[tuple[object, ...], PreTrainedTokenizerFast] = {}
 
 def tokenizer_dir_for(profile: Profile) -> Path:
     """`model.tokenizer` if set, else the target model's directory."""
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     return resolve_model_path(profile.model.tokenizer or profile.model.target)
 

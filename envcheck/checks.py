@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
+from envcheck.engine_releases import sglang_drafter_problems
 from envcheck.engine_venvs import ENGINE_SPECS
-from envcheck.engines import sglang_drafter_problems
 from envcheck.packages import FLASHINFER_FAMILY, public_version, version_matches_pin
 from envcheck.snapshot import EngineVenvFacts, GpuFacts, Snapshot
 from envcheck.target_architecture import TargetArchitecture
@@ -288,7 +288,7 @@ def check_sglang_serves_the_drafter(ctx: CheckInput) -> list[Finding]:
     """A profile served by SGLang: the SGLang that would serve (the venv of `launcher.py engine setup sglang`
     when the snapshot records it built from the current pins, else this environment's, installed or pinned)
     has DFLASH and runs the profile's draft layers with the attention they are trained with
-    (envcheck/engines.py), on a driver that runs its torch's CUDA."""
+    (envcheck/engine_releases.py), on a driver that runs its torch's CUDA."""
     evals = ctx.profile.eval
     if "sglang" not in (evals.engine, evals.serve_engine):
         return [Finding("engine.sglang", "SKIP", f"profile {ctx.profile.name} does not serve the drafter with SGLang")]

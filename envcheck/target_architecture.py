@@ -1,6 +1,6 @@
 """The profile's target as the audit sees it: its config.json's layer kinds, read without loading
 anything (no transformers, no weights). A builtin target (`builtin:...`) is the workload's business
-(`dflash.models`); the audit does not build it and says so."""
+(`dflash.target_model`); the audit does not build it and says so."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@
 causal, a full layer is bidirectional, unless `is_causal` says otherwise.
 
 One rule, read by both floors above: the drafter builds its masks from it (dflash.drafter.layers) and the
-engine rules (envcheck.engines) hold what each serving engine release runs against it. Here because the
+engine rules (envcheck.engine_releases) hold what each serving engine release runs against it. Here because the
 machine floor (envcheck) may not import the workload (dflash). Rules: docs/drafter.md "Drafter layers".
 """
 from __future__ import annotations

@@ -249,7 +249,7 @@ class TrainSection:
                                          "bounds in time the work a restart loses",
                                     Range(0, 10**6, low_open=True, zero="by steps only (train.save_every_steps)"))
     async_save: bool = key(True, "checkpoint shards written by a thread while the ranks train on "
-                                 "(DCP async_save; dflash.train.rank.checkpointing)")
+                                 "(DCP async_save; dflash.train.rank.sharded_checkpoints)")
     keep_checkpoints: int = key(3, "the newest N checkpoints kept, with the best by held-out tau and the latest "
                                    "(dflash.train.rank.retention): at most N + 2 on disk, which train holds against "
                                    "the free disk before it starts", Range(0, 10**6, zero="every checkpoint kept"))

@@ -42,7 +42,7 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> Path:
-    from dflash.models import qwen3_tokenizer_dir
+    from dflash.target_model import qwen3_tokenizer_dir
 
     return qwen3_tokenizer_dir()
 
@@ -57,7 +57,7 @@ def qwen3_tokenizer(qwen3_tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_qwen3_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     """A random-weight Qwen3 (hidden 64, 4 layers) with the real Qwen3 tokenizer, on disk."""
-    from dflash.models import build_tiny_target
+    from dflash.target_model import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3", qwen3_tokenizer_dir)
 
@@ -65,7 +65,7 @@ def tiny_qwen3_target(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as safetensors (converted once from the shipped GGUF)."""
-    from dflash.models import smollm2_dir
+    from dflash.target_model import smollm2_dir
 
     return smollm2_dir()
 
@@ -75,9 +75,9 @@ def flagship_twin_target() -> Path:
     """A random-weight model of the flagship's architecture (Qwen3.5/3.6: Gated DeltaNet + gated
     attention every 4th layer, partial rotary, M-RoPE, vision tower, MTP weights, 248,320 rows)
     with the real Qwen3 tokenizer, on disk: `builtin:flagship-twin`, built once into the cache under
-    its lock (`dflash.models.flagship_twin_dir`), as the flagship-twin profile's runs read it, not
+    its lock (`dflash.target_model.flagship_twin_dir`), as the flagship-twin profile's runs read it, not
     once per xdist worker (7 CPU s and 135 MB each). No test writes into it."""
-    from dflash.models import flagship_twin_dir
+    from dflash.target_model import flagship_twin_dir
 
     return flagship_twin_dir()
 

@@ -16,7 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dflash", "dflash.compat", "dflash.chat", "dflash.prompts", "dflash.torch_private"),  # the package's
                                                  # __init__, transformers versions, chat JSON shapes, prompt
                                                  # sets, torch's private APIs (each behind one function)
-    ("dflash.models",),                          # target models: builtin targets, config readers
+    ("dflash.target_model",),                    # target models: builtin targets, config readers
     ("dflash.tokenizer",),                       # the target's tokenizer, one loader for tokenize and eval
     ("dflash.drafter", "dflash.data", "dflash.generate"),  # the drafter model; tokenized data; generation
     ("dflash.memory",),                          # the analytic memory model and plan: the launcher process plans with it
@@ -159,14 +159,14 @@ def test_the_rank_imports_of_the_supervisor_only_the_records_and_variables_it_re
 
 def test_the_checker_sees_upward_and_sideways_imports_and_undeclared_packages():
     graph = {"launcher_core.a": {"dflash.data.b"}, "dflash.memory.calibration_record": {"dflash.train.rank.setup", "dflash.drafter.shape"},
-             "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.model", "dflash.eval.run"},
+             "dflash.memoryless": {"dflash.train.rank.step"}, "dflash.train.rank.step": {"dflash.memory.peak_estimate", "dflash.eval.eval_run"},
              "dflash.train.supervisor.launch": {"dflash.train.rank.worker", "dflash.train.supervisor.heartbeat"},
-             "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.run"},
-             "dflash.data.tokenize": {"dflash.data.chat_render", "dflash.models"}, "dflash.generate.run": {"dflash.data"}}
-    assert wrong_edges(graph) == [("dflash.generate.run", "dflash.data", "sideways"),
-                                  ("dflash.measure.trace", "dflash.eval.run", "sideways"),
+             "dflash.train.rank.worker": {"dflash.train.supervisor.heartbeat"}, "dflash.measure.trace": {"dflash.eval.eval_run"},
+             "dflash.data.tokenize": {"dflash.data.chat_render", "dflash.target_model"}, "dflash.generate.generation_run": {"dflash.data"}}
+    assert wrong_edges(graph) == [("dflash.generate.generation_run", "dflash.data", "sideways"),
+                                  ("dflash.measure.trace", "dflash.eval.eval_run", "sideways"),
                                   ("dflash.memory.calibration_record", "dflash.train.rank.setup", "up"),
-                                  ("dflash.train.rank.step", "dflash.eval.run", "up"),
+                                  ("dflash.train.rank.step", "dflash.eval.eval_run", "up"),
                                   ("dflash.train.supervisor.launch", "dflash.train.rank.worker", "up"),
                                   ("launcher_core.a", "dflash.data.b", "up")]
     assert undeclared(graph) == ["dflash.memoryless"]

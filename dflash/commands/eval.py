@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def evaluate(profile: Profile, args: argparse.Namespace, benchmarks: Optional[tuple[str, ...]]) -> int:
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     options = EvalOptions(checkpoint=args.draft, prompts_path=args.prompts, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -91,9 +91,9 @@ def check_drafter_fits_target(profile: Profile, draft: str) -> None:
     loads: ConfigError (exit 2) "trained for another target" listing what differs."""
     from pathlib import Path
 
-    from dflash.drafter.checkpoint import CONFIG, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import CONFIG, resolve_checkpoint_dir
     from dflash.drafter.verify import target_fit_problems
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
     from launcher_core.errors import ConfigError
     from launcher_core.fileio import read_json_object
 

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import resolve_checkpoint_dir
     from dflash.drafter.export import export_drafter
     from launcher_core.runlock import run_locks_for
 
@@ -56,7 +56,7 @@ def run_training_data(checkpoint: Path) -> Optional[TrainingDataRecord]:
     its run's train/profile.json names (dflash.eval.mode.trained_dataset); None when it names none."""
     from dflash.data.dataset_io import META_NAME
     from dflash.data.rendering_record import training_data_record
-    from dflash.drafter.checkpoint import TRAINING_DATA
+    from dflash.drafter.checkpoint_files import TRAINING_DATA
     from dflash.eval.mode import trained_dataset
 
     found = None if (checkpoint / TRAINING_DATA).is_file() else trained_dataset(checkpoint)

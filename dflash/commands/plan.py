@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from dflash.memory.budget import make_plan
-    from dflash.memory.checkpoints import restart_cost
+    from dflash.memory.checkpoint_costs import restart_cost
     from dflash.memory.launch_plan import model_source, read_inputs
     from dflash.memory.target_shape import describe_target
     from dflash.train.supervisor.watchdog import plan_figures
@@ -122,7 +122,7 @@ def checkpoint_figures(profile: Profile, plan: Plan, snapshot: Optional[Snapshot
     a snapshot: this machine's, read now): the plan's line and its JSON."""
     from dataclasses import asdict
 
-    from dflash.memory.checkpoints import checkpoint_disk, run_dir_disk
+    from dflash.memory.checkpoint_costs import checkpoint_disk, run_dir_disk
     from envcheck.host import disk_usage
     from launcher_core.profile import expand_path
 
@@ -155,7 +155,7 @@ COLUMNS = ("rank", "gpu", "free MiB", "overhead MiB", "budget MiB", "static MiB"
 
 
 def format_plan(plan: Plan, storage: OfflineStorage, run_lines: Sequence[str] = ()) -> list[str]:
-    """The plan's lines; `run_lines`: those of dflash.memory.checkpoints (the disk the run's checkpoints take,
+    """The plan's lines; `run_lines`: those of dflash.memory.checkpoint_costs (the disk the run's checkpoints take,
     what an OOM restart costs)."""
     from dflash.memory.launch_plan import describe_reserve
 

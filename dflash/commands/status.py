@@ -72,7 +72,7 @@ def trained_profile(run_dir: Path) -> str | None:
 def last_checkpoint(run_dir: Path) -> str | None:
     """The step directory `latest` names when it is there, else the newest `step-N` (None: none yet).
     Read only: `train --resume` verifies it and falls back to an older whole one when it is damaged."""
-    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
     from dflash.train.supervisor.resume import step_directories
 
     directory = checkpoints_dir(run_dir)

@@ -1,5 +1,5 @@
 """The DFlash 2 drafter (`DFlash2DraftModel`, `drafter.kind = "dflash2"`): the DFlash drafter of
-dflash.drafter.model plus a grouped dynamic causal convolution around every attention and MLP
+dflash.drafter.network plus a grouped dynamic causal convolution around every attention and MLP
 sublayer and a candidate selector that picks each slot's token among the target head's top K,
 both configured from the checkpoint's `dflash_config`.
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.drafter.model import ARCHITECTURE, DFlashDrafter, DraftDecoderLayer
+from dflash.drafter.network import ARCHITECTURE, DFlashDrafter, DraftDecoderLayer
 
 if TYPE_CHECKING:
     from dflash.drafter.attention import Attend

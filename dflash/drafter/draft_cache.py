@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from dflash.drafter.layers import mixes_sliding_and_full
-from envcheck.engines import SGLANG_IS_CAUSAL, SGLANG_SLIDING, sglang_config_problems
+from envcheck.engine_releases import SGLANG_IS_CAUSAL, SGLANG_SLIDING, sglang_config_problems
 from launcher_core.errors import InputError
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ ENGINE_READS: dict[str, dict[str, Any]] = {
         # speculative/dflash_utils.py get_dflash_layer_types / get_dflash_attention_sliding_window_size
         # (window_left = sliding_window - 1), from 0.5.14; 0.5.11-0.5.13 run every layer ENCODER_ONLY without
         # a window. Absent is_causal: sliding DECODER, full ENCODER_ONLY; is_causal decides both from 0.5.18
-        # (envcheck.engines.sglang_rules)
+        # (envcheck.engine_releases.sglang_rules)
         "sliding": ["layer_types", "sliding_window"]},
     "vllm": {"version": "vllm (qwen3_dflash.py, DFlashQwen3ForCausalLM)", "required": [
         "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -145,7 +145,7 @@ def export_drafter(checkpoint: Path, engine: str, output: Path, *, full_vocab: b
     found one (an older checkpoint's run), so eval compares an exported drafter with the data it was trained on."""
     from safetensors.torch import save_file
 
-    from dflash.drafter.checkpoint import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import config_document, read_drafter_config, read_weights, resolve_checkpoint_dir
     from launcher_core.diskfull import disk_full_guard
     from launcher_core.fileio import atomic_directory
     from launcher_core.outputs import mark_export
@@ -175,7 +175,7 @@ def _write_training_data(checkpoint: Path, staging: Path, found: Optional[Mappin
     """The checkpoint's training_data.json copied as it is, else `found` written, else nothing (not known)."""
     import shutil
 
-    from dflash.drafter.checkpoint import TRAINING_DATA
+    from dflash.drafter.checkpoint_files import TRAINING_DATA
 
     if (checkpoint / TRAINING_DATA).is_file():
         shutil.copyfile(checkpoint / TRAINING_DATA, staging / TRAINING_DATA)

@@ -1,7 +1,7 @@
 """Per-layer attention of the drafter: `layer_types` (`full_attention`, `sliding_attention`),
 `sliding_window`, `is_causal`. The rule each layer is trained with is launcher_core.layer_attention's (the
 reference's, which vLLM 0.32 and every SGLang from 0.5.14 share, so our drafters leave `is_causal` out);
-what each engine release runs instead is envcheck.engines'. A query at position p sees a key at j when
+what each engine release runs instead is envcheck.engine_releases'. A query at position p sees a key at j when
 `p - j < w` in a window (also `j - p < w` when not causal) and `j <= p` when causal. transformers keeps
 `sliding_window` only with `use_sliding_window: true`, so a config with sliding layers carries both.
 No torch here: the launcher validates profiles with it. Rules: docs/drafter.md "Drafter layers".

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from dflash.drafter.dflash2 import CandidateSelector, DFlash2Drafter
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -60,7 +60,7 @@ def unholdable_sources(sources: Sequence[int], target_config: TargetConfig) -> s
     layer (`attn_output_gate`: q_proj holds queries and gates, (1 + weight) RMSNorms) has weights
     that mean something else in a draft layer. `target_config` is a config object or config.json.
     """
-    from dflash.models import attention_is_gated, layer_types
+    from dflash.target_model import attention_is_gated, layer_types
 
     kinds = layer_types(target_config)
     linear = [s for s in sources if s < len(kinds) and kinds[s] != "full_attention"]

@@ -6,7 +6,7 @@ from the files alone (no process group, no target, no weights in memory):
 * `model.safetensors`: the 8-byte header length and the JSON header parse; every tensor's byte
   range matches its dtype and shape and lies inside the file; the file is as long as its data
   (a truncated copy or an interrupted write shows here);
-* `config.json`: a DFlash drafter config (dflash.drafter.checkpoint's rules);
+* `config.json`: a DFlash drafter config (the rules of dflash.drafter.checkpoint_files);
 * `training_state.pt`: torch reads it with `weights_only=True` (memory-mapped); it holds the step
   of its directory's name, the scheduler, the micro-batch and the total steps, and the optimizer
   state (itself, or in `dcp/`);
@@ -101,7 +101,7 @@ def _tensor_problem(name: str, entry: object) -> str:
 
 def header_shapes(path: Path) -> Shapes:
     """Tensor name -> shape from a safetensors header (a `model.` prefix dropped, rotary caches
-    skipped, as dflash.drafter.checkpoint.read_weights does)."""
+    skipped, as dflash.drafter.checkpoint_files.read_weights does)."""
     header, _ = read_safetensors_header(path)
     return {name.removeprefix("model."): tuple(int(d) for d in entry["shape"])
             for name, entry in header.items() if "rotary_emb." not in name and isinstance(entry, dict)}
@@ -110,7 +110,7 @@ def header_shapes(path: Path) -> Shapes:
 def checkpoint_shapes(directory: Path) -> Shapes:
     """Tensor name -> shape of a drafter directory's weights: its safetensors header, or (an intermediate
     training checkpoint, weights only in dcp/) the DCP metadata."""
-    from dflash.drafter.checkpoint import DCP_DIR, WEIGHTS, sharded_weight_shapes, weights_in_shards_only
+    from dflash.drafter.checkpoint_files import DCP_DIR, WEIGHTS, sharded_weight_shapes, weights_in_shards_only
 
     if not weights_in_shards_only(directory):
         return header_shapes(directory / WEIGHTS)
@@ -167,7 +167,7 @@ def dcp_problems(directory: Path) -> list[str]:
 
 def verify_checkpoint(path: str | Path) -> list[str]:
     """Everything wrong with checkpoint directory `path` (empty: it can be resumed)."""
-    from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, WEIGHTS, has_weights, init_source_problem, weights_in_shards_only
+    from dflash.drafter.checkpoint_files import CONFIG, DCP_DIR, STATE, WEIGHTS, has_weights, init_source_problem, weights_in_shards_only
 
     directory = Path(path)
     if not directory.is_dir():

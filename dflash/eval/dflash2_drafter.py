@@ -125,7 +125,7 @@ def load_draft(checkpoint: str, target_model: PreTrainedModel, draft_tokens: int
     """The checkpoint's drafter as the decoder's `dflash` method: a DFlash 2 drafter drafts its
     selector's path (DFlash2Draft), a DFlash drafter its head's argmax (or samples); `draft_tokens`
     a step (eval.draft_tokens; 0: B - 1)."""
-    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.checkpoint_files import load_drafter
     from dflash.drafter.dflash2 import DFlash2Drafter
 
     model = load_drafter(checkpoint, target_model)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from dflash.drafter.draft_cache import DraftContextCache
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 
 @dataclass
@@ -73,7 +73,7 @@ class DFlashDraft:
         import torch
 
         from dflash.drafter.draft_cache import DraftContextCache, extend_cache
-        from dflash.drafter.model import draft_hidden_cached
+        from dflash.drafter.network import draft_hidden_cached
 
         if not self.use_cache:
             if self.context_k_norm_layer is not None:
@@ -155,6 +155,6 @@ class DFlashDraft:
 def load_dflash_draft(checkpoint: str, target_model: PreTrainedModel, draft_tokens: int = 0) -> DFlashDraft:
     """The checkpoint's drafter drafting the head's argmax (or samples), `draft_tokens` a step; a
     DFlash 2 drafter's selector path: dflash.eval.dflash2_drafter.load_draft."""
-    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.checkpoint_files import load_drafter
 
     return DFlashDraft(model=load_drafter(checkpoint, target_model), draft_tokens=draft_tokens)

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from dflash.compat import version_tuple
-from dflash.drafter.checkpoint import is_dflash2_checkpoint
+from dflash.drafter.checkpoint_files import is_dflash2_checkpoint
 from dflash.drafter.export import V2_RUNNER_ENV
 from dflash.drafter.layers import mixes_sliding_and_full
 from dflash.generate.servers import ServerCommand, ServerSupervisor, client_host, is_hybrid_target, sglang_attention_backend
 from dflash.generate.vllm_server import LAUNCH_MODULES, SERVED_MODEL_NAME, engine_python, runnable_engine_python, vllm_base_args, vllm_env
-from envcheck.engines import SGLANG_FIRST_DFLASH
+from envcheck.engine_releases import SGLANG_FIRST_DFLASH
 from launcher_core.errors import ConfigError
 from launcher_core.schema import Profile
 
@@ -194,7 +194,7 @@ def check_engine_serves(engine: str, version: Optional[str], profile: Profile, d
     drafter directory) as it was trained: a DFlash 2 drafter on vLLM's CPU build, whose V1 model runner
     refuses candidate-head drafts and whose V2 runner needs Triton's GPU backend
     (tests/eval/test_engine_vllm_dflash2.py starts it both ways and reads both refusals); an SGLang
-    release that runs a layer with other attention (envcheck/engines.py); or vLLM on CPU asked for a
+    release that runs a layer with other attention (envcheck/engine_releases.py); or vLLM on CPU asked for a
     drafter mixing sliding and full layers, which only its V2 model runner serves and which on CPU needs
     Triton with a CPU backend (triton-cpu). `version`: the installed engine's (None: a stand-in serves,
     and only the DFlash 2 refusal applies)."""
@@ -206,7 +206,7 @@ def check_engine_serves(engine: str, version: Optional[str], profile: Profile, d
     if version is None or config is None:
         return                      # loading the drafter names what is missing
     if engine == "sglang":
-        from envcheck.engines import sglang_config_problems
+        from envcheck.engine_releases import sglang_config_problems
 
         problems = sglang_config_problems(version, config)
         if problems:

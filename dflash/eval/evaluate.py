@@ -29,7 +29,7 @@ class EncodedPrompt:
 
 def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
     """An explicit checkpoint must exist; otherwise the run's latest checkpoint."""
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
 
     if checkpoint:
         path = Path(checkpoint)
@@ -44,7 +44,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: Optional[str]) -> Path:
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, path: Path, count: int, thinking: bool) -> list[EncodedPrompt]:
     """The first `count` prompts, rendered with the chat template and a generation prompt."""
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
 
     return [encode_messages(tokenizer, record.id, list(record.messages), thinking, list(record.tools))
             for record in load_prompts(path)[:count]]
@@ -71,8 +71,8 @@ def load_target(profile: Profile) -> tuple[PreTrainedModel, PreTrainedTokenizerB
 
     import torch
 
-    from dflash.models import load_target as load_model
-    from dflash.models import resolve_model_path
+    from dflash.target_model import load_target as load_model
+    from dflash.target_model import resolve_model_path
     from dflash.tokenizer import load_tokenizer, tokenizer_dir_for
 
     path = resolve_model_path(profile.model.target)

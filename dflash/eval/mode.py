@@ -167,7 +167,7 @@ def training_data(profile: Profile, checkpoint: Path) -> TrainingData:
     dataset's meta is damaged."""
     from dflash.data.dataset_io import META_NAME
     from dflash.data.rendering_record import read_rendering, read_training_data_record
-    from dflash.drafter.checkpoint import TRAINING_DATA, resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import TRAINING_DATA, resolve_checkpoint_dir
     from launcher_core.profile import expand_path
 
     carried = resolve_checkpoint_dir(Path(checkpoint)) / TRAINING_DATA
@@ -189,7 +189,7 @@ def trained_dataset(checkpoint: Path) -> Optional[tuple[Path, str]]:
     `{run_dir}` as the run's directory now. None when the checkpoint is not in a run's
     train/checkpoints/, the run wrote no profile, or neither path holds a dataset."""
     from dflash.data.dataset_io import META_NAME
-    from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import resolve_checkpoint_dir
     from launcher_core.fileio import read_json_object
 
     step = resolve_checkpoint_dir(Path(checkpoint))

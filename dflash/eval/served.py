@@ -126,11 +126,11 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
                 label: Optional[str] = None) -> EngineEval:
     """Steps 1-4 of the module doc, nothing written but the export and the engine logs; `prompts`:
     (prompts file, count) instead of the eval's own set (a benchmark's), `label` naming them."""
-    from dflash.drafter.checkpoint import resolve_checkpoint_dir
+    from dflash.drafter.checkpoint_files import resolve_checkpoint_dir
     from dflash.eval.engine_deviations import engine_deviations
     from dflash.eval.options import eval_prompts_path, prompt_set_label
     from dflash.eval.report_schema import ReportContext
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     version = check_engine_installed(engine, profile) if launch is None else None
     check_engine_serves(engine, version, profile, resolve_checkpoint_dir(checkpoint))

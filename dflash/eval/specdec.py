@@ -173,7 +173,7 @@ class TargetVerifier:
     def __init__(self, model: PreTrainedModel, layer_ids: Optional[Sequence[int]] = None, rollback: str = "snapshot"):
         from dflash.compat import check_transformers, linear_state_continues
         from dflash.eval.target_cache import cache_keyword
-        from dflash.models import linear_attention_layers
+        from dflash.target_model import linear_attention_layers
 
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback {rollback!r}; valid: {', '.join(ROLLBACKS)}")

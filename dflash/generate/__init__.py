@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash.generate.run import GenerateSummary, generate_from_profile
+    from dflash.generate.generation_run import GenerateSummary, generate_from_profile
 
 __all__ = ["GenerateSummary", "generate_from_profile"]
 
 
 def __getattr__(name: str) -> object:
     if name in __all__:
-        from dflash.generate import run
+        from dflash.generate import generation_run
 
-        return getattr(run, name)
+        return getattr(generation_run, name)
     raise AttributeError(name)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Required, TypedDict
 
 from dflash.chat import ChatMessage, Tool, ToolCall
-from dflash.generate.prompts import PromptRecord
+from dflash.generate.prompt_files import PromptRecord
 from launcher_core.schema import GenerateSection
 
 THINK_END = "</think>"

@@ -13,8 +13,8 @@ def generation_plan(profile: Profile, input_path: str | None, output_path: str |
                     endpoints: Sequence[str], run_dir: str | None, api_key: str | None = None) -> dict[str, object]:
     """The resolved plan of a generate run; starts nothing and loads no model. `api_key`: `--api-key`."""
     from dflash.generate.completions import SamplingParams, build_request_body
-    from dflash.generate.prompts import load_prompts
-    from dflash.generate.run import resolve_paths
+    from dflash.generate.generation_run import resolve_paths
+    from dflash.generate.prompt_files import load_prompts
 
     paths = resolve_paths(profile, input_path, output_path, run_dir)
     backend = "endpoint" if endpoints else profile.generate.backend

@@ -86,7 +86,7 @@ def is_hybrid_target(model_path: Path) -> bool:
     """True for targets with linear-attention (Gated DeltaNet / Mamba-style) layers, read from config.json."""
     import json
 
-    from dflash.models import layer_types, text_config_dict
+    from dflash.target_model import layer_types, text_config_dict
 
     path = Path(model_path) / "config.json"
     if not path.exists():

@@ -4,7 +4,7 @@ server that dies. A run whose first requests all failed for good with the same r
 (RunFailed, exit 5): the rest would fail the same way. How many (`early_stop_bound`): as many as take
 every endpoint out of rotation (FAILURES_BEFORE_DOWN each), at most EARLY_STOP_AFTER; a run with one
 endpoint stops after 3, before it would wait for an endpoint that answers every request with an error.
-`dflash.generate.run` sets it up and drives it."""
+`dflash.generate.generation_run` sets it up and drives it."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from dflash.generate.client import FAILURES_BEFORE_DOWN, EndpointPool, RequestFailure, check_endpoints, new_session, post_chat
 from dflash.generate.completions import SamplingParams, build_request_body, completion_record, rejected_optional_field
-from dflash.generate.prompts import PromptRecord
+from dflash.generate.prompt_files import PromptRecord
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore
 from launcher_core.errors import RunFailed

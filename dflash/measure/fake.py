@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.target_shape import SMOLLM2_135M, shape_from_config, target_shape
-from dflash.models import QWEN36_27B_TEXT, hybrid_layer_types, local_model_dir
+from dflash.target_model import QWEN36_27B_TEXT, hybrid_layer_types, local_model_dir
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from dflash.drafter.attention import Attend, Backend, BlockLayout
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
     from launcher_core.layer_attention import LayerAttention
 
 MIB = memory.MIB
@@ -74,7 +74,7 @@ def target_config(profile: Profile) -> PretrainedConfig:
     SmolLM2's shape, or the published Qwen3.6-27B text config."""
     from transformers import AutoConfig, LlamaConfig
 
-    from dflash.models import SMOLLM2
+    from dflash.target_model import SMOLLM2
 
     directory = local_model_dir(profile.model.target)
     if (directory / "config.json").exists():
@@ -105,7 +105,7 @@ def truncated_config(config: PretrainedConfig, keep_layers: int) -> PretrainedCo
     """The config with only the first `keep_layers` layers (the trainer drops the rest)."""
     import copy
 
-    from dflash.models import truncate_layers
+    from dflash.target_model import truncate_layers
 
     truncated = copy.deepcopy(config)
     truncate_layers(truncated, keep_layers)
@@ -140,7 +140,7 @@ def unmasked_linear_attention(target: nn.Module) -> None:
 
 def module_layer_types(target: nn.Module) -> list[str]:
     """The kind of each decoder layer of a built target (its modules' `layer_type`; "decoder" when
-    the layer does not say). `dflash.models.layer_types` reads the same from a config."""
+    the layer does not say). `dflash.target_model.layer_types` reads the same from a config."""
     from dflash.drafter.taps import decoder_layers
 
     return [getattr(layer, "block_type", None) or getattr(layer, "layer_type", None) or "decoder"

@@ -11,7 +11,7 @@ micro-batches without emptying the cache (`measure_reserve`), under the profile'
 
 A profile of 2 or more ranks is calibrated on 2 ranks where this node has 2 GPUs, so FSDP2's
 collectives run between them, else in one process; the calibration records how many, and the plan
-corrects its estimate for N ranks by what it missed there (dflash.memory.model.peak_model). CUDA
+corrects its estimate for N ranks by what it missed there (dflash.memory.peak_estimate.peak_model). CUDA
 only: a CPU profile is a ConfigError (exit 2), a machine without a CUDA device CannotTest (exit 125).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from dflash.measure.peaks import measure_allocator_peaks, measure_step_peaks
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.calibration_record import AllocatorPeaks, Calibration, fit_calibration, save_calibration
 from dflash.memory.target_shape import target_shape
 from launcher_core.errors import CannotTest, ConfigError, RunFailed

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypedDict, cast
 
 from dflash.measure import fake
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from launcher_core.schema import Profile
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What one sequence's activations take in a training step, byte by byte as the code keeps them:
 the tap features kept from the target, the target's no-grad working set (one layer's), and the
-drafter's saved activations under autocast or bf16 compute. `dflash.memory.model` adds them up
+drafter's saved activations under autocast or bf16 compute. `dflash.memory.peak_estimate` adds them up
 (`MemoryEstimate.per_sequence`); `benchmarks/bench_memory_trace.py` holds them to a traced step.
 """
 from __future__ import annotations

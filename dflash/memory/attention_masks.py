@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 BLOCK_MASK_TABLES = 4       # partial and full blocks, for the query side and the transposed key side
 INT32_BYTES = 4
 INT64_BYTES = 8
-MIB = 1024 * 1024           # the memory model's unit (dflash.memory.model.MIB)
+MIB = 1024 * 1024           # the memory model's unit (dflash.memory.peak_estimate.MIB)
 BUILD_ROW_INT64 = 9         # the 4 key ranges, one tile range's input, first/end and their where() outputs
 BUILD_ROW_FLAGS = 2         # booleans per row: the ranges that meet, a tile range's "some"
 BUILD_ROW_GRIDS = 2         # int32 [query tiles, key tiles + 1]: touched counts, covered steps

@@ -11,7 +11,7 @@ the snapshot has it, else the baseline's for the same GPU (by UUID), else the pr
 memory.overhead_mib, else DEFAULT_OVERHEAD_MIB.
 
 A rank's feasible micro-batch is the largest m <= train.max_micro_batch whose predicted allocated
-peak (dflash.memory.model) times the allocator's reserve ratio (dflash.memory.reserve) fits its
+peak (dflash.memory.peak_estimate) times the allocator's reserve ratio (dflash.memory.reserve) fits its
 budget, the cap its allocator runs under; the ranks agree on the minimum, and gradient accumulation keeps
 the global batch (train.global_batch sequences per optimizer step) exact. No torch import here.
 """
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.calibration_record import Calibration
 from dflash.memory.reserve import Reserve, plan_reserve
 from dflash.memory.target_shape import TargetShape

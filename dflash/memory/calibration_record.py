@@ -1,7 +1,7 @@
 """A measured memory model: peak allocated memory at two micro-batch sizes on one workload, each a
 step of two micro-batches on `world_size` ranks (`launcher.py calibrate` measures it on the GPU
 node, `dflash.measure.gpu_calibration`), and its storage inside the baseline JSON under the key
-`memory_calibration`, next to the machine facts it was measured on. `dflash.memory.model.peak_model`
+`memory_calibration`, next to the machine facts it was measured on. `dflash.memory.peak_estimate.peak_model`
 corrects the analytic estimate with it when its workload key is the profile's.
 
 It also holds the caching allocator's reserve: the peak reserved memory at the two sizes, and the

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from dflash.memory.attention_masks import MIB
-from dflash.memory.checkpoints import gib
-from dflash.memory.model import MASTER_BYTES
+from dflash.memory.checkpoint_costs import gib
+from dflash.memory.peak_estimate import MASTER_BYTES
 
 if TYPE_CHECKING:
     from dflash.memory.budget import Plan
@@ -83,7 +83,7 @@ class HostRamAtStart:
 
 def host_ram_at_start(profile: Profile, plan: Plan) -> HostRamAtStart:
     """From the plan's workload: the target's and the drafter's shapes, the ranks on this node."""
-    from dflash.memory import model as memory
+    from dflash.memory import peak_estimate as memory
 
     workload, device = plan.workload, profile.machine.device
     shape, dtype_bytes = workload.target, workload.dtype_bytes
@@ -105,7 +105,7 @@ def host_ram_at_start(profile: Profile, plan: Plan) -> HostRamAtStart:
 def largest_init_unit(workload: Workload) -> int:
     """Elements of the largest module dflash.train.rank.materialize builds again at once: a weight matrix, one
     of DFlash 2's convolutions (its two tensors) or its selector (both codebooks and the projection)."""
-    from dflash.memory import model as memory
+    from dflash.memory import peak_estimate as memory
 
     single = max(rows * rest for rows, rest in memory.drafter_tensors(workload))
     conv = memory.conv_tensors(workload)[:2]
@@ -115,7 +115,7 @@ def largest_init_unit(workload: Workload) -> int:
 def loaded_target_params(workload: Workload, profile: Profile) -> int:
     """The target's parameters a rank loads (dflash.train.rank.setup.target_layers_to_load)."""
     from dflash.drafter.taps import target_layers_needed
-    from dflash.memory import model as memory
+    from dflash.memory import peak_estimate as memory
 
     layers = target_layers_needed(workload.tap_layers, workload.drafter_layers, workload.target.num_layers,
                                   profile.drafter.init == "target", to_last=workload.distill)

@@ -1,11 +1,11 @@
 """The target's shape as the memory model needs it, and where it is found.
 
-From the target's `config.json` when its directory exists (`dflash.models.local_model_dir`: a
+From the target's `config.json` when its directory exists (`dflash.target_model.local_model_dir`: a
 builtin's cache directory or the profile's path; a nested `text_config` is used for multimodal
 configs; the parameter count from the safetensors index when there is one), else from the
 builtin's known config (SmolLM2-135M, the flagship twin) or, for a target that is not on this
 machine (a path on the GPU node a plan is made for, a hub id), Qwen3.6-27B's published text config
-(`dflash.models.QWEN36_27B_TEXT`): ASSUMED dimensions, which the shape's `source` says and `plan`
+(`dflash.target_model.QWEN36_27B_TEXT`): ASSUMED dimensions, which the shape's `source` says and `plan`
 prints (`describe_target`). A target that is here but is not a model directory (a file, a folder
 without config.json) is refused (ConfigError naming model.target). Reads files only: no torch, no
 conversion, no download.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dflash.drafter.shape import target_rope_theta
-from dflash.models import FLAGSHIP_TEXT, FLAGSHIP_TWIN, QWEN36_27B_PARAMS, QWEN36_27B_TEXT, SMOLLM2, SMOLLM2_135M_CONFIG, local_model_dir, with_layer_types
+from dflash.target_model import FLAGSHIP_TEXT, FLAGSHIP_TWIN, QWEN36_27B_PARAMS, QWEN36_27B_TEXT, SMOLLM2, SMOLLM2_135M_CONFIG, local_model_dir, with_layer_types
 from launcher_core.errors import ConfigError, InputError
 from launcher_core.schema import Profile
 

@@ -1,5 +1,5 @@
 """What one training step processes in its worst case, and how the drafter is sharded over the
-ranks: the one definition the memory model (`dflash.memory.model`), the activations
+ranks: the one definition the memory model (`dflash.memory.peak_estimate`), the activations
 (`dflash.memory.activations`), the masks (`dflash.memory.attention_masks`) and a calibration's key
 (`dflash.memory.calibration_record`) all read. No torch import: `plan` runs in the launcher process.
 """
@@ -100,7 +100,7 @@ class Workload:
     def key(self) -> str:
         """Identifies the workload a calibration was measured on: what a micro-batch processes and how
         the step runs it. Not how many ranks shard the drafter or share the batch: a calibration
-        measured on 2 ranks corrects the estimate for 8 (dflash.memory.model.peak_model)."""
+        measured on 2 ranks corrects the estimate for 8 (dflash.memory.peak_estimate.peak_model)."""
         facts = dataclasses.asdict(self)
         facts["target"].pop("source")               # the same shape read from another path is the same workload
         facts.pop("rank_share")

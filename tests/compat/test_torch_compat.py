@@ -48,7 +48,7 @@ def test_the_lane_guards_what_a_training_rank_imports():
     """The triggers are the rank's import graph (worker and supervisor), not a list: the modules every rank runs
     are in it, those no rank imports are not."""
     guarded = triggers()
-    for path in ("dflash/models.py", "dflash/drafter/model.py", "dflash/drafter/checkpoint.py", "dflash/memory/reserve.py",
+    for path in ("dflash/target_model.py", "dflash/drafter/network.py", "dflash/drafter/checkpoint_files.py", "dflash/memory/reserve.py",
                  "dflash/memory/launch_plan.py", "envcheck/allocator.py", "launcher_core/profile.py",
                  "launcher_core/processes.py", "dflash/train/rank/worker.py", "dflash/train/supervisor/launch.py",
                  "dflash/torch_private.py", "dflash/measure/trace.py", "requirements-cu128.txt", *TESTS):
@@ -75,14 +75,14 @@ def commit_all(repo: Path, message: str) -> None:
         subprocess.run(["git", *argv], cwd=repo, check=True, capture_output=True)
 
 
-@pytest.mark.parametrize("changed, runs", [("dflash/models.py", True), ("README.md", False)])
+@pytest.mark.parametrize("changed, runs", [("dflash/target_model.py", True), ("README.md", False)])
 def test_a_shallow_clone_decides_the_lane_as_a_full_clone_does(tmp_path, changed, runs):
-    """A change to dflash/models.py makes the lane run, one to README.md does not, on a full clone and on a
+    """A change to dflash/target_model.py makes the lane run, one to README.md does not, on a full clone and on a
     shallow one (depth 1: HEAD's parent absent until the decision fetches it), with this repository's triggers."""
     origin = tmp_path / "origin"
     (origin / "dflash").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", "-b", "main", str(origin)], check=True)
-    for path in ("dflash/models.py", "README.md"):
+    for path in ("dflash/target_model.py", "README.md"):
         (origin / path).write_text("first\n")
     commit_all(origin, "first")
     (origin / changed).write_text("second\n")

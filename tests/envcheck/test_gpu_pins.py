@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 from envcheck.bisect.metadata import read_cache
 from envcheck.bisect.reqsets import load_requirement_set
 from envcheck.checks import CheckInput, check_sglang_serves_the_drafter
-from envcheck.engines import sglang_config_problems, sglang_drafter_problems, sglang_problems
+from envcheck.engine_releases import sglang_config_problems, sglang_drafter_problems, sglang_problems
 from envcheck.packages import normalize
 from envcheck.snapshot import load_snapshot
 from launcher_core.layer_attention import DraftLayers

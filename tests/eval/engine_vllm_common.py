@@ -96,7 +96,7 @@ def answers(tmp_path_factory, smollm2_dir) -> Path:
 def train(root: Path, smollm2_dir: Path, data: Path, drafter: dict, steps: int, **recipe: object) -> Path:
     """`steps` steps on the answers, the whole set each step (its target features cached after the first);
     `recipe`: [train] keys changed from these."""
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.train.supervisor.launch import run_training
 
     profile = write_profile(root / "p.toml", smollm2_dir, data, root / "run", machine={"nproc_per_node": 1},
@@ -174,7 +174,7 @@ def serve_variant(profile, target_run: Callable, inprocess, checkpoint: Path, ch
     from dflash.eval.controls import changed_export
     from dflash.eval.engines import run_engines
     from dflash.eval.served import export_for_engine, parity_rows
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     settings = served_settings(profile, inprocess)
     target = resolve_model_path(profile.model.target)

@@ -13,7 +13,7 @@ def tiny_qwen3_model(tiny_qwen3_target):
 
 @pytest.fixture(scope="session")
 def twin_model(flagship_twin_target):
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     return load_target(flagship_twin_target)
 

@@ -20,7 +20,7 @@ def dflash2_drafter(target, *, layers=("sliding_attention", "full_attention"), w
                     block: int = 4, rank: int = 8, top_k: int = 4, group: int = 16, mask: int = 151669, seed: int = 3):
     """A DFlash 2 drafter with every part off its start and a selector strong enough to overrule the head."""
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
 
     config = drafter_config(target.config, num_layers=len(layers), block_size=block, target_layer_ids=list(taps),
                             mask_token_id=mask, layer_types=layers, sliding_window=window if "sliding_attention" in layers else 0)
@@ -37,7 +37,7 @@ def dflash2_drafter(target, *, layers=("sliding_attention", "full_attention"), w
 
 @pytest.fixture(scope="module")
 def saved_dflash2(tiny_qwen3_model, tmp_path_factory):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
 
     run_dir = tmp_path_factory.mktemp("dflash2-run")
     save_checkpoint(run_dir, dflash2_drafter(tiny_qwen3_model), step=3, state={})

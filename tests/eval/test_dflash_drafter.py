@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter.model import _attend_all
+from dflash.drafter.network import _attend_all
 from dflash.drafter.taps import extract_taps
 from dflash.eval.dflash_drafter import DFlashDraft, load_dflash_draft
 from dflash.eval.specdec import DecodeSettings, NoDrafter, TargetVerifier, speculative_decode
@@ -14,8 +14,8 @@ PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]
 
 def save_random_drafter(run_dir, target, block_size: int = 4, seed: int = 0, draft_vocab: list[int] | None = None):
     """A random-weight drafter shaped for `target`, saved as a real training checkpoint."""
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
 
     config = drafter_config(target.config, num_layers=1, block_size=block_size,
@@ -137,7 +137,7 @@ def test_sampled_drafts_from_a_draft_vocabulary_put_no_mass_outside_it(tiny_qwen
 
 def sliding_drafter(target, window: int = 3):
     """Two layers, the first sliding with a window shorter than any prompt here, the second full."""
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
 
     config = drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=151669,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=window)
@@ -189,7 +189,7 @@ def test_a_published_format_sliding_window_yarn_drafter_decodes_losslessly(tiny_
 
     from safetensors.torch import save_file
 
-    from dflash.drafter.checkpoint import config_document
+    from dflash.drafter.checkpoint_files import config_document
 
     drafter = sliding_drafter(tiny_qwen3_model)
     document = config_document(drafter.config)

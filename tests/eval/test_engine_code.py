@@ -1,6 +1,6 @@
 """The attention each exported draft layer gets, from the engines' own code (tests/eval/engine_code.py),
 held against our rules: the trained rule (dflash.drafter.layers.layer_attention, the reference's)
-and the per-release SGLang rule (envcheck.engines.sglang_rules) that `audit`, `export --for sglang`
+and the per-release SGLang rule (envcheck.engine_releases.sglang_rules) that `audit`, `export --for sglang`
 and `eval --engine sglang` apply. SGLang's functions are executed from its wheels (downloaded once
 into the project cache); vLLM's run in the engine venv (`launcher.py engine setup vllm`)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash.drafter.layers import layer_attention
-from envcheck.engines import sglang_rules
+from envcheck.engine_releases import sglang_rules
 from launcher_core.layer_attention import LayerAttention, config_draft_layers
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -31,9 +31,9 @@ def exports(tmp_path_factory, tiny_qwen3_target) -> dict[str, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
 
     root = tmp_path_factory.mktemp("engine-code")
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()

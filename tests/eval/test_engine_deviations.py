@@ -20,7 +20,7 @@ def tiny_drafter(target, layers: int = 3):
     """A random drafter of the tiny target whose layers' k_norm weights all differ."""
     import torch
 
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
 
     torch.manual_seed(0)
     config = drafter_config(target.config, num_layers=layers, block_size=4, target_layer_ids=[1], mask_token_id=151669)
@@ -99,7 +99,7 @@ def test_served_by_vllm_a_drafter_with_other_k_norms_per_layer_decodes_as_the_en
     from dflash.eval.engines import run_engines
     from dflash.eval.options import eval_prompts_path
     from dflash.eval.served import export_for_engine
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     checkpoint = tmp_path / "apart"
     shutil.copytree(demo_drafter, checkpoint)

@@ -542,8 +542,8 @@ def tiny_drafter(tmp_path_factory, tiny_qwen3_target) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.drafter.network import DFlashDrafter, drafter_config
 
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, local_files_only=True).eval()
     torch.manual_seed(0)

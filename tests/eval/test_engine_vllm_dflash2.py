@@ -21,11 +21,11 @@ def dflash2_export(tmp_path_factory, smollm2_dir):
     """A DFlash 2 drafter of SmolLM2's shape, saved as training saves it and exported for vLLM."""
     import torch
 
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
     from dflash.drafter.export import export_drafter
-    from dflash.drafter.model import drafter_config
-    from dflash.models import load_target
+    from dflash.drafter.network import drafter_config
+    from dflash.target_model import load_target
 
     root = tmp_path_factory.mktemp("dflash2-vllm")
     target = load_target(smollm2_dir)

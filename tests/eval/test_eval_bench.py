@@ -189,7 +189,7 @@ def test_missing_benchmark_data_ends_the_eval_before_the_target_loads(tiny_qwen3
 def test_eval_bench_decodes_each_benchmark_into_its_own_row(tiny_qwen3_target, tiny_qwen3_model, tmp_path, capsys):
     """Two HumanEval and two MT-Bench samples (both turns: the second after the target's first answer),
     lossless, one report per benchmark and one row each per drafting method in the main report."""
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
 
     profile = write_eval_profile(tmp_path, tiny_qwen3_target, "num_prompts = 2\nmax_new_tokens = 5")
     run_dir = tmp_path / "run"

@@ -142,7 +142,7 @@ def test_eval_also_measures_the_in_distribution_set_and_labels_each(tiny_qwen3_t
     pipeline's closing lines; `--prompts` measures only the set it names."""
     from dflash.commands.pipeline import final_figures
     from dflash.eval.options import INDIST_EVAL_PROMPTS
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
     from launcher_core.profile import load_profile
 
     profile = write_eval_profile(tmp_path, tiny_qwen3_target,

@@ -59,7 +59,7 @@ def test_load_target_places_weights_through_device_map(flagship_twin_target, mon
     from transformers import AutoModelForCausalLM
 
     from dflash.drafter.taps import extract_taps
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     calls = []
     original = AutoModelForCausalLM.from_pretrained
@@ -169,7 +169,7 @@ def test_a_target_missing_weights_is_refused_naming_them(tmp_path, tiny_qwen3_ta
 
     from safetensors.torch import load_file, save_file
 
-    from dflash.models import load_target
+    from dflash.target_model import load_target
     from launcher_core.errors import InputError
 
     assert len(load_target(tiny_qwen3_target, keep_layers=keep_layers).model.layers) == (keep_layers or 4)

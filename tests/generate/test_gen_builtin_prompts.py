@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from dflash.eval.options import DEFAULT_EVAL_PROMPTS, INDIST_EVAL_PROMPTS
-from dflash.generate.prompts import load_prompts
+from dflash.generate.prompt_files import load_prompts
 
 CATEGORIES = {"explain", "howto", "math", "code", "writing", "creative", "edit", "translate", "multilingual",
               "compare", "list", "facts", "food", "plan", "classify", "chat", "tool"}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dflash.generate.prompts import load_prompts
+from dflash.generate.prompt_files import load_prompts
 from launcher_core.errors import InputError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from dflash.generate.completions import SamplingParams, assistant_message, build_request_body, completion_record, split_reasoning
-from dflash.generate.prompts import PromptRecord
+from dflash.generate.prompt_files import PromptRecord
 
 SAMPLING = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=64, thinking=True)
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

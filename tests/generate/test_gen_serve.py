@@ -20,7 +20,7 @@ import pytest
 from gen_helpers import REPO_ROOT, free_port, launcher_env, read_output_ids, run_launcher, write_profile, write_prompts
 
 from dflash.generate import generate_from_profile
-from dflash.generate.run import NothingSent
+from dflash.generate.generation_run import NothingSent
 from launcher_core.manifest import read_manifest
 from launcher_core.profile import load_profile
 

@@ -92,7 +92,7 @@ def test_failures_are_kept_until_done_then_compacted(tmp_path):
 
 def completion_line(prompt_id: str) -> str:
     from dflash.generate.completions import completion_record
-    from dflash.generate.prompts import PromptRecord
+    from dflash.generate.prompt_files import PromptRecord
 
     response = {"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
@@ -179,7 +179,7 @@ def test_a_rerun_with_only_earlier_failures_left_sends_nothing_and_says_so(tmp_p
     the pipeline goes on with the completion it has, as its first run did, and stops when there is none (no
     server starts: its target does not even exist)."""
     from dflash.generate import generate_from_profile
-    from dflash.generate.run import NothingSent
+    from dflash.generate.generation_run import NothingSent
     from dflash.stages import PipelineContext, _generate
     from launcher_core.errors import exit_code_for
     from launcher_core.processes import free_port

@@ -59,7 +59,7 @@ def record(request, gpu_out) -> PartRecord:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
-    from dflash.models import qwen3_tokenizer_dir
+    from dflash.target_model import qwen3_tokenizer_dir
     from launcher_core.errors import ConfigError
 
     try:
@@ -69,8 +69,8 @@ def tokenizer_dir() -> Path:
 
 
 def shared_target(scratch: Path, tokenizer_dir: Path | None, name: str, **shape: int) -> Path:
-    """A random Qwen3 from dflash.models.build_tiny_target, built once in scratch and shared by parts."""
-    from dflash.models import build_tiny_target
+    """A random Qwen3 from dflash.target_model.build_tiny_target, built once in scratch and shared by parts."""
+    from dflash.target_model import build_tiny_target
 
     path = scratch / name
     if not (path / "config.json").exists():

@@ -28,7 +28,7 @@ def test_checkpoints_on_a_gpu_are_whole_and_their_weights_are_the_shards(asynchr
                                                                          tiny_qwen3_target, tiny_dataset):
     import torch
 
-    from dflash.drafter.checkpoint import WEIGHTS, read_sharded_weights, read_weights
+    from dflash.drafter.checkpoint_files import WEIGHTS, read_sharded_weights, read_weights
     from dflash.drafter.verify import verify_checkpoint
     from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile

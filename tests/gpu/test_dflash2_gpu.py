@@ -19,7 +19,7 @@ DFLASH2 = {"num_layers": 2, "target_layer_ids": [1, 2], "kind": "dflash2", "conv
 def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
     import json
 
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
@@ -39,8 +39,8 @@ def trained(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
 def test_an_engine_serves_the_selector_path_losslessly(engine, trained):
     import dataclasses
 
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
 
     if importlib.util.find_spec(engine) is None:
         pytest.skip(f"{engine} is not installed in this environment")

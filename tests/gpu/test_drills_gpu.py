@@ -58,7 +58,7 @@ def drills(workload_profile, scratch, record) -> Drills:
     import torch
 
     from dflash.measure.gpu_calibration import CALIBRATION_MICRO_BATCHES, apply_allocator_setting, fit, measure, warm_up, worst_case_bench
-    from dflash.memory import model as memory
+    from dflash.memory import peak_estimate as memory
 
     apply_allocator_setting(workload_profile)          # the ranks' allocator (expandable segments), before CUDA memory
     bench = worst_case_bench(workload_profile, scratch / "drills", rows=GLOBAL_BATCH)

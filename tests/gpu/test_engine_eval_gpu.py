@@ -34,9 +34,9 @@ def _require(engine: str) -> None:
 def test_the_served_drafter_passes_the_parity_gate(engine, layers, tmp_path, tiny_qwen3_target, tiny_dataset):
     import dataclasses
 
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
     from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile
@@ -108,10 +108,10 @@ def test_sglang_serves_the_drafter_from_its_own_venv(tmp_path, tiny_qwen3_target
     serves a drafter with the flagship's layer pattern, and the parity gate passes. UNPROVEN until run on a GPU node."""
     import dataclasses
 
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.eval.engines import check_engine_installed
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
     from dflash.generate.vllm_server import engine_python
     from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile

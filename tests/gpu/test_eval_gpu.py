@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def eval_prompts(tokenizer_dir: Path, count: int) -> list[tuple[str, list[int]]]:
     from transformers import AutoTokenizer
 
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     records = load_prompts(REPO_ROOT / "dflash" / "prompts" / "everyday_prompts.jsonl")[:count]
@@ -41,7 +41,7 @@ def random_dflash_draft(model: Any, device: Any) -> Any:
     import torch
     from gpu_helpers import MASK_ID
 
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
     from dflash.eval.dflash_drafter import DFlashDraft
 

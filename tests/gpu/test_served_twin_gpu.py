@@ -19,9 +19,9 @@ def test_sglang_serves_the_twins_drafter_in_bf16_through_the_parity_gate(record,
 
     import torch
 
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
+    from dflash.eval.eval_run import run_eval
     from dflash.eval.options import EvalOptions
-    from dflash.eval.run import run_eval
     from dflash.train.supervisor.launch import run_training
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_profile

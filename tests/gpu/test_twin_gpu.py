@@ -26,7 +26,7 @@ PROMPTS = ([785, 6722, 315, 9625, 374, 12095, 13, 785], [9707, 11, 1879, 0], [15
 
 @pytest.fixture(scope="module")
 def twin_bf16(flagship_twin_target):
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     return load_target(flagship_twin_target, device="cuda", dtype="bfloat16")
 
@@ -35,7 +35,7 @@ def twin_bf16(flagship_twin_target):
 def twin_fp32(flagship_twin_target):
     """float32 without TF32 (cuDNN convolutions default to it): cached and uncached forwards then
     differ only by summation order."""
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -57,7 +57,7 @@ def test_twin_loads_onto_the_gpu_and_reports_its_linear_attention_path(twin_bf16
 
 def _drafter_loss(drafter, target, input_ids, anchors, backend):
     from dflash.drafter.loss import block_loss, block_targets, decay_weights
-    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.network import forward_blocks
     from dflash.drafter.taps import extract_taps
 
     features = extract_taps(target, input_ids, drafter.target_layer_ids)
@@ -72,7 +72,7 @@ def _drafter_loss(drafter, target, input_ids, anchors, backend):
 def test_bf16_flex_forward_and_backward_match_sdpa_on_the_twin(twin_bf16):
     """The flagship's drafter (its shape policy, block 16, taps spaced over the twin's layers) on
     the twin's bf16 features: compiled flex_attention vs SDPA, loss and every gradient."""
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.taps import default_target_layer_ids
 
     layers = default_target_layer_ids(twin_bf16.config.num_hidden_layers, 5)

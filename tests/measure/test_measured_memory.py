@@ -1,7 +1,7 @@
 """Measured, not only modelled: the trainer's own step on 2 real gloo ranks with a drafter of more
 than 300 MB of parameters sharded by FSDP2, every tensor it allocates counted (the same tracker as
 the memory trace, torch's FSDPMemTracker, here on the real CPU tensors), each rank's peak against
-the analytic model's prediction for that shape (`dflash.memory.model`, what `plan` uses) within 5 %,
+the analytic model's prediction for that shape (`dflash.memory.peak_estimate`, what `plan` uses) within 5 %,
 AND the gradient reduction measured on its own: what a reduction allocates above what was alive
 when it began (its reduce-scatter buffers, a few MiB here) against the model's
 `reduction_buffers` within 5 %, so a buffer there cannot hide under the peak's tolerance.
@@ -113,7 +113,7 @@ def rank_main(rank: int, port: int, profile_path: str, out: str) -> None:
 def test_each_ranks_measured_peak_is_the_models_prediction_within_5_percent(tmp_path):
     import torch.multiprocessing as mp
 
-    from dflash.memory import model as memory
+    from dflash.memory import peak_estimate as memory
     from launcher_core.profile import load_profile
 
     profile_path = write_profile(tmp_path, write_target(tmp_path / "target"))

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from dflash.measure import fake, trace
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.target_shape import shape_from_config
-from dflash.models import hybrid_layer_types
+from dflash.target_model import hybrid_layer_types
 from launcher_core.profile import load_profile
 
 # Qwen3.6-27B's proportions at 1/32 of its width: q 1.2 x hidden, MLP 3.4 x, GQA 6:1, 12 layers.

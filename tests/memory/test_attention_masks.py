@@ -13,7 +13,7 @@ from dflash.drafter.layers import layer_attention
 from dflash.measure.peaks import measure_cpu_transient
 from dflash.memory.activations import drafter_activations_mib
 from dflash.memory.attention_masks import MIB, block_mask_build_bytes, block_mask_bytes, block_masks_mib, dense_mask_bytes, mask_build_peak_mib
-from dflash.memory.model import estimate, workload_from_profile
+from dflash.memory.peak_estimate import estimate, workload_from_profile
 from launcher_core.profile import load_profile
 
 FLAGSHIP = load_profile("rtx6000-x8")

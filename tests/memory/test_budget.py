@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash.memory import budget
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.calibration_record import fit_calibration
 from envcheck.snapshot import GpuFacts, Snapshot
 from launcher_core.errors import ConfigError, InputError

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash.drafter.taps import default_target_layer_ids
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.calibration_record import fit_calibration, load_calibration, save_calibration
 from dflash.memory.offline import offline_storage
 from dflash.memory.target_shape import QWEN36_27B_LIKE, shape_from_config, shape_from_directory, target_shape
@@ -102,10 +102,10 @@ def test_plan_says_its_dimensions_are_assumed_for_a_target_not_here_and_refuses_
 
 
 def test_the_flagship_shape_is_its_published_config_and_the_trace_builds_the_same():
-    """One definition (dflash.models.QWEN36_27B_TEXT): the model's shape, the trace's transformers config
+    """One definition (dflash.target_model.QWEN36_27B_TEXT): the model's shape, the trace's transformers config
     and the twin's architecture ratios all come from it."""
     from dflash.measure import fake
-    from dflash.models import FLAGSHIP_TEXT, QWEN36_27B_TEXT
+    from dflash.target_model import FLAGSHIP_TEXT, QWEN36_27B_TEXT
 
     s = QWEN36_27B_LIKE
     assert (s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.vocab) == \
@@ -125,11 +125,11 @@ def test_the_flagship_shape_is_its_published_config_and_the_trace_builds_the_sam
 
 def test_builtin_targets_resolve_through_one_directory_function(tmp_path, monkeypatch, tiny_qwen3_target):
     """The memory model (and its trace) look for a builtin target where the loader converts it
-    (dflash.models.local_model_dir): the SmolLM2 conversion's config.json, once there, gives the shape."""
+    (dflash.target_model.local_model_dir): the SmolLM2 conversion's config.json, once there, gives the shape."""
     import shutil
 
     from dflash.measure import fake
-    from dflash.models import SMOLLM2, local_model_dir
+    from dflash.target_model import SMOLLM2, local_model_dir
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     profile = load_profile("cpu-demo")
@@ -355,7 +355,7 @@ def test_dflash2s_tensors_are_the_real_modules_parameters_on_a_meta_build():
     from transformers import Qwen3Config
 
     from dflash.drafter.dflash2 import DFlash2Drafter, drafter_for_config, profile_dflash2_options, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
     from dflash.drafter.shape import profile_shape
     from dflash.memory.target_shape import shape_from_config
 

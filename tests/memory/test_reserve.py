@@ -9,7 +9,7 @@ import json
 import pytest
 from test_budget import calibration_giving, snapshot, write_profile
 
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.calibration_record import (
     AllocatorPeaks,
     calibration_as_dict,

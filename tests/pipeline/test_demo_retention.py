@@ -3,7 +3,7 @@ step by held-out tau survives every prune and is the one the pipeline evaluates.
 tests/train/test_retention.py, which is in the torch compat lane: what a rank runs, not the pipeline."""
 from __future__ import annotations
 
-from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
 from dflash.stages import eval_checkpoint
 from dflash.train.rank.retention import complete_checkpoints, prune_checkpoints
 from launcher_core.manifest import update_stage

@@ -111,8 +111,8 @@ def test_the_checkpoint_reloads_with_the_flagship_policies(twin_run):
     import torch
     from safetensors.torch import load_file
 
-    from dflash.drafter.checkpoint import WEIGHTS, latest_checkpoint, load_drafter
-    from dflash.models import load_target, resolve_model_path
+    from dflash.drafter.checkpoint_files import WEIGHTS, latest_checkpoint, load_drafter
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
 
     run_dir, profile_path, steps = twin_run
@@ -135,8 +135,8 @@ def test_the_checkpoint_reloads_with_the_flagship_policies(twin_run):
 def test_the_flagship_checkpoint_loads_strictly_into_the_reference_with_the_same_logits(twin_run, tmp_path):
     """The flagship's drafter format (its own 32 x 128 / 8 KV attention on the twin's hidden size,
     block 16, mask 248070, five taps of a hybrid target) as the reference `DFlashDraftModel` reads it."""
-    from dflash.drafter.checkpoint import latest_checkpoint
-    from dflash.models import load_target, resolve_model_path
+    from dflash.drafter.checkpoint_files import latest_checkpoint
+    from dflash.target_model import load_target, resolve_model_path
     from launcher_core.profile import load_profile
     from tests.train.reference_venv import compare_with_reference
 

@@ -204,7 +204,7 @@ def test_the_generate_stage_builds_vllms_venv_first_where_it_generates_with_vllm
 
     import dflash.generate
     import dflash.generate.engine_env
-    from dflash.generate.run import GenerateSummary
+    from dflash.generate.generation_run import GenerateSummary
     from dflash.stages import _generate
 
     calls: list[str] = []

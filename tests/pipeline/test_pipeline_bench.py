@@ -54,7 +54,7 @@ def test_the_served_check_decodes_the_benchmarks_only_where_the_profile_says(mon
                                                                             expected):
     """eval.serve_benchmarks off: the served check is asked for no benchmark (each would start every engine
     again); on: eval.benchmarks as the profile names them (None = the profile's own)."""
-    import dflash.eval.run
+    import dflash.eval.eval_run
     import dflash.stages
     from dflash.stages import PipelineContext, _served
 
@@ -65,7 +65,7 @@ def test_the_served_check_decodes_the_benchmarks_only_where_the_profile_says(mon
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(dflash.stages, "_engine_ready", lambda *args, **kwargs: None)
-    monkeypatch.setattr(dflash.eval.run, "run_eval", served_eval)
+    monkeypatch.setattr(dflash.eval.eval_run, "run_eval", served_eval)
     profile = with_eval(load_profile("cpu-demo"), serve_benchmarks=serve_benchmarks)
     with pytest.raises(RuntimeError, match="stop here"):
         _served(PipelineContext(profile, tmp_path), "vllm", "step-1")
@@ -78,7 +78,7 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
     """A GPU profile names its engine as eval.engine (rtx6000-x8: sglang): the pipeline's eval still writes the
     in-process report first, then runs the served check with that engine, and a failed gate keeps the in-process
     report (its last line says so); a profile without an engine decodes in-process only."""
-    import dflash.eval.run
+    import dflash.eval.eval_run
     import dflash.stages
     from dflash.eval.options import EvalSummary
     from dflash.eval.report_schema import EvalReport, MethodFigures
@@ -96,7 +96,7 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
 
     monkeypatch.setattr(dflash.stages, "_engine_ready", lambda *args, **kwargs: None)
     monkeypatch.setattr(dflash.stages, "eval_checkpoint", lambda run_dir: ("step-1", "the last step"))
-    monkeypatch.setattr(dflash.eval.run, "run_eval", run_eval)
+    monkeypatch.setattr(dflash.eval.eval_run, "run_eval", run_eval)
     profile = load_profile(profile_name)
     assert served_engine(profile) == served
     if not served:
@@ -112,7 +112,7 @@ def test_the_eval_stage_decodes_in_process_first_on_every_profile_then_serves_wi
 
 def link_checkpoint(run_dir: Path, checkpoint: Path) -> None:
     """The trained drafter as the run's latest checkpoint (what the train stage leaves)."""
-    from dflash.drafter.checkpoint import LATEST, checkpoints_dir
+    from dflash.drafter.checkpoint_files import LATEST, checkpoints_dir
 
     folder = checkpoints_dir(run_dir)
     folder.mkdir(parents=True)

@@ -85,8 +85,8 @@ def save_real_checkpoint(profile_path: Path, run_dir: Path, step: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.models import resolve_model_path
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.target_model import resolve_model_path
     from dflash.train.rank.setup import build_drafter, cosine_schedule, resolve_layer_ids
     from launcher_core.profile import load_profile
 

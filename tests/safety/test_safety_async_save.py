@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.drafter.checkpoint import CONFIG, DCP_DIR, STATE, TRAINING_DATA, WEIGHTS, init_from_drafter, load_drafter, read_sharded_weights, read_weights
+from dflash.drafter.checkpoint_files import CONFIG, DCP_DIR, STATE, TRAINING_DATA, WEIGHTS, init_from_drafter, load_drafter, read_sharded_weights, read_weights
 from dflash.drafter.verify import verify_checkpoint
 from dflash.train.supervisor.resume import remove_partial_saves
 from tests.safety.runs import finish, kill_session, metrics_steps, start_train, wait_for, wait_for_ranks, wait_for_save, wait_until_gone

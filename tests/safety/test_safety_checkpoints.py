@@ -244,7 +244,7 @@ def test_init_from_a_drafter_of_another_shape_is_exit_2_before_torchrun(cli, set
 
 
 def test_eval_of_a_drafter_for_another_target_is_exit_2(cli, setup, tmp_path, qwen3_tokenizer_dir):
-    from dflash.models import build_tiny_target
+    from dflash.target_model import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", qwen3_tokenizer_dir, hidden=96, layers=8)
     profile = write_profile(tmp_path / "other.toml", other, setup.dataset, tmp_path / "run",

@@ -201,7 +201,7 @@ def test_a_checkpoint_writer_error_is_a_full_disk_only_where_the_save_does_not_f
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dflash.train.rank.checkpointing import abandon_save
+    from dflash.train.rank.sharded_checkpoints import abandon_save
     from launcher_core.errors import DiskFull
 
     disk = small_fs("disk", 3 * 2**20)
@@ -348,7 +348,7 @@ def test_the_disk_refusal_fires_at_the_default_when_the_checkpoints_do_not_fit(s
 def planned(tmp_path: Path, target: Path, run_dir: Path, **train: object):
     """The tests' tiny profile (train.keep_checkpoints at its default unless given), its plan and checkpoint sizes
     (a drafter of several MiB a checkpoint: the free disk is read in whole MiB)."""
-    from dflash.memory.checkpoints import checkpoint_disk
+    from dflash.memory.checkpoint_costs import checkpoint_disk
     from dflash.memory.launch_plan import plan_for_launch, read_inputs
     from launcher_core.profile import load_profile
     from tests.train.conftest import write_dataset, write_profile

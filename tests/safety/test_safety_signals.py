@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dflash.drafter.checkpoint import read_weights
+from dflash.drafter.checkpoint_files import read_weights
 from dflash.drafter.verify import verify_checkpoint
 from tests.safety.runs import alive, finish, metrics_steps, start_train, wait_for, wait_for_ranks, wait_until_gone
 from tests.train.conftest import write_dataset, write_profile

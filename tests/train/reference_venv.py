@@ -79,7 +79,7 @@ def compare_with_reference(checkpoint: Path, target, work: Path, context: int = 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.checkpoint_files import load_drafter
     from dflash.drafter.taps import extract_taps
 
     python = reference_python()
@@ -135,7 +135,7 @@ def run_dflash2_reference(checkpoint: Path, target, work: Path, context: int, fi
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.checkpoint_files import load_drafter
     from dflash.drafter.taps import extract_taps
 
     python = reference_python()

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from dflash.drafter.loss import block_loss, block_targets, decay_weights
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import extract_taps
 from dflash.train.rank.parallel import drafter_mesh, shard_drafter
 

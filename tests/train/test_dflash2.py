@@ -9,7 +9,7 @@ import torch
 
 from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, grouped_causal_conv, inverse_cdf, with_dflash2
 from dflash.drafter.loss import HeadRows, SelectorObjective, accepted_runs, block_loss, block_targets, decay_weights, drafter_loss, figure_width, read_selector_stats, selector_terms
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 
 BLOCK = 4
 OPTIONS = DFlash2Options(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)

@@ -48,9 +48,9 @@ def published_dflash2(target, directory, top_k: int = 4, **dflash_extra):
     use_sliding_window), bf16 weights with the bare codebook names."""
     from safetensors.torch import save_file
 
-    from dflash.drafter.checkpoint import config_document
+    from dflash.drafter.checkpoint_files import config_document
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
 
     config = drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2], mask_token_id=151669,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=3)
@@ -87,7 +87,7 @@ def test_a_published_dflash2_directory_starts_a_dflash2_profile(tmp_path, tiny_t
 
 def test_a_dflash_drafter_starts_a_dflash2_profile_as_itself(tmp_path, tiny_target_model, tiny_qwen3_target, tiny_dataset):
     """Backbone from the DFlash checkpoint; identity convolutions and a no-op selector: the same drafts."""
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
     from dflash.train.rank.setup import build_drafter
 
     plain = profile_for(tmp_path, "plain", tiny_qwen3_target, tiny_dataset, kind="dflash", conv_group_size=16,
@@ -125,7 +125,7 @@ def test_a_dflash2_directory_with_other_selector_settings_is_refused_listing_the
     ({"conv_group_size": 24}, "conv_group_size 24 does not divide hidden_size 64"),
 ])
 def test_dflash2_configs_it_cannot_run_as_trained_are_refused_by_name(tmp_path, tiny_target_model, change, named):
-    from dflash.drafter.checkpoint import init_source_problem, load_drafter
+    from dflash.drafter.checkpoint_files import init_source_problem, load_drafter
 
     directory, _ = published_dflash2(tiny_target_model, tmp_path / "published")
     document = json.loads((directory / "config.json").read_text())

@@ -8,7 +8,7 @@ import torch
 
 from dflash.drafter.draft_vocab import count_loss_tokens, coverage, draft_vocabulary
 from dflash.drafter.loss import block_loss, decay_weights
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 from dflash.train.rank.data import collate_rows
 from dflash.train.rank.step import step_targets
 from tests.train.conftest import MASK_ID

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dflash.drafter.attention import BlockLayout, make_attend
 from dflash.drafter.loss import block_loss, block_targets, decay_weights
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import default_target_layer_ids, extract_taps
 
 BLOCK, GAMMA, LAYERS = 4, 3.0, [1, 2]
@@ -197,7 +197,7 @@ def test_default_target_layer_ids():
 
 
 def test_checkpoint_reload_reproduces_logits(drafter, batch, tiny_target_model, tmp_path):
-    from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 
     saved = save_checkpoint(tmp_path, drafter, 7, {"note": "test"})
     assert (tmp_path / "train" / "checkpoints" / "latest").read_text().strip() == "step-7"
@@ -265,7 +265,7 @@ def target_with_distinct_norms(tiny_target_model):
 def test_target_init_gives_the_context_the_keys_and_values_of_the_next_target_layer(target_with_distinct_norms):
     """drafter.init = "target": draft layer 0 starts as target layer (deepest tap + 1), so the keys
     and values it computes for the context are exactly what that target layer computes there."""
-    from dflash.drafter.model import init_from_target
+    from dflash.drafter.network import init_from_target
 
     target = target_with_distinct_norms
     config = drafter_config(target.config, num_layers=2, block_size=BLOCK, target_layer_ids=[1],
@@ -288,7 +288,7 @@ def test_target_init_gives_the_context_the_keys_and_values_of_the_next_target_la
 
 
 def test_target_init_with_several_taps_starts_fc_as_their_mean(tiny_target_model):
-    from dflash.drafter.model import init_from_target
+    from dflash.drafter.network import init_from_target
 
     config = drafter_config(tiny_target_model.config, num_layers=1, block_size=BLOCK, target_layer_ids=[0, 3],
                             mask_token_id=MASK_ID)
@@ -301,7 +301,7 @@ def test_target_init_with_several_taps_starts_fc_as_their_mean(tiny_target_model
 def test_target_init_refuses_a_truncated_target(tiny_target_model):
     import copy
 
-    from dflash.drafter.model import init_from_target
+    from dflash.drafter.network import init_from_target
 
     truncated = copy.deepcopy(tiny_target_model)
     truncated.model.layers = truncated.model.layers[:2]

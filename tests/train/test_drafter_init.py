@@ -25,7 +25,7 @@ def profile_for(root, name, target, dataset, **drafter):
 
 def batch_loss(drafter, target, input_ids: torch.Tensor) -> float:
     from dflash.drafter.loss import block_loss, block_targets, decay_weights
-    from dflash.drafter.model import forward_blocks
+    from dflash.drafter.network import forward_blocks
     from dflash.drafter.taps import extract_taps
 
     features = extract_taps(target, input_ids, drafter.target_layer_ids)
@@ -49,8 +49,8 @@ def moved_off_its_init(drafter):
 
 
 def test_training_continues_from_our_checkpoint_with_its_loss(tmp_path, smollm2_dir, tiny_dataset):
-    from dflash.drafter.checkpoint import latest_checkpoint, load_drafter, read_weights, save_checkpoint
-    from dflash.models import load_target
+    from dflash.drafter.checkpoint_files import latest_checkpoint, load_drafter, read_weights, save_checkpoint
+    from dflash.target_model import load_target
     from dflash.train.rank.setup import build_drafter
     from dflash.train.supervisor.launch import run_training
 
@@ -74,9 +74,9 @@ def test_training_continues_from_our_checkpoint_with_its_loss(tmp_path, smollm2_
 
 
 def test_a_checkpoint_of_another_shape_is_refused_with_every_difference(tmp_path, smollm2_dir, tiny_dataset):
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.drafter.model import DFlashDrafter
-    from dflash.models import load_target
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.drafter.network import DFlashDrafter
+    from dflash.target_model import load_target
     from dflash.train.rank.setup import build_drafter
     from launcher_core.errors import InputError
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.loss import block_loss, block_targets, decay_weights
-from dflash.drafter.model import DFlashDrafter, drafter_config, forward_blocks
+from dflash.drafter.network import DFlashDrafter, drafter_config, forward_blocks
 from dflash.drafter.taps import extract_taps
 from launcher_core.errors import InputError
 
@@ -121,7 +121,7 @@ def test_inference_drafts_what_training_saw(sliding, batch):
 
 
 def test_checkpoint_carries_the_layer_keys_and_yarn_and_reloads(tiny_target_model, batch, tmp_path):
-    from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     drafter = build(tiny_target_model, rope_scaling=yarn)
@@ -146,7 +146,7 @@ def test_checkpoint_carries_the_layer_keys_and_yarn_and_reloads(tiny_target_mode
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "'dynamic'"),
 ])
 def test_unsupported_layer_or_rope_configs_are_refused_by_name(tiny_target_model, tmp_path, change, message):
-    from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 
     saved = save_checkpoint(tmp_path, build(tiny_target_model), 1, {})
     config = json.loads((saved / "config.json").read_text())
@@ -160,7 +160,7 @@ def test_unsupported_layer_or_rope_configs_are_refused_by_name(tiny_target_model
 def test_published_config_without_is_causal_runs_sliding_layers_causally(tiny_target_model, tmp_path):
     """A published z-lab-format config (auto_map, top-level rope_theta, no rope_parameters) with
     sliding layers loads for eval with the reference's rule for them."""
-    from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 
     drafter = build(tiny_target_model)
     saved = save_checkpoint(tmp_path, drafter, 1, {})
@@ -176,7 +176,7 @@ def test_published_config_without_is_causal_runs_sliding_layers_causally(tiny_ta
 
 
 def test_init_from_drafter_copies_the_weights_or_lists_every_difference(tiny_target_model, tmp_path):
-    from dflash.drafter.checkpoint import init_from_drafter, save_checkpoint
+    from dflash.drafter.checkpoint_files import init_from_drafter, save_checkpoint
 
     source = build(tiny_target_model, seed=1)
     saved = save_checkpoint(tmp_path, source, 3, {})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.drafter.network import DFlashDrafter, drafter_config
 from dflash.drafter.shape import DrafterShape, derive_shape, profile_shape
 from launcher_core.errors import ConfigError
 
@@ -68,7 +68,7 @@ def test_the_flagship_profile_asks_for_32_heads_of_128_with_8_kv_heads():
 
 
 def test_config_has_plain_rope_with_top_level_rope_theta(tmp_path):
-    from dflash.drafter.checkpoint import config_document
+    from dflash.drafter.checkpoint_files import config_document
 
     config = drafter_config(wide_target_config(), num_layers=1, block_size=4, target_layer_ids=[1], mask_token_id=7)
     document = config_document(config)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.drafter.checkpoint import load_drafter, save_checkpoint
+from dflash.drafter.checkpoint_files import load_drafter, save_checkpoint
 from dflash.drafter.export import ENGINE_READS, export_drafter, missing_fields
-from dflash.drafter.model import DFlashDrafter, drafter_config
+from dflash.drafter.network import DFlashDrafter, drafter_config
 from launcher_core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]

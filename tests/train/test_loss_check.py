@@ -43,7 +43,7 @@ def test_a_loss_that_turns_nan_stops_the_run_and_sends_the_user_to_start_over(tm
     step-1 stays `latest`. step-1's weights are wrecked (their RMS 9e30 x the run's initial), so the line says
     no checkpoint can train and to start over, not to continue from step-1 with --resume (which fails again at
     step 2 whatever train.lr is). Following the advice with a sane lr trains past step 2."""
-    from dflash.drafter.checkpoint import read_weights
+    from dflash.drafter.checkpoint_files import read_weights
     from tests.safety.runs import finish, start_train
 
     run_dir = tmp_path / "run"
@@ -149,7 +149,7 @@ def test_steps_without_a_supervised_position_are_skipped_and_counted(tmp_path, t
     train.max_skipped_steps, so they do not stop the run; both are skipped on every rank alike (no forward, no update:
     their checkpoints hold step 1's weights, which AdamW's momentum would have moved), counted in
     metrics.jsonl, the manifest and the launcher's last line, and step 4 trains: exit 0."""
-    from dflash.drafter.checkpoint import read_weights
+    from dflash.drafter.checkpoint_files import read_weights
     from tests.safety.runs import finish, start_train
 
     profile, run_dir = late_answer_profile(tmp_path, tiny_qwen3_target, max_steps=4, keep_checkpoints=0)

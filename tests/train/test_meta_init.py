@@ -32,7 +32,7 @@ VARIANTS = {
 
 def whole_build(profile) -> dict[str, torch.Tensor]:
     """The drafter built whole on the host (`build_drafter`), from the whole target."""
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
     from dflash.train.rank.data import TrainData
     from dflash.train.rank.parallel import WorkerEnv
     from dflash.train.rank.setup import build_drafter, choose_draft_vocab, dataset_path, resolve_layer_ids
@@ -72,8 +72,8 @@ def equal(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) ->
 
 
 def test_the_sharded_meta_build_is_the_whole_build_on_1_2_and_3_ranks(tmp_path, tiny_qwen3_target, tiny_dataset):
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.models import load_target
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.target_model import load_target
     from dflash.train.rank.setup import build_drafter
 
     profiles = {name: write_profile(tmp_path / f"{name}.toml", tiny_qwen3_target, tiny_dataset, tmp_path / name,

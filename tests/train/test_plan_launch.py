@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.memory import model as memory
+from dflash.memory import peak_estimate as memory
 from dflash.memory.launch_plan import plan_for_launch, read_inputs
 from dflash.train.supervisor.launch import run_training
 from launcher_core.errors import PreflightFailed

@@ -63,4 +63,4 @@ def test_every_preloaded_name_imports_and_the_rank_needs_nothing_heavy_beyond_th
 
 
 def test_the_check_names_a_third_party_module_and_spares_the_standard_library():
-    assert third_party(["tomllib", "json.decoder", "dflash.models", "numpy.linalg", "_io"]) == ["numpy.linalg"]
+    assert third_party(["tomllib", "json.decoder", "dflash.target_model", "numpy.linalg", "_io"]) == ["numpy.linalg"]

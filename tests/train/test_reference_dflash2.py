@@ -26,7 +26,7 @@ def random_dflash2(target, *, layers: tuple[str, ...], window: int, taps: list[i
     """A DFlash 2 drafter for `target` whose every parameter is moved off its start (so the convolutions
     and the selector matter), with a selector strong enough to overrule the unary head."""
     from dflash.drafter.dflash2 import DFlash2Options, drafter_for_config, with_dflash2
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
 
     config = drafter_config(target.config, num_layers=len(layers), block_size=block, target_layer_ids=taps,
                             mask_token_id=2, layer_types=layers, sliding_window=window)
@@ -43,7 +43,7 @@ def random_dflash2(target, *, layers: tuple[str, ...], window: int, taps: list[i
 
 
 def saved(drafter, directory):
-    from dflash.drafter.checkpoint import save_checkpoint
+    from dflash.drafter.checkpoint_files import save_checkpoint
 
     return save_checkpoint(directory, drafter, 1, {})
 
@@ -54,7 +54,7 @@ def unary_path(result) -> list[int]:
 
 @pytest.fixture(scope="module")
 def trained_dflash2(tmp_path_factory, tiny_qwen3_target, tiny_dataset):
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.train.supervisor.launch import run_training
 
     root = tmp_path_factory.mktemp("dflash2-run")
@@ -79,7 +79,7 @@ def test_a_trained_dflash2_checkpoint_is_the_references_drafter(trained_dflash2,
 
 
 def test_dflash2_on_smollm2_with_sliding_windows_matches_the_reference(smollm2_dir, tmp_path):
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     target = load_target(smollm2_dir)
     drafter = random_dflash2(target, layers=("sliding_attention", "sliding_attention", "full_attention"), window=6,
@@ -90,7 +90,7 @@ def test_dflash2_on_smollm2_with_sliding_windows_matches_the_reference(smollm2_d
 
 
 def test_dflash2_on_the_flagship_twin_matches_the_reference(flagship_twin_target, tmp_path):
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     target = load_target(flagship_twin_target)
     drafter = random_dflash2(target, layers=("sliding_attention",) * 2 + ("full_attention",), window=5,
@@ -103,7 +103,7 @@ def test_dflash2_on_the_flagship_twin_matches_the_reference(flagship_twin_target
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_dir, tmp_path_factory):
     """SmolLM2 and a DFlash 2 checkpoint of it (for the negative controls)."""
-    from dflash.models import load_target
+    from dflash.target_model import load_target
 
     target = load_target(smollm2_dir)
     drafter = random_dflash2(target, layers=("sliding_attention", "full_attention"), window=6, taps=[5, 20], seed=1)

@@ -19,7 +19,7 @@ SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_wind
 
 
 def trained(root, target, dataset, drafter):
-    from dflash.drafter.checkpoint import latest_checkpoint
+    from dflash.drafter.checkpoint_files import latest_checkpoint
     from dflash.train.supervisor.launch import run_training
 
     profile = load_profile(str(write_profile(root / "p.toml", target, dataset, root / "run",
@@ -60,9 +60,9 @@ def test_sliding_window_and_yarn_checkpoint_matches_the_reference(sliding_checkp
 
 def test_sliding_window_drafter_on_smollm2_matches_the_reference(smollm2_dir, tmp_path):
     """SmolLM2-135M (the embedded default's target): a random drafter of its shape, saved as training saves it."""
-    from dflash.drafter.checkpoint import save_checkpoint
-    from dflash.drafter.model import DFlashDrafter, drafter_config
-    from dflash.models import load_target
+    from dflash.drafter.checkpoint_files import save_checkpoint
+    from dflash.drafter.network import DFlashDrafter, drafter_config
+    from dflash.target_model import load_target
 
     target = load_target(smollm2_dir)
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.drafter.checkpoint import CONFIG, DCP_DIR, LATEST, STATE, WEIGHTS, checkpoints_dir
+from dflash.drafter.checkpoint_files import CONFIG, DCP_DIR, LATEST, STATE, WEIGHTS, checkpoints_dir
 from dflash.train.rank.retention import complete_checkpoints, prune_checkpoints
 from tests.train.conftest import write_profile
 
@@ -95,7 +95,7 @@ def test_the_kept_checkpoints_load_export_and_start_a_drafter_and_the_run_resume
 
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import init_from_drafter, load_drafter
+    from dflash.drafter.checkpoint_files import init_from_drafter, load_drafter
     from dflash.drafter.export import export_drafter
     from dflash.train.supervisor.launch import run_training
 
@@ -116,11 +116,11 @@ def test_the_kept_checkpoints_load_export_and_start_a_drafter_and_the_run_resume
 
 @pytest.mark.slow
 def test_the_plan_s_checkpoint_size_is_what_a_checkpoint_takes_on_disk(retained):
-    """dflash.memory.checkpoints: 3 x the drafter's float32 weights (the shards' weights and AdamW states) a
+    """dflash.memory.checkpoint_costs: 3 x the drafter's float32 weights (the shards' weights and AdamW states) a
     checkpoint, and the last also model.safetensors (1 x), against the kept checkpoints' files: model.safetensors
     to 2 %; the whole within what does not scale with the weights (config, training state, DCP's metadata and
     per-tensor records: 0.2 MiB on this 0.6 MiB drafter; the demo's step-550, 167 MiB modelled, takes 168)."""
-    from dflash.memory.checkpoints import checkpoint_disk
+    from dflash.memory.checkpoint_costs import checkpoint_disk
     from dflash.memory.launch_plan import plan_for_launch, read_inputs
 
     profile, run_dir = retained

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.drafter.checkpoint import STATE, load_training_state, save_checkpoint
+from dflash.drafter.checkpoint_files import STATE, load_training_state, save_checkpoint
 from launcher_core.errors import InputError
 from tests.safety.conftest import tree_digest
 from tests.train.test_export import make_drafter
@@ -109,7 +109,7 @@ def test_export_of_a_checkpoints_folder_writes_next_to_its_latest(cli, checkpoin
 def test_a_garbage_latest_pointer_is_named_and_resume_replaces_it(cli, checkpoint):
     """`latest` holding binary garbage (or a path): eval and export are exit 2 naming the pointer, not a
     traceback, and the resume's choice says so and points it at the newest whole checkpoint."""
-    from dflash.drafter.checkpoint import LATEST, latest_checkpoint, read_pointer
+    from dflash.drafter.checkpoint_files import LATEST, latest_checkpoint, read_pointer
     from dflash.train.supervisor.resume import choose_checkpoint
 
     pointer = checkpoint.parent / LATEST

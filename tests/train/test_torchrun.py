@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.drafter.checkpoint import read_weights
+from dflash.drafter.checkpoint_files import read_weights
 from dflash.train.supervisor.launch import build_torchrun_command, run_training
 from launcher_core.errors import RunFailed
 from launcher_core.processes import free_port
@@ -237,7 +237,7 @@ def test_target_init_draft_vocabulary_and_bf16_autocast_train_and_reload(tiny_qw
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash.drafter.checkpoint import load_drafter
+    from dflash.drafter.checkpoint_files import load_drafter
     from dflash.drafter.draft_vocab import count_loss_tokens, draft_vocabulary
 
     run_dir = tmp_path / "run"

@@ -114,7 +114,7 @@ def _manifest(run_dir: Path, **train: object) -> None:
 
 
 def test_the_pipeline_evaluates_the_best_step_or_says_why_it_takes_the_last(tmp_path):
-    from dflash.drafter.checkpoint import WEIGHTS
+    from dflash.drafter.checkpoint_files import WEIGHTS
     from dflash.stages import eval_checkpoint
 
     run_dir = tmp_path / "run"

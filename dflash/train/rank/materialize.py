@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
-from dflash.drafter.model import DFlashDrafter, InitValue, resolved
+from dflash.drafter.network import DFlashDrafter, InitValue, resolved
 
 
 def rebuild_linear(module: nn.Module) -> nn.Module:

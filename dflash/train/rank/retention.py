@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash.drafter.checkpoint import LATEST, STEP_DIR, checkpoints_dir, complete_checkpoints
+from dflash.drafter.checkpoint_files import LATEST, STEP_DIR, checkpoints_dir, complete_checkpoints
 
 
 @dataclass(frozen=True)

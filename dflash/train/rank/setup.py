@@ -1,7 +1,7 @@
 """The training state of one rank, and the one entry point that builds it (`build_state`):
 dataset, frozen target (loaded up to its deepest tap), the drafter sharded by FSDP2
 (dflash.train.rank.parallel), optimizer and schedule, feature cache, resume from the latest sharded
-checkpoint (dflash.train.rank.checkpointing) and the agreed micro-batch.
+checkpoint (dflash.train.rank.sharded_checkpoints) and the agreed micro-batch.
 
 Every rank builds the same drafter (the same seed, the same target) on the meta device, shards it,
 and then materialises only its shard of each parameter (dflash.train.rank.materialize, torchtitan's
@@ -20,7 +20,7 @@ import torch
 
 from dflash.drafter.attention import make_layer_attends
 from dflash.drafter.loss import LossObjective, SelectorObjective
-from dflash.drafter.model import DFlashDrafter, InitValue, LayerAttendsFactory
+from dflash.drafter.network import DFlashDrafter, InitValue, LayerAttendsFactory
 from dflash.train.rank.data import StepData, TrainData
 from dflash.train.rank.parallel import WorkerEnv
 from dflash.train.supervisor.heartbeat import RankProgress
@@ -65,7 +65,7 @@ class TrainState:
     last_loss: float | None = None                  # of the last step (for the run manifest)
     skipped_steps: int = 0                          # steps skipped without a supervised position, whole run (loss_check)
     skipped_in_a_row: int = 0                       # ... since the last step that trained (train.max_skipped_steps bounds it)
-    weights_rms: float | None = None                # the trained weights' RMS at the last save (checkpointing.trained_rms)
+    weights_rms: float | None = None                # the trained weights' RMS at the last save (sharded_checkpoints.trained_rms)
     initial_weights_rms: float | None = None        # ... at the run's start (restored on resume): what a save is judged by
     mem_mib: list[float] = field(default_factory=list)   # every rank's peak memory at the last logged step
     predicted_peak_mib: float | None = None         # the memory plan's peak at the agreed micro-batch
@@ -107,7 +107,7 @@ def build_drafter(profile: Profile, target: PreTrainedModel, layer_ids: list[int
     build theirs sharded, `build_sharded_drafter`, to the same values): the profile's shape, seeded by
     train.seed, started as drafter.init says (`initial_values`), with its draft vocabulary."""
     from dflash.drafter.dflash2 import drafter_for_config
-    from dflash.drafter.model import assign_values
+    from dflash.drafter.network import assign_values
 
     config = drafter_config_for(profile, target, layer_ids, num_target_layers, draft_vocab)
     torch.manual_seed(profile.train.seed)
@@ -144,7 +144,7 @@ def drafter_config_for(profile: Profile, target: PreTrainedModel, layer_ids: lis
     drafter.draft_vocab_size is set)."""
     from dflash.drafter.dflash2 import profile_dflash2_options, with_dflash2
     from dflash.drafter.layers import profile_layer_options
-    from dflash.drafter.model import drafter_config
+    from dflash.drafter.network import drafter_config
     from dflash.drafter.shape import profile_shape
 
     if profile.drafter.draft_vocab_size and not draft_vocab:
@@ -163,8 +163,8 @@ def initial_values(profile: Profile, drafter: DFlashDrafter, target: PreTrainedM
     """What drafter.init sets over the seeded random start, by tensor name: the draft vocabulary, then
     the target's weights ("target"), a drafter directory's ("drafter", its draft vocabulary included),
     or the final norm filled with drafter.norm_init (the default)."""
-    from dflash.drafter.checkpoint import drafter_init_values
-    from dflash.drafter.model import target_init_values
+    from dflash.drafter.checkpoint_files import drafter_init_values
+    from dflash.drafter.network import target_init_values
 
     values: dict[str, InitValue] = {}
     if draft_vocab:
@@ -187,9 +187,9 @@ def embedding_rows(target: PreTrainedModel) -> int:
 
 
 def load_rank_target(profile: Profile, device: torch.device, keep_layers: int | None = None) -> PreTrainedModel:
-    """The profile's frozen target, straight onto this rank's device (dflash.models.load_target): its
+    """The profile's frozen target, straight onto this rank's device (dflash.target_model.load_target): its
     first `keep_layers` decoder layers only (None: all), with its embedding, final norm and lm_head."""
-    from dflash.models import load_target, resolve_model_path
+    from dflash.target_model import load_target, resolve_model_path
 
     return cast("PreTrainedModel", load_target(resolve_model_path(profile.model.target), device, profile.model.dtype,
                                                keep_layers=keep_layers))
@@ -213,7 +213,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     """The rank's whole training state. The micro-batch starts from `planned_micro_batch` (the
     memory plan's), else train.max_micro_batch; the ranks then agree on the smallest. The target
     loads only the layers the rank runs (and those drafter.init = "target" copies)."""
-    from dflash.models import resolve_model_path, target_layer_count
+    from dflash.target_model import resolve_model_path, target_layer_count
 
     device = torch.device("cuda", env.local_rank) if profile.machine.device == "cuda" else torch.device("cpu")
     data = TrainData(dataset_path(profile), profile, env)
@@ -224,7 +224,7 @@ def build_state(profile: Profile, run_dir: Path, env: WorkerEnv, *, resume: bool
     if profile.train.feature_cache:
         state.feature_cache = start_feature_cache(profile, run_dir, data, state.layer_ids)
     if resume:
-        from dflash.train.rank.checkpointing import restore_checkpoint
+        from dflash.train.rank.sharded_checkpoints import restore_checkpoint
 
         restore_checkpoint(state, run_dir)
     state.micro_batch = min(state.micro_batch, planned_micro_batch or profile.train.max_micro_batch)

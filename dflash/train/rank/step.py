@@ -32,7 +32,7 @@ from dflash.drafter.loss import (
     read_selector_stats,
     simulated_tau,
 )
-from dflash.drafter.model import DFlashDrafter, forward_blocks
+from dflash.drafter.network import DFlashDrafter, forward_blocks
 from dflash.train.rank import parallel
 from dflash.train.rank.data import MicroBatch
 

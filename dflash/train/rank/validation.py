@@ -153,7 +153,7 @@ class Validation:
 
     def finish(self, run_dir: Path) -> None:
         """Rank 0, after the final checkpoint: name the best step and record it in the manifest."""
-        from dflash.drafter.checkpoint import checkpoints_dir, has_weights
+        from dflash.drafter.checkpoint_files import checkpoints_dir, has_weights
         from launcher_core.manifest import update_stage
 
         assert self.log is not None, "rank 0 keeps the log"

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     import torch
 
     from dflash.memory.launch_plan import RankStart
-    from dflash.train.rank.checkpointing import Published
     from dflash.train.rank.parallel import WorkerEnv
     from dflash.train.rank.setup import TrainState
+    from dflash.train.rank.sharded_checkpoints import Published
     from dflash.train.rank.step import StepStats
     from dflash.train.rank.validation import HeldOut, Validation
     from dflash.train.supervisor.failures import RankFailure
@@ -194,8 +194,8 @@ NODE_KINDS = ("disk_full", "node_fault")
 
 def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[BaseException]]:
     """(kind, the error to name) of a cause the launcher names by its message; ("", None) for any other."""
-    from dflash.train.rank.checkpointing import WRITING
     from dflash.train.rank.loss_check import UnusableLoss
+    from dflash.train.rank.sharded_checkpoints import WRITING
     from launcher_core.diskfull import disk_full_of
     from launcher_core.nodefault import node_fault_of
 
@@ -210,7 +210,7 @@ def recorded_cause(run_dir: Path, error: BaseException) -> tuple[str, Optional[B
 
 def checkpoint_bytes_needed(run_dir: Path) -> int | None:
     """What one more checkpoint needs: the size of the newest complete one (None before the first)."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from launcher_core.diskfull import tree_bytes
 
     complete = [p for p in checkpoints_dir(run_dir).glob("step-*") if p.is_dir()]
@@ -299,9 +299,9 @@ class StopFlag:
 
 
 def train_loop(state: TrainState, profile: Profile, run_dir: Path, stop: StopFlag) -> None:
-    from dflash.train.rank.checkpointing import note_initial_weights
     from dflash.train.rank.loss_check import check_step
     from dflash.train.rank.parallel import gather_memory_mib
+    from dflash.train.rank.sharded_checkpoints import note_initial_weights
     from dflash.train.rank.step import run_next_step
     from dflash.train.rank.validation import start_validation
 
@@ -346,7 +346,7 @@ class CheckpointSaves:
     put in place: rank 0 records it in the manifest and applies train.keep_checkpoints."""
 
     def __init__(self, state: TrainState, profile: Profile, run_dir: Path, validation: Optional[Validation]):
-        from dflash.train.rank.checkpointing import AsyncCheckpointer
+        from dflash.train.rank.sharded_checkpoints import AsyncCheckpointer
 
         self.state, self.train, self.run_dir, self.validation = state, profile.train, run_dir, validation
         self.writer = AsyncCheckpointer(run_dir, state.env) if profile.train.async_save else None
@@ -367,8 +367,8 @@ class CheckpointSaves:
             self._placed(self.writer.poll(self.state))
 
     def save(self, *, final: bool = False, stopped: str = "") -> None:
-        """Every rank: a collective (dflash.train.rank.checkpointing); `stopped`: the signal that stopped the run."""
-        from dflash.train.rank.checkpointing import save_training_checkpoint
+        """Every rank: a collective (dflash.train.rank.sharded_checkpoints); `stopped`: the signal that stopped the run."""
+        from dflash.train.rank.sharded_checkpoints import save_training_checkpoint
 
         self.last_save = time.monotonic()
         self.state.progress.enter("save")

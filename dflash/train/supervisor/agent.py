@@ -49,7 +49,7 @@ STOP_RANKS_TIMEOUT_S = 10.0
 # forkserver forks every rank from it. `datasets` (pyarrow's allocator starts a background thread at
 # import) is left to each rank.
 RANK_IMPORTS = ("dflash.train.rank.setup", "dflash.train.rank.step", "dflash.train.rank.parallel", "dflash.train.rank.validation",
-                "dflash.train.rank.checkpointing", "dflash.train.supervisor.heartbeat", "dflash.drafter.checkpoint",
+                "dflash.train.rank.sharded_checkpoints", "dflash.train.supervisor.heartbeat", "dflash.drafter.checkpoint_files",
                 "torch.distributed.checkpoint", "torch.utils.tensorboard")
 LAUNCHER_GONE = threading.Event()      # set by the watch thread: the main thread must not exit before it
 
@@ -301,7 +301,7 @@ def stop_ranks() -> int:
 def record_launcher_gone(run_dir: Path, ranks: int) -> None:
     """The manifest's train stage: failed, and why (the launcher's pid, the step, the rank processes
     stopped, the checkpoint)."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from dflash.train.supervisor.heartbeat import LAUNCHER_PID_ENV
     from dflash.train.supervisor.progress import read_progress
     from launcher_core.manifest import update_stage

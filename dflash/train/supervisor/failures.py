@@ -109,7 +109,7 @@ def first_failure(failures_dir: Path) -> RankFailure | None:
 
 
 def resume_hint(run_dir: Path) -> str:
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
 
     pointer = checkpoints_dir(run_dir) / "latest"
     latest = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else ""

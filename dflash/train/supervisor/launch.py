@@ -186,7 +186,7 @@ def prepare_run_dir(profile: Profile, paths: TrainPaths, *, resume: bool, start_
     """Refuse to overwrite checkpoints unless resuming; `start_over` moves the old train/ aside (kept as
     train.prev-<time>). The caller holds the run directory's lock (launcher_core.runlock), so no live run is moved.
     Writes the resolved profile and the training data's rendering record the ranks copy into each checkpoint."""
-    from dflash.drafter.checkpoint import TRAINING_DATA, checkpoints_dir
+    from dflash.drafter.checkpoint_files import TRAINING_DATA, checkpoints_dir
     from dflash.train.supervisor.heartbeat import ranks_dir
     from launcher_core.fileio import write_json_atomic, write_text_atomic
 
@@ -221,11 +221,11 @@ def training_data(profile: Profile) -> TrainingDataRecord:
 
 def check_checkpoint_disk(profile: Profile, plan: Plan, run_dir: Path, *, resume: bool = False) -> None:
     """PreflightFailed, before anything starts, when the checkpoints the run writes do not fit the free disk at
-    the run directory (dflash.memory.checkpoints): on a resume its own whole checkpoints already there count, as
+    the run directory (dflash.memory.checkpoint_costs): on a resume its own whole checkpoints already there count, as
     retention removes them; earlier runs moved aside (train.prev-*) are named with what they hold. `--skip-resource-checks`
     trains anyway."""
-    from dflash.drafter.checkpoint import complete_checkpoints
-    from dflash.memory.checkpoints import checkpoint_disk
+    from dflash.drafter.checkpoint_files import complete_checkpoints
+    from dflash.memory.checkpoint_costs import checkpoint_disk
     from envcheck.host import disk_usage
 
     own = len(complete_checkpoints(run_dir)) if resume else 0

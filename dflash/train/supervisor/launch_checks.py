@@ -49,7 +49,7 @@ class LaunchFacts:
 
 def read_target_facts(profile: Profile) -> TargetFacts:
     """model.target's config.json (a builtin target is built or converted first, as the ranks would)."""
-    from dflash.models import resolve_model_path, text_config_dict
+    from dflash.target_model import resolve_model_path, text_config_dict
 
     path = resolve_model_path(profile.model.target)
     config_path = path / "config.json"
@@ -201,7 +201,7 @@ def _check_drafter_layers(launch: _Launch) -> None:
 
 def _check_drafter_init(launch: _Launch) -> None:
     """init = "drafter" needs init_from naming a DFlash drafter directory; init_from alone does nothing."""
-    from dflash.drafter.checkpoint import init_source_problem
+    from dflash.drafter.checkpoint_files import init_source_problem
 
     drafter = launch.profile.drafter
     if drafter.init != "drafter":
@@ -220,7 +220,7 @@ def _check_drafter_init(launch: _Launch) -> None:
 
 def _check_dflash2(launch: _Launch) -> None:
     """The convolution's channel groups tile the target's hidden size; the selector's K fits its vocabulary."""
-    from dflash.models import text_config_dict
+    from dflash.target_model import text_config_dict
 
     drafter, target = launch.profile.drafter, launch.target
     if drafter.kind != "dflash2":
@@ -437,7 +437,7 @@ def planned_steps(profile: Profile) -> Optional[int]:
 
 
 def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     return resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else target.path
 

@@ -44,7 +44,7 @@ WRECKED_RMS_FACTOR = 50.0
 
 @dataclass(frozen=True)
 class WeightsRecord:
-    """What a checkpoint's training_state.pt says of its weights (dflash.train.rank.checkpointing.training_state):
+    """What a checkpoint's training_state.pt says of its weights (dflash.train.rank.sharded_checkpoints.training_state):
     the trained weights' RMS, the run's initial one, and the loss of the checkpoint's step."""
 
     rms: float
@@ -65,7 +65,7 @@ class WeightsRecord:
 
 def weights_record(checkpoint: Path) -> Optional[WeightsRecord]:
     """The checkpoint's record of its weights; None when it has none (written before the record) or cannot be read."""
-    from dflash.drafter.checkpoint import load_training_state
+    from dflash.drafter.checkpoint_files import load_training_state
 
     try:
         saved = load_training_state(checkpoint)
@@ -87,7 +87,7 @@ def wrecked_weights(checkpoint: Path) -> Optional[str]:
 def trainable_checkpoint_hint(run_dir: Path) -> str:
     """After a loss that cannot train: the newest whole checkpoint whose weights can train, which `--resume`
     continues from (the wrecked ones after it named: it skips them), or, when every one is wrecked, to start over."""
-    from dflash.drafter.checkpoint import complete_checkpoints
+    from dflash.drafter.checkpoint_files import complete_checkpoints
 
     complete = complete_checkpoints(run_dir)
     wrecked: list[str] = []
@@ -111,7 +111,7 @@ def prepare_checkpoints(profile: Profile, facts: LaunchFacts, run_dir: Path, *, 
                         log: Callable[[str], None] = say) -> Optional[Path]:
     """Remove partial saves; check `drafter.init_from`; with `resume`, choose, verify and fit the
     checkpoint to resume (returned; None when the run has none)."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
 
     remove_partial_saves(checkpoints_dir(run_dir), log)
     if profile.drafter.init == "drafter" and profile.drafter.init_from:
@@ -128,7 +128,7 @@ def finished_run(profile: Profile, run_dir: Path) -> Optional[str]:
     """What to say instead of resuming a finished run (None: it is not): the manifest's train stage is done and
     its last checkpoint holds every step the profile plans (train.max_steps, or train.epochs over the dataset).
     Read only; a run whose profile now plans more steps resumes as any other."""
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from dflash.train.supervisor.launch_checks import planned_steps
     from launcher_core.manifest import read_manifest
 
@@ -185,7 +185,7 @@ def step_directories(directory: Path) -> list[Path]:
 
 def pointed_name(pointer: Path, log: Callable[[str], None] = say) -> Optional[str]:
     """What `latest` names (None: no pointer); a damaged pointer is said and replaced by the caller."""
-    from dflash.drafter.checkpoint import PointerIsDirectory, read_pointer
+    from dflash.drafter.checkpoint_files import PointerIsDirectory, read_pointer
 
     if not pointer.exists():
         return None
@@ -209,7 +209,7 @@ def repointed(pointer: Path, named: str, chosen: str, skipped: bool = False) -> 
 
 def choose_checkpoint(directory: Path, log: Callable[[str], None] = say) -> Optional[Path]:
     """The newest whole checkpoint (module docstring); `latest` is pointed at it when it differs."""
-    from dflash.drafter.checkpoint import LATEST
+    from dflash.drafter.checkpoint_files import LATEST
     from dflash.drafter.verify import verify_checkpoint
     from launcher_core.fileio import write_text_atomic
 
@@ -246,7 +246,7 @@ def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: in
     from transformers import AutoConfig
 
     from dflash.drafter.layers import profile_layer_options
-    from dflash.drafter.model import DFlashDrafter, drafter_config
+    from dflash.drafter.network import DFlashDrafter, drafter_config
     from dflash.drafter.shape import profile_shape
 
     target = AutoConfig.from_pretrained(facts.target.path, local_files_only=True)
@@ -263,7 +263,7 @@ def profile_drafter_shapes(profile: Profile, facts: LaunchFacts, draft_vocab: in
 def drafter_differences(profile: Profile, facts: LaunchFacts, directory: Path, *, full: bool) -> list[str]:
     """How the drafter in `directory` differs from the profile's: tensors and tap layers; with
     `full` (a checkpoint to resume) also block size and mask token."""
-    from dflash.drafter.checkpoint import CONFIG
+    from dflash.drafter.checkpoint_files import CONFIG
     from dflash.drafter.verify import checkpoint_shapes, shape_differences
     from launcher_core.fileio import read_json_object
 
@@ -294,7 +294,7 @@ def check_resume_fits(profile: Profile, facts: LaunchFacts, checkpoint: Path) ->
 
 def check_init_from(profile: Profile, facts: LaunchFacts) -> None:
     """drafter.init_from against the profile's drafter, from its config.json and safetensors header."""
-    from dflash.drafter.checkpoint import DCP_DIR, INDEX, WEIGHTS, resolve_checkpoint_dir, weights_in_shards_only
+    from dflash.drafter.checkpoint_files import DCP_DIR, INDEX, WEIGHTS, resolve_checkpoint_dir, weights_in_shards_only
     from dflash.drafter.verify import dcp_problems, safetensors_problems
 
     directory = resolve_checkpoint_dir(Path(profile.drafter.init_from))

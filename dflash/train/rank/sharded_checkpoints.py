@@ -4,7 +4,7 @@ Every save is a collective. Rank 0 stages `.step-N.*.tmp` beside the checkpoints
 and `training_state.pt` (scheduler, step, micro-batch, world size); every rank writes its shards of
 the drafter and of the AdamW states into `dcp/`; the run's last save also gathers the full weights
 to rank 0's host, one parameter at a time, into `model.safetensors`; rank 0 renames the stage to
-`step-N` and points `latest` at it (dflash.drafter.checkpoint.publish_checkpoint). A kill or a failed
+`step-N` and points `latest` at it (dflash.drafter.checkpoint_files.publish_checkpoint). A kill or a failed
 save leaves `latest` on the previous whole checkpoint (`--resume` removes the stage); a full disk is
 raised as DiskFull on every rank, naming the bytes needed and free (`abandon_save`), not as the
 writer's words (DCP's CheckpointException, torch's "unexpected pos").
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, cast
 
-from dflash.drafter.checkpoint import DCP_DIR
+from dflash.drafter.checkpoint_files import DCP_DIR
 from launcher_core.errors import DiskFull, InputError
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
         dcp.save(shards, checkpoint_id=str(staging / DCP_DIR))
         weights = full_weights(state) if with_weights else {}
         if state.env.is_main:
-            from dflash.drafter.checkpoint import publish_checkpoint, write_weights
+            from dflash.drafter.checkpoint_files import publish_checkpoint, write_weights
 
             if with_weights:
                 write_weights(staging, weights)
@@ -65,7 +65,7 @@ def save_training_checkpoint(state: TrainState, run_dir: Path, *, with_weights: 
             raise
         raise full from error
     barrier()
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
 
     return checkpoints_dir(run_dir) / f"step-{state.step}"
 
@@ -133,7 +133,7 @@ def write_small_files(state: TrainState, staging: Path, run_dir: Path) -> None:
     if state.env.is_main:
         import shutil
 
-        from dflash.drafter.checkpoint import TRAINING_DATA, write_checkpoint_files
+        from dflash.drafter.checkpoint_files import TRAINING_DATA, write_checkpoint_files
 
         write_checkpoint_files(staging, None, state.drafter.config, training_state(state))
         record = run_dir / "train" / TRAINING_DATA
@@ -220,7 +220,7 @@ class AsyncCheckpointer:
     def _finish(self, state: TrainState, timeout_s: float | None = None) -> Published | None:
         import time
 
-        from dflash.drafter.checkpoint import publish_checkpoint
+        from dflash.drafter.checkpoint_files import publish_checkpoint
 
         pending, self.pending = self.pending, None
         assert pending is not None
@@ -295,7 +295,7 @@ def shared_staging_directory(run_dir: Path, step: int, is_main: bool) -> Path:
 
     import torch.distributed as dist
 
-    from dflash.drafter.checkpoint import checkpoints_dir
+    from dflash.drafter.checkpoint_files import checkpoints_dir
     from dflash.train.rank.parallel import distributed
 
     chosen: list[str | None] = [None]
@@ -325,7 +325,7 @@ def restore_checkpoint(state: TrainState, run_dir: Path) -> Path | None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from dflash.drafter.checkpoint import latest_checkpoint, load_training_state
+    from dflash.drafter.checkpoint_files import latest_checkpoint, load_training_state
 
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:

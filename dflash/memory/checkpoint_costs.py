@@ -1,4 +1,4 @@
-"""The disk a run's checkpoints take (dflash.train.rank.checkpointing writes them, dflash.train.rank.retention bounds
+"""The disk a run's checkpoints take (dflash.train.rank.sharded_checkpoints writes them, dflash.train.rank.retention bounds
 them) and what one OOM restart costs, from the memory plan's figures: `launcher.py plan` prints both and
 `train` refuses a run whose kept checkpoints do not fit the free disk at its run directory.
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from dflash.generate.client import EndpointPool, api_key_fallback, parse_endpoint
 from dflash.generate.completions import SamplingParams
-from dflash.generate.prompts import PromptRecord, load_prompts
+from dflash.generate.prompt_files import PromptRecord, load_prompts
 from dflash.generate.servers import ServerSupervisor
 from dflash.generate.store import CompletionStore, check_output
 from dflash.generate.workers import GenerateSummary, GenerationRun
@@ -199,7 +199,7 @@ def _backend(profile: Profile, paths: RunPaths,
         raise ConfigError("generate.backend is 'endpoint': pass one or more --endpoint URL "
                           "(an OpenAI-compatible server such as http://127.0.0.1:30000)")
     from dflash.generate.servers import server_command_for
-    from dflash.models import resolve_model_path
+    from dflash.target_model import resolve_model_path
 
     model_path = resolve_model_path(profile.model.target)
     command = server_command_for(profile, model_path)

@@ -42,9 +42,9 @@ def run_eval(profile: Profile, *, run_dir: Optional[str | Path] = None,
 def check_inputs(profile: Profile, checkpoint: Path, options: EvalOptions) -> None:
     """Before any model loads or any set decodes (torch-free): the drafter directory holds a DFlash drafter
     config and weights, and every prompts file of the eval reads (not empty, valid JSONL); InputError naming it."""
-    from dflash.drafter.checkpoint import init_source_problem
+    from dflash.drafter.checkpoint_files import init_source_problem
     from dflash.eval.options import also_prompt_paths, eval_prompts_path
-    from dflash.generate.prompts import load_prompts
+    from dflash.generate.prompt_files import load_prompts
     from launcher_core.errors import InputError
 
     problem = init_source_problem(checkpoint)

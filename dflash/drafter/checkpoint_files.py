@@ -9,7 +9,7 @@ agreed micro-batch, world size, the trained weights' RMS beside the run's initia
 dflash.train.supervisor.resume.WeightsRecord: tensors, numbers, strings and containers only, read back with
 `torch.load(weights_only=True)`, never by unpickling arbitrary objects) and, from training,
 `dcp/`: the sharded model and AdamW states as torch.distributed.checkpoint wrote them, one file
-per rank (dflash.train.rank.checkpointing; they resume at any world size), and `training_data.json`, the
+per rank (dflash.train.rank.sharded_checkpoints; they resume at any world size), and `training_data.json`, the
 record of the data it was trained on (dflash.data.rendering_record; eval's mode check reads it). It is
 written into a temporary sibling directory and renamed into place; `latest` (a text file naming
 the directory) is replaced atomically after it, so a crash leaves the previous checkpoint usable.
@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
 
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.network import DFlashDrafter
 
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.rank.checkpointing)
+DCP_DIR = "dcp"                 # a training checkpoint's sharded weights and AdamW states (dflash.train.rank.sharded_checkpoints)
 CONFIG = "config.json"
 STATE = "training_state.pt"
 TRAINING_DATA = "training_data.json"    # the training data's rendering record (dflash.data.rendering_record.TrainingDataRecord)
@@ -65,7 +65,7 @@ def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
 
 def save_checkpoint(run_dir: str | Path, drafter: DFlashDrafter, step: int, state: dict[str, object]) -> Path:
     """Write step-N of an unsharded drafter (one process) atomically, then point `latest` at it.
-    Training writes its sharded checkpoints through dflash.train.rank.checkpointing, with the same files."""
+    Training writes its sharded checkpoints through dflash.train.rank.sharded_checkpoints, with the same files."""
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in drafter.state_dict().items()}
     with atomic_directory(checkpoints_dir(run_dir) / f"step-{step}") as staging:
         write_checkpoint_files(staging, weights, drafter.config, {"step": step, **state})
@@ -492,7 +492,7 @@ def weight_differences(own: Mapping[str, Shaped], loaded: Mapping[str, Shaped]) 
 def init_from_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
     """Start the (whole) `drafter` built from the profile from a DFlash drafter directory's weights
     (`drafter.init = "drafter"`, `drafter_init_values`); returns the directory."""
-    from dflash.drafter.model import assign_values
+    from dflash.drafter.network import assign_values
 
     directory, values = drafter_init_values(drafter, path)
     assign_values(drafter, values)
