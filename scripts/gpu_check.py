@@ -62,7 +62,7 @@ KNOWN_TEST_PARTS = {
     "async_save": ("async save over NCCL: checkpoints whole, staged while the rank trains on", 55),
     "flight_recorder": ("the flight recorder on a stalled rank: NCCL's recorder counted and dumped", 55),
     "materialize": ("meta-device materialisation on CUDA equals the whole host build", 35),
-    "served_twin": ("the served check: SGLang serves the twin's drafter in bf16 through the parity gate", 125),
+    "served_twin": ("the served check: SGLang serves the twin's drafter in bf16, lossless; the gate undecided in bf16", 125),
     "drills": ("budget drills under set_per_process_memory_fraction", 120),
     "eval": ("speculative decoding == target-only greedy; tau", 90),
 }

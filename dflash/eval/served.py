@@ -153,16 +153,17 @@ def engine_eval(profile: Profile, run_dir: Path, checkpoint: Path, options: Eval
                             engine_deviation="; ".join(d.description for d in deviations) or None)
     report = engine_report(engine, runs, block_size=settings.block_size, temperature=settings.temperature,
                            context=context)
-    report = replace(report, parity=parity_rows(runs, inprocess), inprocess=inprocess.report.without_prompts())
+    report = replace(report, parity=parity_rows(runs, inprocess, profile.model.dtype),
+                     inprocess=inprocess.report.without_prompts())
     return EngineEval(report, runs, inprocess, drafter)
 
 
-def parity_rows(runs: dict[str, EngineRun], inprocess: InProcessDecode) -> dict[str, ParityRow]:
-    """The parity gate's row of every served method (the drafter's gated)."""
+def parity_rows(runs: dict[str, EngineRun], inprocess: InProcessDecode, dtype: str) -> dict[str, ParityRow]:
+    """The parity gate's row of every served method (the drafter's gated); `dtype`: what both sides decoded in."""
     target = runs.get("target")
     served_target = [p.token_ids for p in target.prompts] if target else None
     return {name: method_parity(name, served_side(run, target), inprocess.side(name), inprocess.prompt_names,
-                                served_target) for name, run in runs.items()}
+                                served_target, dtype=dtype) for name, run in runs.items()}
 
 
 def served_side(run: EngineRun, target: Optional[EngineRun]) -> SideFigures:

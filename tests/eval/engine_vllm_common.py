@@ -182,7 +182,7 @@ def serve_variant(profile, target_run: Callable, inprocess, checkpoint: Path, ch
     served = changed_export(exported, change, work / f"served-{change or 'as-trained'}")
     runs = run_engines("vllm", profile, target, served, settings.block_size, inprocess.prompt_ids, settings,
                        work / "logs", methods=("dflash",))
-    rows = parity_rows({"target": target_run(), **runs}, inprocess)
+    rows = parity_rows({"target": target_run(), **runs}, inprocess, profile.model.dtype)
     return rows["dflash"], runs["dflash"]
 
 

@@ -321,6 +321,32 @@ def test_below_the_prompt_count_where_a_rule_can_fail_a_wrong_lossless_drafter_i
     assert broken.verdict == VERDICT_FAIL and broken.failed_rules == ["lossless"]
 
 
+def test_in_a_dtype_the_margins_were_not_measured_in_the_margin_rules_leave_the_verdict_undecided():
+    """The flagship serves in bfloat16, where rounding alone departs a true drafter before its first near-tie at the
+    float32 margins: neither a pass nor a prefix failure is a verdict there; the lossless rule still fails."""
+    honest = [prompt([1, 0, 2])] * PREFIX_PROMPTS
+    row = method_parity("dflash", figures(honest), figures(honest), ids(PREFIX_PROMPTS), dtype="bfloat16")
+    assert row.verdict == VERDICT_UNDECIDED and row.failures == []
+    assert (row.undecided or [""])[0].startswith("both sides decoded in bfloat16; the near-tie margins are measured "
+                                                 "in float32 only")
+    assert "(in bfloat16, where the margins are not measured" in (row.rules_ran or [""])[2]
+    theirs, ours = departing(PREFIX_PROMPTS)
+    departed = method_parity("dflash", figures(theirs), figures(ours), ids(len(ours)), dtype="bfloat16")
+    assert departed.verdict == VERDICT_UNDECIDED and departed.failed_rules == []
+    assert any(reason.startswith(f"the deterministic prefix rule found: {PREFIX_PROMPTS} of {len(ours)} prompts "
+                                 "decoded differently") and reason.endswith("in bfloat16 a drafter served as trained "
+                                                                            "does that too")
+               for reason in departed.undecided or [])
+    with pytest.raises(ParityFailed) as undecided:                     # undecided is not a pass: exit 6
+        check_parity({"dflash": departed}, "report.json")
+    assert undecided.value.rules == ("undecided",)
+    broken = method_parity("dflash", figures(honest, lossless=False), figures(honest), ids(PREFIX_PROMPTS),
+                           dtype="bfloat16")
+    assert broken.verdict == VERDICT_FAIL and broken.failed_rules == ["lossless"]
+    # float32, the measured dtype, decides as before
+    assert method_parity("dflash", figures(theirs), figures(ours), ids(len(ours)), dtype="float32").verdict == VERDICT_FAIL
+
+
 def test_every_gated_row_says_which_rules_ran_and_on_what():
     ours = [prompt([1, 0, 2]), prompt([2, 0, 0], ties=[1])] * PREFIX_PROMPTS
     mixed = [prompt([1, 0, 2]), prompt([2, 0, 0], totals_only=True)] * PREFIX_PROMPTS
