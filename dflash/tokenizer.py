@@ -8,11 +8,11 @@ launch checks and each rank resolve drafter.mask_token_id with it when the profi
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from launcher_core.errors import ConfigError
+from launcher_core.fileio import json_object_or_empty
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -61,15 +61,15 @@ def _load_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
 def tokenizer_mask_token_id(directory: Path) -> Optional[int]:
     """The tokenizer's mask token id from its files (tokenizer_config.json / special_tokens_map.json
     name it; tokenizer.json or added_tokens_decoder give its id); None when it has none."""
-    config = _read_json(directory / "tokenizer_config.json")
+    config = json_object_or_empty(directory / "tokenizer_config.json")
     content = _token_content(config.get("mask_token")) or _token_content(
-        _read_json(directory / "special_tokens_map.json").get("mask_token"))
+        json_object_or_empty(directory / "special_tokens_map.json").get("mask_token"))
     if not content:
         return None
     for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
         if _token_content(entry) == content:
             return int(token_id)
-    tokenizer = _read_json(directory / "tokenizer.json")
+    tokenizer = json_object_or_empty(directory / "tokenizer.json")
     for entry in tokenizer.get("added_tokens") or []:
         if entry.get("content") == content:
             return int(entry["id"])
@@ -81,12 +81,3 @@ def _token_content(value: object) -> str:
     if isinstance(value, dict):
         return str(value.get("content") or "")
     return value if isinstance(value, str) else ""
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A tokenizer file's JSON object; {} when it is missing, unreadable or not an object."""
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return document if isinstance(document, dict) else {}

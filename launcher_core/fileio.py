@@ -85,6 +85,16 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict[str, Any]:
     return document
 
 
+def json_object_or_empty(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON file's object where its absence is an answer ({} when it is missing, unreadable or not an object):
+    optional facts such as a tokenizer's or a dataset's side files, which the caller checks for what it needs."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `path` in one rename.

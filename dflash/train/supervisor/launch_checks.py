@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher_core.errors import ConfigError, DataError
+from launcher_core.fileio import json_object_or_empty
 from launcher_core.schema import Profile
 
 # A padding row past the added tokens, by embedding size (mask token ids the data never uses).
@@ -266,7 +267,7 @@ def _check_supervision(launch: _Launch) -> None:
                         f"(data.min_loss_tokens drops such rows)")
     from dflash.data.dataset_io import META_NAME
 
-    tokenized = _read_json(dataset / META_NAME).get("max_length")
+    tokenized = json_object_or_empty(dataset / META_NAME).get("max_length")
     at = f" ({tokenized:,} in its {META_NAME})" if isinstance(tokenized, int) else ""
     launch.problem("data.max_length", f"{profile.data.max_length} cuts every row of the dataset {dataset} "
                    f"({found.rows:,} rows of up to {found.longest:,} tokens) before its first two consecutive "
@@ -330,7 +331,7 @@ class AnchorScan:
 def anchors_within(dataset: Path, max_length: int) -> Optional[AnchorScan]:
     """Scan the loss masks of the dataset's Arrow files (memory-mapped) batch by batch; None when the
     dataset is not there (yet) or cannot be read (the ranks' loader then names the problem)."""
-    files = [str(entry["filename"]) for entry in _read_json(dataset / "state.json").get("_data_files") or []
+    files = [str(entry["filename"]) for entry in json_object_or_empty(dataset / "state.json").get("_data_files") or []
              if isinstance(entry, dict) and entry.get("filename")]
     if not files:
         return None
@@ -406,10 +407,10 @@ def dataset_rows(dataset: Path) -> Optional[int]:
     is not there (yet) or cannot be read (the ranks' loader then names the problem)."""
     from dflash.data.dataset_io import META_NAME
 
-    rows = _read_json(dataset / META_NAME).get("rows")
+    rows = json_object_or_empty(dataset / META_NAME).get("rows")
     if isinstance(rows, int):
         return rows
-    files = [str(entry["filename"]) for entry in _read_json(dataset / "state.json").get("_data_files") or []
+    files = [str(entry["filename"]) for entry in json_object_or_empty(dataset / "state.json").get("_data_files") or []
              if isinstance(entry, dict) and entry.get("filename")]
     if not files:
         return None
@@ -440,11 +441,3 @@ def _tokenizer_dir(profile: Profile, target: TargetFacts) -> Path:
     from dflash.target_model import resolve_model_path
 
     return resolve_model_path(profile.model.tokenizer) if profile.model.tokenizer else target.path
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return document if isinstance(document, dict) else {}
