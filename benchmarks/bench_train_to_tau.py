@@ -22,8 +22,9 @@ budget (and at 0) it measures, all on held-out data:
   builds them, dflash.prompts.benchmarks), walked the same way.
 
 Writes DIR/train_to_tau.json (every point, the command, the budget, prompt lookup's tau per set) and
-DIR/train_to_tau.png (a panel per measure, a curve per recipe, prompt lookup dashed), atomically;
-`--save-dir` keeps each recipe's drafter at every point (DIR/RECIPE/train/checkpoints/step-N).
+DIR/train_to_tau.png (a panel per measure, a curve per recipe, prompt lookup dashed), atomically; the JSON
+is also rewritten after every point (`complete: false` until the last recipe ends), so a run that dies keeps
+what it measured; `--save-dir` keeps each recipe's drafter at every point (DIR/RECIPE/train/checkpoints/step-N).
 """
 from __future__ import annotations
 
